@@ -1,0 +1,206 @@
+//! toma's demo: real out-of-memory errors from libtorch, caught and retried with smaller sizes.
+//!
+//! The process caps its own address space (`RLIMIT_AS`) a little above what it uses, so that
+//! libtorch's CPU allocator fails for real (`DefaultCPUAllocator: can't allocate memory`), then:
+//!
+//! 1. runs a `#[toma::batch]` function that starts at a batch far too large for the cap, and
+//!    settles on one that fits;
+//! 2. runs it again: it starts at the remembered size, with no out-of-memory;
+//! 3. runs a `#[toma::chunked]` function over a 1 GiB tensor, its step adapting to what is left.
+//!
+//! toma reports each attempt and each caught out-of-memory through `tracing`; the small
+//! subscriber below prints them. Run it with `cargo run --example demo`.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+
+use tch::{Device, Kind, TchError, Tensor};
+
+const GIB: f64 = (1u64 << 30) as f64;
+/// One item is a row of this many `f32`: 1 MiB.
+const ITEM_FLOATS: i64 = 262_144;
+const CPU: (Kind, Device) = (Kind::Float, Device::Cpu);
+/// Address space left for tensors under the cap.
+const HEADROOM_GIB: f64 = 1.5;
+
+// ---------------------------------------------------------------------------------------------
+// The work: plain tch code, with a toma attribute on top.
+
+/// One batch of `batchsize` random items (1 MiB each): their mean. 65536 items would need
+/// 64 GiB. tch's plain methods panic on out-of-memory; toma catches the panic and retries.
+#[toma::batch(initial_batchsize = 65536, cache = Global)]
+fn batch_mean(batchsize: usize) -> (usize, f64) {
+    let batch = Tensor::rand([batchsize as i64, ITEM_FLOATS], CPU);
+    let mean = batch.mean(Kind::Float).double_value(&[]);
+    (batchsize, mean)
+}
+
+/// Softmax of each row of a tensor, in place, a chunk of rows at a time. The softmax of a chunk
+/// is a temporary as large as the chunk. tch's `f_` methods return the out-of-memory as an
+/// `Err`; toma retries that too.
+#[toma::chunked(initial_step = 1024)]
+fn softmax_rows(mut chunk: Tensor, start: usize, end: usize) -> Result<(), TchError> {
+    let softmax = chunk.f_softmax(1, Kind::Float)?;
+    chunk.f_copy_(&softmax)?;
+    LARGEST_CHUNK_DONE.fetch_max(end - start, Ordering::Relaxed);
+    Ok(())
+}
+
+/// The most rows one finished chunk held.
+static LARGEST_CHUNK_DONE: AtomicUsize = AtomicUsize::new(0);
+
+// ---------------------------------------------------------------------------------------------
+// The demo around it.
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing::subscriber::set_global_default(Printer)?;
+    println!("toma demo: out-of-memory in tch, caught and retried with smaller sizes");
+    println!("=======================================================================\n");
+
+    // Start libtorch's threads before the cap: their stacks need address space too.
+    let _ = Tensor::ones([1 << 20], CPU).sum(Kind::Float);
+    let in_use = toma::cpu_memory::address_space_in_use()?;
+    println!("Address space in use:   {:.2} GiB (libtorch's libraries, before any tensor)", in_use as f64 / GIB);
+    toma::cpu_memory::set_cpu_memory_limit(in_use as f64 / GIB + HEADROOM_GIB)?;
+    let cap = toma::cpu_memory::cpu_memory_limit()?.unwrap_or(u64::MAX);
+    println!(
+        "Cap set (RLIMIT_AS):    {:.2} GiB, leaving {:.2} GiB for tensors; more fails in libtorch's allocator",
+        cap as f64 / GIB,
+        toma::cpu_memory::available_cpu_memory() as f64 / GIB
+    );
+
+    println!("\n1) #[toma::batch(initial_batchsize = 65536)] fn batch_mean(batchsize): one item = 1 MiB");
+    let (first, first_ooms, first_secs) = timed(batch_mean);
+    println!(
+        "   => settled on batch size {} ({:.2} GiB, mean {:.4}) after {first_ooms} caught OOMs, in {first_secs:.2} s",
+        first.0,
+        first.0 as f64 / 1024.0,
+        first.1
+    );
+
+    println!("\n2) The same call again: toma remembers the size that worked (cache = Global)");
+    let (second, second_ooms, second_secs) = timed(batch_mean);
+    let hit = if second.0 == first.0 && second_ooms == 0 { "cache hit" } else { "NO cache hit" };
+    println!("   => {hit}: ran at batch size {} with {second_ooms} OOMs, in {second_secs:.2} s", second.0);
+
+    println!("\n3) #[toma::chunked(initial_step = 1024)] fn softmax_rows(chunk, start, end)");
+    let rows = Tensor::f_rand([1024, ITEM_FLOATS], CPU)?;
+    println!("   a 1024 x 1 MiB tensor (1 GiB) under the cap; one chunk's softmax needs as much again");
+    let (result, chunk_ooms, chunk_secs) = timed(|| softmax_rows(&rows));
+    result?;
+    let row_sums = rows.f_sum_dim_intlist(&[1i64][..], false, Kind::Float)?;
+    let worst = (row_sums - 1.0).abs().max().double_value(&[]);
+    let step = LARGEST_CHUNK_DONE.load(Ordering::Relaxed);
+    println!(
+        "   => every row done in chunks of {step} rows ({chunk_ooms} caught OOMs, {chunk_secs:.2} s); \
+         each row now sums to 1 within {worst:.1e}"
+    );
+
+    println!(
+        "\nSummary: under a {:.2} GiB cap, batch 65536 -> {} after {first_ooms} OOMs; 2nd call {hit} \
+         ({second_ooms} OOMs); chunked step 1024 -> {} after {chunk_ooms} OOMs.",
+        cap as f64 / GIB,
+        first.0,
+        step,
+    );
+    Ok(())
+}
+
+/// Runs `work`, returning its result, the out-of-memories toma caught meanwhile, and seconds.
+fn timed<T>(work: impl FnOnce() -> T) -> (T, usize, f64) {
+    let ooms = OOMS.load(Ordering::Relaxed);
+    let started = Instant::now();
+    let value = work();
+    (value, OOMS.load(Ordering::Relaxed) - ooms, started.elapsed().as_secs_f64())
+}
+
+// ---------------------------------------------------------------------------------------------
+// A minimal `tracing` subscriber that prints toma's events (tracing-subscriber would do more).
+
+/// Out-of-memories toma reported so far.
+static OOMS: AtomicUsize = AtomicUsize::new(0);
+
+struct Printer;
+
+/// An event's fields in order.
+#[derive(Default)]
+struct Fields(Vec<(&'static str, String)>);
+
+impl Fields {
+    fn all<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a str> + 'a {
+        self.0.iter().filter(move |(k, _)| *k == name).map(|(_, v)| v.as_str())
+    }
+    fn get<'a>(&'a self, name: &'a str) -> &'a str {
+        self.all(name).next().unwrap_or("")
+    }
+}
+
+impl tracing::field::Visit for Fields {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.0.push((field.name(), format!("{value:?}")));
+    }
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        self.0.push((field.name(), value.to_owned()));
+    }
+}
+
+impl tracing::Subscriber for Printer {
+    fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
+        let max = if metadata.target().starts_with("toma") { tracing::Level::DEBUG } else { tracing::Level::INFO };
+        *metadata.level() <= max
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+
+    fn event(&self, event: &tracing::Event<'_>) {
+        let mut f = Fields::default();
+        event.record(&mut f);
+        match f.get("message") {
+            "toma: attempt" if !f.get("size").is_empty() => {
+                let size: usize = f.get("size").parse().unwrap_or(0);
+                println!("   [toma] attempt: batch size {size:>5} ({:>5.2} GiB)", size as f64 / 1024.0);
+            }
+            "toma: attempt" => {
+                let (start, end) = (f.get("start"), f.get("end"));
+                let rows = end.parse::<usize>().unwrap_or(0).saturating_sub(start.parse().unwrap_or(0));
+                println!("   [toma] attempt: rows [{start}, {end}) = {rows} rows");
+            }
+            "toma: out of memory, retrying with a smaller size" => {
+                OOMS.fetch_add(1, Ordering::Relaxed);
+                println!(
+                    "   [toma]   out of memory at {} (caught a tch {}), retrying at {}",
+                    f.get("from"),
+                    f.get("caught"),
+                    f.get("to")
+                );
+                let text = f.get("error");
+                if !libtorch_line(text).is_empty() {
+                    println!("   [toma]     {}", libtorch_line(text));
+                }
+            }
+            "toma: starting from the cached size" => {
+                println!("   [toma] cache: starting at the remembered size {}", f.get("size"));
+            }
+            message => {
+                let rest: Vec<String> = f.0.iter().skip(1).map(|(k, v)| format!("{k}={v}")).collect();
+                let meta = event.metadata();
+                println!("   [{} {}] {message} {}", meta.target(), meta.level(), rest.join(" "));
+            }
+        }
+    }
+}
+
+/// The part of an out-of-memory text worth one line: from libtorch's allocator message (or the
+/// start) to the end of its first line, whether the line ends in a newline or, inside a tch
+/// panic's `Debug` text, in an escaped `\n`.
+fn libtorch_line(text: &str) -> &str {
+    let from = text.find("DefaultCPUAllocator").unwrap_or(0);
+    let line = &text[from..];
+    let end = [line.find('\n'), line.find("\\n")].into_iter().flatten().min().unwrap_or(line.len());
+    line[..end].trim()
+}

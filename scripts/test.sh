@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The full test suite: formatting, lints, tests with all features and with none, docs.
+# Installs libtorch into .venv first if it is missing. `.ci/run` calls exactly this.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+scripts/ensure-libtorch.sh
+# shellcheck source=scripts/env.sh
+source scripts/env.sh
+
+step() { printf '\n==> %s\n' "$*"; }
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+step "cargo clippy (all targets, all features, -D warnings)"
+cargo clippy --workspace --all-targets --all-features -- -D warnings
+step "cargo test (all features)"
+cargo test --workspace --all-features
+step "cargo test (no default features: no libtorch, no CUDA, no macros)"
+cargo test --workspace --no-default-features
+step "compile-error UI tests (macros without libtorch: trybuild builds its own copy)"
+cargo test -p toma --no-default-features --features macros --test ui
+step "cargo doc (no warnings)"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --all-features --no-deps
+step "all checks passed"

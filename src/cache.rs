@@ -1,0 +1,322 @@
+//! Where toma remembers the sizes that worked.
+//!
+//! One process-wide concurrent map holds, per key, the largest size not known to fail. Which key
+//! a call uses depends on its [`CacheKind`]:
+//!
+//! | kind | key | use it when |
+//! |---|---|---|
+//! | [`StacktraceMemory`](CacheKind::StacktraceMemory) (default) | exact call site + chain of enclosing functions + free memory (256 MiB buckets) | the same function is called from places with different memory needs |
+//! | [`Global`](CacheKind::Global) | the decorated function, or the `execute`/builder call site | one size fits every caller |
+//! | [`None`](CacheKind::None) | nothing is remembered | every call should start at the initial size |
+//!
+//! An entry only ever goes down: a success at size `s` stores `min(entry, s)` and an
+//! out-of-memory at `s` stores `min(entry, s / 2)`. Since a call starts at the entry, it can
+//! only succeed at or below it, so this is "the last size that worked", and a slow thread that
+//! succeeded with a stale, larger size cannot raise the entry above a size that has since failed.
+//! More free memory gives a new key (for `StacktraceMemory`), which starts again at the initial
+//! size.
+//!
+//! The map is bounded ([`MAX_ENTRIES`]); when it is full it starts over, which costs at most
+//! one round of retries per key.
+
+use std::hash::{BuildHasherDefault, Hasher};
+use std::panic::Location;
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
+use dashmap::DashMap;
+
+/// Which cache a call consults and updates. See the [module docs](self) for the keys.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum CacheKind {
+    /// Key: the exact call site, the chain of enclosing functions (a bounded stack walk without
+    /// symbol resolution) and the free memory in 256 MiB buckets. The default.
+    #[default]
+    StacktraceMemory,
+    /// Key: the decorated function, or the call site of `execute::*` / a builder's `run`.
+    Global,
+    /// Nothing is remembered: every call starts at the initial size.
+    None,
+}
+
+impl CacheKind {
+    const fn to_u8(self) -> u8 {
+        match self {
+            CacheKind::StacktraceMemory => 0,
+            CacheKind::Global => 1,
+            CacheKind::None => 2,
+        }
+    }
+
+    const fn from_u8(v: u8) -> Self {
+        match v {
+            1 => CacheKind::Global,
+            2 => CacheKind::None,
+            _ => CacheKind::StacktraceMemory,
+        }
+    }
+}
+
+static DEFAULT_KIND: AtomicU8 = AtomicU8::new(CacheKind::StacktraceMemory.to_u8());
+
+/// Sets the cache kind used by every later call that does not name one (process-wide).
+///
+/// Calls that name a kind (`cache = Global` on an attribute, `.cache(..)` on a builder) keep it.
+///
+/// ```
+/// toma::set_default_cache(toma::CacheKind::Global);
+/// assert_eq!(toma::default_cache(), toma::CacheKind::Global);
+/// # toma::set_default_cache(toma::CacheKind::StacktraceMemory);
+/// ```
+pub fn set_default_cache(kind: CacheKind) {
+    DEFAULT_KIND.store(kind.to_u8(), Ordering::Relaxed);
+    tracing::debug!(?kind, "toma: default cache kind set");
+}
+
+/// The cache kind used by calls that do not name one; [`CacheKind::StacktraceMemory`] unless
+/// [`set_default_cache`] changed it.
+pub fn default_cache() -> CacheKind {
+    CacheKind::from_u8(DEFAULT_KIND.load(Ordering::Relaxed))
+}
+
+/// The most keys the cache holds before it starts over.
+pub const MAX_ENTRIES: usize = 16_384;
+
+/// Free memory is bucketed so that small fluctuations keep the same key.
+pub(crate) const MEMORY_BUCKET_BYTES: u64 = 256 << 20;
+
+/// Frames the stack walk looks at, at most: enough for the enclosing functions of a typical
+/// call, and it bounds the walk's cost (~0.13 µs a frame here).
+pub(crate) const MAX_STACK_FRAMES: usize = 12;
+
+/// Keys are already well-mixed 64-bit hashes; hashing them again would only cost time.
+#[derive(Default)]
+pub(crate) struct PassThrough(u64);
+
+impl Hasher for PassThrough {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = mix(self.0 ^ u64::from(b));
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
+struct Store {
+    map: DashMap<u64, usize, BuildHasherDefault<PassThrough>>,
+    len: AtomicUsize,
+}
+
+fn store() -> &'static Store {
+    static STORE: OnceLock<Store> = OnceLock::new();
+    STORE.get_or_init(|| Store { map: DashMap::default(), len: AtomicUsize::new(0) })
+}
+
+/// The remembered size for `key`, if any. The value is copied out: no map guard outlives this
+/// call, so user code never runs while a shard is locked.
+pub(crate) fn lookup(key: u64) -> Option<usize> {
+    store().map.get(&key).map(|entry| *entry)
+}
+
+/// Lowers the entry for `key` to at most `size` (inserting it if absent).
+pub(crate) fn lower(key: u64, size: usize) {
+    debug_assert!(size > 0);
+    let store = store();
+    let mut inserted = false;
+    store.map.entry(key).and_modify(|entry| *entry = (*entry).min(size)).or_insert_with(|| {
+        inserted = true;
+        size
+    });
+    if inserted && store.len.fetch_add(1, Ordering::Relaxed) + 1 > MAX_ENTRIES {
+        // Starting over is the simplest bound; losing entries only costs retries.
+        store.map.clear();
+        store.len.store(0, Ordering::Relaxed);
+        tracing::debug!(max = MAX_ENTRIES, "toma: size cache full, cleared");
+    }
+}
+
+/// Forgets every remembered size (all kinds, all keys).
+pub fn clear() {
+    let store = store();
+    store.map.clear();
+    store.len.store(0, Ordering::Relaxed);
+}
+
+/// Number of remembered sizes; at most [`MAX_ENTRIES`].
+pub fn len() -> usize {
+    store().map.len()
+}
+
+/// Identity of a function wrapped by a toma attribute: one `static` per function, built at
+/// compile time, so that `Global` keys cost nothing at run time.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct Site {
+    name: &'static str,
+    id: u64,
+}
+
+impl Site {
+    /// `name` is the function's path (`concat!(module_path!(), "::", "f")`), `file`/`line`
+    /// where it is defined: two functions of one name in one module differ by line.
+    pub const fn new(name: &'static str, file: &'static str, line: u32) -> Self {
+        let id = mix(hash_bytes(hash_bytes(0x746f_6d61, name.as_bytes()), file.as_bytes()) ^ line as u64);
+        Site { name, id }
+    }
+
+    /// The function's path.
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+}
+
+/// Where a call comes from, as far as keys are concerned.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CallSite {
+    /// The wrapped function, for attribute-generated calls.
+    pub(crate) function: Option<&'static Site>,
+    /// The exact line that called it (or that called `execute`/`run`).
+    pub(crate) caller: &'static Location<'static>,
+}
+
+/// Mixes an operation tag into keys so that batch, range and chunked never share entries.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Operation {
+    Batch = 1,
+    Range = 2,
+    #[cfg(feature = "tch")]
+    Chunked = 3,
+}
+
+/// The cache key of a call, or `None` for [`CacheKind::None`].
+pub(crate) fn key(kind: CacheKind, op: Operation, site: CallSite) -> Option<u64> {
+    let location = location_hash(site.caller);
+    let base = mix(op as u64 ^ 0x5eed_0000);
+    match kind {
+        CacheKind::None => None,
+        CacheKind::Global => Some(mix(base ^ site.function.map_or(location, |f| f.id))),
+        CacheKind::StacktraceMemory => {
+            let (cpu, gpu) = crate::memory::free_memory_reading();
+            let mut h = mix(base ^ 0x57ac_4000);
+            h = mix(h ^ site.function.map_or(0, |f| f.id));
+            h = mix(h ^ location);
+            h = mix(h ^ stack_hash());
+            h = mix(h ^ (cpu / MEMORY_BUCKET_BYTES));
+            h = mix(h ^ gpu.map_or(u64::MAX, |free| free / MEMORY_BUCKET_BYTES));
+            Some(h)
+        }
+    }
+}
+
+fn location_hash(location: &Location<'_>) -> u64 {
+    // The file's text, not its address: one call site may be compiled into several codegen
+    // units, each with its own copy of the string.
+    mix(hash_bytes(0x10c, location.file().as_bytes())
+        ^ (u64::from(location.line()) << 32)
+        ^ u64::from(location.column()))
+}
+
+/// The chain of enclosing functions: the start address of each function on the stack (not the
+/// return address, which differs between unrolled copies of one loop), for a bounded number of
+/// frames, without resolving symbols.
+fn stack_hash() -> u64 {
+    let mut h = 0x5ac4_u64;
+    let mut frames = 0;
+    backtrace::trace(|frame| {
+        h = mix(h ^ frame.symbol_address() as u64);
+        frames += 1;
+        frames < MAX_STACK_FRAMES
+    });
+    h
+}
+
+/// A 64-bit finaliser (splitmix64): cheap and well-spread, usable in `const fn`.
+pub(crate) const fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+const fn hash_bytes(seed: u64, bytes: &[u8]) -> u64 {
+    // FNV-1a, then mixed: short strings, evaluated at compile time for `Site`.
+    let mut h = seed ^ 0xcbf2_9ce4_8422_2325;
+    let mut i = 0;
+    while i < bytes.len() {
+        h ^= bytes[i] as u64;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+        i += 1;
+    }
+    mix(h)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_only_go_down() {
+        let key = mix(0xdead_beef);
+        assert_eq!(lookup(key), None);
+        lower(key, 64);
+        assert_eq!(lookup(key), Some(64));
+        lower(key, 128);
+        assert_eq!(lookup(key), Some(64));
+        lower(key, 16);
+        assert_eq!(lookup(key), Some(16));
+    }
+
+    #[test]
+    fn sites_differ_by_name_and_line() {
+        let a = Site::new("m::f", "src/a.rs", 1);
+        let b = Site::new("m::g", "src/a.rs", 1);
+        let c = Site::new("m::f", "src/a.rs", 2);
+        assert_ne!(a.id, b.id);
+        assert_ne!(a.id, c.id);
+        assert_eq!(a.id, Site::new("m::f", "src/a.rs", 1).id);
+        assert_eq!(a.name(), "m::f");
+    }
+
+    #[track_caller]
+    fn here() -> &'static Location<'static> {
+        Location::caller()
+    }
+
+    #[test]
+    fn keys_by_kind() {
+        static SITE: Site = Site::new("m::f", "src/a.rs", 1);
+        let (l1, l2) = (here(), here());
+        let cs = |caller| CallSite { function: Some(&SITE), caller };
+        assert_eq!(key(CacheKind::None, Operation::Batch, cs(l1)), None);
+        // Global: the function decides, not the line.
+        assert_eq!(key(CacheKind::Global, Operation::Batch, cs(l1)), key(CacheKind::Global, Operation::Batch, cs(l2)));
+        assert_ne!(key(CacheKind::Global, Operation::Batch, cs(l1)), key(CacheKind::Global, Operation::Range, cs(l1)));
+        // StacktraceMemory: the line decides.
+        let mut same = Vec::new();
+        for _ in 0..2 {
+            same.push(key(CacheKind::StacktraceMemory, Operation::Batch, cs(l1)));
+        }
+        assert_eq!(same[0], same[1]);
+        assert_ne!(same[0], key(CacheKind::StacktraceMemory, Operation::Batch, cs(l2)));
+        assert_ne!(same[0], key(CacheKind::Global, Operation::Batch, cs(l1)));
+    }
+
+    #[test]
+    fn stack_hash_depends_on_the_chain() {
+        #[inline(never)]
+        fn a() -> u64 {
+            std::hint::black_box(stack_hash())
+        }
+        #[inline(never)]
+        fn b() -> u64 {
+            std::hint::black_box(a())
+        }
+        assert_eq!(a(), a());
+        assert_ne!(a(), b());
+    }
+}

@@ -1,0 +1,166 @@
+//! Chunking a tensor along one dimension, with the step halved on out-of-memory.
+
+use std::future::Future;
+use std::panic::Location;
+
+use tch::Tensor;
+
+use crate::cache::{CacheKind, Operation, Site};
+use crate::oom::OutOfMemory;
+use crate::retry::{CatchUnwind, ConfigError, Range, RangeAttempts};
+
+/// Runs a body on consecutive chunks of a tensor along one dimension, halving the chunk
+/// length on out-of-memory.
+///
+/// Each chunk is `tensor.narrow(dimension, start, end - start)`: a view, so writes into it
+/// land in `tensor`. Finished chunks are never redone; a failed chunk is retried with half its
+/// length, and the smaller step holds for the rest of the call.
+///
+/// ```
+/// use tch::{Kind, Tensor};
+/// use toma::{CacheKind, Chunked};
+/// let t = Tensor::zeros([10, 3], (Kind::Float, tch::Device::Cpu));
+/// Chunked::new(&t, 4).cache(CacheKind::None).run(|mut chunk, start, _end| {
+///     let _ = chunk.fill_(start as f64);
+///     Ok::<(), tch::TchError>(())
+/// }).unwrap();
+/// assert_eq!(t.double_value(&[9, 0]), 8.0);
+/// ```
+#[derive(Debug)]
+#[must_use = "a builder does nothing until `run` is called"]
+pub struct Chunked<'a> {
+    tensor: &'a Tensor,
+    dimension: i64,
+    /// Over `[0, length of the dimension)`.
+    range: Range,
+}
+
+impl<'a> Chunked<'a> {
+    /// Chunks of `initial_step` along dimension 0 of `tensor`.
+    ///
+    /// # Panics
+    /// When `initial_step` is 0 or `tensor` has no dimension (a scalar);
+    /// [`Chunked::try_new`] reports them instead.
+    #[track_caller]
+    pub fn new(tensor: &'a Tensor, initial_step: usize) -> Self {
+        Self::try_new(tensor, initial_step, 0).unwrap_or_else(|err| panic!("{err}"))
+    }
+
+    /// Chunks of `initial_step` along `dimension` (negative counts from the last, as in tch).
+    pub fn try_new(tensor: &'a Tensor, initial_step: usize, dimension: i64) -> Result<Self, ConfigError> {
+        let (dimension, len) = dimension_len(tensor, dimension)?;
+        let range = Range::try_new(0, len, initial_step)?;
+        Ok(Chunked { tensor, dimension, range })
+    }
+
+    /// Chunks along `dimension` instead of 0 (negative counts from the last, as in tch).
+    ///
+    /// # Panics
+    /// When `tensor` has no such dimension; [`Chunked::try_new`] reports it instead.
+    #[track_caller]
+    pub fn dimension(mut self, dimension: i64) -> Self {
+        let (dimension, len) = dimension_len(self.tensor, dimension).unwrap_or_else(|err| panic!("{err}"));
+        self.dimension = dimension;
+        self.range.end = len;
+        self
+    }
+
+    /// Which cache to use; without this, the process default ([`crate::default_cache`]).
+    pub fn cache(mut self, kind: CacheKind) -> Self {
+        self.range = self.range.cache(kind);
+        self
+    }
+
+    #[doc(hidden)]
+    pub fn site(mut self, site: &'static Site) -> Self {
+        self.range = self.range.site(site);
+        self
+    }
+
+    #[doc(hidden)]
+    #[track_caller]
+    pub fn start(self) -> ChunkedAttempts<'a> {
+        let attempts = self.range.start_as(Operation::Chunked, Location::caller());
+        ChunkedAttempts { tensor: self.tensor, dimension: self.dimension, attempts }
+    }
+
+    /// Calls `body(chunk, start, end)` on consecutive chunks covering the dimension once each,
+    /// in order; `chunk` spans indices `[start, end)`. A zero-length dimension calls nothing.
+    ///
+    /// Returns as [`Range::run`] does.
+    #[track_caller]
+    pub fn run<E, F>(self, mut body: F) -> Result<(), E>
+    where
+        E: OutOfMemory,
+        F: FnMut(Tensor, usize, usize) -> Result<(), E>,
+    {
+        let mut attempts = self.start();
+        while let Some((chunk, start, end)) = attempts.next_chunk() {
+            let outcome = attempts.attempt(|| body(chunk, start, end));
+            attempts.finish(outcome)?;
+        }
+        Ok(())
+    }
+
+    /// [`Chunked::run`] for a body that returns a future.
+    #[track_caller]
+    pub fn run_async<E, F, Fut>(self, mut body: F) -> impl Future<Output = Result<(), E>> + 'a
+    where
+        E: OutOfMemory + 'a,
+        F: FnMut(Tensor, usize, usize) -> Fut + 'a,
+        Fut: Future<Output = Result<(), E>> + 'a,
+    {
+        let mut attempts = self.start();
+        async move {
+            while let Some((chunk, start, end)) = attempts.next_chunk() {
+                let retryable = attempts.retryable();
+                let outcome = CatchUnwind::new(body(chunk, start, end), retryable).await;
+                attempts.finish(outcome)?;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// The attempts of one chunked call, driven by hand (see [`Chunked::start`]).
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct ChunkedAttempts<'a> {
+    tensor: &'a Tensor,
+    dimension: i64,
+    attempts: RangeAttempts,
+}
+
+impl ChunkedAttempts<'_> {
+    /// The next chunk (a view) and its range, or `None` when done.
+    pub fn next_chunk(&self) -> Option<(Tensor, usize, usize)> {
+        let (start, end) = self.attempts.next_range()?;
+        Some((self.tensor.narrow(self.dimension, start as i64, (end - start) as i64), start, end))
+    }
+
+    /// Whether an out-of-memory in the next attempt would be retried.
+    pub fn retryable(&self) -> bool {
+        self.attempts.retryable()
+    }
+
+    /// Runs one attempt, catching its panic.
+    pub fn attempt<R>(&self, body: impl FnOnce() -> R) -> std::thread::Result<R> {
+        self.attempts.attempt(body)
+    }
+
+    /// As [`RangeAttempts::finish`].
+    pub fn finish<E: OutOfMemory>(&mut self, outcome: std::thread::Result<Result<(), E>>) -> Result<(), E> {
+        self.attempts.finish(outcome)
+    }
+}
+
+/// Normalises `dimension` like tch and returns it with its length.
+fn dimension_len(tensor: &Tensor, dimension: i64) -> Result<(i64, usize), ConfigError> {
+    let sizes = tensor.size();
+    let ndim = sizes.len();
+    let normalised = if dimension < 0 { dimension + ndim as i64 } else { dimension };
+    if normalised < 0 || normalised >= ndim as i64 {
+        return Err(ConfigError::DimensionOutOfRange { dimension, ndim });
+    }
+    Ok((normalised, sizes[normalised as usize] as usize))
+}

@@ -1,0 +1,62 @@
+//! Run a block at once with out-of-memory retries: the immediate form of the attributes.
+//!
+//! Each function is [`#[track_caller]`](https://doc.rust-lang.org/reference/attributes/codegen.html#the-track_caller-attribute):
+//! the cache key is the line that calls it. They use the process default cache
+//! ([`crate::set_default_cache`]); the builders ([`Batch`], [`Range`], [`Chunked`](crate::Chunked))
+//! take a cache kind of their own.
+//!
+//! ```
+//! let total: Result<usize, String> = toma::execute::batch(256, |batchsize| {
+//!     if batchsize > 50 { return Err("CUDA out of memory. Tried to allocate 1 GiB".into()) }
+//!     Ok(batchsize)
+//! });
+//! assert_eq!(total, Ok(32));
+//! ```
+
+use crate::oom::OutOfMemory;
+use crate::retry::{Batch, Range};
+
+/// Runs `body(batchsize)` from `initial_batchsize`, halving on out-of-memory; see [`Batch::run`].
+///
+/// # Panics
+/// When `initial_batchsize` is 0, and when the body panics with something that is not an
+/// out-of-memory (or with an out-of-memory at batch size 1): that panic is resumed.
+#[track_caller]
+pub fn batch<T, E, F>(initial_batchsize: usize, body: F) -> Result<T, E>
+where
+    E: OutOfMemory,
+    F: FnMut(usize) -> Result<T, E>,
+{
+    Batch::new(initial_batchsize).run(body)
+}
+
+/// Runs `body(start, end)` over `[start, end)` in sub-ranges of at most `initial_step`, halving
+/// the step on out-of-memory; see [`Range::run`].
+///
+/// # Panics
+/// When `initial_step` is 0 or `start > end`, and as [`batch`] for the body's panics.
+#[track_caller]
+pub fn range<E, F>(start: usize, end: usize, initial_step: usize, body: F) -> Result<(), E>
+where
+    E: OutOfMemory,
+    F: FnMut(usize, usize) -> Result<(), E>,
+{
+    Range::new(start, end, initial_step).run(body)
+}
+
+/// Runs `body(chunk, start, end)` on chunks of `tensor` along dimension 0 of at most
+/// `initial_step` rows, halving on out-of-memory; see [`Chunked::run`](crate::Chunked::run).
+/// For another dimension use `Chunked::new(tensor, step).dimension(d).run(..)`.
+///
+/// # Panics
+/// When `initial_step` is 0 or `tensor` is a scalar, and as [`batch`] for the body's panics.
+#[cfg(feature = "tch")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
+#[track_caller]
+pub fn chunked<E, F>(tensor: &tch::Tensor, initial_step: usize, body: F) -> Result<(), E>
+where
+    E: OutOfMemory,
+    F: FnMut(tch::Tensor, usize, usize) -> Result<(), E>,
+{
+    crate::Chunked::new(tensor, initial_step).run(body)
+}

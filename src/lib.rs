@@ -1,0 +1,161 @@
+//! # toma: keep tch work alive when memory runs out
+//!
+//! Wrap the code that may run out of memory; toma runs it, catches an out-of-memory (a tch
+//! error *or* a tch panic), halves the batch size or step, runs it again, and remembers the
+//! size that worked so the next call starts there.
+//!
+//! ```
+//! # #[cfg(feature = "macros")] {
+//! // A body that needs more memory than there is above 100 items.
+//! #[toma::batch(initial_batchsize = 512, cache = None)]
+//! fn embed(batchsize: usize, items: &[f32]) -> Result<usize, String> {
+//!     if batchsize > 100 {
+//!         return Err("CUDA out of memory. Tried to allocate 2.00 GiB".into());
+//!     }
+//!     Ok(items.chunks(batchsize).count())
+//! }
+//! assert_eq!(embed(&[0.0; 1000]), Ok(16)); // ran at 512, 256, 128, then 64
+//! # }
+//! ```
+//!
+//! - Attributes: [`batch`], [`range`], [`chunked`] (feature `macros`, on `fn` and `async fn`).
+//! - Immediate blocks: [`execute::batch`], [`execute::range`], [`execute::chunked`].
+//! - Builders the two lower to: [`Batch`], [`Range`], [`Chunked`].
+//! - What counts as an out-of-memory: [`OutOfMemory`], decided in [`oom::is_out_of_memory_message`].
+//! - Caches: [`CacheKind`], [`set_default_cache`], module [`cache`].
+//! - Memory: [`memory`] (CUDA and CPU free memory), [`cpu_memory`] (a CPU cap, `RLIMIT_AS`).
+//!
+//! ## Features
+//! - `tch` (default): `OutOfMemory for tch::TchError`, [`Chunked`], [`execute::chunked`].
+//! - `cuda` (default): CUDA free memory through the driver, loaded at run time.
+//! - `macros` (default): the attributes.
+//!
+//! ## Tracing
+//! A `debug` event per attempt (its size) and an `info` event per caught out-of-memory (old and
+//! new size, the first line of the message), under the target `toma`.
+#![warn(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+pub mod cache;
+#[cfg(feature = "tch")]
+mod chunked;
+pub mod cpu_memory;
+pub mod execute;
+pub mod memory;
+pub mod oom;
+mod retry;
+
+pub use cache::{default_cache, set_default_cache, CacheKind};
+#[cfg(feature = "tch")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
+pub use chunked::Chunked;
+pub use oom::OutOfMemory;
+pub use retry::{Batch, ConfigError, Range};
+
+/// Retries a function with a halved batch size on out-of-memory, remembering the size that
+/// worked.
+///
+/// On `fn f(batchsize: usize, a: A, ..) -> R` it generates `fn f(a: A, ..) -> R`: callers do not
+/// pass the batch size. Arguments: `initial_batchsize = N` (required, at least 1; any `usize`
+/// expression, a literal 0 is a compile error) and `cache = StacktraceMemory | Global | None`
+/// (default: [`default_cache`]). It lowers to [`Batch`]; see there for the semantics.
+///
+/// `R` is `Result<T, E>` with `E: OutOfMemory` — an `Err` that is an out-of-memory is
+/// retried — or any other type. Either way an out-of-memory panic (tch's plain methods panic)
+/// is caught and retried silently; other panics propagate unchanged. Works on `async fn` and
+/// on methods (`&self` comes first, then `batchsize`). The body runs once per attempt, so it
+/// may not move an argument it does not own again: take references, or clone.
+///
+/// ```
+/// use tch::{Device, Kind, Tensor};
+///
+/// #[toma::batch(initial_batchsize = 1024)]
+/// fn total(batchsize: usize, data: &Tensor) -> Result<f64, tch::TchError> {
+///     let mut sum = 0.0;
+///     for part in data.f_split(batchsize as i64, 0)? {
+///         sum += part.f_sum(Kind::Double)?.f_double_value(&[])?;
+///     }
+///     Ok(sum)
+/// }
+///
+/// let data = Tensor::ones([3000], (Kind::Float, Device::Cpu));
+/// assert_eq!(total(&data)?, 3000.0);
+/// # Ok::<(), tch::TchError>(())
+/// ```
+#[cfg(feature = "macros")]
+#[cfg_attr(docsrs, doc(cfg(feature = "macros")))]
+#[doc(inline)]
+pub use toma_macros::batch;
+
+/// Runs a function over consecutive sub-ranges of `[start, end)`, halving the step on
+/// out-of-memory.
+///
+/// On `fn f(start: usize, end: usize, ..) -> R` it keeps the signature; the body is called on
+/// `[s, min(s + step, end))` for consecutive `s`, each index exactly once, in order. A failed
+/// sub-range is retried with half its length; finished ones are never redone. `R` is `()` or
+/// `Result<(), E>` with `E: OutOfMemory`. Arguments: `initial_step = N` (required) and `cache`.
+/// It lowers to [`Range`].
+///
+/// ```
+/// use std::sync::Mutex;
+/// static DONE: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+///
+/// #[toma::range(initial_step = 4096, cache = None)]
+/// fn process(start: usize, end: usize) -> Result<(), String> {
+///     if end - start > 1000 {
+///         return Err("CUDA out of memory. Tried to allocate 8.00 GiB".into());
+///     }
+///     DONE.lock().unwrap().push((start, end));
+///     Ok(())
+/// }
+///
+/// process(0, 2000)?;
+/// assert_eq!(*DONE.lock().unwrap(), [(0, 1000), (1000, 2000)]);
+/// # Ok::<(), String>(())
+/// ```
+#[cfg(feature = "macros")]
+#[cfg_attr(docsrs, doc(cfg(feature = "macros")))]
+#[doc(inline)]
+pub use toma_macros::range;
+
+/// Runs a function on consecutive chunks of a tensor along one dimension, halving the chunk on
+/// out-of-memory.
+///
+/// On `fn f(chunk: Tensor, start: usize, end: usize, ..) -> R` (`mut chunk` allowed) it
+/// generates `fn f(tensor: &Tensor, ..) -> R`; `chunk` is
+/// `tensor.narrow(dimension, start, end - start)`, a view, so writes into it land in `tensor`.
+/// `R` is `()` or `Result<(), E>` with `E: OutOfMemory`. Arguments: `initial_step = N`
+/// (required), `dimension = D` (default 0; negative counts from the last) and `cache`. It
+/// lowers to [`Chunked`].
+///
+/// ```
+/// use tch::{Device, Kind, Tensor};
+///
+/// #[toma::chunked(initial_step = 64, dimension = 1)]
+/// fn scale(mut chunk: Tensor, start: usize, _end: usize) {
+///     let _ = chunk.g_mul_scalar_(2.0);
+/// }
+///
+/// let images = Tensor::ones([2, 100], (Kind::Float, Device::Cpu));
+/// scale(&images);
+/// assert_eq!(images.sum(Kind::Double).double_value(&[]), 400.0);
+/// ```
+#[cfg(feature = "macros")]
+#[cfg_attr(docsrs, doc(cfg(feature = "macros")))]
+#[doc(inline)]
+pub use toma_macros::chunked;
+
+/// What the attributes expand to. Not a public API: it changes without notice.
+#[doc(hidden)]
+pub mod __private {
+    pub use crate::cache::{CacheKind, Site};
+    #[cfg(feature = "tch")]
+    pub use crate::chunked::{Chunked, ChunkedAttempts};
+    pub use crate::retry::{
+        infallible, typed_future, unwrap_infallible, Batch, BatchAttempts, CatchUnwind, Range, RangeAttempts,
+    };
+    pub use core::ops::ControlFlow;
+    pub use core::panic::Location;
+    #[cfg(feature = "tch")]
+    pub use tch::Tensor;
+}

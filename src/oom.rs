@@ -1,0 +1,335 @@
+//! Deciding whether a failure is an out-of-memory.
+//!
+//! Every decision in toma goes through [`is_out_of_memory_message`]: the trait impls and the
+//! panic check only find the text and ask it.
+
+use std::any::Any;
+use std::error::Error;
+
+/// Substrings that mark an allocator failure in PyTorch, libtorch, CUDA and the vendor
+/// libraries. Matched case-sensitively, as the libraries print them.
+const OOM_MARKERS: &[&str] = &[
+    "CUDA out of memory",
+    "CUDA error: out of memory",
+    // cuDNN reports a failed workspace allocation as NOT_SUPPORTED; PyTorch's own retry logic
+    // (and Python toma) treat it as an out-of-memory.
+    "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED",
+    "DefaultCPUAllocator: can't allocate memory",
+    "DefaultCPUAllocator: not enough memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "HIP out of memory",
+    "MPS backend out of memory",
+];
+
+/// Whether an error text reports an out-of-memory.
+///
+/// This is the one place where toma decides; everything else finds a text and asks here.
+/// It recognises CUDA, cuDNN, cuBLAS, HIP and MPS out-of-memory errors and libtorch's CPU
+/// allocator failures, wherever they appear in the text (tch wraps them in
+/// `Torch("...")`, `unwrap()` wraps them again). Anything else, such as
+/// `CUDA error: device-side assert triggered`, is not an out-of-memory.
+///
+/// ```
+/// use toma::oom::is_out_of_memory_message;
+/// assert!(is_out_of_memory_message("CUDA out of memory. Tried to allocate 20.00 MiB"));
+/// assert!(!is_out_of_memory_message("CUDA error: device-side assert triggered"));
+/// ```
+pub fn is_out_of_memory_message(message: &str) -> bool {
+    OOM_MARKERS.iter().any(|marker| message.contains(marker))
+}
+
+/// A failure that can tell whether it is an out-of-memory.
+///
+/// toma retries a body with a smaller size only when its error says `true` here; every other
+/// error is given back to the caller at once. Implement it for your own error types by
+/// forwarding to the error they wrap, or to [`is_out_of_memory_message`].
+///
+/// ```
+/// use toma::OutOfMemory;
+/// let err = std::io::Error::other("CUDA error: out of memory");
+/// assert!(err.is_out_of_memory());
+/// ```
+pub trait OutOfMemory {
+    /// Whether this failure is an out-of-memory that a smaller size may avoid.
+    fn is_out_of_memory(&self) -> bool;
+
+    /// The failure's text, for the log event toma emits when it retries. `None` (the default)
+    /// logs the out-of-memory without text.
+    fn message(&self) -> Option<String> {
+        None
+    }
+}
+
+impl OutOfMemory for str {
+    fn is_out_of_memory(&self) -> bool {
+        is_out_of_memory_message(self)
+    }
+    fn message(&self) -> Option<String> {
+        Some(self.to_owned())
+    }
+}
+
+impl OutOfMemory for String {
+    fn is_out_of_memory(&self) -> bool {
+        is_out_of_memory_message(self)
+    }
+    fn message(&self) -> Option<String> {
+        Some(self.clone())
+    }
+}
+
+impl<T: OutOfMemory + ?Sized> OutOfMemory for &T {
+    fn is_out_of_memory(&self) -> bool {
+        (**self).is_out_of_memory()
+    }
+    fn message(&self) -> Option<String> {
+        (**self).message()
+    }
+}
+
+impl OutOfMemory for std::io::Error {
+    fn is_out_of_memory(&self) -> bool {
+        if self.kind() == std::io::ErrorKind::OutOfMemory {
+            return true;
+        }
+        match self.get_ref() {
+            Some(inner) => error_chain_is_out_of_memory(inner),
+            None => is_out_of_memory_message(&self.to_string()),
+        }
+    }
+    fn message(&self) -> Option<String> {
+        Some(self.to_string())
+    }
+}
+
+impl OutOfMemory for Box<dyn Error + Send + Sync> {
+    fn is_out_of_memory(&self) -> bool {
+        error_chain_is_out_of_memory(self.as_ref())
+    }
+    fn message(&self) -> Option<String> {
+        Some(self.to_string())
+    }
+}
+
+impl OutOfMemory for Box<dyn Error> {
+    fn is_out_of_memory(&self) -> bool {
+        error_chain_is_out_of_memory(self.as_ref())
+    }
+    fn message(&self) -> Option<String> {
+        Some(self.to_string())
+    }
+}
+
+/// Never an out-of-memory: lets bodies that cannot fail share the retry engine.
+impl OutOfMemory for std::convert::Infallible {
+    fn is_out_of_memory(&self) -> bool {
+        match *self {}
+    }
+}
+
+#[cfg(feature = "tch")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
+impl OutOfMemory for tch::TchError {
+    fn is_out_of_memory(&self) -> bool {
+        match self {
+            // The common case: libtorch's own text, checked without formatting.
+            tch::TchError::Torch(message) => is_out_of_memory_message(message),
+            other => is_out_of_memory_message(&other.to_string()),
+        }
+    }
+    fn message(&self) -> Option<String> {
+        Some(self.to_string())
+    }
+}
+
+/// Walks an error and its `source()` chain, looking at known types first.
+fn error_chain_is_out_of_memory(err: &(dyn Error + 'static)) -> bool {
+    let mut current = Some(err);
+    while let Some(err) = current {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            if io.kind() == std::io::ErrorKind::OutOfMemory {
+                return true;
+            }
+        }
+        if is_out_of_memory_message(&err.to_string()) {
+            return true;
+        }
+        current = err.source();
+    }
+    false
+}
+
+/// Whether a panic payload reports an out-of-memory.
+///
+/// tch's plain (non-`f_`) methods panic with libtorch's text as a `String`; `panic!("...")`
+/// with a literal gives a `&'static str`; `std::panic::panic_any` can carry a `TchError`, an
+/// `io::Error` or a boxed error. All of these are looked at; any other payload is not an
+/// out-of-memory.
+pub fn is_out_of_memory_panic(payload: &(dyn Any + Send)) -> bool {
+    if let Some(message) = payload.downcast_ref::<String>() {
+        return is_out_of_memory_message(message);
+    }
+    if let Some(message) = payload.downcast_ref::<&'static str>() {
+        return is_out_of_memory_message(message);
+    }
+    #[cfg(feature = "tch")]
+    if let Some(err) = payload.downcast_ref::<tch::TchError>() {
+        return err.is_out_of_memory();
+    }
+    if let Some(err) = payload.downcast_ref::<std::io::Error>() {
+        return err.is_out_of_memory();
+    }
+    if let Some(err) = payload.downcast_ref::<Box<dyn Error + Send + Sync>>() {
+        return err.is_out_of_memory();
+    }
+    false
+}
+
+/// The first line of a panic payload's message, for logs; `None` for payloads without text.
+pub(crate) fn panic_message(payload: &(dyn Any + Send)) -> Option<String> {
+    if let Some(message) = payload.downcast_ref::<String>() {
+        return Some(message.clone());
+    }
+    if let Some(message) = payload.downcast_ref::<&'static str>() {
+        return Some((*message).to_owned());
+    }
+    #[cfg(feature = "tch")]
+    if let Some(err) = payload.downcast_ref::<tch::TchError>() {
+        return Some(err.to_string());
+    }
+    if let Some(err) = payload.downcast_ref::<std::io::Error>() {
+        return Some(err.to_string());
+    }
+    if let Some(err) = payload.downcast_ref::<Box<dyn Error + Send + Sync>>() {
+        return Some(err.to_string());
+    }
+    None
+}
+
+/// The first line of a text, trimmed, for one-line log events. tch's panics carry libtorch's
+/// text `Debug`-escaped (`Torch("...\\n...")`), so an escaped newline ends the line too.
+pub(crate) fn first_line(text: &str) -> &str {
+    let line = text.lines().next().unwrap_or("");
+    line.split("\\n").next().unwrap_or("").trim()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The shared corpus of real error texts, copied into the repo so a plain clone has it.
+    const CORPUS: &str = include_str!("../tests/data/oom-messages.tsv");
+
+    #[test]
+    fn corpus_verdicts_match() {
+        let mut checked = 0;
+        for line in CORPUS.lines() {
+            if line.starts_with('#') || line.trim().is_empty() {
+                continue;
+            }
+            let (verdict, text) = line.split_once('\t').expect("verdict<TAB>text");
+            let expected = match verdict {
+                "oom" => true,
+                "other" => false,
+                v => panic!("unknown verdict {v:?}"),
+            };
+            assert_eq!(is_out_of_memory_message(text), expected, "{text}");
+            assert_eq!(text.is_out_of_memory(), expected, "{text}");
+            let payload: Box<dyn Any + Send> = Box::new(text.to_owned());
+            assert_eq!(is_out_of_memory_panic(payload.as_ref()), expected, "{text}");
+            checked += 1;
+        }
+        assert!(checked >= 18, "corpus too small: {checked}");
+    }
+
+    #[test]
+    fn every_marker_alone_is_oom() {
+        for marker in OOM_MARKERS {
+            assert!(is_out_of_memory_message(marker), "{marker}");
+            // Markers are matched as written: a mangled marker is not enough.
+            assert!(!is_out_of_memory_message(&marker.to_lowercase()), "{marker}");
+        }
+    }
+
+    #[test]
+    fn io_errors() {
+        use std::io::{Error as IoError, ErrorKind};
+        assert!(IoError::from(ErrorKind::OutOfMemory).is_out_of_memory());
+        assert!(IoError::other("HIP out of memory. Tried").is_out_of_memory());
+        assert!(!IoError::from(ErrorKind::NotFound).is_out_of_memory());
+        assert!(!IoError::other("index out of range in self").is_out_of_memory());
+    }
+
+    #[derive(Debug)]
+    struct Wrapper(std::io::Error);
+    impl std::fmt::Display for Wrapper {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("step failed")
+        }
+    }
+    impl Error for Wrapper {
+        fn source(&self) -> Option<&(dyn Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    #[test]
+    fn boxed_errors_follow_the_source_chain() {
+        let oom: Box<dyn Error + Send + Sync> = Box::new(Wrapper(std::io::Error::other("CUDA error: out of memory")));
+        assert!(oom.is_out_of_memory());
+        let other: Box<dyn Error + Send + Sync> =
+            Box::new(Wrapper(std::io::Error::other("CUDA error: device-side assert triggered")));
+        assert!(!other.is_out_of_memory());
+        let plain: Box<dyn Error + Send + Sync> = "MPS backend out of memory (MPS allocated".into();
+        assert!(plain.is_out_of_memory());
+    }
+
+    #[test]
+    fn panic_payloads_of_every_kind() {
+        let text = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes";
+        let payloads: Vec<Box<dyn Any + Send>> = vec![
+            Box::new(text.to_owned()),
+            Box::new("CUDA out of memory. Tried to allocate 2 MiB"),
+            Box::new(std::io::Error::other(text)),
+            Box::new(Box::<dyn Error + Send + Sync>::from(text)),
+        ];
+        for payload in &payloads {
+            assert!(is_out_of_memory_panic(payload.as_ref()));
+            assert!(panic_message(payload.as_ref()).is_some());
+        }
+        let not_oom: Vec<Box<dyn Any + Send>> = vec![
+            Box::new("index out of range in self".to_owned()),
+            Box::new("CUDA error: device-side assert triggered"),
+            Box::new(42_u32),
+        ];
+        for payload in &not_oom {
+            assert!(!is_out_of_memory_panic(payload.as_ref()));
+        }
+    }
+
+    #[cfg(feature = "tch")]
+    #[test]
+    fn tch_errors() {
+        let oom = tch::TchError::Torch(
+            "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate 17179869184 bytes.".into(),
+        );
+        assert!(oom.is_out_of_memory());
+        let payload: Box<dyn Any + Send> =
+            Box::new(tch::TchError::Torch("CUDA out of memory. Tried to allocate 1 GiB".into()));
+        assert!(is_out_of_memory_panic(payload.as_ref()));
+        assert!(!tch::TchError::Torch("mat1 and mat2 shapes cannot be multiplied".into()).is_out_of_memory());
+        assert!(!tch::TchError::Kind("expected Float, got Int".into()).is_out_of_memory());
+    }
+
+    #[test]
+    fn first_line_trims() {
+        assert_eq!(first_line("  CUDA out of memory.  \nException raised from"), "CUDA out of memory.");
+        assert_eq!(first_line(""), "");
+        assert_eq!(
+            first_line(
+                r#"called `Result::unwrap()` on an `Err` value: Torch("CUDA out of memory.\nException raised")"#
+            ),
+            r#"called `Result::unwrap()` on an `Err` value: Torch("CUDA out of memory."#
+        );
+    }
+}

@@ -1,0 +1,598 @@
+//! The retry engine: run a body, and on an out-of-memory halve the size and run it again.
+//!
+//! [`Batch`], [`Range`] and [`Chunked`](crate::Chunked) are small builders; the attributes and
+//! [`execute`](crate::execute) lower to them. Each attempt ends in one of three ways:
+//!
+//! - **ok**: the size is remembered in the cache and the result returned;
+//! - **out of memory** (an `Err` whose [`OutOfMemory::is_out_of_memory`] is true, or a panic
+//!   whose message is an out-of-memory): everything of the attempt is dropped, the size goes
+//!   to `size / 2`, and the body runs again; at size 1 the error is returned, or the panic
+//!   resumed;
+//! - **anything else**: the error is returned, or the panic resumed, at once and unchanged.
+//!
+//! Nothing loops forever: each retry halves a size of at least 2, so a body runs at most
+//! `⌊log2(initial)⌋ + 1` times per (sub-)range.
+
+use std::cell::Cell;
+use std::future::Future;
+use std::ops::ControlFlow;
+use std::panic::{self, AssertUnwindSafe, Location};
+use std::pin::Pin;
+use std::sync::Once;
+use std::task::{Context, Poll};
+
+use crate::cache::{self, CacheKind, CallSite, Operation, Site};
+use crate::oom::{first_line, is_out_of_memory_panic, panic_message, OutOfMemory};
+
+/// A configuration that cannot run, reported by the builders' `try_new`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// An initial batch size or step of 0: no attempt could ever run.
+    #[error("toma: the initial {what} must be at least 1, got 0")]
+    ZeroSize {
+        /// `"batch size"` or `"step"`.
+        what: &'static str,
+    },
+    /// A range whose start lies after its end.
+    #[error("toma: range start {start} is after its end {end}")]
+    StartAfterEnd {
+        /// The range's start.
+        start: usize,
+        /// The range's end.
+        end: usize,
+    },
+    /// A chunking dimension the tensor does not have.
+    #[error("toma: dimension {dimension} is out of range for a tensor with {ndim} dimension(s)")]
+    DimensionOutOfRange {
+        /// The dimension asked for.
+        dimension: i64,
+        /// The number of dimensions the tensor has.
+        ndim: usize,
+    },
+}
+
+fn nonzero(size: usize, what: &'static str) -> Result<usize, ConfigError> {
+    if size == 0 {
+        Err(ConfigError::ZeroSize { what })
+    } else {
+        Ok(size)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Quiet panics: a caught out-of-memory panic should not print a backtrace for every retry.
+
+thread_local! {
+    /// How many retryable attempts enclose the current code on this thread.
+    static RETRYABLE_DEPTH: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Wraps the panic hook once: an out-of-memory panic inside a retryable attempt is silent
+/// (toma logs it instead); every other panic reaches the previous hook unchanged. A hook set
+/// after toma's replaces it, and then caught panics print again.
+fn install_quiet_hook() {
+    static INSTALL: Once = Once::new();
+    INSTALL.call_once(|| {
+        let previous = panic::take_hook();
+        panic::set_hook(Box::new(move |info| {
+            let quiet = RETRYABLE_DEPTH.with(Cell::get) > 0 && is_out_of_memory_panic(info.payload());
+            if !quiet {
+                previous(info);
+            }
+        }));
+    });
+}
+
+/// Marks the current thread as inside a retryable attempt while it lives.
+struct QuietGuard {
+    active: bool,
+}
+
+impl QuietGuard {
+    fn new(retryable: bool) -> Self {
+        if retryable {
+            install_quiet_hook();
+            RETRYABLE_DEPTH.with(|d| d.set(d.get() + 1));
+        }
+        QuietGuard { active: retryable }
+    }
+}
+
+impl Drop for QuietGuard {
+    fn drop(&mut self) {
+        if self.active {
+            RETRYABLE_DEPTH.with(|d| d.set(d.get() - 1));
+        }
+    }
+}
+
+/// Runs one attempt, catching its panic. `AssertUnwindSafe` is sound in the sense that
+/// matters here: after a caught panic the body runs again only when the panic was an
+/// out-of-memory, which libtorch raises before it changes any tensor.
+fn catch_attempt<R>(retryable: bool, body: impl FnOnce() -> R) -> std::thread::Result<R> {
+    let _quiet = QuietGuard::new(retryable);
+    panic::catch_unwind(AssertUnwindSafe(body))
+}
+
+/// A future that catches a panic of the future it wraps, silencing out-of-memory panics
+/// while it is polled when its attempt is retryable.
+#[doc(hidden)]
+pub struct CatchUnwind<F> {
+    future: F,
+    retryable: bool,
+}
+
+impl<F: Future> CatchUnwind<F> {
+    #[doc(hidden)]
+    pub fn new(future: F, retryable: bool) -> Self {
+        CatchUnwind { future, retryable }
+    }
+}
+
+impl<F: Future> Future for CatchUnwind<F> {
+    type Output = std::thread::Result<F::Output>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        // SAFETY: `future` is structurally pinned: it is never moved out of `self`.
+        let this = unsafe { self.get_unchecked_mut() };
+        let retryable = this.retryable;
+        let future = unsafe { Pin::new_unchecked(&mut this.future) };
+        match catch_attempt(retryable, || future.poll(cx)) {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(value)) => Poll::Ready(Ok(value)),
+            Err(payload) => Poll::Ready(Err(payload)),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The shared size state.
+
+/// How one attempt failed, as the engine sees it.
+enum Failure<E> {
+    Error(E),
+    Panic(Box<dyn std::any::Any + Send>),
+}
+
+impl<E: OutOfMemory> Failure<E> {
+    fn is_out_of_memory(&self) -> bool {
+        match self {
+            Failure::Error(err) => err.is_out_of_memory(),
+            Failure::Panic(payload) => is_out_of_memory_panic(payload.as_ref()),
+        }
+    }
+
+    /// Gives the failure back to the caller unchanged: an error is returned, a panic resumed.
+    fn give_back(self) -> E {
+        match self {
+            Failure::Error(err) => err,
+            Failure::Panic(payload) => panic::resume_unwind(payload),
+        }
+    }
+}
+
+/// Splits an attempt's outcome into success and failure.
+fn classify<T, E>(outcome: std::thread::Result<Result<T, E>>) -> Result<T, Failure<E>> {
+    match outcome {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(err)) => Err(Failure::Error(err)),
+        Err(payload) => Err(Failure::Panic(payload)),
+    }
+}
+
+/// The size a call is at, and the cache entry it reads and lowers.
+#[derive(Debug)]
+struct Sizer {
+    op: Operation,
+    name: &'static str,
+    key: Option<u64>,
+    /// The remembered size this call started from, if the cache had one.
+    from_cache: Option<usize>,
+    size: usize,
+}
+
+impl Sizer {
+    fn start(op: Operation, initial: usize, kind: CacheKind, site: CallSite) -> Self {
+        let key = cache::key(kind, op, site);
+        let from_cache = key.and_then(cache::lookup);
+        // A smaller initial size than the remembered one wins: the caller asked for at most it.
+        let size = from_cache.map_or(initial, |cached| cached.min(initial));
+        let name = site.function.map_or("execute", Site::name);
+        if let Some(cached) = from_cache {
+            tracing::debug!(op = ?op, function = name, size, cached, "toma: starting from the cached size");
+        }
+        Sizer { op, name, key, from_cache, size }
+    }
+
+    fn succeeded(&self, size: usize) {
+        // Skipping the write when nothing changes keeps cache hits read-only.
+        if let (Some(key), false) = (self.key, self.from_cache == Some(size)) {
+            cache::lower(key, size);
+        }
+    }
+
+    /// Records an out-of-memory at `failed` (the size the failed attempt really used) and
+    /// moves to half of it. `false` when there is nothing smaller to try.
+    fn out_of_memory<E>(&mut self, failed: usize, failure: &Failure<E>) -> bool
+    where
+        E: OutOfMemory,
+    {
+        if failed <= 1 {
+            tracing::info!(op = ?self.op, function = self.name, size = failed, "toma: out of memory at size 1, giving up");
+            return false;
+        }
+        let next = failed / 2;
+        if let Some(key) = self.key {
+            cache::lower(key, next);
+        }
+        if tracing::enabled!(tracing::Level::INFO) {
+            let text = match failure {
+                Failure::Panic(payload) => panic_message(payload.as_ref()).unwrap_or_default(),
+                Failure::Error(err) => err.message().unwrap_or_default(),
+            };
+            tracing::info!(
+                op = ?self.op,
+                function = self.name,
+                from = failed,
+                to = next,
+                caught = if matches!(failure, Failure::Panic(_)) { "panic" } else { "error" },
+                error = first_line(&text),
+                "toma: out of memory, retrying with a smaller size"
+            );
+        }
+        self.size = next;
+        true
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Batch
+
+/// Runs a body with a batch size, halving it on out-of-memory.
+///
+/// ```
+/// use toma::{Batch, CacheKind};
+/// // A body that runs out of memory above 100 items.
+/// let out = Batch::new(512).cache(CacheKind::None).run(|batchsize| {
+///     if batchsize > 100 { Err("CUDA out of memory. Tried to allocate 2.00 GiB".to_string()) }
+///     else { Ok(batchsize) }
+/// });
+/// assert_eq!(out, Ok(64));
+/// ```
+#[derive(Clone, Copy, Debug)]
+#[must_use = "a builder does nothing until `run` is called"]
+pub struct Batch {
+    initial: usize,
+    cache: Option<CacheKind>,
+    site: Option<&'static Site>,
+}
+
+impl Batch {
+    /// A batch retry starting at `initial_batchsize`.
+    ///
+    /// # Panics
+    /// When `initial_batchsize` is 0; [`Batch::try_new`] reports it as an error instead.
+    #[track_caller]
+    pub fn new(initial_batchsize: usize) -> Self {
+        Self::try_new(initial_batchsize).unwrap_or_else(|err| panic!("{err}"))
+    }
+
+    /// Like [`Batch::new`], with a 0 size reported as [`ConfigError::ZeroSize`].
+    pub fn try_new(initial_batchsize: usize) -> Result<Self, ConfigError> {
+        Ok(Batch { initial: nonzero(initial_batchsize, "batch size")?, cache: None, site: None })
+    }
+
+    /// Which cache to use; without this, the process default ([`crate::default_cache`]).
+    pub fn cache(mut self, kind: CacheKind) -> Self {
+        self.cache = Some(kind);
+        self
+    }
+
+    #[doc(hidden)]
+    pub fn site(mut self, site: &'static Site) -> Self {
+        self.site = Some(site);
+        self
+    }
+
+    /// Starts the attempts by hand, for callers that drive the loop themselves (the
+    /// attributes on `async fn` do). Most code wants [`Batch::run`].
+    #[doc(hidden)]
+    #[track_caller]
+    pub fn start(self) -> BatchAttempts {
+        let site = CallSite { function: self.site, caller: Location::caller() };
+        let kind = self.cache.unwrap_or_else(cache::default_cache);
+        BatchAttempts { sizer: Sizer::start(Operation::Batch, self.initial, kind, site) }
+    }
+
+    /// Runs `body(batchsize)` until it succeeds, halving `batchsize` on every out-of-memory.
+    ///
+    /// Returns the body's first success, its first error that is not an out-of-memory, or its
+    /// out-of-memory at batch size 1. Panics of the body are caught when they are
+    /// out-of-memories (and retried like errors); other panics are resumed unchanged.
+    #[track_caller]
+    pub fn run<T, E, F>(self, mut body: F) -> Result<T, E>
+    where
+        E: OutOfMemory,
+        F: FnMut(usize) -> Result<T, E>,
+    {
+        let mut attempts = self.start();
+        loop {
+            let size = attempts.size();
+            let outcome = attempts.attempt(|| body(size));
+            if let ControlFlow::Break(result) = attempts.finish(outcome) {
+                return result;
+            }
+        }
+    }
+
+    /// [`Batch::run`] for a body that returns a future; each attempt awaits a new one.
+    #[track_caller]
+    pub fn run_async<T, E, F, Fut>(self, mut body: F) -> impl Future<Output = Result<T, E>>
+    where
+        E: OutOfMemory,
+        F: FnMut(usize) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        let mut attempts = self.start();
+        async move {
+            loop {
+                let size = attempts.size();
+                let outcome = CatchUnwind::new(body(size), attempts.retryable()).await;
+                if let ControlFlow::Break(result) = attempts.finish(outcome) {
+                    return result;
+                }
+            }
+        }
+    }
+}
+
+/// The attempts of one batch call, driven by hand (see [`Batch::start`]).
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct BatchAttempts {
+    sizer: Sizer,
+}
+
+impl BatchAttempts {
+    /// The batch size of the next attempt.
+    pub fn size(&self) -> usize {
+        self.sizer.size
+    }
+
+    /// Whether an out-of-memory in the next attempt would be retried.
+    pub fn retryable(&self) -> bool {
+        self.sizer.size > 1
+    }
+
+    /// Runs one attempt, catching its panic.
+    pub fn attempt<R>(&self, body: impl FnOnce() -> R) -> std::thread::Result<R> {
+        tracing::debug!(op = "batch", function = self.sizer.name, size = self.sizer.size, "toma: attempt");
+        catch_attempt(self.retryable(), body)
+    }
+
+    /// Takes an attempt's outcome: `Break` with the call's result, or `Continue` to try again
+    /// at the new [`size`](Self::size). Resumes a panic that is not to be retried.
+    pub fn finish<T, E: OutOfMemory>(
+        &mut self,
+        outcome: std::thread::Result<Result<T, E>>,
+    ) -> ControlFlow<Result<T, E>> {
+        match classify(outcome) {
+            Ok(value) => {
+                self.sizer.succeeded(self.sizer.size);
+                ControlFlow::Break(Ok(value))
+            }
+            Err(failure) => {
+                if failure.is_out_of_memory() && self.sizer.out_of_memory(self.sizer.size, &failure) {
+                    drop(failure);
+                    ControlFlow::Continue(())
+                } else {
+                    ControlFlow::Break(Err(failure.give_back()))
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Range
+
+/// Runs a body over `[start, end)` in consecutive sub-ranges of at most `step` indices,
+/// halving the step on out-of-memory.
+///
+/// A failed sub-range is retried with half its length; finished sub-ranges are never redone,
+/// and the smaller step holds for the rest of the call.
+///
+/// ```
+/// use toma::{CacheKind, Range};
+/// let mut seen = Vec::new();
+/// Range::new(0, 100, 64).cache(CacheKind::None).run(|start, end| {
+///     if end - start > 20 { return Err("CUDA out of memory.".to_string()) }
+///     seen.push((start, end));
+///     Ok(())
+/// }).unwrap();
+/// assert_eq!(seen, [(0, 16), (16, 32), (32, 48), (48, 64), (64, 80), (80, 96), (96, 100)]);
+/// ```
+#[derive(Clone, Copy, Debug)]
+#[must_use = "a builder does nothing until `run` is called"]
+pub struct Range {
+    pub(crate) start: usize,
+    pub(crate) end: usize,
+    pub(crate) initial: usize,
+    pub(crate) cache: Option<CacheKind>,
+    pub(crate) site: Option<&'static Site>,
+}
+
+impl Range {
+    /// A range retry over `[start, end)` starting with sub-ranges of `initial_step`.
+    ///
+    /// # Panics
+    /// When `initial_step` is 0 or `start > end`; [`Range::try_new`] reports them instead.
+    #[track_caller]
+    pub fn new(start: usize, end: usize, initial_step: usize) -> Self {
+        Self::try_new(start, end, initial_step).unwrap_or_else(|err| panic!("{err}"))
+    }
+
+    /// Like [`Range::new`], with bad input reported as a [`ConfigError`].
+    pub fn try_new(start: usize, end: usize, initial_step: usize) -> Result<Self, ConfigError> {
+        let initial = nonzero(initial_step, "step")?;
+        if start > end {
+            return Err(ConfigError::StartAfterEnd { start, end });
+        }
+        Ok(Range { start, end, initial, cache: None, site: None })
+    }
+
+    /// Which cache to use; without this, the process default ([`crate::default_cache`]).
+    pub fn cache(mut self, kind: CacheKind) -> Self {
+        self.cache = Some(kind);
+        self
+    }
+
+    #[doc(hidden)]
+    pub fn site(mut self, site: &'static Site) -> Self {
+        self.site = Some(site);
+        self
+    }
+
+    #[doc(hidden)]
+    #[track_caller]
+    pub fn start(self) -> RangeAttempts {
+        self.start_as(Operation::Range, Location::caller())
+    }
+
+    pub(crate) fn start_as(self, op: Operation, caller: &'static Location<'static>) -> RangeAttempts {
+        let site = CallSite { function: self.site, caller };
+        let kind = self.cache.unwrap_or_else(cache::default_cache);
+        // An empty range never runs, so it need not pay for a key.
+        let sizer = if self.start == self.end {
+            Sizer::start(op, self.initial, CacheKind::None, site)
+        } else {
+            Sizer::start(op, self.initial, kind, site)
+        };
+        RangeAttempts { sizer, position: self.start, end: self.end }
+    }
+
+    /// Calls `body(start, end)` on consecutive sub-ranges covering `[start, end)` once each, in
+    /// order. An empty range calls nothing and returns `Ok(())`.
+    ///
+    /// Returns `Ok(())` once every index is covered, the body's first error that is not an
+    /// out-of-memory, or its out-of-memory on a sub-range of length 1. Panics are handled as
+    /// in [`Batch::run`].
+    #[track_caller]
+    pub fn run<E, F>(self, mut body: F) -> Result<(), E>
+    where
+        E: OutOfMemory,
+        F: FnMut(usize, usize) -> Result<(), E>,
+    {
+        let mut attempts = self.start();
+        while let Some((start, end)) = attempts.next_range() {
+            let outcome = attempts.attempt(|| body(start, end));
+            attempts.finish(outcome)?;
+        }
+        Ok(())
+    }
+
+    /// [`Range::run`] for a body that returns a future.
+    #[track_caller]
+    pub fn run_async<E, F, Fut>(self, mut body: F) -> impl Future<Output = Result<(), E>>
+    where
+        E: OutOfMemory,
+        F: FnMut(usize, usize) -> Fut,
+        Fut: Future<Output = Result<(), E>>,
+    {
+        let mut attempts = self.start();
+        async move {
+            while let Some((start, end)) = attempts.next_range() {
+                let outcome = CatchUnwind::new(body(start, end), attempts.retryable()).await;
+                attempts.finish(outcome)?;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// The attempts of one range call, driven by hand (see [`Range::start`]).
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct RangeAttempts {
+    sizer: Sizer,
+    position: usize,
+    end: usize,
+}
+
+impl RangeAttempts {
+    /// The sub-range of the next attempt, or `None` when the whole range is done.
+    pub fn next_range(&self) -> Option<(usize, usize)> {
+        (self.position < self.end).then(|| (self.position, self.position.saturating_add(self.sizer.size).min(self.end)))
+    }
+
+    /// The current step.
+    pub fn step(&self) -> usize {
+        self.sizer.size
+    }
+
+    /// Whether an out-of-memory in the next attempt would be retried.
+    pub fn retryable(&self) -> bool {
+        self.next_range().is_some_and(|(start, end)| end - start > 1)
+    }
+
+    /// Runs one attempt, catching its panic.
+    pub fn attempt<R>(&self, body: impl FnOnce() -> R) -> std::thread::Result<R> {
+        if let Some((start, end)) = self.next_range() {
+            tracing::debug!(op = ?self.sizer.op, function = self.sizer.name, start, end, "toma: attempt");
+        }
+        catch_attempt(self.retryable(), body)
+    }
+
+    /// Takes an attempt's outcome: `Ok` to go on (with the next sub-range or a smaller one),
+    /// `Err` to stop with the body's error. Resumes a panic that is not to be retried.
+    ///
+    /// # Panics
+    /// When called after [`next_range`](Self::next_range) returned `None`.
+    pub fn finish<E: OutOfMemory>(&mut self, outcome: std::thread::Result<Result<(), E>>) -> Result<(), E> {
+        let (start, end) = self.next_range().expect("toma: RangeAttempts::finish after the range was done");
+        match classify(outcome) {
+            Ok(()) => {
+                self.sizer.succeeded(self.sizer.size);
+                self.position = end;
+                Ok(())
+            }
+            Err(failure) => {
+                if failure.is_out_of_memory() && self.sizer.out_of_memory(end - start, &failure) {
+                    drop(failure);
+                    Ok(())
+                } else {
+                    Err(failure.give_back())
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sugar used by generated code.
+
+/// Turns an infallible body's value into the `Result` the engine takes.
+#[doc(hidden)]
+#[inline(always)]
+pub fn infallible<T>(value: T) -> Result<T, std::convert::Infallible> {
+    Ok(value)
+}
+
+/// Takes the value back out of an engine result whose error type is uninhabited.
+#[doc(hidden)]
+#[inline(always)]
+pub fn unwrap_infallible<T>(result: Result<T, std::convert::Infallible>) -> T {
+    match result {
+        Ok(value) => value,
+        Err(never) => match never {},
+    }
+}
+
+/// Fixes an async block's output type before it is awaited, so that `?` inside the body
+/// knows which error to convert into.
+#[doc(hidden)]
+#[inline(always)]
+pub fn typed_future<R, F: Future<Output = R>>(future: F) -> F {
+    future
+}

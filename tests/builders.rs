@@ -1,0 +1,248 @@
+//! The builders and `execute` on their own, with a simulated out-of-memory.
+
+mod support;
+
+use std::cell::RefCell;
+
+use support::{block_on, oom, yield_now};
+use toma::{Batch, CacheKind, ConfigError, Range};
+
+fn fits_up_to(limit: usize, calls: &RefCell<Vec<usize>>) -> impl FnMut(usize) -> Result<usize, String> + '_ {
+    move |size| {
+        calls.borrow_mut().push(size);
+        if size > limit {
+            Err(oom())
+        } else {
+            Ok(size)
+        }
+    }
+}
+
+#[test]
+fn batch_exact_sequence() {
+    let calls = RefCell::new(Vec::new());
+    assert_eq!(Batch::new(64).cache(CacheKind::None).run(fits_up_to(16, &calls)), Ok(16));
+    assert_eq!(calls.take(), [64, 32, 16]);
+    // Odd sizes halve with floor.
+    assert_eq!(Batch::new(100).cache(CacheKind::None).run(fits_up_to(10, &calls)), Ok(6));
+    assert_eq!(calls.take(), [100, 50, 25, 12, 6]);
+}
+
+#[test]
+fn each_cache_kind_in_a_loop_and_from_another_line() {
+    let calls = RefCell::new(Vec::new());
+    for kind in [CacheKind::StacktraceMemory, CacheKind::Global, CacheKind::None] {
+        let mut seen = Vec::new();
+        for _ in 0..3 {
+            Batch::new(64).cache(kind).run(fits_up_to(16, &calls)).unwrap();
+            seen.push(calls.take());
+        }
+        Batch::new(64).cache(kind).run(fits_up_to(16, &calls)).unwrap();
+        let other_line = calls.take();
+        let full = vec![64, 32, 16];
+        match kind {
+            CacheKind::None => {
+                assert_eq!(seen, [full.clone(), full.clone(), full.clone()]);
+                assert_eq!(other_line, full);
+            }
+            // Builders have no function identity: both kinds key on the line that calls `run`.
+            _ => {
+                assert_eq!(seen, [full.clone(), vec![16], vec![16]], "{kind:?}");
+                assert_eq!(other_line, full, "{kind:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn execute_batch_and_range_key_on_their_line() {
+    let calls = RefCell::new(Vec::new());
+    for _ in 0..2 {
+        toma::execute::batch(64, fits_up_to(8, &calls)).unwrap();
+    }
+    assert_eq!(calls.take(), [64, 32, 16, 8, 8]);
+    let mut ranges = Vec::new();
+    for _ in 0..2 {
+        toma::execute::range(0, 40, 32, |start, end| {
+            ranges.push((start, end));
+            if end - start > 10 {
+                return Err(oom());
+            }
+            Ok(())
+        })
+        .unwrap();
+    }
+    let first = [(0, 32), (0, 16), (0, 8), (8, 16), (16, 24), (24, 32), (32, 40)];
+    let second = [(0, 8), (8, 16), (16, 24), (24, 32), (32, 40)];
+    assert_eq!(ranges, [&first[..], &second[..]].concat());
+}
+
+#[test]
+fn a_failing_clipped_sub_range_is_halved_from_its_own_length() {
+    let mut calls = Vec::new();
+    Range::new(0, 70, 64)
+        .cache(CacheKind::None)
+        .run(|start, end| {
+            calls.push((start, end));
+            // Only the tail is expensive.
+            if start >= 64 && end - start > 2 {
+                return Err(oom());
+            }
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(calls, [(0, 64), (64, 70), (64, 67), (64, 65), (65, 66), (66, 67), (67, 68), (68, 69), (69, 70)]);
+}
+
+#[test]
+fn range_never_redoes_finished_sub_ranges_and_keeps_the_smaller_step() {
+    let mut calls = Vec::new();
+    let mut failed_once = false;
+    Range::new(0, 10, 4)
+        .cache(CacheKind::None)
+        .run(|start, end| {
+            calls.push((start, end));
+            // A transient failure in the middle: the step stays halved afterwards.
+            if start == 4 && !failed_once {
+                failed_once = true;
+                return Err(oom());
+            }
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(calls, [(0, 4), (4, 8), (4, 6), (6, 8), (8, 10)]);
+}
+
+#[test]
+fn non_oom_errors_and_the_last_oom_come_back_unchanged() {
+    let mut calls = 0;
+    let err = Range::new(0, 8, 8)
+        .cache(CacheKind::None)
+        .run(|_, _| {
+            calls += 1;
+            Err(std::io::Error::new(std::io::ErrorKind::NotFound, "no such file"))
+        })
+        .unwrap_err();
+    assert_eq!((err.kind(), calls), (std::io::ErrorKind::NotFound, 1));
+    let mut sizes = Vec::new();
+    let err = Batch::new(5)
+        .cache(CacheKind::None)
+        .run(|size| -> Result<(), String> {
+            sizes.push(size);
+            Err(format!("HIP out of memory at {size}"))
+        })
+        .unwrap_err();
+    assert_eq!((err.as_str(), sizes), ("HIP out of memory at 1", vec![5, 2, 1]));
+}
+
+#[test]
+fn failed_attempts_are_dropped_before_the_next_one() {
+    use std::rc::Rc;
+    let token = Rc::new(());
+    let mut strong_counts = Vec::new();
+    Batch::new(8)
+        .cache(CacheKind::None)
+        .run(|size| {
+            strong_counts.push(Rc::strong_count(&token));
+            let held = Rc::clone(&token);
+            if size > 2 {
+                // The error carries a clone: it must be gone before the next attempt starts.
+                return Err(Held(held, oom()));
+            }
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(strong_counts, [1, 1, 1]);
+}
+
+#[derive(Debug)]
+struct Held(#[allow(dead_code)] std::rc::Rc<()>, String);
+impl toma::OutOfMemory for Held {
+    fn is_out_of_memory(&self) -> bool {
+        self.1.is_out_of_memory()
+    }
+}
+
+#[test]
+fn bad_configuration_is_a_typed_error() {
+    assert_eq!(Batch::try_new(0).unwrap_err(), ConfigError::ZeroSize { what: "batch size" });
+    assert_eq!(Range::try_new(0, 10, 0).unwrap_err(), ConfigError::ZeroSize { what: "step" });
+    assert_eq!(Range::try_new(5, 4, 1).unwrap_err(), ConfigError::StartAfterEnd { start: 5, end: 4 });
+    let message = std::panic::catch_unwind(|| Batch::new(0)).unwrap_err();
+    assert!(message.downcast_ref::<String>().unwrap().contains("at least 1"));
+}
+
+#[test]
+fn empty_ranges_call_nothing_and_huge_ones_do_not_overflow() {
+    Range::new(7, 7, 3).run(|_, _| -> Result<(), String> { panic!("called on an empty range") }).unwrap();
+    let mut calls = Vec::new();
+    Range::new(usize::MAX - 5, usize::MAX, usize::MAX)
+        .cache(CacheKind::None)
+        .run(|start, end| {
+            calls.push(end - start);
+            if end - start > 2 {
+                return Err(oom());
+            }
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(calls, [5, 2, 2, 1]);
+}
+
+#[test]
+fn async_builders() {
+    let mut sizes = Vec::new();
+    let out = block_on(Batch::new(16).cache(CacheKind::None).run_async(|size| {
+        sizes.push(size);
+        async move {
+            yield_now().await;
+            if size > 4 {
+                panic!("CUDA out of memory. Tried to allocate 1 GiB");
+            }
+            Ok::<_, String>(size)
+        }
+    }));
+    assert_eq!((out, sizes), (Ok(4), vec![16, 8, 4]));
+    let mut ranges = Vec::new();
+    block_on(Range::new(0, 6, 4).cache(CacheKind::None).run_async(|start, end| {
+        ranges.push((start, end));
+        async move {
+            yield_now().await;
+            if end - start > 2 {
+                return Err(oom());
+            }
+            Ok(())
+        }
+    }))
+    .unwrap();
+    assert_eq!(ranges, [(0, 4), (0, 2), (2, 4), (4, 6)]);
+}
+
+#[test]
+fn a_dropped_async_call_leaves_the_cache_usable() {
+    use std::future::Future;
+    use std::pin::pin;
+    use std::task::{Context, Waker};
+    // One key for every call: the `run_async` line below.
+    fn call(limit: usize, log: &RefCell<Vec<usize>>) -> impl Future<Output = Result<usize, String>> + '_ {
+        Batch::new(64).cache(CacheKind::Global).run_async(move |size| async move {
+            log.borrow_mut().push(size);
+            yield_now().await;
+            if size > limit {
+                return Err(oom());
+            }
+            Ok(size)
+        })
+    }
+    let log = RefCell::new(Vec::new());
+    for _ in 0..3 {
+        // Poll once (the first attempt is suspended at its await), then drop mid-attempt.
+        let mut fut = pin!(call(16, &log));
+        assert!(fut.as_mut().poll(&mut Context::from_waker(Waker::noop())).is_pending());
+    }
+    assert_eq!(log.take(), [64, 64, 64]);
+    for _ in 0..2 {
+        assert_eq!(block_on(call(16, &log)), Ok(16));
+    }
+    assert_eq!(log.take(), [64, 32, 16, 16]);
+}

@@ -1,0 +1,486 @@
+//! Real allocator failures, not simulated ones: each scenario caps its own address space
+//! (`RLIMIT_AS`) so that libtorch's CPU allocator fails with
+//! `DefaultCPUAllocator: can't allocate memory`, and checks that toma's retries get the work done.
+//!
+//! A cap can never be raised again, so every scenario runs in a child process: the test
+//! re-executes this test binary filtered to itself, with `TOMA_REAL_OOM_CHILD=<scenario>` set.
+//! The child does the capped work and asserts; the parent checks that the child succeeded and
+//! that it reached the end of the scenario (it prints a marker), and shows its output if not.
+#![cfg(all(feature = "tch", feature = "macros", target_os = "linux"))]
+
+use std::collections::BTreeMap;
+use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use tch::{Device, Kind, TchError, Tensor};
+use toma::OutOfMemory;
+
+const CHILD_ENV: &str = "TOMA_REAL_OOM_CHILD";
+const DONE: &str = "TOMA_REAL_OOM_DONE";
+const MIB: u64 = 1 << 20;
+const GIB: f64 = (1u64 << 30) as f64;
+/// Floats in one MiB: a row of this many `f32` is 1 MiB.
+const MIB_FLOATS: i64 = 262_144;
+const CPU_FLOAT: (Kind, Device) = (Kind::Float, Device::Cpu);
+const ALLOCATOR_OOM: &str = "DefaultCPUAllocator: can't allocate memory";
+
+// ---------------------------------------------------------------------------------------------
+// Parent side
+
+/// Runs the test `test` again in a child process with `scenario` set; returns its stdout and stderr.
+///
+/// Fails (printing everything the child wrote) when the child fails, or when it did not print
+/// the scenario's end marker: a test name that matches nothing would otherwise "pass".
+fn run_in_child(test: &str, scenario: &str) -> (String, String) {
+    let exe = std::env::current_exe().expect("path of the test binary");
+    let started = Instant::now();
+    let output = Command::new(exe)
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, scenario)
+        .output()
+        .expect("spawn the child test process");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    let report = format!(
+        "child `{scenario}` of test `{test}` exited with {} after {:.1} s\n\
+         --- child stdout ---\n{stdout}\n--- child stderr ---\n{stderr}--- end of child output ---",
+        output.status,
+        started.elapsed().as_secs_f64()
+    );
+    assert!(output.status.success(), "{report}");
+    assert!(
+        stdout.lines().any(|line| line.starts_with(&format!("{DONE} {scenario} "))),
+        "the child did not reach the end of scenario `{scenario}`\n{report}"
+    );
+    println!("{report}");
+    (stdout, stderr)
+}
+
+/// The `key=value` pairs of the child's end-marker line.
+fn marker_fields(stdout: &str, scenario: &str) -> BTreeMap<String, String> {
+    let prefix = format!("{DONE} {scenario} ");
+    let line = stdout.lines().find_map(|line| line.strip_prefix(&prefix)).expect("marker line");
+    line.split_whitespace().filter_map(|pair| pair.split_once('=')).map(|(k, v)| (k.to_owned(), v.to_owned())).collect()
+}
+
+/// `Some(scenario)` in a child process.
+fn child_scenario() -> Option<String> {
+    std::env::var(CHILD_ENV).ok()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Child side: the cap, and a subscriber that records toma's events
+
+/// Warms libtorch up (its thread pool, its first allocations) and caps the address space at
+/// what is in use now plus `headroom_gib`. Returns the headroom in bytes.
+fn cap_address_space(headroom_gib: f64) -> u64 {
+    // A parallel op starts libtorch's intra-op threads now, while their stacks still fit.
+    let warm = Tensor::ones([1 << 20], CPU_FLOAT).sum(Kind::Double).double_value(&[]);
+    assert_eq!(warm, (1 << 20) as f64);
+    let in_use = toma::cpu_memory::address_space_in_use().expect("VmSize");
+    let cap_gib = in_use as f64 / GIB + headroom_gib;
+    toma::cpu_memory::set_cpu_memory_limit(cap_gib).expect("set the cap");
+    let cap = toma::cpu_memory::cpu_memory_limit().expect("getrlimit").expect("a cap is set");
+    println!(
+        "cap: {:.2} GiB in use, cap {:.2} GiB, headroom {:.2} GiB",
+        in_use as f64 / GIB,
+        cap as f64 / GIB,
+        (cap - in_use) as f64 / GIB
+    );
+    cap - in_use
+}
+
+/// One event toma emitted: its level, message and fields.
+#[derive(Clone, Debug)]
+struct Recorded {
+    level: tracing::Level,
+    fields: BTreeMap<String, String>,
+}
+
+impl Recorded {
+    fn field(&self, name: &str) -> &str {
+        self.fields.get(name).map_or("", String::as_str)
+    }
+}
+
+static EVENTS: Mutex<Vec<Recorded>> = Mutex::new(Vec::new());
+
+/// Records every event whose target is toma's (`toma::retry`, `toma::cache`, ..).
+struct Recorder;
+
+struct FieldsVisitor<'a>(&'a mut BTreeMap<String, String>);
+
+impl FieldsVisitor<'_> {
+    /// Keeps a repeated name apart (`name`, then `name#2`) rather than losing one.
+    fn insert(&mut self, name: &str, value: String) {
+        let key = if self.0.contains_key(name) { format!("{name}#2") } else { name.to_owned() };
+        self.0.insert(key, value);
+    }
+}
+
+impl tracing::field::Visit for FieldsVisitor<'_> {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.insert(field.name(), format!("{value:?}"));
+    }
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        self.insert(field.name(), value.to_owned());
+    }
+}
+
+impl tracing::Subscriber for Recorder {
+    fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
+        metadata.target().starts_with("toma")
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        tracing::span::Id::from_u64(NEXT.fetch_add(1, Ordering::Relaxed))
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        let mut fields = BTreeMap::new();
+        event.record(&mut FieldsVisitor(&mut fields));
+        let level = *event.metadata().level();
+        EVENTS.lock().unwrap().push(Recorded { level, fields });
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+fn install_recorder() {
+    tracing::subscriber::set_global_default(Recorder).expect("first subscriber of the child");
+}
+
+/// The info events of caught out-of-memories, taken out of the record.
+fn take_oom_events() -> Vec<Recorded> {
+    let events = std::mem::take(&mut *EVENTS.lock().unwrap());
+    events.into_iter().filter(|e| e.level == tracing::Level::INFO && e.fields.contains_key("caught")).collect()
+}
+
+/// Asserts that `attempts` start at `initial` and halve each time.
+fn assert_halving(attempts: &[usize], initial: usize) {
+    assert_eq!(attempts.first(), Some(&initial), "{attempts:?}");
+    for pair in attempts.windows(2) {
+        assert_eq!(pair[1], pair[0] / 2, "each retry halves the size: {attempts:?}");
+    }
+}
+
+/// Asserts that the OOM events match the failed attempts (all but the last) and their kind.
+fn assert_oom_events(events: &[Recorded], attempts: &[usize], caught: &str) {
+    assert_eq!(events.len(), attempts.len() - 1, "one info event per caught OOM: {events:#?}");
+    for (event, pair) in events.iter().zip(attempts.windows(2)) {
+        assert_eq!(event.field("from"), pair[0].to_string(), "{event:?}");
+        assert_eq!(event.field("to"), pair[1].to_string(), "{event:?}");
+        assert_eq!(event.field("caught"), caught, "{event:?}");
+        // The allocator's own text, cut to one line, whether it came as an error or a panic.
+        assert!(event.field("error").contains(ALLOCATOR_OOM), "{event:?}");
+        assert!(!event.field("error").contains("\\n"), "one line: {event:?}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// a. Batch, with tch's `f_` methods: out-of-memory arrives as `Err(TchError::Torch(..))`.
+
+static BATCH_ATTEMPTS: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+static BATCH_ERRORS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+fn take_attempts() -> Vec<usize> {
+    std::mem::take(&mut *BATCH_ATTEMPTS.lock().unwrap())
+}
+
+fn recorded(err: TchError) -> TchError {
+    BATCH_ERRORS.lock().unwrap().push(err.to_string());
+    err
+}
+
+/// `batchsize` rows of 1 MiB, each element touched; gives back the batch size that worked.
+#[toma::batch(initial_batchsize = 65536, cache = Global)]
+fn ones_mib_rows(batchsize: usize) -> Result<usize, TchError> {
+    BATCH_ATTEMPTS.lock().unwrap().push(batchsize);
+    let mut rows = Tensor::f_zeros([batchsize as i64, MIB_FLOATS], CPU_FLOAT).map_err(recorded)?;
+    let _ = rows.f_add_scalar_(1.0).map_err(recorded)?;
+    // Reductions without a temporary: the body needs `batchsize` MiB and nothing more.
+    let min = rows.f_min().and_then(|m| m.f_double_value(&[])).map_err(recorded)?;
+    let max = rows.f_max().and_then(|m| m.f_double_value(&[])).map_err(recorded)?;
+    assert_eq!((min, max), (1.0, 1.0), "every element was touched");
+    Ok(batchsize)
+}
+
+fn child_batch_errors() {
+    install_recorder();
+    let headroom = cap_address_space(1.5);
+
+    let started = Instant::now();
+    let converged = ones_mib_rows().expect("converges to a batch size that fits");
+    let first = take_attempts();
+    let first_secs = started.elapsed().as_secs_f64();
+    println!("first call: attempts {first:?} -> {converged} in {first_secs:.2} s");
+
+    assert_eq!(first.last(), Some(&converged));
+    assert_halving(&first, 65536);
+    assert!(first.len() >= 2, "the initial 64 GiB allocation must fail under the cap: {first:?}");
+    assert!(converged > 0 && converged as u64 * MIB <= headroom, "{converged} MiB does not fit in {headroom} B");
+    let errors = std::mem::take(&mut *BATCH_ERRORS.lock().unwrap());
+    assert_eq!(errors.len(), first.len() - 1, "one allocator error per failed attempt: {errors:#?}");
+    for err in &errors {
+        assert!(err.contains(ALLOCATOR_OOM), "not a real allocator failure: {err}");
+    }
+    assert_oom_events(&take_oom_events(), &first, "error");
+
+    // Global cache: the second call starts at the size that worked.
+    let again = ones_mib_rows().expect("the cached size works again");
+    let second = take_attempts();
+    println!("second call: attempts {second:?} -> {again}");
+    assert_eq!(second, [converged], "a cache hit makes exactly one attempt");
+    assert_eq!(again, converged);
+    assert!(take_oom_events().is_empty());
+    assert!(BATCH_ERRORS.lock().unwrap().is_empty());
+
+    println!("{DONE} batch_errors converged={converged} attempts={} secs={first_secs:.2}", first.len());
+}
+
+#[test]
+fn batch_with_tch_errors_converges_under_a_real_cap() {
+    if let Some(scenario) = child_scenario() {
+        assert_eq!(scenario, "batch_errors");
+        return child_batch_errors();
+    }
+    let (stdout, _) = run_in_child("batch_with_tch_errors_converges_under_a_real_cap", "batch_errors");
+    let fields = marker_fields(&stdout, "batch_errors");
+    let converged: usize = fields["converged"].parse().unwrap();
+    assert!((1..=1536).contains(&converged), "{fields:?}");
+    assert!(fields["attempts"].parse::<usize>().unwrap() >= 2, "{fields:?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// b. Batch, with tch's plain methods: out-of-memory arrives as a panic.
+
+/// As [`ones_mib_rows`], with panicking methods and no cache.
+#[toma::batch(initial_batchsize = 65536, cache = None)]
+fn ones_mib_rows_panicking(batchsize: usize) -> usize {
+    BATCH_ATTEMPTS.lock().unwrap().push(batchsize);
+    let mut rows = Tensor::zeros([batchsize as i64, MIB_FLOATS], CPU_FLOAT);
+    let _ = rows.fill_(1.0);
+    let (min, max) = (rows.min().double_value(&[]), rows.max().double_value(&[]));
+    assert_eq!((min, max), (1.0, 1.0), "every element was touched");
+    batchsize
+}
+
+fn child_batch_panics() {
+    install_recorder();
+    let headroom = cap_address_space(1.5);
+
+    let converged = ones_mib_rows_panicking();
+    let first = take_attempts();
+    println!("first call: attempts {first:?} -> {converged}");
+    assert_eq!(first.last(), Some(&converged));
+    assert_halving(&first, 65536);
+    assert!(first.len() >= 2, "the initial 64 GiB allocation must fail under the cap: {first:?}");
+    assert!(converged > 0 && converged as u64 * MIB <= headroom, "{converged} MiB does not fit in {headroom} B");
+    let events = take_oom_events();
+    assert_oom_events(&events, &first, "panic");
+
+    // No cache: the second call starts over at the initial size and ends at the same size.
+    let again = ones_mib_rows_panicking();
+    let second = take_attempts();
+    println!("second call: attempts {second:?} -> {again}");
+    assert_halving(&second, 65536);
+    assert_eq!(again, converged);
+    assert_eq!(take_oom_events().len(), second.len() - 1);
+
+    println!("{DONE} batch_panics converged={converged} attempts={}", first.len());
+}
+
+#[test]
+fn batch_with_tch_panics_converges_under_a_real_cap() {
+    if let Some(scenario) = child_scenario() {
+        assert_eq!(scenario, "batch_panics");
+        return child_batch_panics();
+    }
+    let (stdout, stderr) = run_in_child("batch_with_tch_panics_converges_under_a_real_cap", "batch_panics");
+    let fields = marker_fields(&stdout, "batch_panics");
+    assert!((1..=1536).contains(&fields["converged"].parse::<usize>().unwrap()), "{fields:?}");
+    // Caught out-of-memory panics are silenced by toma's panic hook: none reaches stderr.
+    assert!(!stderr.contains(ALLOCATOR_OOM), "a caught OOM panic was printed:\n{stderr}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// c. Chunked over a big tensor: each chunk needs a temporary as large as itself.
+
+/// Chunks of the 1 GiB tensors below: 1024 slices of 1 MiB.
+const SLICES: i64 = 1024;
+static CHUNK_RANGES: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+
+/// Slice `i` becomes `2 i + 1` (from `i`): a slice done twice would read `4 i + 3`, one skipped `i`.
+///
+/// `f_add` (not `f_mul_scalar`): tch 0.24's `f_` methods that take a `Scalar` panic on a libtorch
+/// error instead of returning it (the temporary `Scalar`'s `Drop` finds the pending error first),
+/// and this body is to exercise the `Err` path.
+fn double_plus_one(chunk: &mut Tensor) -> Result<(), TchError> {
+    let mut computed = chunk.f_add(chunk)?; // a temporary of the chunk's size
+    let _ = computed.f_add_scalar_(1.0)?; // in place: allocates nothing
+    chunk.f_copy_(&computed)
+}
+
+/// Rows: chunks along dimension 0 of a `[SLICES, MIB_FLOATS]` tensor.
+#[toma::chunked(initial_step = 1024, dimension = 0, cache = None)]
+fn double_plus_one_rows(mut chunk: Tensor, start: usize, end: usize) -> Result<(), TchError> {
+    CHUNK_RANGES.lock().unwrap().push((start, end));
+    assert_eq!(chunk.size(), [(end - start) as i64, MIB_FLOATS], "the chunk is rows [start, end)");
+    double_plus_one(&mut chunk)
+}
+
+/// Columns: chunks along the last dimension of a `[MIB_FLOATS, SLICES]` tensor (strided views).
+#[toma::chunked(initial_step = 1024, dimension = -1, cache = None)]
+fn double_plus_one_columns(mut chunk: Tensor, start: usize, end: usize) -> Result<(), TchError> {
+    CHUNK_RANGES.lock().unwrap().push((start, end));
+    assert_eq!(chunk.size(), [MIB_FLOATS, (end - start) as i64], "the chunk is columns [start, end)");
+    double_plus_one(&mut chunk)
+}
+
+/// Checks the recorded chunk attempts of one call over `SLICES` slices; returns the step that
+/// worked (the longest finished chunk) and the number of finished chunks.
+fn check_chunk_attempts(headroom: u64) -> (usize, usize) {
+    let ranges = std::mem::take(&mut *CHUNK_RANGES.lock().unwrap());
+    println!("chunk attempts: {ranges:?}");
+    let len = SLICES as usize;
+    assert_eq!(ranges[0], (0, len), "the first chunk is the whole tensor");
+    assert!(ranges.len() >= 2 && ranges[1].0 == 0, "the 1 GiB temporary must fail under the cap: {ranges:?}");
+    // An attempt failed when the next one starts at the same index; it then has half the length.
+    let mut done = Vec::new();
+    for (i, &(start, end)) in ranges.iter().enumerate() {
+        match ranges.get(i + 1) {
+            Some(&(next_start, next_end)) if next_start == start => {
+                assert_eq!(next_end - next_start, (end - start) / 2, "the step halves: {ranges:?}")
+            }
+            _ => done.push((start, end)),
+        }
+    }
+    assert_eq!(done.first().map(|r| r.0), Some(0));
+    assert_eq!(done.last().map(|r| r.1), Some(len));
+    for pair in done.windows(2) {
+        assert_eq!(pair[0].1, pair[1].0, "finished chunks are consecutive: {done:?}");
+    }
+    let step = done.iter().map(|r| r.1 - r.0).max().unwrap();
+    assert!(step < len && step as u64 * MIB <= headroom, "step {step}: {ranges:?}");
+    let events = take_oom_events();
+    assert_eq!(events.len(), ranges.len() - done.len(), "one info event per failed chunk: {events:#?}");
+    assert!(events.iter().all(|e| e.field("caught") == "error"), "returned as Err, not panicked: {events:#?}");
+    (step, done.len())
+}
+
+/// Asserts that slice `i` along `dimension` of `tensor` holds `2 i + 1` everywhere.
+fn assert_each_slice_written_once(tensor: &Tensor, dimension: i64) {
+    let other = 1 - dimension;
+    let (min, max) = (tensor.amin([other], false), tensor.amax([other], false));
+    let (min, max) = (Vec::<f32>::try_from(&min).unwrap(), Vec::<f32>::try_from(&max).unwrap());
+    assert_eq!(min.len(), SLICES as usize);
+    for i in 0..SLICES as usize {
+        let expected = 2.0 * i as f32 + 1.0;
+        assert_eq!((min[i], max[i]), (expected, expected), "slice {i} along {dimension} (2 i + 1 expected)");
+    }
+}
+
+fn child_chunked() {
+    install_recorder();
+    // 1 GiB, allocated before the cap: row i holds i everywhere.
+    let rows = Tensor::arange(SLICES, CPU_FLOAT).view([SLICES, 1]).repeat([1, MIB_FLOATS]);
+    let headroom = cap_address_space(0.75);
+
+    double_plus_one_rows(&rows).expect("every chunk is done");
+    let (row_step, row_chunks) = check_chunk_attempts(headroom);
+    assert_each_slice_written_once(&rows, 0);
+    drop(rows);
+
+    // The same 1 GiB again, under the cap now, as columns: column j holds j everywhere.
+    let columns = Tensor::arange(SLICES, CPU_FLOAT).view([1, SLICES]).repeat([MIB_FLOATS, 1]);
+    double_plus_one_columns(&columns).expect("every chunk is done");
+    let (column_step, column_chunks) = check_chunk_attempts(headroom);
+    assert_each_slice_written_once(&columns, 1);
+
+    println!(
+        "{DONE} chunked step={row_step} chunks={row_chunks} column_step={column_step} column_chunks={column_chunks}"
+    );
+}
+
+#[test]
+fn chunked_halves_its_step_under_a_real_cap_and_writes_each_slice_once() {
+    if let Some(scenario) = child_scenario() {
+        assert_eq!(scenario, "chunked");
+        return child_chunked();
+    }
+    let (stdout, _) = run_in_child("chunked_halves_its_step_under_a_real_cap_and_writes_each_slice_once", "chunked");
+    let fields = marker_fields(&stdout, "chunked");
+    assert!(fields["step"].parse::<usize>().unwrap() < 1024, "{fields:?}");
+    assert!(fields["column_step"].parse::<usize>().unwrap() < 1024, "{fields:?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// d. Negative controls: an error that is not an out-of-memory is not retried, and an
+//    out-of-memory at batch size 1 is given back.
+
+/// A shape mismatch, whatever the batch size.
+#[toma::batch(initial_batchsize = 64, cache = None)]
+fn mismatched_matmul(batchsize: usize) -> Result<usize, TchError> {
+    BATCH_ATTEMPTS.lock().unwrap().push(batchsize);
+    let a = Tensor::f_ones([batchsize as i64, 3], CPU_FLOAT)?;
+    let b = Tensor::f_ones([4, 5], CPU_FLOAT)?;
+    let _ = a.f_matmul(&b)?;
+    Ok(batchsize)
+}
+
+/// The same mismatch through the panicking method.
+#[toma::batch(initial_batchsize = 64, cache = None)]
+fn mismatched_matmul_panicking(batchsize: usize) -> usize {
+    BATCH_ATTEMPTS.lock().unwrap().push(batchsize);
+    let a = Tensor::ones([batchsize as i64, 3], CPU_FLOAT);
+    let _ = a.matmul(&Tensor::ones([4, 5], CPU_FLOAT));
+    batchsize
+}
+
+/// 64 GiB whatever the batch size: fails at every size, 1 included.
+#[toma::batch(initial_batchsize = 8, cache = None)]
+fn always_too_big(batchsize: usize) -> Result<(), TchError> {
+    BATCH_ATTEMPTS.lock().unwrap().push(batchsize);
+    let _ = Tensor::f_zeros([64 * 1024, MIB_FLOATS], CPU_FLOAT)?;
+    Ok(())
+}
+
+fn child_not_oom() {
+    install_recorder();
+    cap_address_space(1.5);
+
+    let err = mismatched_matmul().expect_err("a shape mismatch cannot succeed");
+    assert_eq!(take_attempts(), [64], "a non-OOM error is returned after one attempt");
+    assert!(matches!(&err, TchError::Torch(_)), "{err:?}");
+    assert!(!err.is_out_of_memory() && err.to_string().contains("cannot be multiplied"), "{err}");
+
+    let payload = std::panic::catch_unwind(mismatched_matmul_panicking).expect_err("a shape mismatch panics");
+    assert_eq!(take_attempts(), [64], "a non-OOM panic is resumed after one attempt");
+    let text = payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default();
+    assert!(text.contains("cannot be multiplied"), "the panic is resumed unchanged: {text}");
+    assert!(take_oom_events().is_empty(), "nothing was an out-of-memory");
+
+    let err = always_too_big().expect_err("64 GiB never fits");
+    let attempts = take_attempts();
+    assert_eq!(attempts, [8, 4, 2, 1], "retried down to 1, then given back");
+    assert!(err.is_out_of_memory() && err.to_string().contains(ALLOCATOR_OOM), "{err}");
+    assert_oom_events(&take_oom_events(), &attempts, "error");
+
+    println!("{DONE} not_oom ok=1");
+}
+
+#[test]
+fn errors_that_are_not_oom_propagate_at_once_under_a_real_cap() {
+    if let Some(scenario) = child_scenario() {
+        assert_eq!(scenario, "not_oom");
+        return child_not_oom();
+    }
+    run_in_child("errors_that_are_not_oom_propagate_at_once_under_a_real_cap", "not_oom");
+}

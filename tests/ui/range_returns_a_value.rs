@@ -1,0 +1,6 @@
+#[toma::range(initial_step = 8)]
+fn total(start: usize, end: usize) -> usize {
+    end - start
+}
+
+fn main() {}
