@@ -9,12 +9,11 @@
 //! | [`Global`](CacheKind::Global) | the decorated function, or the `execute`/builder call site | one size fits every caller |
 //! | [`None`](CacheKind::None) | nothing is remembered | every call should start at the initial size |
 //!
-//! An entry only ever goes down: a success at size `s` stores `min(entry, s)` and an
-//! out-of-memory at `s` stores `min(entry, s / 2)`. Since a call starts at the entry, it can
-//! only succeed at or below it, so this is "the last size that worked", and a slow thread that
-//! succeeded with a stale, larger size cannot raise the entry above a size that has since failed.
-//! More free memory gives a new key (for `StacktraceMemory`), which starts again at the initial
-//! size.
+//! An entry holds the size to start from (the largest that worked) and the smallest size that
+//! ran out of memory, and keeps the first below the second. A call never starts at or above a
+//! size that failed under its key, so a slow thread that succeeded with a stale, larger size
+//! cannot undo another thread's failure. More free memory gives a new key (for
+//! `StacktraceMemory`), which starts again at the initial size.
 //!
 //! The map is bounded ([`MAX_ENTRIES`]); when it is full it starts over, which costs at most
 //! one round of retries per key.
@@ -107,8 +106,24 @@ impl Hasher for PassThrough {
     }
 }
 
+/// What the cache knows about one key.
+///
+/// Invariant: `ok < failed`. A call with the key never starts at or above `failed`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Entry {
+    /// The size to start from: the largest size that worked (or, right after an
+    /// out-of-memory, the size the policy moved to).
+    pub(crate) ok: usize,
+    /// The smallest size that ran out of memory; `usize::MAX` when none did.
+    pub(crate) failed: usize,
+}
+
+impl Entry {
+    pub(crate) const NO_FAILURE: usize = usize::MAX;
+}
+
 struct Store {
-    map: DashMap<u64, usize, BuildHasherDefault<PassThrough>>,
+    map: DashMap<u64, Entry, BuildHasherDefault<PassThrough>>,
     len: AtomicUsize,
 }
 
@@ -117,27 +132,53 @@ fn store() -> &'static Store {
     STORE.get_or_init(|| Store { map: DashMap::default(), len: AtomicUsize::new(0) })
 }
 
-/// The remembered size for `key`, if any. The value is copied out: no map guard outlives this
-/// call, so user code never runs while a shard is locked.
-pub(crate) fn lookup(key: u64) -> Option<usize> {
+/// What the cache knows about `key`. The entry is copied out: no map guard outlives this call,
+/// so user code never runs while a shard is locked.
+pub(crate) fn lookup(key: u64) -> Option<Entry> {
     store().map.get(&key).map(|entry| *entry)
 }
 
-/// Lowers the entry for `key` to at most `size` (inserting it if absent).
-pub(crate) fn lower(key: u64, size: usize) {
-    debug_assert!(size > 0);
+/// Records that `size` worked: raises `ok` to it, unless `size` has since failed (a slow
+/// thread's stale success must not undo another thread's failure).
+pub(crate) fn record_success(key: u64, size: usize) -> Entry {
+    update(key, Entry { ok: size, failed: Entry::NO_FAILURE }, |entry| {
+        if size < entry.failed {
+            entry.ok = entry.ok.max(size);
+        }
+    })
+}
+
+/// Records that `failed` ran out of memory and that the call moved on to `next` (< `failed`).
+pub(crate) fn record_out_of_memory(key: u64, failed: usize, next: usize) -> Entry {
+    debug_assert!(next < failed && next > 0);
+    update(key, Entry { ok: next, failed }, |entry| {
+        entry.failed = entry.failed.min(failed);
+        if entry.ok >= entry.failed {
+            entry.ok = next.min(entry.failed - 1);
+        }
+    })
+}
+
+/// Applies `change` to the entry under the shard's lock (or inserts `new`), and returns it.
+fn update(key: u64, new: Entry, change: impl FnOnce(&mut Entry)) -> Entry {
     let store = store();
     let mut inserted = false;
-    store.map.entry(key).and_modify(|entry| *entry = (*entry).min(size)).or_insert_with(|| {
-        inserted = true;
-        size
-    });
+    let entry = *store
+        .map
+        .entry(key)
+        .and_modify(change)
+        .or_insert_with(|| {
+            inserted = true;
+            new
+        })
+        .value();
     if inserted && store.len.fetch_add(1, Ordering::Relaxed) + 1 > MAX_ENTRIES {
         // Starting over is the simplest bound; losing entries only costs retries.
         store.map.clear();
         store.len.store(0, Ordering::Relaxed);
         tracing::debug!(max = MAX_ENTRIES, "toma: size cache full, cleared");
     }
+    entry
 }
 
 /// Forgets every remembered size (all kinds, all keys).
@@ -260,15 +301,31 @@ mod tests {
     use super::*;
 
     #[test]
-    fn entries_only_go_down() {
+    fn entries_keep_ok_below_the_smallest_failure() {
         let key = mix(0xdead_beef);
         assert_eq!(lookup(key), None);
-        lower(key, 64);
-        assert_eq!(lookup(key), Some(64));
-        lower(key, 128);
-        assert_eq!(lookup(key), Some(64));
-        lower(key, 16);
-        assert_eq!(lookup(key), Some(16));
+        assert_eq!(record_success(key, 64), Entry { ok: 64, failed: Entry::NO_FAILURE });
+        assert_eq!(record_out_of_memory(key, 64, 32), Entry { ok: 32, failed: 64 });
+        // A stale success above the failure changes nothing; one below it raises `ok`.
+        assert_eq!(record_success(key, 64), Entry { ok: 32, failed: 64 });
+        assert_eq!(record_success(key, 48), Entry { ok: 48, failed: 64 });
+        // A failure below `ok` pulls it under the failure.
+        assert_eq!(record_out_of_memory(key, 40, 20), Entry { ok: 20, failed: 40 });
+        assert_eq!(record_out_of_memory(key, 56, 28), Entry { ok: 20, failed: 40 });
+        let fresh = mix(0xfeed);
+        assert_eq!(record_out_of_memory(fresh, 10, 5), Entry { ok: 5, failed: 10 });
+    }
+
+    #[test]
+    fn a_million_distinct_keys_stay_bounded() {
+        for i in 0..1_000_000u64 {
+            record_success(mix(i ^ 0xb0b0_0000_0000), 1 + (i as usize % 7));
+            if i % 65_536 == 0 {
+                assert!(len() <= MAX_ENTRIES, "{} entries", len());
+            }
+        }
+        assert!(len() <= MAX_ENTRIES, "{} entries", len());
+        assert!(store().len.load(Ordering::Relaxed) <= MAX_ENTRIES);
     }
 
     #[test]

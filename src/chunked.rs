@@ -7,7 +7,8 @@ use tch::Tensor;
 
 use crate::cache::{CacheKind, Operation, Site};
 use crate::oom::OutOfMemory;
-use crate::retry::{CatchUnwind, ConfigError, Range, RangeAttempts};
+use crate::policy::Policy;
+use crate::retry::{CatchUnwind, ConfigError, Range, RangeAttempts, Report};
 
 /// Runs a body on consecutive chunks of a tensor along one dimension, halving the chunk
 /// length on out-of-memory.
@@ -71,6 +72,12 @@ impl<'a> Chunked<'a> {
         self
     }
 
+    /// How the step moves; [`Policy::halve`] without this.
+    pub fn policy(mut self, policy: Policy) -> Self {
+        self.range = self.range.policy(policy);
+        self
+    }
+
     #[doc(hidden)]
     pub fn site(mut self, site: &'static Site) -> Self {
         self.range = self.range.site(site);
@@ -80,7 +87,11 @@ impl<'a> Chunked<'a> {
     #[doc(hidden)]
     #[track_caller]
     pub fn start(self) -> ChunkedAttempts<'a> {
-        let attempts = self.range.start_as(Operation::Chunked, Location::caller());
+        self.start_at(Location::caller(), false)
+    }
+
+    fn start_at(self, caller: &'static Location<'static>, report: bool) -> ChunkedAttempts<'a> {
+        let attempts = self.range.start_as(Operation::Chunked, caller, report);
         ChunkedAttempts { tensor: self.tensor, dimension: self.dimension, attempts }
     }
 
@@ -89,17 +100,22 @@ impl<'a> Chunked<'a> {
     ///
     /// Returns as [`Range::run`] does.
     #[track_caller]
-    pub fn run<E, F>(self, mut body: F) -> Result<(), E>
+    pub fn run<E, F>(self, body: F) -> Result<(), E>
     where
         E: OutOfMemory,
         F: FnMut(Tensor, usize, usize) -> Result<(), E>,
     {
-        let mut attempts = self.start();
-        while let Some((chunk, start, end)) = attempts.next_chunk() {
-            let outcome = attempts.attempt(|| body(chunk, start, end));
-            attempts.finish(outcome)?;
-        }
-        Ok(())
+        self.start_at(Location::caller(), false).drive(body).0
+    }
+
+    /// [`Chunked::run`], also returning what the call did.
+    #[track_caller]
+    pub fn run_with_report<E, F>(self, body: F) -> (Result<(), E>, Report)
+    where
+        E: OutOfMemory,
+        F: FnMut(Tensor, usize, usize) -> Result<(), E>,
+    {
+        self.start_at(Location::caller(), true).drive(body)
     }
 
     /// [`Chunked::run`] for a body that returns a future.
@@ -110,11 +126,10 @@ impl<'a> Chunked<'a> {
         F: FnMut(Tensor, usize, usize) -> Fut + 'a,
         Fut: Future<Output = Result<(), E>> + 'a,
     {
-        let mut attempts = self.start();
+        let mut attempts = self.start_at(Location::caller(), false);
         async move {
             while let Some((chunk, start, end)) = attempts.next_chunk() {
-                let retryable = attempts.retryable();
-                let outcome = CatchUnwind::new(body(chunk, start, end), retryable).await;
+                let outcome = attempts.attempt_async(body(chunk, start, end)).await;
                 attempts.finish(outcome)?;
             }
             Ok(())
@@ -132,6 +147,20 @@ pub struct ChunkedAttempts<'a> {
 }
 
 impl ChunkedAttempts<'_> {
+    fn drive<E, F>(mut self, mut body: F) -> (Result<(), E>, Report)
+    where
+        E: OutOfMemory,
+        F: FnMut(Tensor, usize, usize) -> Result<(), E>,
+    {
+        while let Some((chunk, start, end)) = self.next_chunk() {
+            let outcome = self.attempt(|| body(chunk, start, end));
+            if let Err(err) = self.finish(outcome) {
+                return (Err(err), self.attempts.report());
+            }
+        }
+        (Ok(()), self.attempts.report())
+    }
+
     /// The next chunk (a view) and its range, or `None` when done.
     pub fn next_chunk(&self) -> Option<(Tensor, usize, usize)> {
         let (start, end) = self.attempts.next_range()?;
@@ -144,8 +173,18 @@ impl ChunkedAttempts<'_> {
     }
 
     /// Runs one attempt, catching its panic.
-    pub fn attempt<R>(&self, body: impl FnOnce() -> R) -> std::thread::Result<R> {
+    pub fn attempt<R>(&mut self, body: impl FnOnce() -> R) -> std::thread::Result<R> {
         self.attempts.attempt(body)
+    }
+
+    /// Wraps one attempt's future so that its panic is caught.
+    pub fn attempt_async<F: Future>(&mut self, future: F) -> CatchUnwind<F> {
+        self.attempts.attempt_async(future)
+    }
+
+    /// What the call did so far.
+    pub fn report(&self) -> Report {
+        self.attempts.report()
     }
 
     /// As [`RangeAttempts::finish`].

@@ -43,6 +43,7 @@ pub mod cpu_memory;
 pub mod execute;
 pub mod memory;
 pub mod oom;
+mod policy;
 mod retry;
 
 pub use cache::{default_cache, set_default_cache, CacheKind};
@@ -50,7 +51,8 @@ pub use cache::{default_cache, set_default_cache, CacheKind};
 #[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
 pub use chunked::Chunked;
 pub use oom::OutOfMemory;
-pub use retry::{Batch, ConfigError, Range};
+pub use policy::Policy;
+pub use retry::{Batch, ConfigError, Range, Report};
 
 /// Retries a function with a halved batch size on out-of-memory, remembering the size that
 /// worked.
@@ -151,6 +153,7 @@ pub mod __private {
     pub use crate::cache::{CacheKind, Site};
     #[cfg(feature = "tch")]
     pub use crate::chunked::{Chunked, ChunkedAttempts};
+    pub use crate::policy::Policy;
     pub use crate::retry::{
         infallible, typed_future, unwrap_infallible, Batch, BatchAttempts, CatchUnwind, Range, RangeAttempts,
     };

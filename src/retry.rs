@@ -21,11 +21,14 @@ use std::pin::Pin;
 use std::sync::Once;
 use std::task::{Context, Poll};
 
-use crate::cache::{self, CacheKind, CallSite, Operation, Site};
+use std::time::{Duration, Instant};
+
+use crate::cache::{self, CacheKind, CallSite, Entry, Operation, Site};
 use crate::oom::{first_line, is_out_of_memory_panic, panic_message, OutOfMemory};
+use crate::policy::Policy;
 
 /// A configuration that cannot run, reported by the builders' `try_new`.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConfigError {
     /// An initial batch size or step of 0: no attempt could ever run.
@@ -41,6 +44,12 @@ pub enum ConfigError {
         start: usize,
         /// The range's end.
         end: usize,
+    },
+    /// A [`Policy::factor`](crate::Policy::factor) outside (0, 1): it would not shrink.
+    #[error("toma: a shrink factor must be strictly between 0 and 1, got {factor}")]
+    InvalidFactor {
+        /// The factor asked for.
+        factor: f64,
     },
     /// A chunking dimension the tensor does not have.
     #[error("toma: dimension {dimension} is out of range for a tensor with {ndim} dimension(s)")]
@@ -181,50 +190,134 @@ fn classify<T, E>(outcome: std::thread::Result<Result<T, E>>) -> Result<T, Failu
     }
 }
 
-/// The size a call is at, and the cache entry it reads and lowers.
+/// What one call did: returned by the builders' `run_with_report`, and summarised in an `info`
+/// event when a call caught out-of-memories.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Report {
+    /// Times the body ran.
+    pub attempts: u32,
+    /// Attempts that ran out of memory (and were retried, or ended the call at size 1).
+    pub out_of_memory: u32,
+    /// The size of the first attempt.
+    pub first_size: usize,
+    /// Whether the first size came from the cache.
+    pub from_cache: bool,
+    /// The size the call ended at (for range and chunked: the last step).
+    pub final_size: usize,
+    /// Wall time spent in attempts that ran out of memory.
+    pub failed_time: Duration,
+    /// Wall time of the whole call.
+    pub total_time: Duration,
+}
+
+/// Settings shared by the three builders.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Settings {
+    pub(crate) cache: Option<CacheKind>,
+    pub(crate) policy: Policy,
+    pub(crate) site: Option<&'static Site>,
+}
+
+/// The size a call is at, what the cache knows, and what happened so far.
 #[derive(Debug)]
 struct Sizer {
     op: Operation,
     name: &'static str,
     key: Option<u64>,
-    /// The remembered size this call started from, if the cache had one.
-    from_cache: Option<usize>,
+    policy: Policy,
+    cap: usize,
+    /// The cache entry as this call last saw or wrote it.
+    seen: Option<Entry>,
+    /// Size of the next attempt.
     size: usize,
+    /// Largest size that worked in this call or before (0: none known).
+    ok: usize,
+    /// Smallest size that failed in this call or before.
+    failed: usize,
+    report: Report,
+    /// Clock for the report: only read when someone will see the times.
+    timed: Option<Instant>,
+    attempt_started: Option<Instant>,
+    concluded: bool,
 }
 
 impl Sizer {
-    fn start(op: Operation, initial: usize, kind: CacheKind, site: CallSite) -> Self {
+    fn start(op: Operation, initial: usize, kind: CacheKind, settings: Settings, site: CallSite, report: bool) -> Self {
+        let timed = (report || tracing::enabled!(tracing::Level::INFO)).then(Instant::now);
         let key = cache::key(kind, op, site);
-        let from_cache = key.and_then(cache::lookup);
-        // A smaller initial size than the remembered one wins: the caller asked for at most it.
-        let size = from_cache.map_or(initial, |cached| cached.min(initial));
+        let seen = key.and_then(cache::lookup);
+        let policy = settings.policy;
+        let cap = policy.cap(initial);
+        let (ok, failed) = seen.map_or((0, Entry::NO_FAILURE), |e| (e.ok, e.failed));
+        let size = match seen {
+            None => initial,
+            // Always below the smallest size that failed under this key.
+            Some(e) if policy.grows() => policy.after_success(e.ok.min(cap), e.failed, cap),
+            Some(e) => e.ok.min(initial),
+        };
         let name = site.function.map_or("execute", Site::name);
-        if let Some(cached) = from_cache {
-            tracing::debug!(op = ?op, function = name, size, cached, "toma: starting from the cached size");
+        if let Some(entry) = seen {
+            tracing::debug!(op = ?op, function = name, size, ok = entry.ok, failed = entry.failed, "toma: starting from the cache");
         }
-        Sizer { op, name, key, from_cache, size }
+        let report = Report { first_size: size, from_cache: seen.is_some(), ..Report::default() };
+        Sizer {
+            op,
+            name,
+            key,
+            policy,
+            cap,
+            seen,
+            size,
+            ok,
+            failed,
+            report,
+            timed,
+            attempt_started: None,
+            concluded: false,
+        }
     }
 
-    fn succeeded(&self, size: usize) {
-        // Skipping the write when nothing changes keeps cache hits read-only.
-        if let (Some(key), false) = (self.key, self.from_cache == Some(size)) {
-            cache::lower(key, size);
+    fn begin_attempt(&mut self) {
+        self.report.attempts += 1;
+        if self.timed.is_some() {
+            self.attempt_started = Some(Instant::now());
         }
     }
 
-    /// Records an out-of-memory at `failed` (the size the failed attempt really used) and
-    /// moves to half of it. `false` when there is nothing smaller to try.
+    /// Records a success with `len` (the size the attempt really used). `full` is false for a
+    /// clipped last sub-range, which says nothing about the step.
+    fn succeeded(&mut self, len: usize, full: bool) {
+        if len < self.failed && len > self.ok {
+            self.ok = len;
+        }
+        // Skipping the write when the cache already knows keeps cache hits read-only.
+        if let (Some(key), true) = (self.key, self.seen.is_none_or(|e| e.ok < len && len < e.failed)) {
+            self.seen = Some(cache::record_success(key, len));
+        }
+        if full {
+            self.size = self.policy.after_success(self.size, self.failed, self.cap);
+        }
+    }
+
+    /// Records an out-of-memory at `failed` (the size the failed attempt really used) and moves
+    /// to the policy's next size. `false` when there is nothing smaller to try.
     fn out_of_memory<E>(&mut self, failed: usize, failure: &Failure<E>) -> bool
     where
         E: OutOfMemory,
     {
+        self.report.out_of_memory += 1;
+        if let Some(started) = self.attempt_started.take() {
+            self.report.failed_time += started.elapsed();
+        }
+        self.failed = self.failed.min(failed);
         if failed <= 1 {
             tracing::info!(op = ?self.op, function = self.name, size = failed, "toma: out of memory at size 1, giving up");
             return false;
         }
-        let next = failed / 2;
+        let next = self.policy.shrink(failed, self.ok);
         if let Some(key) = self.key {
-            cache::lower(key, next);
+            self.seen = Some(cache::record_out_of_memory(key, failed, next));
         }
         if tracing::enabled!(tracing::Level::INFO) {
             let text = match failure {
@@ -244,12 +337,39 @@ impl Sizer {
         self.size = next;
         true
     }
+
+    /// The report of the call so far.
+    fn report(&self) -> Report {
+        let mut report = self.report.clone();
+        report.final_size = self.size;
+        if let Some(clock) = self.timed {
+            report.total_time = clock.elapsed();
+        }
+        report
+    }
+
+    /// Ends the call: logs a summary when it caught out-of-memories.
+    fn conclude(&mut self) {
+        if self.report.out_of_memory > 0 && !std::mem::replace(&mut self.concluded, true) {
+            let report = self.report();
+            tracing::info!(
+                op = ?self.op,
+                function = self.name,
+                attempts = report.attempts,
+                out_of_memory = report.out_of_memory,
+                first_size = report.first_size,
+                final_size = report.final_size,
+                failed_ms = report.failed_time.as_secs_f64() * 1e3,
+                "toma: call done"
+            );
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Batch
 
-/// Runs a body with a batch size, halving it on out-of-memory.
+/// Runs a body with a batch size, shrinking it on out-of-memory.
 ///
 /// ```
 /// use toma::{Batch, CacheKind};
@@ -264,8 +384,7 @@ impl Sizer {
 #[must_use = "a builder does nothing until `run` is called"]
 pub struct Batch {
     initial: usize,
-    cache: Option<CacheKind>,
-    site: Option<&'static Site>,
+    settings: Settings,
 }
 
 impl Batch {
@@ -280,18 +399,24 @@ impl Batch {
 
     /// Like [`Batch::new`], with a 0 size reported as [`ConfigError::ZeroSize`].
     pub fn try_new(initial_batchsize: usize) -> Result<Self, ConfigError> {
-        Ok(Batch { initial: nonzero(initial_batchsize, "batch size")?, cache: None, site: None })
+        Ok(Batch { initial: nonzero(initial_batchsize, "batch size")?, settings: Settings::default() })
     }
 
     /// Which cache to use; without this, the process default ([`crate::default_cache`]).
     pub fn cache(mut self, kind: CacheKind) -> Self {
-        self.cache = Some(kind);
+        self.settings.cache = Some(kind);
+        self
+    }
+
+    /// How the size moves; [`Policy::halve`] without this.
+    pub fn policy(mut self, policy: Policy) -> Self {
+        self.settings.policy = policy;
         self
     }
 
     #[doc(hidden)]
     pub fn site(mut self, site: &'static Site) -> Self {
-        self.site = Some(site);
+        self.settings.site = Some(site);
         self
     }
 
@@ -300,30 +425,37 @@ impl Batch {
     #[doc(hidden)]
     #[track_caller]
     pub fn start(self) -> BatchAttempts {
-        let site = CallSite { function: self.site, caller: Location::caller() };
-        let kind = self.cache.unwrap_or_else(cache::default_cache);
-        BatchAttempts { sizer: Sizer::start(Operation::Batch, self.initial, kind, site) }
+        self.start_at(Location::caller(), false)
     }
 
-    /// Runs `body(batchsize)` until it succeeds, halving `batchsize` on every out-of-memory.
+    fn start_at(self, caller: &'static Location<'static>, report: bool) -> BatchAttempts {
+        let site = CallSite { function: self.settings.site, caller };
+        let kind = self.settings.cache.unwrap_or_else(cache::default_cache);
+        BatchAttempts { sizer: Sizer::start(Operation::Batch, self.initial, kind, self.settings, site, report) }
+    }
+
+    /// Runs `body(batchsize)` until it succeeds, shrinking `batchsize` on every out-of-memory.
     ///
     /// Returns the body's first success, its first error that is not an out-of-memory, or its
     /// out-of-memory at batch size 1. Panics of the body are caught when they are
     /// out-of-memories (and retried like errors); other panics are resumed unchanged.
     #[track_caller]
-    pub fn run<T, E, F>(self, mut body: F) -> Result<T, E>
+    pub fn run<T, E, F>(self, body: F) -> Result<T, E>
     where
         E: OutOfMemory,
         F: FnMut(usize) -> Result<T, E>,
     {
-        let mut attempts = self.start();
-        loop {
-            let size = attempts.size();
-            let outcome = attempts.attempt(|| body(size));
-            if let ControlFlow::Break(result) = attempts.finish(outcome) {
-                return result;
-            }
-        }
+        self.start_at(Location::caller(), false).drive(body).0
+    }
+
+    /// [`Batch::run`], also returning what the call did.
+    #[track_caller]
+    pub fn run_with_report<T, E, F>(self, body: F) -> (Result<T, E>, Report)
+    where
+        E: OutOfMemory,
+        F: FnMut(usize) -> Result<T, E>,
+    {
+        self.start_at(Location::caller(), true).drive(body)
     }
 
     /// [`Batch::run`] for a body that returns a future; each attempt awaits a new one.
@@ -334,11 +466,11 @@ impl Batch {
         F: FnMut(usize) -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        let mut attempts = self.start();
+        let mut attempts = self.start_at(Location::caller(), false);
         async move {
             loop {
                 let size = attempts.size();
-                let outcome = CatchUnwind::new(body(size), attempts.retryable()).await;
+                let outcome = attempts.attempt_async(body(size)).await;
                 if let ControlFlow::Break(result) = attempts.finish(outcome) {
                     return result;
                 }
@@ -355,6 +487,20 @@ pub struct BatchAttempts {
 }
 
 impl BatchAttempts {
+    fn drive<T, E, F>(mut self, mut body: F) -> (Result<T, E>, Report)
+    where
+        E: OutOfMemory,
+        F: FnMut(usize) -> Result<T, E>,
+    {
+        loop {
+            let size = self.size();
+            let outcome = self.attempt(|| body(size));
+            if let ControlFlow::Break(result) = self.finish(outcome) {
+                return (result, self.sizer.report());
+            }
+        }
+    }
+
     /// The batch size of the next attempt.
     pub fn size(&self) -> usize {
         self.sizer.size
@@ -366,9 +512,17 @@ impl BatchAttempts {
     }
 
     /// Runs one attempt, catching its panic.
-    pub fn attempt<R>(&self, body: impl FnOnce() -> R) -> std::thread::Result<R> {
+    pub fn attempt<R>(&mut self, body: impl FnOnce() -> R) -> std::thread::Result<R> {
         tracing::debug!(op = "batch", function = self.sizer.name, size = self.sizer.size, "toma: attempt");
+        self.sizer.begin_attempt();
         catch_attempt(self.retryable(), body)
+    }
+
+    /// Wraps one attempt's future so that its panic is caught.
+    pub fn attempt_async<F: Future>(&mut self, future: F) -> CatchUnwind<F> {
+        tracing::debug!(op = "batch", function = self.sizer.name, size = self.sizer.size, "toma: attempt");
+        self.sizer.begin_attempt();
+        CatchUnwind::new(future, self.retryable())
     }
 
     /// Takes an attempt's outcome: `Break` with the call's result, or `Continue` to try again
@@ -379,7 +533,8 @@ impl BatchAttempts {
     ) -> ControlFlow<Result<T, E>> {
         match classify(outcome) {
             Ok(value) => {
-                self.sizer.succeeded(self.sizer.size);
+                self.sizer.succeeded(self.sizer.size, true);
+                self.sizer.conclude();
                 ControlFlow::Break(Ok(value))
             }
             Err(failure) => {
@@ -387,10 +542,16 @@ impl BatchAttempts {
                     drop(failure);
                     ControlFlow::Continue(())
                 } else {
+                    self.sizer.conclude();
                     ControlFlow::Break(Err(failure.give_back()))
                 }
             }
         }
+    }
+
+    /// What the call did so far.
+    pub fn report(&self) -> Report {
+        self.sizer.report()
     }
 }
 
@@ -398,10 +559,11 @@ impl BatchAttempts {
 // Range
 
 /// Runs a body over `[start, end)` in consecutive sub-ranges of at most `step` indices,
-/// halving the step on out-of-memory.
+/// shrinking the step on out-of-memory.
 ///
-/// A failed sub-range is retried with half its length; finished sub-ranges are never redone,
-/// and the smaller step holds for the rest of the call.
+/// A failed sub-range is retried with the policy's smaller length (half of it by default);
+/// finished sub-ranges are never redone, and the smaller step holds for the rest of the call
+/// (unless the policy [grows](Policy::grow)).
 ///
 /// ```
 /// use toma::{CacheKind, Range};
@@ -419,8 +581,7 @@ pub struct Range {
     pub(crate) start: usize,
     pub(crate) end: usize,
     pub(crate) initial: usize,
-    pub(crate) cache: Option<CacheKind>,
-    pub(crate) site: Option<&'static Site>,
+    pub(crate) settings: Settings,
 }
 
 impl Range {
@@ -439,36 +600,42 @@ impl Range {
         if start > end {
             return Err(ConfigError::StartAfterEnd { start, end });
         }
-        Ok(Range { start, end, initial, cache: None, site: None })
+        Ok(Range { start, end, initial, settings: Settings::default() })
     }
 
     /// Which cache to use; without this, the process default ([`crate::default_cache`]).
     pub fn cache(mut self, kind: CacheKind) -> Self {
-        self.cache = Some(kind);
+        self.settings.cache = Some(kind);
+        self
+    }
+
+    /// How the step moves; [`Policy::halve`] without this.
+    pub fn policy(mut self, policy: Policy) -> Self {
+        self.settings.policy = policy;
         self
     }
 
     #[doc(hidden)]
     pub fn site(mut self, site: &'static Site) -> Self {
-        self.site = Some(site);
+        self.settings.site = Some(site);
         self
     }
 
     #[doc(hidden)]
     #[track_caller]
     pub fn start(self) -> RangeAttempts {
-        self.start_as(Operation::Range, Location::caller())
+        self.start_as(Operation::Range, Location::caller(), false)
     }
 
-    pub(crate) fn start_as(self, op: Operation, caller: &'static Location<'static>) -> RangeAttempts {
-        let site = CallSite { function: self.site, caller };
-        let kind = self.cache.unwrap_or_else(cache::default_cache);
+    pub(crate) fn start_as(self, op: Operation, caller: &'static Location<'static>, report: bool) -> RangeAttempts {
+        let site = CallSite { function: self.settings.site, caller };
         // An empty range never runs, so it need not pay for a key.
-        let sizer = if self.start == self.end {
-            Sizer::start(op, self.initial, CacheKind::None, site)
+        let kind = if self.start == self.end {
+            CacheKind::None
         } else {
-            Sizer::start(op, self.initial, kind, site)
+            self.settings.cache.unwrap_or_else(cache::default_cache)
         };
+        let sizer = Sizer::start(op, self.initial, kind, self.settings, site, report);
         RangeAttempts { sizer, position: self.start, end: self.end }
     }
 
@@ -479,17 +646,22 @@ impl Range {
     /// out-of-memory, or its out-of-memory on a sub-range of length 1. Panics are handled as
     /// in [`Batch::run`].
     #[track_caller]
-    pub fn run<E, F>(self, mut body: F) -> Result<(), E>
+    pub fn run<E, F>(self, body: F) -> Result<(), E>
     where
         E: OutOfMemory,
         F: FnMut(usize, usize) -> Result<(), E>,
     {
-        let mut attempts = self.start();
-        while let Some((start, end)) = attempts.next_range() {
-            let outcome = attempts.attempt(|| body(start, end));
-            attempts.finish(outcome)?;
-        }
-        Ok(())
+        self.start_as(Operation::Range, Location::caller(), false).drive(body).0
+    }
+
+    /// [`Range::run`], also returning what the call did.
+    #[track_caller]
+    pub fn run_with_report<E, F>(self, body: F) -> (Result<(), E>, Report)
+    where
+        E: OutOfMemory,
+        F: FnMut(usize, usize) -> Result<(), E>,
+    {
+        self.start_as(Operation::Range, Location::caller(), true).drive(body)
     }
 
     /// [`Range::run`] for a body that returns a future.
@@ -500,10 +672,10 @@ impl Range {
         F: FnMut(usize, usize) -> Fut,
         Fut: Future<Output = Result<(), E>>,
     {
-        let mut attempts = self.start();
+        let mut attempts = self.start_as(Operation::Range, Location::caller(), false);
         async move {
             while let Some((start, end)) = attempts.next_range() {
-                let outcome = CatchUnwind::new(body(start, end), attempts.retryable()).await;
+                let outcome = attempts.attempt_async(body(start, end)).await;
                 attempts.finish(outcome)?;
             }
             Ok(())
@@ -521,6 +693,20 @@ pub struct RangeAttempts {
 }
 
 impl RangeAttempts {
+    pub(crate) fn drive<E, F>(mut self, mut body: F) -> (Result<(), E>, Report)
+    where
+        E: OutOfMemory,
+        F: FnMut(usize, usize) -> Result<(), E>,
+    {
+        while let Some((start, end)) = self.next_range() {
+            let outcome = self.attempt(|| body(start, end));
+            if let Err(err) = self.finish(outcome) {
+                return (Err(err), self.sizer.report());
+            }
+        }
+        (Ok(()), self.sizer.report())
+    }
+
     /// The sub-range of the next attempt, or `None` when the whole range is done.
     pub fn next_range(&self) -> Option<(usize, usize)> {
         (self.position < self.end).then(|| (self.position, self.position.saturating_add(self.sizer.size).min(self.end)))
@@ -536,12 +722,23 @@ impl RangeAttempts {
         self.next_range().is_some_and(|(start, end)| end - start > 1)
     }
 
-    /// Runs one attempt, catching its panic.
-    pub fn attempt<R>(&self, body: impl FnOnce() -> R) -> std::thread::Result<R> {
+    fn begin(&mut self) {
         if let Some((start, end)) = self.next_range() {
             tracing::debug!(op = ?self.sizer.op, function = self.sizer.name, start, end, "toma: attempt");
         }
+        self.sizer.begin_attempt();
+    }
+
+    /// Runs one attempt, catching its panic.
+    pub fn attempt<R>(&mut self, body: impl FnOnce() -> R) -> std::thread::Result<R> {
+        self.begin();
         catch_attempt(self.retryable(), body)
+    }
+
+    /// Wraps one attempt's future so that its panic is caught.
+    pub fn attempt_async<F: Future>(&mut self, future: F) -> CatchUnwind<F> {
+        self.begin();
+        CatchUnwind::new(future, self.retryable())
     }
 
     /// Takes an attempt's outcome: `Ok` to go on (with the next sub-range or a smaller one),
@@ -553,8 +750,12 @@ impl RangeAttempts {
         let (start, end) = self.next_range().expect("toma: RangeAttempts::finish after the range was done");
         match classify(outcome) {
             Ok(()) => {
-                self.sizer.succeeded(self.sizer.size);
+                let len = end - start;
+                self.sizer.succeeded(len, len == self.sizer.size);
                 self.position = end;
+                if self.position == self.end {
+                    self.sizer.conclude();
+                }
                 Ok(())
             }
             Err(failure) => {
@@ -562,10 +763,16 @@ impl RangeAttempts {
                     drop(failure);
                     Ok(())
                 } else {
+                    self.sizer.conclude();
                     Err(failure.give_back())
                 }
             }
         }
+    }
+
+    /// What the call did so far.
+    pub fn report(&self) -> Report {
+        self.sizer.report()
     }
 }
 

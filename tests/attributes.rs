@@ -346,3 +346,29 @@ fn async_batch_range_and_chunked() {
     block_on(add(&t)).unwrap();
     assert_eq!(t, Tensor::ones([6], (Kind::Float, Device::Cpu)));
 }
+
+#[test]
+fn policies_on_attributes() {
+    static CALLS: Recorder = Recorder::new();
+    #[toma::batch(initial_batchsize = 65, cache = None, policy = factor(0.9))]
+    fn gentle(batchsize: usize) -> Result<usize, String> {
+        CALLS.push(batchsize);
+        if batchsize > 60 {
+            return Err(oom());
+        }
+        Ok(batchsize)
+    }
+    assert_eq!(gentle(), Ok(58));
+    assert_eq!(CALLS.take(), [65, 58]);
+
+    const POLICY: toma::Policy = toma::Policy::grow_up_to(40);
+    static RANGES: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+    #[toma::range(initial_step = 8, cache = None, policy = POLICY)]
+    fn widen(start: usize, end: usize) {
+        RANGES.lock().unwrap().push((start, end));
+    }
+    widen(0, 100);
+    // No failure: the step grows halfway towards the cap after every success.
+    let lengths: Vec<usize> = RANGES.lock().unwrap().iter().map(|(s, e)| e - s).collect();
+    assert_eq!(lengths, [8, 24, 32, 36]);
+}

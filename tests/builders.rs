@@ -246,3 +246,73 @@ fn a_dropped_async_call_leaves_the_cache_usable() {
     }
     assert_eq!(log.take(), [64, 32, 16, 16]);
 }
+
+#[test]
+fn factor_policy_ends_closer_to_the_limit() {
+    use toma::Policy;
+    let calls = RefCell::new(Vec::new());
+    let out = Batch::new(65).cache(CacheKind::None).policy(Policy::factor(0.9)).run(fits_up_to(60, &calls));
+    assert_eq!((out, calls.take()), (Ok(58), vec![65, 58]));
+    // A factor that would round to the same size still moves down by at least 1.
+    let out = Batch::new(3).cache(CacheKind::None).policy(Policy::factor(0.99)).run(fits_up_to(1, &calls));
+    assert_eq!((out, calls.take()), (Ok(1), vec![3, 2, 1]));
+}
+
+#[test]
+fn grow_finds_the_largest_size_across_calls_and_remembers_it() {
+    use toma::Policy;
+    let calls = RefCell::new(Vec::new());
+    let mut finals = Vec::new();
+    for _ in 0..10 {
+        finals
+            .push(Batch::new(100).cache(CacheKind::Global).policy(Policy::grow()).run(fits_up_to(70, &calls)).unwrap());
+    }
+    // Halving first (100, 50), then each call probes halfway between the largest size that
+    // worked and the smallest that failed, until they meet at the limit.
+    assert_eq!(finals, [50, 62, 68, 69, 70, 70, 70, 70, 70, 70]);
+    assert_eq!(calls.take(), [100, 50, 75, 62, 68, 71, 69, 70, 70, 70, 70, 70, 70]);
+}
+
+#[test]
+fn grow_lets_a_range_step_recover_within_one_call() {
+    use toma::Policy;
+    let mut calls = Vec::new();
+    let mut failed_once = false;
+    Range::new(0, 200, 32)
+        .cache(CacheKind::None)
+        .policy(Policy::grow())
+        .run(|start, end| {
+            calls.push((start, end));
+            // One transient failure at the start; afterwards everything up to 32 fits.
+            if !failed_once {
+                failed_once = true;
+                return Err(oom());
+            }
+            Ok(())
+        })
+        .unwrap();
+    let lengths: Vec<usize> = calls.iter().map(|(s, e)| e - s).collect();
+    // 32 failed once, so the search stays below it: 16, then 24, 28, 30, 31, 31, ...
+    assert_eq!(&lengths[..7], [32, 16, 24, 28, 30, 31, 31]);
+    assert_eq!(calls.last().unwrap().1, 200);
+}
+
+#[test]
+fn reports_count_attempts_and_failures() {
+    let calls = RefCell::new(Vec::new());
+    let (out, report) = Batch::new(64).cache(CacheKind::None).run_with_report(fits_up_to(16, &calls));
+    assert_eq!(out, Ok(16));
+    assert_eq!((report.attempts, report.out_of_memory, report.first_size, report.final_size), (3, 2, 64, 16));
+    assert!(!report.from_cache);
+    assert!(report.total_time >= report.failed_time);
+    let (out, report) = Range::new(0, 10, 4).cache(CacheKind::None).run_with_report(|_, _| Ok::<(), String>(()));
+    assert_eq!(out, Ok(()));
+    assert_eq!((report.attempts, report.out_of_memory, report.final_size), (3, 0, 4));
+    // A cache hit shows where it started.
+    for _ in 0..2 {
+        let (_, report) = Batch::new(64).cache(CacheKind::Global).run_with_report(fits_up_to(16, &calls));
+        if report.from_cache {
+            assert_eq!((report.attempts, report.first_size), (1, 16));
+        }
+    }
+}

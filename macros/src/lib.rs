@@ -59,9 +59,9 @@ impl Op {
 
     fn allowed(self) -> &'static [&'static str] {
         match self {
-            Op::Batch => &["initial_batchsize", "cache"],
-            Op::Range => &["initial_step", "cache"],
-            Op::Chunked => &["initial_step", "dimension", "cache"],
+            Op::Batch => &["initial_batchsize", "cache", "policy"],
+            Op::Range => &["initial_step", "cache", "policy"],
+            Op::Chunked => &["initial_step", "dimension", "cache", "policy"],
         }
     }
 
@@ -88,6 +88,7 @@ struct Args {
     size: Expr,
     dimension: Option<Expr>,
     cache: Option<syn::Ident>,
+    policy: Option<TokenStream2>,
 }
 
 fn expand(op: Op, args: TokenStream2, item: TokenStream2) -> TokenStream2 {
@@ -117,6 +118,7 @@ fn parse_args(op: Op, args: TokenStream2) -> syn::Result<Args> {
     let mut size = None;
     let mut dimension = None;
     let mut cache = None;
+    let mut policy = None;
     for pair in pairs {
         let name = pair.path.get_ident().map(|i| i.to_string()).unwrap_or_default();
         if !op.allowed().contains(&name.as_str()) {
@@ -133,6 +135,7 @@ fn parse_args(op: Op, args: TokenStream2) -> syn::Result<Args> {
         let slot_taken = match name.as_str() {
             "initial_batchsize" | "initial_step" => size.is_some(),
             "dimension" => dimension.is_some(),
+            "policy" => policy.is_some(),
             _ => cache.is_some(),
         };
         if slot_taken {
@@ -141,6 +144,7 @@ fn parse_args(op: Op, args: TokenStream2) -> syn::Result<Args> {
         match name.as_str() {
             "initial_batchsize" | "initial_step" => size = Some(positive_size(&name, pair.value)?),
             "dimension" => dimension = Some(dimension_value(pair.value)?),
+            "policy" => policy = Some(policy_value(pair.value)?),
             _ => cache = Some(cache_kind(pair.value)?),
         }
     }
@@ -151,7 +155,7 @@ fn parse_args(op: Op, args: TokenStream2) -> syn::Result<Args> {
             format!("{} needs `{} = N` (the size to try first, at least 1)", op.attribute(), op.size_argument()),
         )
     })?;
-    Ok(Args { size, dimension, cache })
+    Ok(Args { size, dimension, cache, policy })
 }
 
 /// An integer literal ≥ 1, or any other expression (checked at run time).
@@ -196,6 +200,42 @@ fn cache_kind(value: Expr) -> syn::Result<syn::Ident> {
         }
     }
     Err(syn::Error::new(value.span(), "`cache` is one of `StacktraceMemory`, `Global` or `None`"))
+}
+
+/// `halve`, `grow`, `factor(0.9)`, `grow_up_to(4096)` name `toma::Policy` constructors; any
+/// other expression must be a `toma::Policy`. A literal factor outside (0, 1) is rejected here.
+fn policy_value(value: Expr) -> syn::Result<TokenStream2> {
+    const SHORT: [&str; 4] = ["halve", "grow", "factor", "grow_up_to"];
+    let short = |path: &syn::ExprPath| {
+        path.qself.is_none()
+            && path.path.segments.len() == 1
+            && SHORT.contains(&path.path.segments[0].ident.to_string().as_str())
+    };
+    let p = quote!(::toma::__private::Policy);
+    match &value {
+        Expr::Path(path) if short(path) => {
+            let name = &path.path.segments[0].ident;
+            if name == "factor" || name == "grow_up_to" {
+                return Err(syn::Error::new(name.span(), format!("`{name}` takes an argument, such as `{name}(..)`")));
+            }
+            Ok(quote_spanned!(name.span()=> #p::#name()))
+        }
+        Expr::Call(call) if matches!(call.func.as_ref(), Expr::Path(path) if short(path)) => {
+            if let (Expr::Path(path), Some(Expr::Lit(ExprLit { lit: Lit::Float(f), .. }))) =
+                (call.func.as_ref(), call.args.first())
+            {
+                let factor: f64 = f.base10_parse()?;
+                if path.path.segments[0].ident == "factor" && !(factor > 0.0 && factor < 1.0) {
+                    return Err(syn::Error::new(f.span(), "a shrink factor must be strictly between 0 and 1"));
+                }
+            }
+            let Expr::Path(path) = call.func.as_ref() else { unreachable!() };
+            let name = &path.path.segments[0].ident;
+            let args = &call.args;
+            Ok(quote_spanned!(name.span()=> #p::#name(#args)))
+        }
+        other => Ok(other.to_token_stream()),
+    }
 }
 
 /// The leading parameters, checked and taken out of the signature.
@@ -365,7 +405,8 @@ fn rewrite(op: Op, args: &Args, original: &ItemFn) -> syn::Result<TokenStream2> 
     };
     let dimension = args.dimension.as_ref().map(|d| quote_spanned!(d.span()=> .dimension(#d)));
     let cache = args.cache.as_ref().map(|kind| quote_spanned!(kind.span()=> .cache(#p::CacheKind::#kind)));
-    let builder = quote!(#builder_expr #dimension #cache .site(&#site));
+    let policy = args.policy.as_ref().map(|policy| quote!(.policy(#policy)));
+    let builder = quote!(#builder_expr #dimension #cache #policy .site(&#site));
 
     let body = &function.block;
     let (ret, value_mode) = match &out {
@@ -443,7 +484,7 @@ fn async_body(
                 let mut #attempts = #builder.start();
                 loop {
                     let #pat: #ty = #attempts.size();
-                    let #outcome = #p::CatchUnwind::new(#future, #attempts.retryable()).await #convert;
+                    let #outcome = #attempts.attempt_async(#future).await #convert;
                     if let #p::ControlFlow::Break(result) = #attempts.finish(#outcome) {
                         return #finish_ret;
                     }
@@ -460,7 +501,7 @@ fn async_body(
                 let mut #attempts = #builder.start();
                 while let ::core::option::Option::Some(next) = #attempts.#next() {
                     let #bind: #annotate = next;
-                    let #outcome = #p::CatchUnwind::new(#future, #attempts.retryable()).await #convert;
+                    let #outcome = #attempts.attempt_async(#future).await #convert;
                     if let ::core::result::Result::Err(err) = #attempts.finish(#outcome) {
                         let result = ::core::result::Result::Err(err);
                         return #finish_ret;
