@@ -161,4 +161,16 @@ pub mod __private {
     pub use core::panic::Location;
     #[cfg(feature = "tch")]
     pub use tch::Tensor;
+
+    /// The parts of a cache key, one by one, for `benches/overhead.rs`.
+    pub mod key_parts {
+        /// The bounded stack walk behind `StacktraceMemory` keys.
+        pub fn stack_hash() -> u64 {
+            crate::cache::stack_hash()
+        }
+        /// The shared free-memory reading (up to a second old).
+        pub fn free_memory_reading() -> (u64, Option<u64>) {
+            crate::memory::free_memory_reading()
+        }
+    }
 }

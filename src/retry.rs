@@ -243,6 +243,7 @@ struct Sizer {
 }
 
 impl Sizer {
+    #[inline]
     fn start(op: Operation, initial: usize, kind: CacheKind, settings: Settings, site: CallSite, report: bool) -> Self {
         let timed = (report || tracing::enabled!(tracing::Level::INFO)).then(Instant::now);
         let key = cache::key(kind, op, site);

@@ -1,0 +1,58 @@
+//! Python toma's own benchmark: fill `zeros(128, 256, 256)` with 1.0 in chunks of 32 rows,
+//! through `toma::execute::chunked` and through a hand-written `narrow` loop.
+//! Target (issue 5): toma ≤ 1.05× the hand-written loop.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, Criterion};
+use tch::{Device, Kind, Tensor};
+
+fn native(t: &Tensor) {
+    let rows = t.size()[0];
+    let mut start = 0;
+    while start < rows {
+        let len = 32.min(rows - start);
+        let _ = t.narrow(0, start, len).fill_(1.0);
+        start += len;
+    }
+}
+
+fn with_toma(t: &Tensor) {
+    toma::execute::chunked(t, 32, |mut chunk, _, _| {
+        let _ = chunk.fill_(1.0);
+        Ok::<(), tch::TchError>(())
+    })
+    .unwrap();
+}
+
+fn best_ms(f: impl Fn(&Tensor), t: &Tensor) -> f64 {
+    (0..15)
+        .map(|_| {
+            let start = Instant::now();
+            f(black_box(t));
+            start.elapsed().as_secs_f64() * 1e3
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+fn fill(c: &mut Criterion) {
+    let t = Tensor::zeros([128, 256, 256], (Kind::Float, Device::Cpu));
+    let mut group = c.benchmark_group("chunked_fill_128x256x256_by_32");
+    group.bench_function("native_narrow_loop", |b| b.iter(|| native(&t)));
+    group.bench_function("toma_execute_chunked", |b| b.iter(|| with_toma(&t)));
+    group.finish();
+    let (n, w) = (best_ms(native, &t), best_ms(with_toma, &t));
+    println!("ratio: chunked fill, toma {w:.3} ms vs native {n:.3} ms: {:.3}x", w / n);
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_millis(500));
+    targets = fill
+}
+
+fn main() {
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}
