@@ -20,7 +20,8 @@
 //!
 //! - Attributes: [`batch`], [`range`], [`chunked`] (feature `macros`, on `fn` and `async fn`).
 //! - Immediate blocks: [`execute::batch`], [`execute::range`], [`execute::chunked`].
-//! - Builders the two lower to: [`Batch`], [`Range`], [`Chunked`].
+//! - Builders the two lower to: [`Batch`], [`Range`], [`Chunked`]; how sizes move: [`Policy`];
+//!   what a call did: [`Report`].
 //! - What counts as an out-of-memory: [`OutOfMemory`], decided in [`oom::is_out_of_memory_message`].
 //! - Caches: [`CacheKind`], [`set_default_cache`], module [`cache`].
 //! - Memory: [`memory`] (CUDA and CPU free memory), [`cpu_memory`] (a CPU cap, `RLIMIT_AS`).
@@ -59,8 +60,9 @@ pub use retry::{Batch, ConfigError, Range, Report};
 ///
 /// On `fn f(batchsize: usize, a: A, ..) -> R` it generates `fn f(a: A, ..) -> R`: callers do not
 /// pass the batch size. Arguments: `initial_batchsize = N` (required, at least 1; any `usize`
-/// expression, a literal 0 is a compile error) and `cache = StacktraceMemory | Global | None`
-/// (default: [`default_cache`]). It lowers to [`Batch`]; see there for the semantics.
+/// expression, a literal 0 is a compile error), `cache = StacktraceMemory | Global | None`
+/// (default: [`default_cache`]) and `policy = halve | factor(f) | grow | grow_up_to(n)` (or any
+/// [`Policy`] expression; default `halve`). It lowers to [`Batch`]; see there for the semantics.
 ///
 /// `R` is `Result<T, E>` with `E: OutOfMemory` — an `Err` that is an out-of-memory is
 /// retried — or any other type. Either way an out-of-memory panic (tch's plain methods panic)
@@ -95,8 +97,8 @@ pub use toma_macros::batch;
 /// On `fn f(start: usize, end: usize, ..) -> R` it keeps the signature; the body is called on
 /// `[s, min(s + step, end))` for consecutive `s`, each index exactly once, in order. A failed
 /// sub-range is retried with half its length; finished ones are never redone. `R` is `()` or
-/// `Result<(), E>` with `E: OutOfMemory`. Arguments: `initial_step = N` (required) and `cache`.
-/// It lowers to [`Range`].
+/// `Result<(), E>` with `E: OutOfMemory`. Arguments: `initial_step = N` (required), `cache` and
+/// `policy`, as for [`batch`]. It lowers to [`Range`].
 ///
 /// ```
 /// use std::sync::Mutex;
@@ -127,8 +129,8 @@ pub use toma_macros::range;
 /// generates `fn f(tensor: &Tensor, ..) -> R`; `chunk` is
 /// `tensor.narrow(dimension, start, end - start)`, a view, so writes into it land in `tensor`.
 /// `R` is `()` or `Result<(), E>` with `E: OutOfMemory`. Arguments: `initial_step = N`
-/// (required), `dimension = D` (default 0; negative counts from the last) and `cache`. It
-/// lowers to [`Chunked`].
+/// (required), `dimension = D` (default 0; negative counts from the last), `cache` and
+/// `policy`, as for [`batch`]. It lowers to [`Chunked`].
 ///
 /// ```
 /// use tch::{Device, Kind, Tensor};
