@@ -96,14 +96,68 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
          each row now sums to 1 within {worst:.1e}"
     );
 
+    drop(rows);
+
+    println!("\n4) toma::lazy: plan a training step first, then run it in micro-batches that fit");
+    let (lazy_chunks, lazy_ooms) = lazy_training_step()?;
+
     println!(
         "\nSummary: under a {:.2} GiB cap, batch 65536 -> {} after {first_ooms} OOMs; 2nd call {hit} \
-         ({second_ooms} OOMs); chunked step 1024 -> {} after {chunk_ooms} OOMs.",
+         ({second_ooms} OOMs); chunked step 1024 -> {} after {chunk_ooms} OOMs; a training step that \
+         OOMs eagerly ran lazily in {lazy_chunks} micro-batches with {lazy_ooms} OOMs.",
         cap as f64 / GIB,
         first.0,
         step,
     );
     Ok(())
+}
+
+/// An MLP step on 32,768 samples whose hidden activations are 1 GiB each: eagerly it runs out
+/// of memory under the cap; through `toma::lazy` it is planned against the memory left and runs
+/// in micro-batches, with gradients equal to the full batch's.
+fn lazy_training_step() -> Result<(usize, usize), Box<dyn std::error::Error>> {
+    use tch::nn::{self, Module};
+    use toma::lazy::{lazy, Mode, Options};
+    const N: i64 = 32_768;
+    tch::manual_seed(0);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let l1 = nn::linear(vs.root() / "l1", 64, 8192, Default::default());
+    let l2 = nn::linear(vs.root() / "l2", 8192, 10, Default::default());
+    let x = Tensor::f_randn([N, 64], CPU)?;
+    let y = Tensor::f_randint(10, [N], (Kind::Int64, Device::Cpu))?;
+
+    println!("   eagerly: l2(relu(l1(x))).cross_entropy(y).backward() on all {N} samples");
+    // tch's plain methods panic on out-of-memory; hide the default hook's backtrace for this one.
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let eager = std::panic::catch_unwind(|| l2.forward(&l1.forward(&x).relu()).cross_entropy_for_logits(&y).backward());
+    std::panic::set_hook(hook);
+    match eager {
+        Err(payload) => {
+            let text = payload.downcast_ref::<String>().map_or("", String::as_str);
+            println!("   => out of memory, as expected: {}", libtorch_line(text));
+        }
+        Ok(()) => println!("   => (it fit after all: the cap left more room than this step needs)"),
+    }
+    for mut v in vs.trainable_variables() {
+        v.zero_grad();
+    }
+
+    let (lx, ly) = lazy((&x, &y), 0);
+    let loss = lx.apply(&l1).relu().apply(&l2).cross_entropy_for_logits(&ly);
+    let plan = loss.plan(Mode::Backward, &Options::default())?;
+    println!("   lazily: the same step, recorded shape-only and planned before anything runs:\n");
+    for line in plan.to_string().lines() {
+        println!("      {line}");
+    }
+    let (value, ooms, secs) = timed(|| loss.backward());
+    let value = value?;
+    println!(
+        "\n   => loss {value:.4} over all {N} samples in {} micro-batch(es) of {}, {ooms} OOMs, {secs:.2} s",
+        plan.chunks(),
+        plan.micro_batch()
+    );
+    Ok((plan.chunks(), ooms))
 }
 
 /// Runs `work`, returning its result, the out-of-memories toma caught meanwhile, and seconds.

@@ -20,6 +20,8 @@ step "cargo test (no default features: no libtorch, no CUDA, no macros)"
 cargo test --workspace --no-default-features
 step "compile-error UI tests (macros without libtorch: trybuild builds its own copy)"
 cargo test -p toma --no-default-features --features macros --test ui
+step "GPU test bundle (packed here; scripts/gpu-run.sh runs it on a CUDA machine)"
+TOMA_BUNDLE_PROFILE=debug scripts/gpu-bundle.sh
 step "cargo doc (no warnings)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --all-features --no-deps
 step "all checks passed"

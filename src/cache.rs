@@ -242,15 +242,18 @@ pub(crate) enum Operation {
 }
 
 /// The cache key of a call, or `None` for [`CacheKind::None`].
+///
+/// `device` is the CUDA device the work runs on (`None` for the CPU): its free memory goes into
+/// `StacktraceMemory` keys.
 #[inline]
-pub(crate) fn key(kind: CacheKind, op: Operation, site: CallSite) -> Option<u64> {
+pub(crate) fn key(kind: CacheKind, op: Operation, site: CallSite, device: Option<usize>) -> Option<u64> {
     let base = mix(op as u64 ^ 0x5eed_0000);
     match kind {
         CacheKind::None => None,
         CacheKind::Global => Some(mix(base ^ site.function.map_or_else(|| location_hash(site.caller), |f| f.id))),
         CacheKind::StacktraceMemory => {
-            let (cpu, gpu) = crate::memory::free_memory_reading();
-            let mut h = mix(base ^ 0x57ac_4000);
+            let (cpu, gpu) = crate::memory::free_memory_reading_for(device);
+            let mut h = mix(base ^ 0x57ac_4000 ^ device.map_or(0, |d| d as u64 + 1));
             h = mix(h ^ site.function.map_or(0, |f| f.id));
             h = mix(h ^ location_hash(site.caller));
             h = mix(h ^ stack_hash());
@@ -419,18 +422,24 @@ mod tests {
         static SITE: Site = Site::new("m::f", "src/a.rs", 1);
         let (l1, l2) = (here(), here());
         let cs = |caller| CallSite { function: Some(&SITE), caller };
-        assert_eq!(key(CacheKind::None, Operation::Batch, cs(l1)), None);
+        assert_eq!(key(CacheKind::None, Operation::Batch, cs(l1), None), None);
         // Global: the function decides, not the line.
-        assert_eq!(key(CacheKind::Global, Operation::Batch, cs(l1)), key(CacheKind::Global, Operation::Batch, cs(l2)));
-        assert_ne!(key(CacheKind::Global, Operation::Batch, cs(l1)), key(CacheKind::Global, Operation::Range, cs(l1)));
+        assert_eq!(
+            key(CacheKind::Global, Operation::Batch, cs(l1), None),
+            key(CacheKind::Global, Operation::Batch, cs(l2), None)
+        );
+        assert_ne!(
+            key(CacheKind::Global, Operation::Batch, cs(l1), None),
+            key(CacheKind::Global, Operation::Range, cs(l1), None)
+        );
         // StacktraceMemory: the line decides.
         let mut same = Vec::new();
         for _ in 0..2 {
-            same.push(key(CacheKind::StacktraceMemory, Operation::Batch, cs(l1)));
+            same.push(key(CacheKind::StacktraceMemory, Operation::Batch, cs(l1), None));
         }
         assert_eq!(same[0], same[1]);
-        assert_ne!(same[0], key(CacheKind::StacktraceMemory, Operation::Batch, cs(l2)));
-        assert_ne!(same[0], key(CacheKind::Global, Operation::Batch, cs(l1)));
+        assert_ne!(same[0], key(CacheKind::StacktraceMemory, Operation::Batch, cs(l2), None));
+        assert_ne!(same[0], key(CacheKind::Global, Operation::Batch, cs(l1), None));
     }
 
     #[test]

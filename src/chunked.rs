@@ -50,7 +50,12 @@ impl<'a> Chunked<'a> {
     /// Chunks of `initial_step` along `dimension` (negative counts from the last, as in tch).
     pub fn try_new(tensor: &'a Tensor, initial_step: usize, dimension: i64) -> Result<Self, ConfigError> {
         let (dimension, len) = dimension_len(tensor, dimension)?;
-        let range = Range::try_new(0, len, initial_step)?;
+        let mut range = Range::try_new(0, len, initial_step)?;
+        // Keys read the free memory of the device the tensor lives on.
+        range.settings.device = Some(match tensor.device() {
+            tch::Device::Cuda(index) => Some(index),
+            _ => None,
+        });
         Ok(Chunked { tensor, dimension, range })
     }
 

@@ -42,6 +42,9 @@ pub mod cache;
 mod chunked;
 pub mod cpu_memory;
 pub mod execute;
+#[cfg(feature = "tch")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
+pub mod lazy;
 pub mod memory;
 pub mod oom;
 mod policy;

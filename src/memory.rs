@@ -1,8 +1,15 @@
-//! Free memory of CUDA devices and of the CPU.
+//! Free memory of CUDA devices and of the CPU, and libtorch's CUDA caching allocator.
 //!
 //! CUDA figures come from the driver API, loaded at run time through cudarc (feature `cuda`):
 //! a build needs no CUDA toolkit, and on a machine without a driver or device every probe
 //! returns `None`, never a panic.
+//!
+//! libtorch keeps the CUDA memory its tensors free in a cache of its own, which the driver
+//! counts as used. With feature `tch`, a small native shim (compiled against the libtorch tch
+//! links) reads the caching allocator's figures ([`cuda_allocator_stats`]), resets its peak
+//! ([`reset_cuda_peak`]) and empties its cache ([`empty_cuda_cache`]); [`cuda_usable_memory`]
+//! adds the cached bytes back to the driver's free bytes. Without feature `tch`, without CUDA
+//! support in libtorch, or without a device, these report `None` or `false`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -47,55 +54,365 @@ pub fn cpu_available() -> u64 {
     crate::cpu_memory::available_cpu_memory()
 }
 
+/// Figures of libtorch's CUDA caching allocator for one device (`torch.cuda.memory_stats`),
+/// summed over its small and large pools.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AllocatorStats {
+    /// Bytes in live tensors (`torch.cuda.memory_allocated`).
+    pub allocated: u64,
+    /// Bytes the allocator holds from the driver, in use or cached
+    /// (`torch.cuda.memory_reserved`).
+    pub reserved: u64,
+    /// The most `allocated` has been since the process started or [`reset_cuda_peak`].
+    pub peak_allocated: u64,
+    /// The most `reserved` has been since the process started or [`reset_cuda_peak`].
+    pub peak_reserved: u64,
+    /// Times a driver allocation failed and the allocator recovered by freeing its cache.
+    pub alloc_retries: u64,
+    /// Out-of-memory errors the allocator raised.
+    pub ooms: u64,
+}
+
+impl AllocatorStats {
+    /// Bytes held from the driver without a tensor in them: `reserved − allocated`.
+    pub fn cached(&self) -> u64 {
+        self.reserved.saturating_sub(self.allocated)
+    }
+}
+
+/// libtorch's caching-allocator figures for CUDA device `device` (libtorch's ordinal).
+///
+/// All zero before libtorch's first CUDA allocation. `None` without feature `tch`, when the
+/// libtorch in use has no CUDA support loaded (a CPU build, or a binary whose linker dropped
+/// `libtorch_cuda`), when it sees no such device, or when libtorch fails (logged as a
+/// `tracing` warning). Never panics.
+///
+/// ```
+/// match toma::memory::cuda_allocator_stats(0) {
+///     Some(s) => println!("GPU 0: {} bytes in tensors, {} cached", s.allocated, s.cached()),
+///     None => println!("libtorch has no CUDA device 0"),
+/// }
+/// ```
+pub fn cuda_allocator_stats(device: usize) -> Option<AllocatorStats> {
+    try_cuda_allocator_stats(device).map_err(|err| err.log("allocator statistics")).ok()
+}
+
+/// As [`cuda_allocator_stats`], saying why there are none.
+///
+/// # Errors
+/// [`AllocatorError::NotBuilt`] without feature `tch`; [`AllocatorError::NoCuda`] when the
+/// libtorch in use has no CUDA support loaded or sees no device; [`AllocatorError::BadDevice`]
+/// for an ordinal libtorch does not have; [`AllocatorError::Torch`] when libtorch throws.
+pub fn try_cuda_allocator_stats(device: usize) -> Result<AllocatorStats, AllocatorError> {
+    torch::stats(device)
+}
+
+/// Resets the peaks of [`cuda_allocator_stats`] for `device` to the current figures
+/// (`torch.cuda.reset_peak_memory_stats`). `false` where [`cuda_allocator_stats`] is `None`.
+pub fn reset_cuda_peak(device: usize) -> bool {
+    torch::reset_peak(device).map_err(|err| err.log("resetting the peak")).is_ok()
+}
+
+/// Hands the blocks libtorch's CUDA allocator caches without a tensor in them back to the
+/// driver, on every device (`torch.cuda.empty_cache`), so that other processes and
+/// non-libtorch allocations can have them. Waits for the devices' pending work first.
+///
+/// `true` when libtorch has a CUDA device (emptying a cache that holds nothing is a success);
+/// `false` without feature `tch`, without CUDA in libtorch, or when libtorch fails.
+pub fn empty_cuda_cache() -> bool {
+    torch::empty_cache().map_err(|err| err.log("emptying the cache")).is_ok()
+}
+
+/// For the retry engine, between attempts after an out-of-memory: empties libtorch's CUDA
+/// cache ([`empty_cuda_cache`]) when it holds any unused bytes, and returns how many bytes it
+/// gave back to the driver (over all devices). `0`, at once and without touching a device,
+/// when libtorch has no CUDA device or nothing is cached.
+///
+/// libtorch already frees its cache before it reports an out-of-memory; emptying it between
+/// attempts also returns the blocks split for the failed attempt's sizes, so that the next,
+/// smaller attempt starts from unfragmented memory, as Python toma does.
+pub fn release_cached_blocks() -> u64 {
+    let devices = torch_device_count();
+    if devices == 0 {
+        return 0;
+    }
+    let totals = || {
+        (0..devices).filter_map(|d| torch::stats(d).ok()).fold((0u64, 0u64), |(reserved, cached), s| {
+            (reserved.saturating_add(s.reserved), cached.saturating_add(s.cached()))
+        })
+    };
+    let (before, cached) = totals();
+    if cached == 0 {
+        return 0;
+    }
+    if let Err(err) = torch::empty_cache() {
+        err.log("emptying the cache between retries");
+        return 0;
+    }
+    let released = before.saturating_sub(totals().0);
+    tracing::debug!(cached_bytes = cached, released_bytes = released, "toma: emptied libtorch's CUDA cache");
+    released
+}
+
+/// libtorch's current CUDA device on this thread (CUDA's thread-local current device; tch never
+/// changes it, so 0 unless other code did). `None` where [`cuda_allocator_stats`] would be.
+///
+/// Cheap enough for every call of a wrapped function: one atomic load without a device, one
+/// `cudaGetDevice` with one.
+pub fn cuda_current_device() -> Option<usize> {
+    if torch_device_count() == 0 {
+        return None;
+    }
+    torch::current_device().map_err(|err| err.log("reading the current device")).ok()
+}
+
+/// libtorch's CUDA device count, asked once: libtorch fixes it at its first answer too.
+fn torch_device_count() -> usize {
+    static COUNT: OnceLock<usize> = OnceLock::new();
+    *COUNT.get_or_init(|| torch::device_count().map_err(|err| err.log("counting CUDA devices")).unwrap_or(0))
+}
+
+/// Why libtorch's CUDA caching allocator could not be read.
+#[non_exhaustive]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AllocatorError {
+    /// toma was built without feature `tch`, or its libtorch shim failed to compile (the build
+    /// printed a `toma:` warning).
+    #[error("toma was built without its libtorch shim (feature `tch`; a failed compile prints a build warning)")]
+    NotBuilt,
+    /// The libtorch in use has no CUDA support loaded, or sees no CUDA device; the reason.
+    #[error("no CUDA in libtorch: {0}")]
+    NoCuda(String),
+    /// The ordinal is not one of libtorch's CUDA devices.
+    #[error("CUDA device {0} is not one of libtorch's devices")]
+    BadDevice(usize),
+    /// libtorch threw; its message.
+    #[error("libtorch failed: {0}")]
+    Torch(String),
+}
+
+impl AllocatorError {
+    /// Reports the error: expected absences at debug level, libtorch's failures as warnings.
+    fn log(self, doing: &str) {
+        match self {
+            AllocatorError::Torch(_) => tracing::warn!(error = %self, "toma: {doing}"),
+            _ => tracing::debug!(error = %self, "toma: {doing}"),
+        }
+    }
+}
+
+/// The shim's C interface (`src/shim/toma_shim.h`).
+#[cfg(toma_shim)]
+mod torch {
+    use super::{AllocatorError, AllocatorStats};
+    use std::ffi::{c_char, c_int, CStr};
+
+    const OK: c_int = 0;
+    const NO_CUDA: c_int = 1;
+    const BAD_DEVICE: c_int = 2;
+
+    /// `toma_shim_allocator_stats`.
+    #[repr(C)]
+    #[derive(Default)]
+    struct RawStats {
+        allocated: i64,
+        reserved: i64,
+        peak_allocated: i64,
+        peak_reserved: i64,
+        alloc_retries: i64,
+        ooms: i64,
+        initialized: i32,
+    }
+
+    extern "C" {
+        fn toma_shim_cuda_device_count(count: *mut i64) -> c_int;
+        fn toma_shim_cuda_current_device(device: *mut i64) -> c_int;
+        fn toma_shim_cuda_allocator_stats(device: i64, stats: *mut RawStats) -> c_int;
+        fn toma_shim_cuda_reset_peak(device: i64) -> c_int;
+        fn toma_shim_cuda_empty_cache() -> c_int;
+        fn toma_shim_last_error() -> *const c_char;
+    }
+
+    fn check(code: c_int, device: usize) -> Result<(), AllocatorError> {
+        if code == OK {
+            return Ok(());
+        }
+        // SAFETY: the shim returns a NUL-terminated string owned by this thread, valid until
+        // its next call on this thread; it is copied out at once.
+        let message = unsafe { CStr::from_ptr(toma_shim_last_error()) }.to_string_lossy().into_owned();
+        Err(match code {
+            NO_CUDA => AllocatorError::NoCuda(message),
+            BAD_DEVICE => AllocatorError::BadDevice(device),
+            _ => AllocatorError::Torch(message),
+        })
+    }
+
+    /// libtorch's ordinal for `device`, or `BadDevice` when it cannot be one.
+    fn index(device: usize) -> Result<i64, AllocatorError> {
+        i64::try_from(device).map_err(|_| AllocatorError::BadDevice(device))
+    }
+
+    fn bytes(value: i64) -> u64 {
+        u64::try_from(value).unwrap_or(0)
+    }
+
+    pub(super) fn device_count() -> Result<usize, AllocatorError> {
+        let mut count = 0;
+        // SAFETY: the shim catches every C++ exception; the out-pointer is ours.
+        check(unsafe { toma_shim_cuda_device_count(&mut count) }, 0)?;
+        Ok(usize::try_from(count).unwrap_or(0))
+    }
+
+    pub(super) fn current_device() -> Result<usize, AllocatorError> {
+        let mut device = -1;
+        // SAFETY: as above.
+        check(unsafe { toma_shim_cuda_current_device(&mut device) }, 0)?;
+        usize::try_from(device).map_err(|_| AllocatorError::NoCuda(format!("libtorch's current device is {device}")))
+    }
+
+    pub(super) fn stats(device: usize) -> Result<AllocatorStats, AllocatorError> {
+        let mut raw = RawStats::default();
+        // SAFETY: as above; `raw` has the C struct's layout.
+        check(unsafe { toma_shim_cuda_allocator_stats(index(device)?, &mut raw) }, device)?;
+        Ok(AllocatorStats {
+            allocated: bytes(raw.allocated),
+            reserved: bytes(raw.reserved),
+            peak_allocated: bytes(raw.peak_allocated),
+            peak_reserved: bytes(raw.peak_reserved),
+            alloc_retries: bytes(raw.alloc_retries),
+            ooms: bytes(raw.ooms),
+        })
+    }
+
+    pub(super) fn reset_peak(device: usize) -> Result<(), AllocatorError> {
+        // SAFETY: as above.
+        check(unsafe { toma_shim_cuda_reset_peak(index(device)?) }, device)
+    }
+
+    pub(super) fn empty_cache() -> Result<(), AllocatorError> {
+        // SAFETY: as above.
+        check(unsafe { toma_shim_cuda_empty_cache() }, 0)
+    }
+}
+
+/// No shim: built without feature `tch`, or its compile failed (a build warning said so).
+#[cfg(not(toma_shim))]
+mod torch {
+    use super::{AllocatorError, AllocatorStats};
+
+    pub(super) fn device_count() -> Result<usize, AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    pub(super) fn current_device() -> Result<usize, AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    pub(super) fn stats(_device: usize) -> Result<AllocatorStats, AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    pub(super) fn reset_peak(_device: usize) -> Result<(), AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    pub(super) fn empty_cache() -> Result<(), AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+}
+
+/// Bytes a tensor on CUDA device `device` could get now: the driver's free bytes plus the
+/// bytes libtorch's caching allocator holds without a tensor in them (reserved − allocated),
+/// which libtorch hands out first and frees itself before it reports an out-of-memory.
+///
+/// This is the figure toma's cache keys use: it stays put while libtorch caches what a call
+/// freed, where the driver's free bytes drop. It can overstate by the cached blocks too
+/// fragmented for one large request. `None` when [`cuda_memory`] is `None` (no `cuda` feature,
+/// driver or device); the driver's free bytes alone when libtorch's allocator cannot be read
+/// (no `tch` feature, or a libtorch without CUDA).
+///
+/// ```
+/// if let Some(bytes) = toma::memory::cuda_usable_memory(0) {
+///     println!("GPU 0: {bytes} bytes usable by libtorch");
+/// }
+/// ```
+pub fn cuda_usable_memory(device: usize) -> Option<u64> {
+    let driver = cuda_memory(device)?;
+    let cached = cuda_allocator_stats(device).map_or(0, |stats| stats.cached());
+    Some(driver.free.saturating_add(cached).min(driver.total))
+}
+
 /// How old a free-memory reading used for cache keys may be.
 const SNAPSHOT_MAX_AGE: Duration = Duration::from_secs(1);
 const NO_READING: u64 = u64::MAX;
+/// Devices with a shared reading; a higher ordinal is read fresh on every key.
+const READING_DEVICES: usize = 64;
 
-/// A free-memory reading shared by all threads, refreshed at most about once a second:
-/// reading `/proc/meminfo` costs ~15 µs, too much for every call of a wrapped function.
-struct Snapshot {
+/// One free-memory figure shared by all threads, refreshed at most about once a second:
+/// reading `/proc/meminfo` costs ~15 µs, a CUDA probe a few µs, too much for every call of a
+/// wrapped function.
+struct Reading {
     /// Nanoseconds after `epoch()` when the reading was taken; 0 = never.
     taken_at: AtomicU64,
-    cpu_free: AtomicU64,
-    gpu_free: AtomicU64,
+    /// The figure, or `NO_READING`.
+    value: AtomicU64,
 }
 
-static SNAPSHOT: Snapshot = Snapshot {
-    taken_at: AtomicU64::new(0),
-    cpu_free: AtomicU64::new(NO_READING),
-    gpu_free: AtomicU64::new(NO_READING),
-};
+impl Reading {
+    const fn new() -> Self {
+        Reading { taken_at: AtomicU64::new(0), value: AtomicU64::new(NO_READING) }
+    }
+
+    /// The stored figure, or a fresh one from `read` when the stored one is missing or stale.
+    fn get(&self, now: u64, read: impl FnOnce() -> u64) -> u64 {
+        let taken_at = self.taken_at.load(Ordering::Acquire);
+        if taken_at == 0 || now.saturating_sub(taken_at) > SNAPSHOT_MAX_AGE.as_nanos() as u64 {
+            // Several threads may refresh at once; each stores a valid reading, so no lock.
+            let value = read();
+            self.value.store(value, Ordering::Relaxed);
+            self.taken_at.store(now, Ordering::Release);
+            return value;
+        }
+        self.value.load(Ordering::Relaxed)
+    }
+
+    fn forget(&self) {
+        self.taken_at.store(0, Ordering::Release);
+    }
+}
+
+static CPU_READING: Reading = Reading::new();
+static GPU_READINGS: [Reading; READING_DEVICES] = [const { Reading::new() }; READING_DEVICES];
 
 fn epoch() -> Instant {
     static EPOCH: OnceLock<Instant> = OnceLock::new();
     *EPOCH.get_or_init(Instant::now)
 }
 
-/// Free memory as used in cache keys: CPU available bytes, and GPU 0's free bytes when a
-/// device is present. Up to about a second old.
+/// Free memory as used in cache keys: CPU available bytes, and GPU 0's usable bytes
+/// ([`cuda_usable_memory`]) when a device is present. Up to about a second old.
 pub(crate) fn free_memory_reading() -> (u64, Option<u64>) {
-    let epoch = epoch();
-    // +1 keeps "taken at the epoch" distinct from "never taken".
-    let now = epoch.elapsed().as_nanos() as u64 + 1;
-    let taken_at = SNAPSHOT.taken_at.load(Ordering::Acquire);
-    if taken_at == 0 || now.saturating_sub(taken_at) > SNAPSHOT_MAX_AGE.as_nanos() as u64 {
-        // Several threads may refresh at once; each stores a valid reading, so no lock.
-        let cpu = cpu_available();
-        let gpu = cuda_memory(0).map_or(NO_READING, |m| m.free);
-        SNAPSHOT.cpu_free.store(cpu, Ordering::Relaxed);
-        SNAPSHOT.gpu_free.store(gpu, Ordering::Relaxed);
-        SNAPSHOT.taken_at.store(now, Ordering::Release);
-        return (cpu, (gpu != NO_READING).then_some(gpu));
-    }
-    let cpu = SNAPSHOT.cpu_free.load(Ordering::Relaxed);
-    let gpu = SNAPSHOT.gpu_free.load(Ordering::Relaxed);
-    (cpu, (gpu != NO_READING).then_some(gpu))
+    free_memory_reading_for(Some(0))
 }
 
-/// Forgets the shared reading so that the next key takes a fresh one (tests, and after a cap
+/// As [`free_memory_reading`], for the CUDA device the work runs on: `Some(ordinal)`, or
+/// `None` for work on the CPU (no GPU figure). Each device has its own shared reading.
+pub(crate) fn free_memory_reading_for(device: Option<usize>) -> (u64, Option<u64>) {
+    // +1 keeps "taken at the epoch" distinct from "never taken".
+    let now = epoch().elapsed().as_nanos() as u64 + 1;
+    let cpu = CPU_READING.get(now, cpu_available);
+    let gpu = device.map(|device| {
+        let read = || cuda_usable_memory(device).unwrap_or(NO_READING);
+        match GPU_READINGS.get(device) {
+            Some(reading) => reading.get(now, read),
+            None => read(),
+        }
+    });
+    (cpu, gpu.filter(|&free| free != NO_READING))
+}
+
+/// Forgets the shared readings so that the next key takes fresh ones (tests, and after a cap
 /// changes).
 pub(crate) fn refresh_free_memory_reading() {
-    SNAPSHOT.taken_at.store(0, Ordering::Release);
+    CPU_READING.forget();
+    GPU_READINGS.iter().for_each(Reading::forget);
 }
 
 #[cfg(feature = "cuda")]
@@ -200,9 +517,12 @@ mod tests {
         for device in 0..count {
             let m = cuda_memory(device).expect("a counted device reports memory");
             assert!(m.free <= m.total && m.total > 0, "{m:?}");
+            let usable = cuda_usable_memory(device).expect("a counted device reports usable memory");
+            assert!(m.free <= usable && usable <= m.total, "{usable} outside [{}, {}]", m.free, m.total);
         }
         assert_eq!(cuda_memory(count), None);
         assert_eq!(cuda_memory(usize::MAX), None);
+        assert_eq!(cuda_usable_memory(count), None);
     }
 
     #[test]
@@ -210,11 +530,81 @@ mod tests {
         refresh_free_memory_reading();
         let first = free_memory_reading();
         assert!(first.0 > 0);
-        let taken = SNAPSHOT.taken_at.load(Ordering::Acquire);
+        let taken = (CPU_READING.taken_at.load(Ordering::Acquire), GPU_READINGS[0].taken_at.load(Ordering::Acquire));
         let second = free_memory_reading();
         // Taken well within a second of the first, so it is the same stored reading.
-        assert_eq!(SNAPSHOT.taken_at.load(Ordering::Acquire), taken);
+        let again = (CPU_READING.taken_at.load(Ordering::Acquire), GPU_READINGS[0].taken_at.load(Ordering::Acquire));
+        assert_eq!(again, taken);
         assert_eq!(first, second);
         assert_eq!(first.1.is_some(), cuda_memory(0).is_some());
+    }
+
+    #[test]
+    fn readings_are_per_device() {
+        let (cpu, gpu) = free_memory_reading_for(None);
+        assert!(cpu > 0);
+        assert_eq!(gpu, None, "work on the CPU has no GPU figure");
+        let count = cuda_device_count();
+        for device in [0, 1, count, READING_DEVICES, usize::MAX] {
+            let (_, gpu) = free_memory_reading_for(Some(device));
+            assert_eq!(gpu.is_some(), device < count, "device {device} of {count}");
+        }
+    }
+
+    /// The allocator functions agree with libtorch's device count, and on a machine without
+    /// CUDA (CI) they all say "nothing" without panicking.
+    #[test]
+    fn allocator_functions_answer_none_without_a_device() {
+        let torch_devices = torch::device_count().unwrap_or(0);
+        if cuda_device_count() == 0 && torch_devices == 0 {
+            match try_cuda_allocator_stats(0) {
+                Err(AllocatorError::NoCuda(why)) if cfg!(feature = "tch") => println!("no CUDA: {why}"),
+                Err(AllocatorError::NotBuilt) if !cfg!(feature = "tch") => {}
+                other => panic!("expected no CUDA, got {other:?}"),
+            }
+            assert_eq!(cuda_allocator_stats(0), None);
+            assert_eq!(cuda_allocator_stats(usize::MAX), None);
+            assert!(!reset_cuda_peak(0));
+            assert!(!empty_cuda_cache());
+            assert_eq!(release_cached_blocks(), 0);
+            assert_eq!(cuda_current_device(), None);
+            assert_eq!(cuda_usable_memory(0), None);
+            assert_eq!(free_memory_reading_for(Some(0)).1, None);
+            return;
+        }
+        for device in 0..torch_devices {
+            let stats = cuda_allocator_stats(device).expect("libtorch's device has statistics");
+            assert!(stats.allocated <= stats.reserved && stats.allocated <= stats.peak_allocated, "{stats:?}");
+            assert!(reset_cuda_peak(device));
+        }
+        assert_eq!(cuda_allocator_stats(torch_devices), None);
+        assert!(!reset_cuda_peak(torch_devices));
+        assert_eq!(cuda_allocator_stats(usize::MAX), None);
+        assert!(cuda_current_device().is_some_and(|d| d < torch_devices) || torch_devices == 0);
+    }
+
+    /// With feature `tch` the shim must really be built and linked: build.rs only warns when
+    /// it fails to compile, and this is what turns that warning into a failure in CI.
+    #[test]
+    #[cfg(feature = "tch")]
+    fn shim_is_built_with_tch() {
+        #[cfg(not(toma_shim))]
+        panic!("build.rs did not compile src/shim/toma_shim.cpp: see its cargo warnings");
+        // Reaching libtorch through the shim links and answers, device or not.
+        #[cfg(toma_shim)]
+        {
+            assert!(torch::device_count().is_ok());
+            assert!(matches!(
+                try_cuda_allocator_stats(usize::MAX),
+                Err(AllocatorError::BadDevice(_) | AllocatorError::NoCuda(_))
+            ));
+        }
+    }
+
+    #[test]
+    fn cached_is_reserved_less_allocated() {
+        let stats = AllocatorStats { allocated: 3, reserved: 10, ..AllocatorStats::default() };
+        assert_eq!(stats.cached(), 7);
+        assert_eq!(AllocatorStats { allocated: 5, reserved: 4, ..stats }.cached(), 0);
     }
 }

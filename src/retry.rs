@@ -217,6 +217,9 @@ pub(crate) struct Settings {
     pub(crate) cache: Option<CacheKind>,
     pub(crate) policy: Policy,
     pub(crate) site: Option<&'static Site>,
+    /// Where the work runs, when the builder knows (chunked: the tensor's device): `Some(None)`
+    /// for the CPU, `Some(Some(i))` for CUDA device `i`.
+    pub(crate) device: Option<Option<usize>>,
 }
 
 /// The size a call is at, what the cache knows, and what happened so far.
@@ -243,10 +246,16 @@ struct Sizer {
 }
 
 impl Sizer {
+    /// `device`: the CUDA device the work runs on, if known (`None`: libtorch's current one).
     #[inline]
     fn start(op: Operation, initial: usize, kind: CacheKind, settings: Settings, site: CallSite, report: bool) -> Self {
         let timed = (report || tracing::enabled!(tracing::Level::INFO)).then(Instant::now);
-        let key = cache::key(kind, op, site);
+        // Only StacktraceMemory keys read free memory, so only they need the device.
+        let device = match kind {
+            CacheKind::StacktraceMemory => settings.device.unwrap_or_else(crate::memory::cuda_current_device),
+            _ => None,
+        };
+        let key = cache::key(kind, op, site, device);
         let seen = key.and_then(cache::lookup);
         let policy = settings.policy;
         let cap = policy.cap(initial);
@@ -335,6 +344,9 @@ impl Sizer {
                 "toma: out of memory, retrying with a smaller size"
             );
         }
+        // Give libtorch's cached CUDA blocks back before the smaller attempt, as Python toma
+        // does; free at once without CUDA.
+        crate::memory::release_cached_blocks();
         self.size = next;
         true
     }

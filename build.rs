@@ -1,0 +1,67 @@
+//! Compiles the libtorch shim (`src/shim/`) with feature `tch`, against the libtorch that tch
+//! links (torch-sys exports its lib dir as `DEP_TCH_LIBTORCH_LIB`).
+//!
+//! Without feature `tch` nothing is compiled and no libtorch is needed. A shim that fails to
+//! compile is a warning, not an error: `toma::memory`'s allocator functions then report `None`,
+//! as on a machine without CUDA, and the unit test `shim_is_built_with_tch` fails, so CI notices.
+
+use std::env;
+use std::path::{Path, PathBuf};
+
+fn main() {
+    println!("cargo::rustc-check-cfg=cfg(toma_shim)");
+    println!("cargo::rerun-if-changed=build.rs");
+    if env::var_os("CARGO_FEATURE_TCH").is_none() {
+        return;
+    }
+    println!("cargo::rerun-if-changed=src/shim/toma_shim.cpp");
+    println!("cargo::rerun-if-changed=src/shim/toma_shim.h");
+    println!("cargo::rerun-if-env-changed=LIBTORCH_CXX11_ABI");
+    let Some(lib) = env::var_os("DEP_TCH_LIBTORCH_LIB").map(PathBuf::from) else {
+        // torch-sys without a libtorch (its `doc-only` feature): nothing to compile against.
+        println!("cargo::warning=toma: torch-sys reported no libtorch lib dir; CUDA allocator statistics disabled");
+        return;
+    };
+    let include = lib.parent().map_or_else(|| lib.join("include"), |root| root.join("include"));
+
+    match compile_shim(&include) {
+        Ok(()) => println!("cargo::rustc-cfg=toma_shim"),
+        Err(err) => println!(
+            "cargo::warning=toma: the libtorch shim did not compile against {}; CUDA allocator statistics disabled: {err}",
+            include.display()
+        ),
+    }
+    link_torch_cuda(&lib);
+}
+
+fn compile_shim(include: &Path) -> Result<(), cc::Error> {
+    let mut build = cc::Build::new();
+    build.cpp(true).std("c++17").file("src/shim/toma_shim.cpp").include("src/shim");
+    if build.get_compiler().is_like_msvc() {
+        build.include(include);
+    } else {
+        // libtorch's headers as system headers: their warnings are not ours to fix.
+        build.flag("-isystem").flag(include);
+        // The same std::string ABI as libtorch (torch-sys's default; PyTorch wheels use 1).
+        let abi = env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".to_owned());
+        build.define("_GLIBCXX_USE_CXX11_ABI", abi.as_str());
+    }
+    build.try_compile("toma_shim")
+}
+
+/// Makes this package's tests, examples and benches load `libtorch_cuda` (`rustc-link-arg`
+/// reaches only those, never a dependent crate's binaries).
+///
+/// Nothing in tch or toma references a symbol of `libtorch_cuda`, so a linker with
+/// `--as-needed` (the Linux default through rustc) drops it, and libtorch then sees no CUDA at
+/// all; tch's own build script does the same (tch-rs issue 980). Linking `libtorch.so`, which
+/// depends on `libtorch_cuda.so`, without `--as-needed` keeps it. Users of toma need the same
+/// lines in their own build scripts to use CUDA through tch.
+fn link_torch_cuda(lib: &Path) {
+    let linux = env::var("CARGO_CFG_TARGET_OS").is_ok_and(|os| os == "linux");
+    if linux && lib.join("libtorch_cuda.so").exists() && lib.join("libtorch.so").exists() {
+        println!("cargo::rustc-link-arg=-Wl,--no-as-needed");
+        println!("cargo::rustc-link-arg=-ltorch");
+        println!("cargo::rustc-link-arg=-Wl,--as-needed");
+    }
+}

@@ -1,0 +1,168 @@
+//! The one error type of `toma::lazy`.
+
+use tch::{Device, Kind, TchError};
+
+use crate::oom::OutOfMemory;
+
+/// Why recording, planning or running a lazy computation failed.
+///
+/// Recording errors (shapes, kinds, devices, arguments) are reported by the op that is being
+/// recorded, before anything runs, and name the op and the shapes involved, as tch would.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LazyError {
+    /// Two operands whose shapes do not fit together.
+    #[error("toma::lazy: {op}: shapes {lhs:?} and {rhs:?} do not fit: {reason}")]
+    Shape {
+        /// The op being recorded.
+        op: String,
+        /// The first operand's shape.
+        lhs: Vec<i64>,
+        /// The second operand's shape.
+        rhs: Vec<i64>,
+        /// What is wrong.
+        reason: String,
+    },
+    /// An argument that does not fit the input (a dimension, a kernel size, ..).
+    #[error("toma::lazy: {op}: invalid argument for an input of shape {shape:?}: {reason}")]
+    Argument {
+        /// The op being recorded.
+        op: String,
+        /// The input's shape.
+        shape: Vec<i64>,
+        /// What is wrong.
+        reason: String,
+    },
+    /// An operand of a kind the op does not take.
+    #[error("toma::lazy: {op}: kind {kind:?} of an input of shape {shape:?} is not supported: {reason}")]
+    Kind {
+        /// The op being recorded.
+        op: String,
+        /// The offending kind.
+        kind: Kind,
+        /// The input's shape.
+        shape: Vec<i64>,
+        /// What the op expects.
+        reason: String,
+    },
+    /// Operands on different devices.
+    #[error("toma::lazy: {op}: operands on different devices: {lhs:?} (shape {lhs_shape:?}) and {rhs:?} (shape {rhs_shape:?})")]
+    Device {
+        /// The op being recorded.
+        op: String,
+        /// The first operand's device.
+        lhs: Device,
+        /// The first operand's shape.
+        lhs_shape: Vec<i64>,
+        /// The second operand's device.
+        rhs: Device,
+        /// The second operand's shape.
+        rhs_shape: Vec<i64>,
+    },
+    /// The batch dimension cannot be followed through the op (two batch sizes, or a fixed
+    /// operand that looks per-sample).
+    #[error("toma::lazy: {op}: batch dimension: shapes {lhs:?} and {rhs:?}: {reason}")]
+    Batch {
+        /// The op being recorded.
+        op: String,
+        /// The first operand's shape.
+        lhs: Vec<i64>,
+        /// The second operand's shape.
+        rhs: Vec<i64>,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The computation mixes samples of the batch, so running it in micro-batches would change
+    /// its result. Raised only when the batch does not fit and must be split.
+    #[error(
+        "toma::lazy: the batch of {batch} does not fit (peak {peak} B at the full batch, budget {budget} B) and cannot be \
+         split: op #{node} `{op}` {reason}; use Options::allow_batch_mixing(true) to split anyway \
+         (each micro-batch then uses its own statistics)"
+    )]
+    MixesBatch {
+        /// Position of the op in the plan.
+        node: usize,
+        /// The op that mixes samples.
+        op: String,
+        /// How it mixes them.
+        reason: String,
+        /// The full batch size.
+        batch: usize,
+        /// Planned peak bytes of the full batch.
+        peak: u64,
+        /// The memory budget in bytes.
+        budget: u64,
+    },
+    /// The value asked for cannot be put together from micro-batches.
+    #[error("toma::lazy: {op} (shape {shape:?}) cannot be computed in micro-batches: {reason}")]
+    NotSplittable {
+        /// The op whose value was asked for.
+        op: String,
+        /// Its shape.
+        shape: Vec<i64>,
+        /// Why.
+        reason: String,
+    },
+    /// Even a micro-batch of one sample needs more memory than the budget.
+    #[error("toma::lazy: {op}: even a micro-batch of 1 needs {peak} B at its peak (op #{peak_node} `{peak_op}`), over the budget of {budget} B")]
+    DoesNotFit {
+        /// The output op.
+        op: String,
+        /// Planned peak bytes at micro-batch 1.
+        peak: u64,
+        /// Where the peak is.
+        peak_node: usize,
+        /// The op at the peak.
+        peak_op: String,
+        /// The memory budget in bytes.
+        budget: u64,
+    },
+    /// `backward` on a value that is not a scalar.
+    #[error("toma::lazy: backward needs a scalar loss, `{op}` has shape {shape:?}")]
+    NotScalar {
+        /// The output op.
+        op: String,
+        /// Its shape.
+        shape: Vec<i64>,
+    },
+    /// An operation that toma::lazy cannot plan: never run eagerly behind the user's back.
+    #[error("toma::lazy: `{op}` cannot be planned: {reason}")]
+    Unsupported {
+        /// The op.
+        op: String,
+        /// Why, and what to do instead.
+        reason: String,
+    },
+    /// An op produced a shape other than the one its shape rule promised.
+    #[error("toma::lazy: op #{node} `{op}` produced shape {actual:?}, its shape rule promised {expected:?}")]
+    ShapeRule {
+        /// Position of the op in the plan.
+        node: usize,
+        /// The op.
+        op: String,
+        /// The shape the rule gave (at the micro-batch size).
+        expected: Vec<i64>,
+        /// The shape the op produced.
+        actual: Vec<i64>,
+    },
+    /// libtorch failed while running an op (an out-of-memory among others).
+    #[error("toma::lazy: op #{node} `{op}` failed: {source}")]
+    Torch {
+        /// Position of the op in the plan (`usize::MAX` outside the graph).
+        node: usize,
+        /// The op.
+        op: String,
+        /// libtorch's error.
+        #[source]
+        source: TchError,
+    },
+}
+
+impl OutOfMemory for LazyError {
+    fn is_out_of_memory(&self) -> bool {
+        match self {
+            LazyError::Torch { source, .. } => source.is_out_of_memory(),
+            _ => false,
+        }
+    }
+}

@@ -1,0 +1,490 @@
+//! The executor: runs a compiled graph on consecutive micro-batches under the retry engine,
+//! and puts the full-batch result (value, or accumulated gradients) together.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use tch::{Kind, Reduction, TchError, Tensor};
+
+use super::error::LazyError;
+use super::graph::Flow;
+use super::ops::{reduce, Op, ReduceOp, RunCx};
+use super::plan::{self, additive, Compiled, Mode};
+use super::shape;
+use super::{LazyTensor, Options};
+use crate::cache::Site;
+use crate::retry::Range;
+
+/// One micro-batch: where it starts, its size, and whether the batch is split at all.
+struct Chunk<'a> {
+    start: i64,
+    b: i64,
+    split: bool,
+    /// The micro-batch's share of the batch, `b / N`.
+    frac: f64,
+    /// Full-batch denominators of mean-reduced class losses, by node position.
+    dens: &'a [Option<f64>],
+    /// Tensors that replace fixed leaves (detached stand-ins of non-leaf operands).
+    stand_ins: &'a [Option<Tensor>],
+}
+
+/// What the executor did at one op of a traced micro-batch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TracedOp {
+    /// Position of the op (as in [`Plan::ops`](super::Plan::ops)).
+    pub node: usize,
+    /// The op's name.
+    pub name: String,
+    /// The shape of the value it produced.
+    pub shape: Vec<i64>,
+    /// Bytes of a new allocation for the value (rounded to 512 B); 0 for a view of its input
+    /// or for inputs and parameters.
+    pub bytes: u64,
+    /// Positions of the values the executor holds after the op.
+    pub held: Vec<usize>,
+}
+
+fn torch(node: usize, op: &str) -> impl Fn(TchError) -> LazyError + '_ {
+    move |source| LazyError::Torch { node, op: op.into(), source }
+}
+
+/// Whether `out`'s data lies inside `input`'s (a view of it).
+fn shares_storage(out: &Tensor, input: &Tensor) -> bool {
+    let (o, i) = (out.data_ptr() as usize, input.data_ptr() as usize);
+    if i == 0 || o == 0 {
+        return false;
+    }
+    let span: i64 = input.size().iter().zip(input.stride()).map(|(s, st)| (s - 1).max(0) * st).sum::<i64>() + 1;
+    let bytes = span as usize * input.kind().elt_size_in_bytes();
+    o >= i && o < i + bytes.max(1)
+}
+
+/// Runs node `i` on the micro-batch, weighting what a split sum needs weighted.
+fn run_node(c: &Compiled, i: usize, ins: &[&Tensor], chunk: &Chunk<'_>) -> Result<Tensor, LazyError> {
+    let node = &c.nodes[i];
+    let name = node.op.name();
+    let err = torch(i, name);
+    if let Some(Some(stand_in)) = chunk.stand_ins.get(i) {
+        return Ok(stand_in.shallow_clone());
+    }
+    let mut cx = RunCx { start: chunk.start, b: chunk.b, scalar_scale: 1.0 };
+    if chunk.split && c.global[i] {
+        let reduces_batch = node.inputs.iter().any(|x| x.meta.batch().is_some());
+        if reduces_batch {
+            // A reduction over the batch feeding the output linearly: each micro-batch adds its
+            // share, so means divide by the full batch's count, not the micro-batch's.
+            let x = ins[0];
+            let full_count = |m: &super::graph::Meta| shape::numel(&m.shape) as f64;
+            match &node.op {
+                Op::Reduce { op: ReduceOp::Mean, dims, keepdim, kind } => {
+                    let count = full_count(&node.inputs[0].meta) / full_count(&node.meta).max(1.0);
+                    return reduce(x, ReduceOp::Sum, dims.as_deref(), *keepdim, *kind)
+                        .and_then(|s| s.f_div_scalar(count))
+                        .map_err(err);
+                }
+                Op::CrossEntropy { ignore_index } => {
+                    let den = chunk.dens[i].expect("denominator computed before splitting");
+                    return x
+                        .f_log_softmax(-1, None)
+                        .and_then(|l| l.f_nll_loss(ins[1], None::<&Tensor>, Reduction::Sum, *ignore_index))
+                        .and_then(|s| s.f_div_scalar(den))
+                        .map_err(err);
+                }
+                Op::NllLoss { reduction: Reduction::Mean, ignore_index } => {
+                    let den = chunk.dens[i].expect("denominator computed before splitting");
+                    return x
+                        .f_nll_loss(ins[1], ins.get(2).copied(), Reduction::Sum, *ignore_index)
+                        .and_then(|s| s.f_div_scalar(den))
+                        .map_err(err);
+                }
+                Op::MseLoss { reduction: Reduction::Mean } => {
+                    let per =
+                        shape::broadcast(&node.inputs[0].meta.shape, &node.inputs[1].meta.shape).unwrap_or_default();
+                    let count = shape::numel(&per) as f64;
+                    return x.f_mse_loss(ins[1], Reduction::Sum).and_then(|s| s.f_div_scalar(count)).map_err(err);
+                }
+                _ => {}
+            }
+        }
+        // `sum + fixed`: the fixed part must count once over all micro-batches.
+        if additive(&node.op) && node.inputs.iter().any(|x| x.meta.flow == Flow::Fixed) {
+            let scaled: Vec<Tensor> = node
+                .inputs
+                .iter()
+                .zip(ins)
+                .map(
+                    |(x, t)| {
+                        if x.meta.flow == Flow::Fixed {
+                            t.f_mul_scalar(chunk.frac)
+                        } else {
+                            Ok(t.shallow_clone())
+                        }
+                    },
+                )
+                .collect::<Result<_, _>>()
+                .map_err(&err)?;
+            let refs: Vec<&Tensor> = scaled.iter().collect();
+            return node.op.run(&node.meta, &refs, &cx).map_err(err);
+        }
+        if matches!(node.op, Op::Scalar { .. }) {
+            cx.scalar_scale = chunk.frac;
+        }
+    }
+    node.op.run(&node.meta, ins, &cx).map_err(err)
+}
+
+/// Runs the forward pass of one micro-batch, dropping each value after its last use.
+fn forward_chunk(c: &Compiled, chunk: &Chunk<'_>, mut trace: Option<&mut Vec<TracedOp>>) -> Result<Tensor, LazyError> {
+    let n = c.len();
+    let mut values: Vec<Option<Tensor>> = (0..n).map(|_| None).collect();
+    for i in 0..n {
+        let node = &c.nodes[i];
+        let out = {
+            let ins: Vec<&Tensor> = c.inputs(i).map(|j| values[j].as_ref().expect("held until its last use")).collect();
+            let out = run_node(c, i, &ins, chunk)?;
+            let expected = node.meta.shape_at(chunk.b);
+            let actual = out.size();
+            if actual != expected {
+                return Err(LazyError::ShapeRule { node: i, op: node.op.name().into(), expected, actual });
+            }
+            if let Some(t) = trace.as_deref_mut() {
+                let leaf = matches!(node.op, Op::Input { .. } | Op::Leaf { .. });
+                let view = leaf || ins.first().is_some_and(|x| shares_storage(&out, x));
+                let bytes = if view {
+                    0
+                } else {
+                    plan::round_block(out.numel() as u64 * out.kind().elt_size_in_bytes() as u64)
+                };
+                t.push(TracedOp { node: i, name: node.op.name().into(), shape: actual, bytes, held: Vec::new() });
+            }
+            out
+        };
+        values[i] = Some(out);
+        for j in c.inputs(i).collect::<Vec<_>>() {
+            if c.last_use[j] as usize == i {
+                values[j] = None;
+            }
+        }
+        if let Some(t) = trace.as_deref_mut() {
+            t.last_mut().expect("pushed above").held = (0..n).filter(|&j| values[j].is_some()).collect();
+        }
+    }
+    Ok(values[n - 1].take().expect("the output is held"))
+}
+
+/// A cache site per graph shape, so that the size a graph's micro-batches settled on is
+/// remembered for that graph only. Bounded: past the bound, graphs share one site.
+fn site(fingerprint: u64) -> &'static Site {
+    static SHARED: Site = Site::new("toma::lazy", file!(), line!());
+    static SITES: Mutex<Option<HashMap<u64, &'static Site>>> = Mutex::new(None);
+    const MAX_SITES: usize = 1024;
+    let mut sites = SITES.lock().unwrap_or_else(|e| e.into_inner());
+    let sites = sites.get_or_insert_with(HashMap::new);
+    if let Some(site) = sites.get(&fingerprint) {
+        return site;
+    }
+    if sites.len() >= MAX_SITES {
+        return &SHARED;
+    }
+    // Leaked once per distinct graph shape (bounded above): a `Site` must be `'static`.
+    let name: &'static str = Box::leak(format!("toma::lazy#{fingerprint:016x}").into_boxed_str());
+    let site: &'static Site = Box::leak(Box::new(Site::new(name, file!(), 0)));
+    sites.insert(fingerprint, site);
+    site
+}
+
+/// What planning decided for one run.
+struct Prepared {
+    c: Compiled,
+    micro_batch: usize,
+    /// Whether a micro-batch that runs out of memory may be halved (the result allows it).
+    splittable: bool,
+}
+
+fn prepare(output: &LazyTensor, mode: Mode, options: &Options) -> Result<Prepared, LazyError> {
+    let c = plan::compile(output)?;
+    let budget = plan::budget(options, c.device());
+    let choice = plan::choose(&c, mode, budget, options)?;
+    plan::check_split(&c, mode, &choice, budget, options)?;
+    let one = plan::Choice::at(1, &choice);
+    let splittable = c.batch > 1 && plan::check_split(&c, mode, &one, budget, options).is_ok();
+    let chunks = (c.batch as usize).div_ceil(choice.micro_batch);
+    tracing::info!(
+        mode = ?mode,
+        op = c.output().op.name(),
+        batch = c.batch,
+        micro_batch = choice.micro_batch,
+        chunks,
+        peak = choice.peak,
+        full_batch_peak = choice.full_peak,
+        budget,
+        nodes = c.len(),
+        "toma::lazy: plan"
+    );
+    Ok(Prepared { micro_batch: choice.micro_batch, splittable, c })
+}
+
+/// Full-batch denominators of the mean-reduced class losses that a split must divide by.
+fn denominators(c: &Compiled, split: bool, options: &Options) -> Result<Vec<Option<f64>>, LazyError> {
+    let mut dens = vec![None; c.len()];
+    if !split {
+        return Ok(dens);
+    }
+    for (i, node) in c.nodes.iter().enumerate() {
+        let ignore = match node.op {
+            Op::CrossEntropy { ignore_index } => ignore_index,
+            Op::NllLoss { reduction: Reduction::Mean, ignore_index } => ignore_index,
+            _ => continue,
+        };
+        if !c.global[i] {
+            continue;
+        }
+        // The targets are usually an input: evaluating them costs a narrow per micro-batch.
+        let targets = LazyTensor { node: node.inputs[1].clone() }.to_tensor_with(options)?;
+        let err = torch(i, "nll_loss denominator");
+        let counted = targets.f_ne(ignore).map_err(&err)?;
+        let den = match node.inputs.get(2) {
+            Some(w) => {
+                let w = LazyTensor { node: w.clone() }.to_tensor_with(options)?;
+                let picked = w.f_index_select(0, &targets.f_clamp_min(0).map_err(&err)?).map_err(&err)?;
+                picked
+                    .f_mul(&counted.f_to_kind(w.kind()).map_err(&err)?)
+                    .map_err(&err)?
+                    .f_sum(Kind::Double)
+                    .map_err(&err)?
+            }
+            None => counted.f_sum(Kind::Double).map_err(&err)?,
+        };
+        dens[i] = Some(den.f_double_value(&[]).map_err(&err)?);
+    }
+    Ok(dens)
+}
+
+/// Calls `body(start, end)` over the batch in micro-batches of `micro_batch`, halving on
+/// out-of-memory when the result allows it.
+fn run_chunks(
+    p: &Prepared,
+    options: &Options,
+    mut body: impl FnMut(i64, i64) -> Result<(), LazyError>,
+) -> Result<(), LazyError> {
+    let n = p.c.batch.max(1) as usize;
+    if !p.splittable || !options.retry {
+        let step = if p.splittable { p.micro_batch } else { n };
+        let mut start = 0;
+        while start < n {
+            let end = (start + step).min(n);
+            body(start as i64, (end - start) as i64)?;
+            start = end;
+        }
+        return Ok(());
+    }
+    let mut range = Range::new(0, n, p.micro_batch).site(site(p.c.fingerprint));
+    if let Some(kind) = options.cache {
+        range = range.cache(kind);
+    }
+    range.run(|start, end| {
+        tracing::debug!(start, end, "toma::lazy: micro-batch");
+        body(start as i64, (end - start) as i64)
+    })
+}
+
+/// Computes the value of `output` (no gradients recorded).
+pub(crate) fn evaluate(output: &LazyTensor, options: &Options) -> Result<Tensor, LazyError> {
+    let p = prepare(output, Mode::Forward, options)?;
+    let _no_grad = tch::no_grad_guard();
+    let n = p.c.batch;
+    let unsplit = vec![None; p.c.len()];
+    let mut dens: Option<Vec<Option<f64>>> = None;
+    let flow = p.c.output().meta.flow;
+    let mut parts: Vec<Tensor> = Vec::new();
+    let mut acc: Option<Tensor> = None;
+    let out = p.c.len() - 1;
+    let err = torch(out, "combine");
+    run_chunks(&p, options, |start, b| {
+        let split = b < n;
+        if split && dens.is_none() {
+            dens = Some(denominators(&p.c, true, options)?);
+        }
+        let chunk = Chunk {
+            start,
+            b,
+            split,
+            frac: b as f64 / n as f64,
+            dens: dens.as_deref().unwrap_or(&unsplit),
+            stand_ins: &[],
+        };
+        let value = forward_chunk(&p.c, &chunk, None)?;
+        match flow {
+            Flow::PerSample(_) if split => parts.push(value),
+            Flow::Sum if split => {
+                acc = Some(match acc.take() {
+                    None => value,
+                    Some(a) => a.f_add(&value).map_err(&err)?,
+                })
+            }
+            Flow::Max if split => {
+                acc = Some(match acc.take() {
+                    None => value,
+                    Some(a) => a.f_maximum(&value).map_err(&err)?,
+                })
+            }
+            _ => acc = Some(value),
+        }
+        Ok(())
+    })?;
+    match flow {
+        Flow::PerSample(bd) if !parts.is_empty() => {
+            if parts.len() == 1 {
+                return Ok(parts.pop().expect("one part"));
+            }
+            Tensor::f_cat(&parts, bd.dim as i64).map_err(err)
+        }
+        _ => Ok(acc.expect("at least one micro-batch ran")),
+    }
+}
+
+/// Runs forward and backward in micro-batches, accumulating parameter gradients.
+pub(crate) fn backward(output: &LazyTensor, options: &Options) -> Result<f64, LazyError> {
+    if output.numel() != 1 {
+        return Err(LazyError::NotScalar { op: output.op_name().into(), shape: output.size() });
+    }
+    let p = prepare(output, Mode::Backward, options)?;
+    let n = p.c.batch;
+    // One tensor per parameter, however many leaves hold it. A fixed operand computed eagerly
+    // from parameters (`w.tr()`) is not a leaf: micro-batches see a detached stand-in, whose
+    // gradient is summed here and sent back through the operand's own graph once at the end
+    // (differentiating through it per micro-batch would count the parameters behind it again).
+    let mut originals: Vec<Tensor> = Vec::new();
+    let mut params: Vec<Tensor> = Vec::new();
+    let mut stand_ins: Vec<Option<Tensor>> = (0..p.c.len()).map(|_| None).collect();
+    let mut slot = vec![usize::MAX; p.c.len()];
+    for (i, first) in p.c.param.iter().enumerate() {
+        let Some(first) = first.map(|f| f as usize) else { continue };
+        if first == i {
+            let Op::Leaf { tensor, .. } = &p.c.nodes[i].op else { unreachable!("parameters are leaves") };
+            slot[i] = params.len();
+            params.push(if tensor.is_leaf() {
+                tensor.shallow_clone()
+            } else {
+                tensor.detach().set_requires_grad(true)
+            });
+            originals.push(tensor.shallow_clone());
+        }
+        let k = slot[first];
+        if !originals[k].is_leaf() {
+            stand_ins[i] = Some(params[k].shallow_clone());
+        }
+    }
+    let leaf: Vec<bool> = originals.iter().map(Tensor::is_leaf).collect();
+    let mut through: Vec<Option<Tensor>> = params.iter().map(|_| None).collect();
+    let unsplit = vec![None; p.c.len()];
+    let mut dens: Option<Vec<Option<f64>>> = None;
+    let out = p.c.len() - 1;
+    let err = torch(out, "backward");
+    let mut total = 0.0;
+    run_chunks(&p, options, |start, b| {
+        if b < n && dens.is_none() {
+            dens = Some(tch::no_grad(|| denominators(&p.c, true, options))?);
+        }
+        let dens = dens.as_deref().unwrap_or(&unsplit);
+        let chunk = Chunk { start, b, split: b < n, frac: b as f64 / n as f64, dens, stand_ins: &stand_ins };
+        let (value, grads) = tch::with_grad(|| -> Result<(f64, Vec<Tensor>), LazyError> {
+            let loss = forward_chunk(&p.c, &chunk, None)?;
+            let value = loss.f_sum(Kind::Double).and_then(|v| v.f_double_value(&[])).map_err(&err)?;
+            let grads = if params.is_empty() || !loss.requires_grad() {
+                Vec::new()
+            } else {
+                Tensor::f_run_backward(&[&loss], &params, false, false).map_err(&err)?
+            };
+            Ok((value, grads))
+        })?;
+        accumulate(&params, &leaf, &grads, &mut through).map_err(&err)?;
+        total += value;
+        Ok(())
+    })?;
+    if through.iter().any(Option::is_some) {
+        tch::with_grad(|| -> Result<(), TchError> {
+            let mut sum: Option<Tensor> = None;
+            for (p, g) in originals.iter().zip(&through) {
+                if let Some(g) = g {
+                    // d/dp sum(p * g) = g: autograd carries g on through p's own graph.
+                    let term = p.f_mul(g)?.f_sum(Kind::Double)?;
+                    sum = Some(match sum {
+                        None => term,
+                        Some(s) => s.f_add(&term)?,
+                    });
+                }
+            }
+            sum.expect("some gradient").f_backward()
+        })
+        .map_err(&err)?;
+    }
+    Ok(total)
+}
+
+/// Adds a micro-batch's gradients into `.grad()` (leaves; a parameter without one first gets a
+/// zero gradient) or into `through` (non-leaves). Only called once the micro-batch's backward
+/// completed: a retried micro-batch never counts twice.
+fn accumulate(
+    params: &[Tensor],
+    leaf: &[bool],
+    grads: &[Tensor],
+    through: &mut [Option<Tensor>],
+) -> Result<(), TchError> {
+    let undefined: Vec<&Tensor> = params
+        .iter()
+        .zip(grads)
+        .zip(leaf)
+        .filter(|((p, g), &is_leaf)| is_leaf && g.defined() && !p.grad().defined())
+        .map(|((p, _), _)| p)
+        .collect();
+    if !undefined.is_empty() {
+        // tch cannot assign `.grad`; a backward of `0 * sum(p)` makes autograd allocate it.
+        tch::with_grad(|| -> Result<(), TchError> {
+            let mut zero: Option<Tensor> = None;
+            for p in &undefined {
+                let term = p.f_sum(None)?.f_mul_scalar(0.0)?;
+                zero = Some(match zero {
+                    None => term,
+                    Some(z) => z.f_add(&term)?,
+                });
+            }
+            zero.expect("non-empty").f_backward()
+        })?;
+    }
+    let _no_grad = tch::no_grad_guard();
+    for (k, (p, g)) in params.iter().zip(grads).enumerate() {
+        if !g.defined() {
+            continue;
+        }
+        if leaf[k] {
+            let mut grad = p.grad();
+            let _ = grad.f_add_(g)?;
+        } else {
+            through[k] = Some(match through[k].take() {
+                None => g.shallow_clone(),
+                Some(sum) => sum.f_add(g)?,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Runs the first micro-batch of `micro_batch` samples and reports, per op, what the executor
+/// produced and held.
+pub(crate) fn trace(output: &LazyTensor, mode: Mode, micro_batch: usize) -> Result<Vec<TracedOp>, LazyError> {
+    let c = plan::compile(output)?;
+    let n = c.batch;
+    let b = (micro_batch.max(1) as i64).min(n.max(1));
+    let split = b < n;
+    let options = Options::default();
+    let dens = tch::no_grad(|| denominators(&c, split, &options))?;
+    let chunk = Chunk { start: 0, b, split, frac: b as f64 / n as f64, dens: &dens, stand_ins: &[] };
+    let mut steps = Vec::with_capacity(c.len());
+    let run = || forward_chunk(&c, &chunk, Some(&mut steps)).map(drop);
+    match mode {
+        Mode::Forward => tch::no_grad(run)?,
+        Mode::Backward => tch::with_grad(run)?,
+    }
+    Ok(steps)
+}

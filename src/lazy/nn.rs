@@ -1,0 +1,267 @@
+//! tch's layers, recorded lazily: `x.apply(&linear)` where `linear` is a `tch::nn::Linear`,
+//! and a lazy [`Sequential`].
+//!
+//! Adapters exist for [`nn::Linear`], [`nn::Conv2D`], [`nn::LayerNorm`], [`nn::Embedding`] and
+//! [`nn::BatchNorm`] (through [`LazyModuleT`]). tch keeps some of their settings private (a
+//! convolution's stride, a norm's epsilon); the adapters read them from the layer's `Debug`
+//! text, which tch 0.24 (the version toma pins) prints in full. A layer whose settings cannot
+//! be read, or that uses something the graph cannot plan (a padding mode other than zeros,
+//! sparse embeddings), is an [`LazyError::Unsupported`] naming it: it is never run eagerly.
+//!
+//! ```
+//! use tch::{nn, Device, Kind, Tensor};
+//! use toma::lazy::{lazy, nn::seq};
+//!
+//! let vs = nn::VarStore::new(Device::Cpu);
+//! let model = seq()
+//!     .add(nn::linear(vs.root() / "l1", 4, 8, Default::default()))
+//!     .add_fn(|x| x.relu())
+//!     .add(nn::linear(vs.root() / "l2", 8, 3, Default::default()));
+//! let (x, y) = lazy((&Tensor::randn([10, 4], (Kind::Float, Device::Cpu)), &Tensor::zeros([10], (Kind::Int64, Device::Cpu))), 0);
+//! let loss = model.forward(&x)?.cross_entropy_for_logits(&y);
+//! let value = loss.backward()?; // micro-batched if the batch does not fit
+//! assert!(value.is_finite());
+//! # Ok::<(), toma::lazy::LazyError>(())
+//! ```
+
+use tch::nn;
+
+use super::error::LazyError;
+use super::LazyTensor;
+
+/// A layer that records lazily (tch's `Module`, for [`LazyTensor`]s).
+pub trait LazyModule {
+    /// Records the layer on `xs`.
+    ///
+    /// # Errors
+    /// The recording error of the layer's ops.
+    fn lazy_forward(&self, xs: &LazyTensor) -> Result<LazyTensor, LazyError>;
+}
+
+/// A layer that records lazily and behaves differently in training (tch's `ModuleT`).
+pub trait LazyModuleT {
+    /// Records the layer on `xs`, in training mode when `train`.
+    ///
+    /// # Errors
+    /// The recording error of the layer's ops.
+    fn lazy_forward_t(&self, xs: &LazyTensor, train: bool) -> Result<LazyTensor, LazyError>;
+}
+
+impl<M: LazyModule + ?Sized> LazyModuleT for M {
+    fn lazy_forward_t(&self, xs: &LazyTensor, _train: bool) -> Result<LazyTensor, LazyError> {
+        self.lazy_forward(xs)
+    }
+}
+
+/// The value of `name: value` in a `Debug` text, bracket-aware (`stride: [1, 1]`).
+fn debug_field<'a>(text: &'a str, name: &str) -> Option<&'a str> {
+    let key = format!("{name}: ");
+    let start = text.find(&key)? + key.len();
+    let rest = &text[start..];
+    let mut depth = 0i32;
+    for (i, ch) in rest.char_indices() {
+        match ch {
+            '[' | '(' | '{' => depth += 1,
+            ']' | ')' | '}' if depth == 0 => return Some(rest[..i].trim()),
+            ']' | ')' | '}' => depth -= 1,
+            ',' if depth == 0 => return Some(rest[..i].trim()),
+            _ => {}
+        }
+    }
+    Some(rest.trim())
+}
+
+fn parse_list(text: &str) -> Option<Vec<i64>> {
+    let inner = text.strip_prefix('[')?.strip_suffix(']')?;
+    inner.split(',').map(|v| v.trim().parse().ok()).collect()
+}
+
+/// Reads a setting tch keeps private from the layer's `Debug` text.
+fn setting<T: std::str::FromStr>(layer: &str, text: &str, config: &str, name: &str) -> Result<T, LazyError> {
+    let config_text = text.find(config).map(|at| &text[at..]);
+    config_text.and_then(|c| debug_field(c, name)).and_then(|v| v.parse().ok()).ok_or_else(|| LazyError::Unsupported {
+        op: layer.into(),
+        reason: format!("cannot read `{name}` from the layer's Debug text (is tch still 0.24?)"),
+    })
+}
+
+impl LazyModule for nn::Linear {
+    fn lazy_forward(&self, xs: &LazyTensor) -> Result<LazyTensor, LazyError> {
+        xs.f_linear(&self.ws, self.bs.as_ref())
+    }
+}
+
+impl LazyModule for nn::Conv2D {
+    fn lazy_forward(&self, xs: &LazyTensor) -> Result<LazyTensor, LazyError> {
+        let text = format!("{self:?}");
+        let at = text.find("config:").ok_or_else(|| LazyError::Unsupported {
+            op: "nn::Conv2D".into(),
+            reason: "cannot find the configuration in the layer's Debug text".into(),
+        })?;
+        let config = &text[at..];
+        let list = |name: &str| {
+            debug_field(config, name).and_then(parse_list).ok_or_else(|| LazyError::Unsupported {
+                op: "nn::Conv2D".into(),
+                reason: format!("cannot read `{name}` from the layer's Debug text (is tch still 0.24?)"),
+            })
+        };
+        let (stride, padding, dilation) = (list("stride")?, list("padding")?, list("dilation")?);
+        let groups: i64 = setting("nn::Conv2D", config, "config:", "groups")?;
+        let mode = debug_field(config, "padding_mode").unwrap_or("Zeros");
+        if mode != "Zeros" {
+            return Err(LazyError::Unsupported {
+                op: "nn::Conv2D".into(),
+                reason: format!(
+                    "padding mode {mode} pads with an op toma::lazy does not plan; pad with a CustomOp, then convolve"
+                ),
+            });
+        }
+        xs.f_conv2d(&self.ws, self.bs.as_ref(), stride, padding, dilation, groups)
+    }
+}
+
+impl LazyModule for nn::LayerNorm {
+    fn lazy_forward(&self, xs: &LazyTensor) -> Result<LazyTensor, LazyError> {
+        let text = format!("{self:?}");
+        let eps: f64 = setting("nn::LayerNorm", &text, "config:", "eps")?;
+        xs.f_layer_norm(&self.normalized_shape, self.ws.as_ref(), self.bs.as_ref(), eps)
+    }
+}
+
+impl LazyModule for nn::Embedding {
+    fn lazy_forward(&self, xs: &LazyTensor) -> Result<LazyTensor, LazyError> {
+        let text = format!("{self:?}");
+        let padding_idx: i64 = setting("nn::Embedding", &text, "config:", "padding_idx")?;
+        let scale: bool = setting("nn::Embedding", &text, "config:", "scale_grad_by_freq")?;
+        let sparse: bool = setting("nn::Embedding", &text, "config:", "sparse")?;
+        if sparse {
+            return Err(LazyError::Unsupported {
+                op: "nn::Embedding".into(),
+                reason: "sparse gradients are not planned; use a dense embedding".into(),
+            });
+        }
+        LazyTensor::f_embedding(&self.ws, xs, padding_idx, scale)
+    }
+}
+
+impl LazyModuleT for nn::BatchNorm {
+    /// Eval mode uses the running statistics (splits freely); training mode normalizes with
+    /// batch statistics (splitting is refused unless allowed).
+    fn lazy_forward_t(&self, xs: &LazyTensor, train: bool) -> Result<LazyTensor, LazyError> {
+        let dim = xs.dim();
+        let ok = if self.nd == 1 { dim == 2 || dim == 3 } else { dim == self.nd + 2 };
+        if !ok {
+            return Err(LazyError::Argument {
+                op: "batch_norm".into(),
+                shape: xs.size(),
+                reason: format!(
+                    "as nd={}, expected an input with {} dims",
+                    self.nd,
+                    if self.nd == 1 { 2 } else { self.nd + 2 }
+                ),
+            });
+        }
+        let text = format!("{self:?}");
+        let eps: f64 = setting("nn::BatchNorm", &text, "config:", "eps")?;
+        let momentum: f64 = setting("nn::BatchNorm", &text, "config:", "momentum")?;
+        xs.f_batch_norm(self.ws.as_ref(), self.bs.as_ref(), &self.running_mean, &self.running_var, train, momentum, eps)
+    }
+}
+
+type LayerFn = dyn Fn(&LazyTensor, bool) -> Result<LazyTensor, LazyError>;
+
+/// A lazy sequence of layers and functions (tch's `SequentialT`, recording).
+#[must_use]
+pub struct Sequential {
+    layers: Vec<Box<LayerFn>>,
+}
+
+impl std::fmt::Debug for Sequential {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Sequential[{} layers]", self.layers.len())
+    }
+}
+
+/// An empty [`Sequential`].
+pub fn seq() -> Sequential {
+    Sequential { layers: Vec::new() }
+}
+
+impl Sequential {
+    /// Appends a layer (`nn::Linear`, `nn::Conv2D`, `nn::BatchNorm`, another `Sequential`, ..).
+    // Named as tch's `Sequential::add`, on purpose.
+    #[allow(clippy::should_implement_trait)]
+    pub fn add<M: LazyModuleT + 'static>(mut self, layer: M) -> Self {
+        self.layers.push(Box::new(move |xs, train| layer.lazy_forward_t(xs, train)));
+        self
+    }
+
+    /// Appends a function, as tch's `add_fn` (`|x| x.relu()`). A panicking op panics at
+    /// [`forward`](Self::forward); use [`add_f_fn`](Self::add_f_fn) for errors instead.
+    pub fn add_fn<F: Fn(&LazyTensor) -> LazyTensor + 'static>(mut self, f: F) -> Self {
+        self.layers.push(Box::new(move |xs, _| Ok(f(xs))));
+        self
+    }
+
+    /// Appends a fallible function (`|x| x.f_relu()`).
+    pub fn add_f_fn<F: Fn(&LazyTensor) -> Result<LazyTensor, LazyError> + 'static>(mut self, f: F) -> Self {
+        self.layers.push(Box::new(move |xs, _| f(xs)));
+        self
+    }
+
+    /// Appends a function of the training flag (`|x, train| x.dropout(0.1, train)`).
+    pub fn add_fn_t<F: Fn(&LazyTensor, bool) -> LazyTensor + 'static>(mut self, f: F) -> Self {
+        self.layers.push(Box::new(move |xs, train| Ok(f(xs, train))));
+        self
+    }
+
+    /// The number of layers.
+    pub fn len(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Whether there is no layer.
+    pub fn is_empty(&self) -> bool {
+        self.layers.is_empty()
+    }
+
+    /// Records every layer in eval mode.
+    ///
+    /// # Errors
+    /// The first layer's recording error.
+    pub fn forward(&self, xs: &LazyTensor) -> Result<LazyTensor, LazyError> {
+        self.forward_t(xs, false)
+    }
+
+    /// Records every layer, in training mode when `train`.
+    ///
+    /// # Errors
+    /// The first layer's recording error.
+    pub fn forward_t(&self, xs: &LazyTensor, train: bool) -> Result<LazyTensor, LazyError> {
+        let mut x = xs.clone();
+        for layer in &self.layers {
+            x = layer(&x, train)?;
+        }
+        Ok(x)
+    }
+}
+
+impl LazyModuleT for Sequential {
+    fn lazy_forward_t(&self, xs: &LazyTensor, train: bool) -> Result<LazyTensor, LazyError> {
+        self.forward_t(xs, train)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_fields() {
+        let text = "Conv { ws: Tensor[[8, 3, 3, 3], Float], config: ConvConfigND { stride: [2, 1], padding: [1, 1], \
+                    groups: 1, padding_mode: Zeros } }";
+        assert_eq!(debug_field(text, "stride").and_then(parse_list), Some(vec![2, 1]));
+        assert_eq!(debug_field(text, "groups"), Some("1"));
+        assert_eq!(debug_field(text, "padding_mode"), Some("Zeros"));
+    }
+}

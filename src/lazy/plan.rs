@@ -1,0 +1,1045 @@
+//! The planner: the peak memory of a schedule of the forward (and backward) pass at a given
+//! micro-batch, and the largest micro-batch whose peak fits the budget.
+//!
+//! # The memory model
+//!
+//! The schedule is the executor's: ops run in recording order (a topological order); the
+//! executor drops each value after its last use. Each tensor costs its bytes rounded up to
+//! 512 B (the CUDA caching allocator's block size); views cost nothing and keep their base
+//! alive. Inputs and parameters are already in memory and cost nothing.
+//!
+//! In a backward plan, a tensor that autograd saves for an op's backward (what each op saves
+//! is in [`ops`](super::ops)) lives until that op's backward has run, together with extras such
+//! as max-pooling indices and dropout masks. The backward runs in reverse order: each op's
+//! output gradient lives until its backward has run, and produces gradients for its inputs
+//! (views of the output gradient where autograd makes them views); parameter gradients live
+//! to the end, and parameters whose `.grad()` is not yet defined get one. Ops with scratch
+//! space (im2col of a convolution, broadcast copies of a batched product) count it while they
+//! run.
+//!
+//! The peak is the largest sum over this schedule, not the sum of all tensors.
+
+use std::borrow::Cow;
+use std::cell::OnceCell;
+use std::collections::HashMap;
+use std::fmt;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use tch::{Device, Kind};
+
+use super::error::LazyError;
+use super::graph::{Bytes, Flow, Node, ParamKey};
+use super::ops::{Binary, Op};
+use super::{LazyTensor, Options};
+
+/// What a plan covers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Mode {
+    /// Computing the value only (no gradients recorded).
+    Forward,
+    /// Forward and backward, accumulating parameter gradients.
+    Backward,
+}
+
+/// Which pass a step of the schedule belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Phase {
+    /// Running an op.
+    Forward,
+    /// Running an op's backward.
+    Backward,
+    /// Adding the micro-batch's parameter gradients into `.grad()`.
+    Accumulate,
+}
+
+/// The allocation granularity of the CUDA caching allocator.
+pub const BLOCK: u64 = 512;
+
+/// Rounds up to the allocator's block size; 0 stays 0.
+pub fn round_block(bytes: u64) -> u64 {
+    bytes.div_ceil(BLOCK) * BLOCK
+}
+
+trait At {
+    fn at(self, b: u64) -> u64;
+}
+
+impl At for Bytes {
+    /// Bytes at micro-batch `b`, rounded to the allocator's block.
+    #[inline]
+    fn at(self, b: u64) -> u64 {
+        round_block(self.per * b + self.fixed)
+    }
+}
+
+/// The graph of one output, compiled for planning and running: nodes in topological order
+/// and everything about them that does not depend on the micro-batch size.
+pub(crate) struct Compiled {
+    pub(crate) nodes: Vec<Rc<Node>>,
+    /// `inputs[offsets[i]..offsets[i + 1]]` are node `i`'s inputs, as positions.
+    offsets: Vec<u32>,
+    inputs: Vec<u32>,
+    /// Position of each node's last consumer; `n` for the output (held to the end).
+    pub(crate) last_use: Vec<u32>,
+    /// Storage each node's value lives in (its own position, or its view base's).
+    root: Vec<u32>,
+    /// Per-node facts the schedules read often: the `F_*` bits.
+    flags: Vec<u8>,
+    /// For parameters that require a gradient: the position of the first leaf holding the
+    /// same tensor (so that one parameter used twice has one gradient).
+    pub(crate) param: Vec<Option<u32>>,
+    /// First leaves of the parameters that receive a gradient, and their gradients' bytes.
+    reached_params: Vec<u32>,
+    param_grad_bytes: u64,
+    /// Bytes of gradients that parameters without a `.grad()` will get: asking libtorch costs
+    /// ~0.5 µs a parameter, so it is asked only when the answer can change the plan.
+    undefined_grad_bytes: OnceCell<u64>,
+    /// Full batch size (1 when nothing is batched).
+    pub(crate) batch: i64,
+    pub(crate) fingerprint: u64,
+    /// Sum-flow nodes that feed the output linearly (combined over micro-batches).
+    pub(crate) global: Vec<bool>,
+    /// The schedules of both modes, built when first asked for.
+    schedules: [OnceCell<Schedule>; 2],
+}
+
+/// The node requires a gradient.
+const F_REQUIRES_GRAD: u8 = 1;
+/// Autograd keeps the node's output for its backward.
+const F_SAVES_OUTPUT: u8 = 2;
+/// An input or a fixed leaf (already in memory).
+const F_LEAF: u8 = 4;
+/// The op takes part in autograd.
+const F_DIFFERENTIABLE: u8 = 8;
+/// Gradients of inputs past the 64th are views of the output's.
+const F_ALIAS_REST: u8 = 16;
+/// The output is a new allocation (not a view, an input or a parameter).
+const F_ALLOCATES: u8 = 32;
+
+impl Compiled {
+    pub(crate) fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    pub(crate) fn inputs(&self, i: usize) -> impl Iterator<Item = usize> + '_ {
+        self.inputs[self.offsets[i] as usize..self.offsets[i + 1] as usize].iter().map(|&j| j as usize)
+    }
+
+    fn input_slice(&self, i: usize) -> &[u32] {
+        &self.inputs[self.offsets[i] as usize..self.offsets[i + 1] as usize]
+    }
+
+    pub(crate) fn output(&self) -> &Rc<Node> {
+        self.nodes.last().expect("a graph has its output")
+    }
+
+    /// The device the computation runs on: the first input's, or the output's.
+    pub(crate) fn device(&self) -> Device {
+        self.nodes
+            .iter()
+            .find(|n| matches!(n.op, Op::Input { .. }))
+            .map_or(self.output().meta.device, |n| n.meta.device)
+    }
+
+    /// The first op that mixes samples, if any.
+    pub(crate) fn first_mixing(&self) -> Option<(usize, &Rc<Node>)> {
+        self.nodes.iter().enumerate().find(|(_, n)| n.meta.mixes.is_some())
+    }
+
+    /// Bytes of the gradients parameters without a `.grad()` will get (asked once).
+    fn undefined_grad_bytes(&self) -> u64 {
+        *self.undefined_grad_bytes.get_or_init(|| {
+            self.reached_params
+                .iter()
+                .map(|&i| &self.nodes[i as usize])
+                .filter(|node| match &node.op {
+                    // A non-leaf's gradient is summed in a buffer of toma's (see exec).
+                    Op::Leaf { tensor, param: Some(p) } => !p.is_leaf || !tensor.grad().defined(),
+                    _ => false,
+                })
+                .map(|node| node.cost.grad.at(1))
+                .sum()
+        })
+    }
+
+    fn schedule(&self, mode: Mode) -> &Schedule {
+        self.schedules[mode as usize].get_or_init(|| Schedule::build(self, mode))
+    }
+}
+
+/// Collects the graph of `output` in topological order and precomputes what planning needs.
+pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
+    // Depth-first collection, marking nodes with this traversal's generation; ids give the
+    // order (inputs are always created first).
+    static GENERATION: AtomicU64 = AtomicU64::new(1);
+    let generation = GENERATION.fetch_add(1, Ordering::Relaxed);
+    let mut seen: Vec<(u64, &Rc<Node>)> = vec![(output.node.id, &output.node)];
+    output.node.mark.set(generation);
+    let mut stack: Vec<&Rc<Node>> = vec![&output.node];
+    while let Some(node) = stack.pop() {
+        for input in &node.inputs {
+            if input.mark.get() != generation {
+                input.mark.set(generation);
+                seen.push((input.id, input));
+                stack.push(input);
+            }
+        }
+    }
+    // Sorting (id, node) pairs compares without touching the nodes.
+    seen.sort_unstable_by_key(|&(id, _)| id);
+    let found: Vec<Rc<Node>> = seen.iter().map(|&(_, n)| n.clone()).collect();
+    drop(seen);
+    for (pos, n) in found.iter().enumerate() {
+        n.pos.set(pos as u32);
+    }
+    let n = found.len();
+    let mut offsets = Vec::with_capacity(n + 1);
+    let mut inputs = Vec::with_capacity(2 * n);
+    let mut last_use = vec![0u32; n];
+    let mut root = Vec::with_capacity(n);
+    let mut flags = Vec::with_capacity(n);
+    let mut param = vec![None; n];
+    let mut batch: Option<i64> = None;
+    let mut fingerprint = 0x6c61_7a79u64;
+    let leaves = found.iter().filter(|x| x.inputs.is_empty()).count();
+    let mut params_seen: HashMap<&ParamKey, u32, BuildHasherDefault<IdHasher>> =
+        HashMap::with_capacity_and_hasher(leaves, BuildHasherDefault::default());
+    for (i, node) in found.iter().enumerate() {
+        offsets.push(inputs.len() as u32);
+        for input in &node.inputs {
+            let from = input.pos.get();
+            last_use[from as usize] = i as u32;
+            inputs.push(from);
+        }
+        root.push(if node.meta.alias { root[node.inputs[0].pos.get() as usize] } else { i as u32 });
+        let cost = &node.cost;
+        flags.push(
+            (u8::from(cost.out != Bytes::default()) * F_ALLOCATES)
+                | (u8::from(node.meta.requires_grad) * F_REQUIRES_GRAD)
+                | (u8::from(node.meta.requires_grad && node.op.saves_output()) * F_SAVES_OUTPUT)
+                | (u8::from(node.inputs.is_empty()) * F_LEAF)
+                | (u8::from(node.op.differentiable()) * F_DIFFERENTIABLE)
+                | (u8::from(cost.alias_rest) * F_ALIAS_REST),
+        );
+        fingerprint = crate::cache::mix(fingerprint ^ node.cost.hash);
+        match &node.op {
+            Op::Input { .. } => {
+                let size = node.meta.batch().map_or(1, |bd| bd.size);
+                match batch {
+                    None => batch = Some(size),
+                    Some(b) if b != size => {
+                        return Err(LazyError::Batch {
+                            op: "lazy".into(),
+                            lhs: vec![b],
+                            rhs: node.meta.shape.clone(),
+                            reason: format!("inputs with batch sizes {b} and {size} meet in one graph"),
+                        })
+                    }
+                    _ => {}
+                }
+            }
+            Op::Leaf { param: Some(p), .. } => {
+                param[i] = Some(*params_seen.entry(&p.key).or_insert(i as u32));
+            }
+            _ => {}
+        }
+    }
+    offsets.push(inputs.len() as u32);
+    last_use[n - 1] = n as u32;
+    let edges = |i: usize| &inputs[offsets[i] as usize..offsets[i + 1] as usize];
+    // Sum-flow nodes that reach the output only through linear ops are combined over
+    // micro-batches; others (only with allow_batch_mixing) are per-micro-batch statistics.
+    let mut global = vec![false; n];
+    let mut consumers_global = vec![true; n];
+    for i in (0..n).rev() {
+        global[i] = found[i].meta.flow == Flow::Sum && consumers_global[i];
+        for &j in edges(i) {
+            consumers_global[j as usize] &= global[i];
+        }
+    }
+    // Which parameters receive a gradient: the backward's reach, which the batch does not change.
+    let mut reach = vec![false; n];
+    reach[n - 1] = found[n - 1].meta.requires_grad;
+    for i in (0..n).rev() {
+        if !reach[i] || flags[i] & (F_LEAF | F_DIFFERENTIABLE) != F_DIFFERENTIABLE {
+            continue;
+        }
+        for &j in edges(i) {
+            let j = j as usize;
+            if flags[j] & F_REQUIRES_GRAD != 0 {
+                reach[param[j].map_or(j, |p| p as usize)] = true;
+            }
+        }
+    }
+    let reached_params: Vec<u32> =
+        (0..n).filter(|&i| reach[i] && param[i] == Some(i as u32)).map(|i| i as u32).collect();
+    let param_grad_bytes = reached_params.iter().map(|&i| found[i as usize].cost.grad.at(1)).sum();
+    Ok(Compiled {
+        nodes: found,
+        offsets,
+        inputs,
+        last_use,
+        root,
+        flags,
+        param,
+        reached_params,
+        param_grad_bytes,
+        undefined_grad_bytes: OnceCell::new(),
+        batch: batch.unwrap_or(1),
+        fingerprint,
+        global,
+        schedules: [OnceCell::new(), OnceCell::new()],
+    })
+}
+
+/// A fast hasher for keys that carry their own hash.
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = crate::cache::mix(self.0 ^ u64::from(b));
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
+/// One step of the schedule, as recorded for a plan's table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Step {
+    /// Position of the op in [`Plan::ops`].
+    pub node: usize,
+    /// The pass.
+    pub phase: Phase,
+    /// Bytes newly allocated by the step (rounded), scratch space excluded. For the
+    /// accumulation step: the gradients parameters get — all parameters' when that cannot change
+    /// the peak, else only those without a `.grad()` yet (asking libtorch costs time).
+    pub bytes: u64,
+    /// Bytes live while the step runs (its peak: inputs, outputs and scratch space).
+    pub during: u64,
+    /// Bytes live after the step, once what it released is freed.
+    pub live: u64,
+}
+
+/// Kinds of schedule events, in the top 3 bits of a `u32`; the rest indexes the table.
+const ADD: u32 = 0 << 29;
+/// A tensor is freed.
+const FREE: u32 = 1 << 29;
+/// Bytes that live only while the step runs (scratch space, a gradient being added).
+const TRANSIENT: u32 = 2 << 29;
+/// The step runs: its inputs, outputs and scratch space are live together.
+const RUN: u32 = 3 << 29;
+/// The step is over (what it released is freed).
+const END: u32 = 4 << 29;
+const KIND: u32 = 7 << 29;
+
+/// The schedule of one mode: which tensors are allocated and freed at each step. It does not
+/// depend on the micro-batch size — only the bytes do — so it is built once and then
+/// evaluated for each candidate size by a tight loop.
+#[derive(Clone, Debug, Default)]
+struct Schedule {
+    /// Bytes the events refer to.
+    table: Vec<Bytes>,
+    /// Events: `ADD | k` (table entry `k` is allocated), `FREE | k`, `TRANSIENT | k`, `RUN`,
+    /// `END`.
+    events: Vec<u32>,
+    /// Node and phase of each step.
+    steps: Vec<(u32, Phase)>,
+    training: bool,
+}
+
+impl Schedule {
+    // Positions index several arrays at once: a range loop says so best.
+    #[allow(clippy::needless_range_loop)]
+    fn build(c: &Compiled, mode: Mode) -> Schedule {
+        let n = c.len();
+        let training = mode == Mode::Backward;
+        // The table: each value's bytes at `i` (its output's allocation, when it allocates, and
+        // its gradient's), then extras and scratch space as they come.
+        let mut table: Vec<Bytes> = c.nodes.iter().map(|x| x.cost.grad).collect();
+        let add_entry = |table: &mut Vec<Bytes>, bytes: Bytes| {
+            (bytes != Bytes::default()).then(|| {
+                table.push(bytes);
+                (table.len() - 1) as u32
+            })
+        };
+        let mut extra_at = vec![u32::MAX; if training { n } else { 0 }];
+        let mut events = Vec::with_capacity(6 * n);
+        let mut steps = Vec::with_capacity(if training { 2 * n } else { n });
+        let requires = |i: usize| c.flags[i] & F_REQUIRES_GRAD != 0;
+        let saves_output = |i: usize| training && c.flags[i] & F_SAVES_OUTPUT != 0;
+        let saved = |i: usize, k: usize| training && k < 64 && c.nodes[i].cost.saved & (1 << k) != 0;
+        // A value's storage, freed: its bytes, if it allocated them.
+        let free = |events: &mut Vec<u32>, r: usize| {
+            if c.flags[r] & F_ALLOCATES != 0 {
+                events.push(FREE | r as u32);
+            }
+        };
+        // Pins: how many holders keep a storage alive (the executor's values, autograd's saves).
+        // Outputs are storages `0..n`; gradients `n..2n` (`n + i`: the gradient of value `i`).
+        let mut pins = vec![0u32; 2 * n];
+        // ---- forward
+        for i in 0..n {
+            let r = c.root[i] as usize;
+            if r == i && c.flags[i] & F_ALLOCATES != 0 {
+                events.push(ADD | i as u32);
+            }
+            if training {
+                if let Some(k) = add_entry(&mut table, c.nodes[i].cost.extra) {
+                    extra_at[i] = k;
+                    events.push(ADD | k);
+                }
+            }
+            if let Some(k) = add_entry(&mut table, c.nodes[i].cost.work) {
+                events.push(TRANSIENT | k);
+            }
+            events.push(RUN);
+            // The executor holds the value until its last use; views hold their base.
+            pins[r] += 1;
+            if saves_output(i) {
+                pins[r] += 1;
+            }
+            let ins = c.input_slice(i);
+            for (k, &j) in ins.iter().enumerate() {
+                if saved(i, k) {
+                    pins[c.root[j as usize] as usize] += 1;
+                }
+            }
+            // Release inputs whose last use this was (once, even if used twice: `x * x`).
+            for (k, &j) in ins.iter().enumerate() {
+                if c.last_use[j as usize] as usize == i && !ins[..k].contains(&j) {
+                    let r = c.root[j as usize] as usize;
+                    pins[r] -= 1;
+                    if pins[r] == 0 {
+                        free(&mut events, r);
+                    }
+                }
+            }
+            events.push(END);
+            steps.push((i as u32, Phase::Forward));
+        }
+        if !training {
+            return Schedule { table, events, steps, training };
+        }
+        // ---- backward: gradients flow from the output in reverse order.
+        let mut grad_of: Vec<u32> = vec![u32::MAX; n];
+        let out = n - 1;
+        if requires(out) {
+            grad_of[out] = (n + out) as u32;
+            pins[n + out] = 1;
+            events.push(ADD | out as u32);
+        }
+        for i in (0..n).rev() {
+            let g = grad_of[i];
+            if g == u32::MAX || c.flags[i] & F_LEAF != 0 {
+                continue;
+            }
+            let alias_mask = c.nodes[i].cost.grad_alias;
+            let differentiable = c.flags[i] & F_DIFFERENTIABLE != 0;
+            let ins = c.input_slice(i);
+            for (k, &j) in ins.iter().enumerate() {
+                let j = j as usize;
+                if !requires(j) || !differentiable {
+                    continue;
+                }
+                let target = c.param[j].map_or(j, |p| p as usize);
+                let alias = if k < 64 { alias_mask & (1 << k) != 0 } else { c.flags[i] & F_ALIAS_REST != 0 };
+                if grad_of[target] != u32::MAX {
+                    // A second contribution: computed, then added into the first.
+                    events.push(TRANSIENT | j as u32);
+                } else if alias {
+                    grad_of[target] = g;
+                    pins[g as usize] += 1;
+                } else {
+                    grad_of[target] = (n + target) as u32;
+                    pins[n + target] = 1;
+                    events.push(ADD | j as u32);
+                }
+            }
+            if let Some(k) = add_entry(&mut table, c.nodes[i].cost.work) {
+                events.push(TRANSIENT | k);
+            }
+            events.push(RUN);
+            // The output gradient and what was saved for this op are released.
+            let mut release = |events: &mut Vec<u32>, s: usize| {
+                pins[s] -= 1;
+                if pins[s] == 0 {
+                    if s >= n {
+                        events.push(FREE | (s - n) as u32);
+                    } else {
+                        free(events, s);
+                    }
+                }
+            };
+            release(&mut events, g as usize);
+            if requires(i) {
+                for (k, &j) in ins.iter().enumerate() {
+                    if saved(i, k) {
+                        release(&mut events, c.root[j as usize] as usize);
+                    }
+                }
+                if saves_output(i) {
+                    release(&mut events, c.root[i] as usize);
+                }
+                if extra_at[i] != u32::MAX {
+                    events.push(FREE | extra_at[i]);
+                }
+            }
+            events.push(END);
+            steps.push((i as u32, Phase::Backward));
+        }
+        Schedule { table, events, steps, training }
+    }
+
+    /// The peak at micro-batch `b` (the accumulation step aside); records the steps when asked.
+    fn eval(&self, b: u64, mut record: Option<&mut Vec<Step>>) -> Outcome {
+        let table = &self.table;
+        let (mut live, mut per) = (0u64, 0u64);
+        let (mut transient, mut transient_per, mut allocated, mut during) = (0u64, 0u64, 0u64, 0u64);
+        let mut best = Outcome { peak: 0, peak_step: 0, peak_per_sample: 0, accumulate: None };
+        let mut step = 0usize;
+        for &event in &self.events {
+            let bytes = table.get((event & !KIND) as usize).copied().unwrap_or_default();
+            match event & KIND {
+                ADD => {
+                    let at = bytes.at(b);
+                    live += at;
+                    per += bytes.per;
+                    allocated += at;
+                }
+                FREE => {
+                    live -= bytes.at(b);
+                    per -= bytes.per;
+                }
+                TRANSIENT => {
+                    transient += bytes.at(b);
+                    transient_per += bytes.per;
+                }
+                RUN => {
+                    during = live + transient;
+                    if during > best.peak {
+                        best.peak = during;
+                        best.peak_step = step;
+                        best.peak_per_sample = per + transient_per;
+                    }
+                    transient = 0;
+                    transient_per = 0;
+                }
+                _ => {
+                    if let Some(steps) = record.as_deref_mut() {
+                        let (node, phase) = self.steps[step];
+                        steps.push(Step { node: node as usize, phase, bytes: allocated, during, live });
+                    }
+                    allocated = 0;
+                    step += 1;
+                }
+            }
+        }
+        if self.training {
+            // Parameters without a `.grad()` get one (bytes the caller decides), then the
+            // micro-batch's gradients are added in place.
+            best.accumulate = Some((live, per, step));
+        }
+        best
+    }
+}
+
+/// What the simulation found at one micro-batch size, the accumulation step aside: its value
+/// depends on which parameters already have a `.grad()`, which is asked only when it matters.
+#[derive(Clone, Copy)]
+struct Outcome {
+    peak: u64,
+    peak_step: usize,
+    /// Per-sample bytes live at the peak (unrounded), for the scaling/fixed split.
+    peak_per_sample: u64,
+    /// Bytes live before the accumulation step, its per-sample part and its step number.
+    accumulate: Option<(u64, u64, usize)>,
+}
+
+impl Outcome {
+    /// Peak, step and per-sample bytes when the accumulation allocates `new_grads` bytes.
+    fn with(self, new_grads: u64) -> Outcome {
+        match self.accumulate {
+            Some((live, per, step)) if live + new_grads > self.peak => {
+                Outcome { peak: live + new_grads, peak_step: step, peak_per_sample: per, ..self }
+            }
+            _ => self,
+        }
+    }
+
+    /// The exact outcome, asking which gradients exist only when the answer changes the peak.
+    fn resolve(self, c: &Compiled) -> (Outcome, u64) {
+        let (low, high) = (self.with(0), self.with(c.param_grad_bytes));
+        if low.peak == high.peak {
+            return (high, c.param_grad_bytes);
+        }
+        let exact = c.undefined_grad_bytes();
+        (self.with(exact), exact)
+    }
+
+    /// Whether the peak fits `budget`, asking which gradients exist only when needed.
+    fn fits(self, c: &Compiled, budget: u64) -> (bool, Outcome) {
+        let high = self.with(c.param_grad_bytes);
+        if high.peak <= budget {
+            return (true, high);
+        }
+        let low = self.with(0);
+        if low.peak > budget {
+            return (false, low);
+        }
+        let exact = self.with(c.undefined_grad_bytes());
+        (exact.peak <= budget, exact)
+    }
+}
+
+/// Simulates the schedule at micro-batch `b`; records the steps when `steps` is given.
+fn simulate(c: &Compiled, mode: Mode, b: u64) -> Outcome {
+    c.schedule(mode).eval(b, None)
+}
+
+/// The budget in bytes: the user's, or the free memory of the device less the margin.
+pub(crate) fn budget(options: &Options, device: Device) -> u64 {
+    if let Some(b) = options.budget {
+        return b;
+    }
+    let free = match device {
+        // The driver's free bytes plus what libtorch's caching allocator holds unused.
+        Device::Cuda(i) => crate::memory::cuda_usable_memory(i).unwrap_or_else(crate::cpu_memory::available_cpu_memory),
+        _ => crate::cpu_memory::available_cpu_memory(),
+    };
+    (free as f64 * (1.0 - options.margin)) as u64
+}
+
+/// The chosen micro-batch and the peak there.
+pub(crate) struct Choice {
+    pub(crate) micro_batch: usize,
+    pub(crate) peak: u64,
+    pub(crate) full_peak: u64,
+    /// The simulation at the chosen size, and the gradient bytes its accumulation step counts.
+    outcome: Option<(Outcome, u64)>,
+}
+
+impl Choice {
+    /// A choice made elsewhere (to ask `check_split` about another size).
+    pub(crate) fn at(micro_batch: usize, like: &Choice) -> Choice {
+        Choice { micro_batch, peak: like.peak, full_peak: like.full_peak, outcome: None }
+    }
+}
+
+/// The largest micro-batch that fits: the whole batch when it does, else the largest power of
+/// two whose peak fits (the peak never decreases with the micro-batch, so a binary search).
+pub(crate) fn choose(c: &Compiled, mode: Mode, budget: u64, options: &Options) -> Result<Choice, LazyError> {
+    let n = c.batch.max(1) as u64;
+    let full = simulate(c, mode, n);
+    let full_peak = full.resolve(c).0.peak;
+    if let Some(forced) = options.micro_batch {
+        let b = (forced.max(1) as u64).min(n);
+        let resolved = simulate(c, mode, b).resolve(c);
+        return Ok(Choice { micro_batch: b as usize, peak: resolved.0.peak, full_peak, outcome: Some(resolved) });
+    }
+    if full.fits(c, budget).0 {
+        return Ok(Choice { micro_batch: n as usize, peak: full_peak, full_peak, outcome: Some(full.resolve(c)) });
+    }
+    // Exponents e with 2^e < n: find the largest that fits (1 is checked last, if at all).
+    let (mut lo, mut hi) = (0u32, 63 - (n - 1).leading_zeros());
+    let mut best = None;
+    while lo < hi {
+        let mid = (lo + hi).div_ceil(2);
+        let outcome = simulate(c, mode, 1 << mid);
+        if outcome.fits(c, budget).0 {
+            lo = mid;
+            best = Some(outcome);
+        } else {
+            hi = mid - 1;
+        }
+    }
+    let best = match best {
+        Some(outcome) => outcome,
+        None => {
+            let at_one = simulate(c, mode, 1);
+            let (fits, seen) = at_one.fits(c, budget);
+            if !fits {
+                let (node, _) = step_node(c, mode, seen.peak_step);
+                return Err(LazyError::DoesNotFit {
+                    op: c.output().op.name().into(),
+                    peak: seen.peak,
+                    peak_node: node,
+                    peak_op: c.nodes[node].op.name().into(),
+                    budget,
+                });
+            }
+            at_one
+        }
+    };
+    let resolved = best.resolve(c);
+    Ok(Choice { micro_batch: 1 << lo, peak: resolved.0.peak, full_peak, outcome: Some(resolved) })
+}
+
+/// The node and phase of a step number.
+fn step_node(c: &Compiled, mode: Mode, step: usize) -> (usize, Phase) {
+    c.schedule(mode).steps.get(step).map_or((c.len() - 1, Phase::Accumulate), |&(node, phase)| (node as usize, phase))
+}
+
+/// Refuses to split what cannot be split; `Ok` when splitting is not needed or is allowed.
+pub(crate) fn check_split(
+    c: &Compiled,
+    mode: Mode,
+    choice: &Choice,
+    budget: u64,
+    options: &Options,
+) -> Result<(), LazyError> {
+    if choice.micro_batch as i64 >= c.batch {
+        return Ok(());
+    }
+    let out = c.output();
+    if let Some((pos, node)) = c.first_mixing() {
+        if !options.allow_batch_mixing {
+            return Err(LazyError::MixesBatch {
+                node: pos,
+                op: node.op.name().into(),
+                reason: node.meta.mixes.clone().unwrap_or_default(),
+                batch: c.batch as usize,
+                peak: choice.full_peak,
+                budget,
+            });
+        }
+    }
+    let refuse = |reason: &str| {
+        Err(LazyError::NotSplittable { op: out.op.name().into(), shape: out.meta.shape.clone(), reason: reason.into() })
+    };
+    match (out.meta.flow, mode) {
+        (Flow::Opaque, _) => refuse("its value depends on the whole batch at once"),
+        (Flow::Max, Mode::Backward) => {
+            refuse("a maximum over the batch can be evaluated in micro-batches, but not differentiated")
+        }
+        _ => Ok(()),
+    }
+}
+
+/// One op of a plan, at the micro-batch size.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlanOp {
+    /// The op's name.
+    pub name: Cow<'static, str>,
+    /// Its output shape at the micro-batch size.
+    pub shape: Vec<i64>,
+    /// Its output kind.
+    pub kind: Kind,
+    /// Where the batch dimension is, if the value is per-sample.
+    pub batch_dim: Option<usize>,
+    /// Bytes its output allocates at the micro-batch size (0 for views, inputs, parameters).
+    pub bytes: u64,
+    /// Whether the output is a view of its first input.
+    pub view: bool,
+    /// Position of the op whose allocation the value lives in (its own, or a view's base).
+    pub base: usize,
+}
+
+/// A memory plan: the micro-batch chosen for one output, the schedule's peak, and the
+/// per-op table. Displays as a readable table.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    mode: Mode,
+    batch_size: usize,
+    micro_batch: usize,
+    budget: u64,
+    peak: u64,
+    peak_step: usize,
+    full_batch_peak: u64,
+    per_sample_at_peak: u64,
+    facts: Vec<OpFacts>,
+    shapes: Vec<i64>,
+    /// Names of custom ops, by position.
+    custom_names: Vec<(u32, String)>,
+    ops: OnceCell<Vec<PlanOp>>,
+    /// The schedule, evaluated into steps when they are asked for.
+    schedule: Schedule,
+    new_grads: u64,
+    steps: OnceCell<Vec<Step>>,
+    last_use: Vec<u32>,
+}
+
+impl Plan {
+    /// Forward only, or forward and backward.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+    /// The full batch size N.
+    pub fn batch_size(&self) -> usize {
+        self.batch_size
+    }
+    /// The micro-batch size: N when the whole batch fits, else a power of two.
+    pub fn micro_batch(&self) -> usize {
+        self.micro_batch
+    }
+    /// How many micro-batches cover the batch.
+    pub fn chunks(&self) -> usize {
+        self.batch_size.div_ceil(self.micro_batch.max(1))
+    }
+    /// Whether the batch is split.
+    pub fn splits(&self) -> bool {
+        self.micro_batch < self.batch_size
+    }
+    /// The memory budget in bytes.
+    pub fn budget(&self) -> u64 {
+        self.budget
+    }
+    /// Peak bytes of the schedule at the micro-batch size.
+    pub fn peak_bytes(&self) -> u64 {
+        self.peak
+    }
+    /// Peak bytes the whole batch would need.
+    pub fn full_batch_peak_bytes(&self) -> u64 {
+        self.full_batch_peak
+    }
+    /// Bytes live at the peak that scale with the batch: per sample (the peak is about
+    /// `per_sample_bytes() * micro_batch() + fixed_bytes()`).
+    pub fn per_sample_bytes(&self) -> u64 {
+        self.per_sample_at_peak
+    }
+    /// Bytes live at the peak that do not scale with the batch (parameter gradients,
+    /// activations of fixed operands, rounding).
+    pub fn fixed_bytes(&self) -> u64 {
+        self.peak.saturating_sub(self.per_sample_at_peak * self.micro_batch as u64)
+    }
+    /// The step at the peak.
+    pub fn peak_step(&self) -> &Step {
+        &self.steps()[self.peak_step]
+    }
+    /// The op at the peak: its position, name and phase.
+    pub fn peak_op(&self) -> (usize, &str, Phase) {
+        let s = self.peak_step();
+        (s.node, &self.ops()[s.node].name, s.phase)
+    }
+    /// The ops, in the order they run.
+    pub fn ops(&self) -> &[PlanOp] {
+        self.ops.get_or_init(|| {
+            let mut custom = self.custom_names.iter().peekable();
+            self.facts
+                .iter()
+                .enumerate()
+                .map(|(i, f)| {
+                    let name = match custom.next_if(|(at, _)| *at as usize == i) {
+                        Some((_, name)) => Cow::Owned(name.clone()),
+                        None => Cow::Borrowed(f.name),
+                    };
+                    let start = f.shape_start as usize;
+                    PlanOp {
+                        name,
+                        shape: self.shapes[start..start + f.shape_len as usize].to_vec(),
+                        kind: f.kind,
+                        batch_dim: (f.batch_dim != u8::MAX).then_some(f.batch_dim as usize),
+                        bytes: f.bytes,
+                        view: f.view,
+                        base: f.base as usize,
+                    }
+                })
+                .collect()
+        })
+    }
+    /// The schedule at the micro-batch size: forward steps (one per op), then backward steps
+    /// and the gradient accumulation in a backward plan.
+    pub fn steps(&self) -> &[Step] {
+        self.steps.get_or_init(|| {
+            let mut steps = Vec::with_capacity(self.schedule.steps.len() + 1);
+            let raw = self.schedule.eval(self.micro_batch as u64, Some(&mut steps));
+            if let Some((live, _, _)) = raw.accumulate {
+                // Counted for all parameters that get a gradient unless that could change the
+                // peak: then for those without a `.grad()` only.
+                let during = live + self.new_grads;
+                let node = self.facts.len() - 1;
+                steps.push(Step {
+                    node,
+                    phase: Phase::Accumulate,
+                    bytes: self.new_grads,
+                    during,
+                    live: self.new_grads,
+                });
+            }
+            steps
+        })
+    }
+    /// Positions of the values the executor holds after forward step `op` (its output, and
+    /// earlier values still to be used), as the plan schedules them.
+    pub fn held_after(&self, op: usize) -> Vec<usize> {
+        (0..=op.min(self.facts.len().saturating_sub(1))).filter(|&j| self.last_use[j] as usize > op).collect()
+    }
+}
+
+/// Plans `output` in `mode` under `options`.
+pub(crate) fn plan(output: &LazyTensor, mode: Mode, options: &Options) -> Result<Plan, LazyError> {
+    let c = compile(output)?;
+    if mode == Mode::Backward && !output.node.meta.shape.is_empty() && output.numel() != 1 {
+        return Err(LazyError::NotScalar { op: output.op_name().into(), shape: output.size() });
+    }
+    let budget = budget(options, c.device());
+    let choice = choose(&c, mode, budget, options)?;
+    check_split(&c, mode, &choice, budget, options)?;
+    Ok(detail(c, mode, &choice, budget))
+}
+
+/// The full plan (table included) for a choice.
+pub(crate) fn detail(mut c: Compiled, mode: Mode, choice: &Choice, budget: u64) -> Plan {
+    let b = choice.micro_batch as u64;
+    let (outcome, new_grads) = choice.outcome.unwrap_or_else(|| simulate(&c, mode, b).resolve(&c));
+    // The per-op table is materialized only when asked for: planning copies flat facts.
+    let mut shapes = Vec::with_capacity(2 * c.len());
+    let mut facts = Vec::with_capacity(c.len());
+    let mut custom_names = Vec::new();
+    for (i, (node, &root)) in c.nodes.iter().zip(&c.root).enumerate() {
+        let start = shapes.len();
+        shapes.extend_from_slice(&node.meta.shape);
+        let batch = node.meta.batch();
+        if let Some(bd) = batch {
+            shapes[start + bd.dim] = b as i64 * bd.factor;
+        }
+        let name = match node.op.label() {
+            Cow::Borrowed(name) => name,
+            Cow::Owned(name) => {
+                custom_names.push((i as u32, name));
+                "custom"
+            }
+        };
+        facts.push(OpFacts {
+            name,
+            shape_start: start as u32,
+            shape_len: node.meta.shape.len() as u32,
+            bytes: node.cost.out.at(b),
+            base: root,
+            batch_dim: batch.map_or(u8::MAX, |bd| bd.dim.min(254) as u8),
+            kind: node.meta.kind,
+            view: node.meta.alias,
+        });
+    }
+    Plan {
+        mode,
+        batch_size: c.batch as usize,
+        micro_batch: choice.micro_batch,
+        budget,
+        peak: outcome.peak,
+        peak_step: outcome.peak_step,
+        full_batch_peak: choice.full_peak,
+        per_sample_at_peak: outcome.peak_per_sample,
+        facts,
+        shapes,
+        custom_names,
+        ops: OnceCell::new(),
+        schedule: c.schedules[mode as usize].take().unwrap_or_default(),
+        new_grads,
+        steps: OnceCell::new(),
+        last_use: std::mem::take(&mut c.last_use),
+    }
+}
+
+/// What a plan keeps of each op until its table is asked for (compact: a large graph's plan
+/// is built often and read rarely).
+#[derive(Clone, Debug)]
+struct OpFacts {
+    /// The name of a built-in op; custom ops' names are in [`Plan::custom_names`].
+    name: &'static str,
+    shape_start: u32,
+    shape_len: u32,
+    bytes: u64,
+    base: u32,
+    /// `u8::MAX`: no batch dimension.
+    batch_dim: u8,
+    kind: Kind,
+    view: bool,
+}
+
+/// Bytes in a short human form (binary units).
+pub(crate) fn human(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit < UNITS.len() - 1 {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}
+
+impl fmt::Display for Plan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (peak_node, peak_name, peak_phase) = self.peak_op();
+        let mode = match self.mode {
+            Mode::Forward => "forward",
+            Mode::Backward => "forward + backward",
+        };
+        writeln!(
+            f,
+            "toma::lazy plan ({mode}): batch {} -> micro-batch {} x {} chunk(s); peak {} at #{peak_node} {peak_name} ({}); \
+             budget {}; whole batch would peak at {}",
+            self.batch_size,
+            self.micro_batch,
+            self.chunks(),
+            human(self.peak),
+            match peak_phase {
+                Phase::Forward => "forward",
+                Phase::Backward => "backward",
+                Phase::Accumulate => "gradient accumulation",
+            },
+            human(self.budget),
+            human(self.full_batch_peak),
+        )?;
+        writeln!(
+            f,
+            "peak = {} per sample x {} + {} fixed",
+            human(self.per_sample_at_peak),
+            self.micro_batch,
+            human(self.fixed_bytes())
+        )?;
+        writeln!(
+            f,
+            "{:>5}  {:<9} {:<26} {:<24} {:>10} {:>10} {:>10}",
+            "#", "phase", "op", "shape", "bytes", "peak", "live"
+        )?;
+        for (k, s) in self.steps().iter().enumerate() {
+            let op = &self.ops()[s.node];
+            let phase = match s.phase {
+                Phase::Forward => "fwd",
+                Phase::Backward => "bwd",
+                Phase::Accumulate => "acc",
+            };
+            let mut name = op.name.to_string();
+            if op.view {
+                name.push_str(" (view)");
+            }
+            if let Some(d) = op.batch_dim {
+                name.push_str(&format!(" [b@{d}]"));
+            }
+            let marker = if k == self.peak_step { "  <- peak" } else { "" };
+            let shape = format!("{:?}", op.shape);
+            let (node, name) = if s.phase == Phase::Accumulate {
+                (String::new(), "grad += micro-batch".to_string())
+            } else {
+                (s.node.to_string(), name)
+            };
+            writeln!(
+                f,
+                "{node:>5}  {phase:<9} {name:<26} {shape:<24} {:>10} {:>10} {:>10}{marker}",
+                human(s.bytes),
+                human(s.during),
+                human(s.live)
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether an op adds its fixed operands (they must be weighted per micro-batch in a sum).
+pub(crate) fn additive(op: &Op) -> bool {
+    matches!(op, Op::Binary(Binary::Add | Binary::Sub) | Op::Cat { .. })
+}

@@ -1,0 +1,415 @@
+//! Shape rules: what libtorch would produce, computed without running anything.
+//!
+//! Every function here returns the reason as a `String` on failure; the op that records
+//! wraps it into a [`LazyError`](super::LazyError) naming itself and the shapes.
+
+use tch::Kind;
+
+/// Number of elements of a shape.
+pub(crate) fn numel(shape: &[i64]) -> i64 {
+    shape.iter().product()
+}
+
+/// Row-major strides of a fresh tensor of this shape, as libtorch gives them.
+pub(crate) fn contiguous_strides(shape: &[i64]) -> Vec<i64> {
+    let mut strides = vec![0; shape.len()];
+    let mut acc = 1;
+    for i in (0..shape.len()).rev() {
+        strides[i] = acc;
+        acc *= shape[i].max(1);
+    }
+    strides
+}
+
+/// Whether (shape, strides) is row-major contiguous (size-1 dims may have any stride).
+pub(crate) fn is_contiguous(shape: &[i64], strides: &[i64]) -> bool {
+    if numel(shape) == 0 {
+        return true;
+    }
+    let mut expected = 1;
+    for i in (0..shape.len()).rev() {
+        if shape[i] != 1 {
+            if strides[i] != expected {
+                return false;
+            }
+            expected *= shape[i];
+        }
+    }
+    true
+}
+
+/// A dimension index, negative counting from the end, checked against `ndim` (a 0-dim tensor
+/// takes 0 and -1, as in libtorch).
+pub(crate) fn wrap_dim(dim: i64, ndim: usize) -> Result<usize, String> {
+    let n = ndim.max(1) as i64;
+    if dim < -n || dim >= n {
+        return Err(format!("dimension {dim} is out of range (expected to be in [{}, {}])", -n, n - 1));
+    }
+    Ok(if dim < 0 { dim + n } else { dim } as usize)
+}
+
+/// Like [`wrap_dim`] for an insertion point (`unsqueeze`): `ndim + 1` positions.
+pub(crate) fn wrap_insert_dim(dim: i64, ndim: usize) -> Result<usize, String> {
+    wrap_dim(dim, ndim + 1)
+}
+
+/// Wraps a list of dimensions, refusing repeats.
+pub(crate) fn wrap_dims(dims: &[i64], ndim: usize) -> Result<Vec<usize>, String> {
+    let mut out = Vec::with_capacity(dims.len());
+    for &d in dims {
+        let w = wrap_dim(d, ndim)?;
+        if out.contains(&w) {
+            return Err(format!("dimension {d} appears more than once"));
+        }
+        out.push(w);
+    }
+    Ok(out)
+}
+
+/// Numpy-style broadcasting of two shapes.
+pub(crate) fn broadcast(a: &[i64], b: &[i64]) -> Result<Vec<i64>, String> {
+    let n = a.len().max(b.len());
+    let mut out = vec![0; n];
+    for (i, slot) in out.iter_mut().enumerate() {
+        let x = if i + a.len() >= n { a[i + a.len() - n] } else { 1 };
+        let y = if i + b.len() >= n { b[i + b.len() - n] } else { 1 };
+        *slot = if x == y || y == 1 {
+            x
+        } else if x == 1 {
+            y
+        } else {
+            return Err(format!(
+                "the size of tensor a ({x}) must match the size of tensor b ({y}) at non-singleton dimension {i}"
+            ));
+        };
+    }
+    Ok(out)
+}
+
+/// The output shape of `matmul`, following `torch.matmul`'s rules for 1-D and batched operands.
+pub(crate) fn matmul(a: &[i64], b: &[i64]) -> Result<Vec<i64>, String> {
+    if a.is_empty() || b.is_empty() {
+        return Err("both arguments to matmul need to be at least 1D".into());
+    }
+    let lhs: Vec<i64> = if a.len() == 1 { vec![1, a[0]] } else { a.to_vec() };
+    let rhs: Vec<i64> = if b.len() == 1 { vec![b[0], 1] } else { b.to_vec() };
+    let (n, k) = (lhs[lhs.len() - 2], lhs[lhs.len() - 1]);
+    let (k2, m) = (rhs[rhs.len() - 2], rhs[rhs.len() - 1]);
+    if k != k2 {
+        return Err(format!("contraction sizes differ: {k} (last of the first) and {k2} (of the second)"));
+    }
+    let mut out = broadcast(&lhs[..lhs.len() - 2], &rhs[..rhs.len() - 2])?;
+    if a.len() > 1 {
+        out.push(n);
+    }
+    if b.len() > 1 {
+        out.push(m);
+    }
+    Ok(out)
+}
+
+/// `size` with at most one `-1` filled in so that it holds `total` elements.
+pub(crate) fn infer_size(size: &[i64], total: i64) -> Result<Vec<i64>, String> {
+    let mut infer = None;
+    let mut product = 1i64;
+    for (i, &s) in size.iter().enumerate() {
+        if s == -1 {
+            if infer.is_some() {
+                return Err("only one dimension can be inferred".into());
+            }
+            infer = Some(i);
+        } else if s < 0 {
+            return Err(format!("invalid shape dimension {s}"));
+        } else {
+            product *= s;
+        }
+    }
+    let mut out = size.to_vec();
+    match infer {
+        Some(i) => {
+            if product == 0 || total % product != 0 {
+                return Err(format!("shape {size:?} is invalid for input of size {total}"));
+            }
+            out[i] = total / product;
+        }
+        None if product != total => return Err(format!("shape {size:?} is invalid for input of size {total}")),
+        None => {}
+    }
+    Ok(out)
+}
+
+/// The strides a view of (`old_shape`, `old_strides`) as `new_shape` would have, or `None` when
+/// no view is possible and `reshape` must copy (a port of c10's `computeStride`).
+pub(crate) fn view_strides(old_shape: &[i64], old_strides: &[i64], new_shape: &[i64]) -> Option<Vec<i64>> {
+    if old_shape.is_empty() {
+        return Some(vec![1; new_shape.len()]);
+    }
+    let total = numel(old_shape);
+    let mut new_strides = vec![0i64; new_shape.len()];
+    if total == 0 {
+        if old_shape == new_shape {
+            return Some(old_strides.to_vec());
+        }
+        return Some(contiguous_strides(new_shape));
+    }
+    let mut view_d = new_shape.len() as i64 - 1;
+    let mut chunk_base_stride = *old_strides.last().expect("non-empty");
+    let mut tensor_numel = 1i64;
+    let mut view_numel = 1i64;
+    for tensor_d in (0..old_shape.len()).rev() {
+        tensor_numel *= old_shape[tensor_d];
+        if tensor_d == 0
+            || (old_shape[tensor_d - 1] != 1 && old_strides[tensor_d - 1] != tensor_numel * chunk_base_stride)
+        {
+            while view_d >= 0 && (view_numel < tensor_numel || new_shape[view_d as usize] == 1) {
+                new_strides[view_d as usize] = view_numel * chunk_base_stride;
+                view_numel *= new_shape[view_d as usize];
+                view_d -= 1;
+            }
+            if view_numel != tensor_numel {
+                return None;
+            }
+            if tensor_d > 0 {
+                chunk_base_stride = old_strides[tensor_d - 1];
+                tensor_numel = 1;
+                view_numel = 1;
+            }
+        }
+    }
+    (view_d == -1).then_some(new_strides)
+}
+
+/// Output length of a convolution or pooling window along one dimension
+/// (`pooling_output_shape` in ATen when `ceil_mode` is given).
+pub(crate) fn window_out(input: i64, kernel: i64, pad: i64, stride: i64, dilation: i64, ceil_mode: bool) -> i64 {
+    let effective = dilation * (kernel - 1) + 1;
+    let numerator = input + 2 * pad - effective + if ceil_mode { stride - 1 } else { 0 };
+    let mut out = numerator.div_euclid(stride) + 1;
+    if ceil_mode && (out - 1) * stride >= input + pad {
+        out -= 1;
+    }
+    out
+}
+
+/// Expands a 1- or 2-element list to a pair (`[k]` means `[k, k]`), as tch's IntList takes it.
+pub(crate) fn pair(values: &[i64], what: &str) -> Result<[i64; 2], String> {
+    match values {
+        [a] => Ok([*a, *a]),
+        [a, b] => Ok([*a, *b]),
+        _ => Err(format!("{what} must have 1 or 2 elements, got {values:?}")),
+    }
+}
+
+/// Output spatial size of a 2-D convolution.
+pub(crate) fn conv2d(
+    input: &[i64],
+    weight: &[i64],
+    bias: Option<&[i64]>,
+    stride: [i64; 2],
+    padding: [i64; 2],
+    dilation: [i64; 2],
+    groups: i64,
+) -> Result<Vec<i64>, String> {
+    if input.len() != 3 && input.len() != 4 {
+        return Err(format!("expected a 3-D (unbatched) or 4-D (batched) input, got {} dims", input.len()));
+    }
+    if weight.len() != 4 {
+        return Err(format!("expected a 4-D weight, got {} dims", weight.len()));
+    }
+    if groups < 1 || stride.iter().any(|&s| s < 1) || dilation.iter().any(|&d| d < 1) || padding.iter().any(|&p| p < 0)
+    {
+        return Err(format!(
+            "need groups >= 1, stride >= 1, dilation >= 1 and padding >= 0, got groups {groups}, stride {stride:?}, \
+             dilation {dilation:?}, padding {padding:?}"
+        ));
+    }
+    let batched = input.len() == 4;
+    let (c, h, w) = if batched { (input[1], input[2], input[3]) } else { (input[0], input[1], input[2]) };
+    if weight[0] % groups != 0 {
+        return Err(format!("out channels {} are not divisible by groups {groups}", weight[0]));
+    }
+    if weight[1] * groups != c {
+        return Err(format!(
+            "expected input to have {} channels (weight {weight:?}, groups {groups}), but got {c} channels",
+            weight[1] * groups
+        ));
+    }
+    if let Some(bias) = bias {
+        if bias != [weight[0]] {
+            return Err(format!("bias of shape {bias:?} does not match {} output channels", weight[0]));
+        }
+    }
+    let mut spatial = [0i64; 2];
+    for (i, size) in [h, w].into_iter().enumerate() {
+        let effective = dilation[i] * (weight[2 + i] - 1) + 1;
+        if size + 2 * padding[i] < effective {
+            return Err(format!(
+                "input size per channel ({h} x {w}, padded by {padding:?}) is smaller than the kernel ({} x {}, dilation {dilation:?})",
+                weight[2], weight[3]
+            ));
+        }
+        spatial[i] = window_out(size, weight[2 + i], padding[i], stride[i], dilation[i], false);
+    }
+    let mut out = Vec::with_capacity(4);
+    if batched {
+        out.push(input[0]);
+    }
+    out.extend([weight[0], spatial[0], spatial[1]]);
+    Ok(out)
+}
+
+/// Output shape of 2-D max/avg pooling. `dilation` is `[1, 1]` for average pooling.
+pub(crate) fn pool2d(
+    input: &[i64],
+    kernel: [i64; 2],
+    stride: [i64; 2],
+    padding: [i64; 2],
+    dilation: [i64; 2],
+    ceil_mode: bool,
+) -> Result<Vec<i64>, String> {
+    if input.len() != 3 && input.len() != 4 {
+        return Err(format!("expected a 3-D or 4-D input, got {} dims", input.len()));
+    }
+    if kernel.iter().any(|&k| k < 1) || stride.iter().any(|&s| s < 1) || dilation.iter().any(|&d| d < 1) {
+        return Err(format!("kernel {kernel:?}, stride {stride:?} and dilation {dilation:?} must be positive"));
+    }
+    let n = input.len();
+    if input[n - 3..].contains(&0) {
+        return Err("expected non-empty channels and spatial dimensions".into());
+    }
+    let mut out = input.to_vec();
+    for i in 0..2 {
+        // libtorch compares with half the kernel, not the dilated one.
+        let limit = kernel[i] / 2;
+        if padding[i] < 0 || padding[i] > limit {
+            return Err(format!(
+                "pad should be at most half of effective kernel size, got padding {padding:?} for kernel {kernel:?}"
+            ));
+        }
+        let size = window_out(input[n - 2 + i], kernel[i], padding[i], stride[i], dilation[i], ceil_mode);
+        if size < 1 {
+            return Err(format!("output size is too small ({size}) for input {:?}", &input[n - 2..]));
+        }
+        out[n - 2 + i] = size;
+    }
+    Ok(out)
+}
+
+/// Torch's type categories, for promotion: bool < integral < floating.
+fn category(kind: Kind) -> u8 {
+    match kind {
+        Kind::Bool => 0,
+        Kind::Uint8 | Kind::Int8 | Kind::Int16 | Kind::Int | Kind::Int64 => 1,
+        _ => 2,
+    }
+}
+
+/// Whether a kind is a floating-point one.
+pub(crate) fn is_floating(kind: Kind) -> bool {
+    matches!(kind, Kind::Half | Kind::BFloat16 | Kind::Float | Kind::Double)
+}
+
+/// Whether a kind is an integer (or bool) one.
+pub(crate) fn is_integral(kind: Kind) -> bool {
+    category(kind) < 2
+}
+
+fn rank(kind: Kind) -> u8 {
+    match kind {
+        Kind::Bool => 0,
+        Kind::Uint8 => 1,
+        Kind::Int8 => 2,
+        Kind::Int16 => 3,
+        Kind::Int => 4,
+        Kind::Int64 => 5,
+        Kind::Half => 6,
+        Kind::BFloat16 => 7,
+        Kind::Float => 8,
+        Kind::Double => 9,
+        _ => 10,
+    }
+}
+
+/// Promotion of two kinds (the common cases of `torch.promote_types`).
+pub(crate) fn promote(a: Kind, b: Kind) -> Kind {
+    if a == b {
+        return a;
+    }
+    match (a, b) {
+        (Kind::Uint8, Kind::Int8) | (Kind::Int8, Kind::Uint8) => Kind::Int16,
+        (Kind::Half, Kind::BFloat16) | (Kind::BFloat16, Kind::Half) => Kind::Float,
+        _ => {
+            if rank(a) >= rank(b) {
+                a
+            } else {
+                b
+            }
+        }
+    }
+}
+
+/// The result kind of a binary op between two tensors (`torch.result_type`): a 0-dim operand
+/// only counts when its category is higher than the other's.
+pub(crate) fn result_kind(a: Kind, a_dims: usize, b: Kind, b_dims: usize) -> Kind {
+    match (a_dims == 0, b_dims == 0) {
+        (false, true) if category(b) <= category(a) => a,
+        (true, false) if category(a) <= category(b) => b,
+        _ => promote(a, b),
+    }
+}
+
+/// The result kind of a tensor with a Rust `f64` scalar: a float scalar makes integral
+/// tensors the default float kind.
+pub(crate) fn scalar_result_kind(kind: Kind) -> Kind {
+    if is_integral(kind) {
+        Kind::Float
+    } else {
+        kind
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn broadcast_rules() {
+        assert_eq!(broadcast(&[3, 1, 5], &[4, 1]).unwrap(), [3, 4, 5]);
+        assert_eq!(broadcast(&[], &[2, 3]).unwrap(), [2, 3]);
+        assert!(broadcast(&[3], &[4]).is_err());
+    }
+
+    #[test]
+    fn matmul_rules() {
+        assert_eq!(matmul(&[3], &[3]).unwrap(), Vec::<i64>::new());
+        assert_eq!(matmul(&[2, 3], &[3]).unwrap(), [2]);
+        assert_eq!(matmul(&[3], &[3, 4]).unwrap(), [4]);
+        assert_eq!(matmul(&[5, 1, 2, 3], &[4, 3, 6]).unwrap(), [5, 4, 2, 6]);
+        assert!(matmul(&[2, 3], &[4, 5]).is_err());
+    }
+
+    #[test]
+    fn views_and_copies() {
+        // A transposed matrix cannot be flattened without a copy; a contiguous one can.
+        assert_eq!(view_strides(&[2, 3], &[3, 1], &[6]), Some(vec![1]));
+        assert_eq!(view_strides(&[3, 2], &[1, 3], &[6]), None);
+        assert_eq!(view_strides(&[4, 6], &[6, 1], &[4, 2, 3]), Some(vec![6, 3, 1]));
+        assert_eq!(infer_size(&[-1, 3], 12).unwrap(), [4, 3]);
+        assert!(infer_size(&[-1, 5], 12).is_err());
+    }
+
+    #[test]
+    fn windows() {
+        assert_eq!(window_out(5, 2, 0, 2, 1, false), 2);
+        assert_eq!(window_out(5, 2, 0, 2, 1, true), 3);
+        assert_eq!(window_out(32, 3, 1, 1, 1, false), 32);
+    }
+
+    #[test]
+    fn kinds() {
+        assert_eq!(result_kind(Kind::Float, 2, Kind::Double, 0), Kind::Float);
+        assert_eq!(result_kind(Kind::Int64, 2, Kind::Double, 0), Kind::Double);
+        assert_eq!(result_kind(Kind::Float, 2, Kind::Double, 1), Kind::Double);
+        assert_eq!(scalar_result_kind(Kind::Int64), Kind::Float);
+    }
+}

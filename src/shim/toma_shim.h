@@ -1,0 +1,66 @@
+// C interface to libtorch's CUDA caching allocator, for toma::memory (src/memory.rs).
+//
+// tch binds neither the allocator's statistics nor emptying its cache. This shim reaches them
+// through c10's generic interfaces (the device guard registry and c10::DeviceAllocator), so it
+// compiles against libtorch's headers alone, without CUDA headers, and works with a CPU-only
+// libtorch too (every call then reports TOMA_SHIM_NO_CUDA).
+//
+// Every function catches every exception and reports failure by its return code; none throws.
+#ifndef TOMA_SHIM_H
+#define TOMA_SHIM_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum {
+  TOMA_SHIM_OK = 0,
+  // libtorch has no CUDA support loaded, or sees no CUDA device.
+  TOMA_SHIM_NO_CUDA = 1,
+  // The device index is not one of libtorch's CUDA devices.
+  TOMA_SHIM_BAD_DEVICE = 2,
+  // libtorch threw; toma_shim_last_error() has its message.
+  TOMA_SHIM_ERROR = 3,
+};
+
+// Byte and event counts of one device, aggregated over the allocator's small and large pools.
+typedef struct toma_shim_allocator_stats {
+  int64_t allocated;
+  int64_t reserved;
+  int64_t peak_allocated;
+  int64_t peak_reserved;
+  // cudaMalloc failures the allocator recovered from by freeing its cache and trying again.
+  int64_t alloc_retries;
+  // Out-of-memory errors it raised.
+  int64_t ooms;
+  // 0 while libtorch has not initialised the allocator (nothing allocated yet: all counts 0).
+  int32_t initialized;
+} toma_shim_allocator_stats;
+
+// Number of CUDA devices libtorch can use (0 without CUDA support). Always TOMA_SHIM_OK
+// unless libtorch throws.
+int toma_shim_cuda_device_count(int64_t* count);
+
+// libtorch's current CUDA device of the calling thread.
+int toma_shim_cuda_current_device(int64_t* device);
+
+int toma_shim_cuda_allocator_stats(int64_t device, toma_shim_allocator_stats* stats);
+
+// Resets the peak figures of `device` to the current ones.
+int toma_shim_cuda_reset_peak(int64_t device);
+
+// Releases every cached block no tensor uses back to the driver (torch.cuda.empty_cache()).
+int toma_shim_cuda_empty_cache(void);
+
+// Why the last call on this thread did not return TOMA_SHIM_OK: libtorch's message for
+// TOMA_SHIM_ERROR, the reason for the others ("" after a success). Valid until the next call
+// on this thread.
+const char* toma_shim_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,861 @@
+//! On a CUDA machine: real CUDA out-of-memory, libtorch's allocator statistics, and what an
+//! address-space cap does to CUDA.
+//!
+//! Opt-in: without `TOMA_CUDA_TESTS=1` every test prints `skipped: set TOMA_CUDA_TESTS=1 on a
+//! CUDA machine` and passes; with it set, a machine where the driver or libtorch sees no CUDA
+//! device fails them loudly. `scripts/gpu-bundle.sh` builds and packs this binary,
+//! `scripts/gpu-run.sh` runs it on the GPU machine. Each measurement is printed as one
+//! `GPU-RESULT <test> key=value ..` line, which gpu-run.sh collects.
+//!
+//! The tests share one card, so they take turns (`Gpu` holds a lock). Sizes come from the
+//! card's total memory: the first attempts ask for more than the card has.
+//!
+//! The one test that runs everywhere, `allocator_functions_agree_with_the_machine`, checks the
+//! allocator functions against the machine: `None`/`false` without a CUDA device (CI).
+#![cfg(all(feature = "tch", feature = "macros", feature = "cuda"))]
+
+use std::collections::BTreeMap;
+use std::fmt::Display;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use tch::nn;
+use tch::{Device, Kind, TchError, Tensor};
+use toma::lazy::{lazy, LazyTensor, Mode, Options};
+use toma::memory::{self, AllocatorStats};
+
+const OPT_IN: &str = "TOMA_CUDA_TESTS";
+const CUDA: Device = Device::Cuda(0);
+const MIB: u64 = 1 << 20;
+const GIB: f64 = (1u64 << 30) as f64;
+/// Floats in a row of the batch tests: 64 MiB.
+const ROW_FLOATS: i64 = 16 << 20;
+const ROW_BYTES: u64 = ROW_FLOATS as u64 * 4;
+/// What libtorch's CUDA allocator says when it runs out.
+const CUDA_OOM: &str = "CUDA out of memory";
+
+// ---------------------------------------------------------------------------------------------
+// Gate, card, reports
+
+/// The card, held by one test at a time.
+struct Gpu {
+    _turn: MutexGuard<'static, ()>,
+    /// Bytes of memory of device 0.
+    total: u64,
+}
+
+/// `Some` on a CUDA machine with `TOMA_CUDA_TESTS=1`; `None` (after saying so) without the
+/// opt-in. Panics when opted in on a machine where CUDA does not work.
+fn gpu(test: &str) -> Option<Gpu> {
+    if std::env::var(OPT_IN).as_deref() != Ok("1") {
+        println!("{test}: skipped: set {OPT_IN}=1 on a CUDA machine");
+        return None;
+    }
+    let turn = turn();
+    let driver = memory::cuda_device_count();
+    assert!(driver > 0, "{OPT_IN}=1, but the CUDA driver sees no device (no driver library, or no GPU)");
+    let torch = tch::Cuda::device_count();
+    assert!(
+        torch > 0,
+        "the driver sees {driver} CUDA device(s) but libtorch none: libtorch_cuda is not loaded \
+         (build.rs links it into this package's tests) or libtorch is a CPU build"
+    );
+    if let Err(err) = memory::try_cuda_allocator_stats(0) {
+        panic!("libtorch sees {torch} CUDA device(s) but toma cannot read its allocator: {err}");
+    }
+    // Each test starts from a card without the blocks an earlier test left in the cache.
+    memory::release_cached_blocks();
+    let total = memory::cuda_memory(0).expect("device 0 reports its memory").total;
+    Some(Gpu { _turn: turn, total })
+}
+
+/// The card's lock: one test at a time uses it.
+fn turn() -> MutexGuard<'static, ()> {
+    static TURN: Mutex<()> = Mutex::new(());
+    TURN.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Prints one result line for gpu-run.sh to collect.
+fn report(test: &str, fields: &[(&str, &dyn Display)]) {
+    let fields: Vec<String> = fields.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    println!("GPU-RESULT {test} {}", fields.join(" "));
+}
+
+fn stats() -> AllocatorStats {
+    memory::cuda_allocator_stats(0).expect("allocator statistics of device 0")
+}
+
+fn gib(bytes: u64) -> String {
+    format!("{:.2}GiB", bytes as f64 / GIB)
+}
+
+/// Runs the kinds of ops the tests use once, so that libtorch's lasting allocations (cuBLAS
+/// workspaces, kernels' scratch) exist before a test takes its baseline.
+fn warm_up() {
+    let a = Tensor::ones([256, 256], (Kind::Float, CUDA));
+    let _ = a.matmul(&a).sum(Kind::Float).double_value(&[]);
+    let _ = a.f_repeat([1, 2]).unwrap().amin([1], false).amax([0], false).double_value(&[]);
+    tch::Cuda::synchronize(0);
+}
+
+/// A batch size whose first attempt asks for about four times the card's memory.
+fn rows_beyond_the_card() -> usize {
+    let total = memory::cuda_memory(0).map_or(1 << 30, |m| m.total);
+    ((2 * total / ROW_BYTES) as usize).next_power_of_two()
+}
+
+static ATTEMPTS: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+static ERRORS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+fn take<T>(list: &Mutex<Vec<T>>) -> Vec<T> {
+    std::mem::take(&mut *list.lock().unwrap_or_else(PoisonError::into_inner))
+}
+
+fn recorded(err: TchError) -> TchError {
+    ERRORS.lock().unwrap_or_else(PoisonError::into_inner).push(err.to_string());
+    err
+}
+
+/// `rows` rows of ones on the card plus a temporary as large (2 × rows × 64 MiB); checks them.
+fn ones_and_double(rows: usize) -> Result<(), TchError> {
+    let x = Tensor::f_ones([rows as i64, ROW_FLOATS], (Kind::Float, CUDA)).map_err(recorded)?;
+    let y = x.f_add(&x).map_err(recorded)?;
+    // Reductions to one value: no temporary of the input's size.
+    let (min, max) = (y.f_min()?.f_double_value(&[])?, y.f_max()?.f_double_value(&[])?);
+    assert_eq!((min, max), (2.0, 2.0), "every element was computed");
+    Ok(())
+}
+
+/// Asserts that `attempts` start at `initial` and halve each time.
+fn assert_halving(attempts: &[usize], initial: usize) {
+    assert_eq!(attempts.first(), Some(&initial), "{attempts:?}");
+    for pair in attempts.windows(2) {
+        assert_eq!(pair[1], pair[0] / 2, "each retry halves the size: {attempts:?}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Everywhere: the allocator functions agree with the machine.
+
+#[test]
+fn allocator_functions_agree_with_the_machine() {
+    let _turn = turn();
+    let (driver, torch) = (memory::cuda_device_count(), tch::Cuda::device_count());
+    println!("CUDA devices: driver {driver}, libtorch {torch}");
+    if driver == 0 && torch == 0 {
+        assert_eq!(memory::cuda_allocator_stats(0), None);
+        assert!(!memory::reset_cuda_peak(0));
+        assert!(!memory::empty_cuda_cache());
+        assert_eq!(memory::release_cached_blocks(), 0);
+        assert_eq!(memory::cuda_current_device(), None);
+        assert_eq!(memory::cuda_usable_memory(0), None);
+        return;
+    }
+    let torch = torch as usize;
+    for device in 0..torch {
+        let s = memory::cuda_allocator_stats(device).expect("libtorch's device has statistics");
+        assert!(s.allocated <= s.reserved && s.allocated <= s.peak_allocated, "{s:?}");
+    }
+    assert_eq!(memory::cuda_allocator_stats(torch), None);
+    assert!(memory::cuda_current_device().is_some_and(|d| d < torch));
+    assert!(memory::empty_cuda_cache());
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. #[toma::batch] under a real CUDA out-of-memory: converges, leaks nothing.
+
+/// f_ methods: the out-of-memory arrives as `Err`.
+#[toma::batch(initial_batchsize = rows_beyond_the_card(), cache = None)]
+fn rows_with_errors(batchsize: usize) -> Result<usize, TchError> {
+    ATTEMPTS.lock().unwrap_or_else(PoisonError::into_inner).push(batchsize);
+    ones_and_double(batchsize)?;
+    Ok(batchsize)
+}
+
+/// Plain methods: the out-of-memory arrives as a panic.
+#[toma::batch(initial_batchsize = rows_beyond_the_card(), cache = None)]
+fn rows_with_panics(batchsize: usize) -> usize {
+    ATTEMPTS.lock().unwrap_or_else(PoisonError::into_inner).push(batchsize);
+    let x = Tensor::ones([batchsize as i64, ROW_FLOATS], (Kind::Float, CUDA));
+    let y = &x + &x;
+    assert_eq!((y.min().double_value(&[]), y.max().double_value(&[])), (2.0, 2.0));
+    batchsize
+}
+
+/// Runs `call` once from a warm card and checks convergence, real OOMs and no leak.
+fn converge(test: &str, gpu: &Gpu, call: impl FnOnce() -> usize) {
+    let before = stats();
+    let usable_before = memory::cuda_usable_memory(0).expect("usable memory");
+    let started = Instant::now();
+    let converged = call();
+    tch::Cuda::synchronize(0);
+    let secs = started.elapsed().as_secs_f64();
+    let after = stats();
+    let attempts = take(&ATTEMPTS);
+    let errors = take(&ERRORS);
+    println!("{test}: attempts {attempts:?} -> {converged} rows of 64 MiB in {secs:.2} s; errors {errors:#?}");
+
+    assert_halving(&attempts, rows_beyond_the_card());
+    assert_eq!(attempts.last(), Some(&converged));
+    assert!(attempts.len() >= 2, "the first attempt asks for ~4x the card and must fail: {attempts:?}");
+    assert!(2 * converged as u64 * ROW_BYTES <= gpu.total, "{converged} rows cannot fit");
+    let ooms = after.ooms - before.ooms;
+    assert_eq!(ooms as usize, attempts.len() - 1, "one allocator OOM per failed attempt: {before:?} -> {after:?}");
+    assert!(errors.iter().all(|e| e.contains(CUDA_OOM)), "not libtorch's CUDA OOM: {errors:#?}");
+    // Nothing of the failed or the good attempts is still alive.
+    assert_eq!(after.allocated, before.allocated, "leaked: {before:?} -> {after:?}");
+    assert!(after.peak_allocated >= 2 * converged as u64 * ROW_BYTES, "{after:?}");
+
+    // The cache holds what the attempts freed; usable memory counts it, the driver does not.
+    let driver_free = memory::cuda_memory(0).unwrap().free;
+    let usable_cached = memory::cuda_usable_memory(0).unwrap();
+    let released = memory::release_cached_blocks();
+    let usable_released = memory::cuda_usable_memory(0).unwrap();
+    let emptied = stats();
+    println!(
+        "{test}: usable before {} / with the cache {} (driver free {}, cached {}) / after releasing {} ({})",
+        gib(usable_before),
+        gib(usable_cached),
+        gib(driver_free),
+        gib(after.cached()),
+        gib(usable_released),
+        gib(released)
+    );
+    assert!(released > 0 && released <= after.cached(), "released {released} of {after:?}");
+    assert!(emptied.reserved < after.reserved, "{after:?} -> {emptied:?}");
+    for usable in [usable_cached, usable_released] {
+        assert!(usable.abs_diff(usable_before) <= 256 * MIB, "usable memory moved: {usable} vs {usable_before}");
+    }
+
+    report(
+        test,
+        &[
+            ("card", &gib(gpu.total)),
+            ("attempts", &attempts.len()),
+            ("first_rows", &attempts[0]),
+            ("converged_rows", &converged),
+            ("peak_allocated", &gib(after.peak_allocated)),
+            ("allocator_ooms", &ooms),
+            ("secs", &format!("{secs:.2}")),
+            ("released", &gib(released)),
+        ],
+    );
+}
+
+#[test]
+fn batch_converges_under_a_real_cuda_oom_without_leaking() {
+    let Some(gpu) = gpu("batch_converges_under_a_real_cuda_oom_without_leaking") else { return };
+    warm_up();
+    memory::release_cached_blocks();
+    converge("batch_errors", &gpu, || rows_with_errors().expect("converges to a size that fits"));
+    converge("batch_panics", &gpu, rows_with_panics);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. #[toma::range] and #[toma::chunked] over CUDA tensors under a real out-of-memory.
+
+static RANGES: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+
+/// Each sub-range needs 2 × its length × 64 MiB; adds 1 to `seen[start..end]` once it is done.
+#[toma::range(initial_step = rows_beyond_the_card(), cache = None)]
+fn rows_in_ranges(start: usize, end: usize, seen: &Tensor) -> Result<(), TchError> {
+    RANGES.lock().unwrap_or_else(PoisonError::into_inner).push((start, end));
+    ones_and_double(end - start)?;
+    let mut part = seen.f_narrow(0, start as i64, (end - start) as i64)?;
+    let _ = part.f_add_(&Tensor::f_ones([(end - start) as i64], (Kind::Float, CUDA))?)?;
+    Ok(())
+}
+
+/// Checks the recorded attempts of one call over `[0, len)`: the first covers everything,
+/// a failed one is retried at the same start with half the length, finished ones are
+/// consecutive. Returns the longest finished sub-range and the number of failed attempts.
+fn check_ranges(ranges: &[(usize, usize)], len: usize) -> (usize, usize) {
+    assert_eq!(ranges.first(), Some(&(0, len)), "the first attempt is the whole range: {ranges:?}");
+    let mut done = Vec::new();
+    for (i, &(start, end)) in ranges.iter().enumerate() {
+        match ranges.get(i + 1) {
+            Some(&(next_start, next_end)) if next_start == start => {
+                assert_eq!(next_end - next_start, (end - start) / 2, "the step halves: {ranges:?}")
+            }
+            _ => done.push((start, end)),
+        }
+    }
+    assert_eq!(done.first().map(|r| r.0), Some(0));
+    assert_eq!(done.last().map(|r| r.1), Some(len));
+    for pair in done.windows(2) {
+        assert_eq!(pair[0].1, pair[1].0, "finished sub-ranges are consecutive: {done:?}");
+    }
+    (done.iter().map(|r| r.1 - r.0).max().unwrap_or(0), ranges.len() - done.len())
+}
+
+/// Slices of the chunked tensor.
+const SLICES: i64 = 64;
+static CHUNKS: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+
+/// Needs temporaries of 5 × the chunk; slice `i` becomes `2 i + 1` (from `i`): a slice done
+/// twice would read `4 i + 3`, one skipped `i`.
+#[toma::chunked(initial_step = SLICES as usize, cache = None)]
+fn slices_in_chunks(mut chunk: Tensor, start: usize, end: usize) -> Result<(), TchError> {
+    CHUNKS.lock().unwrap_or_else(PoisonError::into_inner).push((start, end));
+    let wide = chunk.f_repeat([1, 4]).map_err(recorded)?;
+    let mut computed = chunk.f_add(&chunk).map_err(recorded)?;
+    // The repeated slices are the chunk's: their maxima match.
+    assert!(wide.f_amax([1], false)?.f_equal(&chunk.f_amax([1], false)?)?);
+    drop(wide);
+    let _ = computed.f_add_scalar_(1.0)?; // in place: allocates nothing
+    chunk.f_copy_(&computed)
+}
+
+#[test]
+fn range_and_chunked_halve_under_a_real_cuda_oom() {
+    let Some(gpu) = gpu("range_and_chunked_halve_under_a_real_cuda_oom") else { return };
+    warm_up();
+    memory::release_cached_blocks();
+
+    // Range over rows: every index once.
+    let len = rows_beyond_the_card();
+    let seen = Tensor::zeros([len as i64], (Kind::Float, CUDA));
+    let before = stats();
+    let started = Instant::now();
+    rows_in_ranges(0, len, &seen).expect("every sub-range is done");
+    let secs = started.elapsed().as_secs_f64();
+    let ranges = take(&RANGES);
+    let errors = take(&ERRORS);
+    println!("range: attempts {ranges:?} in {secs:.2} s");
+    let (step, failed) = check_ranges(&ranges, len);
+    assert!(failed >= 1 && step < len, "the whole range cannot fit: {ranges:?}");
+    assert!(errors.iter().all(|e| e.contains(CUDA_OOM)), "{errors:#?}");
+    let after = stats();
+    assert_eq!(after.allocated, before.allocated, "leaked: {before:?} -> {after:?}");
+    let counts = Vec::<f32>::try_from(&seen.to_device(Device::Cpu)).unwrap();
+    assert!(counts.iter().all(|&c| c == 1.0), "an index was done twice or never: {counts:?}");
+    drop(seen);
+    report(
+        "range",
+        &[
+            ("card", &gib(gpu.total)),
+            ("rows", &len),
+            ("step", &step),
+            ("failed", &failed),
+            ("secs", &format!("{secs:.2}")),
+        ],
+    );
+
+    // Chunked over a tensor of a quarter of the card: the whole chunk's temporaries cannot fit.
+    let columns = (gpu.total / 4 / SLICES as u64 / 4) as i64;
+    let tensor = Tensor::arange(SLICES, (Kind::Float, CUDA)).view([SLICES, 1]).repeat([1, columns]);
+    let started = Instant::now();
+    slices_in_chunks(&tensor).expect("every chunk is done");
+    tch::Cuda::synchronize(0);
+    let secs = started.elapsed().as_secs_f64();
+    let chunks = take(&CHUNKS);
+    let errors = take(&ERRORS);
+    println!("chunked: attempts {chunks:?} in {secs:.2} s");
+    let (step, failed) = check_ranges(&chunks, SLICES as usize);
+    assert!(failed >= 1 && step < SLICES as usize, "the whole tensor's temporaries cannot fit: {chunks:?}");
+    assert!(errors.iter().all(|e| e.contains(CUDA_OOM)), "{errors:#?}");
+    let (min, max) = (tensor.amin([1], false), tensor.amax([1], false));
+    let (min, max) = (Vec::<f32>::try_from(&min).unwrap(), Vec::<f32>::try_from(&max).unwrap());
+    for i in 0..SLICES as usize {
+        let expected = 2.0 * i as f32 + 1.0;
+        assert_eq!((min[i], max[i]), (expected, expected), "slice {i} (2 i + 1 expected)");
+    }
+    report(
+        "chunked",
+        &[
+            ("card", &gib(gpu.total)),
+            ("tensor", &gib(tensor.numel() as u64 * 4)),
+            ("step", &step),
+            ("failed", &failed),
+            ("secs", &format!("{secs:.2}")),
+        ],
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. The second call starts at the cached size: one attempt, no out-of-memory.
+
+/// The default cache (call site + stack + free memory): a CUDA cache that still holds the
+/// first call's blocks must not change the key (usable memory counts them as free).
+#[toma::batch(initial_batchsize = rows_beyond_the_card())]
+fn rows_remembered(batchsize: usize) -> Result<usize, TchError> {
+    ATTEMPTS.lock().unwrap_or_else(PoisonError::into_inner).push(batchsize);
+    ones_and_double(batchsize)?;
+    Ok(batchsize)
+}
+
+#[test]
+fn a_second_call_hits_the_cache_without_an_oom() {
+    let Some(gpu) = gpu("a_second_call_hits_the_cache_without_an_oom") else { return };
+    warm_up();
+    memory::release_cached_blocks();
+    let mut runs = Vec::new();
+    for run in 0..3 {
+        match run {
+            // A fresh free-memory reading (they live a second), with the cache still full.
+            1 => std::thread::sleep(Duration::from_millis(1100)),
+            // The same after toma-style release of the cache between calls.
+            2 => {
+                memory::release_cached_blocks();
+                std::thread::sleep(Duration::from_millis(1100));
+            }
+            _ => {}
+        }
+        let reading = toma::__private::key_parts::free_memory_reading();
+        let before = stats();
+        let started = Instant::now();
+        let converged = rows_remembered().expect("converges");
+        let secs = started.elapsed().as_secs_f64();
+        let ooms = stats().ooms - before.ooms;
+        let attempts = take(&ATTEMPTS);
+        println!(
+            "run {run}: cpu {} gpu {} cached {}: attempts {attempts:?}, allocator OOMs {ooms}, {secs:.2} s",
+            gib(reading.0),
+            gib(reading.1.unwrap_or(0)),
+            gib(before.cached())
+        );
+        runs.push((attempts, converged, ooms, secs, reading));
+    }
+    take(&ERRORS);
+    let converged = runs[0].1;
+    assert!(runs[0].0.len() >= 2, "the first call must run out: {:?}", runs[0]);
+    // Usable memory does not move with what libtorch caches, so the key stays put...
+    let first_gpu = runs[0].4 .1.expect("a GPU reading");
+    for (run, (attempts, _, ooms, _, reading)) in runs.iter().enumerate().skip(1) {
+        let gpu = reading.1.expect("a GPU reading");
+        assert!(gpu.abs_diff(first_gpu) <= 64 * MIB, "run {run}: usable {gpu} vs {first_gpu} at first");
+        // ...unless a reading sits right at a 256 MiB bucket's edge: then the miss is the
+        // bucketing's, not the reading's, and is reported rather than failed.
+        let bucket = |r: (u64, Option<u64>)| (r.0 >> 28, r.1.map(|g| g >> 28));
+        if bucket(*reading) != bucket(runs[0].4) {
+            println!(
+                "run {run}: the reading crossed a 256 MiB bucket edge ({reading:?} vs {:?}): not a hit",
+                runs[0].4
+            );
+            continue;
+        }
+        assert_eq!(attempts, &[converged], "run {run} starts at the cached size");
+        assert_eq!(*ooms, 0, "run {run} ran out of memory");
+    }
+    report(
+        "cache_hit",
+        &[
+            ("card", &gib(gpu.total)),
+            ("first_attempts", &runs[0].0.len()),
+            ("first_secs", &format!("{:.2}", runs[0].3)),
+            ("hit_secs", &format!("{:.3}", runs[1].3)),
+            ("hit_after_release_secs", &format!("{:.3}", runs[2].3)),
+        ],
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. toma::lazy's planned peak against the allocator's measured peak.
+
+/// The planner may underestimate by at most this fraction of the measured peak (an
+/// underestimate is what turns into an out-of-memory)...
+const UNDER_TOLERANCE: f64 = 0.25;
+/// ...and overestimate by at most this fraction (an overestimate only wastes memory).
+const OVER_TOLERANCE: f64 = 1.0;
+/// Absolute slack for small cases: kernels' scratch buffers, cuDNN workspaces.
+const SLACK: u64 = 64 * MIB;
+
+struct Mlp {
+    l1: nn::Linear,
+    l2: nn::Linear,
+    l3: nn::Linear,
+}
+
+fn mlp(vs: &nn::VarStore) -> Mlp {
+    let (r, c) = (vs.root(), Default::default);
+    Mlp {
+        l1: nn::linear(&r / "l1", 1024, 4096, c()),
+        l2: nn::linear(&r / "l2", 4096, 4096, c()),
+        l3: nn::linear(&r / "l3", 4096, 10, c()),
+    }
+}
+
+fn mlp_lazy(m: &Mlp, x: &Tensor, y: &Tensor) -> LazyTensor {
+    let (x, y) = lazy((x, y), 0);
+    x.apply(&m.l1).relu().apply(&m.l2).relu().apply(&m.l3).log_softmax(-1, None).nll_loss(&y)
+}
+
+fn mlp_eager(m: &Mlp, x: &Tensor, y: &Tensor) -> Tensor {
+    x.apply(&m.l1).relu().apply(&m.l2).relu().apply(&m.l3).log_softmax(-1, None).nll_loss(y)
+}
+
+struct Cnn {
+    c1: nn::Conv2D,
+    c2: nn::Conv2D,
+    fc: nn::Linear,
+}
+
+fn cnn(vs: &nn::VarStore) -> Cnn {
+    let r = vs.root();
+    let same = nn::ConvConfig { padding: 1, ..Default::default() };
+    Cnn {
+        c1: nn::conv2d(&r / "c1", 3, 32, 3, same),
+        c2: nn::conv2d(&r / "c2", 32, 64, 3, same),
+        fc: nn::linear(&r / "fc", 64 * 16 * 16, 10, Default::default()),
+    }
+}
+
+/// Input `[N, 3, 64, 64]`.
+fn cnn_lazy(m: &Cnn, x: &Tensor, y: &Tensor) -> LazyTensor {
+    let (x, y) = lazy((x, y), 0);
+    let h = x.apply(&m.c1).relu().max_pool2d([2, 2], [], [0, 0], [1, 1], false);
+    let h = h.apply(&m.c2).relu().max_pool2d([2, 2], [], [0, 0], [1, 1], false);
+    h.flatten(1, -1).apply(&m.fc).log_softmax(-1, None).nll_loss(&y)
+}
+
+fn cnn_eager(m: &Cnn, x: &Tensor, y: &Tensor) -> Tensor {
+    let h = x.apply(&m.c1).relu().max_pool2d([2, 2], [2, 2], [0, 0], [1, 1], false);
+    let h = h.apply(&m.c2).relu().max_pool2d([2, 2], [2, 2], [0, 0], [1, 1], false);
+    h.flatten(1, -1).apply(&m.fc).log_softmax(-1, None).nll_loss(y)
+}
+
+/// A pre-norm transformer block over `[N, T, D]`, mean-pooled into a classifier.
+struct Block {
+    ln1: nn::LayerNorm,
+    qkv: nn::Linear,
+    proj: nn::Linear,
+    ln2: nn::LayerNorm,
+    fc1: nn::Linear,
+    fc2: nn::Linear,
+    head: nn::Linear,
+}
+
+const D: i64 = 512;
+const T: i64 = 128;
+const HEADS: i64 = 8;
+
+fn block(vs: &nn::VarStore) -> Block {
+    let (r, c) = (vs.root(), Default::default);
+    Block {
+        ln1: nn::layer_norm(&r / "ln1", vec![D], Default::default()),
+        qkv: nn::linear(&r / "qkv", D, 3 * D, c()),
+        proj: nn::linear(&r / "proj", D, D, c()),
+        ln2: nn::layer_norm(&r / "ln2", vec![D], Default::default()),
+        fc1: nn::linear(&r / "fc1", D, 4 * D, c()),
+        fc2: nn::linear(&r / "fc2", 4 * D, D, c()),
+        head: nn::linear(&r / "head", D, 10, c()),
+    }
+}
+
+fn block_lazy(m: &Block, x: &Tensor, y: &Tensor) -> LazyTensor {
+    let (x, y) = lazy((x, y), 0);
+    let n = x.size()[0];
+    let qkv = x.apply(&m.ln1).apply(&m.qkv);
+    let heads = |i: i64| qkv.narrow(2, i * D, D).reshape([n, T, HEADS, D / HEADS]).transpose(1, 2);
+    let (q, k, v) = (heads(0), heads(1), heads(2));
+    let scores = q.matmul(&k.transpose(-2, -1)).mul_scalar(1.0 / ((D / HEADS) as f64).sqrt());
+    let attended = scores.softmax(-1, None).matmul(&v).transpose(1, 2).reshape([n, T, D]);
+    let h = &x + &attended.apply(&m.proj);
+    let h = &h + &h.apply(&m.ln2).apply(&m.fc1).gelu("none").apply(&m.fc2);
+    h.mean_dim([1], false, None).apply(&m.head).cross_entropy_for_logits(&y)
+}
+
+/// One measurement: the plan's peak for forward and backward of the whole batch, and the peak
+/// the allocator saw above what was live before (inputs, parameters).
+fn planned_and_measured(loss: &LazyTensor, batch: usize) -> (u64, u64) {
+    let options = Options::new().micro_batch(batch);
+    let plan = loss.plan(Mode::Backward, &options).expect("a plan");
+    assert!(!plan.splits(), "the whole batch is planned: {plan}");
+    tch::Cuda::synchronize(0);
+    let before = stats().allocated;
+    assert!(memory::reset_cuda_peak(0));
+    loss.backward_with(&options).expect("forward and backward");
+    tch::Cuda::synchronize(0);
+    (plan.peak_bytes(), stats().peak_allocated - before)
+}
+
+#[test]
+fn planner_peak_matches_the_allocator_on_gpu() {
+    let Some(_gpu) = gpu("planner_peak_matches_the_allocator_on_gpu") else { return };
+    warm_up();
+    tch::manual_seed(11);
+    let mut rows = Vec::new();
+    // A fresh model per measurement: parameters without gradients, as the plan assumes for a
+    // first step (it counts the gradients backward creates).
+    let mut measure = |model: &str, batch: i64, run: &dyn Fn(i64) -> (u64, u64)| {
+        run(batch.min(4)); // warm-up: cuBLAS/cuDNN handles and kernels, not measured
+        let (planned, measured) = run(batch);
+        let error = (planned as f64 - measured as f64) / measured as f64;
+        println!(
+            "planner {model:>11} batch {batch:>5}: planned {:>10} measured {:>10} error {:+.1}%",
+            gib(planned),
+            gib(measured),
+            100.0 * error
+        );
+        let error = format!("{:+.1}%", 100.0 * error);
+        report(
+            "planner",
+            &[
+                ("model", &model),
+                ("batch", &batch),
+                ("planned", &gib(planned)),
+                ("measured", &gib(measured)),
+                ("error", &error),
+            ],
+        );
+        rows.push((model.to_owned(), batch, planned, measured));
+    };
+    for batch in [256, 1024, 4096, 16384] {
+        measure("mlp", batch, &|n| {
+            let vs = nn::VarStore::new(CUDA);
+            let m = mlp(&vs);
+            let (x, y) = (Tensor::randn([n, 1024], (Kind::Float, CUDA)), Tensor::randint(10, [n], (Kind::Int64, CUDA)));
+            planned_and_measured(&mlp_lazy(&m, &x, &y), n as usize)
+        });
+    }
+    for batch in [64, 256, 1024] {
+        measure("cnn", batch, &|n| {
+            let vs = nn::VarStore::new(CUDA);
+            let m = cnn(&vs);
+            let x = Tensor::randn([n, 3, 64, 64], (Kind::Float, CUDA));
+            let y = Tensor::randint(10, [n], (Kind::Int64, CUDA));
+            planned_and_measured(&cnn_lazy(&m, &x, &y), n as usize)
+        });
+    }
+    for batch in [8, 32, 128] {
+        measure("transformer", batch, &|n| {
+            let vs = nn::VarStore::new(CUDA);
+            let m = block(&vs);
+            let x = Tensor::randn([n, T, D], (Kind::Float, CUDA));
+            let y = Tensor::randint(10, [n], (Kind::Int64, CUDA));
+            planned_and_measured(&block_lazy(&m, &x, &y), n as usize)
+        });
+    }
+    // All rows are printed before any bound is checked.
+    for (model, batch, planned, measured) in rows {
+        let (p, m) = (planned as f64, measured as f64);
+        assert!(
+            m <= p * (1.0 + UNDER_TOLERANCE) + SLACK as f64,
+            "{model} at {batch}: planned {planned} < measured {measured}"
+        );
+        assert!(
+            p <= m * (1.0 + OVER_TOLERANCE) + SLACK as f64,
+            "{model} at {batch}: planned {planned} >> measured {measured}"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 5. A lazy training step in micro-batches on the GPU gives the CPU's full-batch gradients.
+
+/// Gradients of every variable, on the CPU, by name.
+fn gradients(vs: &nn::VarStore) -> BTreeMap<String, Tensor> {
+    vs.variables().into_iter().map(|(name, t)| (name, t.grad().to_device(Device::Cpu))).collect()
+}
+
+/// The largest difference between two sets of gradients, relative to the largest gradient.
+fn relative_difference(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> f64 {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    let mut worst: f64 = 0.0;
+    for (name, ga) in a {
+        let gb = &b[name];
+        assert!(ga.defined() && gb.defined(), "{name} has no gradient");
+        let scale = ga.abs().max().double_value(&[]).max(1e-30);
+        worst = worst.max((ga - gb).abs().max().double_value(&[]) / scale);
+    }
+    worst
+}
+
+/// Samples of the training-step comparison, and the micro-batch the GPU runs them in.
+const STEP_BATCH: i64 = 64;
+const STEP_MICRO_BATCH: usize = 16;
+
+/// Builds one model twice (CPU and GPU, same weights, double precision), takes an eager
+/// full-batch backward on the CPU and a lazy micro-batched one on the GPU, and returns the
+/// largest relative difference of their gradients. (The models end in `log_softmax` and
+/// `nll_loss`, not tch's `cross_entropy_for_logits`, which computes in `Float` whatever the
+/// input's kind.)
+fn gpu_step_against_cpu<M>(
+    build: impl Fn(&nn::VarStore) -> M,
+    eager: impl Fn(&M, &Tensor, &Tensor) -> Tensor,
+    lazy_loss: impl Fn(&M, &Tensor, &Tensor) -> LazyTensor,
+    input_shape: &[i64],
+) -> f64 {
+    let mut cpu_vs = nn::VarStore::new(Device::Cpu);
+    let cpu_model = build(&cpu_vs);
+    cpu_vs.double();
+    let mut gpu_vs = nn::VarStore::new(CUDA);
+    let gpu_model = build(&gpu_vs);
+    gpu_vs.double();
+    gpu_vs.copy(&cpu_vs).expect("the same weights on the GPU");
+
+    let x = Tensor::randn(input_shape, (Kind::Double, Device::Cpu));
+    let y = Tensor::randint(10, [STEP_BATCH], (Kind::Int64, Device::Cpu));
+    let cpu_loss = eager(&cpu_model, &x, &y);
+    cpu_loss.backward();
+    let split = Options::new().micro_batch(STEP_MICRO_BATCH);
+    let gpu_loss =
+        lazy_loss(&gpu_model, &x.to_device(CUDA), &y.to_device(CUDA)).backward_with(&split).expect("lazy step");
+    tch::Cuda::synchronize(0);
+    let cpu_loss = cpu_loss.double_value(&[]);
+    assert!((gpu_loss - cpu_loss).abs() <= 1e-9 * cpu_loss.abs(), "losses: GPU {gpu_loss} vs CPU {cpu_loss}");
+    relative_difference(&gradients(&cpu_vs), &gradients(&gpu_vs))
+}
+
+#[test]
+fn lazy_training_step_on_gpu_matches_cpu_gradients() {
+    let Some(_gpu) = gpu("lazy_training_step_on_gpu_matches_cpu_gradients") else { return };
+    tch::manual_seed(12);
+    // Double precision: the comparison then sees the summation order of micro-batches and of
+    // GPU kernels, not TF32 or float rounding.
+    let results = [
+        ("mlp", gpu_step_against_cpu(mlp, mlp_eager, mlp_lazy, &[STEP_BATCH, 1024])),
+        ("cnn", gpu_step_against_cpu(cnn, cnn_eager, cnn_lazy, &[STEP_BATCH, 3, 64, 64])),
+    ];
+    for (name, difference) in results {
+        let micro_batches = STEP_BATCH as usize / STEP_MICRO_BATCH;
+        println!("lazy step {name}: gradients of {micro_batches} GPU micro-batches vs the CPU's full batch: largest relative difference {difference:.2e}");
+        report(
+            "lazy_step",
+            &[("model", &name), ("micro_batches", &micro_batches), ("max_rel_grad_diff", &format!("{difference:.2e}"))],
+        );
+    }
+    for (name, difference) in results {
+        assert!(difference < 1e-9, "{name}: gradients differ by {difference:e}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 6. An address-space cap (toma::cpu_memory) set before and after CUDA starts.
+
+const CHILD_ENV: &str = "TOMA_GPU_CHILD";
+const STEP: &str = "TOMA_GPU_STEP";
+const DONE: &str = "TOMA_GPU_DONE";
+
+/// Runs `what` and prints one `STEP` line: `ok <detail>` or `failed <error or panic>`.
+fn step(name: &str, what: impl FnOnce() -> Result<String, String>) -> bool {
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(what)).unwrap_or_else(|payload| {
+        let text = payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default();
+        Err(format!("panicked: {text}"))
+    });
+    let first = |s: &str| s.lines().next().unwrap_or("").to_owned();
+    match &outcome {
+        Ok(detail) => println!("{STEP} {name}: ok {}", first(detail)),
+        Err(err) => println!("{STEP} {name}: failed {}", first(err)),
+    }
+    outcome.is_ok()
+}
+
+fn cap(headroom_gib: f64) -> Result<String, String> {
+    let in_use = toma::cpu_memory::address_space_in_use().map_err(|e| e.to_string())?;
+    toma::cpu_memory::set_cpu_memory_limit(in_use as f64 / GIB + headroom_gib).map_err(|e| e.to_string())?;
+    Ok(format!("address space {} in use, capped at +{headroom_gib} GiB", gib(in_use)))
+}
+
+/// What a process does with CUDA; each step is reported, none stops the others.
+fn use_cuda(tag: &str, capped: bool) {
+    step(&format!("{tag}: libtorch sees CUDA"), || {
+        let n = tch::Cuda::device_count();
+        if n > 0 {
+            Ok(format!("{n} device(s)"))
+        } else {
+            Err("no device".into())
+        }
+    });
+    step(&format!("{tag}: 1 GiB on cuda:0"), || {
+        let t = Tensor::f_ones([1 << 28], (Kind::Float, CUDA)).map_err(|e| e.to_string())?;
+        Ok(format!("max {}", t.f_max().and_then(|m| m.f_double_value(&[])).map_err(|e| e.to_string())?))
+    });
+    step(&format!("{tag}: 8 GiB on cuda:0"), || {
+        let t = Tensor::f_zeros([1 << 31], (Kind::Float, CUDA)).map_err(|e| e.to_string())?;
+        Ok(format!("{} elements", t.numel()))
+    });
+    step(&format!("{tag}: cuBLAS matmul on cuda:0"), || {
+        let a = Tensor::f_ones([2048, 2048], (Kind::Float, CUDA)).map_err(|e| e.to_string())?;
+        let v =
+            a.f_matmul(&a).and_then(|p| p.f_max()).and_then(|m| m.f_double_value(&[])).map_err(|e| e.to_string())?;
+        Ok(format!("max {v}"))
+    });
+    step(&format!("{tag}: allocator statistics"), || {
+        memory::cuda_allocator_stats(0).map(|s| format!("{s:?}")).ok_or_else(|| "None".into())
+    });
+    if capped {
+        step(&format!("{tag}: 16 GiB on the CPU is refused (beyond the cap)"), || {
+            match Tensor::f_zeros([1 << 32], (Kind::Float, Device::Cpu)) {
+                Ok(_) => Err("the cap did not stop it".into()),
+                Err(e) => Ok(format!("refused: {e}")),
+            }
+        });
+    }
+}
+
+fn child_rlimit(scenario: &str) {
+    match scenario {
+        "cap_before_cuda" => {
+            step("cap", || cap(4.0));
+            use_cuda("capped first", true);
+        }
+        "cap_after_cuda" => {
+            use_cuda("uncapped", false);
+            step("cap", || cap(4.0));
+            // New allocations must reach the driver, not the blocks cached before the cap.
+            step("empty the CUDA cache", || {
+                if memory::empty_cuda_cache() {
+                    Ok(String::new())
+                } else {
+                    Err("empty_cuda_cache() returned false".into())
+                }
+            });
+            use_cuda("capped after", true);
+        }
+        other => panic!("unknown scenario {other}"),
+    }
+    println!("{DONE} {scenario}");
+}
+
+#[test]
+fn report_what_an_address_space_cap_does_to_cuda() {
+    const TEST: &str = "report_what_an_address_space_cap_does_to_cuda";
+    if let Ok(scenario) = std::env::var(CHILD_ENV) {
+        return child_rlimit(&scenario);
+    }
+    let Some(_gpu) = gpu(TEST) else { return };
+    if !cfg!(target_os = "linux") {
+        println!("{TEST}: skipped: RLIMIT_AS caps are Linux only");
+        return;
+    }
+    for scenario in ["cap_before_cuda", "cap_after_cuda"] {
+        let exe = std::env::current_exe().expect("path of the test binary");
+        let output = std::process::Command::new(exe)
+            .args([TEST, "--exact", "--nocapture", "--test-threads=1"])
+            .env(CHILD_ENV, scenario)
+            .output()
+            .expect("spawn the child test process");
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        let steps: BTreeMap<usize, &str> =
+            stdout.lines().filter_map(|l| l.strip_prefix(STEP)).map(str::trim).enumerate().collect();
+        let finished = stdout.lines().any(|l| l == format!("{DONE} {scenario}"));
+        println!("--- {scenario}: exit {} finished {finished}", output.status);
+        for line in steps.values() {
+            println!("    {line}");
+        }
+        let failed: Vec<&str> = steps.values().copied().filter(|l| l.contains(": failed")).collect();
+        if !finished {
+            println!("--- child stdout ---\n{stdout}");
+        }
+        if !finished || !failed.is_empty() {
+            let tail: Vec<&str> = stderr.lines().rev().take(40).collect();
+            println!("--- child stderr (last 40 lines) ---");
+            tail.iter().rev().for_each(|line| println!("{line}"));
+        }
+        let summary = if failed.is_empty() { "all-ok".to_owned() } else { failed.join(" | ").replace(' ', "_") };
+        report(
+            &format!("rlimit_{scenario}"),
+            &[
+                ("exit", &output.status.code().map_or("signal".into(), |c| c.to_string())),
+                ("finished", &finished),
+                ("failed_steps", &summary),
+            ],
+        );
+    }
+}

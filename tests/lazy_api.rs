@@ -1,0 +1,287 @@
+//! The user-facing surface: wrapping inputs, forcing evaluation (and only then), tch's layers
+//! through the adapters, recording errors that name the op and both shapes, the plan's tracing
+//! event, and micro-batches that still run out of memory being halved without counting twice.
+#![cfg(feature = "tch")]
+
+use std::cell::Cell;
+use std::collections::BTreeMap;
+use std::rc::Rc;
+use std::sync::{Arc, Mutex};
+
+use tch::nn::{self, Module, ModuleT};
+use tch::{Device, Kind, TchError, Tensor};
+use toma::lazy::{lazy, nn::seq, try_lazy, CustomOp, LazyError, LazyTensor, Mode, Options, TensorMeta};
+
+const CPU: Device = Device::Cpu;
+
+/// A custom identity op that counts how often it runs, to see what forces evaluation.
+fn counting(counter: Rc<Cell<usize>>) -> CustomOp {
+    CustomOp::new(
+        "counted",
+        |ins| Ok(ins[0].clone()),
+        move |xs| {
+            counter.set(counter.get() + 1);
+            Ok(xs[0].shallow_clone())
+        },
+    )
+}
+
+#[test]
+fn queries_run_nothing_and_printing_forces_the_value() {
+    let runs = Rc::new(Cell::new(0));
+    let t = Tensor::from_slice(&[1.0f64, -2.0, 3.0]).view([3, 1]);
+    let x = counting(runs.clone()).apply(&[&lazy(&t, 0)]).unwrap().relu();
+    assert_eq!((x.size(), x.kind(), x.device(), x.dim(), x.numel()), (vec![3, 1], Kind::Double, CPU, 2, 3));
+    assert_eq!((x.batch_dim(), x.batch_size(), x.requires_grad(), x.op_name()), (Some(0), Some(3), false, "relu"));
+    let _ = x.plan(Mode::Forward, &Options::default()).unwrap();
+    assert_eq!(runs.get(), 0, "shape, kind, device and plan queries do not evaluate");
+
+    let shown = format!("{x}");
+    assert!(shown.contains('3') && shown.contains('0'), "{shown}");
+    assert_eq!(runs.get(), 1);
+    let debugged = format!("{x:?}");
+    assert!(debugged.starts_with("LazyTensor[relu, [3, 1], Double, batch dim 0] = "), "{debugged}");
+    assert_eq!(runs.get(), 2);
+
+    let total = x.sum(None);
+    assert_eq!(f64::try_from(&total).unwrap(), 4.0);
+    assert_eq!(total.double_value(&[]), 4.0);
+    assert_eq!(x.int64_value(&[2, 0]), 3);
+    assert_eq!(Vec::<f64>::try_from(&x.view([-1])).unwrap(), [1.0, 0.0, 3.0]);
+    assert!(x.to_tensor().unwrap().equal(&t.relu()));
+    assert!(runs.get() >= 7);
+}
+
+#[test]
+fn lazy_wraps_tuples_arrays_and_vectors_with_one_batch_dimension() {
+    let a = Tensor::zeros([4, 2], (Kind::Float, CPU));
+    let b = Tensor::zeros([4], (Kind::Int64, CPU));
+    let c = Tensor::zeros([3, 4], (Kind::Float, CPU));
+    let (la, lb) = lazy((&a, &b), 0);
+    assert_eq!((la.batch_size(), lb.batch_size()), (Some(4), Some(4)));
+    let [lc] = lazy(&[c.shallow_clone()], -1);
+    assert_eq!(lc.batch_dim(), Some(1));
+    let v = lazy(&vec![a.shallow_clone(), a.shallow_clone()], 0i64);
+    assert_eq!(v.len(), 2);
+    let fixed = lazy(&a, None);
+    assert_eq!(fixed.batch_dim(), None);
+    let err = try_lazy((&a, &c), 0).unwrap_err();
+    assert!(matches!(err, LazyError::Batch { .. }) && err.to_string().contains("[3, 4]"), "{err}");
+    assert!(matches!(try_lazy(&a, 2), Err(LazyError::Argument { .. })));
+}
+
+#[test]
+fn recording_errors_name_the_op_and_both_shapes() {
+    let x = lazy(&Tensor::zeros([8, 3], (Kind::Float, CPU)), 0);
+    let w = Tensor::zeros([4, 5], (Kind::Float, CPU));
+    let err = x.f_matmul(&w).unwrap_err();
+    let text = err.to_string();
+    assert!(text.contains("matmul") && text.contains("[8, 3]") && text.contains("[4, 5]"), "{text}");
+    let err = x.f_add(&Tensor::zeros([2, 3], (Kind::Float, CPU))).unwrap_err();
+    assert!(err.to_string().contains("add") && err.to_string().contains("[2, 3]"), "{err}");
+    let err = x.f_view([5, -1]).unwrap_err();
+    assert!(err.to_string().contains("view"), "{err}");
+    let img = lazy(&Tensor::zeros([2, 3, 4, 4], (Kind::Float, CPU)), 0);
+    let err =
+        img.f_conv2d(&Tensor::zeros([6, 2, 3, 3], (Kind::Float, CPU)), None::<&Tensor>, [1], [0], [1], 1).unwrap_err();
+    assert!(err.to_string().contains("conv2d") && err.to_string().contains("[6, 2, 3, 3]"), "{err}");
+    // A fixed operand that has the batch's size along the batch dimension is refused: it would
+    // be broadcast against every micro-batch.
+    let err = x.f_add(&Tensor::zeros([8, 1], (Kind::Float, CPU))).unwrap_err();
+    assert!(matches!(err, LazyError::Batch { .. }) && err.to_string().contains("lazy("), "{err}");
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| x.matmul(&w))).unwrap_err();
+    let message = panicked.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(message.contains("matmul"), "{message}");
+    // backward needs a scalar.
+    assert!(matches!(x.backward(), Err(LazyError::NotScalar { .. })));
+}
+
+#[test]
+fn tch_layers_record_with_their_private_settings() {
+    tch::manual_seed(11);
+    let vs = nn::VarStore::new(CPU);
+    let r = vs.root();
+    let conv = nn::conv2d(
+        &r / "conv",
+        4,
+        6,
+        3,
+        nn::ConvConfig { stride: 2, padding: 2, dilation: 2, groups: 2, ..Default::default() },
+    );
+    let bn = nn::batch_norm2d(&r / "bn", 6, nn::BatchNormConfig { eps: 0.25, momentum: 0.5, ..Default::default() });
+    let ln = nn::layer_norm(&r / "ln", vec![3], nn::LayerNormConfig { eps: 0.5, ..Default::default() });
+    let emb = nn::embedding(&r / "emb", 10, 3, nn::EmbeddingConfig { padding_idx: 2, ..Default::default() });
+    // Running statistics away from 0 and 1, so that eval mode differs from training mode.
+    tch::no_grad(|| {
+        let _ = bn.running_mean.shallow_clone().fill_(0.3);
+        let _ = bn.running_var.shallow_clone().fill_(2.0);
+    });
+    let x = Tensor::randn([5, 4, 9, 9], (Kind::Float, CPU));
+    let lx = lazy(&x, 0);
+    let close = |a: &Tensor, b: &Tensor| assert!(a.allclose(b, 1e-5, 1e-5, false), "{a} vs {b}");
+    close(&lx.apply(&conv).to_tensor().unwrap(), &conv.forward(&x));
+    let h = conv.forward(&x);
+    close(&lazy(&h, 0).apply_t(&bn, false).to_tensor().unwrap(), &bn.forward_t(&h, false));
+    let small = Tensor::randn([5, 2, 3], (Kind::Float, CPU));
+    close(&lazy(&small, 0).apply(&ln).to_tensor().unwrap(), &ln.forward(&small));
+    let idx = Tensor::from_slice(&[1i64, 2, 3, 2, 9]).view([5, 1]);
+    close(&lazy(&idx, 0).apply(&emb).to_tensor().unwrap(), &emb.forward(&idx));
+
+    // A lazy Sequential of tch layers and functions.
+    let fc = nn::linear(&r / "fc", 6, 2, Default::default());
+    let model = seq()
+        .add(nn::conv2d(&r / "c", 4, 6, 3, Default::default()))
+        .add_fn_t(|x, train| x.dropout(0.5, train))
+        .add_fn(|x| x.relu().adaptive_avg_pool2d([1, 1]).flatten(1, -1))
+        .add(fc);
+    assert_eq!(model.len(), 3 + 1);
+    let out = model.forward(&lx).unwrap();
+    assert_eq!(out.size(), [5, 2]);
+    let err = seq().add_f_fn(|x| x.f_view([7, -1])).forward(&lx).unwrap_err();
+    assert!(err.to_string().contains("view"), "{err}");
+}
+
+/// Records every toma event's fields.
+#[derive(Clone, Default)]
+struct Recorder(Arc<Mutex<Vec<BTreeMap<String, String>>>>);
+
+struct Fields<'a>(&'a mut BTreeMap<String, String>);
+
+impl tracing::field::Visit for Fields<'_> {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.0.insert(field.name().to_owned(), format!("{value:?}"));
+    }
+}
+
+impl tracing::Subscriber for Recorder {
+    fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
+        metadata.target().starts_with("toma")
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        let mut fields = BTreeMap::new();
+        event.record(&mut Fields(&mut fields));
+        self.0.lock().unwrap().push(fields);
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+#[test]
+fn the_plan_is_reported_as_a_tracing_event() {
+    let recorder = Recorder::default();
+    let vs = nn::VarStore::new(CPU);
+    let fc = nn::linear(vs.root(), 3, 2, Default::default());
+    let x = Tensor::randn([10, 3], (Kind::Float, CPU));
+    let y = Tensor::randint(2, [10], (Kind::Int64, CPU));
+    // Global, not scoped: tracing caches per-callsite interest, and a scoped subscriber loses
+    // events whose callsite another test thread registered first. The only one in this binary.
+    tracing::subscriber::set_global_default(recorder.clone()).expect("the first subscriber");
+    let (lx, ly) = lazy((&x, &y), 0);
+    lx.apply(&fc).cross_entropy_for_logits(&ly).backward_with(&Options::new().micro_batch(4)).unwrap();
+    let events = recorder.0.lock().unwrap();
+    // Other tests run at the same time: find this one's plan by its batch and micro-batch.
+    let plan = events
+        .iter()
+        .find(|e| {
+            e.get("message").is_some_and(|m| m.contains("plan"))
+                && e.get("batch").is_some_and(|b| b == "10")
+                && e.get("micro_batch").is_some_and(|m| m == "4")
+        })
+        .expect("a plan event");
+    assert_eq!(plan["micro_batch"], "4");
+    assert_eq!(plan["chunks"], "3");
+    assert_eq!(plan["batch"], "10");
+    assert_eq!(plan["mode"], "Backward");
+    for field in ["peak", "budget", "full_batch_peak"] {
+        assert!(plan[field].parse::<u64>().is_ok(), "{field}: {plan:?}");
+    }
+}
+
+#[test]
+fn an_oom_in_a_micro_batch_halves_it_and_never_counts_twice() {
+    // An op that "runs out of memory" above 3 samples, with libtorch's CPU allocator text.
+    let attempts = Rc::new(std::cell::RefCell::new(Vec::new()));
+    let seen = attempts.clone();
+    let picky = CustomOp::new(
+        "picky",
+        |ins: &[TensorMeta]| Ok(ins[0].clone()),
+        move |xs| {
+            let rows = xs[0].size()[0];
+            seen.borrow_mut().push(rows);
+            if rows > 3 {
+                return Err(TchError::Torch(format!(
+                    "DefaultCPUAllocator: can't allocate memory: you tried to allocate {rows} bytes"
+                )));
+            }
+            xs[0].f_mul_scalar(1.0)
+        },
+    );
+    let mut vs = nn::VarStore::new(CPU);
+    let fc = nn::linear(vs.root(), 3, 2, Default::default());
+    vs.double();
+    let x = Tensor::randn([13, 3], (Kind::Double, CPU));
+    let y = Tensor::randint(2, [13], (Kind::Int64, CPU));
+    let loss = || {
+        let (lx, ly) = lazy((&x, &y), 0);
+        picky.apply(&[&lx.apply(&fc)]).unwrap().cross_entropy_for_logits(&ly)
+    };
+    let options = Options::new().micro_batch(8).cache(toma::CacheKind::Global);
+    let value = loss().backward_with(&options).unwrap();
+    let first: Vec<i64> = attempts.borrow_mut().drain(..).collect();
+    assert_eq!(first[..3], [8, 4, 2], "halved twice: {first:?}");
+    assert!(first[3..].iter().all(|&r| r <= 2), "{first:?}");
+    let lazy_grads: Vec<Tensor> = vs.trainable_variables().iter().map(|v| v.grad().copy()).collect();
+
+    for mut v in vs.trainable_variables() {
+        v.zero_grad();
+    }
+    let eager = fc.forward(&x).log_softmax(-1, None).nll_loss(&y);
+    assert!((eager.double_value(&[]) - value).abs() < 1e-12);
+    eager.backward();
+    for (l, v) in lazy_grads.iter().zip(vs.trainable_variables()) {
+        assert!(l.allclose(&v.grad(), 1e-10, 1e-12, false), "no micro-batch counted twice");
+    }
+    // The size that worked is remembered for this graph: the next run starts there.
+    loss().backward_with(&options).unwrap();
+    let second: Vec<i64> = attempts.borrow_mut().drain(..).collect();
+    assert!(second.iter().all(|&r| r <= 2), "{second:?}");
+}
+
+#[test]
+fn unplannable_things_are_errors_not_eager_runs() {
+    // A reflect-padded convolution pads with an op the graph does not plan.
+    let vs = nn::VarStore::new(CPU);
+    let conv = nn::conv2d(
+        vs.root(),
+        3,
+        3,
+        3,
+        nn::ConvConfig { padding: 1, padding_mode: nn::PaddingMode::Reflect, ..Default::default() },
+    );
+    let img = lazy(&Tensor::randn([2, 3, 5, 5], (Kind::Float, CPU)), 0);
+    let err = img.f_apply(&conv).unwrap_err();
+    assert!(matches!(err, LazyError::Unsupported { .. }) && err.to_string().contains("Reflect"), "{err}");
+}
+
+#[test]
+fn gradients_flow_to_tied_parameters_and_through_eager_transforms() {
+    // One parameter used twice (tied weights) gets one, summed, gradient; `w.transpose` computed
+    // eagerly is not a leaf: its gradient is sent back through its own graph.
+    let w = Tensor::randn([3, 3], (Kind::Double, CPU)).set_requires_grad(true);
+    let x = Tensor::randn([6, 3], (Kind::Double, CPU));
+    let lazy_loss = lazy(&x, 0).matmul(&w).tanh().matmul(&w.transpose(0, 1)).sum(None);
+    let value = lazy_loss.backward_with(&Options::new().micro_batch(4)).unwrap();
+    let lazy_grad = w.grad().copy();
+    let mut w2 = w.shallow_clone();
+    w2.zero_grad();
+    let eager = x.matmul(&w).tanh().matmul(&w.transpose(0, 1)).sum(None);
+    eager.backward();
+    assert!((eager.double_value(&[]) - value).abs() < 1e-10);
+    assert!(lazy_grad.allclose(&w.grad(), 1e-10, 1e-12, false));
+    let _ = LazyTensor::fixed(&w);
+}

@@ -1,0 +1,360 @@
+//! Micro-batched backward gives the full batch's gradients: an MLP, a small CNN and a
+//! transformer block, with mean- and sum-reduced losses, batch sizes that are not powers of
+//! two, and budgets small enough to force several micro-batches. Everything runs in f64, so
+//! the gradients agree to 1e-5 relative (in practice to ~1e-13).
+#![cfg(feature = "tch")]
+
+use std::collections::BTreeMap;
+
+use tch::nn::{self, Module};
+use tch::{Device, Kind, Reduction, Tensor};
+use toma::lazy::{lazy, LazyTensor, Mode, Options};
+
+const CPU: Device = Device::Cpu;
+
+/// The trainable variables by name, with their gradients zeroed.
+fn zero_grads(vs: &nn::VarStore) {
+    for (_, mut v) in vs.variables() {
+        v.zero_grad();
+    }
+}
+
+fn grads(vs: &nn::VarStore) -> BTreeMap<String, Tensor> {
+    vs.variables().into_iter().map(|(name, v)| (name, v.grad().copy())).collect()
+}
+
+/// Largest elementwise difference relative to the largest reference magnitude. Gradients
+/// that are zero in exact arithmetic (a key bias under softmax) are round-off noise of about
+/// 1e-17: an absolute floor of 1e-12 keeps them from counting as relative errors.
+fn relative_error(a: &Tensor, b: &Tensor) -> f64 {
+    let diff = (a - b).abs().max().double_value(&[]);
+    let scale = b.abs().max().double_value(&[]).max(1e-7);
+    diff / scale
+}
+
+fn assert_grads_match(eager: &BTreeMap<String, Tensor>, lazy: &BTreeMap<String, Tensor>, what: &str) {
+    assert_eq!(eager.keys().collect::<Vec<_>>(), lazy.keys().collect::<Vec<_>>());
+    for (name, e) in eager {
+        let l = &lazy[name];
+        assert!(e.defined() && l.defined(), "{what}: {name} has no gradient");
+        let err = relative_error(l, e);
+        assert!(err <= 1e-5, "{what}: gradient of {name} differs by {err:e} relative");
+    }
+}
+
+/// Runs `eager` (a plain tch loss) and `lazy` (the same model recorded lazily) and compares
+/// loss values and gradients; `options` force micro-batches. Returns the plan's micro-batch.
+fn check(
+    vs: &nn::VarStore,
+    what: &str,
+    options: &Options,
+    eager: impl Fn() -> Tensor,
+    lazy_loss: impl Fn() -> LazyTensor,
+) -> usize {
+    zero_grads(vs);
+    let eager_loss = eager();
+    let eager_value = eager_loss.double_value(&[]);
+    eager_loss.backward();
+    let eager_grads = grads(vs);
+
+    zero_grads(vs);
+    let loss = lazy_loss();
+    let plan = loss.plan(Mode::Backward, options).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let value = loss.backward_with(options).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let lazy_grads = grads(vs);
+    let err = (value - eager_value).abs() / eager_value.abs().max(1e-30);
+    assert!(err <= 1e-10, "{what}: loss {value} vs eager {eager_value}");
+    assert_grads_match(&eager_grads, &lazy_grads, what);
+    plan.micro_batch()
+}
+
+fn mlp(vs: &nn::VarStore) -> (nn::Linear, nn::Linear) {
+    (nn::linear(vs.root() / "l1", 8, 16, Default::default()), nn::linear(vs.root() / "l2", 16, 4, Default::default()))
+}
+
+#[test]
+fn mlp_mean_and_sum_losses_match_the_full_batch() {
+    tch::manual_seed(1);
+    let mut vs = nn::VarStore::new(CPU);
+    let (l1, l2) = mlp(&vs);
+    vs.double();
+    for n in [9i64, 100] {
+        let x = Tensor::randn([n, 8], (Kind::Double, CPU));
+        let y = Tensor::randint(4, [n], (Kind::Int64, CPU));
+        let target = Tensor::randn([n, 4], (Kind::Double, CPU));
+        let forced = Options::new().micro_batch(4);
+
+        // Mean cross-entropy.
+        let b = check(
+            &vs,
+            &format!("mlp ce n={n}"),
+            &forced,
+            || l2.forward(&l1.forward(&x).relu()).log_softmax(-1, None).nll_loss(&y),
+            || {
+                let (lx, ly) = lazy((&x, &y), 0);
+                lx.apply(&l1).relu().apply(&l2).cross_entropy_for_logits(&ly)
+            },
+        );
+        assert_eq!(b, 4);
+
+        // Sum-reduced MSE plus a weight penalty that does not depend on the batch.
+        check(
+            &vs,
+            &format!("mlp mse-sum + l2 n={n}"),
+            &forced,
+            || {
+                let out = l2.forward(&l1.forward(&x).tanh());
+                out.mse_loss(&target, Reduction::Sum) + l1.ws.square().sum(Kind::Double) * 0.01
+            },
+            || {
+                let (lx, lt) = lazy((&x, &target), 0);
+                let out = lx.apply(&l1).tanh().apply(&l2);
+                let penalty = LazyTensor::fixed(&l1.ws).pow_tensor_scalar(2.0).sum(Kind::Double) * 0.01;
+                out.mse_loss(&lt, Reduction::Sum) + penalty
+            },
+        );
+
+        // Mean MSE, a mean over the batch of a per-sample loss, and a scalar offset.
+        check(
+            &vs,
+            &format!("mlp mse-mean n={n}"),
+            &forced,
+            || {
+                let out = l2.forward(&l1.forward(&x).gelu("none"));
+                out.mse_loss(&target, Reduction::Mean)
+                    + (&out - &target).abs().sum_dim_intlist(&[1i64][..], false, None).mean(None)
+                    + 1.5
+            },
+            || {
+                let (lx, lt) = lazy((&x, &target), 0);
+                let out = lx.apply(&l1).gelu("none").apply(&l2);
+                out.mse_loss(&lt, Reduction::Mean)
+                    + (&out - &lt).abs().sum_dim_intlist([1], false, None).mean(None)
+                    + 1.5
+            },
+        );
+    }
+}
+
+#[test]
+fn ignored_targets_and_class_weights_are_weighted_exactly() {
+    tch::manual_seed(2);
+    let mut vs = nn::VarStore::new(CPU);
+    let (l1, l2) = mlp(&vs);
+    vs.double();
+    let n = 10;
+    let x = Tensor::randn([n, 8], (Kind::Double, CPU));
+    // Targets -100 are ignored: micro-batches count different numbers of targets.
+    let y = Tensor::from_slice(&[0i64, -100, 1, 2, -100, -100, 3, 0, 1, -100]);
+    let w = Tensor::from_slice(&[1.0f64, 2.0, 0.5, 3.0]);
+    let forced = Options::new().micro_batch(2);
+    check(
+        &vs,
+        "ce with ignored targets",
+        &forced,
+        || l2.forward(&l1.forward(&x).relu()).log_softmax(-1, None).nll_loss(&y),
+        || {
+            let (lx, ly) = lazy((&x, &y), 0);
+            lx.apply(&l1).relu().apply(&l2).cross_entropy_for_logits(&ly)
+        },
+    );
+    check(
+        &vs,
+        "weighted nll",
+        &forced,
+        || l2.forward(&l1.forward(&x).relu()).log_softmax(-1, None).g_nll_loss(&y, Some(&w), Reduction::Mean, -100),
+        || {
+            let (lx, ly) = lazy((&x, &y), 0);
+            lx.apply(&l1).relu().apply(&l2).log_softmax(-1, None).g_nll_loss(&ly, Some(&w), Reduction::Mean, -100)
+        },
+    );
+}
+
+#[test]
+fn small_cnn_matches_the_full_batch_under_a_small_budget() {
+    tch::manual_seed(3);
+    let mut vs = nn::VarStore::new(CPU);
+    let root = vs.root();
+    let c1 = nn::conv2d(&root / "c1", 3, 4, 3, nn::ConvConfig { padding: 1, ..Default::default() });
+    let c2 = nn::conv2d(&root / "c2", 4, 6, 3, nn::ConvConfig { stride: 2, ..Default::default() });
+    let ln = nn::layer_norm(&root / "ln", vec![6, 1, 1], Default::default());
+    let fc = nn::linear(&root / "fc", 6, 5, Default::default());
+    vs.double();
+    for n in [9i64, 100] {
+        let x = Tensor::randn([n, 3, 8, 8], (Kind::Double, CPU));
+        let y = Tensor::randint(5, [n], (Kind::Int64, CPU));
+        let eager = || {
+            let h = c1.forward(&x).relu().max_pool2d([2, 2], [2, 2], [0, 0], [1, 1], false);
+            let h = c2.forward(&h).relu().adaptive_avg_pool2d([1, 1]);
+            let h = ln.forward(&h).flatten(1, -1);
+            fc.forward(&h).log_softmax(-1, None).nll_loss(&y)
+        };
+        let lazy_loss = || {
+            let (lx, ly) = lazy((&x, &y), 0);
+            let h = lx.apply(&c1).relu().max_pool2d([2, 2], [2, 2], [0, 0], [1, 1], false);
+            let h = h.apply(&c2).relu().adaptive_avg_pool2d([1, 1]);
+            h.apply(&ln).flatten(1, -1).apply(&fc).cross_entropy_for_logits(&ly)
+        };
+        // A budget of a third of the full batch's peak forces several micro-batches.
+        let full = lazy_loss().plan(Mode::Backward, &Options::new().budget(u64::MAX)).unwrap();
+        assert!(!full.splits());
+        let budget = full.peak_bytes() / 3;
+        let options = Options::new().budget(budget);
+        let b = check(&vs, &format!("cnn n={n}"), &options, eager, lazy_loss);
+        assert!(b < n as usize && b.is_power_of_two(), "micro-batch {b} of {n}");
+        let plan = lazy_loss().plan(Mode::Backward, &options).unwrap();
+        assert!(plan.peak_bytes() <= budget, "{plan}");
+    }
+}
+
+/// One pre-norm-free transformer block: embedding, multi-head attention via matmul and
+/// softmax, residuals, layer norms, a GELU MLP.
+struct Block {
+    emb: nn::Embedding,
+    pos: Tensor,
+    q: nn::Linear,
+    k: nn::Linear,
+    v: nn::Linear,
+    o: nn::Linear,
+    ln1: nn::LayerNorm,
+    up: nn::Linear,
+    down: nn::Linear,
+    ln2: nn::LayerNorm,
+    head: nn::Linear,
+}
+
+const VOCAB: i64 = 11;
+const T: i64 = 5;
+const D: i64 = 8;
+const HEADS: i64 = 2;
+
+impl Block {
+    fn new(vs: &nn::VarStore) -> Self {
+        let r = vs.root();
+        Block {
+            emb: nn::embedding(&r / "emb", VOCAB, D, Default::default()),
+            pos: r.randn("pos", &[T, D], 0.0, 0.1),
+            q: nn::linear(&r / "q", D, D, Default::default()),
+            k: nn::linear(&r / "k", D, D, Default::default()),
+            v: nn::linear(&r / "v", D, D, Default::default()),
+            o: nn::linear(&r / "o", D, D, Default::default()),
+            ln1: nn::layer_norm(&r / "ln1", vec![D], Default::default()),
+            up: nn::linear(&r / "up", D, 16, Default::default()),
+            down: nn::linear(&r / "down", 16, D, Default::default()),
+            ln2: nn::layer_norm(&r / "ln2", vec![D], Default::default()),
+            head: nn::linear(&r / "head", D, VOCAB, Default::default()),
+        }
+    }
+
+    fn eager(&self, tokens: &Tensor) -> Tensor {
+        let n = tokens.size()[0];
+        let h = self.emb.forward(tokens) + &self.pos;
+        let split = |t: Tensor| t.view([n, T, HEADS, D / HEADS]).transpose(1, 2);
+        let (q, k, v) = (split(self.q.forward(&h)), split(self.k.forward(&h)), split(self.v.forward(&h)));
+        let att = (q.matmul(&k.transpose(-2, -1)) / ((D / HEADS) as f64).sqrt()).softmax(-1, None);
+        let a = att.matmul(&v).transpose(1, 2).reshape([n, T, D]);
+        let h = self.ln1.forward(&(h + self.o.forward(&a)));
+        let m = self.down.forward(&self.up.forward(&h).gelu("tanh"));
+        self.head.forward(&self.ln2.forward(&(h + m)))
+    }
+
+    fn lazy(&self, tokens: &LazyTensor) -> LazyTensor {
+        let n = tokens.size()[0];
+        let h = LazyTensor::embedding(&self.emb.ws, tokens, -1, false) + &self.pos;
+        let split = |t: LazyTensor| t.view([n, T, HEADS, D / HEADS]).transpose(1, 2);
+        let (q, k, v) = (split(h.apply(&self.q)), split(h.apply(&self.k)), split(h.apply(&self.v)));
+        let att = (q.matmul(&k.transpose(-2, -1)) / ((D / HEADS) as f64).sqrt()).softmax(-1, None);
+        let a = att.matmul(&v).transpose(1, 2).reshape([n, T, D]);
+        let h = (&h + a.apply(&self.o)).apply(&self.ln1);
+        let m = h.apply(&self.up).gelu("tanh").apply(&self.down);
+        (h + m).apply(&self.ln2).apply(&self.head)
+    }
+}
+
+#[test]
+fn transformer_block_matches_the_full_batch() {
+    tch::manual_seed(4);
+    let mut vs = nn::VarStore::new(CPU);
+    let block = Block::new(&vs);
+    vs.double();
+    for n in [9i64, 100] {
+        let tokens = Tensor::randint(VOCAB, [n, T], (Kind::Int64, CPU));
+        let next = Tensor::randint(VOCAB, [n, T], (Kind::Int64, CPU));
+        // Token-level loss: logits [N, T, V] flattened to [N * T, V] (the batch merged with T).
+        let b = check(
+            &vs,
+            &format!("transformer token loss n={n}"),
+            &Options::new().micro_batch(4),
+            || block.eager(&tokens).view([-1, VOCAB]).log_softmax(-1, None).nll_loss(&next.view([-1])),
+            || {
+                let (lt, ly) = lazy((&tokens, &next), 0);
+                block.lazy(&lt).view([-1, VOCAB]).cross_entropy_for_logits(&ly.view([-1]))
+            },
+        );
+        assert_eq!(b, 4);
+        // Sequence-level loss: mean over positions, then a sum-reduced NLL.
+        let label = Tensor::randint(VOCAB, [n], (Kind::Int64, CPU));
+        let full = {
+            let (lt, ly) = lazy((&tokens, &label), 0);
+            block.lazy(&lt).mean_dim([1], false, None).log_softmax(-1, None).g_nll_loss(
+                &ly,
+                None::<&Tensor>,
+                Reduction::Sum,
+                -100,
+            )
+        };
+        let budget = full.plan(Mode::Backward, &Options::new().budget(u64::MAX)).unwrap().peak_bytes() / 4;
+        let b = check(
+            &vs,
+            &format!("transformer sequence loss n={n}"),
+            &Options::new().budget(budget),
+            || {
+                block.eager(&tokens).mean_dim(&[1i64][..], false, None).log_softmax(-1, None).g_nll_loss(
+                    &label,
+                    None::<&Tensor>,
+                    Reduction::Sum,
+                    -100,
+                )
+            },
+            || {
+                let (lt, ly) = lazy((&tokens, &label), 0);
+                block.lazy(&lt).mean_dim([1], false, None).log_softmax(-1, None).g_nll_loss(
+                    &ly,
+                    None::<&Tensor>,
+                    Reduction::Sum,
+                    -100,
+                )
+            },
+        );
+        assert!(b < n as usize, "the budget forces a split");
+    }
+}
+
+#[test]
+fn gradients_accumulate_on_top_of_existing_ones_like_tch() {
+    // Two lazy backwards add up, as two eager backwards do; parameters start without `.grad()`.
+    tch::manual_seed(5);
+    let mut vs = nn::VarStore::new(CPU);
+    let (l1, l2) = mlp(&vs);
+    vs.double();
+    let x = Tensor::randn([12, 8], (Kind::Double, CPU));
+    let y = Tensor::randint(4, [12], (Kind::Int64, CPU));
+    for v in vs.trainable_variables() {
+        assert!(!v.grad().defined());
+    }
+    let lazy_loss = || {
+        let (lx, ly) = lazy((&x, &y), 0);
+        lx.apply(&l1).relu().apply(&l2).cross_entropy_for_logits(&ly)
+    };
+    let options = Options::new().micro_batch(5);
+    lazy_loss().backward_with(&options).unwrap();
+    lazy_loss().backward_with(&options).unwrap();
+    let twice = grads(&vs);
+    zero_grads(&vs);
+    l2.forward(&l1.forward(&x).relu()).log_softmax(-1, None).nll_loss(&y).backward();
+    let once = grads(&vs);
+    for (name, g) in &once {
+        let err = relative_error(&twice[name], &(g * 2.0));
+        assert!(err <= 1e-10, "{name}: {err:e}");
+    }
+}

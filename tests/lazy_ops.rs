@@ -1,0 +1,494 @@
+//! Every op, against tch run eagerly on random valid (and invalid) shapes: the recorded shape
+//! and kind are tch's, recording fails exactly when tch fails, and the value computed lazily —
+//! whole, and in random micro-batches concatenated or combined — is tch's value.
+#![cfg(feature = "tch")]
+
+use proptest::prelude::*;
+use proptest::test_runner::TestCaseError;
+use tch::{Device, Kind, Reduction, TchError, Tensor};
+use toma::lazy::{lazy, LazyError, LazyTensor, Options};
+
+const CPU: Device = Device::Cpu;
+const F64: (Kind, Device) = (Kind::Double, CPU);
+
+/// `n` cases, or `PROPTEST_CASES` when set (for deeper runs than CI's).
+fn cases(n: u32) -> ProptestConfig {
+    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(n);
+    ProptestConfig { cases, failure_persistence: None, ..ProptestConfig::default() }
+}
+
+/// Whether splitting the batch keeps the op's value (the test's expectation).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Split {
+    /// Micro-batches reproduce the value.
+    Exact,
+    /// The op mixes samples: a forced split is refused.
+    Refused,
+    /// Random (dropout): compare shapes only.
+    Shape,
+}
+
+/// Compares an eager tch result with the lazy one.
+fn agree(
+    what: &str,
+    eager: Result<Tensor, TchError>,
+    lazy_result: Result<LazyTensor, LazyError>,
+    micro: usize,
+    split: Split,
+) -> Result<(), TestCaseError> {
+    let (eager, lazy_t) = match (eager, lazy_result) {
+        (Err(_), Err(_)) => return Ok(()),
+        (Ok(e), Err(l)) => {
+            return Err(TestCaseError::fail(format!("{what}: tch gives {:?}, lazy fails: {l}", e.size())))
+        }
+        (Err(e), Ok(l)) => {
+            return Err(TestCaseError::fail(format!("{what}: tch fails ({e}), lazy records {:?}", l.size())))
+        }
+        (Ok(e), Ok(l)) => (e, l),
+    };
+    prop_assert_eq!(lazy_t.size(), eager.size(), "{}: shape", what);
+    prop_assert_eq!(lazy_t.kind(), eager.kind(), "{}: kind", what);
+    if split == Split::Shape {
+        let whole = lazy_t.to_tensor().map_err(|e| TestCaseError::fail(format!("{what}: {e}")))?;
+        prop_assert_eq!(whole.size(), eager.size());
+        return Ok(());
+    }
+    let whole = lazy_t.to_tensor().map_err(|e| TestCaseError::fail(format!("{what}: {e}")))?;
+    close(what, &whole, &eager)?;
+    let forced = Options::new().micro_batch(micro);
+    match (lazy_t.to_tensor_with(&forced), split) {
+        (Ok(chunked), Split::Exact) => close(&format!("{what} in micro-batches of {micro}"), &chunked, &eager)?,
+        (Err(e), Split::Exact) => {
+            return Err(TestCaseError::fail(format!("{what}: micro-batches of {micro} fail: {e}")));
+        }
+        (Err(LazyError::MixesBatch { .. } | LazyError::NotSplittable { .. }), Split::Refused) => {}
+        (Ok(_), Split::Refused) if lazy_t.batch_size().is_none_or(|n| micro >= n) => {}
+        (other, Split::Refused) => {
+            return Err(TestCaseError::fail(format!(
+                "{what}: a split should be refused, got {:?}",
+                other.map(|t| t.size())
+            )));
+        }
+        (_, Split::Shape) => unreachable!(),
+    }
+    Ok(())
+}
+
+fn close(what: &str, a: &Tensor, b: &Tensor) -> Result<(), TestCaseError> {
+    prop_assert_eq!(a.size(), b.size(), "{}: shape", what);
+    prop_assert_eq!(a.kind(), b.kind(), "{}: kind", what);
+    let (a64, b64) = (a.to_kind(Kind::Double), b.to_kind(Kind::Double));
+    // Micro-batches sum in another order: exact up to rounding of the kind.
+    let tol = if b.kind() == Kind::Double { 1e-9 } else { 1e-5 };
+    let ok = a64.isclose(&b64, tol, tol, true).all().int64_value(&[]) == 1;
+    prop_assert!(ok, "{}: values differ\nlazy {}\ntch {}", what, a, b);
+    Ok(())
+}
+
+/// A shape of 1..=max_dims dims with sizes 1..=max_size.
+fn shape(max_dims: usize, max_size: i64) -> impl Strategy<Value = Vec<i64>> {
+    prop::collection::vec(1..=max_size, 1..=max_dims)
+}
+
+/// A shape `b` that broadcasts against `a`: trailing dims of `a`, some set to 1; the batch
+/// dimension (0 of `a`) is dropped or set to 1 when `b` is fixed.
+fn broadcast_partner(a: Vec<i64>, fixed: bool) -> impl Strategy<Value = (Vec<i64>, Vec<i64>)> {
+    let n = a.len();
+    (0..n, prop::collection::vec(any::<bool>(), n)).prop_map(move |(drop, ones)| {
+        let start = if fixed { drop.max(1).min(n) } else { drop.min(n - 1) };
+        let mut b: Vec<i64> = a[start..].to_vec();
+        for (i, one) in ones.iter().enumerate().take(b.len()) {
+            if *one {
+                b[i] = 1;
+            }
+        }
+        if fixed && start == 0 && !b.is_empty() {
+            b[0] = 1;
+        }
+        (a.clone(), b)
+    })
+}
+
+fn randn(shape: &[i64]) -> Tensor {
+    Tensor::randn(shape, F64)
+}
+
+proptest! {
+    #![proptest_config(cases(96))]
+
+    #[test]
+    fn elementwise_binary_with_broadcasting(
+        (a, b) in shape(4, 4).prop_flat_map(|a| broadcast_partner(a, true)),
+        both in any::<bool>(),
+        micro in 1usize..5,
+        op in 0usize..12,
+    ) {
+        let (ta, tb) = (randn(&a), randn(&b));
+        // With `both`, the partner is batched too (same leading size when it has dimension 0).
+        let tb = if both && b.len() == a.len() { randn(&[&a[..1], &b[1..]].concat()) } else { tb };
+        let la = lazy(&ta, 0);
+        let lb = if both && tb.dim() == ta.dim() { lazy(&tb, 0) } else { LazyTensor::fixed(&tb) };
+        let pos = |t: &Tensor| t.abs() + 0.5;
+        let (eager, lazy_t, name) = match op {
+            0 => (ta.f_add(&tb), la.f_add(&lb), "add"),
+            1 => (ta.f_sub(&tb), la.f_sub(&lb), "sub"),
+            2 => (ta.f_mul(&tb), la.f_mul(&lb), "mul"),
+            3 => (ta.f_div(&tb), la.f_div(&lb), "div"),
+            4 => (ta.f_maximum(&tb), la.f_maximum(&lb), "maximum"),
+            5 => (ta.f_minimum(&tb), la.f_minimum(&lb), "minimum"),
+            6 => (ta.f_eq_tensor(&tb), la.f_eq_tensor(&lb), "eq"),
+            7 => (ta.f_lt_tensor(&tb), la.f_lt_tensor(&lb), "lt"),
+            8 => (ta.f_ge_tensor(&tb), la.f_ge_tensor(&lb), "ge"),
+            9 => (ta.f_ne_tensor(&tb), la.f_ne_tensor(&lb), "ne"),
+            10 => {
+                let (pa, la2) = (pos(&ta), lazy(&pos(&ta), 0));
+                (pa.f_pow(&tb), la2.f_pow(&lb), "pow")
+            }
+            _ => (ta.f_le_tensor(&tb), la.f_le_tensor(&lb), "le"),
+        };
+        agree(&format!("{name} {a:?} {b:?}"), eager, lazy_t, micro, Split::Exact)?;
+    }
+
+    #[test]
+    fn mismatched_broadcasts_fail_like_tch(a in shape(3, 4), b in shape(3, 4), micro in 1usize..4) {
+        let (ta, tb) = (randn(&a), randn(&b));
+        let lb = LazyTensor::fixed(&tb);
+        // A fixed operand with the batch's size along the batch dimension is refused even
+        // where tch would broadcast: it cannot be split with the batch.
+        let eager = ta.f_add(&tb);
+        let lazy_t = lazy(&ta, 0).f_add(&lb);
+        let aligned = a[0] > 1 && b.len() >= a.len() && b[b.len() - a.len()] == a[0];
+        if aligned && eager.is_ok() {
+            let refused = matches!(lazy_t, Err(LazyError::Batch { .. }));
+            prop_assert!(refused, "a fixed operand of the batch's size must be refused");
+        } else {
+            agree("add", eager, lazy_t, micro, Split::Exact)?;
+        }
+    }
+
+    #[test]
+    fn scalar_ops(a in shape(3, 5), s in -3.0f64..3.0, micro in 1usize..5, op in 0usize..11, int in any::<bool>()) {
+        let t = if int { Tensor::randint(7, a.as_slice(), (Kind::Int64, CPU)) } else { randn(&a) };
+        let l = lazy(&t, 0);
+        let s = if s.abs() < 0.1 { 0.7 } else { s };
+        let (eager, lazy_t, name) = match op {
+            0 => (Ok(&t + s), l.f_add_scalar(s), "add_scalar"),
+            1 => (Ok(&t - s), l.f_sub_scalar(s), "sub_scalar"),
+            2 => (Ok(s - &t), l.f_rsub_scalar(s), "rsub_scalar"),
+            3 => (Ok(&t * s), l.f_mul_scalar(s), "mul_scalar"),
+            4 => (Ok(&t / s), l.f_div_scalar(s), "div_scalar"),
+            5 => (Ok(t.abs().to_kind(Kind::Double).pow_tensor_scalar(s)), lazy(&t.abs().to_kind(Kind::Double), 0).f_pow_tensor_scalar(s), "pow"),
+            6 => (Ok(t.lt(s)), l.f_lt(s), "lt"),
+            7 => (Ok(t.ge(s)), l.f_ge(s), "ge"),
+            8 => (Ok(t.eq(s.round())), l.f_eq(s.round()), "eq"),
+            9 => {
+                let p = t.abs().to_kind(Kind::Double) + 1.0;
+                (Ok(s / &p), Ok(s / &lazy(&p, 0)), "rdiv")
+            }
+            _ => (Ok(-&t.to_kind(Kind::Double)), Ok(-&lazy(&t.to_kind(Kind::Double), 0)), "neg"),
+        };
+        agree(&format!("{name} {a:?} {s}"), eager, lazy_t, micro, Split::Exact)?;
+    }
+
+    #[test]
+    fn unary_and_softmax(a in shape(4, 5), micro in 1usize..6, op in 0usize..11, dim in -4i64..4) {
+        let t = randn(&a);
+        let l = lazy(&t, 0);
+        let split = if op >= 9 && dim.rem_euclid(a.len() as i64) == 0 && dim >= -(a.len() as i64) && dim < a.len() as i64 {
+            Split::Refused
+        } else {
+            Split::Exact
+        };
+        let (eager, lazy_t, name) = match op {
+            0 => (t.f_relu(), l.f_relu(), "relu"),
+            1 => (t.f_gelu("none"), l.f_gelu("none"), "gelu"),
+            2 => (t.f_gelu("tanh"), l.f_gelu("tanh"), "gelu tanh"),
+            3 => (t.f_sigmoid(), l.f_sigmoid(), "sigmoid"),
+            4 => (t.f_tanh(), l.f_tanh(), "tanh"),
+            5 => (t.f_exp(), l.f_exp(), "exp"),
+            6 => (t.abs().f_log(), lazy(&t.abs(), 0).f_log(), "log"),
+            7 => (t.abs().f_sqrt(), lazy(&t.abs(), 0).f_sqrt(), "sqrt"),
+            8 => (t.f_abs(), l.f_abs(), "abs"),
+            9 => (t.f_softmax(dim, None), l.f_softmax(dim, None), "softmax"),
+            _ => (t.f_log_softmax(dim, Kind::Float), l.f_log_softmax(dim, Kind::Float), "log_softmax"),
+        };
+        agree(&format!("{name} {a:?} dim {dim}"), eager, lazy_t, micro, split)?;
+    }
+
+    #[test]
+    fn matmul_batched_and_broadcast(
+        case in 0usize..7,
+        n in 1i64..6,
+        (k, m, r) in (1i64..5, 1i64..5, 1i64..4),
+        extra in 1i64..3,
+        micro in 1usize..6,
+    ) {
+        // Each case puts the batch somewhere else: leading dims, rows, columns, or contracted.
+        let (a, b, la, lb): (Tensor, Tensor, LazyTensor, LazyTensor) = match case {
+            0 => { let (a, b) = (randn(&[n, k]), randn(&[k, m])); let (la, lb) = (lazy(&a, 0), LazyTensor::fixed(&b)); (a, b, la, lb) }
+            1 => { let (a, b) = (randn(&[n, r, k]), randn(&[k, m])); let (la, lb) = (lazy(&a, 0), LazyTensor::fixed(&b)); (a, b, la, lb) }
+            2 => { let (a, b) = (randn(&[n, extra, r, k]), randn(&[n, 1, k, m])); let (la, lb) = lazy((&a, &b), 0); (a, b, la, lb) }
+            3 => { let (a, b) = (randn(&[n, r, k]), randn(&[k])); let (la, lb) = (lazy(&a, 0), LazyTensor::fixed(&b)); (a, b, la, lb) }
+            4 => { let (a, b) = (randn(&[r, k]), randn(&[k, n])); let (la, lb) = (LazyTensor::fixed(&a), lazy(&b, 1)); (a, b, la, lb) }
+            5 => { let (a, b) = (randn(&[k, n]), randn(&[n, m])); let (la, lb) = (lazy(&a, 1), lazy(&b, 0)); (a, b, la, lb) }
+            _ => { let (a, b) = (randn(&[extra, r, k]), randn(&[n, 1, k, m])); let (la, lb) = (LazyTensor::fixed(&a), lazy(&b, 0)); (a, b, la, lb) }
+        };
+        agree(&format!("matmul case {case} {:?} @ {:?}", a.size(), b.size()), a.f_matmul(&b), la.f_matmul(&lb), micro, Split::Exact)?;
+    }
+
+    #[test]
+    fn matmul_shape_errors_like_tch(a in shape(3, 3), b in shape(3, 3)) {
+        let (ta, tb) = (randn(&a), randn(&b));
+        let (eager, lazy_t) = (ta.f_matmul(&tb), LazyTensor::fixed(&ta).f_matmul(&LazyTensor::fixed(&tb)));
+        agree("matmul", eager, lazy_t, 1, Split::Exact)?;
+    }
+
+    #[test]
+    fn linear_with_and_without_bias(n in 1i64..6, t in 0i64..3, (i, o) in (1i64..5, 1i64..5), bias in any::<bool>(), micro in 1usize..6) {
+        let shape: Vec<i64> = if t == 0 { vec![n, i] } else { vec![n, t, i] };
+        let (x, w, b) = (randn(&shape), randn(&[o, i]), randn(&[o]));
+        let bias_t = bias.then_some(&b);
+        agree("linear", x.f_linear(&w, bias_t), lazy(&x, 0).f_linear(&w, bias_t), micro, Split::Exact)?;
+    }
+
+    #[test]
+    fn conv2d_every_parameter(
+        n in 1i64..4,
+        (groups, cin_per, cout_per) in (1i64..3, 1i64..3, 1i64..3),
+        (h, w) in (1i64..9, 1i64..9),
+        (kh, kw) in (1i64..4, 1i64..4),
+        stride in prop::collection::vec(1i64..4, 1..=2),
+        padding in prop::collection::vec(0i64..3, 1..=2),
+        dilation in prop::collection::vec(1i64..3, 1..=2),
+        bias in any::<bool>(),
+        micro in 1usize..4,
+    ) {
+        let x = randn(&[n, groups * cin_per, h, w]);
+        let wt = randn(&[groups * cout_per, cin_per, kh, kw]);
+        let b = randn(&[groups * cout_per]);
+        let bias_t = bias.then_some(&b);
+        let eager = x.f_conv2d(&wt, bias_t, stride.as_slice(), padding.as_slice(), dilation.as_slice(), groups);
+        let lazy_t = lazy(&x, 0).f_conv2d(&wt, bias_t, &stride, &padding, &dilation, groups);
+        agree(&format!("conv2d s{stride:?} p{padding:?} d{dilation:?} g{groups} k{kh}x{kw} in {h}x{w}"), eager, lazy_t, micro, Split::Exact)?;
+    }
+
+    #[test]
+    fn max_pool2d_every_parameter(
+        shape in (1i64..4, 1i64..3, 1i64..10, 1i64..10),
+        kernel in prop::collection::vec(1i64..4, 1..=2),
+        stride in prop::collection::vec(1i64..4, 0..=2),
+        padding in prop::collection::vec(0i64..3, 1..=2),
+        dilation in prop::collection::vec(1i64..3, 1..=2),
+        ceil_mode in any::<bool>(),
+        micro in 1usize..4,
+    ) {
+        let x = randn(&[shape.0, shape.1, shape.2, shape.3]);
+        let eager = x.f_max_pool2d(kernel.as_slice(), stride.as_slice(), padding.as_slice(), dilation.as_slice(), ceil_mode);
+        let lazy_t = lazy(&x, 0).f_max_pool2d(&kernel, &stride, &padding, &dilation, ceil_mode);
+        agree(&format!("max_pool2d {shape:?} k{kernel:?} s{stride:?} p{padding:?} d{dilation:?} ceil {ceil_mode}"), eager, lazy_t, micro, Split::Exact)?;
+    }
+
+    #[test]
+    fn avg_pool2d_every_parameter(
+        shape in (1i64..4, 1i64..3, 1i64..10, 1i64..10),
+        kernel in prop::collection::vec(1i64..4, 1..=2),
+        stride in prop::collection::vec(1i64..4, 0..=2),
+        padding in prop::collection::vec(0i64..3, 1..=2),
+        ceil_mode in any::<bool>(),
+        count_include_pad in any::<bool>(),
+        divisor in prop::option::of(1i64..5),
+        micro in 1usize..4,
+        unbatched in any::<bool>(),
+    ) {
+        let x = randn(&[shape.0, shape.1, shape.2, shape.3]);
+        // A 3-D input [C, H, W] with the batch along C also splits: pooling is per channel.
+        let x = if unbatched { x.select(0, 0) } else { x };
+        let eager = x.f_avg_pool2d(kernel.as_slice(), stride.as_slice(), padding.as_slice(), ceil_mode, count_include_pad, divisor);
+        let lazy_t = lazy(&x, 0).f_avg_pool2d(&kernel, &stride, &padding, ceil_mode, count_include_pad, divisor);
+        agree(&format!("avg_pool2d {:?} k{kernel:?} s{stride:?} p{padding:?} ceil {ceil_mode}", x.size()), eager, lazy_t, micro, Split::Exact)?;
+    }
+
+    #[test]
+    fn adaptive_avg_pool2d_sizes(shape in (1i64..4, 1i64..3, 1i64..9, 1i64..9), out in prop::collection::vec(1i64..6, 2..=2), micro in 1usize..4) {
+        let x = randn(&[shape.0, shape.1, shape.2, shape.3]);
+        agree("adaptive_avg_pool2d", x.f_adaptive_avg_pool2d(out.as_slice()), lazy(&x, 0).f_adaptive_avg_pool2d(&out), micro, Split::Exact)?;
+    }
+
+    #[test]
+    fn normalization_dropout_embedding(
+        n in 1i64..5,
+        c in 1i64..4,
+        hw in prop::collection::vec(1i64..4, 0..=2),
+        micro in 1usize..5,
+        affine in any::<bool>(),
+        last in 1usize..3,
+    ) {
+        let shape = [&[n, c][..], &hw[..]].concat();
+        let x = randn(&shape);
+        let (w, b, rm, rv) = (randn(&[c]), randn(&[c]), randn(&[c]), randn(&[c]).abs() + 0.1);
+        let (wo, bo) = (affine.then_some(&w), affine.then_some(&b));
+        let eager = Tensor::f_batch_norm(&x, wo, bo, Some(&rm), Some(&rv), false, 0.1, 1e-5, true);
+        agree("batch_norm eval", eager, lazy(&x, 0).f_batch_norm(wo, bo, &rm, &rv, false, 0.1, 1e-5), micro, Split::Exact)?;
+
+        let norm: Vec<i64> = shape[shape.len() - last.min(shape.len() - 1)..].to_vec();
+        let (lw, lb) = (randn(&norm), randn(&norm));
+        let (lwo, lbo) = (affine.then_some(&lw), affine.then_some(&lb));
+        let eager = x.f_layer_norm(norm.as_slice(), lwo, lbo, 1e-5, true);
+        agree(&format!("layer_norm {shape:?} over {norm:?}"), eager, lazy(&x, 0).f_layer_norm(&norm, lwo, lbo, 1e-5), micro, Split::Exact)?;
+
+        agree("dropout eval", x.f_dropout(0.5, false), lazy(&x, 0).f_dropout(0.5, false), micro, Split::Exact)?;
+        agree("dropout p=0", x.f_dropout(0.0, true), lazy(&x, 0).f_dropout(0.0, true), micro, Split::Exact)?;
+        agree("dropout train", x.f_dropout(0.5, true), lazy(&x, 0).f_dropout(0.5, true), micro, Split::Shape)?;
+
+        let table = randn(&[7, c]);
+        let idx = Tensor::randint(7, shape.as_slice(), (Kind::Int64, CPU));
+        let eager = Tensor::f_embedding(&table, &idx, -1, false, false);
+        agree("embedding", eager, LazyTensor::f_embedding(&table, &lazy(&idx, 0), -1, false), micro, Split::Exact)?;
+    }
+
+    #[test]
+    fn shape_ops_follow_the_batch(
+        a in shape(4, 4),
+        ops in prop::collection::vec((0usize..8, -4i64..4, -4i64..4), 1..4),
+        micro in 1usize..5,
+    ) {
+        let t = randn(&a);
+        let mut e = t.shallow_clone();
+        let mut l = lazy(&t, 0);
+        let mut split = Split::Exact;
+        for (op, d0, d1) in ops {
+            let nd = e.dim() as i64;
+            let wrap = |d: i64| d.rem_euclid(nd.max(1));
+            let (eager, lazy_t) = match op {
+                0 => (e.f_transpose(d0, d1), l.f_transpose(d0, d1)),
+                1 => {
+                    let mut perm: Vec<i64> = (0..nd).collect();
+                    perm.rotate_left(wrap(d0) as usize);
+                    (e.f_permute(perm.as_slice()), l.f_permute(&perm))
+                }
+                2 => (e.f_unsqueeze(d0), l.f_unsqueeze(d0)),
+                3 => (e.f_squeeze_dims(&[d0][..]), l.f_squeeze_dim(d0)),
+                4 => (e.f_flatten(d0.min(d1), d0.max(d1)), l.f_flatten(d0.min(d1), d0.max(d1))),
+                5 => {
+                    // Merge the first two dims, or split the first one in two.
+                    let s = e.size();
+                    let target: Vec<i64> = if s.len() >= 2 { [&[s[0] * s[1]][..], &s[2..]].concat() } else { vec![s[0], 1] };
+                    (e.f_reshape(target.as_slice()), l.f_reshape(&target))
+                }
+                6 => (e.f_contiguous(), l.f_contiguous()),
+                _ => {
+                    let s = e.size();
+                    let d = wrap(d0);
+                    let len = s.get(d as usize).copied().unwrap_or(1);
+                    (e.f_narrow(d, len / 2, len - len / 2), l.f_narrow(d, len / 2, len - len / 2))
+                }
+            };
+            match (eager, lazy_t) {
+                (Ok(e2), Ok(l2)) => {
+                    prop_assert_eq!(l2.size(), e2.size());
+                    if l2.batch_dim().is_none() && t.size()[0] > 1 {
+                        split = Split::Refused;
+                    }
+                    e = e2;
+                    l = l2;
+                }
+                (Err(_), Err(_)) => {}
+                (a, b) => prop_assert!(false, "op {op} ({d0}, {d1}) on {:?}: tch {:?}, lazy {:?}", e.size(), a.map(|t| t.size()), b.map(|t| t.size())),
+            }
+        }
+        agree("shape ops", Ok(e), Ok(l), micro, split)?;
+    }
+
+    #[test]
+    fn views_merge_and_split_the_batch(n in 1i64..6, t in 1i64..4, c in 1i64..4, micro in 1usize..6) {
+        let x = randn(&[n, t, c]);
+        let l = lazy(&x, 0);
+        let merged = l.view([-1, c]);
+        prop_assert_eq!(merged.batch_dim(), Some(0));
+        agree("view merge", x.f_view([-1, c]), Ok(merged.clone()), micro, Split::Exact)?;
+        agree("view split", x.f_view([-1, c]).and_then(|m| m.f_view([n, t, c])), merged.f_view([n, t, c]), micro, Split::Exact)?;
+        // [N, T, C] -> [T, N, C] -> [T * N, C] puts samples of several positions in each row block.
+        let moved = l.transpose(0, 1).reshape([-1, c]);
+        agree("moved", x.transpose(0, 1).f_reshape([-1, c]), Ok(moved), micro, if n > 1 && t > 1 { Split::Refused } else { Split::Exact })?;
+        let cat_e = Tensor::f_cat(&[&x, &(&x * 2.0)], 2);
+        let cat_l = LazyTensor::f_cat(&[l.clone(), &l * 2.0], 2);
+        agree("cat", cat_e, cat_l, micro, Split::Exact)?;
+        let cat_batch = LazyTensor::f_cat(&[l.clone(), l.clone()], 0);
+        agree("cat batch", Tensor::f_cat(&[&x, &x], 0), cat_batch, micro, Split::Refused)?;
+        let to_kind = l.f_to_kind(Kind::Float);
+        agree("to_kind", x.f_to_kind(Kind::Float), to_kind, micro, Split::Exact)?;
+    }
+
+    #[test]
+    fn reductions_over_any_dims(a in shape(4, 4), dims in prop::collection::vec(-4i64..4, 0..3), keepdim in any::<bool>(), op in 0usize..6, micro in 1usize..5) {
+        let t = randn(&a);
+        let l = lazy(&t, 0);
+        let (eager, lazy_t, name) = match op {
+            0 => (t.f_sum_dim_intlist(dims.as_slice(), keepdim, None), l.f_sum_dim_intlist(&dims, keepdim, None), "sum"),
+            1 => (t.f_mean_dim(dims.as_slice(), keepdim, None), l.f_mean_dim(&dims, keepdim, None), "mean"),
+            2 => (t.f_amax(dims.as_slice(), keepdim), l.f_amax(&dims, keepdim), "amax"),
+            3 => (t.f_sum(Kind::Float), l.f_sum(Kind::Float), "sum all"),
+            4 => (t.f_mean(None), l.f_mean(None), "mean all"),
+            _ => (t.f_max(), l.f_max(), "max all"),
+        };
+        agree(&format!("{name} {a:?} dims {dims:?} keepdim {keepdim}"), eager, lazy_t, micro, Split::Exact)?;
+    }
+
+    #[test]
+    fn losses_every_reduction(n in 1i64..7, c in 1i64..5, micro in 1usize..7, reduction in 0usize..3, ignore in any::<bool>()) {
+        let x = randn(&[n, c]);
+        let y = Tensor::randint(c, [n], (Kind::Int64, CPU));
+        if ignore && n > 1 {
+            let _ = y.get(0).fill_(-100);
+        }
+        let red = [Reduction::Mean, Reduction::Sum, Reduction::None][reduction];
+        let (lx, ly) = lazy((&x, &y), 0);
+        let eager_ce = x.f_log_softmax(-1, None).and_then(|l| l.f_nll_loss(&y, None::<Tensor>, Reduction::Mean, -100));
+        agree("cross_entropy", eager_ce, lx.f_cross_entropy_for_logits(&ly), micro, Split::Exact)?;
+        let logp = x.log_softmax(-1, None);
+        let w = randn(&[c]).abs();
+        agree("nll", logp.f_nll_loss(&y, Some(&w), red, -100), lazy(&logp, 0).f_g_nll_loss(&ly, Some(&w), red, -100), micro, Split::Exact)?;
+        let target = randn(&[n, c]);
+        agree("mse", x.f_mse_loss(&target, red), lx.f_mse_loss(&lazy(&target, 0), red), micro, Split::Exact)?;
+        let bad = Tensor::randint(c, [n + 1], (Kind::Int64, CPU));
+        agree("nll shape", logp.f_nll_loss(&bad, None::<Tensor>, red, -100), LazyTensor::fixed(&logp).f_g_nll_loss(&bad, None::<&Tensor>, red, -100), 1, Split::Exact)?;
+    }
+}
+
+#[test]
+fn a_custom_op_plans_and_runs_like_a_builtin() {
+    use toma::lazy::{CustomOp, Saves, TensorMeta};
+    // Pairs of features summed: [N, 2k] -> [N, k].
+    let pairs = CustomOp::new(
+        "pair_sum",
+        |ins: &[TensorMeta]| {
+            let s = &ins[0].shape;
+            if s.len() != 2 || s[1] % 2 != 0 {
+                return Err(format!("expected [N, 2k], got {s:?}"));
+            }
+            Ok(TensorMeta { shape: vec![s[0], s[1] / 2], ..ins[0].clone() })
+        },
+        |xs| xs[0].f_view([-1, 2])?.f_sum_dim_intlist(&[1i64][..], false, None)?.f_view([xs[0].size()[0], -1]),
+    )
+    .saves(Saves::Nothing);
+    let x = randn(&[7, 6]);
+    let l = pairs.apply(&[&lazy(&x, 0)]).unwrap();
+    assert_eq!(l.size(), [7, 3]);
+    let eager = x.view([-1, 2]).sum_dim_intlist(&[1i64][..], false, None).view([7, -1]);
+    for micro in [1, 3, 7] {
+        let v = l.to_tensor_with(&Options::new().micro_batch(micro)).unwrap();
+        assert!(v.allclose(&eager, 1e-12, 1e-12, false), "micro-batch {micro}");
+    }
+    // The rule's refusal is an error naming the op, at recording time.
+    let err = pairs.apply(&[&lazy(&randn(&[3, 5]), 0)]).unwrap_err();
+    assert!(err.to_string().contains("pair_sum") && err.to_string().contains("[3, 5]"), "{err}");
+    // A rule that drops the batch dimension makes the op unsplittable, not silently eager.
+    let total = CustomOp::new(
+        "total",
+        |ins| Ok(TensorMeta { shape: vec![], batch_dim: None, ..ins[0].clone() }),
+        |xs| xs[0].f_sum(None),
+    );
+    let t = total.apply(&[&lazy(&x, 0)]).unwrap();
+    assert!(matches!(t.to_tensor_with(&Options::new().micro_batch(2)), Err(LazyError::MixesBatch { .. })));
+    assert!(t.to_tensor().unwrap().allclose(&x.sum(None), 1e-12, 1e-12, false));
+}
