@@ -226,10 +226,17 @@ impl Site {
 /// Where a call comes from, as far as keys are concerned.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct CallSite {
-    /// The wrapped function, for attribute-generated calls.
-    pub(crate) function: Option<&'static Site>,
+    /// What the call belongs to, when it is more than a line: the wrapped function (an
+    /// attribute's `Site`), or a graph shape (`toma::lazy`). Its id and a name for logs.
+    pub(crate) identity: Option<(u64, &'static str)>,
     /// The exact line that called it (or that called `execute`/`run`).
     pub(crate) caller: &'static Location<'static>,
+}
+
+impl Site {
+    pub(crate) fn identity(&'static self) -> (u64, &'static str) {
+        (self.id, self.name)
+    }
 }
 
 /// Mixes an operation tag into keys so that batch, range and chunked never share entries.
@@ -250,11 +257,11 @@ pub(crate) fn key(kind: CacheKind, op: Operation, site: CallSite, device: Option
     let base = mix(op as u64 ^ 0x5eed_0000);
     match kind {
         CacheKind::None => None,
-        CacheKind::Global => Some(mix(base ^ site.function.map_or_else(|| location_hash(site.caller), |f| f.id))),
+        CacheKind::Global => Some(mix(base ^ site.identity.map_or_else(|| location_hash(site.caller), |(id, _)| id))),
         CacheKind::StacktraceMemory => {
             let (cpu, gpu) = crate::memory::free_memory_reading_for(device);
             let mut h = mix(base ^ 0x57ac_4000 ^ device.map_or(0, |d| d as u64 + 1));
-            h = mix(h ^ site.function.map_or(0, |f| f.id));
+            h = mix(h ^ site.identity.map_or(0, |(id, _)| id));
             h = mix(h ^ location_hash(site.caller));
             h = mix(h ^ stack_hash());
             h = mix(h ^ (cpu / MEMORY_BUCKET_BYTES));
@@ -421,7 +428,7 @@ mod tests {
     fn keys_by_kind() {
         static SITE: Site = Site::new("m::f", "src/a.rs", 1);
         let (l1, l2) = (here(), here());
-        let cs = |caller| CallSite { function: Some(&SITE), caller };
+        let cs = |caller| CallSite { identity: Some(SITE.identity()), caller };
         assert_eq!(key(CacheKind::None, Operation::Batch, cs(l1), None), None);
         // Global: the function decides, not the line.
         assert_eq!(

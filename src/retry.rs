@@ -216,7 +216,8 @@ pub struct Report {
 pub(crate) struct Settings {
     pub(crate) cache: Option<CacheKind>,
     pub(crate) policy: Policy,
-    pub(crate) site: Option<&'static Site>,
+    /// What the call belongs to beyond its line: see [`CallSite::identity`].
+    pub(crate) identity: Option<(u64, &'static str)>,
     /// Where the work runs, when the builder knows (chunked: the tensor's device): `Some(None)`
     /// for the CPU, `Some(Some(i))` for CUDA device `i`.
     pub(crate) device: Option<Option<usize>>,
@@ -266,7 +267,7 @@ impl Sizer {
             Some(e) if policy.grows() => policy.after_success(e.ok.min(cap), e.failed, cap),
             Some(e) => e.ok.min(initial),
         };
-        let name = site.function.map_or("execute", Site::name);
+        let name = site.identity.map_or("execute", |(_, name)| name);
         if let Some(entry) = seen {
             tracing::debug!(op = ?op, function = name, size, ok = entry.ok, failed = entry.failed, "toma: starting from the cache");
         }
@@ -429,7 +430,7 @@ impl Batch {
 
     #[doc(hidden)]
     pub fn site(mut self, site: &'static Site) -> Self {
-        self.settings.site = Some(site);
+        self.settings.identity = Some(site.identity());
         self
     }
 
@@ -442,7 +443,7 @@ impl Batch {
     }
 
     fn start_at(self, caller: &'static Location<'static>, report: bool) -> BatchAttempts {
-        let site = CallSite { function: self.settings.site, caller };
+        let site = CallSite { identity: self.settings.identity, caller };
         let kind = self.settings.cache.unwrap_or_else(cache::default_cache);
         BatchAttempts { sizer: Sizer::start(Operation::Batch, self.initial, kind, self.settings, site, report) }
     }
@@ -630,7 +631,14 @@ impl Range {
 
     #[doc(hidden)]
     pub fn site(mut self, site: &'static Site) -> Self {
-        self.settings.site = Some(site);
+        self.settings.identity = Some(site.identity());
+        self
+    }
+
+    /// Keys the cache on `id` (with `name` in logs) instead of a function: `toma::lazy` keys
+    /// on the graph's shape.
+    pub(crate) fn identity(mut self, id: u64, name: &'static str) -> Self {
+        self.settings.identity = Some((id, name));
         self
     }
 
@@ -641,7 +649,7 @@ impl Range {
     }
 
     pub(crate) fn start_as(self, op: Operation, caller: &'static Location<'static>, report: bool) -> RangeAttempts {
-        let site = CallSite { function: self.settings.site, caller };
+        let site = CallSite { identity: self.settings.identity, caller };
         // An empty range never runs, so it need not pay for a key.
         let kind = if self.start == self.end {
             CacheKind::None

@@ -1,9 +1,6 @@
 //! The executor: runs a compiled graph on consecutive micro-batches under the retry engine,
 //! and puts the full-batch result (value, or accumulated gradients) together.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
-
 use tch::{Kind, Reduction, TchError, Tensor};
 
 use super::error::LazyError;
@@ -12,7 +9,6 @@ use super::ops::{reduce, Op, ReduceOp, RunCx};
 use super::plan::{self, additive, Compiled, Mode};
 use super::shape;
 use super::{LazyTensor, Options};
-use crate::cache::Site;
 use crate::retry::Range;
 
 /// One micro-batch: where it starts, its size, and whether the batch is split at all.
@@ -172,27 +168,6 @@ fn forward_chunk(c: &Compiled, chunk: &Chunk<'_>, mut trace: Option<&mut Vec<Tra
     Ok(values[n - 1].take().expect("the output is held"))
 }
 
-/// A cache site per graph shape, so that the size a graph's micro-batches settled on is
-/// remembered for that graph only. Bounded: past the bound, graphs share one site.
-fn site(fingerprint: u64) -> &'static Site {
-    static SHARED: Site = Site::new("toma::lazy", file!(), line!());
-    static SITES: Mutex<Option<HashMap<u64, &'static Site>>> = Mutex::new(None);
-    const MAX_SITES: usize = 1024;
-    let mut sites = SITES.lock().unwrap_or_else(|e| e.into_inner());
-    let sites = sites.get_or_insert_with(HashMap::new);
-    if let Some(site) = sites.get(&fingerprint) {
-        return site;
-    }
-    if sites.len() >= MAX_SITES {
-        return &SHARED;
-    }
-    // Leaked once per distinct graph shape (bounded above): a `Site` must be `'static`.
-    let name: &'static str = Box::leak(format!("toma::lazy#{fingerprint:016x}").into_boxed_str());
-    let site: &'static Site = Box::leak(Box::new(Site::new(name, file!(), 0)));
-    sites.insert(fingerprint, site);
-    site
-}
-
 /// What planning decided for one run.
 struct Prepared {
     c: Compiled,
@@ -278,7 +253,8 @@ fn run_chunks(
         }
         return Ok(());
     }
-    let mut range = Range::new(0, n, p.micro_batch).site(site(p.c.fingerprint));
+    // Keyed by the graph's shape: the size one graph's micro-batches settled on is its own.
+    let mut range = Range::new(0, n, p.micro_batch).identity(p.c.fingerprint, "toma::lazy");
     if let Some(kind) = options.cache {
         range = range.cache(kind);
     }
