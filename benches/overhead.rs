@@ -32,6 +32,32 @@ fn wrapped_stacktrace(batchsize: usize, x: u64) -> Result<u64, String> {
     body(batchsize, x)
 }
 
+static LIMITED_ATTEMPTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Runs out of memory above 16; the default cache (StacktraceMemory) should remember that.
+#[toma::batch(initial_batchsize = 64)]
+fn limited(batchsize: usize) -> Result<usize, String> {
+    LIMITED_ATTEMPTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    if batchsize > 16 {
+        return Err("CUDA out of memory. Tried to allocate 2.00 MiB".into());
+    }
+    Ok(batchsize)
+}
+
+/// In this optimised build (where the compiler may unroll the loop), one line called in a loop
+/// must hit the StacktraceMemory cache from its second call on.
+fn check_loop_hits_in_release() {
+    let attempts = || LIMITED_ATTEMPTS.load(std::sync::atomic::Ordering::Relaxed);
+    let mut per_call = [0; 8];
+    for slot in &mut per_call {
+        let before = attempts();
+        assert_eq!(limited(), Ok(16));
+        *slot = attempts() - before;
+    }
+    assert_eq!(per_call, [3, 1, 1, 1, 1, 1, 1, 1], "attempts per call of one line in a loop");
+    println!("check: one line in a loop hits the StacktraceMemory cache in this build: {per_call:?}");
+}
+
 /// Nanoseconds per call: the best of several timed loops (the least disturbed one).
 fn ns_per_call(mut f: impl FnMut(), iterations: u32) -> f64 {
     (0..7)
@@ -128,6 +154,7 @@ criterion_group! {
 }
 
 fn main() {
+    check_loop_hits_in_release();
     benches();
     Criterion::default().configure_from_args().final_summary();
 }
