@@ -26,14 +26,14 @@ fn with_toma(t: &Tensor) {
     .unwrap();
 }
 
-fn best_ms(f: impl Fn(&Tensor), t: &Tensor) -> f64 {
-    (0..15)
-        .map(|_| {
-            let start = Instant::now();
-            f(black_box(t));
-            start.elapsed().as_secs_f64() * 1e3
-        })
-        .fold(f64::INFINITY, f64::min)
+/// Best-of-many milliseconds for both, interleaved so that a busy moment hits both alike.
+fn best_ms_pair(t: &Tensor) -> (f64, f64) {
+    let time = |f: fn(&Tensor)| {
+        let start = Instant::now();
+        f(black_box(t));
+        start.elapsed().as_secs_f64() * 1e3
+    };
+    (0..60).fold((f64::INFINITY, f64::INFINITY), |(n, w), _| (n.min(time(native)), w.min(time(with_toma))))
 }
 
 fn fill(c: &mut Criterion) {
@@ -42,7 +42,7 @@ fn fill(c: &mut Criterion) {
     group.bench_function("native_narrow_loop", |b| b.iter(|| native(&t)));
     group.bench_function("toma_execute_chunked", |b| b.iter(|| with_toma(&t)));
     group.finish();
-    let (n, w) = (best_ms(native, &t), best_ms(with_toma, &t));
+    let (n, w) = best_ms_pair(&t);
     println!("ratio: chunked fill, toma {w:.3} ms vs native {n:.3} ms: {:.3}x", w / n);
 }
 
