@@ -110,7 +110,7 @@ impl<'a> Chunked<'a> {
         E: OutOfMemory,
         F: FnMut(Tensor, usize, usize) -> Result<(), E>,
     {
-        self.start_at(Location::caller(), false).drive(body).0
+        self.start_at(Location::caller(), false).drive(body)
     }
 
     /// [`Chunked::run`], also returning what the call did.
@@ -120,7 +120,9 @@ impl<'a> Chunked<'a> {
         E: OutOfMemory,
         F: FnMut(Tensor, usize, usize) -> Result<(), E>,
     {
-        self.start_at(Location::caller(), true).drive(body)
+        let mut attempts = self.start_at(Location::caller(), true);
+        let result = attempts.drive(body);
+        (result, attempts.report())
     }
 
     /// [`Chunked::run`] for a body that returns a future.
@@ -152,18 +154,16 @@ pub struct ChunkedAttempts<'a> {
 }
 
 impl ChunkedAttempts<'_> {
-    fn drive<E, F>(mut self, mut body: F) -> (Result<(), E>, Report)
+    fn drive<E, F>(&mut self, mut body: F) -> Result<(), E>
     where
         E: OutOfMemory,
         F: FnMut(Tensor, usize, usize) -> Result<(), E>,
     {
         while let Some((chunk, start, end)) = self.next_chunk() {
             let outcome = self.attempt(|| body(chunk, start, end));
-            if let Err(err) = self.finish(outcome) {
-                return (Err(err), self.attempts.report());
-            }
+            self.finish(outcome)?;
         }
-        (Ok(()), self.attempts.report())
+        Ok(())
     }
 
     /// The next chunk (a view) and its range, or `None` when done.

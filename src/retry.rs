@@ -459,7 +459,7 @@ impl Batch {
         E: OutOfMemory,
         F: FnMut(usize) -> Result<T, E>,
     {
-        self.start_at(Location::caller(), false).drive(body).0
+        self.start_at(Location::caller(), false).drive(body)
     }
 
     /// [`Batch::run`], also returning what the call did.
@@ -469,7 +469,9 @@ impl Batch {
         E: OutOfMemory,
         F: FnMut(usize) -> Result<T, E>,
     {
-        self.start_at(Location::caller(), true).drive(body)
+        let mut attempts = self.start_at(Location::caller(), true);
+        let result = attempts.drive(body);
+        (result, attempts.report())
     }
 
     /// [`Batch::run`] for a body that returns a future; each attempt awaits a new one.
@@ -501,7 +503,7 @@ pub struct BatchAttempts {
 }
 
 impl BatchAttempts {
-    fn drive<T, E, F>(mut self, mut body: F) -> (Result<T, E>, Report)
+    fn drive<T, E, F>(&mut self, mut body: F) -> Result<T, E>
     where
         E: OutOfMemory,
         F: FnMut(usize) -> Result<T, E>,
@@ -510,7 +512,7 @@ impl BatchAttempts {
             let size = self.size();
             let outcome = self.attempt(|| body(size));
             if let ControlFlow::Break(result) = self.finish(outcome) {
-                return (result, self.sizer.report());
+                return result;
             }
         }
     }
@@ -672,7 +674,7 @@ impl Range {
         E: OutOfMemory,
         F: FnMut(usize, usize) -> Result<(), E>,
     {
-        self.start_as(Operation::Range, Location::caller(), false).drive(body).0
+        self.start_as(Operation::Range, Location::caller(), false).drive(body)
     }
 
     /// [`Range::run`], also returning what the call did.
@@ -682,7 +684,9 @@ impl Range {
         E: OutOfMemory,
         F: FnMut(usize, usize) -> Result<(), E>,
     {
-        self.start_as(Operation::Range, Location::caller(), true).drive(body)
+        let mut attempts = self.start_as(Operation::Range, Location::caller(), true);
+        let result = attempts.drive(body);
+        (result, attempts.report())
     }
 
     /// [`Range::run`] for a body that returns a future.
@@ -714,18 +718,16 @@ pub struct RangeAttempts {
 }
 
 impl RangeAttempts {
-    pub(crate) fn drive<E, F>(mut self, mut body: F) -> (Result<(), E>, Report)
+    pub(crate) fn drive<E, F>(&mut self, mut body: F) -> Result<(), E>
     where
         E: OutOfMemory,
         F: FnMut(usize, usize) -> Result<(), E>,
     {
         while let Some((start, end)) = self.next_range() {
             let outcome = self.attempt(|| body(start, end));
-            if let Err(err) = self.finish(outcome) {
-                return (Err(err), self.sizer.report());
-            }
+            self.finish(outcome)?;
         }
-        (Ok(()), self.sizer.report())
+        Ok(())
     }
 
     /// The sub-range of the next attempt, or `None` when the whole range is done.
