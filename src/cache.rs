@@ -20,7 +20,7 @@
 
 use std::hash::{BuildHasherDefault, Hasher};
 use std::panic::Location;
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use dashmap::DashMap;
@@ -141,14 +141,17 @@ fn store() -> &'static Store {
 /// What the cache knows about `key`. The entry is copied out: no map guard outlives this call,
 /// so user code never runs while a shard is locked.
 #[inline]
-pub(crate) fn lookup(key: u64) -> Option<Entry> {
+pub(crate) fn lookup(key: u64, hint: Hint) -> Option<Entry> {
+    if let Some(entry) = hint.and_then(|h| unpack(h.load(Ordering::Acquire))) {
+        return Some(entry);
+    }
     store().map.get(&key).map(|entry| *entry)
 }
 
 /// Records that `size` worked: raises `ok` to it, unless `size` has since failed (a slow
 /// thread's stale success must not undo another thread's failure).
-pub(crate) fn record_success(key: u64, size: usize) -> Entry {
-    update(key, Entry { ok: size, failed: Entry::NO_FAILURE }, |entry| {
+pub(crate) fn record_success(key: u64, size: usize, hint: Hint) -> Entry {
+    update(key, hint, Entry { ok: size, failed: Entry::NO_FAILURE }, |entry| {
         if size < entry.failed {
             entry.ok = entry.ok.max(size);
         }
@@ -156,9 +159,9 @@ pub(crate) fn record_success(key: u64, size: usize) -> Entry {
 }
 
 /// Records that `failed` ran out of memory and that the call moved on to `next` (< `failed`).
-pub(crate) fn record_out_of_memory(key: u64, failed: usize, next: usize) -> Entry {
+pub(crate) fn record_out_of_memory(key: u64, failed: usize, next: usize, hint: Hint) -> Entry {
     debug_assert!(next < failed && next > 0);
-    update(key, Entry { ok: next, failed }, |entry| {
+    update(key, hint, Entry { ok: next, failed }, |entry| {
         entry.failed = entry.failed.min(failed);
         if entry.ok >= entry.failed {
             entry.ok = next.min(entry.failed - 1);
@@ -167,22 +170,22 @@ pub(crate) fn record_out_of_memory(key: u64, failed: usize, next: usize) -> Entr
 }
 
 /// Applies `change` to the entry under the shard's lock (or inserts `new`), and returns it.
-fn update(key: u64, new: Entry, change: impl FnOnce(&mut Entry)) -> Entry {
+fn update(key: u64, hint: Hint, new: Entry, change: impl FnOnce(&mut Entry)) -> Entry {
     let store = store();
     let mut inserted = false;
-    let entry = *store
-        .map
-        .entry(key)
-        .and_modify(change)
-        .or_insert_with(|| {
-            inserted = true;
-            new
-        })
-        .value();
+    let slot = store.map.entry(key).and_modify(change).or_insert_with(|| {
+        inserted = true;
+        new
+    });
+    let entry = *slot.value();
+    // Still under the shard's lock: hints change in the order entries do.
+    if let Some(hint) = hint {
+        hint.store(pack(entry), Ordering::Release);
+    }
+    drop(slot);
     if inserted && store.len.fetch_add(1, Ordering::Relaxed) + 1 > MAX_ENTRIES {
         // Starting over is the simplest bound; losing entries only costs retries.
-        store.map.clear();
-        store.len.store(0, Ordering::Relaxed);
+        clear();
         tracing::debug!(max = MAX_ENTRIES, "toma: size cache full, cleared");
     }
     entry
@@ -193,6 +196,8 @@ pub fn clear() {
     let store = store();
     store.map.clear();
     store.len.store(0, Ordering::Relaxed);
+    // After the map: a hint written meanwhile carries the old generation and is ignored.
+    bump_generation();
 }
 
 /// Number of remembered sizes; at most [`MAX_ENTRIES`].
@@ -207,6 +212,8 @@ pub fn len() -> usize {
 pub struct Site {
     name: &'static str,
     id: u64,
+    /// The function's `Global` entry, readable without the map's lock (see [`Hint`]).
+    hint: AtomicU64,
 }
 
 impl Site {
@@ -214,7 +221,7 @@ impl Site {
     /// where it is defined: two functions of one name in one module differ by line.
     pub const fn new(name: &'static str, file: &'static str, line: u32) -> Self {
         let id = mix(hash_bytes(hash_bytes(0x746f_6d61, name.as_bytes()), file.as_bytes()) ^ line as u64);
-        Site { name, id }
+        Site { name, id, hint: AtomicU64::new(0) }
     }
 
     /// The function's path.
@@ -236,6 +243,51 @@ pub(crate) struct CallSite {
 impl Site {
     pub(crate) fn identity(&'static self) -> (u64, &'static str) {
         (self.id, self.name)
+    }
+
+    pub(crate) fn hint(&'static self) -> Hint {
+        Some(&self.hint)
+    }
+}
+
+/// A copy of one key's entry beside the map, for `Global` keys of attribute-wrapped functions:
+/// a cache hit then costs one atomic load instead of a shard lock and a probe.
+///
+/// It is written only under the map's shard lock, right after the entry changes, so hints
+/// change in the same order as entries. It packs a generation (16 bits) and `ok`/`failed`
+/// (24 bits each); entries that do not fit, and hints from before a [`clear`], are not used,
+/// and the map decides.
+pub(crate) type Hint = Option<&'static AtomicU64>;
+
+/// Bumped by every clear; 0 never matches, so a zeroed hint is empty.
+static GENERATION: AtomicU64 = AtomicU64::new(1);
+const HINT_BITS: u32 = 24;
+const HINT_MAX: u64 = (1 << HINT_BITS) - 1;
+
+fn pack(entry: Entry) -> u64 {
+    let generation = GENERATION.load(Ordering::Acquire) & 0xffff;
+    let failed = if entry.failed == Entry::NO_FAILURE { HINT_MAX } else { entry.failed as u64 };
+    if entry.ok as u64 >= HINT_MAX || (failed >= HINT_MAX && entry.failed != Entry::NO_FAILURE) {
+        return 0;
+    }
+    generation << (2 * HINT_BITS) | (entry.ok as u64) << HINT_BITS | failed
+}
+
+fn unpack(hint: u64) -> Option<Entry> {
+    let generation = hint >> (2 * HINT_BITS);
+    if generation == 0 || generation != GENERATION.load(Ordering::Acquire) & 0xffff {
+        return None;
+    }
+    let ok = ((hint >> HINT_BITS) & HINT_MAX) as usize;
+    let failed = hint & HINT_MAX;
+    Some(Entry { ok, failed: if failed == HINT_MAX { Entry::NO_FAILURE } else { failed as usize } })
+}
+
+fn bump_generation() {
+    // Skip 0 when the 16 bits wrap: a zeroed hint must never look current.
+    let next = GENERATION.fetch_add(1, Ordering::AcqRel) + 1;
+    if next & 0xffff == 0 {
+        GENERATION.fetch_add(1, Ordering::AcqRel);
     }
 }
 
@@ -383,23 +435,49 @@ mod tests {
     #[test]
     fn entries_keep_ok_below_the_smallest_failure() {
         let key = mix(0xdead_beef);
-        assert_eq!(lookup(key), None);
-        assert_eq!(record_success(key, 64), Entry { ok: 64, failed: Entry::NO_FAILURE });
-        assert_eq!(record_out_of_memory(key, 64, 32), Entry { ok: 32, failed: 64 });
+        assert_eq!(lookup(key, None), None);
+        assert_eq!(record_success(key, 64, None), Entry { ok: 64, failed: Entry::NO_FAILURE });
+        assert_eq!(record_out_of_memory(key, 64, 32, None), Entry { ok: 32, failed: 64 });
         // A stale success above the failure changes nothing; one below it raises `ok`.
-        assert_eq!(record_success(key, 64), Entry { ok: 32, failed: 64 });
-        assert_eq!(record_success(key, 48), Entry { ok: 48, failed: 64 });
+        assert_eq!(record_success(key, 64, None), Entry { ok: 32, failed: 64 });
+        assert_eq!(record_success(key, 48, None), Entry { ok: 48, failed: 64 });
         // A failure below `ok` pulls it under the failure.
-        assert_eq!(record_out_of_memory(key, 40, 20), Entry { ok: 20, failed: 40 });
-        assert_eq!(record_out_of_memory(key, 56, 28), Entry { ok: 20, failed: 40 });
+        assert_eq!(record_out_of_memory(key, 40, 20, None), Entry { ok: 20, failed: 40 });
+        assert_eq!(record_out_of_memory(key, 56, 28, None), Entry { ok: 20, failed: 40 });
         let fresh = mix(0xfeed);
-        assert_eq!(record_out_of_memory(fresh, 10, 5), Entry { ok: 5, failed: 10 });
+        assert_eq!(record_out_of_memory(fresh, 10, 5, None), Entry { ok: 5, failed: 10 });
+    }
+
+    #[test]
+    fn hints_follow_entries_and_clear() {
+        static SITE: Site = Site::new("m::hinted", "src/h.rs", 7);
+        let key = mix(SITE.id ^ 0x41);
+        let hint = SITE.hint();
+        assert_eq!(lookup(key, hint), None);
+        record_out_of_memory(key, 64, 32, hint);
+        assert_eq!(unpack(SITE.hint.load(Ordering::Acquire)), Some(Entry { ok: 32, failed: 64 }));
+        assert_eq!(lookup(key, hint), Some(Entry { ok: 32, failed: 64 }));
+        record_success(key, 40, hint);
+        assert_eq!(lookup(key, hint), Some(Entry { ok: 40, failed: 64 }));
+        // Entries too large for a hint fall back to the map.
+        record_success(key, 63, hint);
+        record_out_of_memory(key, usize::MAX - 1, 1 << 40, None);
+        assert_eq!(pack(Entry { ok: 1 << 30, failed: Entry::NO_FAILURE }), 0);
+        assert_eq!(
+            unpack(pack(Entry { ok: 5, failed: Entry::NO_FAILURE })),
+            Some(Entry { ok: 5, failed: Entry::NO_FAILURE })
+        );
+        // A clear makes every hint stale.
+        let before = SITE.hint.load(Ordering::Acquire);
+        clear();
+        assert_eq!(unpack(before), None);
+        assert_eq!(lookup(key, hint), None);
     }
 
     #[test]
     fn a_million_distinct_keys_stay_bounded() {
         for i in 0..1_000_000u64 {
-            record_success(mix(i ^ 0xb0b0_0000_0000), 1 + (i as usize % 7));
+            record_success(mix(i ^ 0xb0b0_0000_0000), 1 + (i as usize % 7), None);
             if i % 65_536 == 0 {
                 assert!(len() <= MAX_ENTRIES, "{} entries", len());
             }

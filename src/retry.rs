@@ -218,6 +218,8 @@ pub(crate) struct Settings {
     pub(crate) policy: Policy,
     /// What the call belongs to beyond its line: see [`CallSite::identity`].
     pub(crate) identity: Option<(u64, &'static str)>,
+    /// The wrapped function's lock-free copy of its `Global` entry.
+    pub(crate) hint: cache::Hint,
     /// Where the work runs, when the builder knows (chunked: the tensor's device): `Some(None)`
     /// for the CPU, `Some(Some(i))` for CUDA device `i`.
     pub(crate) device: Option<Option<usize>>,
@@ -229,6 +231,7 @@ struct Sizer {
     op: Operation,
     name: &'static str,
     key: Option<u64>,
+    hint: cache::Hint,
     policy: Policy,
     cap: usize,
     /// The cache entry as this call last saw or wrote it.
@@ -257,7 +260,9 @@ impl Sizer {
             _ => None,
         };
         let key = cache::key(kind, op, site, device);
-        let seen = key.and_then(cache::lookup);
+        // A function's Global key is its identity alone, which its hint mirrors.
+        let hint = if kind == CacheKind::Global { settings.hint } else { None };
+        let seen = key.and_then(|key| cache::lookup(key, hint));
         let policy = settings.policy;
         let cap = policy.cap(initial);
         let (ok, failed) = seen.map_or((0, Entry::NO_FAILURE), |e| (e.ok, e.failed));
@@ -276,6 +281,7 @@ impl Sizer {
             op,
             name,
             key,
+            hint,
             policy,
             cap,
             seen,
@@ -304,7 +310,7 @@ impl Sizer {
         }
         // Skipping the write when the cache already knows keeps cache hits read-only.
         if let (Some(key), true) = (self.key, self.seen.is_none_or(|e| e.ok < len && len < e.failed)) {
-            self.seen = Some(cache::record_success(key, len));
+            self.seen = Some(cache::record_success(key, len, self.hint));
         }
         if full {
             self.size = self.policy.after_success(self.size, self.failed, self.cap);
@@ -328,7 +334,7 @@ impl Sizer {
         }
         let next = self.policy.shrink(failed, self.ok);
         if let Some(key) = self.key {
-            self.seen = Some(cache::record_out_of_memory(key, failed, next));
+            self.seen = Some(cache::record_out_of_memory(key, failed, next, self.hint));
         }
         if tracing::enabled!(tracing::Level::INFO) {
             let text = match failure {
@@ -431,6 +437,7 @@ impl Batch {
     #[doc(hidden)]
     pub fn site(mut self, site: &'static Site) -> Self {
         self.settings.identity = Some(site.identity());
+        self.settings.hint = site.hint();
         self
     }
 
@@ -634,6 +641,7 @@ impl Range {
     #[doc(hidden)]
     pub fn site(mut self, site: &'static Site) -> Self {
         self.settings.identity = Some(site.identity());
+        self.settings.hint = site.hint();
         self
     }
 

@@ -10,13 +10,29 @@ use toma::{Batch, CacheKind};
 
 const INITIAL: usize = 64;
 
+type Body<'a> = &'a mut dyn FnMut(usize) -> Result<usize, String>;
+
 /// Every call uses this one line, so every call shares one key.
-fn call(body: impl FnMut(usize) -> Result<usize, String>) -> Result<usize, String> {
+fn builder_call(body: Body<'_>) -> Result<usize, String> {
     Batch::new(INITIAL).cache(CacheKind::Global).run(body)
+}
+
+/// The same through an attribute: its Global entry is also read without the map's lock.
+#[cfg(feature = "macros")]
+#[toma::batch(initial_batchsize = 64, cache = Global)]
+fn attribute_call(batchsize: usize, body: Body<'_>) -> Result<usize, String> {
+    body(batchsize)
 }
 
 #[test]
 fn stale_successes_never_undo_a_failure() {
+    // One test, so that the rounds' `clear()` never runs under another test's calls.
+    race(builder_call);
+    #[cfg(feature = "macros")]
+    race(|body| attribute_call(body));
+}
+
+fn race(call: fn(Body<'_>) -> Result<usize, String>) {
     let mut violations = Vec::new();
     for _round in 0..20 {
         toma::cache::clear();
@@ -31,7 +47,7 @@ fn stale_successes_never_undo_a_failure() {
                     while !stop.load(Ordering::SeqCst) {
                         let before = min_failed.load(Ordering::SeqCst);
                         let mut first = None;
-                        call(|size| {
+                        call(&mut |size| {
                             first.get_or_insert(size);
                             // Slow: the fast thread's failure lands while this one still runs.
                             std::thread::sleep(Duration::from_micros(200));
@@ -51,7 +67,7 @@ fn stale_successes_never_undo_a_failure() {
         // The fast thread: its first attempt at each call fails, then it records the failure.
         for _ in 0..7 {
             let mut failed_at = None;
-            let _ = call(|size| {
+            let _ = call(&mut |size| {
                 if failed_at.is_none() {
                     failed_at = Some(size);
                     return Err("CUDA out of memory. Tried to allocate 2.00 MiB".to_string());
