@@ -5,26 +5,11 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
+mod workload;
+
 use criterion::{criterion_group, Criterion};
 use tch::{Device, Kind, Tensor};
-
-fn native(t: &Tensor) {
-    let rows = t.size()[0];
-    let mut start = 0;
-    while start < rows {
-        let len = 32.min(rows - start);
-        let _ = t.narrow(0, start, len).fill_(1.0);
-        start += len;
-    }
-}
-
-fn with_toma(t: &Tensor) {
-    toma::execute::chunked(t, 32, |mut chunk, _, _| {
-        let _ = chunk.fill_(1.0);
-        Ok::<(), tch::TchError>(())
-    })
-    .unwrap();
-}
+use workload::{native, with_toma};
 
 /// Best-of-many milliseconds for both, interleaved so that a busy moment hits both alike.
 fn best_ms_pair(t: &Tensor) -> (f64, f64) {

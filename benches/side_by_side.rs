@@ -1,6 +1,8 @@
 //! The Rust side of `benches/side_by_side.sh`: the same two workloads as
 //! `benches/side_by_side.py`, printed as `name value unit` lines.
 
+mod workload;
+
 use std::hint::black_box;
 use std::time::Instant;
 
@@ -23,24 +25,6 @@ fn best(mut f: impl FnMut(), repeat: u32, number: u32) -> f64 {
         .fold(f64::INFINITY, f64::min)
 }
 
-fn fill_native(t: &Tensor) {
-    let rows = t.size()[0];
-    let mut start = 0;
-    while start < rows {
-        let len = 32.min(rows - start);
-        let _ = t.narrow(0, start, len).fill_(1.0);
-        start += len;
-    }
-}
-
-fn fill_toma(t: &Tensor) {
-    toma::execute::chunked(t, 32, |mut chunk, _, _| {
-        let _ = chunk.fill_(1.0);
-        Ok::<(), tch::TchError>(())
-    })
-    .unwrap();
-}
-
 fn main() {
     println!(
         "rust_batch_call {:.0} ns",
@@ -53,6 +37,6 @@ fn main() {
         ) * 1e9
     );
     let t = Tensor::zeros([128, 256, 256], (Kind::Float, Device::Cpu));
-    println!("rust_fill_native {:.3} ms", best(|| fill_native(&t), 15, 1) * 1e3);
-    println!("rust_fill_toma {:.3} ms", best(|| fill_toma(&t), 15, 1) * 1e3);
+    println!("rust_fill_native {:.3} ms", best(|| workload::native(&t), 15, 1) * 1e3);
+    println!("rust_fill_toma {:.3} ms", best(|| workload::with_toma(&t), 15, 1) * 1e3);
 }

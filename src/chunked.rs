@@ -5,9 +5,8 @@ use std::panic::Location;
 
 use tch::Tensor;
 
-use crate::cache::{CacheKind, Operation, Site};
+use crate::cache::Operation;
 use crate::oom::OutOfMemory;
-use crate::policy::Policy;
 use crate::retry::{CatchUnwind, ConfigError, Range, RangeAttempts, Report};
 
 /// Runs a body on consecutive chunks of a tensor along one dimension, halving the chunk
@@ -35,6 +34,8 @@ pub struct Chunked<'a> {
     /// Over `[0, length of the dimension)`.
     range: Range,
 }
+
+crate::retry::settings_methods!(Chunked<'_>, range.settings, "step");
 
 impl<'a> Chunked<'a> {
     /// Chunks of `initial_step` along dimension 0 of `tensor`.
@@ -68,24 +69,6 @@ impl<'a> Chunked<'a> {
         let (dimension, len) = dimension_len(self.tensor, dimension).unwrap_or_else(|err| panic!("{err}"));
         self.dimension = dimension;
         self.range.end = len;
-        self
-    }
-
-    /// Which cache to use; without this, the process default ([`crate::default_cache`]).
-    pub fn cache(mut self, kind: CacheKind) -> Self {
-        self.range = self.range.cache(kind);
-        self
-    }
-
-    /// How the step moves; [`Policy::halve`] without this.
-    pub fn policy(mut self, policy: Policy) -> Self {
-        self.range = self.range.policy(policy);
-        self
-    }
-
-    #[doc(hidden)]
-    pub fn site(mut self, site: &'static Site) -> Self {
-        self.range = self.range.site(site);
         self
     }
 

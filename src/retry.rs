@@ -23,7 +23,7 @@ use std::task::{Context, Poll};
 
 use std::time::{Duration, Instant};
 
-use crate::cache::{self, CacheKind, CallSite, Entry, Operation, Site};
+use crate::cache::{self, CacheKind, CallSite, Entry, Operation};
 use crate::oom::{first_line, is_out_of_memory_panic, panic_message, OutOfMemory};
 use crate::policy::Policy;
 
@@ -407,6 +407,36 @@ pub struct Batch {
     settings: Settings,
 }
 
+/// The builder methods that every retry builder shares, over its [`Settings`] at `$settings`.
+macro_rules! settings_methods {
+    ($builder:ty, $($settings:ident).+, $moves:literal) => {
+        impl $builder {
+            /// Which cache to use; without this, the process default ([`crate::default_cache`]).
+            pub fn cache(mut self, kind: $crate::CacheKind) -> Self {
+                self.$($settings).+.cache = Some(kind);
+                self
+            }
+
+            #[doc = concat!("How the ", $moves, " moves; [`Policy::halve`](crate::Policy::halve) without this.")]
+            pub fn policy(mut self, policy: $crate::Policy) -> Self {
+                self.$($settings).+.policy = policy;
+                self
+            }
+
+            #[doc(hidden)]
+            pub fn site(mut self, site: &'static $crate::cache::Site) -> Self {
+                self.$($settings).+.identity = Some(site.identity());
+                self.$($settings).+.hint = site.hint();
+                self
+            }
+        }
+    };
+}
+pub(crate) use settings_methods;
+
+settings_methods!(Batch, settings, "size");
+settings_methods!(Range, settings, "step");
+
 impl Batch {
     /// A batch retry starting at `initial_batchsize`.
     ///
@@ -420,25 +450,6 @@ impl Batch {
     /// Like [`Batch::new`], with a 0 size reported as [`ConfigError::ZeroSize`].
     pub fn try_new(initial_batchsize: usize) -> Result<Self, ConfigError> {
         Ok(Batch { initial: nonzero(initial_batchsize, "batch size")?, settings: Settings::default() })
-    }
-
-    /// Which cache to use; without this, the process default ([`crate::default_cache`]).
-    pub fn cache(mut self, kind: CacheKind) -> Self {
-        self.settings.cache = Some(kind);
-        self
-    }
-
-    /// How the size moves; [`Policy::halve`] without this.
-    pub fn policy(mut self, policy: Policy) -> Self {
-        self.settings.policy = policy;
-        self
-    }
-
-    #[doc(hidden)]
-    pub fn site(mut self, site: &'static Site) -> Self {
-        self.settings.identity = Some(site.identity());
-        self.settings.hint = site.hint();
-        self
     }
 
     /// Starts the attempts by hand, for callers that drive the loop themselves (the
@@ -624,25 +635,6 @@ impl Range {
             return Err(ConfigError::StartAfterEnd { start, end });
         }
         Ok(Range { start, end, initial, settings: Settings::default() })
-    }
-
-    /// Which cache to use; without this, the process default ([`crate::default_cache`]).
-    pub fn cache(mut self, kind: CacheKind) -> Self {
-        self.settings.cache = Some(kind);
-        self
-    }
-
-    /// How the step moves; [`Policy::halve`] without this.
-    pub fn policy(mut self, policy: Policy) -> Self {
-        self.settings.policy = policy;
-        self
-    }
-
-    #[doc(hidden)]
-    pub fn site(mut self, site: &'static Site) -> Self {
-        self.settings.identity = Some(site.identity());
-        self.settings.hint = site.hint();
-        self
     }
 
     /// Keys the cache on `id` (with `name` in logs) instead of a function: `toma::lazy` keys

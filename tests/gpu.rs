@@ -14,6 +14,8 @@
 //! allocator functions against the machine: `None`/`false` without a CUDA device (CI).
 #![cfg(all(feature = "tch", feature = "macros", feature = "cuda"))]
 
+mod support;
+
 use std::collections::BTreeMap;
 use std::fmt::Display;
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -266,25 +268,11 @@ fn rows_in_ranges(start: usize, end: usize, seen: &Tensor) -> Result<(), TchErro
     Ok(())
 }
 
-/// Checks the recorded attempts of one call over `[0, len)`: the first covers everything,
-/// a failed one is retried at the same start with half the length, finished ones are
-/// consecutive. Returns the longest finished sub-range and the number of failed attempts.
+/// Checks the recorded attempts of one call over `[0, len)` (see
+/// [`support::check_halving_ranges`]). Returns the longest finished sub-range and the number
+/// of failed attempts.
 fn check_ranges(ranges: &[(usize, usize)], len: usize) -> (usize, usize) {
-    assert_eq!(ranges.first(), Some(&(0, len)), "the first attempt is the whole range: {ranges:?}");
-    let mut done = Vec::new();
-    for (i, &(start, end)) in ranges.iter().enumerate() {
-        match ranges.get(i + 1) {
-            Some(&(next_start, next_end)) if next_start == start => {
-                assert_eq!(next_end - next_start, (end - start) / 2, "the step halves: {ranges:?}")
-            }
-            _ => done.push((start, end)),
-        }
-    }
-    assert_eq!(done.first().map(|r| r.0), Some(0));
-    assert_eq!(done.last().map(|r| r.1), Some(len));
-    for pair in done.windows(2) {
-        assert_eq!(pair[0].1, pair[1].0, "finished sub-ranges are consecutive: {done:?}");
-    }
+    let done = support::check_halving_ranges(ranges, len);
     (done.iter().map(|r| r.1 - r.0).max().unwrap_or(0), ranges.len() - done.len())
 }
 
@@ -824,18 +812,12 @@ fn report_what_an_address_space_cap_does_to_cuda() {
         return;
     }
     for scenario in ["cap_before_cuda", "cap_after_cuda"] {
-        let exe = std::env::current_exe().expect("path of the test binary");
-        let output = std::process::Command::new(exe)
-            .args([TEST, "--exact", "--nocapture", "--test-threads=1"])
-            .env(CHILD_ENV, scenario)
-            .output()
-            .expect("spawn the child test process");
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        let stderr = String::from_utf8_lossy(&output.stderr);
+        let child = support::child::run(TEST, CHILD_ENV, scenario);
+        let (stdout, stderr) = (&child.stdout, &child.stderr);
         let steps: BTreeMap<usize, &str> =
             stdout.lines().filter_map(|l| l.strip_prefix(STEP)).map(str::trim).enumerate().collect();
         let finished = stdout.lines().any(|l| l == format!("{DONE} {scenario}"));
-        println!("--- {scenario}: exit {} finished {finished}", output.status);
+        println!("--- {scenario}: exit {} finished {finished}", child.status);
         for line in steps.values() {
             println!("    {line}");
         }
@@ -852,7 +834,7 @@ fn report_what_an_address_space_cap_does_to_cuda() {
         report(
             &format!("rlimit_{scenario}"),
             &[
-                ("exit", &output.status.code().map_or("signal".into(), |c| c.to_string())),
+                ("exit", &child.status.code().map_or("signal".into(), |c| c.to_string())),
                 ("finished", &finished),
                 ("failed_steps", &summary),
             ],

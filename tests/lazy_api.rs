@@ -3,10 +3,10 @@
 //! event, and micro-batches that still run out of memory being halved without counting twice.
 #![cfg(feature = "tch")]
 
+mod support;
+
 use std::cell::Cell;
-use std::collections::BTreeMap;
 use std::rc::Rc;
-use std::sync::{Arc, Mutex};
 
 use tch::nn::{self, Module, ModuleT};
 use tch::{Device, Kind, TchError, Tensor};
@@ -141,52 +141,20 @@ fn tch_layers_record_with_their_private_settings() {
     assert!(err.to_string().contains("view"), "{err}");
 }
 
-/// Records every toma event's fields.
-#[derive(Clone, Default)]
-struct Recorder(Arc<Mutex<Vec<BTreeMap<String, String>>>>);
-
-struct Fields<'a>(&'a mut BTreeMap<String, String>);
-
-impl tracing::field::Visit for Fields<'_> {
-    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-        self.0.insert(field.name().to_owned(), format!("{value:?}"));
-    }
-}
-
-impl tracing::Subscriber for Recorder {
-    fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
-        metadata.target().starts_with("toma")
-    }
-    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
-        tracing::span::Id::from_u64(1)
-    }
-    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
-    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
-    fn event(&self, event: &tracing::Event<'_>) {
-        let mut fields = BTreeMap::new();
-        event.record(&mut Fields(&mut fields));
-        self.0.lock().unwrap().push(fields);
-    }
-    fn enter(&self, _: &tracing::span::Id) {}
-    fn exit(&self, _: &tracing::span::Id) {}
-}
-
 #[test]
 fn the_plan_is_reported_as_a_tracing_event() {
-    let recorder = Recorder::default();
     let vs = nn::VarStore::new(CPU);
     let fc = nn::linear(vs.root(), 3, 2, Default::default());
     let x = Tensor::randn([10, 3], (Kind::Float, CPU));
     let y = Tensor::randint(2, [10], (Kind::Int64, CPU));
-    // Global, not scoped: tracing caches per-callsite interest, and a scoped subscriber loses
-    // events whose callsite another test thread registered first. The only one in this binary.
-    tracing::subscriber::set_global_default(recorder.clone()).expect("the first subscriber");
+    support::events::record();
     let (lx, ly) = lazy((&x, &y), 0);
     lx.apply(&fc).cross_entropy_for_logits(&ly).backward_with(&Options::new().micro_batch(4)).unwrap();
-    let events = recorder.0.lock().unwrap();
+    let events = support::events::snapshot();
     // Other tests run at the same time: find this one's plan by its batch and micro-batch.
     let plan = events
         .iter()
+        .map(|e| &e.fields)
         .find(|e| {
             e.get("message").is_some_and(|m| m.contains("plan"))
                 && e.get("batch").is_some_and(|b| b == "10")

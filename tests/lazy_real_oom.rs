@@ -7,10 +7,9 @@
 //! binary filtered to itself with `TOMA_LAZY_OOM_CHILD` set, and checks the child's verdict.
 #![cfg(all(feature = "tch", target_os = "linux"))]
 
-use std::process::Command;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+mod support;
 
+use support::events;
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 use toma::lazy::{lazy, Mode, Options};
@@ -27,45 +26,8 @@ const IN: i64 = 64;
 const HIDDEN: i64 = 8192;
 const CLASSES: i64 = 10;
 
-/// Counts toma's out-of-memory retries (info events with a `caught` field).
-struct OomCounter;
-
-static OOMS: AtomicU64 = AtomicU64::new(0);
-static PLANS: Mutex<Vec<String>> = Mutex::new(Vec::new());
-
-struct Visitor<'a>(&'a mut Vec<(String, String)>);
-
-impl tracing::field::Visit for Visitor<'_> {
-    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-        self.0.push((field.name().to_owned(), format!("{value:?}")));
-    }
-}
-
-impl tracing::Subscriber for OomCounter {
-    fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
-        metadata.target().starts_with("toma")
-    }
-    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
-        tracing::span::Id::from_u64(1)
-    }
-    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
-    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
-    fn event(&self, event: &tracing::Event<'_>) {
-        let mut fields = Vec::new();
-        event.record(&mut Visitor(&mut fields));
-        if fields.iter().any(|(k, _)| k == "caught") {
-            OOMS.fetch_add(1, Ordering::Relaxed);
-        }
-        if fields.iter().any(|(k, v)| k == "message" && v.contains("toma::lazy: plan")) {
-            PLANS.lock().unwrap().push(format!("{fields:?}"));
-        }
-    }
-    fn enter(&self, _: &tracing::span::Id) {}
-    fn exit(&self, _: &tracing::span::Id) {}
-}
-
 fn child() {
-    tracing::subscriber::set_global_default(OomCounter).unwrap();
+    events::record();
     tch::manual_seed(0);
     let vs = nn::VarStore::new(Device::Cpu);
     let l1 = nn::linear(vs.root() / "l1", IN, HIDDEN, Default::default());
@@ -114,8 +76,11 @@ fn child() {
     for v in vs.trainable_variables() {
         assert!(v.grad().defined() && v.grad().isfinite().all().int64_value(&[]) == 1);
     }
-    let ooms = OOMS.load(Ordering::Relaxed);
-    assert_eq!(ooms, 0, "the planned micro-batch ran without an out-of-memory: {:?}", PLANS.lock().unwrap());
+    let recorded = events::take();
+    let plans: Vec<_> = recorded.iter().filter(|e| e.field("message").contains("toma::lazy: plan")).collect();
+    assert!(!plans.is_empty(), "the plan was reported: {recorded:#?}");
+    let ooms = recorded.iter().filter(|e| e.is_caught_oom()).count();
+    assert_eq!(ooms, 0, "the planned micro-batch ran without an out-of-memory: {plans:#?}");
     println!(
         "{DONE} micro_batch={} chunks={} peak={} budget={} full={} loss={value}",
         plan.micro_batch(),
@@ -131,29 +96,11 @@ fn a_training_step_that_ooms_eagerly_completes_lazily_under_a_real_cap() {
     if std::env::var(CHILD_ENV).is_ok() {
         return child();
     }
-    let exe = std::env::current_exe().unwrap();
-    let output = Command::new(exe)
-        .args([
-            "a_training_step_that_ooms_eagerly_completes_lazily_under_a_real_cap",
-            "--exact",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD_ENV, "1")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    let report = format!("child exited with {}\n--- stdout ---\n{stdout}\n--- stderr ---\n{stderr}", output.status);
-    assert!(output.status.success(), "{report}");
-    let line = stdout.lines().find(|l| l.starts_with(DONE)).unwrap_or_else(|| panic!("no end marker\n{report}"));
-    println!("{report}");
-    let field = |name: &str| -> u64 {
-        line.split_whitespace()
-            .find_map(|kv| kv.strip_prefix(&format!("{name}=")))
-            .and_then(|v| v.parse().ok())
-            .unwrap()
-    };
-    assert!(field("micro_batch") < N as u64 && field("chunks") > 1, "{line}");
-    assert!(field("peak") <= field("budget") && field("full") > field("budget"), "{line}");
+    let child =
+        support::child::run("a_training_step_that_ooms_eagerly_completes_lazily_under_a_real_cap", CHILD_ENV, "1");
+    let fields = child.assert_finished(DONE);
+    println!("{}", child.report);
+    let field = |name: &str| -> u64 { fields[name].parse().unwrap_or_else(|_| panic!("{name}: {fields:?}")) };
+    assert!(field("micro_batch") < N as u64 && field("chunks") > 1, "{fields:?}");
+    assert!(field("peak") <= field("budget") && field("full") > field("budget"), "{fields:?}");
 }

@@ -8,11 +8,14 @@
 //! that it reached the end of the scenario (it prints a marker), and shows its output if not.
 #![cfg(all(feature = "tch", feature = "macros", target_os = "linux"))]
 
+mod support;
+
 use std::collections::BTreeMap;
-use std::process::Command;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
+
+use support::child::Child;
+use support::events::{self, Recorded};
 
 use tch::{Device, Kind, TchError, Tensor};
 use toma::OutOfMemory;
@@ -29,40 +32,16 @@ const ALLOCATOR_OOM: &str = "DefaultCPUAllocator: can't allocate memory";
 // ---------------------------------------------------------------------------------------------
 // Parent side
 
-/// Runs the test `test` again in a child process with `scenario` set; returns its stdout and stderr.
+/// Runs the test `test` again in a child process with `scenario` set; returns what the child
+/// did and the `key=value` pairs of its end-marker line.
 ///
 /// Fails (printing everything the child wrote) when the child fails, or when it did not print
 /// the scenario's end marker: a test name that matches nothing would otherwise "pass".
-fn run_in_child(test: &str, scenario: &str) -> (String, String) {
-    let exe = std::env::current_exe().expect("path of the test binary");
-    let started = Instant::now();
-    let output = Command::new(exe)
-        .args([test, "--exact", "--nocapture", "--test-threads=1"])
-        .env(CHILD_ENV, scenario)
-        .output()
-        .expect("spawn the child test process");
-    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
-    let report = format!(
-        "child `{scenario}` of test `{test}` exited with {} after {:.1} s\n\
-         --- child stdout ---\n{stdout}\n--- child stderr ---\n{stderr}--- end of child output ---",
-        output.status,
-        started.elapsed().as_secs_f64()
-    );
-    assert!(output.status.success(), "{report}");
-    assert!(
-        stdout.lines().any(|line| line.starts_with(&format!("{DONE} {scenario} "))),
-        "the child did not reach the end of scenario `{scenario}`\n{report}"
-    );
-    println!("{report}");
-    (stdout, stderr)
-}
-
-/// The `key=value` pairs of the child's end-marker line.
-fn marker_fields(stdout: &str, scenario: &str) -> BTreeMap<String, String> {
-    let prefix = format!("{DONE} {scenario} ");
-    let line = stdout.lines().find_map(|line| line.strip_prefix(&prefix)).expect("marker line");
-    line.split_whitespace().filter_map(|pair| pair.split_once('=')).map(|(k, v)| (k.to_owned(), v.to_owned())).collect()
+fn run_in_child(test: &str, scenario: &str) -> (Child, BTreeMap<String, String>) {
+    let child = support::child::run(test, CHILD_ENV, scenario);
+    let fields = child.assert_finished(&format!("{DONE} {scenario} "));
+    println!("{}", child.report);
+    (child, fields)
 }
 
 /// `Some(scenario)` in a child process.
@@ -71,7 +50,7 @@ fn child_scenario() -> Option<String> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Child side: the cap, and a subscriber that records toma's events
+// Child side: the cap
 
 /// Warms libtorch up (its thread pool, its first allocations) and caps the address space at
 /// what is in use now plus `headroom_gib`. Returns the headroom in bytes.
@@ -90,73 +69,6 @@ fn cap_address_space(headroom_gib: f64) -> u64 {
         (cap - in_use) as f64 / GIB
     );
     cap - in_use
-}
-
-/// One event toma emitted: its level, message and fields.
-#[derive(Clone, Debug)]
-struct Recorded {
-    level: tracing::Level,
-    fields: BTreeMap<String, String>,
-}
-
-impl Recorded {
-    fn field(&self, name: &str) -> &str {
-        self.fields.get(name).map_or("", String::as_str)
-    }
-}
-
-static EVENTS: Mutex<Vec<Recorded>> = Mutex::new(Vec::new());
-
-/// Records every event whose target is toma's (`toma::retry`, `toma::cache`, ..).
-struct Recorder;
-
-struct FieldsVisitor<'a>(&'a mut BTreeMap<String, String>);
-
-impl FieldsVisitor<'_> {
-    /// Keeps a repeated name apart (`name`, then `name#2`) rather than losing one.
-    fn insert(&mut self, name: &str, value: String) {
-        let key = if self.0.contains_key(name) { format!("{name}#2") } else { name.to_owned() };
-        self.0.insert(key, value);
-    }
-}
-
-impl tracing::field::Visit for FieldsVisitor<'_> {
-    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-        self.insert(field.name(), format!("{value:?}"));
-    }
-    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
-        self.insert(field.name(), value.to_owned());
-    }
-}
-
-impl tracing::Subscriber for Recorder {
-    fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
-        metadata.target().starts_with("toma")
-    }
-    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
-        static NEXT: AtomicU64 = AtomicU64::new(1);
-        tracing::span::Id::from_u64(NEXT.fetch_add(1, Ordering::Relaxed))
-    }
-    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
-    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
-    fn event(&self, event: &tracing::Event<'_>) {
-        let mut fields = BTreeMap::new();
-        event.record(&mut FieldsVisitor(&mut fields));
-        let level = *event.metadata().level();
-        EVENTS.lock().unwrap().push(Recorded { level, fields });
-    }
-    fn enter(&self, _: &tracing::span::Id) {}
-    fn exit(&self, _: &tracing::span::Id) {}
-}
-
-fn install_recorder() {
-    tracing::subscriber::set_global_default(Recorder).expect("first subscriber of the child");
-}
-
-/// The info events of caught out-of-memories, taken out of the record.
-fn take_oom_events() -> Vec<Recorded> {
-    let events = std::mem::take(&mut *EVENTS.lock().unwrap());
-    events.into_iter().filter(|e| e.level == tracing::Level::INFO && e.fields.contains_key("caught")).collect()
 }
 
 /// Asserts that `attempts` start at `initial` and halve each time.
@@ -209,7 +121,7 @@ fn ones_mib_rows(batchsize: usize) -> Result<usize, TchError> {
 }
 
 fn child_batch_errors() {
-    install_recorder();
+    events::record();
     let headroom = cap_address_space(1.5);
 
     let started = Instant::now();
@@ -227,7 +139,7 @@ fn child_batch_errors() {
     for err in &errors {
         assert!(err.contains(ALLOCATOR_OOM), "not a real allocator failure: {err}");
     }
-    assert_oom_events(&take_oom_events(), &first, "error");
+    assert_oom_events(&events::take_caught_ooms(), &first, "error");
 
     // Global cache: the second call starts at the size that worked.
     let again = ones_mib_rows().expect("the cached size works again");
@@ -235,7 +147,7 @@ fn child_batch_errors() {
     println!("second call: attempts {second:?} -> {again}");
     assert_eq!(second, [converged], "a cache hit makes exactly one attempt");
     assert_eq!(again, converged);
-    assert!(take_oom_events().is_empty());
+    assert!(events::take_caught_ooms().is_empty());
     assert!(BATCH_ERRORS.lock().unwrap().is_empty());
 
     println!("{DONE} batch_errors converged={converged} attempts={} secs={first_secs:.2}", first.len());
@@ -247,8 +159,7 @@ fn batch_with_tch_errors_converges_under_a_real_cap() {
         assert_eq!(scenario, "batch_errors");
         return child_batch_errors();
     }
-    let (stdout, _) = run_in_child("batch_with_tch_errors_converges_under_a_real_cap", "batch_errors");
-    let fields = marker_fields(&stdout, "batch_errors");
+    let (_, fields) = run_in_child("batch_with_tch_errors_converges_under_a_real_cap", "batch_errors");
     let converged: usize = fields["converged"].parse().unwrap();
     assert!((1..=1536).contains(&converged), "{fields:?}");
     assert!(fields["attempts"].parse::<usize>().unwrap() >= 2, "{fields:?}");
@@ -269,7 +180,7 @@ fn ones_mib_rows_panicking(batchsize: usize) -> usize {
 }
 
 fn child_batch_panics() {
-    install_recorder();
+    events::record();
     let headroom = cap_address_space(1.5);
 
     let converged = ones_mib_rows_panicking();
@@ -279,7 +190,7 @@ fn child_batch_panics() {
     assert_halving(&first, 65536);
     assert!(first.len() >= 2, "the initial 64 GiB allocation must fail under the cap: {first:?}");
     assert!(converged > 0 && converged as u64 * MIB <= headroom, "{converged} MiB does not fit in {headroom} B");
-    let events = take_oom_events();
+    let events = events::take_caught_ooms();
     assert_oom_events(&events, &first, "panic");
 
     // No cache: the second call starts over at the initial size and ends at the same size.
@@ -288,7 +199,7 @@ fn child_batch_panics() {
     println!("second call: attempts {second:?} -> {again}");
     assert_halving(&second, 65536);
     assert_eq!(again, converged);
-    assert_eq!(take_oom_events().len(), second.len() - 1);
+    assert_eq!(events::take_caught_ooms().len(), second.len() - 1);
 
     println!("{DONE} batch_panics converged={converged} attempts={}", first.len());
 }
@@ -299,11 +210,10 @@ fn batch_with_tch_panics_converges_under_a_real_cap() {
         assert_eq!(scenario, "batch_panics");
         return child_batch_panics();
     }
-    let (stdout, stderr) = run_in_child("batch_with_tch_panics_converges_under_a_real_cap", "batch_panics");
-    let fields = marker_fields(&stdout, "batch_panics");
+    let (child, fields) = run_in_child("batch_with_tch_panics_converges_under_a_real_cap", "batch_panics");
     assert!((1..=1536).contains(&fields["converged"].parse::<usize>().unwrap()), "{fields:?}");
     // Caught out-of-memory panics are silenced by toma's panic hook: none reaches stderr.
-    assert!(!stderr.contains(ALLOCATOR_OOM), "a caught OOM panic was printed:\n{stderr}");
+    assert!(!child.stderr.contains(ALLOCATOR_OOM), "a caught OOM panic was printed:\n{}", child.stderr);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -346,26 +256,11 @@ fn check_chunk_attempts(headroom: u64) -> (usize, usize) {
     let ranges = std::mem::take(&mut *CHUNK_RANGES.lock().unwrap());
     println!("chunk attempts: {ranges:?}");
     let len = SLICES as usize;
-    assert_eq!(ranges[0], (0, len), "the first chunk is the whole tensor");
     assert!(ranges.len() >= 2 && ranges[1].0 == 0, "the 1 GiB temporary must fail under the cap: {ranges:?}");
-    // An attempt failed when the next one starts at the same index; it then has half the length.
-    let mut done = Vec::new();
-    for (i, &(start, end)) in ranges.iter().enumerate() {
-        match ranges.get(i + 1) {
-            Some(&(next_start, next_end)) if next_start == start => {
-                assert_eq!(next_end - next_start, (end - start) / 2, "the step halves: {ranges:?}")
-            }
-            _ => done.push((start, end)),
-        }
-    }
-    assert_eq!(done.first().map(|r| r.0), Some(0));
-    assert_eq!(done.last().map(|r| r.1), Some(len));
-    for pair in done.windows(2) {
-        assert_eq!(pair[0].1, pair[1].0, "finished chunks are consecutive: {done:?}");
-    }
+    let done = support::check_halving_ranges(&ranges, len);
     let step = done.iter().map(|r| r.1 - r.0).max().unwrap();
     assert!(step < len && step as u64 * MIB <= headroom, "step {step}: {ranges:?}");
-    let events = take_oom_events();
+    let events = events::take_caught_ooms();
     assert_eq!(events.len(), ranges.len() - done.len(), "one info event per failed chunk: {events:#?}");
     assert!(events.iter().all(|e| e.field("caught") == "error"), "returned as Err, not panicked: {events:#?}");
     (step, done.len())
@@ -384,7 +279,7 @@ fn assert_each_slice_written_once(tensor: &Tensor, dimension: i64) {
 }
 
 fn child_chunked() {
-    install_recorder();
+    events::record();
     // 1 GiB, allocated before the cap: row i holds i everywhere.
     let rows = Tensor::arange(SLICES, CPU_FLOAT).view([SLICES, 1]).repeat([1, MIB_FLOATS]);
     let headroom = cap_address_space(0.75);
@@ -411,8 +306,7 @@ fn chunked_halves_its_step_under_a_real_cap_and_writes_each_slice_once() {
         assert_eq!(scenario, "chunked");
         return child_chunked();
     }
-    let (stdout, _) = run_in_child("chunked_halves_its_step_under_a_real_cap_and_writes_each_slice_once", "chunked");
-    let fields = marker_fields(&stdout, "chunked");
+    let (_, fields) = run_in_child("chunked_halves_its_step_under_a_real_cap_and_writes_each_slice_once", "chunked");
     assert!(fields["step"].parse::<usize>().unwrap() < 1024, "{fields:?}");
     assert!(fields["column_step"].parse::<usize>().unwrap() < 1024, "{fields:?}");
 }
@@ -449,7 +343,7 @@ fn always_too_big(batchsize: usize) -> Result<(), TchError> {
 }
 
 fn child_not_oom() {
-    install_recorder();
+    events::record();
     cap_address_space(1.5);
 
     let err = mismatched_matmul().expect_err("a shape mismatch cannot succeed");
@@ -465,13 +359,13 @@ fn child_not_oom() {
         .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
         .unwrap_or_default();
     assert!(text.contains("cannot be multiplied"), "the panic is resumed unchanged: {text}");
-    assert!(take_oom_events().is_empty(), "nothing was an out-of-memory");
+    assert!(events::take_caught_ooms().is_empty(), "nothing was an out-of-memory");
 
     let err = always_too_big().expect_err("64 GiB never fits");
     let attempts = take_attempts();
     assert_eq!(attempts, [8, 4, 2, 1], "retried down to 1, then given back");
     assert!(err.is_out_of_memory() && err.to_string().contains(ALLOCATOR_OOM), "{err}");
-    assert_oom_events(&take_oom_events(), &attempts, "error");
+    assert_oom_events(&events::take_caught_ooms(), &attempts, "error");
 
     println!("{DONE} not_oom ok=1");
 }

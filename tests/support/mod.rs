@@ -69,3 +69,189 @@ pub async fn yield_now() {
     })
     .await
 }
+
+/// Checks the attempts of one call over `[0, len)` (each a sub-range it was called with): the
+/// first covers everything, a failed one is retried at the same start with half the length,
+/// the finished ones are consecutive and cover `[0, len)`. Returns the finished sub-ranges.
+pub fn check_halving_ranges(ranges: &[(usize, usize)], len: usize) -> Vec<(usize, usize)> {
+    assert_eq!(ranges.first(), Some(&(0, len)), "the first attempt is the whole range: {ranges:?}");
+    let mut done = Vec::new();
+    for (i, &(start, end)) in ranges.iter().enumerate() {
+        // An attempt failed when the next one starts at the same index.
+        match ranges.get(i + 1) {
+            Some(&(next_start, next_end)) if next_start == start => {
+                assert_eq!(next_end - next_start, (end - start) / 2, "the step halves: {ranges:?}")
+            }
+            _ => done.push((start, end)),
+        }
+    }
+    assert_eq!(done.first().map(|r| r.0), Some(0), "{ranges:?}");
+    assert_eq!(done.last().map(|r| r.1), Some(len), "{ranges:?}");
+    for pair in done.windows(2) {
+        assert_eq!(pair[0].1, pair[1].0, "finished sub-ranges are consecutive: {done:?}");
+    }
+    done
+}
+
+pub mod events {
+    //! A global subscriber that records every event whose target is toma's (`toma::retry`,
+    //! `toma::cache`, `toma::lazy`, ..). Global, not scoped: tracing caches each callsite's
+    //! interest, and a scoped subscriber loses the events of callsites that another test
+    //! thread registered first.
+
+    use std::collections::BTreeMap;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Mutex, MutexGuard, Once};
+
+    /// One event toma emitted: its level and its fields (`message` among them).
+    #[derive(Clone, Debug)]
+    pub struct Recorded {
+        pub level: tracing::Level,
+        pub fields: BTreeMap<String, String>,
+    }
+
+    impl Recorded {
+        /// The field's value, or "" when the event has none.
+        pub fn field(&self, name: &str) -> &str {
+            self.fields.get(name).map_or("", String::as_str)
+        }
+        /// A caught out-of-memory: the info event the retry loop emits before retrying.
+        pub fn is_caught_oom(&self) -> bool {
+            self.level == tracing::Level::INFO && self.fields.contains_key("caught")
+        }
+    }
+
+    static EVENTS: Mutex<Vec<Recorded>> = Mutex::new(Vec::new());
+
+    struct Recorder;
+
+    struct FieldsVisitor<'a>(&'a mut BTreeMap<String, String>);
+
+    impl FieldsVisitor<'_> {
+        /// Keeps a repeated name apart (`name`, then `name#2`) rather than losing one.
+        fn insert(&mut self, name: &str, value: String) {
+            let key = if self.0.contains_key(name) { format!("{name}#2") } else { name.to_owned() };
+            self.0.insert(key, value);
+        }
+    }
+
+    impl tracing::field::Visit for FieldsVisitor<'_> {
+        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+            self.insert(field.name(), format!("{value:?}"));
+        }
+        fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+            self.insert(field.name(), value.to_owned());
+        }
+    }
+
+    impl tracing::Subscriber for Recorder {
+        fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
+            metadata.target().starts_with("toma")
+        }
+        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+            static NEXT: AtomicU64 = AtomicU64::new(1);
+            tracing::span::Id::from_u64(NEXT.fetch_add(1, Ordering::Relaxed))
+        }
+        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+        fn event(&self, event: &tracing::Event<'_>) {
+            let mut fields = BTreeMap::new();
+            event.record(&mut FieldsVisitor(&mut fields));
+            let level = *event.metadata().level();
+            lock().push(Recorded { level, fields });
+        }
+        fn enter(&self, _: &tracing::span::Id) {}
+        fn exit(&self, _: &tracing::span::Id) {}
+    }
+
+    fn lock() -> MutexGuard<'static, Vec<Recorded>> {
+        EVENTS.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Installs the recorder as the process's subscriber (once; later calls do nothing).
+    /// Panics if another subscriber was installed first.
+    pub fn record() {
+        static INSTALL: Once = Once::new();
+        INSTALL.call_once(|| tracing::subscriber::set_global_default(Recorder).expect("the first subscriber"));
+    }
+
+    /// Every event recorded so far, taken out of the record.
+    pub fn take() -> Vec<Recorded> {
+        std::mem::take(&mut *lock())
+    }
+
+    /// The caught out-of-memory events, taken out of the record with everything else.
+    pub fn take_caught_ooms() -> Vec<Recorded> {
+        take().into_iter().filter(Recorded::is_caught_oom).collect()
+    }
+
+    /// A copy of the events recorded so far, left in the record.
+    pub fn snapshot() -> Vec<Recorded> {
+        lock().clone()
+    }
+}
+
+pub mod child {
+    //! Re-running one test of this binary in a child process: for work that must not touch the
+    //! parent (a memory cap can never be raised again).
+
+    use std::collections::BTreeMap;
+    use std::process::{Command, ExitStatus};
+    use std::time::Instant;
+
+    /// What a child test process did.
+    pub struct Child {
+        pub status: ExitStatus,
+        pub stdout: String,
+        pub stderr: String,
+        /// Status, time and both outputs, for failure messages.
+        pub report: String,
+    }
+
+    impl Child {
+        /// The first stdout line that starts with `prefix`, without it; fails (showing the
+        /// child's output) when there is none, so that a child that never reached its end
+        /// — a test name that matched nothing, say — cannot pass.
+        pub fn line_after(&self, prefix: &str) -> &str {
+            self.stdout
+                .lines()
+                .find_map(|line| line.strip_prefix(prefix))
+                .unwrap_or_else(|| panic!("the child printed no line starting with `{prefix}`\n{}", self.report))
+        }
+
+        /// Asserts that the child exited successfully and printed a line starting with
+        /// `marker`; returns the `key=value` pairs that follow the marker on that line.
+        pub fn assert_finished(&self, marker: &str) -> BTreeMap<String, String> {
+            assert!(self.status.success(), "{}", self.report);
+            key_values(self.line_after(marker))
+        }
+    }
+
+    /// Runs test `test` of this binary again, alone and exactly, with `env` set to `value`.
+    pub fn run(test: &str, env: &str, value: &str) -> Child {
+        let exe = std::env::current_exe().expect("path of the test binary");
+        let started = Instant::now();
+        let output = Command::new(exe)
+            .args([test, "--exact", "--nocapture", "--test-threads=1"])
+            .env(env, value)
+            .output()
+            .expect("spawn the child test process");
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+        let report = format!(
+            "child `{env}={value}` of test `{test}` exited with {} after {:.1} s\n\
+             --- child stdout ---\n{stdout}\n--- child stderr ---\n{stderr}--- end of child output ---",
+            output.status,
+            started.elapsed().as_secs_f64()
+        );
+        Child { status: output.status, stdout, stderr, report }
+    }
+
+    /// The `key=value` pairs of a line (other words are ignored).
+    pub fn key_values(line: &str) -> BTreeMap<String, String> {
+        line.split_whitespace()
+            .filter_map(|pair| pair.split_once('='))
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect()
+    }
+}
