@@ -14,6 +14,8 @@ step "cargo fmt --check"
 cargo fmt --all -- --check
 step "cargo clippy (all targets, all features, -D warnings)"
 cargo clippy --workspace --all-targets --all-features -- -D warnings
+step "cargo clippy (all targets, no default features, -D warnings)"
+cargo clippy --workspace --all-targets --no-default-features -- -D warnings
 step "cargo test (all features)"
 cargo test --workspace --all-features
 step "cargo test (no default features: no libtorch, no CUDA, no macros)"

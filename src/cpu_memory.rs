@@ -1,29 +1,123 @@
 //! A cap on the process's CPU memory, and how much of it is left.
 //!
-//! The cap is `RLIMIT_AS`, the address-space limit: once it is set, allocations beyond it fail
+//! Two kernel limits can serve as the cap ([`CpuCap`]); either way, allocations beyond it fail
 //! inside libtorch with `DefaultCPUAllocator: can't allocate memory`, which toma catches and
-//! retries like a CUDA out-of-memory. Linux only; elsewhere the functions report
-//! [`std::io::ErrorKind::Unsupported`] and no cap.
+//! retries like a CUDA out-of-memory:
 //!
-//! A cap can be lowered but never raised again by an unprivileged process, so set it once, early,
-//! or in a child process.
+//! - [`CpuCap::AddressSpace`] (`RLIMIT_AS`, what [`set_cpu_memory_limit`] sets) counts every
+//!   mapping, reservations included. Use it where no CUDA driver is loaded.
+//! - [`CpuCap::Data`] (`RLIMIT_DATA`) counts private writable memory only: what tensors,
+//!   `malloc` and thread stacks take, not mapped libraries or address ranges reserved with
+//!   `PROT_NONE`. The CUDA driver reserves such ranges, far larger than the card (NVIDIA's
+//!   cuda-python observed about twice the device memory for a memory pool alone), so an
+//!   address-space cap can make CUDA itself fail to start or allocate; use this one on CUDA
+//!   machines.
+//!
+//! Linux only; elsewhere the functions report [`std::io::ErrorKind::Unsupported`] and no cap.
+//! A cap can be lowered but never raised again by an unprivileged process, so set it once,
+//! early, or in a child process.
 
+use std::fmt;
 use std::io;
 
 const GIB: f64 = (1u64 << 30) as f64;
 
-/// Caps the address space of this process at `gib` GiB (`RLIMIT_AS`, soft = hard).
+/// Which kernel limit caps the process's CPU memory. See the [module docs](self) for which
+/// to use where.
 ///
-/// The cap applied is `min(gib, current hard limit)`: a cap can only be lowered. It counts
-/// virtual memory, which includes mapped libraries and thread stacks (libtorch with its CUDA
-/// libraries maps several GiB before it allocates anything), so size it against
-/// [`address_space_in_use`] rather than against the memory you want for tensors.
+/// ```no_run
+/// use toma::cpu_memory::CpuCap;
+/// // On a CUDA machine: cap private memory at what is in use now plus 8 GiB.
+/// let in_use = CpuCap::Data.in_use()? as f64 / (1u64 << 30) as f64;
+/// CpuCap::Data.set(in_use + 8.0)?;
+/// assert!(CpuCap::Data.limit()?.is_some());
+/// # Ok::<(), std::io::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum CpuCap {
+    /// `RLIMIT_AS`: all address space the process maps (`VmSize`), mapped libraries and
+    /// reserved-but-unused ranges included.
+    AddressSpace,
+    /// `RLIMIT_DATA`: private writable memory (`VmData`, Linux ≥ 4.7): heap, anonymous
+    /// mappings, thread stacks; not libraries, shared mappings or `PROT_NONE` reservations.
+    Data,
+}
+
+impl CpuCap {
+    /// Both caps, address space first.
+    pub const ALL: [CpuCap; 2] = [CpuCap::AddressSpace, CpuCap::Data];
+
+    /// The kernel's name for the limit: `RLIMIT_AS` or `RLIMIT_DATA`.
+    pub fn name(self) -> &'static str {
+        match self {
+            CpuCap::AddressSpace => "RLIMIT_AS",
+            CpuCap::Data => "RLIMIT_DATA",
+        }
+    }
+
+    /// Caps this figure at `gib` GiB (soft = hard = `min(gib, current hard limit)`: a cap can
+    /// only be lowered). Size it against [`CpuCap::in_use`], not against the memory you want
+    /// for tensors alone.
+    ///
+    /// # Errors
+    /// - [`io::ErrorKind::InvalidInput`] when `gib` is NaN, infinite, zero or negative, or
+    ///   when the cap would sit below what is already in use (every later allocation would
+    ///   fail; the message says how much is in use).
+    /// - The OS error when `setrlimit` fails, and [`io::ErrorKind::Unsupported`] off Linux.
+    pub fn set(self, gib: f64) -> io::Result<()> {
+        if !gib.is_finite() || gib <= 0.0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("CPU memory limit must be a finite number of GiB above 0, got {gib}"),
+            ));
+        }
+        // f64 → u64 saturates, so a huge request becomes "no lower than the hard limit".
+        let requested = (gib * GIB) as u64;
+        imp::set_limit(self, requested)
+    }
+
+    /// The cap in bytes (the soft limit), or `None` when unlimited.
+    ///
+    /// # Errors
+    /// The OS error when `getrlimit` fails, and [`io::ErrorKind::Unsupported`] off Linux.
+    pub fn limit(self) -> io::Result<Option<u64>> {
+        imp::limit(self).map(|(soft, _hard)| soft)
+    }
+
+    /// Bytes of this figure in use now (`VmSize` or `VmData`): what the cap is compared with.
+    ///
+    /// # Errors
+    /// When `/proc/self` cannot be read, and [`io::ErrorKind::Unsupported`] off Linux.
+    pub fn in_use(self) -> io::Result<u64> {
+        imp::in_use(self)
+    }
+
+    /// Bytes left under the cap, or `None` when it is not set (or cannot be read).
+    pub fn headroom(self) -> Option<u64> {
+        match (self.limit(), self.in_use()) {
+            (Ok(Some(cap)), Ok(used)) => Some(cap.saturating_sub(used)),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for CpuCap {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Caps the address space of this process at `gib` GiB: [`CpuCap::AddressSpace`]`.set(gib)`.
+///
+/// It counts virtual memory, which includes mapped libraries and thread stacks (libtorch with
+/// its CUDA libraries maps several GiB before it allocates anything), so size it against
+/// [`address_space_in_use`] rather than against the memory you want for tensors. On a machine
+/// where CUDA is used, cap [`CpuCap::Data`] instead (see the [module docs](self)); this one
+/// logs a warning when it finds CUDA's libraries loaded.
 ///
 /// # Errors
-/// - [`io::ErrorKind::InvalidInput`] when `gib` is NaN, infinite, zero or negative, or when
-///   the cap would sit below the address space already in use (every later allocation would
-///   fail; the message says how much is in use).
-/// - The OS error when `setrlimit` fails, and [`io::ErrorKind::Unsupported`] off Linux.
+/// As [`CpuCap::set`].
 ///
 /// ```no_run
 /// // Leave 2 GiB of headroom above what the process maps now.
@@ -32,96 +126,128 @@ const GIB: f64 = (1u64 << 30) as f64;
 /// # Ok::<(), std::io::Error>(())
 /// ```
 pub fn set_cpu_memory_limit(gib: f64) -> io::Result<()> {
-    if !gib.is_finite() || gib <= 0.0 {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!("CPU memory limit must be a finite number of GiB above 0, got {gib}"),
-        ));
-    }
-    // f64 → u64 saturates, so a huge request becomes "no lower than the hard limit".
-    let requested = (gib * GIB) as u64;
-    imp::set_limit(requested)
+    CpuCap::AddressSpace.set(gib)
 }
 
-/// The current address-space cap in bytes (`RLIMIT_AS` soft limit), or `None` when unlimited.
+/// The current address-space cap in bytes (`RLIMIT_AS` soft limit), or `None` when unlimited:
+/// [`CpuCap::AddressSpace`]`.limit()`.
 ///
 /// # Errors
 /// The OS error when `getrlimit` fails, and [`io::ErrorKind::Unsupported`] off Linux.
 pub fn cpu_memory_limit() -> io::Result<Option<u64>> {
-    imp::limit().map(|(soft, _hard)| soft)
+    CpuCap::AddressSpace.limit()
 }
 
-/// Bytes of address space this process has mapped now (`VmSize`), the figure `RLIMIT_AS` counts.
+/// Bytes of address space this process has mapped now (`VmSize`), the figure `RLIMIT_AS` counts:
+/// [`CpuCap::AddressSpace`]`.in_use()`.
 ///
 /// # Errors
 /// When `/proc/self/statm` cannot be read, and [`io::ErrorKind::Unsupported`] off Linux.
 pub fn address_space_in_use() -> io::Result<u64> {
-    imp::address_space_in_use()
+    CpuCap::AddressSpace.in_use()
 }
 
-/// Bytes of CPU memory an allocation could still get: the smaller of the system's available
-/// memory (`MemAvailable`) and the headroom under this process's cap, if one is set.
+/// Bytes of CPU memory an allocation could still get: the smallest of the system's available
+/// memory (`MemAvailable`) and the headroom under each cap that is set.
 ///
 /// Reads the kernel's figures fresh on every call (tens of microseconds); the retry engine's
 /// cache keys use a reading up to a second old instead.
 pub fn available_cpu_memory() -> u64 {
     let system = imp::system_available().unwrap_or(u64::MAX);
-    let headroom = match (cpu_memory_limit(), address_space_in_use()) {
-        (Ok(Some(cap)), Ok(used)) => cap.saturating_sub(used),
-        _ => u64::MAX,
-    };
-    system.min(headroom)
+    CpuCap::ALL.iter().filter_map(|cap| cap.headroom()).fold(system, u64::min)
 }
 
 #[cfg(target_os = "linux")]
 mod imp {
     use std::io;
 
-    pub(super) fn limit() -> io::Result<(Option<u64>, Option<u64>)> {
+    use super::CpuCap;
+
+    fn resource(cap: CpuCap) -> libc::__rlimit_resource_t {
+        match cap {
+            CpuCap::AddressSpace => libc::RLIMIT_AS,
+            CpuCap::Data => libc::RLIMIT_DATA,
+        }
+    }
+
+    pub(super) fn limit(cap: CpuCap) -> io::Result<(Option<u64>, Option<u64>)> {
         let mut current = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
         // SAFETY: getrlimit writes one `rlimit` into the struct we own.
-        if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut current) } != 0 {
+        if unsafe { libc::getrlimit(resource(cap), &mut current) } != 0 {
             return Err(io::Error::last_os_error());
         }
         let finite = |v: libc::rlim_t| (v != libc::RLIM_INFINITY).then_some(v);
         Ok((finite(current.rlim_cur), finite(current.rlim_max)))
     }
 
-    pub(super) fn set_limit(requested: u64) -> io::Result<()> {
-        let (_, hard) = limit()?;
+    pub(super) fn set_limit(kind: CpuCap, requested: u64) -> io::Result<()> {
+        let (_, hard) = limit(kind)?;
         let cap = hard.map_or(requested, |hard| requested.min(hard));
-        let used = address_space_in_use()?;
+        let used = in_use(kind)?;
         if cap <= used {
+            let hint = match kind {
+                CpuCap::AddressSpace => "toma::cpu_memory::address_space_in_use()",
+                CpuCap::Data => "toma::cpu_memory::CpuCap::Data.in_use()",
+            };
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 format!(
-                    "CPU memory limit of {:.2} GiB is below the {:.2} GiB of address space this process already uses; \
-                     every allocation would fail (size the cap from toma::cpu_memory::address_space_in_use())",
+                    "CPU memory limit ({kind}) of {:.2} GiB is below the {:.2} GiB this process already uses; \
+                     every allocation would fail (size the cap from {hint})",
                     cap as f64 / super::GIB,
                     used as f64 / super::GIB
                 ),
             ));
         }
+        if kind == CpuCap::AddressSpace && (crate::memory::cuda_driver_present() || cuda_driver_loaded()) {
+            tracing::warn!(
+                "toma: an address-space cap (RLIMIT_AS) on a machine with a CUDA driver: the driver's \
+                 address-space reservations count against it and can make CUDA fail; cap CpuCap::Data instead"
+            );
+        }
         let new = libc::rlimit { rlim_cur: cap as libc::rlim_t, rlim_max: cap as libc::rlim_t };
         // SAFETY: setrlimit only reads the struct we pass.
-        if unsafe { libc::setrlimit(libc::RLIMIT_AS, &new) } != 0 {
+        if unsafe { libc::setrlimit(resource(kind), &new) } != 0 {
             return Err(io::Error::last_os_error());
         }
         // Cache keys bucket free memory; the cap just changed it.
         crate::memory::refresh_free_memory_reading();
-        tracing::info!(cap_bytes = cap, in_use_bytes = used, "toma: CPU memory cap set (RLIMIT_AS)");
+        tracing::info!(limit = kind.name(), cap_bytes = cap, in_use_bytes = used, "toma: CPU memory cap set");
         Ok(())
     }
 
-    pub(super) fn address_space_in_use() -> io::Result<u64> {
-        // statm's first field is VmSize in pages: one short read, no parsing of a long file.
-        let statm = std::fs::read_to_string("/proc/self/statm")?;
-        let pages: u64 = statm
-            .split_whitespace()
-            .next()
-            .and_then(|field| field.parse().ok())
-            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "unexpected /proc/self/statm"))?;
-        Ok(pages * page_size())
+    /// Whether the CUDA driver library is mapped into this process (a build without the
+    /// `cuda` feature cannot probe for it otherwise). Read when a cap is set, not more often:
+    /// `/proc/self/maps` is long.
+    fn cuda_driver_loaded() -> bool {
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+        maps.lines().filter_map(|line| line.rsplit('/').next()).any(|file| file.starts_with("libcuda.so"))
+    }
+
+    pub(super) fn in_use(cap: CpuCap) -> io::Result<u64> {
+        match cap {
+            CpuCap::AddressSpace => {
+                // statm's first field is VmSize in pages: one short read, no parsing of a long file.
+                let statm = std::fs::read_to_string("/proc/self/statm")?;
+                let pages: u64 = statm
+                    .split_whitespace()
+                    .next()
+                    .and_then(|field| field.parse().ok())
+                    .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "unexpected /proc/self/statm"))?;
+                Ok(pages * page_size())
+            }
+            // statm's data field adds the stack; RLIMIT_DATA counts VmData alone.
+            CpuCap::Data => kib_field("/proc/self/status", "VmData:"),
+        }
+    }
+
+    fn kib_field(path: &str, name: &str) -> io::Result<u64> {
+        std::fs::read_to_string(path)?
+            .lines()
+            .find_map(|line| line.strip_prefix(name))
+            .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map(|kib| kib * 1024)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, format!("no {name} in {path}")))
     }
 
     fn page_size() -> u64 {
@@ -135,13 +261,7 @@ mod imp {
     }
 
     pub(super) fn system_available() -> io::Result<u64> {
-        let meminfo = std::fs::read_to_string("/proc/meminfo")?;
-        meminfo
-            .lines()
-            .find_map(|line| line.strip_prefix("MemAvailable:"))
-            .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-            .map(|kib| kib * 1024)
-            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "no MemAvailable in /proc/meminfo"))
+        kib_field("/proc/meminfo", "MemAvailable:")
     }
 }
 
@@ -149,16 +269,18 @@ mod imp {
 mod imp {
     use std::io;
 
+    use super::CpuCap;
+
     fn unsupported() -> io::Error {
         io::Error::new(io::ErrorKind::Unsupported, "toma's CPU memory cap needs Linux")
     }
-    pub(super) fn limit() -> io::Result<(Option<u64>, Option<u64>)> {
+    pub(super) fn limit(_cap: CpuCap) -> io::Result<(Option<u64>, Option<u64>)> {
         Err(unsupported())
     }
-    pub(super) fn set_limit(_requested: u64) -> io::Result<()> {
+    pub(super) fn set_limit(_cap: CpuCap, _requested: u64) -> io::Result<()> {
         Err(unsupported())
     }
-    pub(super) fn address_space_in_use() -> io::Result<u64> {
+    pub(super) fn in_use(_cap: CpuCap) -> io::Result<u64> {
         Err(unsupported())
     }
     pub(super) fn system_available() -> io::Result<u64> {
@@ -172,30 +294,63 @@ mod tests {
 
     #[test]
     fn bad_requests_are_invalid_input() {
-        for gib in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 0.0, -0.0, -1.0] {
-            let err = set_cpu_memory_limit(gib).unwrap_err();
-            assert_eq!(err.kind(), io::ErrorKind::InvalidInput, "{gib}");
+        for cap in CpuCap::ALL {
+            for gib in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 0.0, -0.0, -1.0] {
+                let err = cap.set(gib).unwrap_err();
+                assert_eq!(err.kind(), io::ErrorKind::InvalidInput, "{cap} {gib}");
+            }
         }
+        assert_eq!(set_cpu_memory_limit(f64::NAN).unwrap_err().kind(), io::ErrorKind::InvalidInput);
     }
 
     #[cfg(target_os = "linux")]
     #[test]
     fn a_cap_below_usage_is_refused_and_changes_nothing() {
-        let before = cpu_memory_limit().unwrap();
-        // One byte is below any process's address space.
-        let err = set_cpu_memory_limit(1.0 / GIB).unwrap_err();
-        assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
-        assert!(err.to_string().contains("already uses"), "{err}");
-        assert_eq!(cpu_memory_limit().unwrap(), before);
+        for cap in CpuCap::ALL {
+            let before = cap.limit().unwrap();
+            // One byte is below any process's use of either figure.
+            let err = cap.set(1.0 / GIB).unwrap_err();
+            assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
+            let text = err.to_string();
+            assert!(text.contains("already uses") && text.contains(cap.name()), "{text}");
+            assert_eq!(cap.limit().unwrap(), before);
+        }
     }
 
     #[cfg(target_os = "linux")]
     #[test]
     fn readings_are_plausible() {
-        let used = address_space_in_use().unwrap();
-        assert!(used > 1 << 20, "VmSize {used}");
+        let size = address_space_in_use().unwrap();
+        assert_eq!(size, CpuCap::AddressSpace.in_use().unwrap());
+        let data = CpuCap::Data.in_use().unwrap();
+        assert!(data > 1 << 20 && size > data, "VmSize {size}, VmData {data}");
+        // A private writable mapping counts in both; VmData moves by its size.
+        let bytes = 64 << 20;
+        // SAFETY: a fresh anonymous mapping, unmapped below; nothing else refers to it.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                bytes,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        let grown = CpuCap::Data.in_use().unwrap();
+        // SAFETY: `p` is the mapping of `bytes` made above.
+        unsafe { libc::munmap(p, bytes) };
+        // Other test threads allocate meanwhile: allow for them, but not for a missing mapping.
+        assert!(grown >= data + bytes as u64 - (16 << 20), "VmData {data} -> {grown}");
         let available = available_cpu_memory();
         assert!(available > 0 && available < u64::MAX, "{available}");
         assert!(available <= imp::system_available().unwrap());
+    }
+
+    #[test]
+    fn names() {
+        assert_eq!(CpuCap::AddressSpace.to_string(), "RLIMIT_AS");
+        assert_eq!(CpuCap::Data.name(), "RLIMIT_DATA");
     }
 }

@@ -48,6 +48,12 @@ pub fn cuda_device_count() -> usize {
     cuda::device_count()
 }
 
+/// Whether this machine has the CUDA driver library (found by `dlopen`, not initialised);
+/// false without the `cuda` feature.
+pub(crate) fn cuda_driver_present() -> bool {
+    cuda::driver_present()
+}
+
 /// Bytes of CPU memory available to this process now; see
 /// [`available_cpu_memory`](crate::cpu_memory::available_cpu_memory).
 pub fn cpu_available() -> u64 {
@@ -421,13 +427,20 @@ mod cuda {
     use cudarc::driver::sys;
     use std::sync::OnceLock;
 
-    /// Whether the driver library loads and initialises; probed once, since a failed
-    /// `dlopen` costs tens of microseconds and cudarc panics on a missing library.
+    /// Whether the driver library can be loaded; probed once, since a failed `dlopen` costs
+    /// tens of microseconds.
+    pub(super) fn driver_present() -> bool {
+        static PRESENT: OnceLock<bool> = OnceLock::new();
+        // SAFETY: only tries to dlopen the driver library; touches no symbol.
+        *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
+    }
+
+    /// Whether the driver library loads and initialises; probed once, since cudarc panics on
+    /// a missing library.
     fn driver_ready() -> bool {
         static READY: OnceLock<bool> = OnceLock::new();
         *READY.get_or_init(|| {
-            // SAFETY: only tries to dlopen the driver library; touches no symbol.
-            if !unsafe { sys::is_culib_present() } {
+            if !driver_present() {
                 tracing::debug!("toma: no CUDA driver library; CUDA probes report None");
                 return false;
             }
@@ -501,6 +514,9 @@ mod cuda {
 
     pub(super) fn device_count() -> usize {
         0
+    }
+    pub(super) fn driver_present() -> bool {
+        false
     }
     pub(super) fn memory(_device: usize) -> Option<DeviceMemory> {
         None

@@ -432,6 +432,7 @@ macro_rules! settings_methods {
         }
     };
 }
+#[cfg(feature = "tch")]
 pub(crate) use settings_methods;
 
 settings_methods!(Batch, settings, "size");
@@ -639,6 +640,7 @@ impl Range {
 
     /// Keys the cache on `id` (with `name` in logs) instead of a function: `toma::lazy` keys
     /// on the graph's shape.
+    #[cfg(feature = "tch")]
     pub(crate) fn identity(mut self, id: u64, name: &'static str) -> Self {
         self.settings.identity = Some((id, name));
         self

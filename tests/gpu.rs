@@ -1,5 +1,5 @@
 //! On a CUDA machine: real CUDA out-of-memory, libtorch's allocator statistics, and what an
-//! address-space cap does to CUDA.
+//! address-space or data-segment cap does to CUDA.
 //!
 //! Opt-in: without `TOMA_CUDA_TESTS=1` every test prints `skipped: set TOMA_CUDA_TESTS=1 on a
 //! CUDA machine` and passes; with it set, a machine where the driver or libtorch sees no CUDA
@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use tch::nn;
 use tch::{Device, Kind, TchError, Tensor};
+use toma::cpu_memory::CpuCap;
 use toma::lazy::{lazy, LazyTensor, Mode, Options};
 use toma::memory::{self, AllocatorStats};
 
@@ -440,13 +441,14 @@ fn a_second_call_hits_the_cache_without_an_oom() {
 // ---------------------------------------------------------------------------------------------
 // 4. toma::lazy's planned peak against the allocator's measured peak.
 
-/// The planner may underestimate by at most this fraction of the measured peak (an
-/// underestimate is what turns into an out-of-memory)...
-const UNDER_TOLERANCE: f64 = 0.25;
-/// ...and overestimate by at most this fraction (an overestimate only wastes memory).
-const OVER_TOLERANCE: f64 = 1.0;
-/// Absolute slack for small cases: kernels' scratch buffers, cuDNN workspaces.
-const SLACK: u64 = 64 * MIB;
+/// Issue 6's target: the planned peak within 10% of the measured one, either way. An
+/// underestimate beyond the default safety margin (10%) is what turns into an out-of-memory...
+const UNDER_TOLERANCE: f64 = 0.10;
+/// ...and an overestimate wastes memory: smaller micro-batches than would fit.
+const OVER_TOLERANCE: f64 = 0.10;
+/// Absolute slack for the smallest cases, where kernels' scratch buffers (cuDNN workspaces)
+/// are a large part of the peak.
+const SLACK: u64 = 32 * MIB;
 
 struct Mlp {
     l1: nn::Linear,
@@ -709,7 +711,7 @@ fn lazy_training_step_on_gpu_matches_cpu_gradients() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// 6. An address-space cap (toma::cpu_memory) set before and after CUDA starts.
+// 6. Each CPU cap (toma::cpu_memory::CpuCap) set before and after CUDA starts.
 
 const CHILD_ENV: &str = "TOMA_GPU_CHILD";
 const STEP: &str = "TOMA_GPU_STEP";
@@ -733,11 +735,19 @@ fn step(name: &str, what: impl FnOnce() -> Result<String, String>) -> bool {
     outcome.is_ok()
 }
 
-fn cap(headroom_gib: f64) -> Result<String, String> {
-    let in_use = toma::cpu_memory::address_space_in_use().map_err(|e| e.to_string())?;
-    toma::cpu_memory::set_cpu_memory_limit(in_use as f64 / GIB + headroom_gib).map_err(|e| e.to_string())?;
-    Ok(format!("address space {} in use, capped at +{headroom_gib} GiB", gib(in_use)))
+fn cap(kind: CpuCap, headroom_gib: f64) -> Result<String, String> {
+    let in_use = kind.in_use().map_err(|e| e.to_string())?;
+    kind.set(in_use as f64 / GIB + headroom_gib).map_err(|e| e.to_string())?;
+    Ok(format!("{kind}: {} in use, capped at +{headroom_gib} GiB", gib(in_use)))
 }
+
+/// The scenarios of test 6: which cap, and whether CUDA starts before it is set.
+const CAP_SCENARIOS: [(&str, CpuCap, bool); 4] = [
+    ("address_space_before_cuda", CpuCap::AddressSpace, false),
+    ("address_space_after_cuda", CpuCap::AddressSpace, true),
+    ("data_before_cuda", CpuCap::Data, false),
+    ("data_after_cuda", CpuCap::Data, true),
+];
 
 /// What a process does with CUDA; each step is reported, none stops the others.
 fn use_cuda(tag: &str, capped: bool) {
@@ -777,41 +787,41 @@ fn use_cuda(tag: &str, capped: bool) {
 }
 
 fn child_rlimit(scenario: &str) {
-    match scenario {
-        "cap_before_cuda" => {
-            step("cap", || cap(4.0));
-            use_cuda("capped first", true);
-        }
-        "cap_after_cuda" => {
-            use_cuda("uncapped", false);
-            step("cap", || cap(4.0));
-            // New allocations must reach the driver, not the blocks cached before the cap.
-            step("empty the CUDA cache", || {
-                if memory::empty_cuda_cache() {
-                    Ok(String::new())
-                } else {
-                    Err("empty_cuda_cache() returned false".into())
-                }
-            });
-            use_cuda("capped after", true);
-        }
-        other => panic!("unknown scenario {other}"),
+    let &(_, kind, cuda_first) =
+        CAP_SCENARIOS.iter().find(|s| s.0 == scenario).unwrap_or_else(|| panic!("unknown scenario {scenario}"));
+    if cuda_first {
+        use_cuda("uncapped", false);
     }
+    step("cap", || cap(kind, 4.0));
+    if cuda_first {
+        // New allocations must reach the driver, not the blocks cached before the cap.
+        step("empty the CUDA cache", || {
+            if memory::empty_cuda_cache() {
+                Ok(String::new())
+            } else {
+                Err("empty_cuda_cache() returned false".into())
+            }
+        });
+    }
+    use_cuda(if cuda_first { "capped after" } else { "capped first" }, true);
     println!("{DONE} {scenario}");
 }
 
+/// Reports what each cap does to CUDA, and asserts what the docs of `toma::cpu_memory` claim:
+/// under the data cap, set before or after CUDA starts, everything works.
 #[test]
-fn report_what_an_address_space_cap_does_to_cuda() {
-    const TEST: &str = "report_what_an_address_space_cap_does_to_cuda";
+fn cpu_caps_next_to_cuda() {
+    const TEST: &str = "cpu_caps_next_to_cuda";
     if let Ok(scenario) = std::env::var(CHILD_ENV) {
         return child_rlimit(&scenario);
     }
     let Some(_gpu) = gpu(TEST) else { return };
     if !cfg!(target_os = "linux") {
-        println!("{TEST}: skipped: RLIMIT_AS caps are Linux only");
+        println!("{TEST}: skipped: CPU caps are Linux only");
         return;
     }
-    for scenario in ["cap_before_cuda", "cap_after_cuda"] {
+    let mut broken = Vec::new();
+    for (scenario, kind, _) in CAP_SCENARIOS {
         let child = support::child::run(TEST, CHILD_ENV, scenario);
         let (stdout, stderr) = (&child.stdout, &child.stderr);
         let steps: BTreeMap<usize, &str> =
@@ -839,5 +849,9 @@ fn report_what_an_address_space_cap_does_to_cuda() {
                 ("failed_steps", &summary),
             ],
         );
+        if kind == CpuCap::Data && !(finished && failed.is_empty()) {
+            broken.push(format!("{scenario}: finished {finished}, failed steps {failed:?}"));
+        }
     }
+    assert!(broken.is_empty(), "the data cap is documented to leave CUDA working: {broken:#?}");
 }

@@ -16,6 +16,7 @@ use std::time::Instant;
 
 use support::child::Child;
 use support::events::{self, Recorded};
+use toma::cpu_memory::CpuCap;
 
 use tch::{Device, Kind, TchError, Tensor};
 use toma::OutOfMemory;
@@ -55,20 +56,47 @@ fn child_scenario() -> Option<String> {
 /// Warms libtorch up (its thread pool, its first allocations) and caps the address space at
 /// what is in use now plus `headroom_gib`. Returns the headroom in bytes.
 fn cap_address_space(headroom_gib: f64) -> u64 {
+    cap_memory(CpuCap::AddressSpace, headroom_gib)
+}
+
+/// As [`cap_address_space`], for either kernel limit.
+fn cap_memory(kind: CpuCap, headroom_gib: f64) -> u64 {
     // A parallel op starts libtorch's intra-op threads now, while their stacks still fit.
     let warm = Tensor::ones([1 << 20], CPU_FLOAT).sum(Kind::Double).double_value(&[]);
     assert_eq!(warm, (1 << 20) as f64);
-    let in_use = toma::cpu_memory::address_space_in_use().expect("VmSize");
-    let cap_gib = in_use as f64 / GIB + headroom_gib;
-    toma::cpu_memory::set_cpu_memory_limit(cap_gib).expect("set the cap");
-    let cap = toma::cpu_memory::cpu_memory_limit().expect("getrlimit").expect("a cap is set");
+    let in_use = kind.in_use().expect("VmSize or VmData");
+    kind.set(in_use as f64 / GIB + headroom_gib).expect("set the cap");
+    let cap = kind.limit().expect("getrlimit").expect("a cap is set");
     println!(
-        "cap: {:.2} GiB in use, cap {:.2} GiB, headroom {:.2} GiB",
+        "cap ({kind}): {:.2} GiB in use, cap {:.2} GiB, headroom {:.2} GiB",
         in_use as f64 / GIB,
         cap as f64 / GIB,
         (cap - in_use) as f64 / GIB
     );
     cap - in_use
+}
+
+/// Whether a 64 GiB `PROT_NONE` reservation, the kind the CUDA driver makes for its address
+/// space, can be mapped now (it is unmapped again at once).
+fn reservation_like_cudas_fits() -> bool {
+    let bytes = 64 << 30;
+    // SAFETY: a fresh inaccessible mapping, unmapped below; nothing refers to it.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            bytes,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return false;
+    }
+    // SAFETY: `p` is the mapping of `bytes` made above.
+    unsafe { libc::munmap(p, bytes) };
+    true
 }
 
 /// Asserts that `attempts` start at `initial` and halve each time.
@@ -123,6 +151,8 @@ fn ones_mib_rows(batchsize: usize) -> Result<usize, TchError> {
 fn child_batch_errors() {
     events::record();
     let headroom = cap_address_space(1.5);
+    // Why CUDA machines want the data cap instead: this one refuses the driver's reservations.
+    assert!(!reservation_like_cudas_fits(), "RLIMIT_AS counts PROT_NONE reservations");
 
     let started = Instant::now();
     let converged = ones_mib_rows().expect("converges to a batch size that fits");
@@ -309,6 +339,43 @@ fn chunked_halves_its_step_under_a_real_cap_and_writes_each_slice_once() {
     let (_, fields) = run_in_child("chunked_halves_its_step_under_a_real_cap_and_writes_each_slice_once", "chunked");
     assert!(fields["step"].parse::<usize>().unwrap() < 1024, "{fields:?}");
     assert!(fields["column_step"].parse::<usize>().unwrap() < 1024, "{fields:?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// c2. The data-segment cap (`RLIMIT_DATA`, for CUDA machines): the same real allocator failure,
+//     while address-space reservations like the CUDA driver's still fit.
+
+fn child_batch_data_cap() {
+    events::record();
+    let headroom = cap_memory(CpuCap::Data, 1.5);
+    assert!(reservation_like_cudas_fits(), "RLIMIT_DATA does not count PROT_NONE reservations");
+    assert_eq!(CpuCap::AddressSpace.limit().unwrap(), None, "only the data cap is set");
+    let available = toma::cpu_memory::available_cpu_memory();
+    assert!(available <= headroom, "available {available} B counts the data cap's headroom {headroom} B");
+
+    let converged = ones_mib_rows().expect("converges to a batch size that fits");
+    let first = take_attempts();
+    println!("first call: attempts {first:?} -> {converged}");
+    assert_halving(&first, 65536);
+    assert!(first.len() >= 2, "the initial 64 GiB allocation must fail under the cap: {first:?}");
+    assert!(converged > 0 && converged as u64 * MIB <= headroom, "{converged} MiB does not fit in {headroom} B");
+    let errors = std::mem::take(&mut *BATCH_ERRORS.lock().unwrap());
+    assert_eq!(errors.len(), first.len() - 1, "{errors:#?}");
+    assert_oom_events(&events::take_caught_ooms(), &first, "error");
+
+    assert_eq!(ones_mib_rows().unwrap(), converged);
+    assert_eq!(take_attempts(), [converged], "a cache hit makes exactly one attempt");
+    println!("{DONE} batch_data_cap converged={converged} attempts={}", first.len());
+}
+
+#[test]
+fn batch_converges_under_a_real_data_segment_cap() {
+    if let Some(scenario) = child_scenario() {
+        assert_eq!(scenario, "batch_data_cap");
+        return child_batch_data_cap();
+    }
+    let (_, fields) = run_in_child("batch_converges_under_a_real_data_segment_cap", "batch_data_cap");
+    assert!((1..=1536).contains(&fields["converged"].parse::<usize>().unwrap()), "{fields:?}");
 }
 
 // ---------------------------------------------------------------------------------------------
