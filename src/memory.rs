@@ -130,6 +130,56 @@ pub fn empty_cuda_cache() -> bool {
     torch::empty_cache().map_err(|err| err.log("emptying the cache")).is_ok()
 }
 
+/// Figures of libtorch's CPU allocations, counted by [`track_cpu_allocations`]'s wrapper
+/// (libtorch's CPU allocator keeps none). There is no cache on the CPU: freed bytes go back
+/// at once.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CpuAllocatorStats {
+    /// Bytes in live allocations made since tracking began.
+    pub allocated: u64,
+    /// The most `allocated` has been since tracking began or [`reset_cpu_peak`].
+    pub peak_allocated: u64,
+    /// Allocations made since tracking began.
+    pub allocations: u64,
+}
+
+/// Starts counting libtorch's CPU allocations: wraps its CPU allocator in one that keeps
+/// bytes in use and their peak, for [`cpu_allocator_stats`] (what [`cuda_allocator_stats`]
+/// gives for CUDA). Once per process; later calls do nothing. Allocations made before the
+/// first call are not counted, and neither are their frees.
+///
+/// Call it early, before other threads allocate tensors: libtorch's switch of allocator is not
+/// synchronised. Costs two atomic additions and a small heap record per CPU tensor
+/// allocation. `false` without feature `tch` or when libtorch fails (logged).
+///
+/// ```
+/// # #[cfg(feature = "tch")] {
+/// if toma::memory::track_cpu_allocations() {
+///     toma::memory::reset_cpu_peak();
+///     let before = toma::memory::cpu_allocator_stats().unwrap().allocated;
+///     let t = tch::Tensor::zeros([1024], (tch::Kind::Float, tch::Device::Cpu));
+///     let peak = toma::memory::cpu_allocator_stats().unwrap().peak_allocated;
+///     assert!(peak >= before + 4096);
+///     drop(t);
+/// }
+/// # }
+/// ```
+pub fn track_cpu_allocations() -> bool {
+    torch::cpu_track().map_err(|err| err.log("counting CPU allocations")).is_ok()
+}
+
+/// The counts of [`track_cpu_allocations`]; `None` before it (or where it returned `false`).
+pub fn cpu_allocator_stats() -> Option<CpuAllocatorStats> {
+    torch::cpu_stats().map_err(|err| err.log("CPU allocator statistics")).ok()
+}
+
+/// Resets the CPU peak of [`cpu_allocator_stats`] to the bytes in use now. `false` before
+/// [`track_cpu_allocations`].
+pub fn reset_cpu_peak() -> bool {
+    torch::cpu_reset_peak().map_err(|err| err.log("resetting the CPU peak")).is_ok()
+}
+
 /// For the retry engine, between attempts after an out-of-memory: empties libtorch's CUDA
 /// cache ([`empty_cuda_cache`]) when it holds any unused bytes, and returns how many bytes it
 /// gave back to the driver (over all devices). `0`, at once and without touching a device,
@@ -179,7 +229,7 @@ fn torch_device_count() -> usize {
     *COUNT.get_or_init(|| torch::device_count().map_err(|err| err.log("counting CUDA devices")).unwrap_or(0))
 }
 
-/// Why libtorch's CUDA caching allocator could not be read.
+/// Why libtorch's allocator figures could not be read.
 #[non_exhaustive]
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum AllocatorError {
@@ -193,6 +243,9 @@ pub enum AllocatorError {
     /// The ordinal is not one of libtorch's CUDA devices.
     #[error("CUDA device {0} is not one of libtorch's devices")]
     BadDevice(usize),
+    /// CPU figures were asked for before [`track_cpu_allocations`].
+    #[error("CPU allocations are not counted: call toma::memory::track_cpu_allocations first")]
+    NotTracking,
     /// libtorch threw; its message.
     #[error("libtorch failed: {0}")]
     Torch(String),
@@ -211,12 +264,22 @@ impl AllocatorError {
 /// The shim's C interface (`src/shim/toma_shim.h`).
 #[cfg(toma_shim)]
 mod torch {
-    use super::{AllocatorError, AllocatorStats};
+    use super::{AllocatorError, AllocatorStats, CpuAllocatorStats};
     use std::ffi::{c_char, c_int, CStr};
 
     const OK: c_int = 0;
     const NO_CUDA: c_int = 1;
     const BAD_DEVICE: c_int = 2;
+    const NOT_TRACKING: c_int = 4;
+
+    /// `toma_shim_cpu_counts`.
+    #[repr(C)]
+    #[derive(Default)]
+    struct RawCpuStats {
+        allocated: i64,
+        peak_allocated: i64,
+        allocations: i64,
+    }
 
     /// `toma_shim_allocator_stats`.
     #[repr(C)]
@@ -237,6 +300,9 @@ mod torch {
         fn toma_shim_cuda_allocator_stats(device: i64, stats: *mut RawStats) -> c_int;
         fn toma_shim_cuda_reset_peak(device: i64) -> c_int;
         fn toma_shim_cuda_empty_cache() -> c_int;
+        fn toma_shim_cpu_track() -> c_int;
+        fn toma_shim_cpu_stats(stats: *mut RawCpuStats) -> c_int;
+        fn toma_shim_cpu_reset_peak() -> c_int;
         fn toma_shim_last_error() -> *const c_char;
     }
 
@@ -250,6 +316,7 @@ mod torch {
         Err(match code {
             NO_CUDA => AllocatorError::NoCuda(message),
             BAD_DEVICE => AllocatorError::BadDevice(device),
+            NOT_TRACKING => AllocatorError::NotTracking,
             _ => AllocatorError::Torch(message),
         })
     }
@@ -300,12 +367,33 @@ mod torch {
         // SAFETY: as above.
         check(unsafe { toma_shim_cuda_empty_cache() }, 0)
     }
+
+    pub(super) fn cpu_track() -> Result<(), AllocatorError> {
+        // SAFETY: as above; the shim installs the counter once, under a once-flag.
+        check(unsafe { toma_shim_cpu_track() }, 0)
+    }
+
+    pub(super) fn cpu_stats() -> Result<CpuAllocatorStats, AllocatorError> {
+        let mut raw = RawCpuStats::default();
+        // SAFETY: as above; `raw` has the C struct's layout.
+        check(unsafe { toma_shim_cpu_stats(&mut raw) }, 0)?;
+        Ok(CpuAllocatorStats {
+            allocated: bytes(raw.allocated),
+            peak_allocated: bytes(raw.peak_allocated),
+            allocations: bytes(raw.allocations),
+        })
+    }
+
+    pub(super) fn cpu_reset_peak() -> Result<(), AllocatorError> {
+        // SAFETY: as above.
+        check(unsafe { toma_shim_cpu_reset_peak() }, 0)
+    }
 }
 
 /// No shim: built without feature `tch`, or its compile failed (a build warning said so).
 #[cfg(not(toma_shim))]
 mod torch {
-    use super::{AllocatorError, AllocatorStats};
+    use super::{AllocatorError, AllocatorStats, CpuAllocatorStats};
 
     pub(super) fn device_count() -> Result<usize, AllocatorError> {
         Err(AllocatorError::NotBuilt)
@@ -320,6 +408,15 @@ mod torch {
         Err(AllocatorError::NotBuilt)
     }
     pub(super) fn empty_cache() -> Result<(), AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    pub(super) fn cpu_track() -> Result<(), AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    pub(super) fn cpu_stats() -> Result<CpuAllocatorStats, AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    pub(super) fn cpu_reset_peak() -> Result<(), AllocatorError> {
         Err(AllocatorError::NotBuilt)
     }
 }
@@ -615,6 +712,16 @@ mod tests {
                 Err(AllocatorError::BadDevice(_) | AllocatorError::NoCuda(_))
             ));
         }
+    }
+
+    /// This binary never calls `track_cpu_allocations` (tests/lazy_peak.rs does, alone): the
+    /// CPU figures are absent until it is called, and say why.
+    #[test]
+    fn cpu_figures_need_tracking() {
+        assert_eq!(cpu_allocator_stats(), None);
+        assert!(!reset_cpu_peak());
+        let expected = if cfg!(toma_shim) { AllocatorError::NotTracking } else { AllocatorError::NotBuilt };
+        assert_eq!(torch::cpu_stats().unwrap_err(), expected);
     }
 
     #[test]

@@ -21,10 +21,11 @@ use std::fmt::Display;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
+use support::models::*;
 use tch::nn;
 use tch::{Device, Kind, TchError, Tensor};
 use toma::cpu_memory::CpuCap;
-use toma::lazy::{lazy, LazyTensor, Mode, Options};
+use toma::lazy::{LazyTensor, Mode, Options};
 use toma::memory::{self, AllocatorStats};
 
 const OPT_IN: &str = "TOMA_CUDA_TESTS";
@@ -449,101 +450,6 @@ const OVER_TOLERANCE: f64 = 0.10;
 /// Absolute slack for the smallest cases, where kernels' scratch buffers (cuDNN workspaces)
 /// are a large part of the peak.
 const SLACK: u64 = 32 * MIB;
-
-struct Mlp {
-    l1: nn::Linear,
-    l2: nn::Linear,
-    l3: nn::Linear,
-}
-
-fn mlp(vs: &nn::VarStore) -> Mlp {
-    let (r, c) = (vs.root(), Default::default);
-    Mlp {
-        l1: nn::linear(&r / "l1", 1024, 4096, c()),
-        l2: nn::linear(&r / "l2", 4096, 4096, c()),
-        l3: nn::linear(&r / "l3", 4096, 10, c()),
-    }
-}
-
-fn mlp_lazy(m: &Mlp, x: &Tensor, y: &Tensor) -> LazyTensor {
-    let (x, y) = lazy((x, y), 0);
-    x.apply(&m.l1).relu().apply(&m.l2).relu().apply(&m.l3).log_softmax(-1, None).nll_loss(&y)
-}
-
-fn mlp_eager(m: &Mlp, x: &Tensor, y: &Tensor) -> Tensor {
-    x.apply(&m.l1).relu().apply(&m.l2).relu().apply(&m.l3).log_softmax(-1, None).nll_loss(y)
-}
-
-struct Cnn {
-    c1: nn::Conv2D,
-    c2: nn::Conv2D,
-    fc: nn::Linear,
-}
-
-fn cnn(vs: &nn::VarStore) -> Cnn {
-    let r = vs.root();
-    let same = nn::ConvConfig { padding: 1, ..Default::default() };
-    Cnn {
-        c1: nn::conv2d(&r / "c1", 3, 32, 3, same),
-        c2: nn::conv2d(&r / "c2", 32, 64, 3, same),
-        fc: nn::linear(&r / "fc", 64 * 16 * 16, 10, Default::default()),
-    }
-}
-
-/// Input `[N, 3, 64, 64]`.
-fn cnn_lazy(m: &Cnn, x: &Tensor, y: &Tensor) -> LazyTensor {
-    let (x, y) = lazy((x, y), 0);
-    let h = x.apply(&m.c1).relu().max_pool2d([2, 2], [], [0, 0], [1, 1], false);
-    let h = h.apply(&m.c2).relu().max_pool2d([2, 2], [], [0, 0], [1, 1], false);
-    h.flatten(1, -1).apply(&m.fc).log_softmax(-1, None).nll_loss(&y)
-}
-
-fn cnn_eager(m: &Cnn, x: &Tensor, y: &Tensor) -> Tensor {
-    let h = x.apply(&m.c1).relu().max_pool2d([2, 2], [2, 2], [0, 0], [1, 1], false);
-    let h = h.apply(&m.c2).relu().max_pool2d([2, 2], [2, 2], [0, 0], [1, 1], false);
-    h.flatten(1, -1).apply(&m.fc).log_softmax(-1, None).nll_loss(y)
-}
-
-/// A pre-norm transformer block over `[N, T, D]`, mean-pooled into a classifier.
-struct Block {
-    ln1: nn::LayerNorm,
-    qkv: nn::Linear,
-    proj: nn::Linear,
-    ln2: nn::LayerNorm,
-    fc1: nn::Linear,
-    fc2: nn::Linear,
-    head: nn::Linear,
-}
-
-const D: i64 = 512;
-const T: i64 = 128;
-const HEADS: i64 = 8;
-
-fn block(vs: &nn::VarStore) -> Block {
-    let (r, c) = (vs.root(), Default::default);
-    Block {
-        ln1: nn::layer_norm(&r / "ln1", vec![D], Default::default()),
-        qkv: nn::linear(&r / "qkv", D, 3 * D, c()),
-        proj: nn::linear(&r / "proj", D, D, c()),
-        ln2: nn::layer_norm(&r / "ln2", vec![D], Default::default()),
-        fc1: nn::linear(&r / "fc1", D, 4 * D, c()),
-        fc2: nn::linear(&r / "fc2", 4 * D, D, c()),
-        head: nn::linear(&r / "head", D, 10, c()),
-    }
-}
-
-fn block_lazy(m: &Block, x: &Tensor, y: &Tensor) -> LazyTensor {
-    let (x, y) = lazy((x, y), 0);
-    let n = x.size()[0];
-    let qkv = x.apply(&m.ln1).apply(&m.qkv);
-    let heads = |i: i64| qkv.narrow(2, i * D, D).reshape([n, T, HEADS, D / HEADS]).transpose(1, 2);
-    let (q, k, v) = (heads(0), heads(1), heads(2));
-    let scores = q.matmul(&k.transpose(-2, -1)).mul_scalar(1.0 / ((D / HEADS) as f64).sqrt());
-    let attended = scores.softmax(-1, None).matmul(&v).transpose(1, 2).reshape([n, T, D]);
-    let h = &x + &attended.apply(&m.proj);
-    let h = &h + &h.apply(&m.ln2).apply(&m.fc1).gelu("none").apply(&m.fc2);
-    h.mean_dim([1], false, None).apply(&m.head).cross_entropy_for_logits(&y)
-}
 
 /// One measurement: the plan's peak for forward and backward of the whole batch, and the peak
 /// the allocator saw above what was live before (inputs, parameters).

@@ -2,11 +2,15 @@
 // libtorch_cuda fills when it is loaded, so nothing here needs CUDA to build or to run.
 #include "toma_shim.h"
 
+#include <c10/core/CPUAllocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <atomic>
 #include <exception>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 
 namespace {
 
@@ -76,9 +80,141 @@ int usable(int64_t device, c10::DeviceAllocator** allocator) {
   return TOMA_SHIM_OK;
 }
 
+// Counts the bytes in live allocations of the CPU allocator it wraps, the way the CUDA
+// caching allocator counts its own: libtorch's CPU allocator keeps no such figures.
+//
+// Its DataPtrs stay "simple" (data == context, one raw deleter), as libtorch requires of the
+// CPU allocator (oneDNN reaches it through raw_allocate), so sizes live in a side table,
+// sharded by address to keep threads apart.
+class CountingCpuAllocator final : public c10::Allocator {
+ public:
+  // `inner` must have a raw deleter (libtorch's default CPU allocator has).
+  explicit CountingCpuAllocator(c10::Allocator* inner) : inner_(inner), inner_delete_(inner->raw_deleter()) {}
+
+  c10::DataPtr allocate(size_t n) override {
+    // A failure stays the inner allocator's own (DefaultCPUAllocator: can't allocate memory).
+    void* data = inner_->raw_allocate(n);
+    if (data != nullptr) {
+      try {
+        Shard& shard = shard_of(data);
+        std::lock_guard<std::mutex> lock(shard.mutex);
+        shard.sizes.emplace(data, n);
+      } catch (...) {
+        inner_delete_(data);
+        throw;
+      }
+      allocations_.fetch_add(1, std::memory_order_relaxed);
+      const int64_t now = allocated_.fetch_add(static_cast<int64_t>(n), std::memory_order_relaxed) + static_cast<int64_t>(n);
+      int64_t peak = peak_.load(std::memory_order_relaxed);
+      while (now > peak && !peak_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+      }
+    }
+    return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override {
+    return &release;
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+  toma_shim_cpu_counts stats() const {
+    return {allocated_.load(std::memory_order_relaxed), peak_.load(std::memory_order_relaxed),
+            allocations_.load(std::memory_order_relaxed)};
+  }
+
+  void reset_peak() {
+    peak_.store(allocated_.load(std::memory_order_relaxed), std::memory_order_relaxed);
+  }
+
+ private:
+  struct Shard {
+    std::mutex mutex;
+    std::unordered_map<void*, size_t> sizes;
+  };
+
+  Shard& shard_of(void* data) {
+    // Allocations are 64-byte aligned: skip the bits that are always zero.
+    return shards_[(reinterpret_cast<uintptr_t>(data) >> 6) % kShards];
+  }
+
+  static void release(void* data);
+
+  static constexpr size_t kShards = 16;
+  c10::Allocator* inner_;
+  c10::DeleterFnPtr inner_delete_;
+  Shard shards_[kShards];
+  std::atomic<int64_t> allocated_{0};
+  std::atomic<int64_t> peak_{0};
+  std::atomic<int64_t> allocations_{0};
+};
+
+// The installed counter; never freed, since tensors anywhere may still point at it.
+std::atomic<CountingCpuAllocator*> cpu_counter{nullptr};
+
+void CountingCpuAllocator::release(void* data) {
+  CountingCpuAllocator* self = cpu_counter.load();
+  size_t bytes = 0;
+  {
+    Shard& shard = self->shard_of(data);
+    std::lock_guard<std::mutex> lock(shard.mutex);
+    auto found = shard.sizes.find(data);
+    if (found != shard.sizes.end()) {
+      bytes = found->second;
+      shard.sizes.erase(found);
+    }
+  }
+  self->allocated_.fetch_sub(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+  self->inner_delete_(data);
+}
+
 }  // namespace
 
 extern "C" {
+
+int toma_shim_cpu_track(void) {
+  return guarded([&]() -> int {
+    static std::once_flag once;
+    static const char* refused = nullptr;
+    std::call_once(once, [] {
+      c10::Allocator* inner = c10::GetCPUAllocator();
+      if (inner->raw_deleter() == nullptr) {
+        refused = "libtorch's CPU allocator has no raw deleter; it cannot be wrapped";
+        return;
+      }
+      auto* counter = new CountingCpuAllocator(inner);
+      cpu_counter.store(counter);
+      // The highest priority: later registrations of lower priority must not replace it.
+      c10::SetCPUAllocator(counter, UINT8_MAX);
+    });
+    return refused == nullptr ? TOMA_SHIM_OK : fail(TOMA_SHIM_ERROR, refused);
+  });
+}
+
+int toma_shim_cpu_stats(toma_shim_cpu_counts* out) {
+  return guarded([&]() -> int {
+    CountingCpuAllocator* counter = cpu_counter.load();
+    if (counter == nullptr) {
+      return fail(TOMA_SHIM_NOT_TRACKING, "CPU allocations are not counted: call toma::memory::track_cpu_allocations first");
+    }
+    *out = counter->stats();
+    return TOMA_SHIM_OK;
+  });
+}
+
+int toma_shim_cpu_reset_peak(void) {
+  return guarded([&]() -> int {
+    CountingCpuAllocator* counter = cpu_counter.load();
+    if (counter == nullptr) {
+      return fail(TOMA_SHIM_NOT_TRACKING, "CPU allocations are not counted: call toma::memory::track_cpu_allocations first");
+    }
+    counter->reset_peak();
+    return TOMA_SHIM_OK;
+  });
+}
+
 
 int toma_shim_cuda_device_count(int64_t* count) {
   return guarded([&]() -> int {

@@ -1,4 +1,5 @@
-// C interface to libtorch's CUDA caching allocator, for toma::memory (src/memory.rs).
+// C interface to libtorch's CUDA caching allocator, and a byte counter around its CPU
+// allocator, for toma::memory (src/memory.rs).
 //
 // tch binds neither the allocator's statistics nor emptying its cache. This shim reaches them
 // through c10's generic interfaces (the device guard registry and c10::DeviceAllocator), so it
@@ -23,6 +24,8 @@ enum {
   TOMA_SHIM_BAD_DEVICE = 2,
   // libtorch threw; toma_shim_last_error() has its message.
   TOMA_SHIM_ERROR = 3,
+  // CPU allocation counting is not installed (toma_shim_cpu_track was not called).
+  TOMA_SHIM_NOT_TRACKING = 4,
 };
 
 // Byte and event counts of one device, aggregated over the allocator's small and large pools.
@@ -53,6 +56,26 @@ int toma_shim_cuda_reset_peak(int64_t device);
 
 // Releases every cached block no tensor uses back to the driver (torch.cuda.empty_cache()).
 int toma_shim_cuda_empty_cache(void);
+
+// Bytes of libtorch's CPU allocations since toma_shim_cpu_track installed the counter.
+typedef struct toma_shim_cpu_counts {
+  int64_t allocated;
+  int64_t peak_allocated;
+  // Allocations made (not bytes).
+  int64_t allocations;
+} toma_shim_cpu_counts;
+
+// Wraps libtorch's current CPU allocator in one that counts bytes in live allocations, and
+// makes it libtorch's CPU allocator. Once per process; later calls do nothing. Allocations
+// made before it are not counted (nor their frees). Not thread-safe against libtorch
+// allocating on other threads at the same moment (c10::SetCPUAllocator is not): call early.
+int toma_shim_cpu_track(void);
+
+// The counts since toma_shim_cpu_track; TOMA_SHIM_NOT_TRACKING before it.
+int toma_shim_cpu_stats(toma_shim_cpu_counts* stats);
+
+// Resets the CPU peak to the current figure; TOMA_SHIM_NOT_TRACKING before toma_shim_cpu_track.
+int toma_shim_cpu_reset_peak(void);
 
 // Why the last call on this thread did not return TOMA_SHIM_OK: libtorch's message for
 // TOMA_SHIM_ERROR, the reason for the others ("" after a success). Valid until the next call

@@ -6,6 +6,9 @@ use std::pin::pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Wake, Waker};
 
+#[cfg(feature = "tch")]
+pub mod models;
+
 /// A real libtorch CUDA out-of-memory text (from the shared corpus).
 pub fn oom() -> String {
     "CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 3.95 GiB total capacity; \
