@@ -5,15 +5,21 @@
 //! compile is a warning, not an error: `toma::memory`'s allocator functions then report `None`,
 //! as on a machine without CUDA, and the unit test `shim_is_built_with_tch` fails, so CI notices.
 
+#[cfg(feature = "tch")]
 use std::env;
+#[cfg(feature = "tch")]
 use std::path::{Path, PathBuf};
 
 fn main() {
     println!("cargo::rustc-check-cfg=cfg(toma_shim)");
     println!("cargo::rerun-if-changed=build.rs");
-    if env::var_os("CARGO_FEATURE_TCH").is_none() {
-        return;
-    }
+    // `cc` is a build dependency of feature `tch` only.
+    #[cfg(feature = "tch")]
+    with_libtorch();
+}
+
+#[cfg(feature = "tch")]
+fn with_libtorch() {
     println!("cargo::rerun-if-changed=src/shim/toma_shim.cpp");
     println!("cargo::rerun-if-changed=src/shim/toma_shim.h");
     println!("cargo::rerun-if-env-changed=LIBTORCH_CXX11_ABI");
@@ -34,6 +40,7 @@ fn main() {
     link_torch_cuda(&lib);
 }
 
+#[cfg(feature = "tch")]
 fn compile_shim(include: &Path) -> Result<(), cc::Error> {
     let mut build = cc::Build::new();
     build.cpp(true).std("c++17").file("src/shim/toma_shim.cpp").include("src/shim");
@@ -57,6 +64,7 @@ fn compile_shim(include: &Path) -> Result<(), cc::Error> {
 /// all; tch's own build script does the same (tch-rs issue 980). Linking `libtorch.so`, which
 /// depends on `libtorch_cuda.so`, without `--as-needed` keeps it. Users of toma need the same
 /// lines in their own build scripts to use CUDA through tch.
+#[cfg(feature = "tch")]
 fn link_torch_cuda(lib: &Path) {
     let linux = env::var("CARGO_CFG_TARGET_OS").is_ok_and(|os| os == "linux");
     if linux && lib.join("libtorch_cuda.so").exists() && lib.join("libtorch.so").exists() {
