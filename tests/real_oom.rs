@@ -148,11 +148,18 @@ fn ones_mib_rows(batchsize: usize) -> Result<usize, TchError> {
     Ok(batchsize)
 }
 
-fn child_batch_errors() {
+/// Under a cap of `kind` (scenario `scenario`): the first call converges through real
+/// allocator errors, the second hits the Global cache.
+fn child_batch_errors(kind: CpuCap, scenario: &str) {
     events::record();
-    let headroom = cap_address_space(1.5);
-    // Why CUDA machines want the data cap instead: this one refuses the driver's reservations.
-    assert!(!reservation_like_cudas_fits(), "RLIMIT_AS counts PROT_NONE reservations");
+    let headroom = cap_memory(kind, 1.5);
+    // Why CUDA machines want the data cap: only the address-space cap refuses reservations
+    // like the driver's.
+    assert_eq!(reservation_like_cudas_fits(), kind == CpuCap::Data, "{kind} and a PROT_NONE reservation");
+    let other = if kind == CpuCap::Data { CpuCap::AddressSpace } else { CpuCap::Data };
+    assert_eq!(other.limit().unwrap(), None, "only {kind} is set");
+    let available = toma::cpu_memory::available_cpu_memory();
+    assert!(available <= headroom, "available {available} B counts the headroom under {kind}, {headroom} B");
 
     let started = Instant::now();
     let converged = ones_mib_rows().expect("converges to a batch size that fits");
@@ -180,14 +187,14 @@ fn child_batch_errors() {
     assert!(events::take_caught_ooms().is_empty());
     assert!(BATCH_ERRORS.lock().unwrap().is_empty());
 
-    println!("{DONE} batch_errors converged={converged} attempts={} secs={first_secs:.2}", first.len());
+    println!("{DONE} {scenario} converged={converged} attempts={} secs={first_secs:.2}", first.len());
 }
 
 #[test]
 fn batch_with_tch_errors_converges_under_a_real_cap() {
     if let Some(scenario) = child_scenario() {
         assert_eq!(scenario, "batch_errors");
-        return child_batch_errors();
+        return child_batch_errors(CpuCap::AddressSpace, "batch_errors");
     }
     let (_, fields) = run_in_child("batch_with_tch_errors_converges_under_a_real_cap", "batch_errors");
     let converged: usize = fields["converged"].parse().unwrap();
@@ -345,34 +352,11 @@ fn chunked_halves_its_step_under_a_real_cap_and_writes_each_slice_once() {
 // c2. The data-segment cap (`RLIMIT_DATA`, for CUDA machines): the same real allocator failure,
 //     while address-space reservations like the CUDA driver's still fit.
 
-fn child_batch_data_cap() {
-    events::record();
-    let headroom = cap_memory(CpuCap::Data, 1.5);
-    assert!(reservation_like_cudas_fits(), "RLIMIT_DATA does not count PROT_NONE reservations");
-    assert_eq!(CpuCap::AddressSpace.limit().unwrap(), None, "only the data cap is set");
-    let available = toma::cpu_memory::available_cpu_memory();
-    assert!(available <= headroom, "available {available} B counts the data cap's headroom {headroom} B");
-
-    let converged = ones_mib_rows().expect("converges to a batch size that fits");
-    let first = take_attempts();
-    println!("first call: attempts {first:?} -> {converged}");
-    assert_halving(&first, 65536);
-    assert!(first.len() >= 2, "the initial 64 GiB allocation must fail under the cap: {first:?}");
-    assert!(converged > 0 && converged as u64 * MIB <= headroom, "{converged} MiB does not fit in {headroom} B");
-    let errors = std::mem::take(&mut *BATCH_ERRORS.lock().unwrap());
-    assert_eq!(errors.len(), first.len() - 1, "{errors:#?}");
-    assert_oom_events(&events::take_caught_ooms(), &first, "error");
-
-    assert_eq!(ones_mib_rows().unwrap(), converged);
-    assert_eq!(take_attempts(), [converged], "a cache hit makes exactly one attempt");
-    println!("{DONE} batch_data_cap converged={converged} attempts={}", first.len());
-}
-
 #[test]
 fn batch_converges_under_a_real_data_segment_cap() {
     if let Some(scenario) = child_scenario() {
         assert_eq!(scenario, "batch_data_cap");
-        return child_batch_data_cap();
+        return child_batch_errors(CpuCap::Data, "batch_data_cap");
     }
     let (_, fields) = run_in_child("batch_converges_under_a_real_data_segment_cap", "batch_data_cap");
     assert!((1..=1536).contains(&fields["converged"].parse::<usize>().unwrap()), "{fields:?}");
