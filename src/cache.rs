@@ -416,7 +416,7 @@ pub(crate) const fn mix(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
-const fn hash_bytes(seed: u64, bytes: &[u8]) -> u64 {
+pub(crate) const fn hash_bytes(seed: u64, bytes: &[u8]) -> u64 {
     // FNV-1a, then mixed: short strings, evaluated at compile time for `Site`.
     let mut h = seed ^ 0xcbf2_9ce4_8422_2325;
     let mut i = 0;

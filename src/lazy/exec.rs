@@ -138,9 +138,9 @@ fn forward_chunk(c: &Compiled, chunk: &Chunk<'_>, mut trace: Option<&mut Vec<Tra
         let out = {
             let ins: Vec<&Tensor> = c.inputs(i).map(|j| values[j].as_ref().expect("held until its last use")).collect();
             let out = run_node(c, i, &ins, chunk)?;
-            let expected = node.meta.shape_at(chunk.b);
             let actual = out.size();
-            if actual != expected {
+            if !node.meta.matches_at(chunk.b, &actual) {
+                let expected = node.meta.shape_at(chunk.b);
                 return Err(LazyError::ShapeRule { node: i, op: node.op.name().into(), expected, actual });
             }
             if let Some(t) = trace.as_deref_mut() {
@@ -156,7 +156,7 @@ fn forward_chunk(c: &Compiled, chunk: &Chunk<'_>, mut trace: Option<&mut Vec<Tra
             out
         };
         values[i] = Some(out);
-        for j in c.inputs(i).collect::<Vec<_>>() {
+        for j in c.inputs(i) {
             if c.last_use[j] as usize == i {
                 values[j] = None;
             }

@@ -73,6 +73,16 @@ impl Meta {
         shape
     }
 
+    /// Whether `actual` is [`Meta::shape_at`]`(b)`, without building it.
+    pub(crate) fn matches_at(&self, b: i64, actual: &[i64]) -> bool {
+        let batch_dim = self.batch().map(|bd| (bd.dim, b * bd.factor));
+        actual.len() == self.shape.len()
+            && actual.iter().zip(&self.shape).enumerate().all(|(d, (&a, &s))| match batch_dim {
+                Some((dim, size)) if dim == d => a == size,
+                _ => a == s,
+            })
+    }
+
     /// Elements per sample and elements that do not scale with the batch: `numel(b) = a b + c`.
     pub(crate) fn numel_parts(&self) -> (u64, u64) {
         let total = shape::numel(&self.shape).max(0) as u64;
@@ -151,10 +161,9 @@ impl Cost {
         };
         let in_kind = inputs.first().map_or(meta.kind, |x| x.meta.kind);
         let work = Bytes::of(op.workspace(inputs, meta), in_kind);
-        let requires: Vec<bool> = inputs.iter().map(|x| x.meta.requires_grad).collect();
         let (mut saved, mut grad_alias) = (0u64, 0u64);
         for k in 0..inputs.len().min(64) {
-            if meta.requires_grad && op.saves_input(k, &requires) {
+            if meta.requires_grad && op.saves_input(k, inputs) {
                 saved |= 1 << k;
             }
             if op.grad_aliases(k, inputs, meta) {

@@ -295,8 +295,7 @@ impl Op {
 
     /// A stable tag for fingerprints.
     pub(crate) fn tag(&self) -> u64 {
-        let name = self.name();
-        name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+        crate::cache::hash_bytes(0, self.name().as_bytes())
     }
 
     /// Runs the op on one micro-batch; `meta` is the node's, `ins` its inputs' values.
@@ -410,8 +409,8 @@ impl Op {
 
     /// Whether autograd's graph for this op keeps input `i` alive until its backward, given
     /// which inputs require a gradient. Only asked when the output requires a gradient.
-    pub(crate) fn saves_input(&self, i: usize, requires: &[bool]) -> bool {
-        let other_requires = |j: usize| requires.get(j).copied().unwrap_or(false);
+    pub(crate) fn saves_input(&self, i: usize, inputs: &[Rc<Node>]) -> bool {
+        let other_requires = |j: usize| inputs.get(j).is_some_and(|n| n.meta.requires_grad);
         match self {
             Op::Unary(u) => i == 0 && matches!(u, Unary::Log | Unary::Abs | Unary::Gelu(_)),
             Op::Binary(op) => match op {

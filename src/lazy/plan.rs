@@ -23,7 +23,7 @@ use std::borrow::Cow;
 use std::cell::OnceCell;
 use std::collections::HashMap;
 use std::fmt;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::BuildHasherDefault;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -204,7 +204,7 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
     let mut batch: Option<i64> = None;
     let mut fingerprint = 0x6c61_7a79u64;
     let leaves = found.iter().filter(|x| x.inputs.is_empty()).count();
-    let mut params_seen: HashMap<&ParamKey, u32, BuildHasherDefault<IdHasher>> =
+    let mut params_seen: HashMap<&ParamKey, u32, BuildHasherDefault<crate::cache::PassThrough>> =
         HashMap::with_capacity_and_hasher(leaves, BuildHasherDefault::default());
     for (i, node) in found.iter().enumerate() {
         offsets.push(inputs.len() as u32);
@@ -292,24 +292,6 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
         global,
         schedules: [OnceCell::new(), OnceCell::new()],
     })
-}
-
-/// A fast hasher for keys that carry their own hash.
-#[derive(Default)]
-struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = crate::cache::mix(self.0 ^ u64::from(b));
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        self.0 = v;
-    }
 }
 
 /// One step of the schedule, as recorded for a plan's table.

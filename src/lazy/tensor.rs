@@ -244,7 +244,7 @@ impl LazyTensor {
 
     fn f_unary(&self, u: Unary) -> Result<LazyTensor, LazyError> {
         let op = Op::Unary(u);
-        let name = op.name().to_string();
+        let name = op.label();
         let n = &self.node;
         let kind = match op {
             Op::Unary(Unary::Relu | Unary::Neg | Unary::Abs) => n.meta.kind,
@@ -578,7 +578,7 @@ impl LazyTensor {
     fn f_softmax_impl(&self, dim: i64, kind: Option<Kind>, log: bool) -> Result<LazyTensor, LazyError> {
         let n = &self.node;
         let op = Op::Softmax { dim, kind, log };
-        let name = op.name().to_string();
+        let name = op.label();
         let d = shape::wrap_dim(dim, n.meta.shape.len()).map_err(|r| arg(&name, &n.meta.shape, r))?;
         let out_kind = kind.unwrap_or(n.meta.kind);
         if !shape::is_floating(out_kind) {
@@ -1346,7 +1346,7 @@ impl LazyTensor {
         let n = &self.node;
         let m = &n.meta;
         let record_op = Op::Reduce { op, dims: None, keepdim, kind };
-        let name = record_op.name().to_string();
+        let name = record_op.label();
         let a = |r: String| arg(&name, &m.shape, r);
         let (reduced, dims) = match dims {
             Some(list) if !list.is_empty() => {
@@ -1870,20 +1870,14 @@ binary_operators! {
 impl std::ops::Neg for &LazyTensor {
     type Output = LazyTensor;
     fn neg(self) -> LazyTensor {
-        self.relu_free_neg()
+        LazyTensor::neg(self)
     }
 }
 
 impl std::ops::Neg for LazyTensor {
     type Output = LazyTensor;
     fn neg(self) -> LazyTensor {
-        self.relu_free_neg()
-    }
-}
-
-impl LazyTensor {
-    fn relu_free_neg(&self) -> LazyTensor {
-        self.f_neg().unwrap_or_else(|e| panic!("{e}"))
+        LazyTensor::neg(&self)
     }
 }
 
