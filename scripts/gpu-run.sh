@@ -58,12 +58,14 @@ for bin in "$work"/bin/*; do
     continue
   fi
   echo "== $name" | tee -a "$log"
+  # This binary's own result line: grep only what it adds to the log.
+  lines_before=$(wc -l <"$log")
   started=$(date +%s)
   # One test at a time: they share the card (tests/gpu.rs also takes turns itself).
   timeout "$timeout_s" "$bin" --test-threads=1 --nocapture 2>&1 | tee -a "$log"
   rc=${PIPESTATUS[0]}
   secs=$(($(date +%s) - started))
-  result="$(grep -E '^test result:' "$log" | tail -1 | sed 's/^test result: //')"
+  result="$(tail -n +"$((lines_before + 1))" "$log" | grep -E '^test result:' | tail -1 | sed 's/^test result: //')"
   if [ "$rc" -eq 0 ]; then
     rows+=("| $name | $result (${secs} s) |")
   else

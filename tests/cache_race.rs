@@ -44,7 +44,8 @@ fn race(call: fn(Body<'_>) -> Result<usize, String>) {
                 let (min_failed, stop, starts_seen) = (min_failed.clone(), stop.clone(), starts_seen.clone());
                 std::thread::spawn(move || {
                     let mut bad = Vec::new();
-                    while !stop.load(Ordering::SeqCst) {
+                    // At least one call each, however late the thread starts.
+                    loop {
                         let before = min_failed.load(Ordering::SeqCst);
                         let mut first = None;
                         call(&mut |size| {
@@ -58,6 +59,9 @@ fn race(call: fn(Body<'_>) -> Result<usize, String>) {
                         let first = first.unwrap();
                         if first >= before && first > 1 {
                             bad.push((first, before));
+                        }
+                        if stop.load(Ordering::SeqCst) {
+                            break;
                         }
                     }
                     bad

@@ -22,6 +22,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use support::models::*;
+use support::Recorder;
 use tch::nn;
 use tch::{Device, Kind, TchError, Tensor};
 use toma::cpu_memory::CpuCap;
@@ -108,15 +109,11 @@ fn rows_beyond_the_card() -> usize {
     ((2 * total / ROW_BYTES) as usize).next_power_of_two()
 }
 
-static ATTEMPTS: Mutex<Vec<usize>> = Mutex::new(Vec::new());
-static ERRORS: Mutex<Vec<String>> = Mutex::new(Vec::new());
-
-fn take<T>(list: &Mutex<Vec<T>>) -> Vec<T> {
-    std::mem::take(&mut *list.lock().unwrap_or_else(PoisonError::into_inner))
-}
+static ATTEMPTS: Recorder = Recorder::new();
+static ERRORS: Recorder<String> = Recorder::new();
 
 fn recorded(err: TchError) -> TchError {
-    ERRORS.lock().unwrap_or_else(PoisonError::into_inner).push(err.to_string());
+    ERRORS.push(err.to_string());
     err
 }
 
@@ -128,14 +125,6 @@ fn ones_and_double(rows: usize) -> Result<(), TchError> {
     let (min, max) = (y.f_min()?.f_double_value(&[])?, y.f_max()?.f_double_value(&[])?);
     assert_eq!((min, max), (2.0, 2.0), "every element was computed");
     Ok(())
-}
-
-/// Asserts that `attempts` start at `initial` and halve each time.
-fn assert_halving(attempts: &[usize], initial: usize) {
-    assert_eq!(attempts.first(), Some(&initial), "{attempts:?}");
-    for pair in attempts.windows(2) {
-        assert_eq!(pair[1], pair[0] / 2, "each retry halves the size: {attempts:?}");
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -171,7 +160,7 @@ fn allocator_functions_agree_with_the_machine() {
 /// f_ methods: the out-of-memory arrives as `Err`.
 #[toma::batch(initial_batchsize = rows_beyond_the_card(), cache = None)]
 fn rows_with_errors(batchsize: usize) -> Result<usize, TchError> {
-    ATTEMPTS.lock().unwrap_or_else(PoisonError::into_inner).push(batchsize);
+    ATTEMPTS.push(batchsize);
     ones_and_double(batchsize)?;
     Ok(batchsize)
 }
@@ -179,7 +168,7 @@ fn rows_with_errors(batchsize: usize) -> Result<usize, TchError> {
 /// Plain methods: the out-of-memory arrives as a panic.
 #[toma::batch(initial_batchsize = rows_beyond_the_card(), cache = None)]
 fn rows_with_panics(batchsize: usize) -> usize {
-    ATTEMPTS.lock().unwrap_or_else(PoisonError::into_inner).push(batchsize);
+    ATTEMPTS.push(batchsize);
     let x = Tensor::ones([batchsize as i64, ROW_FLOATS], (Kind::Float, CUDA));
     let y = &x + &x;
     assert_eq!((y.min().double_value(&[]), y.max().double_value(&[])), (2.0, 2.0));
@@ -195,11 +184,11 @@ fn converge(test: &str, gpu: &Gpu, call: impl FnOnce() -> usize) {
     tch::Cuda::synchronize(0);
     let secs = started.elapsed().as_secs_f64();
     let after = stats();
-    let attempts = take(&ATTEMPTS);
-    let errors = take(&ERRORS);
+    let attempts = ATTEMPTS.take();
+    let errors = ERRORS.take();
     println!("{test}: attempts {attempts:?} -> {converged} rows of 64 MiB in {secs:.2} s; errors {errors:#?}");
 
-    assert_halving(&attempts, rows_beyond_the_card());
+    support::assert_halving(&attempts, rows_beyond_the_card());
     assert_eq!(attempts.last(), Some(&converged));
     assert!(attempts.len() >= 2, "the first attempt asks for ~4x the card and must fail: {attempts:?}");
     assert!(2 * converged as u64 * ROW_BYTES <= gpu.total, "{converged} rows cannot fit");
@@ -258,12 +247,12 @@ fn batch_converges_under_a_real_cuda_oom_without_leaking() {
 // ---------------------------------------------------------------------------------------------
 // 2. #[toma::range] and #[toma::chunked] over CUDA tensors under a real out-of-memory.
 
-static RANGES: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+static RANGES: Recorder<(usize, usize)> = Recorder::new();
 
 /// Each sub-range needs 2 × its length × 64 MiB; adds 1 to `seen[start..end]` once it is done.
 #[toma::range(initial_step = rows_beyond_the_card(), cache = None)]
 fn rows_in_ranges(start: usize, end: usize, seen: &Tensor) -> Result<(), TchError> {
-    RANGES.lock().unwrap_or_else(PoisonError::into_inner).push((start, end));
+    RANGES.push((start, end));
     ones_and_double(end - start)?;
     let mut part = seen.f_narrow(0, start as i64, (end - start) as i64)?;
     let _ = part.f_add_(&Tensor::f_ones([(end - start) as i64], (Kind::Float, CUDA))?)?;
@@ -280,13 +269,13 @@ fn check_ranges(ranges: &[(usize, usize)], len: usize) -> (usize, usize) {
 
 /// Slices of the chunked tensor.
 const SLICES: i64 = 64;
-static CHUNKS: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+static CHUNKS: Recorder<(usize, usize)> = Recorder::new();
 
 /// Needs temporaries of 5 × the chunk; slice `i` becomes `2 i + 1` (from `i`): a slice done
 /// twice would read `4 i + 3`, one skipped `i`.
 #[toma::chunked(initial_step = SLICES as usize, cache = None)]
 fn slices_in_chunks(mut chunk: Tensor, start: usize, end: usize) -> Result<(), TchError> {
-    CHUNKS.lock().unwrap_or_else(PoisonError::into_inner).push((start, end));
+    CHUNKS.push((start, end));
     let wide = chunk.f_repeat([1, 4]).map_err(recorded)?;
     let mut computed = chunk.f_add(&chunk).map_err(recorded)?;
     // The repeated slices are the chunk's: their maxima match.
@@ -309,8 +298,8 @@ fn range_and_chunked_halve_under_a_real_cuda_oom() {
     let started = Instant::now();
     rows_in_ranges(0, len, &seen).expect("every sub-range is done");
     let secs = started.elapsed().as_secs_f64();
-    let ranges = take(&RANGES);
-    let errors = take(&ERRORS);
+    let ranges = RANGES.take();
+    let errors = ERRORS.take();
     println!("range: attempts {ranges:?} in {secs:.2} s");
     let (step, failed) = check_ranges(&ranges, len);
     assert!(failed >= 1 && step < len, "the whole range cannot fit: {ranges:?}");
@@ -338,8 +327,8 @@ fn range_and_chunked_halve_under_a_real_cuda_oom() {
     slices_in_chunks(&tensor).expect("every chunk is done");
     tch::Cuda::synchronize(0);
     let secs = started.elapsed().as_secs_f64();
-    let chunks = take(&CHUNKS);
-    let errors = take(&ERRORS);
+    let chunks = CHUNKS.take();
+    let errors = ERRORS.take();
     println!("chunked: attempts {chunks:?} in {secs:.2} s");
     let (step, failed) = check_ranges(&chunks, SLICES as usize);
     assert!(failed >= 1 && step < SLICES as usize, "the whole tensor's temporaries cannot fit: {chunks:?}");
@@ -369,7 +358,7 @@ fn range_and_chunked_halve_under_a_real_cuda_oom() {
 /// first call's blocks must not change the key (usable memory counts them as free).
 #[toma::batch(initial_batchsize = rows_beyond_the_card())]
 fn rows_remembered(batchsize: usize) -> Result<usize, TchError> {
-    ATTEMPTS.lock().unwrap_or_else(PoisonError::into_inner).push(batchsize);
+    ATTEMPTS.push(batchsize);
     ones_and_double(batchsize)?;
     Ok(batchsize)
 }
@@ -397,7 +386,7 @@ fn a_second_call_hits_the_cache_without_an_oom() {
         let converged = rows_remembered().expect("converges");
         let secs = started.elapsed().as_secs_f64();
         let ooms = stats().ooms - before.ooms;
-        let attempts = take(&ATTEMPTS);
+        let attempts = ATTEMPTS.take();
         println!(
             "run {run}: cpu {} gpu {} cached {}: attempts {attempts:?}, allocator OOMs {ooms}, {secs:.2} s",
             gib(reading.0),
@@ -406,7 +395,7 @@ fn a_second_call_hits_the_cache_without_an_oom() {
         );
         runs.push((attempts, converged, ooms, secs, reading));
     }
-    take(&ERRORS);
+    ERRORS.take();
     let converged = runs[0].1;
     assert!(runs[0].0.len() >= 2, "the first call must run out: {:?}", runs[0]);
     // Usable memory does not move with what libtorch caches, so the key stays put...

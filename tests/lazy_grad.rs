@@ -25,7 +25,8 @@ fn grads(vs: &nn::VarStore) -> BTreeMap<String, Tensor> {
 
 /// Largest elementwise difference relative to the largest reference magnitude. Gradients
 /// that are zero in exact arithmetic (a key bias under softmax) are round-off noise of about
-/// 1e-17: an absolute floor of 1e-12 keeps them from counting as relative errors.
+/// 1e-17: a floor of 1e-7 under the reference magnitude keeps them from counting as relative
+/// errors.
 fn relative_error(a: &Tensor, b: &Tensor) -> f64 {
     let diff = (a - b).abs().max().double_value(&[]);
     let scale = b.abs().max().double_value(&[]).max(1e-7);

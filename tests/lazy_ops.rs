@@ -48,12 +48,11 @@ fn agree(
     };
     prop_assert_eq!(lazy_t.size(), eager.size(), "{}: shape", what);
     prop_assert_eq!(lazy_t.kind(), eager.kind(), "{}: kind", what);
+    let whole = lazy_t.to_tensor().map_err(|e| TestCaseError::fail(format!("{what}: {e}")))?;
     if split == Split::Shape {
-        let whole = lazy_t.to_tensor().map_err(|e| TestCaseError::fail(format!("{what}: {e}")))?;
         prop_assert_eq!(whole.size(), eager.size());
         return Ok(());
     }
-    let whole = lazy_t.to_tensor().map_err(|e| TestCaseError::fail(format!("{what}: {e}")))?;
     close(what, &whole, &eager)?;
     let forced = Options::new().micro_batch(micro);
     match (lazy_t.to_tensor_with(&forced), split) {

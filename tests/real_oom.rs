@@ -11,11 +11,12 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
+
 use std::time::Instant;
 
 use support::child::Child;
 use support::events::{self, Recorded};
+use support::Recorder;
 use toma::cpu_memory::CpuCap;
 
 use tch::{Device, Kind, TchError, Tensor};
@@ -99,14 +100,6 @@ fn reservation_like_cudas_fits() -> bool {
     true
 }
 
-/// Asserts that `attempts` start at `initial` and halve each time.
-fn assert_halving(attempts: &[usize], initial: usize) {
-    assert_eq!(attempts.first(), Some(&initial), "{attempts:?}");
-    for pair in attempts.windows(2) {
-        assert_eq!(pair[1], pair[0] / 2, "each retry halves the size: {attempts:?}");
-    }
-}
-
 /// Asserts that the OOM events match the failed attempts (all but the last) and their kind.
 fn assert_oom_events(events: &[Recorded], attempts: &[usize], caught: &str) {
     assert_eq!(events.len(), attempts.len() - 1, "one info event per caught OOM: {events:#?}");
@@ -123,22 +116,22 @@ fn assert_oom_events(events: &[Recorded], attempts: &[usize], caught: &str) {
 // ---------------------------------------------------------------------------------------------
 // a. Batch, with tch's `f_` methods: out-of-memory arrives as `Err(TchError::Torch(..))`.
 
-static BATCH_ATTEMPTS: Mutex<Vec<usize>> = Mutex::new(Vec::new());
-static BATCH_ERRORS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+static BATCH_ATTEMPTS: Recorder = Recorder::new();
+static BATCH_ERRORS: Recorder<String> = Recorder::new();
 
 fn take_attempts() -> Vec<usize> {
-    std::mem::take(&mut *BATCH_ATTEMPTS.lock().unwrap())
+    BATCH_ATTEMPTS.take()
 }
 
 fn recorded(err: TchError) -> TchError {
-    BATCH_ERRORS.lock().unwrap().push(err.to_string());
+    BATCH_ERRORS.push(err.to_string());
     err
 }
 
 /// `batchsize` rows of 1 MiB, each element touched; gives back the batch size that worked.
 #[toma::batch(initial_batchsize = 65536, cache = Global)]
 fn ones_mib_rows(batchsize: usize) -> Result<usize, TchError> {
-    BATCH_ATTEMPTS.lock().unwrap().push(batchsize);
+    BATCH_ATTEMPTS.push(batchsize);
     let mut rows = Tensor::f_zeros([batchsize as i64, MIB_FLOATS], CPU_FLOAT).map_err(recorded)?;
     let _ = rows.f_add_scalar_(1.0).map_err(recorded)?;
     // Reductions without a temporary: the body needs `batchsize` MiB and nothing more.
@@ -168,10 +161,10 @@ fn child_batch_errors(kind: CpuCap, scenario: &str) {
     println!("first call: attempts {first:?} -> {converged} in {first_secs:.2} s");
 
     assert_eq!(first.last(), Some(&converged));
-    assert_halving(&first, 65536);
+    support::assert_halving(&first, 65536);
     assert!(first.len() >= 2, "the initial 64 GiB allocation must fail under the cap: {first:?}");
     assert!(converged > 0 && converged as u64 * MIB <= headroom, "{converged} MiB does not fit in {headroom} B");
-    let errors = std::mem::take(&mut *BATCH_ERRORS.lock().unwrap());
+    let errors = BATCH_ERRORS.take();
     assert_eq!(errors.len(), first.len() - 1, "one allocator error per failed attempt: {errors:#?}");
     for err in &errors {
         assert!(err.contains(ALLOCATOR_OOM), "not a real allocator failure: {err}");
@@ -185,7 +178,7 @@ fn child_batch_errors(kind: CpuCap, scenario: &str) {
     assert_eq!(second, [converged], "a cache hit makes exactly one attempt");
     assert_eq!(again, converged);
     assert!(events::take_caught_ooms().is_empty());
-    assert!(BATCH_ERRORS.lock().unwrap().is_empty());
+    assert!(BATCH_ERRORS.take().is_empty());
 
     println!("{DONE} {scenario} converged={converged} attempts={} secs={first_secs:.2}", first.len());
 }
@@ -208,7 +201,7 @@ fn batch_with_tch_errors_converges_under_a_real_cap() {
 /// As [`ones_mib_rows`], with panicking methods and no cache.
 #[toma::batch(initial_batchsize = 65536, cache = None)]
 fn ones_mib_rows_panicking(batchsize: usize) -> usize {
-    BATCH_ATTEMPTS.lock().unwrap().push(batchsize);
+    BATCH_ATTEMPTS.push(batchsize);
     let mut rows = Tensor::zeros([batchsize as i64, MIB_FLOATS], CPU_FLOAT);
     let _ = rows.fill_(1.0);
     let (min, max) = (rows.min().double_value(&[]), rows.max().double_value(&[]));
@@ -224,7 +217,7 @@ fn child_batch_panics() {
     let first = take_attempts();
     println!("first call: attempts {first:?} -> {converged}");
     assert_eq!(first.last(), Some(&converged));
-    assert_halving(&first, 65536);
+    support::assert_halving(&first, 65536);
     assert!(first.len() >= 2, "the initial 64 GiB allocation must fail under the cap: {first:?}");
     assert!(converged > 0 && converged as u64 * MIB <= headroom, "{converged} MiB does not fit in {headroom} B");
     let events = events::take_caught_ooms();
@@ -234,7 +227,7 @@ fn child_batch_panics() {
     let again = ones_mib_rows_panicking();
     let second = take_attempts();
     println!("second call: attempts {second:?} -> {again}");
-    assert_halving(&second, 65536);
+    support::assert_halving(&second, 65536);
     assert_eq!(again, converged);
     assert_eq!(events::take_caught_ooms().len(), second.len() - 1);
 
@@ -258,7 +251,7 @@ fn batch_with_tch_panics_converges_under_a_real_cap() {
 
 /// Chunks of the 1 GiB tensors below: 1024 slices of 1 MiB.
 const SLICES: i64 = 1024;
-static CHUNK_RANGES: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+static CHUNK_RANGES: Recorder<(usize, usize)> = Recorder::new();
 
 /// Slice `i` becomes `2 i + 1` (from `i`): a slice done twice would read `4 i + 3`, one skipped `i`.
 ///
@@ -274,7 +267,7 @@ fn double_plus_one(chunk: &mut Tensor) -> Result<(), TchError> {
 /// Rows: chunks along dimension 0 of a `[SLICES, MIB_FLOATS]` tensor.
 #[toma::chunked(initial_step = 1024, dimension = 0, cache = None)]
 fn double_plus_one_rows(mut chunk: Tensor, start: usize, end: usize) -> Result<(), TchError> {
-    CHUNK_RANGES.lock().unwrap().push((start, end));
+    CHUNK_RANGES.push((start, end));
     assert_eq!(chunk.size(), [(end - start) as i64, MIB_FLOATS], "the chunk is rows [start, end)");
     double_plus_one(&mut chunk)
 }
@@ -282,7 +275,7 @@ fn double_plus_one_rows(mut chunk: Tensor, start: usize, end: usize) -> Result<(
 /// Columns: chunks along the last dimension of a `[MIB_FLOATS, SLICES]` tensor (strided views).
 #[toma::chunked(initial_step = 1024, dimension = -1, cache = None)]
 fn double_plus_one_columns(mut chunk: Tensor, start: usize, end: usize) -> Result<(), TchError> {
-    CHUNK_RANGES.lock().unwrap().push((start, end));
+    CHUNK_RANGES.push((start, end));
     assert_eq!(chunk.size(), [MIB_FLOATS, (end - start) as i64], "the chunk is columns [start, end)");
     double_plus_one(&mut chunk)
 }
@@ -290,7 +283,7 @@ fn double_plus_one_columns(mut chunk: Tensor, start: usize, end: usize) -> Resul
 /// Checks the recorded chunk attempts of one call over `SLICES` slices; returns the step that
 /// worked (the longest finished chunk) and the number of finished chunks.
 fn check_chunk_attempts(headroom: u64) -> (usize, usize) {
-    let ranges = std::mem::take(&mut *CHUNK_RANGES.lock().unwrap());
+    let ranges = CHUNK_RANGES.take();
     println!("chunk attempts: {ranges:?}");
     let len = SLICES as usize;
     assert!(ranges.len() >= 2 && ranges[1].0 == 0, "the 1 GiB temporary must fail under the cap: {ranges:?}");
@@ -369,7 +362,7 @@ fn batch_converges_under_a_real_data_segment_cap() {
 /// A shape mismatch, whatever the batch size.
 #[toma::batch(initial_batchsize = 64, cache = None)]
 fn mismatched_matmul(batchsize: usize) -> Result<usize, TchError> {
-    BATCH_ATTEMPTS.lock().unwrap().push(batchsize);
+    BATCH_ATTEMPTS.push(batchsize);
     let a = Tensor::f_ones([batchsize as i64, 3], CPU_FLOAT)?;
     let b = Tensor::f_ones([4, 5], CPU_FLOAT)?;
     let _ = a.f_matmul(&b)?;
@@ -379,7 +372,7 @@ fn mismatched_matmul(batchsize: usize) -> Result<usize, TchError> {
 /// The same mismatch through the panicking method.
 #[toma::batch(initial_batchsize = 64, cache = None)]
 fn mismatched_matmul_panicking(batchsize: usize) -> usize {
-    BATCH_ATTEMPTS.lock().unwrap().push(batchsize);
+    BATCH_ATTEMPTS.push(batchsize);
     let a = Tensor::ones([batchsize as i64, 3], CPU_FLOAT);
     let _ = a.matmul(&Tensor::ones([4, 5], CPU_FLOAT));
     batchsize
@@ -388,7 +381,7 @@ fn mismatched_matmul_panicking(batchsize: usize) -> usize {
 /// 64 GiB whatever the batch size: fails at every size, 1 included.
 #[toma::batch(initial_batchsize = 8, cache = None)]
 fn always_too_big(batchsize: usize) -> Result<(), TchError> {
-    BATCH_ATTEMPTS.lock().unwrap().push(batchsize);
+    BATCH_ATTEMPTS.push(batchsize);
     let _ = Tensor::f_zeros([64 * 1024, MIB_FLOATS], CPU_FLOAT)?;
     Ok(())
 }

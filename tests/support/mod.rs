@@ -16,18 +16,26 @@ pub fn oom() -> String {
         .to_string()
 }
 
-/// Records the sizes a body was called with.
-pub struct Recorder(Mutex<Vec<usize>>);
+/// Records what a body was called with (sizes by default), across threads and panics.
+pub struct Recorder<T = usize>(Mutex<Vec<T>>);
 
-impl Recorder {
+impl<T> Recorder<T> {
     pub const fn new() -> Self {
         Recorder(Mutex::new(Vec::new()))
     }
-    pub fn push(&self, size: usize) {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(size);
+    pub fn push(&self, item: T) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(item);
     }
-    pub fn take(&self) -> Vec<usize> {
+    pub fn take(&self) -> Vec<T> {
         std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+/// Asserts that `attempts` start at `initial` and halve each time.
+pub fn assert_halving(attempts: &[usize], initial: usize) {
+    assert_eq!(attempts.first(), Some(&initial), "{attempts:?}");
+    for pair in attempts.windows(2) {
+        assert_eq!(pair[1], pair[0] / 2, "each retry halves the size: {attempts:?}");
     }
 }
 
