@@ -308,8 +308,9 @@ impl Sizer {
         if len < self.failed && len > self.ok {
             self.ok = len;
         }
-        // Skipping the write when the cache already knows keeps cache hits read-only.
-        if let (Some(key), true) = (self.key, self.seen.is_none_or(|e| e.ok < len && len < e.failed)) {
+        // Only a full step says what fits: a clipped last sub-range of 10 must not pin later
+        // calls to 10. Skipping the write when the cache already knows keeps hits read-only.
+        if let (Some(key), true) = (self.key, full && self.seen.is_none_or(|e| e.ok < len && len < e.failed)) {
             self.seen = Some(cache::record_success(key, len, self.hint));
         }
         if full {

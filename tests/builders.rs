@@ -315,3 +315,20 @@ fn reports_count_attempts_and_failures() {
     assert!(reports[1].from_cache, "{reports:?}");
     assert_eq!((reports[1].attempts, reports[1].first_size), (1, 16));
 }
+
+#[test]
+fn a_clipped_last_sub_range_does_not_pin_the_cache() {
+    // The same line: first a range shorter than the step (one clipped attempt of 10), then a
+    // long one, which must still start at the step rather than at 10.
+    let firsts: Vec<_> = [(0, 10), (0, 1000)]
+        .into_iter()
+        .map(|(start, end)| {
+            Range::new(start, end, 64)
+                .cache(CacheKind::Global)
+                .run_with_report(|_, _| Ok::<(), String>(()))
+                .1
+                .first_size
+        })
+        .collect();
+    assert_eq!(firsts, [64, 64]);
+}
