@@ -142,11 +142,8 @@ impl ChunkedAttempts<'_> {
         E: OutOfMemory,
         F: FnMut(Tensor, usize, usize) -> Result<(), E>,
     {
-        while let Some((chunk, start, end)) = self.next_chunk() {
-            let outcome = self.attempt(|| body(chunk, start, end));
-            self.finish(outcome)?;
-        }
-        Ok(())
+        let (tensor, dimension) = (self.tensor, self.dimension);
+        self.attempts.drive(|start, end| body(tensor.narrow(dimension, start as i64, (end - start) as i64), start, end))
     }
 
     /// The next chunk (a view) and its range, or `None` when done.

@@ -95,10 +95,9 @@ impl CpuCap {
 
     /// Bytes left under the cap, or `None` when it is not set (or cannot be read).
     pub fn headroom(self) -> Option<u64> {
-        match (self.limit(), self.in_use()) {
-            (Ok(Some(cap)), Ok(used)) => Some(cap.saturating_sub(used)),
-            _ => None,
-        }
+        // Usage is read only under a cap: without one (the usual case) no /proc file is read.
+        let cap = self.limit().ok().flatten()?;
+        Some(cap.saturating_sub(self.in_use().ok()?))
     }
 }
 
@@ -163,17 +162,21 @@ mod imp {
 
     use super::CpuCap;
 
-    fn resource(cap: CpuCap) -> libc::__rlimit_resource_t {
-        match cap {
-            CpuCap::AddressSpace => libc::RLIMIT_AS,
-            CpuCap::Data => libc::RLIMIT_DATA,
-        }
+    /// The kernel's resource number; a macro, since its type differs between C libraries
+    /// (glibc's `__rlimit_resource_t`, musl's `c_int`) and the call site infers it.
+    macro_rules! resource {
+        ($cap:expr) => {
+            match $cap {
+                CpuCap::AddressSpace => libc::RLIMIT_AS,
+                CpuCap::Data => libc::RLIMIT_DATA,
+            }
+        };
     }
 
     pub(super) fn limit(cap: CpuCap) -> io::Result<(Option<u64>, Option<u64>)> {
         let mut current = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
         // SAFETY: getrlimit writes one `rlimit` into the struct we own.
-        if unsafe { libc::getrlimit(resource(cap), &mut current) } != 0 {
+        if unsafe { libc::getrlimit(resource!(cap), &mut current) } != 0 {
             return Err(io::Error::last_os_error());
         }
         let finite = |v: libc::rlim_t| (v != libc::RLIM_INFINITY).then_some(v);
@@ -207,7 +210,7 @@ mod imp {
         }
         let new = libc::rlimit { rlim_cur: cap as libc::rlim_t, rlim_max: cap as libc::rlim_t };
         // SAFETY: setrlimit only reads the struct we pass.
-        if unsafe { libc::setrlimit(resource(kind), &new) } != 0 {
+        if unsafe { libc::setrlimit(resource!(kind), &new) } != 0 {
             return Err(io::Error::last_os_error());
         }
         // Cache keys bucket free memory; the cap just changed it.

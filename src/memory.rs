@@ -225,6 +225,14 @@ pub fn cuda_current_device() -> Option<usize> {
     torch::current_device().map_err(|err| err.log("reading the current device")).ok()
 }
 
+/// The CUDA device that work without a stated device runs on, for cache keys: libtorch's
+/// current one, or device 0 where the driver sees devices but libtorch's cannot be asked
+/// (built without `tch`, or its shim did not compile).
+pub(crate) fn work_device() -> Option<usize> {
+    static DRIVER_DEVICES: OnceLock<bool> = OnceLock::new();
+    cuda_current_device().or_else(|| DRIVER_DEVICES.get_or_init(|| cuda_device_count() > 0).then_some(0))
+}
+
 /// libtorch's CUDA device count, asked once: libtorch fixes it at its first answer too.
 fn torch_device_count() -> usize {
     static COUNT: OnceLock<usize> = OnceLock::new();

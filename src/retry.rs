@@ -256,7 +256,7 @@ impl Sizer {
         let timed = (report || tracing::enabled!(tracing::Level::INFO)).then(Instant::now);
         // Only StacktraceMemory keys read free memory, so only they need the device.
         let device = match kind {
-            CacheKind::StacktraceMemory => settings.device.unwrap_or_else(crate::memory::cuda_current_device),
+            CacheKind::StacktraceMemory => settings.device.unwrap_or_else(crate::memory::work_device),
             _ => None,
         };
         let key = cache::key(kind, op, site, device);

@@ -5,6 +5,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
 
 #include <atomic>
 #include <exception>
@@ -101,7 +102,9 @@ class CountingCpuAllocator final : public c10::Allocator {
         shard.sizes.emplace(data, n);
       } catch (...) {
         inner_delete_(data);
-        throw;
+        // Out of memory for the record itself: reported in the allocator's words, so that
+        // toma retries it like any other CPU out-of-memory.
+        TORCH_CHECK_WITH(OutOfMemoryError, false, "DefaultCPUAllocator: can't allocate memory: toma's CPU counter could not record an allocation of ", n, " bytes");
       }
       allocations_.fetch_add(1, std::memory_order_relaxed);
       const int64_t now = allocated_.fetch_add(static_cast<int64_t>(n), std::memory_order_relaxed) + static_cast<int64_t>(n);
@@ -226,9 +229,10 @@ int toma_shim_cuda_device_count(int64_t* count) {
 
 int toma_shim_cuda_current_device(int64_t* device) {
   return guarded([&]() -> int {
-    const char* why = "";
-    if (cuda_device_count(&why) == 0) {
-      return fail(TOMA_SHIM_NO_CUDA, why);
+    // Called per wrapped call: one registry lookup and one getDevice. The Rust side asks only
+    // once libtorch has counted devices, and reads a negative index (no device) as none.
+    if (!c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA)) {
+      return fail(TOMA_SHIM_NO_CUDA, "libtorch has no CUDA support loaded (libtorch_cuda missing or not linked)");
     }
     *device = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index();
     return TOMA_SHIM_OK;
