@@ -178,11 +178,8 @@ struct Prepared {
 
 fn prepare(output: &LazyTensor, mode: Mode, options: &Options) -> Result<Prepared, LazyError> {
     let c = plan::compile(output)?;
-    let budget = plan::budget(options, c.device());
-    let choice = plan::choose(&c, mode, budget, options)?;
-    plan::check_split(&c, mode, &choice, budget, options)?;
-    let one = plan::Choice::at(1, &choice);
-    let splittable = c.batch > 1 && plan::check_split(&c, mode, &one, budget, options).is_ok();
+    let (choice, budget) = plan::decide(&c, mode, options)?;
+    let splittable = plan::splittable(&c, mode, &choice, budget, options);
     let chunks = (c.batch as usize).div_ceil(choice.micro_batch);
     tracing::info!(
         mode = ?mode,

@@ -862,10 +862,25 @@ pub(crate) fn plan(output: &LazyTensor, mode: Mode, options: &Options) -> Result
     if mode == Mode::Backward && !output.node.meta.shape.is_empty() && output.numel() != 1 {
         return Err(LazyError::NotScalar { op: output.op_name().into(), shape: output.size() });
     }
-    let budget = budget(options, c.device());
-    let choice = choose(&c, mode, budget, options)?;
-    check_split(&c, mode, &choice, budget, options)?;
+    let (choice, budget) = decide(&c, mode, options)?;
     Ok(detail(c, mode, &choice, budget))
+}
+
+/// The budget, the micro-batch and the split check: what planning and running both decide.
+pub(crate) fn decide(c: &Compiled, mode: Mode, options: &Options) -> Result<(Choice, u64), LazyError> {
+    let budget = budget(options, c.device());
+    let choice = choose(c, mode, budget, options)?;
+    check_split(c, mode, &choice, budget, options)?;
+    Ok((choice, budget))
+}
+
+/// Whether a micro-batch that runs out of memory may be halved. A choice that already splits
+/// passed `check_split`, whose verdict does not depend on the size, so only a whole-batch
+/// choice needs asking again.
+pub(crate) fn splittable(c: &Compiled, mode: Mode, choice: &Choice, budget: u64, options: &Options) -> bool {
+    c.batch > 1
+        && ((choice.micro_batch as i64) < c.batch
+            || check_split(c, mode, &Choice::at(1, choice), budget, options).is_ok())
 }
 
 /// The full plan (table included) for a choice.
