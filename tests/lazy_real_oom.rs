@@ -12,6 +12,7 @@ mod support;
 use support::events;
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
+use toma::cpu_memory::CpuCap;
 use toma::lazy::{lazy, Mode, Options};
 
 const CHILD_ENV: &str = "TOMA_LAZY_OOM_CHILD";
@@ -41,13 +42,8 @@ fn child() {
     assert_eq!(warm, (1 << 22) as f64);
     let warm = l2.forward(&l1.forward(&x.narrow(0, 0, 256)).relu()).sum(Kind::Double).double_value(&[]);
     assert!(warm.is_finite());
-    let in_use = toma::cpu_memory::address_space_in_use().unwrap();
-    toma::cpu_memory::set_cpu_memory_limit(in_use as f64 / GIB + 1.0).unwrap();
-    println!(
-        "cap: {:.2} GiB in use + 1 GiB; {:.2} GiB available",
-        in_use as f64 / GIB,
-        toma::cpu_memory::available_cpu_memory() as f64 / GIB
-    );
+    support::cap_memory(CpuCap::AddressSpace, 1.0);
+    println!("{:.2} GiB available", toma::cpu_memory::available_cpu_memory() as f64 / GIB);
 
     // Eagerly, the full batch does not fit (tch panics; its long backtrace is not printed).
     let hook = std::panic::take_hook();

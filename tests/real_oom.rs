@@ -14,6 +14,7 @@ use std::collections::BTreeMap;
 
 use std::time::Instant;
 
+use support::cap_memory;
 use support::child::Child;
 use support::events::{self, Recorded};
 use support::Recorder;
@@ -25,7 +26,6 @@ use toma::OutOfMemory;
 const CHILD_ENV: &str = "TOMA_REAL_OOM_CHILD";
 const DONE: &str = "TOMA_REAL_OOM_DONE";
 const MIB: u64 = 1 << 20;
-const GIB: f64 = (1u64 << 30) as f64;
 /// Floats in one MiB: a row of this many `f32` is 1 MiB.
 const MIB_FLOATS: i64 = 262_144;
 const CPU_FLOAT: (Kind, Device) = (Kind::Float, Device::Cpu);
@@ -58,23 +58,6 @@ fn child_scenario() -> Option<String> {
 /// what is in use now plus `headroom_gib`. Returns the headroom in bytes.
 fn cap_address_space(headroom_gib: f64) -> u64 {
     cap_memory(CpuCap::AddressSpace, headroom_gib)
-}
-
-/// As [`cap_address_space`], for either kernel limit.
-fn cap_memory(kind: CpuCap, headroom_gib: f64) -> u64 {
-    // A parallel op starts libtorch's intra-op threads now, while their stacks still fit.
-    let warm = Tensor::ones([1 << 20], CPU_FLOAT).sum(Kind::Double).double_value(&[]);
-    assert_eq!(warm, (1 << 20) as f64);
-    let in_use = kind.in_use().expect("VmSize or VmData");
-    kind.set(in_use as f64 / GIB + headroom_gib).expect("set the cap");
-    let cap = kind.limit().expect("getrlimit").expect("a cap is set");
-    println!(
-        "cap ({kind}): {:.2} GiB in use, cap {:.2} GiB, headroom {:.2} GiB",
-        in_use as f64 / GIB,
-        cap as f64 / GIB,
-        (cap - in_use) as f64 / GIB
-    );
-    cap - in_use
 }
 
 /// Whether a 64 GiB `PROT_NONE` reservation, the kind the CUDA driver makes for its address

@@ -9,6 +9,28 @@ use std::task::{Context, Poll, Wake, Waker};
 #[cfg(feature = "tch")]
 pub mod models;
 
+/// Warms libtorch up (its thread pool, its first allocations) and caps `kind` at what is in
+/// use now plus `headroom_gib`. Returns the headroom in bytes. For child processes only: a cap
+/// cannot be raised again.
+#[cfg(all(feature = "tch", target_os = "linux"))]
+pub fn cap_memory(kind: toma::cpu_memory::CpuCap, headroom_gib: f64) -> u64 {
+    const GIB: f64 = (1u64 << 30) as f64;
+    use tch::{Device, Kind, Tensor};
+    // A parallel op starts libtorch's intra-op threads now, while their stacks still fit.
+    let warm = Tensor::ones([1 << 20], (Kind::Float, Device::Cpu)).sum(Kind::Double).double_value(&[]);
+    assert_eq!(warm, (1 << 20) as f64);
+    let in_use = kind.in_use().expect("VmSize or VmData");
+    kind.set(in_use as f64 / GIB + headroom_gib).expect("set the cap");
+    let cap = kind.limit().expect("getrlimit").expect("a cap is set");
+    println!(
+        "cap ({kind}): {:.2} GiB in use, cap {:.2} GiB, headroom {:.2} GiB",
+        in_use as f64 / GIB,
+        cap as f64 / GIB,
+        (cap - in_use) as f64 / GIB
+    );
+    cap - in_use
+}
+
 /// A real libtorch CUDA out-of-memory text (from the shared corpus).
 pub fn oom() -> String {
     "CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 3.95 GiB total capacity; \
