@@ -582,7 +582,7 @@ impl Outcome {
     }
 }
 
-/// Simulates the schedule at micro-batch `b`; records the steps when `steps` is given.
+/// Simulates the schedule at micro-batch `b`.
 fn simulate(c: &Compiled, mode: Mode, b: u64) -> Outcome {
     c.schedule(mode).eval(b, None)
 }
@@ -621,14 +621,15 @@ impl Choice {
 pub(crate) fn choose(c: &Compiled, mode: Mode, budget: u64, options: &Options) -> Result<Choice, LazyError> {
     let n = c.batch.max(1) as u64;
     let full = simulate(c, mode, n);
-    let full_peak = full.resolve(c).0.peak;
+    let full_resolved = full.resolve(c);
+    let full_peak = full_resolved.0.peak;
     if let Some(forced) = options.micro_batch {
         let b = (forced.max(1) as u64).min(n);
         let resolved = simulate(c, mode, b).resolve(c);
         return Ok(Choice { micro_batch: b as usize, peak: resolved.0.peak, full_peak, outcome: Some(resolved) });
     }
     if full.fits(c, budget).0 {
-        return Ok(Choice { micro_batch: n as usize, peak: full_peak, full_peak, outcome: Some(full.resolve(c)) });
+        return Ok(Choice { micro_batch: n as usize, peak: full_peak, full_peak, outcome: Some(full_resolved) });
     }
     // Exponents e with 2^e < n: find the largest that fits (1 is checked last, if at all).
     let (mut lo, mut hi) = (0u32, 63 - (n - 1).leading_zeros());
