@@ -12,7 +12,9 @@
 # either way.
 #
 # Binaries: tests/gpu.rs (the GPU tests), the library's unit tests (toma::memory's device
-# branch) and tests/real_oom.rs (CPU caps with CUDA's libraries loaded).
+# branch) and tests/real_oom.rs (CPU caps with CUDA's libraries loaded). Beside them: Python
+# toma 1.1.0's wheel, fetched from PyPI now (never committed), and benches/gpu_side_by_side.py,
+# which runs test 7's workload through it there (the GPU machine has no network).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -60,16 +62,26 @@ while read -r name path; do
   strip --strip-all "$stage/bin/$name"
 done <"$stage/executables.txt"
 
+# Python toma is pure Python: one wheel, no dependencies beyond PyTorch and psutil, which the
+# GPU machine has. Without it the run still happens and says the comparison is missing.
+mkdir -p "$stage/python"
+cp benches/gpu_side_by_side.py benches/gpu_memory_probe.py "$stage/python/"
+if ! python3 -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+  -d "$stage/python" toma==1.1.0; then
+  echo "warning: could not download Python toma 1.1.0: the bundle runs without the side-by-side" >&2
+fi
+
 {
   echo "toma $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo '+dirty')"
   echo "built $(date -u +%Y-%m-%dT%H:%MZ) on $(uname -m), $(ldd --version | head -1)"
   echo "$(rustc --version), profile $profile"
   echo "libtorch $(python3 -c 'import torch; print(torch.__version__)' 2>/dev/null)"
   echo "binaries: $(cut -d' ' -f1 "$stage/executables.txt" | tr '\n' ' ')"
+  echo "python: $(cd "$stage/python" && ls | tr '\n' ' ')"
 } >"$stage/MANIFEST"
 
 bundle="$out/toma-gpu-tests.tar.xz"
-tar -C "$stage" -cf - MANIFEST bin | xz -T0 -6 >"$bundle"
+tar -C "$stage" -cf - MANIFEST bin python | xz -T0 -6 >"$bundle"
 rm -rf "$stage"
 
 size=$(stat -c %s "$bundle")

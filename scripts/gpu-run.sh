@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs the bundle of scripts/gpu-bundle.sh on a CUDA machine: needs PyTorch 2.11 for `python3`
 # (its lib folder is the libtorch the binaries load), no Rust and no network. Unpacks the
-# bundle, runs every binary with TOMA_CUDA_TESTS=1, and ends with a Markdown summary to paste
-# into the README. Exits non-zero when a binary fails.
+# bundle, runs every binary with TOMA_CUDA_TESTS=1, then Python toma on the side-by-side
+# workload (when the bundle carries its wheel), and ends with a Markdown summary to paste into
+# the README. Exits non-zero when a binary or the Python half fails.
 #
 #   scripts/gpu-run.sh [gpu-bundle/toma-gpu-tests.tar.xz]
 #
@@ -74,6 +75,46 @@ for bin in "$work"/bin/*; do
     failed=1
   fi
 done
+
+# The Python half of test 7's side-by-side: Python toma from the bundle's wheel, installed
+# into a folder of its own (no network there, nothing of the machine's changed).
+side="$work/python/gpu_side_by_side.py"
+wheel="$(ls "$work"/python/toma-*.whl 2>/dev/null | head -1)"
+if [ -f "$side" ] && [ -n "$wheel" ]; then
+  echo "== python-toma ($(basename "$wheel"))" | tee -a "$log"
+  started=$(date +%s)
+  if "$python" -m pip install --quiet --no-index --no-deps --no-compile --disable-pip-version-check \
+    --target "$work/site" "$wheel" >>"$log" 2>&1; then
+    PYTHONPATH="$work/site" PYTHONUNBUFFERED=1 timeout "$timeout_s" "$python" -W ignore "$side" 2>&1 | tee -a "$log"
+    rc=${PIPESTATUS[0]}
+  else
+    echo "pip could not install $wheel" | tee -a "$log"
+    rc=1
+  fi
+  secs=$(($(date +%s) - started))
+  if [ "$rc" -eq 0 ]; then
+    rows+=("| python-toma | ran (${secs} s) |")
+  else
+    rows+=("| python-toma | FAILED, exit $rc (${secs} s) |")
+    failed=1
+  fi
+else
+  echo "== python-toma: not in the bundle (no wheel or script): no side-by-side" | tee -a "$log"
+  rows+=("| python-toma | not in the bundle: no side-by-side |")
+fi
+
+# What libtorch's kernels allocate, seen through PyTorch's own allocator history: the evidence
+# for the planner's CUDA rules (src/lazy/scratch.rs). Diagnostic: its lines go to the log only.
+probe="$work/python/gpu_memory_probe.py"
+if [ -f "$probe" ]; then
+  echo "== memory probe" | tee -a "$log"
+  if PYTHONUNBUFFERED=1 timeout "$timeout_s" "$python" -W ignore "$probe" >>"$log" 2>&1; then
+    rows+=("| memory probe | ran ($(grep -c '^GPU-PROBE' "$log") lines in the log) |")
+  else
+    rows+=("| memory probe | FAILED (see the log) |")
+    failed=1
+  fi
+fi
 
 echo
 echo "### GPU run: $gpu, PyTorch $torch_version"

@@ -48,6 +48,19 @@ pub fn cuda_device_count() -> usize {
     cuda::device_count()
 }
 
+/// Streaming multiprocessors of CUDA device `device` and the most threads each keeps
+/// resident, asked once per device: ATen's reduction kernels size their grids (and the staging
+/// buffers the planner counts) from them. `None` without the `cuda` feature, driver or device.
+#[cfg_attr(not(feature = "tch"), allow(dead_code))] // the lazy planner's, which needs tch
+pub(crate) fn cuda_multiprocessors(device: usize) -> Option<(u32, u32)> {
+    const DEVICES: usize = 64;
+    static ANSWERS: [OnceLock<Option<(u32, u32)>>; DEVICES] = [const { OnceLock::new() }; DEVICES];
+    match ANSWERS.get(device) {
+        Some(answer) => *answer.get_or_init(|| cuda::multiprocessors(device)),
+        None => cuda::multiprocessors(device),
+    }
+}
+
 /// Whether this machine has the CUDA driver library (found by `dlopen`, not initialised);
 /// false without the `cuda` feature.
 pub(crate) fn cuda_driver_present() -> bool {
@@ -613,11 +626,38 @@ mod cuda {
         };
         ok.then_some(DeviceMemory { free: free as u64, total: total as u64 })
     }
+
+    /// Streaming multiprocessors and the most resident threads on each (`cuDeviceGetAttribute`).
+    #[cfg_attr(not(feature = "tch"), allow(dead_code))]
+    pub(super) fn multiprocessors(device: usize) -> Option<(u32, u32)> {
+        if device >= device_count() {
+            return None;
+        }
+        let attribute = |attr: sys::CUdevice_attribute| {
+            let (mut dev, mut value) = (0, 0);
+            // SAFETY: the driver is initialised and `device` < device count; out-pointers are ours.
+            let ok = unsafe {
+                sys::cuDeviceGet(&mut dev, device as i32) == sys::CUresult::CUDA_SUCCESS
+                    && sys::cuDeviceGetAttribute(&mut value, attr, dev) == sys::CUresult::CUDA_SUCCESS
+            };
+            (ok && value > 0).then_some(value as u32)
+        };
+        use sys::CUdevice_attribute::*;
+        Some((
+            attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+            attribute(CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR)?,
+        ))
+    }
 }
 
 #[cfg(not(feature = "cuda"))]
 mod cuda {
     use super::DeviceMemory;
+
+    #[cfg_attr(not(feature = "tch"), allow(dead_code))]
+    pub(super) fn multiprocessors(_device: usize) -> Option<(u32, u32)> {
+        None
+    }
 
     pub(super) fn device_count() -> usize {
         0

@@ -10,6 +10,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::error::LazyError;
 use super::ops::Op;
+use super::scratch::ReduceStaging;
 use super::shape;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -130,7 +131,7 @@ impl Bytes {
 }
 
 /// What a node costs in memory, worked out when it is recorded so that planning only adds up.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub(crate) struct Cost {
     /// Its output's new allocation (0 for views, inputs and parameters).
     pub(crate) out: Bytes,
@@ -138,8 +139,11 @@ pub(crate) struct Cost {
     pub(crate) grad: Bytes,
     /// What the op allocates besides its output and autograd keeps for its backward.
     pub(crate) extra: Bytes,
-    /// Scratch space while it runs.
+    /// Scratch space while it runs, and while its backward runs.
     pub(crate) work: Bytes,
+    pub(crate) back_work: Bytes,
+    /// CUDA reductions' staging buffers, each with whether its backward takes it.
+    pub(crate) staged: Box<[(bool, ReduceStaging)]>,
     /// Inputs autograd keeps for the backward (bit k: input k; inputs past 64 are never saved).
     pub(crate) saved: u64,
     /// Inputs whose gradient is a view of the output's (bit k: input k; past 64: `alias_rest`).
@@ -160,7 +164,9 @@ impl Cost {
             _ => Bytes::default(),
         };
         let in_kind = inputs.first().map_or(meta.kind, |x| x.meta.kind);
-        let work = Bytes::of(op.workspace(inputs, meta), in_kind);
+        let scratch = op.scratch(inputs, meta);
+        let (work, back_work) = (Bytes::of(scratch.forward, in_kind), Bytes::of(scratch.backward, in_kind));
+        let staged = scratch.staged.into_boxed_slice();
         let (mut saved, mut grad_alias) = (0u64, 0u64);
         for k in 0..inputs.len().min(64) {
             if meta.requires_grad && op.saves_input(k, inputs) {
@@ -175,7 +181,7 @@ impl Cost {
         for &s in &meta.shape {
             hash = crate::cache::mix(hash ^ s as u64);
         }
-        Cost { out, grad, extra, work, saved, grad_alias, alias_rest, hash }
+        Cost { out, grad, extra, work, back_work, staged, saved, grad_alias, alias_rest, hash }
     }
 }
 

@@ -62,6 +62,7 @@ mod graph;
 pub mod nn;
 mod ops;
 mod plan;
+mod scratch;
 mod shape;
 mod tensor;
 

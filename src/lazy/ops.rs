@@ -8,6 +8,7 @@ use tch::{Kind, Reduction, TchError, Tensor};
 
 use super::custom::{CustomOp, Saves};
 use super::graph::{Meta, Node, Param};
+use super::scratch::{self, ReduceStaging};
 use super::shape;
 
 /// Unary elementwise ops.
@@ -202,6 +203,16 @@ pub(crate) enum Op {
         reduction: Reduction,
     },
     Custom(Rc<CustomOp>),
+}
+
+/// Scratch space of an op while it runs, besides inputs and outputs.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    /// Elements `(per sample, fixed)` in the input's kind, forward and backward.
+    pub(crate) forward: (u64, u64),
+    pub(crate) backward: (u64, u64),
+    /// Staging buffers of CUDA reductions, each with whether it is taken in the backward.
+    pub(crate) staged: Vec<(bool, ReduceStaging)>,
 }
 
 /// What a running op needs besides its inputs.
@@ -506,25 +517,49 @@ impl Op {
         }
     }
 
-    /// Elements of scratch space the op needs while it runs, forward and backward:
-    /// `(per sample, fixed)`, in the input's kind.
-    pub(crate) fn workspace(&self, inputs: &[Rc<Node>], meta: &Meta) -> (u64, u64) {
+    /// Scratch space the op's kernels take while it runs, forward and backward: elements in
+    /// the input's kind, and CUDA reductions' staging buffers (see [`scratch`](super::scratch)).
+    pub(crate) fn scratch(&self, inputs: &[Rc<Node>], meta: &Meta) -> Scratch {
+        let on_cuda = meta.device.is_cuda();
+        let mut scratch = Scratch::default();
+        // A reduction of `of` (an output gradient in the backward) over the dimensions in `mask`.
+        let mut stage = |backward: bool, of: &Meta, mask: u64| {
+            if let Some(s) = ReduceStaging::new(&of.shape, of.batch(), mask, of.kind, of.device) {
+                scratch.staged.push((backward, s));
+            }
+        };
+        let requires = |j: usize| inputs.get(j).is_some_and(|n| n.meta.requires_grad);
         match self {
             Op::Conv2d { stride, padding, dilation, groups } => {
                 let w = &inputs[1].meta.shape;
+                let out = &meta.shape;
+                if on_cuda && out.len() == 4 {
+                    // cuDNN may reorder both operands (see `scratch`): their bytes, and a few MiB.
+                    let ((ip, ic), (op, oc)) = (inputs[0].meta.numel_parts(), meta.numel_parts());
+                    let elem = meta.kind.elt_size_in_bytes().max(1) as u64;
+                    let (forward, backward) = scratch::CONV_WORKSPACE_FIXED;
+                    scratch.forward = (ip + op, ic + oc + forward / elem);
+                    scratch.backward = (ip + op, ic + oc + backward / elem);
+                    // The bias gradient: the output gradient summed over N, H and W.
+                    if requires(2) && meta.requires_grad {
+                        stage(true, meta, 0b1101);
+                    }
+                    return scratch;
+                }
                 let one_by_one =
                     w[2] == 1 && w[3] == 1 && stride == &[1, 1] && padding == &[0, 0] && dilation == &[1, 1];
                 if one_by_one {
-                    return (0, 0);
+                    return scratch;
                 }
                 // im2col: every input channel times every kernel position, per output pixel.
-                let out = &meta.shape;
                 let pixels = (out[out.len() - 1] * out[out.len() - 2]) as u64;
                 let cols = (w[1] * groups * w[2] * w[3]) as u64 * pixels;
-                match meta.batch() {
+                let work = match meta.batch() {
                     Some(_) if out.len() == 4 => (cols, 0),
                     _ => (0, cols * if out.len() == 4 { out[0] as u64 } else { 1 }),
-                }
+                };
+                scratch.forward = work;
+                scratch.backward = work;
             }
             Op::Matmul => {
                 // A broadcast operand is expanded into a real copy before the batched product.
@@ -545,10 +580,42 @@ impl Op {
                         }
                     }
                 }
-                total
+                scratch.forward = total;
+                scratch.backward = total;
             }
-            _ => (0, 0),
+            // The bias gradient: the output gradient summed over every dimension but the last.
+            Op::Linear if requires(2) && meta.requires_grad && !meta.shape.is_empty() => {
+                let all_but_last = (1u64 << (meta.shape.len() - 1).min(63)) - 1;
+                stage(true, meta, all_but_last);
+            }
+            // A broadcast operand's gradient: the output gradient summed over the broadcast
+            // dimensions.
+            Op::Binary(op) if !op.is_comparison() && meta.requires_grad => {
+                for (k, input) in inputs.iter().enumerate().take(2) {
+                    if requires(k) && input.meta.shape != meta.shape {
+                        stage(true, meta, shape::broadcast_mask(&input.meta.shape, &meta.shape));
+                    }
+                }
+            }
+            Op::Reduce { dims, .. } => {
+                let of = &inputs[0].meta;
+                let rank = of.shape.len();
+                let mask = match dims {
+                    None => (1u64 << rank.min(63)) - 1,
+                    Some(dims) => dims.iter().fold(0, |m, &d| {
+                        let d = if d < 0 { d + rank as i64 } else { d };
+                        if (0..64).contains(&d) {
+                            m | 1 << d
+                        } else {
+                            m
+                        }
+                    }),
+                };
+                stage(false, of, mask);
+            }
+            _ => {}
         }
+        scratch
     }
 
     /// Whether the op takes part in autograd at all.

@@ -15,7 +15,8 @@
 //! (views of the output gradient where autograd makes them views); parameter gradients live
 //! to the end, and parameters whose `.grad()` is not yet defined get one. Ops with scratch
 //! space (im2col of a convolution, broadcast copies of a batched product) count it while they
-//! run.
+//! run; on CUDA that is what [`scratch`](super::scratch) found libtorch's kernels take (the
+//! reduction kernel's staging buffers, not linear in the micro-batch, and cuDNN's workspace).
 //!
 //! The peak is the largest sum over this schedule, not the sum of all tensors.
 
@@ -32,6 +33,7 @@ use tch::{Device, Kind};
 use super::error::LazyError;
 use super::graph::{Bytes, Flow, Node, ParamKey};
 use super::ops::{Binary, Op};
+use super::scratch::ReduceStaging;
 use super::{LazyTensor, Options};
 
 /// What a plan covers.
@@ -321,6 +323,8 @@ const TRANSIENT: u32 = 2 << 29;
 const RUN: u32 = 3 << 29;
 /// The step is over (what it released is freed).
 const END: u32 = 4 << 29;
+/// A CUDA reduction's staging buffer lives while the step runs (an index into `staged`).
+const STAGE: u32 = 5 << 29;
 const KIND: u32 = 7 << 29;
 
 /// The schedule of one mode: which tensors are allocated and freed at each step. It does not
@@ -330,8 +334,10 @@ const KIND: u32 = 7 << 29;
 struct Schedule {
     /// Bytes the events refer to.
     table: Vec<Bytes>,
-    /// Events: `ADD | k` (table entry `k` is allocated), `FREE | k`, `TRANSIENT | k`, `RUN`,
-    /// `END`.
+    /// Staging buffers, whose bytes are not linear in the micro-batch.
+    staged: Vec<ReduceStaging>,
+    /// Events: `ADD | k` (table entry `k` is allocated), `FREE | k`, `TRANSIENT | k`,
+    /// `STAGE | k` (staging buffer `k`), `RUN`, `END`.
     events: Vec<u32>,
     /// Node and phase of each step.
     steps: Vec<(u32, Phase)>,
@@ -352,6 +358,14 @@ impl Schedule {
                 table.push(bytes);
                 (table.len() - 1) as u32
             })
+        };
+        let mut staged: Vec<ReduceStaging> = Vec::new();
+        // The staging buffers node `i` takes in one pass, as transient events.
+        let stage = |staged: &mut Vec<ReduceStaging>, events: &mut Vec<u32>, i: usize, backward: bool| {
+            for (_, s) in c.nodes[i].cost.staged.iter().filter(|(b, _)| *b == backward) {
+                staged.push(s.clone());
+                events.push(STAGE | (staged.len() - 1) as u32);
+            }
         };
         let mut extra_at = vec![u32::MAX; if training { n } else { 0 }];
         let mut events = Vec::with_capacity(6 * n);
@@ -383,6 +397,7 @@ impl Schedule {
             if let Some(k) = add_entry(&mut table, c.nodes[i].cost.work) {
                 events.push(TRANSIENT | k);
             }
+            stage(&mut staged, &mut events, i, false);
             events.push(RUN);
             // The executor holds the value until its last use; views hold their base.
             pins[r] += 1;
@@ -409,7 +424,7 @@ impl Schedule {
             steps.push((i as u32, Phase::Forward));
         }
         if !training {
-            return Schedule { table, events, steps, training };
+            return Schedule { table, staged, events, steps, training };
         }
         // ---- backward: gradients flow from the output in reverse order.
         let mut grad_of: Vec<u32> = vec![u32::MAX; n];
@@ -446,9 +461,10 @@ impl Schedule {
                     events.push(ADD | j as u32);
                 }
             }
-            if let Some(k) = add_entry(&mut table, c.nodes[i].cost.work) {
+            if let Some(k) = add_entry(&mut table, c.nodes[i].cost.back_work) {
                 events.push(TRANSIENT | k);
             }
+            stage(&mut staged, &mut events, i, true);
             events.push(RUN);
             // The output gradient and what was saved for this op are released.
             let mut release = |events: &mut Vec<u32>, s: usize| {
@@ -478,7 +494,7 @@ impl Schedule {
             events.push(END);
             steps.push((i as u32, Phase::Backward));
         }
-        Schedule { table, events, steps, training }
+        Schedule { table, staged, events, steps, training }
     }
 
     /// The peak at micro-batch `b` (the accumulation step aside); records the steps when asked.
@@ -504,6 +520,12 @@ impl Schedule {
                 TRANSIENT => {
                     transient += bytes.at(b);
                     transient_per += bytes.per;
+                }
+                STAGE => {
+                    // Not linear in `b`: its whole size counts as per-sample bytes here.
+                    let at = self.staged[(event & !KIND) as usize].at(b);
+                    transient += at;
+                    transient_per += at / b.max(1);
                 }
                 RUN => {
                     during = live + transient;

@@ -86,6 +86,20 @@ pub(crate) fn broadcast(a: &[i64], b: &[i64]) -> Result<Vec<i64>, String> {
     Ok(out)
 }
 
+/// The dimensions of `out` (bit d for dimension d) that an operand of shape `operand`
+/// was broadcast along: its gradient is the output's summed over them.
+pub(crate) fn broadcast_mask(operand: &[i64], out: &[i64]) -> u64 {
+    let lead = out.len().saturating_sub(operand.len());
+    (0..out.len().min(64)).fold(0, |mask, d| {
+        let broadcast = d < lead || (operand[d - lead] == 1 && out[d] != 1);
+        if broadcast {
+            mask | 1 << d
+        } else {
+            mask
+        }
+    })
+}
+
 /// The output shape of `matmul`, following `torch.matmul`'s rules for 1-D and batched operands.
 pub(crate) fn matmul(a: &[i64], b: &[i64]) -> Result<Vec<i64>, String> {
     if a.is_empty() || b.is_empty() {

@@ -100,3 +100,59 @@ pub fn block_lazy(m: &Block, x: &Tensor, y: &Tensor) -> LazyTensor {
     let h = &h + &h.apply(&m.ln2).apply(&m.fc1).gelu("none").apply(&m.fc2);
     h.mean_dim([1], false, None).apply(&m.head).cross_entropy_for_logits(&y)
 }
+
+/// The eager twin of [`block_lazy`].
+pub fn block_eager(m: &Block, x: &Tensor, y: &Tensor) -> Tensor {
+    let n = x.size()[0];
+    let qkv = x.apply(&m.ln1).apply(&m.qkv);
+    let heads = |i: i64| qkv.narrow(2, i * D, D).reshape([n, T, HEADS, D / HEADS]).transpose(1, 2);
+    let (q, k, v) = (heads(0), heads(1), heads(2));
+    let scores = q.matmul(&k.transpose(-2, -1)) * (1.0 / ((D / HEADS) as f64).sqrt());
+    let attended = scores.softmax(-1, None).matmul(&v).transpose(1, 2).reshape([n, T, D]);
+    let h = x + attended.apply(&m.proj);
+    let h = &h + h.apply(&m.ln2).apply(&m.fc1).gelu("none").apply(&m.fc2);
+    h.mean_dim([1i64].as_slice(), false, None).apply(&m.head).cross_entropy_for_logits(y)
+}
+
+/// A small residual network the planner rules were not fitted on: a 3-channel stem, batch
+/// norm, a strided convolution, a 1×1 projection, average pooling. Input `[N, 3, 64, 64]`.
+pub struct Res {
+    pub stem: nn::Conv2D,
+    pub bn1: nn::BatchNorm,
+    pub down: nn::Conv2D,
+    pub bn2: nn::BatchNorm,
+    pub conv: nn::Conv2D,
+    pub proj: nn::Conv2D,
+    pub fc: nn::Linear,
+}
+
+pub fn res(vs: &nn::VarStore) -> Res {
+    let r = vs.root();
+    let conv = |name: &str, cin, cout, k, stride, padding| {
+        nn::conv2d(&r / name, cin, cout, k, nn::ConvConfig { stride, padding, ..Default::default() })
+    };
+    Res {
+        stem: conv("stem", 3, 16, 3, 1, 1),
+        bn1: nn::batch_norm2d(&r / "bn1", 16, Default::default()),
+        down: conv("down", 16, 32, 3, 2, 1),
+        bn2: nn::batch_norm2d(&r / "bn2", 32, Default::default()),
+        conv: conv("conv", 32, 32, 3, 1, 1),
+        proj: conv("proj", 32, 64, 1, 1, 0),
+        fc: nn::linear(&r / "fc", 64, 10, Default::default()),
+    }
+}
+
+pub fn res_lazy(m: &Res, x: &Tensor, y: &Tensor) -> LazyTensor {
+    let (x, y) = lazy((x, y), 0);
+    let h = x.apply(&m.stem).apply_t(&m.bn1, true).relu();
+    let h = h.apply(&m.down).apply_t(&m.bn2, true).relu();
+    let h = (&h + &h.apply(&m.conv).relu()).apply(&m.proj).relu();
+    h.adaptive_avg_pool2d([1, 1]).flatten(1, -1).apply(&m.fc).log_softmax(-1, None).nll_loss(&y)
+}
+
+pub fn res_eager(m: &Res, x: &Tensor, y: &Tensor) -> Tensor {
+    let h = x.apply(&m.stem).apply_t(&m.bn1, true).relu();
+    let h = h.apply(&m.down).apply_t(&m.bn2, true).relu();
+    let h = (&h + h.apply(&m.conv).relu()).apply(&m.proj).relu();
+    h.adaptive_avg_pool2d([1, 1]).flatten(1, -1).apply(&m.fc).log_softmax(-1, None).nll_loss(y)
+}
