@@ -144,11 +144,12 @@ def probe(model_name, build, batch, make_inputs):
 
 def conv_workspace():
     """cuDNN's extra bytes for one convolution, forward and backward (input and weight), beside
-    the planner's rule (src/lazy/scratch.rs): with channels in multiples of 4 (8 for 16-bit
-    floats), the input (forward) and the input plus the output gradient (backward)."""
+    the bound the planner counts (src/lazy/scratch.rs): the input plus the output (gradient),
+    plus 2 MiB forward and 16 MiB backward. `within` says whether the bound held."""
     cases = [  # cin, cout, size, kernel, stride, batch, dtype
         (3, 32, 64, 3, 1, 64, torch.float32),
         (32, 64, 32, 3, 1, 64, torch.float32),
+        (32, 32, 32, 3, 1, 64, torch.float32),
         (3, 32, 64, 3, 1, 1024, torch.float32),
         (32, 64, 32, 3, 1, 1024, torch.float32),
         (4, 32, 64, 3, 1, 256, torch.float32),
@@ -182,13 +183,12 @@ def conv_workspace():
             bwd = torch.cuda.max_memory_allocated() - base - (gx.numel() + gw.numel() + gb.numel()) * elem
             in_bytes, out_bytes = x.numel() * elem, out.numel() * elem
             del gx, gw, gb, out, g
-        multiple = 8 if elem == 2 else 4
-        aligned = cin % multiple == 0 and cout % multiple == 0
-        rule_fwd = in_bytes + 2 * (1 << 20) if aligned else 0
-        rule_bwd = in_bytes + out_bytes + 4 * (1 << 20) if aligned else 0
+        rule_fwd = in_bytes + out_bytes + 2 * (1 << 20)
+        rule_bwd = in_bytes + out_bytes + 16 * (1 << 20)
+        within = fwd <= rule_fwd and bwd <= rule_bwd
         print(f"GPU-PROBE conv cin={cin} cout={cout} hw={hw} k={k} stride={stride} batch={batch} "
-              f"dtype={str(dtype).split('.')[-1]} forward_extra_mib={fwd / MIB:.2f} rule_forward_mib={rule_fwd / MIB:.2f} "
-              f"backward_extra_mib={bwd / MIB:.2f} rule_backward_mib={rule_bwd / MIB:.2f} "
+              f"dtype={str(dtype).split('.')[-1]} forward_extra_mib={fwd / MIB:.2f} bound_forward_mib={rule_fwd / MIB:.2f} "
+              f"backward_extra_mib={bwd / MIB:.2f} bound_backward_mib={rule_bwd / MIB:.2f} within={within} "
               f"input_mib={in_bytes / MIB:.2f} output_mib={out_bytes / MIB:.2f} cudnn={torch.backends.cudnn.version()}")
         del conv, x
         torch.cuda.empty_cache()

@@ -1,5 +1,7 @@
-//! On a CUDA machine: real CUDA out-of-memory, libtorch's allocator statistics, and what an
-//! address-space or data-segment cap does to CUDA.
+//! On a CUDA machine: real CUDA out-of-memory (1-3), the planner against the caching allocator
+//! (4: peaks, plans holding on a filled card, reduction staging buffers), a lazy step against
+//! CPU gradients (5), what an address-space or data-segment cap does to CUDA (6), the Rust half
+//! of the side-by-side with Python toma (7) and time per sample by batch size (8).
 //!
 //! Opt-in: without `TOMA_CUDA_TESTS=1` every test prints `skipped: set TOMA_CUDA_TESTS=1 on a
 //! CUDA machine` and passes; with it set, a machine where the driver or libtorch sees no CUDA
