@@ -237,7 +237,21 @@ impl tracing::Subscriber for Printer {
                     println!("   [toma]     {}", libtorch_line(text));
                 }
             }
-            "toma: starting from the cached size" => {
+            "toma::lazy: plan" => {
+                let gib = |k: &str| f.get(k).parse::<f64>().unwrap_or(0.0) / (1u64 << 30) as f64;
+                println!(
+                    "   [toma::lazy] plan: {} samples in {} micro-batch(es) of {}; peak {:.2} GiB, budget {:.2} GiB",
+                    f.get("batch"),
+                    f.get("chunks"),
+                    f.get("micro_batch"),
+                    gib("peak"),
+                    gib("budget")
+                );
+            }
+            "toma::lazy: micro-batch" => {
+                println!("   [toma::lazy] micro-batch: samples [{}, {})", f.get("start"), f.get("end"));
+            }
+            "toma: starting from the cache" => {
                 println!("   [toma] cache: starting at the remembered size {}", f.get("size"));
             }
             message => {

@@ -156,6 +156,21 @@ pub fn available_cpu_memory() -> u64 {
     CpuCap::ALL.iter().filter_map(|cap| cap.headroom()).fold(system, u64::min)
 }
 
+/// Whether CPU memory is short now: a cap ([`CpuCap`]) is set, or the system's available memory
+/// is under an eighth of its total. toma counts an error text that reports an allocation failure
+/// only ambiguously (oneDNN's `could not create a primitive`) as an out-of-memory only then; see
+/// [`Verdict::UnderPressure`](crate::oom::Verdict::UnderPressure). Reads the kernel's figures
+/// (tens of microseconds): it is asked when a body has failed, never on the fast path.
+pub fn under_pressure() -> bool {
+    if CpuCap::ALL.iter().any(|cap| matches!(cap.limit(), Ok(Some(_)))) {
+        return true;
+    }
+    match (imp::system_available(), imp::system_total()) {
+        (Ok(available), Ok(total)) => available < total / 8,
+        _ => false,
+    }
+}
+
 #[cfg(target_os = "linux")]
 mod imp {
     use std::io;
@@ -266,6 +281,10 @@ mod imp {
     pub(super) fn system_available() -> io::Result<u64> {
         kib_field("/proc/meminfo", "MemAvailable:")
     }
+
+    pub(super) fn system_total() -> io::Result<u64> {
+        kib_field("/proc/meminfo", "MemTotal:")
+    }
 }
 
 #[cfg(not(target_os = "linux"))]
@@ -287,6 +306,9 @@ mod imp {
         Err(unsupported())
     }
     pub(super) fn system_available() -> io::Result<u64> {
+        Err(unsupported())
+    }
+    pub(super) fn system_total() -> io::Result<u64> {
         Err(unsupported())
     }
 }

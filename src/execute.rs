@@ -12,6 +12,20 @@
 //! });
 //! assert_eq!(total, Ok(32));
 //! ```
+//!
+//! A closure that uses `?` must name its error type, since `?` converts into any error: end it
+//! with `Ok::<_, E>(value)`. Without it, Rust stops at E0283 (`cannot satisfy _: OutOfMemory`).
+//!
+//! ```
+//! # #[cfg(feature = "tch")] {
+//! use tch::{Device, Kind, TchError, Tensor};
+//! let sum = toma::execute::batch(64, |bs| {
+//!     let ones = Tensor::f_ones([bs as i64, 8], (Kind::Float, Device::Cpu))?;
+//!     Ok::<_, TchError>(ones.f_sum(Kind::Double)?.f_double_value(&[])?)
+//! });
+//! assert_eq!(sum.unwrap(), 64.0 * 8.0);
+//! # }
+//! ```
 
 use crate::oom::OutOfMemory;
 use crate::retry::{Batch, Range};

@@ -98,8 +98,9 @@ pub use toma_macros::batch;
 /// out-of-memory.
 ///
 /// On `fn f(start: usize, end: usize, ..) -> R` it keeps the signature; the body is called on
-/// `[s, min(s + step, end))` for consecutive `s`, each index exactly once, in order. A failed
-/// sub-range is retried with half its length; finished ones are never redone. `R` is `()` or
+/// `[s, min(s + step, end))` for consecutive `s`, each index exactly once, in order. A failure
+/// halves the step (again, while the step would not be shorter than a failed clipped last
+/// sub-range), and the failed sub-range is retried; finished ones are never redone. `R` is `()` or
 /// `Result<(), E>` with `E: OutOfMemory`. Arguments: `initial_step = N` (required), `cache` and
 /// `policy`, as for [`batch`]. It lowers to [`Range`].
 ///
@@ -109,7 +110,7 @@ pub use toma_macros::batch;
 ///
 /// #[toma::range(initial_step = 4096, cache = None)]
 /// fn process(start: usize, end: usize) -> Result<(), String> {
-///     if end - start > 1000 {
+///     if end - start > 1024 {
 ///         return Err("CUDA out of memory. Tried to allocate 8.00 GiB".into());
 ///     }
 ///     DONE.lock().unwrap().push((start, end));
@@ -117,7 +118,8 @@ pub use toma_macros::batch;
 /// }
 ///
 /// process(0, 2000)?;
-/// assert_eq!(*DONE.lock().unwrap(), [(0, 1000), (1000, 2000)]);
+/// // [0, 2000) at step 4096 failed: the step halved to 2048, then 1024 (shorter than 2000).
+/// assert_eq!(*DONE.lock().unwrap(), [(0, 1024), (1024, 2000)]);
 /// # Ok::<(), String>(())
 /// ```
 #[cfg(feature = "macros")]

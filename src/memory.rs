@@ -561,7 +561,8 @@ mod cuda {
         static READY: OnceLock<bool> = OnceLock::new();
         *READY.get_or_init(|| {
             if !driver_present() {
-                tracing::debug!("toma: no CUDA driver library; CUDA probes report None");
+                // Expected on every machine without a GPU: trace, not debug.
+                tracing::trace!("toma: no CUDA driver library; CUDA probes report None");
                 return false;
             }
             // SAFETY: the library is present, so cudarc resolves cuInit from it.

@@ -17,9 +17,93 @@ const OOM_MARKERS: &[&str] = &[
     "DefaultCPUAllocator: can't allocate memory",
     "DefaultCPUAllocator: not enough memory",
     "CUBLAS_STATUS_ALLOC_FAILED",
+    // The other CUDA libraries' own allocation failures, as PyTorch's error checks print them.
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "CUFFT_ALLOC_FAILED",
+    "CUSOLVER_STATUS_ALLOC_FAILED",
+    "CUSPARSE_STATUS_ALLOC_FAILED",
     "HIP out of memory",
+    "HIP error: out of memory",
     "MPS backend out of memory",
+    "XPU out of memory",
+    // C++ `new` failing inside libtorch (tch passes the exception's text on).
+    "std::bad_alloc",
 ];
+
+/// Texts that report an allocation failure only ambiguously: out-of-memory when CPU memory is
+/// short ([`cpu_memory::under_pressure`](crate::cpu_memory::under_pressure)), another error
+/// otherwise.
+///
+/// oneDNN, which libtorch runs convolutions with on x86 CPUs, says `could not create a
+/// primitive` when it cannot build a kernel for a new shape. Under a CPU cap that was memory:
+/// its primitive cache keeps every shape's kernel and scratch space, a resnet18 batch that
+/// fitted before failed this way after a dozen other batch sizes had filled the cache, and
+/// with `ONEDNN_PRIMITIVE_CACHE_CAPACITY=0` the same sweep never failed (`tests/real_oom.rs`).
+/// An unsupported configuration fails earlier, at `could not create a primitive descriptor`,
+/// which stays another error.
+const PRESSURE_MARKERS: &[(&str, &str)] =
+    &[("could not create a primitive", "could not create a primitive descriptor")];
+
+/// How [`classify_message`] reads an error text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// An allocator failure: retried with a smaller size.
+    OutOfMemory,
+    /// An allocator failure when CPU memory is short, another error otherwise (see
+    /// [`cpu_memory::under_pressure`](crate::cpu_memory::under_pressure)).
+    UnderPressure,
+    /// Any other error: given back at once.
+    Other,
+}
+
+/// Extra texts to count as out-of-memory, added by [`add_out_of_memory_marker`].
+static EXTRA_MARKERS: std::sync::RwLock<Vec<String>> = std::sync::RwLock::new(Vec::new());
+
+/// Counts every error text that contains `marker` as an out-of-memory from now on, in the whole
+/// process: for libraries whose allocation failures toma does not know. Adding a marker twice,
+/// or an empty one, does nothing.
+///
+/// ```
+/// use toma::oom::{add_out_of_memory_marker, is_out_of_memory_message};
+/// assert!(!is_out_of_memory_message("my_allocator: arena exhausted"));
+/// add_out_of_memory_marker("arena exhausted");
+/// assert!(is_out_of_memory_message("my_allocator: arena exhausted"));
+/// ```
+pub fn add_out_of_memory_marker(marker: impl Into<String>) {
+    let marker = marker.into();
+    let mut markers = EXTRA_MARKERS.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if !marker.is_empty() && !markers.contains(&marker) {
+        tracing::debug!(marker = %marker, "toma: an out-of-memory marker was added");
+        markers.push(marker);
+    }
+}
+
+/// What a text says, without asking about the machine: see [`Verdict`].
+///
+/// ```
+/// use toma::oom::{classify_message, Verdict};
+/// assert_eq!(classify_message("CUDA out of memory. Tried to allocate 2.00 GiB"), Verdict::OutOfMemory);
+/// assert_eq!(classify_message("could not create a primitive"), Verdict::UnderPressure);
+/// assert_eq!(classify_message("index out of range in self"), Verdict::Other);
+/// ```
+pub fn classify_message(message: &str) -> Verdict {
+    if OOM_MARKERS.iter().any(|marker| message.contains(marker)) {
+        return Verdict::OutOfMemory;
+    }
+    let extra = EXTRA_MARKERS.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if extra.iter().any(|marker| message.contains(marker.as_str())) {
+        return Verdict::OutOfMemory;
+    }
+    // A pressure marker counts unless each of its occurrences is the start of its exclusion.
+    let ambiguous = PRESSURE_MARKERS
+        .iter()
+        .any(|&(marker, unless)| message.match_indices(marker).any(|(at, _)| !message[at..].starts_with(unless)));
+    if ambiguous {
+        Verdict::UnderPressure
+    } else {
+        Verdict::Other
+    }
+}
 
 /// Whether an error text reports an out-of-memory.
 ///
@@ -35,7 +119,11 @@ const OOM_MARKERS: &[&str] = &[
 /// assert!(!is_out_of_memory_message("CUDA error: device-side assert triggered"));
 /// ```
 pub fn is_out_of_memory_message(message: &str) -> bool {
-    OOM_MARKERS.iter().any(|marker| message.contains(marker))
+    match classify_message(message) {
+        Verdict::OutOfMemory => true,
+        Verdict::UnderPressure => crate::cpu_memory::under_pressure(),
+        Verdict::Other => false,
+    }
 }
 
 /// A failure that can tell whether it is an out-of-memory.
@@ -228,11 +316,13 @@ mod tests {
                 continue;
             }
             let (verdict, text) = line.split_once('\t').expect("verdict<TAB>text");
-            let expected = match verdict {
-                "oom" => true,
-                "other" => false,
+            let (verdict, expected) = match verdict {
+                "oom" => (Verdict::OutOfMemory, true),
+                "other" => (Verdict::Other, false),
+                "pressure" => (Verdict::UnderPressure, crate::cpu_memory::under_pressure()),
                 v => panic!("unknown verdict {v:?}"),
             };
+            assert_eq!(classify_message(text), verdict, "{text}");
             assert_eq!(is_out_of_memory_message(text), expected, "{text}");
             assert_eq!(text.is_out_of_memory(), expected, "{text}");
             let payload: Box<dyn Any + Send> = Box::new(text.to_owned());
@@ -247,8 +337,31 @@ mod tests {
         for marker in OOM_MARKERS {
             assert!(is_out_of_memory_message(marker), "{marker}");
             // Markers are matched as written: a mangled marker is not enough.
-            assert!(!is_out_of_memory_message(&marker.to_lowercase()), "{marker}");
+            let mangled = if marker.to_lowercase() == *marker { marker.to_uppercase() } else { marker.to_lowercase() };
+            assert!(!is_out_of_memory_message(&mangled), "{marker}");
         }
+    }
+
+    #[test]
+    fn pressure_markers_need_pressure_and_skip_their_exclusion() {
+        assert_eq!(classify_message("could not create a primitive"), Verdict::UnderPressure);
+        assert_eq!(classify_message("x: could not create a primitive descriptor for a pooling"), Verdict::Other);
+        // One bare occurrence is enough, even beside an excluded one.
+        let both = "could not create a primitive descriptor; then could not create a primitive";
+        assert_eq!(classify_message(both), Verdict::UnderPressure);
+        assert_eq!(is_out_of_memory_message("could not create a primitive"), crate::cpu_memory::under_pressure());
+    }
+
+    #[test]
+    fn added_markers_count_everywhere() {
+        let text = "toma-test-allocator: pool 7 exhausted";
+        assert_eq!(classify_message(text), Verdict::Other);
+        add_out_of_memory_marker("pool 7 exhausted");
+        add_out_of_memory_marker("pool 7 exhausted");
+        add_out_of_memory_marker("");
+        assert_eq!(classify_message(text), Verdict::OutOfMemory);
+        assert!(text.is_out_of_memory());
+        assert!(!is_out_of_memory_message("index out of range in self"));
     }
 
     #[test]

@@ -319,7 +319,10 @@ impl Sizer {
     }
 
     /// Records an out-of-memory at `failed` (the size the failed attempt really used) and moves
-    /// to the policy's next size. `false` when there is nothing smaller to try.
+    /// to the policy's next size: the current size shrunk, as often as it takes to fall below
+    /// `failed` (a clipped last sub-range of 40 at step 64 goes on at step 32, as Python toma
+    /// does, not at 20; at 10 it goes on at 8, not three times at 10). `false` when there is
+    /// nothing smaller to try.
     fn out_of_memory<E>(&mut self, failed: usize, failure: &Failure<E>) -> bool
     where
         E: OutOfMemory,
@@ -333,7 +336,11 @@ impl Sizer {
             tracing::info!(op = ?self.op, function = self.name, size = failed, "toma: out of memory at size 1, giving up");
             return false;
         }
-        let next = self.policy.shrink(failed, self.ok);
+        let mut next = self.size.max(failed);
+        while next >= failed {
+            // `shrink` goes down and stays at least 1, and `failed` ≥ 2 here: this ends.
+            next = self.policy.shrink(next, self.ok);
+        }
         if let Some(key) = self.key {
             self.seen = Some(cache::record_out_of_memory(key, failed, next, self.hint));
         }

@@ -284,8 +284,9 @@ fn write_columns(mut chunk: Tensor, start: usize, end: usize) -> Result<(), Stri
 fn chunked_writes_every_row_once_on_dim_1() {
     let t = Tensor::zeros([3, 10], (Kind::Float, Device::Cpu));
     write_columns(&t).unwrap();
-    // 10 columns fail, then 5 (half of 10) fail, then chunks of 2: each column got start + 1.
-    let expected = Tensor::from_slice(&[1f32, 1., 3., 3., 5., 5., 7., 7., 9., 9.]).expand([3, 10], false);
+    // All 10 columns (step 16) fail, then 8 (half the step) fail, then chunks of 4: each
+    // column got its chunk's start + 1.
+    let expected = Tensor::from_slice(&[1f32, 1., 1., 1., 5., 5., 5., 5., 9., 9.]).expand([3, 10], false);
     assert_eq!(t, expected);
 }
 

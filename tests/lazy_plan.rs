@@ -192,7 +192,17 @@ fn mixing_ops_refuse_to_split_unless_allowed() {
         }
         other => panic!("{other}"),
     }
-    assert!(err.to_string().contains("allow_batch_mixing"), "{err}");
+    let text = err.to_string();
+    assert!(text.contains("allow_batch_mixing"), "{err}");
+    // The split was asked for (micro_batch(4)), not forced by the budget: the message says so,
+    // and names the op once.
+    assert!(text.contains("asked to run in micro-batches of 4") && !text.contains("does not fit"), "{text}");
+    assert_eq!(text.matches("batch_norm").count(), 1, "{text}");
+    // Split because the budget is too small: the message gives the peak and the budget.
+    let whole = loss(true).plan(Mode::Backward, &Options::new().budget(u64::MAX)).unwrap().peak_bytes();
+    let tight = loss(true).backward_with(&Options::new().budget(whole - 1)).unwrap_err();
+    assert!(matches!(tight, LazyError::MixesBatch { requested: None, .. }), "{tight}");
+    assert!(tight.to_string().contains("does not fit"), "{tight}");
     // Opting in splits with per-micro-batch statistics.
     let value = loss(true).backward_with(&split.clone().allow_batch_mixing(true)).unwrap();
     assert!(value.is_finite());

@@ -405,3 +405,92 @@ fn errors_that_are_not_oom_propagate_at_once_under_a_real_cap() {
     }
     run_in_child("errors_that_are_not_oom_propagate_at_once_under_a_real_cap", "not_oom");
 }
+
+// ---------------------------------------------------------------------------------------------
+// e. oneDNN's `could not create a primitive` under the data cap: an out-of-memory (the cap is
+//    memory pressure), caught, and the range over the images still gets every logit right.
+
+const IMAGES: i64 = 16;
+const ONEDNN_FAILURE: &str = "could not create a primitive";
+
+/// The panic text of `f`, if it panics.
+fn panic_text<R>(f: impl FnOnce() -> R) -> Option<String> {
+    let payload = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).err()?;
+    Some(
+        payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default(),
+    )
+}
+
+fn child_onednn() {
+    use tch::nn::ModuleT;
+    let vs = tch::nn::VarStore::new(Device::Cpu);
+    let net = tch::vision::resnet::resnet18(&vs.root(), 1000);
+    let _no_grad = tch::no_grad_guard();
+    tch::manual_seed(5);
+    let images = Tensor::randn([IMAGES, 3, 224, 224], CPU_FLOAT);
+    // Reference logits one image at a time, before the cap (batch 1's kernels are cached now).
+    let reference: Vec<Tensor> = (0..IMAGES).map(|i| net.forward_t(&images.narrow(0, i, 1), false)).collect();
+    let reference = Tensor::cat(&reference, 0);
+    let headroom = cap_memory(CpuCap::Data, 0.75);
+    // oneDNN caches a kernel with its scratch space for every new batch size: other sizes fill
+    // that cache until a new one cannot be created (the allocator may fail first for the
+    // largest). Caught here, outside toma, with the default panic hook silenced.
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let mut onednn_failed_at = None;
+    for b in (2..=40).rev() {
+        let text = panic_text(|| net.forward_t(&Tensor::zeros([b, 3, 224, 224], CPU_FLOAT), false));
+        if text.is_some_and(|t| t.contains(ONEDNN_FAILURE)) {
+            onednn_failed_at = Some(b);
+            break;
+        }
+    }
+    std::panic::set_hook(hook);
+    let failed_at =
+        onednn_failed_at.expect("under the data cap oneDNN could not create a primitive for some batch size");
+    assert!(toma::cpu_memory::under_pressure(), "a cap is set: memory is under pressure");
+    assert_eq!(toma::oom::classify_message(ONEDNN_FAILURE), toma::oom::Verdict::UnderPressure);
+
+    // The range: each sub-range's logits into `out`; new batch sizes fail as above until one
+    // whose kernels oneDNN already has.
+    events::record();
+    let out = Tensor::zeros([IMAGES, 1000], CPU_FLOAT);
+    let mut steps = Vec::new();
+    let started = Instant::now();
+    toma::Range::new(0, IMAGES as usize, IMAGES as usize)
+        .cache(toma::CacheKind::None)
+        .run(|start, end| {
+            steps.push(end - start);
+            let logits = net.forward_t(&images.narrow(0, start as i64, (end - start) as i64), false);
+            out.narrow(0, start as i64, (end - start) as i64).copy_(&logits);
+            Ok::<(), TchError>(())
+        })
+        .expect("the range completes");
+    let caught = events::take_caught_ooms();
+    assert!(
+        caught.iter().any(|e| e.field("error").contains(ONEDNN_FAILURE)),
+        "oneDNN's failure was caught as an out-of-memory: {caught:#?}"
+    );
+    let difference = (&out - &reference).abs().max().double_value(&[]);
+    assert!(difference < 1e-4, "logits differ from the uncapped ones by {difference}");
+    println!(
+        "{DONE} onednn headroom_mib={} onednn_failed_at={failed_at} steps={steps:?} caught={} max_diff={difference:.1e} secs={:.2}",
+        headroom / MIB,
+        caught.len(),
+        started.elapsed().as_secs_f64()
+    );
+}
+
+#[test]
+fn onednn_primitive_failures_under_a_data_cap_are_caught() {
+    if let Some(scenario) = child_scenario() {
+        assert_eq!(scenario, "onednn");
+        return child_onednn();
+    }
+    let (_, fields) = run_in_child("onednn_primitive_failures_under_a_data_cap_are_caught", "onednn");
+    assert!(fields["caught"].parse::<usize>().unwrap() >= 1, "{fields:?}");
+}

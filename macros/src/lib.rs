@@ -99,10 +99,29 @@ fn expand(op: Op, args: TokenStream2, item: TokenStream2) -> TokenStream2 {
             return with_original(syn::Error::new(err.span(), message), item);
         }
     };
-    let result = parse_args(op, args).and_then(|args| rewrite(op, &args, &function));
-    match result {
-        Ok(tokens) => tokens,
-        Err(error) => with_original(error, item),
+    match parse_args(op, args) {
+        Ok(args) => rewrite(op, &args, &function).unwrap_or_else(|error| with_original(error, item)),
+        Err(error) => with_placeholder(op, error, &function, item),
+    }
+}
+
+/// An argument error, and the function as it will be once the arguments are fixed (with a
+/// placeholder size), as tokio-macros does: callers then see the signature they will get and
+/// no second error at every call site. Chunked keeps the original: its expansion needs tch.
+fn with_placeholder(op: Op, error: syn::Error, function: &ItemFn, item: TokenStream2) -> TokenStream2 {
+    if op == Op::Chunked {
+        return with_original(error, item);
+    }
+    let placeholder = Args { size: syn::parse_quote!(1usize), dimension: None, cache: None, policy: None };
+    match rewrite(op, &placeholder, function) {
+        Ok(tokens) => {
+            let error = error.to_compile_error();
+            quote!(#error #tokens)
+        }
+        Err(mut signature) => {
+            signature.combine(error);
+            with_original(signature, item)
+        }
     }
 }
 

@@ -100,21 +100,17 @@ impl CustomOp {
             return Ok((Flow::Opaque, None));
         }
         let Some(n) = size else {
-            let mixes = reduced.then(|| format!("`{}` is applied to a value reduced over the batch", self.name));
+            let mixes = reduced.then(|| "is applied to a value reduced over the batch".to_string());
             return Ok((if reduced { Flow::Opaque } else { Flow::Fixed }, mixes));
         };
         let Some(d) = out.batch_dim else {
-            return Ok((
-                Flow::Opaque,
-                Some(format!("`{}` drops the batch dimension (its rule gives no batch_dim)", self.name)),
-            ));
+            return Ok((Flow::Opaque, Some("drops the batch dimension (its rule gives no batch_dim)".to_string())));
         };
         let len = out.shape[d];
         if n == 0 || len % n != 0 {
             return Err(format!("output dimension {d} has size {len}, not a multiple of the batch size {n}"));
         }
-        let mixes =
-            reduced.then(|| format!("`{}` combines per-sample values with a value reduced over the batch", self.name));
+        let mixes = reduced.then(|| "combines per-sample values with a value reduced over the batch".to_string());
         Ok((Flow::PerSample(BatchDim { dim: d, size: n, factor: len / n }), mixes))
     }
 

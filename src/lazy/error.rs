@@ -75,9 +75,9 @@ pub enum LazyError {
     /// The computation mixes samples of the batch, so running it in micro-batches would change
     /// its result. Raised only when the batch does not fit and must be split.
     #[error(
-        "toma::lazy: the batch of {batch} does not fit (peak {peak} B at the full batch, budget {budget} B) and cannot be \
-         split: op #{node} `{op}` {reason}; use Options::allow_batch_mixing(true) to split anyway \
-         (each micro-batch then uses its own statistics)"
+        "toma::lazy: {} cannot be split: op #{node} `{op}` {reason}; use Options::allow_batch_mixing(true) to split \
+         anyway (each micro-batch then uses its own statistics)",
+        split_cause(*.batch, *.requested, *.peak, *.budget)
     )]
     MixesBatch {
         /// Position of the op in the plan.
@@ -92,6 +92,9 @@ pub enum LazyError {
         peak: u64,
         /// The memory budget in bytes.
         budget: u64,
+        /// The micro-batch asked for with [`Options::micro_batch`](super::Options::micro_batch),
+        /// when the split was asked for rather than needed.
+        requested: Option<usize>,
     },
     /// The value asked for cannot be put together from micro-batches.
     #[error("toma::lazy: {op} (shape {shape:?}) cannot be computed in micro-batches: {reason}")]
@@ -164,5 +167,15 @@ impl OutOfMemory for LazyError {
             LazyError::Torch { source, .. } => source.is_out_of_memory(),
             _ => false,
         }
+    }
+}
+
+/// Why a batch was to be split: asked for, or too large for the budget.
+fn split_cause(batch: usize, requested: Option<usize>, peak: u64, budget: u64) -> String {
+    match requested {
+        Some(micro) => {
+            format!("the batch of {batch} was asked to run in micro-batches of {micro} (Options::micro_batch), but")
+        }
+        None => format!("the batch of {batch} does not fit (peak {peak} B at the full batch, budget {budget} B) and"),
     }
 }

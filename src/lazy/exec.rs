@@ -263,6 +263,11 @@ fn run_chunks(
 
 /// Computes the value of `output` (no gradients recorded).
 pub(crate) fn evaluate(output: &LazyTensor, options: &Options) -> Result<Tensor, LazyError> {
+    // An input or a constant is its own value: nothing to plan or run (the denominators of a
+    // split loss ask for the targets this way).
+    if let Op::Input { tensor, .. } | Op::Leaf { tensor, .. } = &output.node.op {
+        return Ok(tensor.shallow_clone());
+    }
     let p = prepare(output, Mode::Forward, options)?;
     let _no_grad = tch::no_grad_guard();
     let n = p.c.batch;

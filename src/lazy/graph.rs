@@ -459,9 +459,9 @@ pub(crate) fn combine_flows(
         }
         if misaligned || consumed {
             let reason = if consumed {
-                format!("`{op}` reduces over the batch dimension of one operand while keeping another's")
+                "reduces over the batch dimension of one operand while keeping another's".to_string()
             } else {
-                format!("`{op}` pairs samples found at different positions of its operands' batch dimensions")
+                "pairs samples found at different positions of its operands' batch dimensions".to_string()
             };
             return Ok((Flow::Opaque, Some(reason)));
         }
@@ -470,19 +470,19 @@ pub(crate) fn combine_flows(
             return Ok((Flow::Opaque, None));
         }
         if sums + maxes > 0 {
-            let reason = format!("`{op}` combines per-sample values with a value reduced over the batch");
+            let reason = "combines per-sample values with a value reduced over the batch".to_string();
             return Ok((Flow::PerSample(bd), Some(reason)));
         }
         return Ok((Flow::PerSample(bd), None));
     }
     if consumed {
-        return Ok((Flow::Opaque, Some(format!("`{op}` consumes the batch dimension"))));
+        return Ok((Flow::Opaque, Some("consumes the batch dimension".to_string())));
     }
     if maxes > 0 {
         if linearity == Linearity::Structural && sums == 0 {
             return Ok((Flow::Max, None));
         }
-        return Ok((Flow::Opaque, Some(format!("`{op}` is applied to a maximum over the batch"))));
+        return Ok((Flow::Opaque, Some("is applied to a maximum over the batch".to_string())));
     }
     if sums > 0 {
         let linear = match linearity {
@@ -497,7 +497,7 @@ pub(crate) fn combine_flows(
         }
         return Ok((
             Flow::Opaque,
-            Some(format!("`{op}` is applied to a value reduced over the batch, which is not linear")),
+            Some("is applied to a value reduced over the batch, which is not linear".to_string()),
         ));
     }
     Ok((Flow::Fixed, None))

@@ -714,6 +714,7 @@ pub(crate) fn check_split(
                 batch: c.batch as usize,
                 peak: choice.full_peak,
                 budget,
+                requested: options.micro_batch,
             });
         }
     }

@@ -586,7 +586,7 @@ impl LazyTensor {
         }
         let (flow, mut mixes) = same_shape_flow(&name, n, Linearity::Nonlinear)?;
         if n.meta.batch().is_some_and(|bd| bd.dim == d) {
-            mixes = Some(format!("`{name}` normalizes over the batch dimension {d}"));
+            mixes = Some(format!("normalizes over the batch dimension {d}"));
         }
         Ok(Record::new(op, vec![n.clone()], n.meta.shape.clone(), out_kind, n.meta.device).flow((flow, mixes)).finish())
     }
@@ -946,7 +946,7 @@ impl LazyTensor {
             .collect();
         let (flow, mut mixes) = combine_flows(name, &nodes, &mapped, s, Linearity::Nonlinear, false)?;
         if training && x.meta.batch().is_some() {
-            mixes = Some("`batch_norm` in training mode normalizes with statistics over the batch".into());
+            mixes = Some("in training mode normalizes with statistics over the batch".into());
         }
         let op = Op::BatchNorm { training, momentum, eps, weight: w.is_some(), bias: b.is_some() };
         let inputs = nodes.into_iter().cloned().collect();
@@ -989,7 +989,7 @@ impl LazyTensor {
             nodes.iter().enumerate().map(|(i, n)| n.meta.batch().filter(|_| i == 0).map(|bd| bd.dim)).collect();
         let (flow, mut mixes) = combine_flows(name, &nodes, &mapped, s, Linearity::Nonlinear, false)?;
         if x.meta.batch().is_some_and(|bd| bd.dim >= first_norm) {
-            mixes = Some("`layer_norm` normalizes over the batch dimension".into());
+            mixes = Some("normalizes over the batch dimension".into());
         }
         let op = Op::LayerNorm { normalized_shape: norm, eps, weight: w.is_some(), bias: b.is_some() };
         let inputs = nodes.into_iter().cloned().collect();
@@ -1047,7 +1047,7 @@ impl LazyTensor {
         let mapped = [None, inn.meta.batch().map(|bd| bd.dim)];
         let (flow, mut mixes) = combine_flows(name, &[wn, inn], &mapped, &out, Linearity::Nonlinear, false)?;
         if scale_grad_by_freq && inn.meta.batch().is_some() {
-            mixes = Some("`embedding` with scale_grad_by_freq scales gradients by counts over the batch".into());
+            mixes = Some("with scale_grad_by_freq scales gradients by counts over the batch".into());
         }
         let op = Op::Embedding { padding_idx, scale_grad_by_freq };
         Ok(Record::new(op, vec![wn.clone(), inn.clone()], out, wn.meta.kind, device).flow((flow, mixes)).finish())
@@ -1056,7 +1056,7 @@ impl LazyTensor {
     // -----------------------------------------------------------------------------------------
     // Shape ops
 
-    fn view_flow(&self, name: &str, new_shape: &[i64]) -> (Flow, Option<String>) {
+    fn view_flow(&self, new_shape: &[i64]) -> (Flow, Option<String>) {
         let m = self.meta();
         let Some(bd) = m.batch() else { return (m.flow, None) };
         let before = shape::numel(&m.shape[..bd.dim]);
@@ -1069,7 +1069,7 @@ impl LazyTensor {
             }
             prefix *= size;
         }
-        (Flow::Opaque, Some(format!("`{name}` to {new_shape:?} moves samples across the batch dimension {}", bd.dim)))
+        (Flow::Opaque, Some(format!("to {new_shape:?} moves samples across the batch dimension {}", bd.dim)))
     }
 
     fn f_reshape_impl(&self, name: &str, shape: &[i64], must_view: bool) -> Result<LazyTensor, LazyError> {
@@ -1077,7 +1077,7 @@ impl LazyTensor {
         let m = &n.meta;
         let total = shape::numel(&m.shape);
         let new_shape = shape::infer_size(shape, total).map_err(|r| shape_err(name, &m.shape, shape, r))?;
-        let flow = self.view_flow(name, &new_shape);
+        let flow = self.view_flow(&new_shape);
         match shape::view_strides(&m.shape, &m.strides, &new_shape) {
             Some(strides) => Ok(Record::new(Op::View, vec![n.clone()], new_shape, m.kind, m.device)
                 .flow(flow)
@@ -1394,11 +1394,9 @@ impl LazyTensor {
                 (Flow::PerSample(BatchDim { dim, ..bd }), None)
             }
             Flow::Sum if op == ReduceOp::Amax => {
-                (Flow::Opaque, Some(format!("`{name}` takes a maximum of a value summed over the batch")))
+                (Flow::Opaque, Some("takes a maximum of a value summed over the batch".to_string()))
             }
-            Flow::Max if op != ReduceOp::Amax => {
-                (Flow::Opaque, Some(format!("`{name}` sums a maximum over the batch")))
-            }
+            Flow::Max if op != ReduceOp::Amax => (Flow::Opaque, Some("sums a maximum over the batch".to_string())),
             other => (other, None),
         };
         let record_op = Op::Reduce { op, dims, keepdim, kind };
