@@ -137,6 +137,13 @@ pub fn is_out_of_memory_message(message: &str) -> bool {
 /// let err = std::io::Error::other("CUDA error: out of memory");
 /// assert!(err.is_out_of_memory());
 /// ```
+#[diagnostic::on_unimplemented(
+    message = "toma cannot tell whether `{Self}` is an out-of-memory",
+    label = "the error type of a body toma retries must implement `toma::OutOfMemory`",
+    note = "return `tch::TchError`, `std::io::Error`, `String`, a boxed error or (feature `anyhow`) \
+            `anyhow::Error`, or implement `toma::OutOfMemory` for `{Self}` by forwarding to the error it \
+            wraps or to `toma::oom::is_out_of_memory_message`"
+)]
 pub trait OutOfMemory {
     /// Whether this failure is an out-of-memory that a smaller size may avoid.
     fn is_out_of_memory(&self) -> bool;
@@ -187,6 +194,18 @@ impl OutOfMemory for std::io::Error {
     }
     fn message(&self) -> Option<String> {
         Some(self.to_string())
+    }
+}
+
+#[cfg(feature = "anyhow")]
+#[cfg_attr(docsrs, doc(cfg(feature = "anyhow")))]
+impl OutOfMemory for anyhow::Error {
+    /// Whether any error in the chain of causes is an out-of-memory.
+    fn is_out_of_memory(&self) -> bool {
+        error_chain_is_out_of_memory(self.as_ref())
+    }
+    fn message(&self) -> Option<String> {
+        Some(format!("{self:#}"))
     }
 }
 
@@ -262,6 +281,10 @@ pub fn is_out_of_memory_panic(payload: &(dyn Any + Send)) -> bool {
     }
     #[cfg(feature = "tch")]
     if let Some(err) = payload.downcast_ref::<tch::TchError>() {
+        return err.is_out_of_memory();
+    }
+    #[cfg(feature = "anyhow")]
+    if let Some(err) = payload.downcast_ref::<anyhow::Error>() {
         return err.is_out_of_memory();
     }
     if let Some(err) = payload.downcast_ref::<std::io::Error>() {
@@ -362,6 +385,19 @@ mod tests {
         assert_eq!(classify_message(text), Verdict::OutOfMemory);
         assert!(text.is_out_of_memory());
         assert!(!is_out_of_memory_message("index out of range in self"));
+    }
+
+    #[cfg(feature = "anyhow")]
+    #[test]
+    fn anyhow_errors_look_through_their_context() {
+        let oom = anyhow::anyhow!("CUDA out of memory. Tried to allocate 2.00 GiB").context("scoring batch 7");
+        assert!(oom.is_out_of_memory(), "{oom:#}");
+        assert!(oom.message().unwrap().contains("scoring batch 7: CUDA out of memory"));
+        let io = anyhow::Error::from(std::io::Error::from(std::io::ErrorKind::OutOfMemory)).context("reading");
+        assert!(io.is_out_of_memory());
+        assert!(!anyhow::anyhow!("index out of range in self").context("x").is_out_of_memory());
+        let payload: Box<dyn Any + Send> = Box::new(anyhow::anyhow!("HIP out of memory"));
+        assert!(is_out_of_memory_panic(payload.as_ref()));
     }
 
     #[test]

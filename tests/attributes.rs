@@ -348,6 +348,22 @@ fn async_batch_range_and_chunked() {
     assert_eq!(t, Tensor::ones([6], (Kind::Float, Device::Cpu)));
 }
 
+/// Parameters named like the expansion's own bindings (`next`, `result`, `err`) are the
+/// caller's values inside the body, not the expansion's.
+#[test]
+fn async_parameters_named_like_the_expansion_are_not_shadowed() {
+    static SEEN: Mutex<Vec<(usize, usize, usize, usize)>> = Mutex::new(Vec::new());
+    #[toma::range(initial_step = 2, cache = None)]
+    async fn walk(start: usize, end: usize, next: usize, result: usize, err: usize) -> Result<(), String> {
+        support::yield_now().await;
+        SEEN.lock().unwrap().push((start, next, result, err));
+        let _ = end;
+        Ok(())
+    }
+    block_on(walk(0, 4, 7, 8, 9)).unwrap();
+    assert_eq!(*SEEN.lock().unwrap(), [(0, 7, 8, 9), (2, 7, 8, 9)]);
+}
+
 #[test]
 fn policies_on_attributes() {
     static CALLS: Recorder = Recorder::new();

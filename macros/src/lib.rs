@@ -490,11 +490,16 @@ fn async_body(
     let p = quote!(::toma::__private);
     let attempts = format_ident!("__toma_attempts", span = Span::mixed_site());
     let outcome = format_ident!("__toma_outcome", span = Span::mixed_site());
+    // Every name the expansion binds around the body is mixed-site, so none shadows the user's
+    // (a parameter called `next`, `result` or `err`).
+    let next_value = format_ident!("next", span = Span::mixed_site());
+    let result = format_ident!("result", span = Span::mixed_site());
+    let err = format_ident!("err", span = Span::mixed_site());
     // `?` needs the block's output type fixed up front; a `()` body has no `?` to serve.
     let unit = matches!(ret, Type::Tuple(t) if t.elems.is_empty());
     let future = if unit { quote!(async #body) } else { quote!(#p::typed_future::<#ret, _>(async #body)) };
     let convert = value_mode.then(|| quote!(.map(#p::infallible)));
-    let finish_ret = if value_mode { quote!(#p::unwrap_infallible(result)) } else { quote!(result) };
+    let finish_ret = if value_mode { quote!(#p::unwrap_infallible(#result)) } else { quote!(#result) };
     match op {
         Op::Batch => {
             let pat = &pats[0];
@@ -504,7 +509,7 @@ fn async_body(
                 loop {
                     let #pat: #ty = #attempts.size();
                     let #outcome = #attempts.attempt_async(#future).await #convert;
-                    if let #p::ControlFlow::Break(result) = #attempts.finish(#outcome) {
+                    if let #p::ControlFlow::Break(#result) = #attempts.finish(#outcome) {
                         return #finish_ret;
                     }
                 }
@@ -518,11 +523,11 @@ fn async_body(
             let done = if value_mode { quote!() } else { quote!(::core::result::Result::Ok(())) };
             quote! {
                 let mut #attempts = #builder.start();
-                while let ::core::option::Option::Some(next) = #attempts.#next() {
-                    let #bind: #annotate = next;
+                while let ::core::option::Option::Some(#next_value) = #attempts.#next() {
+                    let #bind: #annotate = #next_value;
                     let #outcome = #attempts.attempt_async(#future).await #convert;
-                    if let ::core::result::Result::Err(err) = #attempts.finish(#outcome) {
-                        let result = ::core::result::Result::Err(err);
+                    if let ::core::result::Result::Err(#err) = #attempts.finish(#outcome) {
+                        let #result = ::core::result::Result::Err(#err);
                         return #finish_ret;
                     }
                 }

@@ -1893,17 +1893,16 @@ impl fmt::Display for LazyTensor {
 }
 
 impl fmt::Debug for LazyTensor {
-    /// The recorded facts (op, shape, kind, batch dimension) and the computed value.
+    /// The recorded facts: op, shape, kind, device and batch dimension. Evaluates nothing, so
+    /// `dbg!`, `{:?}` in a log line or an assertion message never plans, allocates or runs out
+    /// of memory; `Display` computes the value.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let m = self.meta();
-        write!(f, "LazyTensor[{}, {:?}, {:?}", self.op_name(), m.shape, m.kind)?;
+        write!(f, "LazyTensor[{}, {:?}, {:?}, {:?}", self.op_name(), m.shape, m.kind, m.device)?;
         if let Some(bd) = m.batch() {
             write!(f, ", batch dim {}", bd.dim)?;
         }
-        match self.to_tensor() {
-            Ok(t) => write!(f, "] = {t:?}"),
-            Err(e) => write!(f, "] = <{e}>"),
-        }
+        f.write_str("]")
     }
 }
 
