@@ -425,8 +425,11 @@ fn panic_text<R>(f: impl FnOnce() -> R) -> Option<String> {
     )
 }
 
-fn child_onednn() {
+fn child_onednn(headroom_gib: f64) {
     use tch::nn::ModuleT;
+    // As many threads as this project's 2-core machines use: oneDNN's memory per kernel
+    // depends on them.
+    tch::set_num_threads(2);
     let vs = tch::nn::VarStore::new(Device::Cpu);
     let net = tch::vision::resnet::resnet18(&vs.root(), 1000);
     let _no_grad = tch::no_grad_guard();
@@ -435,7 +438,7 @@ fn child_onednn() {
     // Reference logits one image at a time, before the cap (batch 1's kernels are cached now).
     let reference: Vec<Tensor> = (0..IMAGES).map(|i| net.forward_t(&images.narrow(0, i, 1), false)).collect();
     let reference = Tensor::cat(&reference, 0);
-    let headroom = cap_memory(CpuCap::Data, 0.75);
+    let headroom = cap_memory(CpuCap::Data, headroom_gib);
     // oneDNN caches a kernel with its scratch space for every new batch size: other sizes fill
     // that cache until a new one cannot be created (the allocator may fail first for the
     // largest). Caught here, outside toma, with the default panic hook silenced.
@@ -450,8 +453,11 @@ fn child_onednn() {
         }
     }
     std::panic::set_hook(hook);
-    let failed_at =
-        onednn_failed_at.expect("under the data cap oneDNN could not create a primitive for some batch size");
+    let Some(failed_at) = onednn_failed_at else {
+        // A CPU whose oneDNN kernels take less memory: the parent tries another headroom.
+        println!("{DONE} onednn reproduced=false headroom_mib={}", headroom / MIB);
+        return;
+    };
     assert!(toma::cpu_memory::under_pressure(), "a cap is set: memory is under pressure");
     assert_eq!(toma::oom::classify_message(ONEDNN_FAILURE), toma::oom::Verdict::UnderPressure);
 
@@ -478,19 +484,39 @@ fn child_onednn() {
     let difference = (&out - &reference).abs().max().double_value(&[]);
     assert!(difference < 1e-4, "logits differ from the uncapped ones by {difference}");
     println!(
-        "{DONE} onednn headroom_mib={} onednn_failed_at={failed_at} steps={steps:?} caught={} max_diff={difference:.1e} secs={:.2}",
+        "{DONE} onednn reproduced=true headroom_mib={} onednn_failed_at={failed_at} steps={steps:?} caught={} max_diff={difference:.1e} secs={:.2}",
         headroom / MIB,
         caught.len(),
         started.elapsed().as_secs_f64()
     );
 }
 
+/// Headrooms under the data cap to try, in GiB: where oneDNN's cache fills first depends on the
+/// CPU (an H100 machine's 16-core CPU needed other values than this project's 2-core ones).
+const ONEDNN_HEADROOMS: [&str; 3] = ["0.75", "0.5", "1.0"];
+
 #[test]
 fn onednn_primitive_failures_under_a_data_cap_are_caught() {
+    const TEST: &str = "onednn_primitive_failures_under_a_data_cap_are_caught";
     if let Some(scenario) = child_scenario() {
-        assert_eq!(scenario, "onednn");
-        return child_onednn();
+        let headroom = scenario.strip_prefix("onednn:").expect("an onednn scenario");
+        return child_onednn(headroom.parse().expect("a headroom in GiB"));
     }
-    let (_, fields) = run_in_child("onednn_primitive_failures_under_a_data_cap_are_caught", "onednn");
-    assert!(fields["caught"].parse::<usize>().unwrap() >= 1, "{fields:?}");
+    for headroom in ONEDNN_HEADROOMS {
+        let child = support::child::run(TEST, CHILD_ENV, &format!("onednn:{headroom}"));
+        let fields = child.assert_finished(&format!("{DONE} onednn "));
+        println!("{}", child.report);
+        if fields["reproduced"] == "true" {
+            assert!(fields["caught"].parse::<usize>().unwrap() >= 1, "{fields:?}");
+            return;
+        }
+    }
+    // Established on this project's machines (CI's kind): there it must reproduce.
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "oneDNN never failed to create a primitive at headrooms {ONEDNN_HEADROOMS:?} GiB"
+    );
+    println!(
+        "{TEST}: skipped: oneDNN never failed to create a primitive on this CPU at headrooms {ONEDNN_HEADROOMS:?} GiB"
+    );
 }
