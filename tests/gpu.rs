@@ -3,8 +3,10 @@
 //! CPU gradients (5), what an address-space or data-segment cap does to CUDA (6), the Rust half
 //! of the side-by-side with Python toma (7) and time per sample by batch size (8).
 //!
-//! Opt-in: without `TOMA_CUDA_TESTS=1` every test prints `skipped: set TOMA_CUDA_TESTS=1 on a
-//! CUDA machine` and passes; with it set, a machine where the driver or libtorch sees no CUDA
+//! Opt-in: every GPU test is `#[ignore]`d, so `cargo test` lists them as ignored, never as
+//! passed; `scripts/gpu-run.sh` runs them with `--include-ignored` and `TOMA_CUDA_TESTS=1`.
+//! Run without that variable they still print `skipped: set TOMA_CUDA_TESTS=1 on a CUDA
+//! machine` and return; with it set, a machine where the driver or libtorch sees no CUDA
 //! device fails them loudly. `scripts/gpu-bundle.sh` builds and packs this binary,
 //! `scripts/gpu-run.sh` runs it on the GPU machine. Each measurement is printed as one
 //! `GPU-RESULT <test> key=value ..` line, which gpu-run.sh collects.
@@ -238,6 +240,7 @@ fn converge(test: &str, gpu: &Gpu, call: impl FnOnce() -> usize) {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-run.sh runs it with TOMA_CUDA_TESTS=1"]
 fn batch_converges_under_a_real_cuda_oom_without_leaking() {
     let Some(gpu) = gpu("batch_converges_under_a_real_cuda_oom_without_leaking") else { return };
     warm_up();
@@ -288,6 +291,7 @@ fn slices_in_chunks(mut chunk: Tensor, start: usize, end: usize) -> Result<(), T
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-run.sh runs it with TOMA_CUDA_TESTS=1"]
 fn range_and_chunked_halve_under_a_real_cuda_oom() {
     let Some(gpu) = gpu("range_and_chunked_halve_under_a_real_cuda_oom") else { return };
     warm_up();
@@ -366,6 +370,7 @@ fn rows_remembered(batchsize: usize) -> Result<usize, TchError> {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-run.sh runs it with TOMA_CUDA_TESTS=1"]
 fn a_second_call_hits_the_cache_without_an_oom() {
     let Some(gpu) = gpu("a_second_call_hits_the_cache_without_an_oom") else { return };
     warm_up();
@@ -505,6 +510,7 @@ fn planner_models() -> [PlannerModel; 4] {
 /// overestimate fails here, and `plans_hold_on_a_filled_card` checks that the plan holds
 /// when the memory is not there.
 #[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-run.sh runs it with TOMA_CUDA_TESTS=1"]
 fn planner_peak_matches_the_allocator_on_gpu() {
     let Some(_gpu) = gpu("planner_peak_matches_the_allocator_on_gpu") else { return };
     warm_up();
@@ -559,6 +565,7 @@ fn planner_peak_matches_the_allocator_on_gpu() {
 /// out-of-memory would fail it. Allocator OOMs counted meanwhile are cuDNN's engines whose
 /// workspace did not fit, which PyTorch skips.
 #[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-run.sh runs it with TOMA_CUDA_TESTS=1"]
 fn plans_hold_on_a_filled_card() {
     let Some(_gpu) = gpu("plans_hold_on_a_filled_card") else { return };
     warm_up();
@@ -610,6 +617,7 @@ fn plans_hold_on_a_filled_card() {
 /// The staging buffer of CUDA's reduction kernel (src/lazy/scratch.rs) against the allocator:
 /// a lazy `sum` over dimensions, planned forward, then run.
 #[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-run.sh runs it with TOMA_CUDA_TESTS=1"]
 fn reduction_staging_matches_the_allocator() {
     let Some(_gpu) = gpu("reduction_staging_matches_the_allocator") else { return };
     warm_up();
@@ -723,6 +731,7 @@ fn gpu_step_against_cpu<M>(
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-run.sh runs it with TOMA_CUDA_TESTS=1"]
 fn lazy_training_step_on_gpu_matches_cpu_gradients() {
     let Some(_gpu) = gpu("lazy_training_step_on_gpu_matches_cpu_gradients") else { return };
     tch::manual_seed(12);
@@ -845,6 +854,7 @@ fn child_rlimit(scenario: &str) {
 /// Reports what each cap does to CUDA, and asserts what the docs of `toma::cpu_memory` claim:
 /// under the data cap, set before or after CUDA starts, everything works.
 #[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-run.sh runs it with TOMA_CUDA_TESTS=1"]
 fn cpu_caps_next_to_cuda() {
     const TEST: &str = "cpu_caps_next_to_cuda";
     if let Ok(scenario) = std::env::var(CHILD_ENV) {
@@ -913,6 +923,7 @@ fn median(mut values: Vec<f64>) -> f64 {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-run.sh runs it with TOMA_CUDA_TESTS=1"]
 fn side_by_side_with_python_toma_rust_half() {
     let Some(gpu) = gpu("side_by_side_with_python_toma_rust_half") else { return };
     warm_up();
@@ -1010,6 +1021,7 @@ fn time_per_sample<S: FnMut()>(model: &str, batches: &[i64], step_at: impl Fn(i6
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-run.sh runs it with TOMA_CUDA_TESTS=1"]
 fn time_per_sample_by_batch_size() {
     let Some(_gpu) = gpu("time_per_sample_by_batch_size") else { return };
     warm_up();

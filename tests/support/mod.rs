@@ -270,7 +270,8 @@ pub mod child {
         let exe = std::env::current_exe().expect("path of the test binary");
         let started = Instant::now();
         let output = Command::new(exe)
-            .args([test, "--exact", "--nocapture", "--test-threads=1"])
+            // Ignored tests (the GPU ones) re-run themselves too.
+            .args([test, "--exact", "--include-ignored", "--nocapture", "--test-threads=1"])
             .env(env, value)
             .output()
             .expect("spawn the child test process");
