@@ -273,46 +273,36 @@ fn error_chain_is_out_of_memory(err: &(dyn Error + 'static)) -> bool {
 /// `io::Error` or a boxed error. All of these are looked at; any other payload is not an
 /// out-of-memory.
 pub fn is_out_of_memory_panic(payload: &(dyn Any + Send)) -> bool {
+    payload_failure(payload).is_some_and(|failure| failure.is_out_of_memory())
+}
+
+/// The message of a panic payload, for logs; `None` for payloads without text.
+pub(crate) fn panic_message(payload: &(dyn Any + Send)) -> Option<String> {
+    payload_failure(payload).and_then(|failure| failure.message())
+}
+
+/// The one list of panic payload types toma can read: what a payload is, as a failure that can
+/// be asked. Both questions above go through it, so they never disagree on a type.
+fn payload_failure(payload: &(dyn Any + Send)) -> Option<&dyn OutOfMemory> {
     if let Some(message) = payload.downcast_ref::<String>() {
-        return is_out_of_memory_message(message);
+        return Some(message);
     }
     if let Some(message) = payload.downcast_ref::<&'static str>() {
-        return is_out_of_memory_message(message);
+        return Some(message);
     }
     #[cfg(feature = "tch")]
     if let Some(err) = payload.downcast_ref::<tch::TchError>() {
-        return err.is_out_of_memory();
+        return Some(err);
     }
     #[cfg(feature = "anyhow")]
     if let Some(err) = payload.downcast_ref::<anyhow::Error>() {
-        return err.is_out_of_memory();
+        return Some(err);
     }
     if let Some(err) = payload.downcast_ref::<std::io::Error>() {
-        return err.is_out_of_memory();
+        return Some(err);
     }
     if let Some(err) = payload.downcast_ref::<Box<dyn Error + Send + Sync>>() {
-        return err.is_out_of_memory();
-    }
-    false
-}
-
-/// The first line of a panic payload's message, for logs; `None` for payloads without text.
-pub(crate) fn panic_message(payload: &(dyn Any + Send)) -> Option<String> {
-    if let Some(message) = payload.downcast_ref::<String>() {
-        return Some(message.clone());
-    }
-    if let Some(message) = payload.downcast_ref::<&'static str>() {
-        return Some((*message).to_owned());
-    }
-    #[cfg(feature = "tch")]
-    if let Some(err) = payload.downcast_ref::<tch::TchError>() {
-        return Some(err.to_string());
-    }
-    if let Some(err) = payload.downcast_ref::<std::io::Error>() {
-        return Some(err.to_string());
-    }
-    if let Some(err) = payload.downcast_ref::<Box<dyn Error + Send + Sync>>() {
-        return Some(err.to_string());
+        return Some(err);
     }
     None
 }
