@@ -34,6 +34,12 @@
 //! ## Tracing
 //! A `debug` event per attempt (its size) and an `info` event per caught out-of-memory (old and
 //! new size, the first line of the message), under the target `toma`.
+//!
+//! ## The panic hook
+//! tch's plain methods panic on an out-of-memory. So that a retried panic prints nothing (toma
+//! logs it instead), the first retryable attempt wraps the process's panic hook once; every
+//! panic that is not a caught out-of-memory reaches your hook unchanged. Set your own hook
+//! before toma's first call, or turn this off with [`quiet_caught_panics`]`(false)`.
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
@@ -56,7 +62,7 @@ pub use cache::{default_cache, set_default_cache, CacheKind};
 pub use chunked::Chunked;
 pub use oom::OutOfMemory;
 pub use policy::Policy;
-pub use retry::{Batch, ConfigError, Range, Report};
+pub use retry::{quiet_caught_panics, Batch, ConfigError, Range, Report};
 
 /// Retries a function with a halved batch size on out-of-memory, remembering the size that
 /// worked.

@@ -18,6 +18,7 @@ use std::future::Future;
 use std::ops::ControlFlow;
 use std::panic::{self, AssertUnwindSafe, Location};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Once;
 use std::task::{Context, Poll};
 
@@ -77,15 +78,40 @@ thread_local! {
     static RETRYABLE_DEPTH: Cell<u32> = const { Cell::new(0) };
 }
 
-/// Wraps the panic hook once: an out-of-memory panic inside a retryable attempt is silent
-/// (toma logs it instead); every other panic reaches the previous hook unchanged. A hook set
-/// after toma's replaces it, and then caught panics print again.
+/// Whether caught out-of-memory panics are silenced: [`quiet_caught_panics`].
+static QUIET: AtomicBool = AtomicBool::new(true);
+
+/// Whether toma silences the message of an out-of-memory panic that it catches and retries (on
+/// by default): tch's plain methods panic on an out-of-memory, and the default hook would print
+/// a message and a backtrace for every retry.
+///
+/// To do that, the first retryable attempt wraps the process's panic hook once
+/// ([`std::panic::set_hook`]): an out-of-memory panic inside a retryable attempt is then not
+/// passed on; every other panic reaches the previous hook unchanged. `quiet_caught_panics(false)`
+/// before the first call keeps toma's hook out entirely; later, it makes the wrapper pass every
+/// panic on. A hook you set after toma's replaces it (caught panics then print again): install
+/// your hook first, and toma wraps it.
+///
+/// ```
+/// toma::quiet_caught_panics(false); // every caught panic reaches the panic hook
+/// # toma::quiet_caught_panics(true);
+/// ```
+pub fn quiet_caught_panics(on: bool) {
+    QUIET.store(on, Ordering::Relaxed);
+}
+
+/// Wraps the panic hook once, while quieting is on (see [`quiet_caught_panics`]).
 fn install_quiet_hook() {
     static INSTALL: Once = Once::new();
+    if !QUIET.load(Ordering::Relaxed) {
+        return;
+    }
     INSTALL.call_once(|| {
         let previous = panic::take_hook();
         panic::set_hook(Box::new(move |info| {
-            let quiet = RETRYABLE_DEPTH.with(Cell::get) > 0 && is_out_of_memory_panic(info.payload());
+            let quiet = QUIET.load(Ordering::Relaxed)
+                && RETRYABLE_DEPTH.with(Cell::get) > 0
+                && is_out_of_memory_panic(info.payload());
             if !quiet {
                 previous(info);
             }

@@ -354,3 +354,39 @@ fn a_clipped_last_sub_range_does_not_pin_the_cache() {
         .collect();
     assert_eq!(firsts, [64, 64]);
 }
+
+/// toma's panic hook silences a caught out-of-memory panic, unless told not to; either way the
+/// hook set before it sees every other panic. In a child process: the hook is process-wide.
+#[test]
+fn caught_panics_reach_the_hook_only_when_not_quiet() {
+    const TEST: &str = "caught_panics_reach_the_hook_only_when_not_quiet";
+    const ENV: &str = "TOMA_HOOK_CHILD";
+    if let Ok(mode) = std::env::var(ENV) {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static SEEN: AtomicUsize = AtomicUsize::new(0);
+        std::panic::set_hook(Box::new(|_| {
+            SEEN.fetch_add(1, Ordering::SeqCst);
+        }));
+        if mode == "loud" {
+            toma::quiet_caught_panics(false);
+        }
+        let out = Batch::new(4).cache(CacheKind::None).run(|bs| -> Result<usize, String> {
+            if bs > 2 {
+                panic!("CUDA out of memory. Tried to allocate 1.00 GiB");
+            }
+            Ok(bs)
+        });
+        assert_eq!(out, Ok(2));
+        let other = std::panic::catch_unwind(|| panic!("not a memory problem"));
+        assert!(other.is_err());
+        // On a line of its own: the test harness has just printed `test .. ... ` without a newline.
+        println!("\nTOMA_HOOK_DONE seen={}", SEEN.load(Ordering::SeqCst));
+        return;
+    }
+    // Quiet: only the other panic reaches the hook; loud: the caught one too.
+    for (mode, seen) in [("quiet", "1"), ("loud", "2")] {
+        let child = support::child::run(TEST, ENV, mode);
+        let fields = child.assert_finished("TOMA_HOOK_DONE ");
+        assert_eq!(fields["seen"], seen, "{mode}: {}", child.report);
+    }
+}
