@@ -64,6 +64,7 @@ mod ops;
 mod plan;
 mod scratch;
 mod shape;
+mod tch_compat;
 mod tensor;
 
 pub use custom::{CustomOp, Saves, TensorMeta};

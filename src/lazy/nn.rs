@@ -4,7 +4,8 @@
 //! Adapters exist for [`nn::Linear`], [`nn::Conv2D`], [`nn::LayerNorm`], [`nn::Embedding`] and
 //! [`nn::BatchNorm`] (through [`LazyModuleT`]). tch keeps some of their settings private (a
 //! convolution's stride, a norm's epsilon); the adapters read them from the layer's `Debug`
-//! text, which tch 0.24 (the version toma pins) prints in full. A layer whose settings cannot
+//! text, which tch 0.24 prints in full (all of that reading is in one place, `tch_compat`, whose
+//! tests fail loudly if a tch release prints it differently). A layer whose settings cannot
 //! be read, or that uses something the graph cannot plan (a padding mode other than zeros,
 //! sparse embeddings), is an [`LazyError::Unsupported`] naming it: it is never run eagerly.
 //!
@@ -27,6 +28,7 @@
 use tch::nn;
 
 use super::error::LazyError;
+use super::tch_compat;
 use super::LazyTensor;
 
 /// A layer that records lazily (tch's `Module`, for [`LazyTensor`]s).
@@ -53,38 +55,6 @@ impl<M: LazyModule + ?Sized> LazyModuleT for M {
     }
 }
 
-/// The value of `name: value` in a `Debug` text, bracket-aware (`stride: [1, 1]`).
-fn debug_field<'a>(text: &'a str, name: &str) -> Option<&'a str> {
-    let key = format!("{name}: ");
-    let start = text.find(&key)? + key.len();
-    let rest = &text[start..];
-    let mut depth = 0i32;
-    for (i, ch) in rest.char_indices() {
-        match ch {
-            '[' | '(' | '{' => depth += 1,
-            ']' | ')' | '}' if depth == 0 => return Some(rest[..i].trim()),
-            ']' | ')' | '}' => depth -= 1,
-            ',' if depth == 0 => return Some(rest[..i].trim()),
-            _ => {}
-        }
-    }
-    Some(rest.trim())
-}
-
-fn parse_list(text: &str) -> Option<Vec<i64>> {
-    let inner = text.strip_prefix('[')?.strip_suffix(']')?;
-    inner.split(',').map(|v| v.trim().parse().ok()).collect()
-}
-
-/// Reads a setting tch keeps private from the layer's `Debug` text.
-fn setting<T: std::str::FromStr>(layer: &str, text: &str, config: &str, name: &str) -> Result<T, LazyError> {
-    let config_text = text.find(config).map(|at| &text[at..]);
-    config_text.and_then(|c| debug_field(c, name)).and_then(|v| v.parse().ok()).ok_or_else(|| LazyError::Unsupported {
-        op: layer.into(),
-        reason: format!("cannot read `{name}` from the layer's Debug text (is tch still 0.24?)"),
-    })
-}
-
 impl LazyModule for nn::Linear {
     fn lazy_forward(&self, xs: &LazyTensor) -> Result<LazyTensor, LazyError> {
         xs.f_linear(&self.ws, self.bs.as_ref())
@@ -93,47 +63,30 @@ impl LazyModule for nn::Linear {
 
 impl LazyModule for nn::Conv2D {
     fn lazy_forward(&self, xs: &LazyTensor) -> Result<LazyTensor, LazyError> {
-        let text = format!("{self:?}");
-        let at = text.find("config:").ok_or_else(|| LazyError::Unsupported {
-            op: "nn::Conv2D".into(),
-            reason: "cannot find the configuration in the layer's Debug text".into(),
-        })?;
-        let config = &text[at..];
-        let list = |name: &str| {
-            debug_field(config, name).and_then(parse_list).ok_or_else(|| LazyError::Unsupported {
-                op: "nn::Conv2D".into(),
-                reason: format!("cannot read `{name}` from the layer's Debug text (is tch still 0.24?)"),
-            })
-        };
-        let (stride, padding, dilation) = (list("stride")?, list("padding")?, list("dilation")?);
-        let groups: i64 = setting("nn::Conv2D", config, "config:", "groups")?;
-        let mode = debug_field(config, "padding_mode").unwrap_or("Zeros");
-        if mode != "Zeros" {
+        let c = tch_compat::conv2d(self)?;
+        if c.padding_mode != "Zeros" {
             return Err(LazyError::Unsupported {
                 op: "nn::Conv2D".into(),
                 reason: format!(
-                    "padding mode {mode} pads with an op toma::lazy does not plan; pad with a CustomOp, then convolve"
+                    "padding mode {} pads with an op toma::lazy does not plan; pad with a CustomOp, then convolve",
+                    c.padding_mode
                 ),
             });
         }
-        xs.f_conv2d(&self.ws, self.bs.as_ref(), stride, padding, dilation, groups)
+        xs.f_conv2d(&self.ws, self.bs.as_ref(), c.stride, c.padding, c.dilation, c.groups)
     }
 }
 
 impl LazyModule for nn::LayerNorm {
     fn lazy_forward(&self, xs: &LazyTensor) -> Result<LazyTensor, LazyError> {
-        let text = format!("{self:?}");
-        let eps: f64 = setting("nn::LayerNorm", &text, "config:", "eps")?;
+        let eps = tch_compat::layer_norm_eps(self)?;
         xs.f_layer_norm(&self.normalized_shape, self.ws.as_ref(), self.bs.as_ref(), eps)
     }
 }
 
 impl LazyModule for nn::Embedding {
     fn lazy_forward(&self, xs: &LazyTensor) -> Result<LazyTensor, LazyError> {
-        let text = format!("{self:?}");
-        let padding_idx: i64 = setting("nn::Embedding", &text, "config:", "padding_idx")?;
-        let scale: bool = setting("nn::Embedding", &text, "config:", "scale_grad_by_freq")?;
-        let sparse: bool = setting("nn::Embedding", &text, "config:", "sparse")?;
+        let (padding_idx, scale, sparse) = tch_compat::embedding(self)?;
         if sparse {
             return Err(LazyError::Unsupported {
                 op: "nn::Embedding".into(),
@@ -161,9 +114,7 @@ impl LazyModuleT for nn::BatchNorm {
                 ),
             });
         }
-        let text = format!("{self:?}");
-        let eps: f64 = setting("nn::BatchNorm", &text, "config:", "eps")?;
-        let momentum: f64 = setting("nn::BatchNorm", &text, "config:", "momentum")?;
+        let (eps, momentum) = tch_compat::batch_norm(self)?;
         xs.f_batch_norm(self.ws.as_ref(), self.bs.as_ref(), &self.running_mean, &self.running_var, train, momentum, eps)
     }
 }
@@ -249,19 +200,5 @@ impl Sequential {
 impl LazyModuleT for Sequential {
     fn lazy_forward_t(&self, xs: &LazyTensor, train: bool) -> Result<LazyTensor, LazyError> {
         self.forward_t(xs, train)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn debug_fields() {
-        let text = "Conv { ws: Tensor[[8, 3, 3, 3], Float], config: ConvConfigND { stride: [2, 1], padding: [1, 1], \
-                    groups: 1, padding_mode: Zeros } }";
-        assert_eq!(debug_field(text, "stride").and_then(parse_list), Some(vec![2, 1]));
-        assert_eq!(debug_field(text, "groups"), Some("1"));
-        assert_eq!(debug_field(text, "padding_mode"), Some("Zeros"));
     }
 }

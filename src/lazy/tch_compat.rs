@@ -1,0 +1,154 @@
+//! Settings tch keeps private, read from its layers' `Debug` text: the one place that depends
+//! on how tch prints them (tch 0.24: `Conv { ws: .., config: ConvConfigND { stride: [2, 1], .. } }`).
+//!
+//! tch has no accessors for a convolution's stride or a norm's epsilon, and the lazy adapters
+//! need them. If a tch release prints these differently, a setting that cannot be read is a
+//! [`LazyError::Unsupported`] naming the layer and the tch version this was written for, never
+//! a wrong value; and the tests below, which build each layer with non-default settings and read
+//! them back, fail.
+
+use tch::nn;
+
+use super::error::LazyError;
+
+/// The tch line these readers were written against.
+const TCH: &str = "0.24";
+
+/// A 2-d convolution's settings.
+pub(crate) struct Conv2dSettings {
+    pub(crate) stride: Vec<i64>,
+    pub(crate) padding: Vec<i64>,
+    pub(crate) dilation: Vec<i64>,
+    pub(crate) groups: i64,
+    /// `Zeros`, `Reflect`, `Replicate` or `Circular`, as tch prints its `PaddingMode`.
+    pub(crate) padding_mode: String,
+}
+
+pub(crate) fn conv2d(layer: &nn::Conv2D) -> Result<Conv2dSettings, LazyError> {
+    let text = format!("{layer:?}");
+    let config = config_of("nn::Conv2D", &text)?;
+    let list = |name: &str| field(config, name).and_then(parse_list).ok_or_else(|| unreadable("nn::Conv2D", name));
+    Ok(Conv2dSettings {
+        stride: list("stride")?,
+        padding: list("padding")?,
+        dilation: list("dilation")?,
+        groups: parsed("nn::Conv2D", config, "groups")?,
+        padding_mode: field(config, "padding_mode").unwrap_or("Zeros").to_owned(),
+    })
+}
+
+/// A layer norm's epsilon.
+pub(crate) fn layer_norm_eps(layer: &nn::LayerNorm) -> Result<f64, LazyError> {
+    let text = format!("{layer:?}");
+    parsed("nn::LayerNorm", config_of("nn::LayerNorm", &text)?, "eps")
+}
+
+/// An embedding's `(padding_idx, scale_grad_by_freq, sparse)`.
+pub(crate) fn embedding(layer: &nn::Embedding) -> Result<(i64, bool, bool), LazyError> {
+    let text = format!("{layer:?}");
+    let config = config_of("nn::Embedding", &text)?;
+    Ok((
+        parsed("nn::Embedding", config, "padding_idx")?,
+        parsed("nn::Embedding", config, "scale_grad_by_freq")?,
+        parsed("nn::Embedding", config, "sparse")?,
+    ))
+}
+
+/// A batch norm's `(eps, momentum)`.
+pub(crate) fn batch_norm(layer: &nn::BatchNorm) -> Result<(f64, f64), LazyError> {
+    let text = format!("{layer:?}");
+    let config = config_of("nn::BatchNorm", &text)?;
+    Ok((parsed("nn::BatchNorm", config, "eps")?, parsed("nn::BatchNorm", config, "momentum")?))
+}
+
+fn unreadable(layer: &str, name: &str) -> LazyError {
+    LazyError::Unsupported {
+        op: layer.into(),
+        reason: format!("cannot read `{name}` from the layer's Debug text, as tch {TCH} prints it"),
+    }
+}
+
+/// The text from the layer's `config:` on.
+fn config_of<'a>(layer: &str, text: &'a str) -> Result<&'a str, LazyError> {
+    text.find("config:").map(|at| &text[at..]).ok_or_else(|| unreadable(layer, "config"))
+}
+
+fn parsed<T: std::str::FromStr>(layer: &str, config: &str, name: &str) -> Result<T, LazyError> {
+    field(config, name).and_then(|v| v.parse().ok()).ok_or_else(|| unreadable(layer, name))
+}
+
+/// The value of `name: value` in a `Debug` text, bracket-aware (`stride: [1, 1]`).
+fn field<'a>(text: &'a str, name: &str) -> Option<&'a str> {
+    let key = format!("{name}: ");
+    let start = text.find(&key)? + key.len();
+    let rest = &text[start..];
+    let mut depth = 0i32;
+    for (i, ch) in rest.char_indices() {
+        match ch {
+            '[' | '(' | '{' => depth += 1,
+            ']' | ')' | '}' if depth == 0 => return Some(rest[..i].trim()),
+            ']' | ')' | '}' => depth -= 1,
+            ',' if depth == 0 => return Some(rest[..i].trim()),
+            _ => {}
+        }
+    }
+    Some(rest.trim())
+}
+
+fn parse_list(text: &str) -> Option<Vec<i64>> {
+    let inner = text.strip_prefix('[')?.strip_suffix(']')?;
+    inner.split(',').map(|v| v.trim().parse().ok()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Device;
+
+    #[test]
+    fn fields_are_read_bracket_aware() {
+        let text = "Conv { ws: Tensor[[8, 3, 3, 3], Float], config: ConvConfigND { stride: [2, 1], padding: [1, 1], \
+                    groups: 1, padding_mode: Zeros } }";
+        assert_eq!(field(text, "stride").and_then(parse_list), Some(vec![2, 1]));
+        assert_eq!(field(text, "groups"), Some("1"));
+        assert_eq!(field(text, "padding_mode"), Some("Zeros"));
+        assert_eq!(field(text, "missing"), None);
+    }
+
+    /// Every setting, non-default, read back from real tch layers: this fails when tch prints
+    /// its layers differently.
+    #[test]
+    fn the_settings_of_real_tch_layers_read_back() {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let r = vs.root();
+        let conv = nn::conv2d(
+            &r / "c",
+            4,
+            8,
+            3,
+            nn::ConvConfig { stride: 2, padding: 3, dilation: 2, groups: 2, ..Default::default() },
+        );
+        let c = conv2d(&conv).expect("tch's Conv2D Debug text");
+        assert_eq!((c.stride, c.padding, c.dilation, c.groups), (vec![2, 2], vec![3, 3], vec![2, 2], 2));
+        assert_eq!(c.padding_mode, "Zeros");
+        let reflect = nn::conv2d(
+            &r / "r",
+            1,
+            1,
+            3,
+            nn::ConvConfig { padding_mode: nn::PaddingMode::Reflect, ..Default::default() },
+        );
+        assert_eq!(conv2d(&reflect).unwrap().padding_mode, "Reflect");
+
+        let ln = nn::layer_norm(&r / "ln", vec![6], nn::LayerNormConfig { eps: 1e-3, ..Default::default() });
+        assert_eq!(layer_norm_eps(&ln).unwrap(), 1e-3);
+
+        let config = nn::EmbeddingConfig { padding_idx: 4, scale_grad_by_freq: true, ..Default::default() };
+        let emb = nn::embedding(&r / "e", 10, 3, config);
+        assert_eq!(embedding(&emb).unwrap(), (4, true, false));
+
+        let bn =
+            nn::batch_norm2d(&r / "bn", 3, nn::BatchNormConfig { eps: 1e-3, momentum: 0.25, ..Default::default() });
+        assert_eq!(batch_norm(&bn).unwrap(), (1e-3, 0.25));
+    }
+}
