@@ -56,6 +56,12 @@ pub enum Verdict {
     Other,
 }
 
+/// A call's own say on what is an out-of-memory (the builders' `when`, e.g.
+/// [`Batch::when`](crate::Batch::when)): given a failure's text, `Some(true)` to retry it as an
+/// out-of-memory, `Some(false)` to give it back at once, `None` to leave it to
+/// [`is_out_of_memory_message`] and the [`OutOfMemory`] impls.
+pub type Decide = fn(&str) -> Option<bool>;
+
 /// Extra texts to count as out-of-memory, added by [`add_out_of_memory_marker`].
 static EXTRA_MARKERS: std::sync::RwLock<Vec<String>> = std::sync::RwLock::new(Vec::new());
 

@@ -25,7 +25,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use crate::cache::{self, CacheKind, CallSite, Entry, Operation};
-use crate::oom::{first_line, is_out_of_memory_panic, panic_message, OutOfMemory};
+use crate::oom::{first_line, is_out_of_memory_panic, panic_message, Decide, OutOfMemory};
 use crate::policy::Policy;
 
 /// A configuration that cannot run, reported by the builders' `try_new`.
@@ -198,6 +198,18 @@ impl<E: OutOfMemory> Failure<E> {
         }
     }
 
+    /// Whether this is an out-of-memory, by the call's own `decide` where it says so.
+    fn is_out_of_memory_for(&self, decide: Option<Decide>) -> bool {
+        let own = decide.and_then(|decide| {
+            let text = match self {
+                Failure::Error(err) => err.message(),
+                Failure::Panic(payload) => panic_message(payload.as_ref()),
+            };
+            text.and_then(|text| decide(&text))
+        });
+        own.unwrap_or_else(|| self.is_out_of_memory())
+    }
+
     /// Gives the failure back to the caller unchanged: an error is returned, a panic resumed.
     fn give_back(self) -> E {
         match self {
@@ -249,12 +261,16 @@ pub(crate) struct Settings {
     /// Where the work runs, when the builder knows (chunked: the tensor's device): `Some(None)`
     /// for the CPU, `Some(Some(i))` for CUDA device `i`.
     pub(crate) device: Option<Option<usize>>,
+    /// The call's own say on what is an out-of-memory: see the builders' `when`.
+    pub(crate) decide: Option<Decide>,
 }
 
 /// The size a call is at, what the cache knows, and what happened so far.
 #[derive(Debug)]
 struct Sizer {
     op: Operation,
+    /// The call's override of the out-of-memory decision.
+    decide: Option<Decide>,
     name: &'static str,
     key: Option<u64>,
     hint: cache::Hint,
@@ -305,6 +321,7 @@ impl Sizer {
         let report = Report { first_size: size, from_cache: seen.is_some(), ..Report::default() };
         Sizer {
             op,
+            decide: settings.decide,
             name,
             key,
             hint,
@@ -454,6 +471,27 @@ macro_rules! settings_methods {
             #[doc = concat!("How the ", $moves, " moves; [`Policy::halve`](crate::Policy::halve) without this.")]
             pub fn policy(mut self, policy: $crate::Policy) -> Self {
                 self.$($settings).+.policy = policy;
+                self
+            }
+
+            /// Overrides toma's decision ([`toma::oom`](crate::oom)) for this call: `decide` gets
+            /// each failure's text (an error's [`message`](crate::OutOfMemory::message), a panic's
+            /// text) and answers `Some(true)` to retry it as an out-of-memory, `Some(false)` to
+            /// give it back at once, or `None` to leave it to toma. A plain `fn` or a closure
+            /// that captures nothing; for every call in the process, see
+            /// [`oom::add_out_of_memory_marker`](crate::oom::add_out_of_memory_marker). A panic
+            /// retried only because `decide` said so still reaches the panic hook (see
+            /// [`quiet_caught_panics`](crate::quiet_caught_panics)).
+            ///
+            /// ```
+            /// let out = toma::Batch::new(8)
+            ///     .cache(toma::CacheKind::None)
+            ///     .when(|text| text.contains("arena exhausted").then_some(true))
+            ///     .run(|bs| if bs > 2 { Err(format!("my_allocator: arena exhausted at {bs}")) } else { Ok(bs) });
+            /// assert_eq!(out, Ok(2));
+            /// ```
+            pub fn when(mut self, decide: $crate::oom::Decide) -> Self {
+                self.$($settings).+.decide = Some(decide);
                 self
             }
 
@@ -607,7 +645,9 @@ impl BatchAttempts {
                 ControlFlow::Break(Ok(value))
             }
             Err(failure) => {
-                if failure.is_out_of_memory() && self.sizer.out_of_memory(self.sizer.size, &failure) {
+                if failure.is_out_of_memory_for(self.sizer.decide)
+                    && self.sizer.out_of_memory(self.sizer.size, &failure)
+                {
                     drop(failure);
                     ControlFlow::Continue(())
                 } else {
@@ -818,7 +858,7 @@ impl RangeAttempts {
                 Ok(())
             }
             Err(failure) => {
-                if failure.is_out_of_memory() && self.sizer.out_of_memory(end - start, &failure) {
+                if failure.is_out_of_memory_for(self.sizer.decide) && self.sizer.out_of_memory(end - start, &failure) {
                     drop(failure);
                     Ok(())
                 } else {

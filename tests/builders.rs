@@ -390,3 +390,57 @@ fn caught_panics_reach_the_hook_only_when_not_quiet() {
         assert_eq!(fields["seen"], seen, "{mode}: {}", child.report);
     }
 }
+
+/// `when` overrides toma's decision for one call: `Some(true)` retries a text toma does not
+/// know, `Some(false)` gives back one it would retry, `None` leaves it to toma.
+#[test]
+fn when_overrides_the_decision_for_one_call() {
+    fn arena(text: &str) -> Option<bool> {
+        text.contains("arena exhausted").then_some(true)
+    }
+    let mut sizes = Vec::new();
+    let out = Batch::new(16).cache(CacheKind::None).when(arena).run(|bs| {
+        sizes.push(bs);
+        if bs > 4 {
+            return Err(format!("my_allocator: arena exhausted at {bs}"));
+        }
+        Ok(bs)
+    });
+    assert_eq!((out, sizes), (Ok(4), vec![16, 8, 4]));
+
+    // The same text as a panic.
+    let out = Batch::new(16).cache(CacheKind::None).when(arena).run(|bs| -> Result<usize, String> {
+        if bs > 4 {
+            panic!("my_allocator: arena exhausted at {bs}");
+        }
+        Ok(bs)
+    });
+    assert_eq!(out, Ok(4));
+
+    // Without `when` the text is another error: one attempt.
+    let mut attempts = 0;
+    let out = Batch::new(16).cache(CacheKind::None).run(|_| {
+        attempts += 1;
+        Err::<usize, _>("my_allocator: arena exhausted".to_string())
+    });
+    assert_eq!((out.is_err(), attempts), (true, 1));
+
+    // `Some(false)`: an out-of-memory this call wants back at once, on a range.
+    let mut calls = Vec::new();
+    let out = Range::new(0, 8, 8).cache(CacheKind::None).when(|_| Some(false)).run(|s, e| {
+        calls.push((s, e));
+        Err::<(), _>(oom())
+    });
+    assert_eq!((out, calls), (Err(oom()), vec![(0, 8)]));
+
+    // `None`: toma decides as usual.
+    let mut calls = Vec::new();
+    let out = Range::new(0, 8, 8).cache(CacheKind::None).when(|_| None).run(|s, e| {
+        calls.push((s, e));
+        if e - s > 2 {
+            return Err(oom());
+        }
+        Ok(())
+    });
+    assert_eq!((out, calls.len()), (Ok(()), 6));
+}
