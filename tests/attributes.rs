@@ -389,3 +389,27 @@ fn policies_on_attributes() {
     let lengths: Vec<usize> = RANGES.lock().unwrap().iter().map(|(s, e)| e - s).collect();
     assert_eq!(lengths, [8, 24, 32, 36]);
 }
+
+/// `crate = path`: for a crate that re-exports toma under another name.
+mod facade {
+    pub use toma as memory_retry;
+}
+
+#[test]
+fn the_crate_argument_names_toma_by_another_path() {
+    #[toma::batch(initial_batchsize = 16, cache = None, policy = factor(0.5), crate = facade::memory_retry)]
+    fn halves(batchsize: usize) -> Result<usize, String> {
+        if batchsize > 4 {
+            return Err(oom());
+        }
+        Ok(batchsize)
+    }
+    assert_eq!(halves(), Ok(4));
+
+    #[toma::range(initial_step = 4, crate = crate::facade::memory_retry)]
+    async fn walk(start: usize, end: usize) -> Result<(), String> {
+        let _ = (start, end);
+        Ok(())
+    }
+    assert_eq!(block_on(walk(0, 10)), Ok(()));
+}

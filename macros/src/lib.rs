@@ -59,9 +59,9 @@ impl Op {
 
     fn allowed(self) -> &'static [&'static str] {
         match self {
-            Op::Batch => &["initial_batchsize", "cache", "policy"],
-            Op::Range => &["initial_step", "cache", "policy"],
-            Op::Chunked => &["initial_step", "dimension", "cache", "policy"],
+            Op::Batch => &["initial_batchsize", "cache", "policy", "crate"],
+            Op::Range => &["initial_step", "cache", "policy", "crate"],
+            Op::Chunked => &["initial_step", "dimension", "cache", "policy", "crate"],
         }
     }
 
@@ -89,6 +89,9 @@ struct Args {
     dimension: Option<Expr>,
     cache: Option<syn::Ident>,
     policy: Option<TokenStream2>,
+    /// The path toma is reached by (`crate = path`, for a crate that re-exports toma);
+    /// `::toma` by default.
+    krate: TokenStream2,
 }
 
 fn expand(op: Op, args: TokenStream2, item: TokenStream2) -> TokenStream2 {
@@ -112,7 +115,8 @@ fn with_placeholder(op: Op, error: syn::Error, function: &ItemFn, item: TokenStr
     if op == Op::Chunked {
         return with_original(error, item);
     }
-    let placeholder = Args { size: syn::parse_quote!(1usize), dimension: None, cache: None, policy: None };
+    let placeholder =
+        Args { size: syn::parse_quote!(1usize), dimension: None, cache: None, policy: None, krate: quote!(::toma) };
     match rewrite(op, &placeholder, function) {
         Ok(tokens) => {
             let error = error.to_compile_error();
@@ -134,11 +138,28 @@ fn with_original(error: syn::Error, item: TokenStream2) -> TokenStream2 {
 
 fn parse_args(op: Op, args: TokenStream2) -> syn::Result<Args> {
     let pairs = Punctuated::<MetaNameValue, Token![,]>::parse_terminated.parse2(args.clone())?;
+    // `crate = path` first: the other arguments' expansions name toma through it.
+    let mut krate = None;
+    for pair in &pairs {
+        if pair.path.is_ident("crate") {
+            if krate.is_some() {
+                return Err(syn::Error::new(pair.path.span(), "`crate` is given more than once"));
+            }
+            let Expr::Path(path) = &pair.value else {
+                return Err(syn::Error::new(
+                    pair.value.span(),
+                    "`crate` takes a path, such as `crate = my_crate::toma`",
+                ));
+            };
+            krate = Some(path.to_token_stream());
+        }
+    }
+    let krate = krate.unwrap_or_else(|| quote!(::toma));
     let mut size = None;
     let mut dimension = None;
     let mut cache = None;
     let mut policy = None;
-    for pair in pairs {
+    for pair in pairs.into_iter().filter(|pair| !pair.path.is_ident("crate")) {
         let name = pair.path.get_ident().map(|i| i.to_string()).unwrap_or_default();
         if !op.allowed().contains(&name.as_str()) {
             let expected = op.allowed().iter().map(|a| format!("`{a}`")).collect::<Vec<_>>().join(", ");
@@ -163,7 +184,7 @@ fn parse_args(op: Op, args: TokenStream2) -> syn::Result<Args> {
         match name.as_str() {
             "initial_batchsize" | "initial_step" => size = Some(positive_size(&name, pair.value)?),
             "dimension" => dimension = Some(dimension_value(pair.value)?),
-            "policy" => policy = Some(policy_value(pair.value)?),
+            "policy" => policy = Some(policy_value(pair.value, &krate)?),
             _ => cache = Some(cache_kind(pair.value)?),
         }
     }
@@ -174,7 +195,7 @@ fn parse_args(op: Op, args: TokenStream2) -> syn::Result<Args> {
             format!("{} needs `{} = N` (the size to try first, at least 1)", op.attribute(), op.size_argument()),
         )
     })?;
-    Ok(Args { size, dimension, cache, policy })
+    Ok(Args { size, dimension, cache, policy, krate })
 }
 
 /// An integer literal ≥ 1, or any other expression (checked at run time).
@@ -223,14 +244,14 @@ fn cache_kind(value: Expr) -> syn::Result<syn::Ident> {
 
 /// `halve`, `grow`, `factor(0.9)`, `grow_up_to(4096)` name `toma::Policy` constructors; any
 /// other expression must be a `toma::Policy`. A literal factor outside (0, 1) is rejected here.
-fn policy_value(value: Expr) -> syn::Result<TokenStream2> {
+fn policy_value(value: Expr, krate: &TokenStream2) -> syn::Result<TokenStream2> {
     const SHORT: [&str; 4] = ["halve", "grow", "factor", "grow_up_to"];
     let short = |path: &syn::ExprPath| {
         path.qself.is_none()
             && path.path.segments.len() == 1
             && SHORT.contains(&path.path.segments[0].ident.to_string().as_str())
     };
-    let p = quote!(::toma::__private::Policy);
+    let p = quote!(#krate::__private::Policy);
     match &value {
         Expr::Path(path) if short(path) => {
             let name = &path.path.segments[0].ident;
@@ -415,7 +436,8 @@ fn rewrite(op: Op, args: &Args, original: &ItemFn) -> syn::Result<TokenStream2> 
     let name = function.sig.ident.to_string();
     let size = &args.size;
     let size_span = size.span();
-    let p = quote!(::toma::__private);
+    let krate = &args.krate;
+    let p = quote!(#krate::__private);
     let site = format_ident!("__TOMA_SITE", span = Span::mixed_site());
     let builder_expr = match op {
         Op::Batch => quote_spanned!(size_span=> #p::Batch::new(#size)),
@@ -437,7 +459,7 @@ fn rewrite(op: Op, args: &Args, original: &ItemFn) -> syn::Result<TokenStream2> 
     let tys = &leading.types;
 
     let new_body = if is_async {
-        async_body(op, &builder, pats, tys, body, ret, value_mode)
+        async_body(op, &p, &builder, pats, tys, body, ret, value_mode)
     } else {
         // The body becomes a closure, so `return` and `?` keep their meaning; its declared
         // return type makes inference and type errors point at the user's signature.
@@ -478,8 +500,10 @@ fn rewrite(op: Op, args: &Args, original: &ItemFn) -> syn::Result<TokenStream2> 
 /// An async body cannot be a closure called many times (each future would have to own or
 /// borrow the arguments), so the attempts are driven by a loop in the function itself, with
 /// the body as a non-`move` async block awaited once per attempt.
+#[allow(clippy::too_many_arguments)]
 fn async_body(
     op: Op,
+    p: &TokenStream2,
     builder: &TokenStream2,
     pats: &[Pat],
     tys: &[Type],
@@ -487,7 +511,6 @@ fn async_body(
     ret: &Type,
     value_mode: bool,
 ) -> TokenStream2 {
-    let p = quote!(::toma::__private);
     let attempts = format_ident!("__toma_attempts", span = Span::mixed_site());
     let outcome = format_ident!("__toma_outcome", span = Span::mixed_site());
     // Every name the expansion binds around the body is mixed-site, so none shadows the user's
