@@ -53,7 +53,13 @@ static LARGEST_CHUNK_DONE: AtomicUsize = AtomicUsize::new(0);
 // The demo around it.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    tracing::subscriber::set_global_default(Printer)?;
+    {
+        use tracing_subscriber::layer::SubscriberExt;
+        use tracing_subscriber::util::SubscriberInitExt;
+        let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("toma=debug,info"));
+        tracing_subscriber::registry().with(filter).with(Printer).try_init()?;
+    }
     println!("toma demo: out-of-memory in tch, caught and retried with smaller sizes");
     println!("=======================================================================\n");
 
@@ -169,7 +175,8 @@ fn timed<T>(work: impl FnOnce() -> T) -> (T, usize, f64) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// A minimal `tracing` subscriber that prints toma's events (tracing-subscriber would do more).
+// toma's events through tracing-subscriber: an `EnvFilter` (`RUST_LOG`, default
+// `toma=debug,info`) and a layer that prints each event as a readable line.
 
 /// Out-of-memories toma reported so far.
 static OOMS: AtomicUsize = AtomicUsize::new(0);
@@ -198,20 +205,8 @@ impl tracing::field::Visit for Fields {
     }
 }
 
-impl tracing::Subscriber for Printer {
-    fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
-        let max = if metadata.target().starts_with("toma") { tracing::Level::DEBUG } else { tracing::Level::INFO };
-        *metadata.level() <= max
-    }
-    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
-        tracing::span::Id::from_u64(1)
-    }
-    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
-    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
-    fn enter(&self, _: &tracing::span::Id) {}
-    fn exit(&self, _: &tracing::span::Id) {}
-
-    fn event(&self, event: &tracing::Event<'_>) {
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Printer {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
         let mut f = Fields::default();
         event.record(&mut f);
         match f.get("message") {
