@@ -263,6 +263,9 @@ pub(crate) struct Settings {
     pub(crate) device: Option<Option<usize>>,
     /// The call's own say on what is an out-of-memory: see the builders' `when`.
     pub(crate) decide: Option<Decide>,
+    /// The initial size was worked out to fit (a `toma::lazy` plan): the cache may only lower
+    /// it below a size that failed, not to a smaller size that merely worked before.
+    pub(crate) planned: bool,
 }
 
 /// The size a call is at, what the cache knows, and what happened so far.
@@ -310,6 +313,9 @@ impl Sizer {
         let (ok, failed) = seen.map_or((0, Entry::NO_FAILURE), |e| (e.ok, e.failed));
         let size = match seen {
             None => initial,
+            // A plan's size stands unless it failed before: a smaller size that worked under a
+            // tighter budget says nothing about this one.
+            Some(e) if settings.planned && e.failed > initial => initial,
             // Always below the smallest size that failed under this key.
             Some(e) if policy.grows() => policy.after_success(e.ok.min(cap), e.failed, cap),
             Some(e) => e.ok.min(initial),
@@ -717,6 +723,13 @@ impl Range {
     #[cfg(feature = "tch")]
     pub(crate) fn identity(mut self, id: u64, name: &'static str) -> Self {
         self.settings.identity = Some((id, name));
+        self
+    }
+
+    /// The initial step is a plan's choice: see [`Settings::planned`].
+    #[cfg(feature = "tch")]
+    pub(crate) fn planned(mut self) -> Self {
+        self.settings.planned = true;
         self
     }
 

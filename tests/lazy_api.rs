@@ -26,6 +26,25 @@ fn counting(counter: Rc<Cell<usize>>) -> CustomOp {
     )
 }
 
+/// A run follows the plan it shows: an earlier split run (here asked for) must not make a later
+/// run, whose plan is the whole batch, split the same way (issue 17's "1999 x 1 ran 512, 512,
+/// 512, 463").
+#[test]
+fn a_later_run_follows_its_own_plan_not_an_earlier_split() {
+    let runs = Rc::new(Cell::new(0));
+    let t = Tensor::randn([2000, 4], (Kind::Double, CPU));
+    let x = counting(runs.clone()).apply(&[&lazy(&t, 0)]).unwrap().relu();
+    // One key for both runs: the graph's shape alone.
+    let global = Options::new().cache(toma::CacheKind::Global);
+    let split = x.to_tensor_with(&global.clone().micro_batch(500)).unwrap();
+    assert_eq!(runs.replace(0), 4, "asked for micro-batches of 500");
+    let plan = x.plan(Mode::Forward, &global).unwrap();
+    assert!(!plan.splits(), "{plan}");
+    let whole = x.to_tensor_with(&global).unwrap();
+    assert_eq!(runs.get(), 1, "the plan's one chunk, not the earlier split");
+    assert!(whole.equal(&split));
+}
+
 #[test]
 fn queries_run_nothing_and_display_forces_the_value() {
     let runs = Rc::new(Cell::new(0));

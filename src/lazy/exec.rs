@@ -251,7 +251,7 @@ fn run_chunks(
         return Ok(());
     }
     // Keyed by the graph's shape: the size one graph's micro-batches settled on is its own.
-    let mut range = Range::new(0, n, p.micro_batch).identity(p.c.fingerprint, "toma::lazy");
+    let mut range = Range::new(0, n, p.micro_batch).identity(p.c.fingerprint, "toma::lazy").planned();
     if let Some(kind) = options.cache {
         range = range.cache(kind);
     }
