@@ -191,23 +191,22 @@ enum Failure<E> {
 }
 
 impl<E: OutOfMemory> Failure<E> {
-    fn is_out_of_memory(&self) -> bool {
-        match self {
-            Failure::Error(err) => err.is_out_of_memory(),
-            Failure::Panic(payload) => is_out_of_memory_panic(payload.as_ref()),
-        }
-    }
-
-    /// Whether this is an out-of-memory, by the call's own `decide` where it says so.
-    fn is_out_of_memory_for(&self, decide: Option<Decide>) -> bool {
-        let own = decide.and_then(|decide| {
+    /// Whether this is an out-of-memory: by the call's own `decide` where it says so (see the
+    /// builders' `when`), else by toma's decision.
+    fn is_out_of_memory(&self, decide: Option<Decide>) -> bool {
+        if let Some(decide) = decide {
             let text = match self {
                 Failure::Error(err) => err.message(),
                 Failure::Panic(payload) => panic_message(payload.as_ref()),
             };
-            text.and_then(|text| decide(&text))
-        });
-        own.unwrap_or_else(|| self.is_out_of_memory())
+            if let Some(own) = text.and_then(|text| decide(&text)) {
+                return own;
+            }
+        }
+        match self {
+            Failure::Error(err) => err.is_out_of_memory(),
+            Failure::Panic(payload) => is_out_of_memory_panic(payload.as_ref()),
+        }
     }
 
     /// Gives the failure back to the caller unchanged: an error is returned, a panic resumed.
@@ -651,9 +650,7 @@ impl BatchAttempts {
                 ControlFlow::Break(Ok(value))
             }
             Err(failure) => {
-                if failure.is_out_of_memory_for(self.sizer.decide)
-                    && self.sizer.out_of_memory(self.sizer.size, &failure)
-                {
+                if failure.is_out_of_memory(self.sizer.decide) && self.sizer.out_of_memory(self.sizer.size, &failure) {
                     drop(failure);
                     ControlFlow::Continue(())
                 } else {
@@ -871,7 +868,7 @@ impl RangeAttempts {
                 Ok(())
             }
             Err(failure) => {
-                if failure.is_out_of_memory_for(self.sizer.decide) && self.sizer.out_of_memory(end - start, &failure) {
+                if failure.is_out_of_memory(self.sizer.decide) && self.sizer.out_of_memory(end - start, &failure) {
                     drop(failure);
                     Ok(())
                 } else {

@@ -763,14 +763,8 @@ const DONE: &str = "TOMA_GPU_DONE";
 
 /// Runs `what` and prints one `STEP` line: `ok <detail>` or `failed <error or panic>`.
 fn step(name: &str, what: impl FnOnce() -> Result<String, String>) -> bool {
-    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(what)).unwrap_or_else(|payload| {
-        let text = payload
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_default();
-        Err(format!("panicked: {text}"))
-    });
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(what))
+        .unwrap_or_else(|payload| Err(format!("panicked: {}", support::payload_text(payload.as_ref()))));
     let first = |s: &str| s.lines().next().unwrap_or("").to_owned();
     match &outcome {
         Ok(detail) => println!("{STEP} {name}: ok {}", first(detail)),

@@ -380,11 +380,7 @@ fn child_not_oom() {
 
     let payload = std::panic::catch_unwind(mismatched_matmul_panicking).expect_err("a shape mismatch panics");
     assert_eq!(take_attempts(), [64], "a non-OOM panic is resumed after one attempt");
-    let text = payload
-        .downcast_ref::<String>()
-        .cloned()
-        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_default();
+    let text = support::payload_text(payload.as_ref());
     assert!(text.contains("cannot be multiplied"), "the panic is resumed unchanged: {text}");
     assert!(events::take_caught_ooms().is_empty(), "nothing was an out-of-memory");
 
@@ -416,13 +412,7 @@ const ONEDNN_FAILURE: &str = "could not create a primitive";
 /// The panic text of `f`, if it panics.
 fn panic_text<R>(f: impl FnOnce() -> R) -> Option<String> {
     let payload = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).err()?;
-    Some(
-        payload
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_default(),
-    )
+    Some(support::payload_text(payload.as_ref()))
 }
 
 fn child_onednn(headroom_gib: f64) {

@@ -542,7 +542,7 @@ impl Op {
                     scratch.backward = (ip + op, ic + oc + backward / elem);
                     // The bias gradient: the output gradient summed over N, H and W.
                     if requires(2) && meta.requires_grad {
-                        stage(true, meta, 0b1101);
+                        stage(true, meta, shape::dims_mask([0, 2, 3]));
                     }
                     return scratch;
                 }
@@ -585,8 +585,7 @@ impl Op {
             }
             // The bias gradient: the output gradient summed over every dimension but the last.
             Op::Linear if requires(2) && meta.requires_grad && !meta.shape.is_empty() => {
-                let all_but_last = (1u64 << (meta.shape.len() - 1).min(63)) - 1;
-                stage(true, meta, all_but_last);
+                stage(true, meta, shape::dims_mask(0..meta.shape.len() - 1));
             }
             // A broadcast operand's gradient: the output gradient summed over the broadcast
             // dimensions.
@@ -600,16 +599,10 @@ impl Op {
             Op::Reduce { dims, .. } => {
                 let of = &inputs[0].meta;
                 let rank = of.shape.len();
+                // Checked when recorded: a wrapping error cannot happen here.
                 let mask = match dims {
-                    None => (1u64 << rank.min(63)) - 1,
-                    Some(dims) => dims.iter().fold(0, |m, &d| {
-                        let d = if d < 0 { d + rank as i64 } else { d };
-                        if (0..64).contains(&d) {
-                            m | 1 << d
-                        } else {
-                            m
-                        }
-                    }),
+                    None => shape::dims_mask(0..rank),
+                    Some(dims) => shape::wrap_dims(dims, rank).map_or(0, shape::dims_mask),
                 };
                 stage(false, of, mask);
             }

@@ -75,15 +75,19 @@ impl ReduceStaging {
     /// Bytes of staging buffer and semaphores at micro-batch `b` (each rounded to the caching
     /// allocator's block), 0 when the kernel reduces within blocks.
     pub(crate) fn at(&self, b: u64) -> u64 {
-        let mut shape = self.shape.clone();
-        if let Some(bd) = self.batch {
-            shape[bd.dim] = b as i64 * bd.factor;
-        }
-        self.bytes(&shape)
+        // The planner asks this for every candidate micro-batch: the batch dimension's size is
+        // put in place as the dimensions are walked, without a copy of the shape.
+        let batch = self.batch.map(|bd| (bd.dim, b as i64 * bd.factor));
+        self.bytes(batch)
     }
 
-    /// The launch configuration of ATen's reduction kernel for `shape`, and what it stages.
-    fn bytes(&self, shape: &[i64]) -> u64 {
+    /// The launch configuration of ATen's reduction kernel for the shape (with the batch
+    /// dimension at `batch`'s size), and what it stages.
+    fn bytes(&self, batch: Option<(usize, i64)>) -> u64 {
+        let shape = self.shape.iter().enumerate().map(|(d, &size)| match batch {
+            Some((dim, at)) if dim == d => at,
+            _ => size,
+        });
         // The kernel's iterator drops dimensions of size 1 and merges neighbours of one kind
         // (reduced or kept); reduced dimensions come first, each kind in memory order.
         let (mut rows, mut outputs) = (1i64, 1i64);
@@ -91,7 +95,7 @@ impl ReduceStaging {
         // kept ones (it decides how outputs are vectorised), and the innermost dimension's kind.
         let (mut reduced_runs, mut innermost_kept, mut kept_run) = (0, 1i64, KeptRun::NotYet);
         let (mut innermost_reduced, mut previous) = (None::<bool>, None::<bool>);
-        for (d, &size) in shape.iter().enumerate().rev() {
+        for (d, size) in shape.enumerate().rev() {
             if size == 0 {
                 return 0;
             }
@@ -207,7 +211,7 @@ mod tests {
     fn staging(shape: &[i64], reduced: &[usize]) -> u64 {
         let mask = reduced.iter().fold(0u64, |m, &d| m | 1 << d);
         let s = ReduceStaging { shape: shape.to_vec(), batch: None, reduced: mask, elem: 4, acc: 4, gpu: H100 };
-        s.bytes(shape)
+        s.bytes(None)
     }
 
     /// The staging buffers benches/gpu_memory_probe.py saw on an H100 (blocks live at the peak
@@ -223,6 +227,16 @@ mod tests {
         assert_eq!(staging(&[8 * 128, 2048], &[0]), 16 * MIB + semaphores, "transformer fc1, batch 8");
         // [N, T, C] reduced over N and T is the same reduction as [N T, C].
         assert_eq!(staging(&[8, 128, 2048], &[0, 1]), staging(&[1024, 2048], &[0]));
+    }
+
+    /// The planner's path: the batch dimension takes the micro-batch's size.
+    #[test]
+    fn at_a_micro_batch_the_batch_dimension_scales() {
+        let batch = Some(BatchDim { dim: 0, size: 8, factor: 128 });
+        let s = ReduceStaging { shape: vec![8 * 128, 2048], batch, reduced: 1, elem: 4, acc: 4, gpu: H100 };
+        assert_eq!(s.at(8), staging(&[1024, 2048], &[0]));
+        assert_eq!(s.at(32), staging(&[4096, 2048], &[0]));
+        assert_eq!(s.at(1), staging(&[128, 2048], &[0]));
     }
 
     #[test]

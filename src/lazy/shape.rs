@@ -86,6 +86,11 @@ pub(crate) fn broadcast(a: &[i64], b: &[i64]) -> Result<Vec<i64>, String> {
     Ok(out)
 }
 
+/// Dimensions as a bit set (bit d for dimension d; dimensions past 63 are left out).
+pub(crate) fn dims_mask(dims: impl IntoIterator<Item = usize>) -> u64 {
+    dims.into_iter().filter(|&d| d < 64).fold(0, |mask, d| mask | 1 << d)
+}
+
 /// The dimensions of `out` (bit d for dimension d) that an operand of shape `operand`
 /// was broadcast along: its gradient is the output's summed over them.
 pub(crate) fn broadcast_mask(operand: &[i64], out: &[i64]) -> u64 {

@@ -53,6 +53,15 @@ impl<T> Recorder<T> {
     }
 }
 
+/// The text of a panic payload: `panic!`'s `String` or `&str`, or "" for anything else.
+pub fn payload_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default()
+}
+
 /// Asserts that `attempts` start at `initial` and halve each time.
 pub fn assert_halving(attempts: &[usize], initial: usize) {
     assert_eq!(attempts.first(), Some(&initial), "{attempts:?}");
