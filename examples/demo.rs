@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use tch::{Device, Kind, TchError, Tensor};
+use toma::cpu_memory::CpuCap;
 
 const GIB: f64 = (1u64 << 30) as f64;
 /// One item is a row of this many `f32`: 1 MiB.
@@ -65,10 +66,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // Start libtorch's threads before the cap: their stacks need address space too.
     let _ = Tensor::ones([1 << 20], CPU).sum(Kind::Float);
-    let in_use = toma::cpu_memory::address_space_in_use()?;
+    let in_use = CpuCap::AddressSpace.in_use()?;
     println!("Address space in use:   {:.2} GiB (libtorch's libraries, before any tensor)", in_use as f64 / GIB);
-    toma::cpu_memory::set_cpu_memory_limit(in_use as f64 / GIB + HEADROOM_GIB)?;
-    let cap = toma::cpu_memory::cpu_memory_limit()?.unwrap_or(u64::MAX);
+    CpuCap::AddressSpace.set_headroom((HEADROOM_GIB * GIB) as u64)?;
+    let cap = CpuCap::AddressSpace.limit()?.unwrap_or(u64::MAX);
     println!(
         "Cap set (RLIMIT_AS):    {:.2} GiB, leaving {:.2} GiB for tensors; more fails in libtorch's allocator",
         cap as f64 / GIB,

@@ -18,12 +18,14 @@
 //! The map is bounded ([`MAX_ENTRIES`]); when it is full it starts over, which costs at most
 //! one round of retries per key.
 
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::BuildHasherDefault;
 use std::panic::Location;
 use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use dashmap::DashMap;
+
+use crate::hash::{hash_bytes, location_hash, mix, stack_hash, PassThrough};
 
 /// Which cache a call consults and updates. See the [module docs](self) for the keys.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -83,34 +85,6 @@ pub const MAX_ENTRIES: usize = 16_384;
 
 /// Free memory is bucketed so that small fluctuations keep the same key.
 pub(crate) const MEMORY_BUCKET_BYTES: u64 = 256 << 20;
-
-/// Frames the stack walk looks at, at most: toma's own two or three and the five or so
-/// enclosing functions above the call, which tell call chains apart; each frame costs about
-/// 0.1–0.15 µs (an unwind-table lookup), so this bounds the walk near 1 µs.
-pub(crate) const MAX_STACK_FRAMES: usize = if cfg!(debug_assertions) {
-    // Unoptimised builds inline nothing: toma's own frames alone are about seven.
-    14
-} else {
-    8
-};
-
-/// Keys are already well-mixed 64-bit hashes; hashing them again would only cost time.
-#[derive(Default)]
-pub(crate) struct PassThrough(u64);
-
-impl Hasher for PassThrough {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = mix(self.0 ^ u64::from(b));
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        self.0 = v;
-    }
-}
 
 /// What the cache knows about one key.
 ///
@@ -323,111 +297,6 @@ pub(crate) fn key(kind: CacheKind, op: Operation, site: CallSite, device: Option
     }
 }
 
-fn location_hash(location: &Location<'_>) -> u64 {
-    // The file's text, not its address: one call site may be compiled into several codegen
-    // units, each with its own copy of the string.
-    mix(hash_bytes(0x10c, location.file().as_bytes())
-        ^ (u64::from(location.line()) << 32)
-        ^ u64::from(location.column()))
-}
-
-/// The chain of enclosing functions: the start address of each function on the stack (not the
-/// return address, which differs between unrolled copies of one loop), for a bounded number of
-/// frames, without resolving symbols.
-pub(crate) fn stack_hash() -> u64 {
-    unwind::stack_hash()
-}
-
-/// On Unix the walk asks the unwinder for each frame's function start (`_Unwind_GetRegionStart`,
-/// read from the frame's unwind entry, which the unwinder has already found). The portable
-/// `backtrace::Frame::symbol_address` looks the entry up a second time per frame, which doubles
-/// the cost of the walk.
-#[cfg(all(unix, not(target_vendor = "apple")))]
-mod unwind {
-    use super::{mix, MAX_STACK_FRAMES};
-    use std::ffi::{c_int, c_void};
-
-    #[repr(C)]
-    struct Context {
-        _private: [u8; 0],
-    }
-
-    const URC_NO_REASON: c_int = 0;
-    const URC_NORMAL_STOP: c_int = 4;
-
-    extern "C" {
-        // From the unwinder every Rust program on these targets already links (libgcc_s or
-        // libunwind): the one that implements panics.
-        fn _Unwind_Backtrace(
-            trace: extern "C" fn(ctx: *mut Context, arg: *mut c_void) -> c_int,
-            arg: *mut c_void,
-        ) -> c_int;
-        fn _Unwind_GetRegionStart(ctx: *mut Context) -> usize;
-    }
-
-    struct Walk {
-        hash: u64,
-        frames: usize,
-    }
-
-    extern "C" fn visit(ctx: *mut Context, arg: *mut c_void) -> c_int {
-        // SAFETY: `arg` is the `Walk` passed below, alive for the whole `_Unwind_Backtrace` call;
-        // `ctx` is the unwinder's own context for this frame.
-        let walk = unsafe { &mut *(arg as *mut Walk) };
-        let start = unsafe { _Unwind_GetRegionStart(ctx) };
-        walk.hash = mix(walk.hash ^ start as u64);
-        walk.frames += 1;
-        if walk.frames < MAX_STACK_FRAMES {
-            URC_NO_REASON
-        } else {
-            URC_NORMAL_STOP
-        }
-    }
-
-    pub(super) fn stack_hash() -> u64 {
-        let mut walk = Walk { hash: 0x5ac4, frames: 0 };
-        // SAFETY: `visit` only touches `walk` through the pointer we give it.
-        unsafe { _Unwind_Backtrace(visit, &mut walk as *mut Walk as *mut c_void) };
-        walk.hash
-    }
-}
-
-#[cfg(not(all(unix, not(target_vendor = "apple"))))]
-mod unwind {
-    use super::{mix, MAX_STACK_FRAMES};
-
-    pub(super) fn stack_hash() -> u64 {
-        let mut h = 0x5ac4_u64;
-        let mut frames = 0;
-        backtrace::trace(|frame| {
-            h = mix(h ^ frame.symbol_address() as u64);
-            frames += 1;
-            frames < MAX_STACK_FRAMES
-        });
-        h
-    }
-}
-
-/// A 64-bit finaliser (splitmix64): cheap and well-spread, usable in `const fn`.
-pub(crate) const fn mix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
-pub(crate) const fn hash_bytes(seed: u64, bytes: &[u8]) -> u64 {
-    // FNV-1a, then mixed: short strings, evaluated at compile time for `Site`.
-    let mut h = seed ^ 0xcbf2_9ce4_8422_2325;
-    let mut i = 0;
-    while i < bytes.len() {
-        h ^= bytes[i] as u64;
-        h = h.wrapping_mul(0x0100_0000_01b3);
-        i += 1;
-    }
-    mix(h)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -525,19 +394,5 @@ mod tests {
         assert_eq!(same[0], same[1]);
         assert_ne!(same[0], key(CacheKind::StacktraceMemory, Operation::Batch, cs(l2), None));
         assert_ne!(same[0], key(CacheKind::Global, Operation::Batch, cs(l1), None));
-    }
-
-    #[test]
-    fn stack_hash_depends_on_the_chain() {
-        #[inline(never)]
-        fn a() -> u64 {
-            std::hint::black_box(stack_hash())
-        }
-        #[inline(never)]
-        fn b() -> u64 {
-            std::hint::black_box(a())
-        }
-        assert_eq!(a(), a());
-        assert_ne!(a(), b());
     }
 }

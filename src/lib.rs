@@ -24,7 +24,8 @@
 //!   what a call did: [`Report`].
 //! - What counts as an out-of-memory: [`OutOfMemory`], decided in [`oom::is_out_of_memory_message`].
 //! - Caches: [`CacheKind`], [`set_default_cache`], module [`cache`].
-//! - Memory: [`memory`] (CUDA and CPU free memory), [`cpu_memory`] (a CPU cap, `RLIMIT_AS`).
+//! - Memory: [`memory`] (CUDA and CPU free memory, libtorch's allocators), [`cpu_memory`] (CPU
+//!   caps: `RLIMIT_AS`, `RLIMIT_DATA`; the same module as `memory::cpu`).
 //!
 //! ## Features
 //! - `tch` (default): `OutOfMemory for tch::TchError`, [`Chunked`], [`execute::chunked`].
@@ -35,6 +36,15 @@
 //! A `debug` event per attempt (its size) and an `info` event per caught out-of-memory (old and
 //! new size, the first line of the message), under the target `toma`.
 //!
+//! ## Bad input
+//! One style throughout: a value that cannot work is a [`ConfigError`], never clamped or
+//! ignored. Constructors that take values from data have `try_` forms that return it
+//! ([`Batch::try_new`], [`Range::try_new`], [`Chunked::try_new`]); the plain forms and the
+//! builders' setters panic with its message at your line (`#[track_caller]`, listed under each
+//! `# Panics`). The CPU caps do I/O and return an `io::Error` of kind `InvalidInput` that wraps
+//! the `ConfigError`. A literal 0 in an attribute is a compile error. Sizes are counts of items
+//! and memory is in bytes (`u64`) everywhere. An empty range runs nothing and succeeds.
+//!
 //! ## The panic hook
 //! tch's plain methods panic on an out-of-memory. So that a retried panic prints nothing (toma
 //! logs it instead), the first retryable attempt wraps the process's panic hook once; every
@@ -44,25 +54,27 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod cache;
-#[cfg(feature = "tch")]
-mod chunked;
-pub mod cpu_memory;
+mod error;
 pub mod execute;
+mod hash;
 #[cfg(feature = "tch")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
 pub mod lazy;
 pub mod memory;
+#[doc(inline)]
+pub use memory::cpu as cpu_memory;
 pub mod oom;
 mod policy;
 mod retry;
 
 pub use cache::{default_cache, set_default_cache, CacheKind};
-#[cfg(feature = "tch")]
-#[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
-pub use chunked::Chunked;
+pub use error::ConfigError;
 pub use oom::OutOfMemory;
 pub use policy::Policy;
-pub use retry::{quiet_caught_panics, Batch, ConfigError, Range, Report};
+#[cfg(feature = "tch")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
+pub use retry::Chunked;
+pub use retry::{quiet_caught_panics, Batch, Range, Report};
 
 /// Retries a function with a halved batch size on out-of-memory, remembering the size that
 /// worked.
@@ -164,12 +176,12 @@ pub use toma_macros::chunked;
 #[doc(hidden)]
 pub mod __private {
     pub use crate::cache::{CacheKind, Site};
-    #[cfg(feature = "tch")]
-    pub use crate::chunked::{Chunked, ChunkedAttempts};
     pub use crate::policy::Policy;
     pub use crate::retry::{
         infallible, typed_future, unwrap_infallible, Batch, BatchAttempts, CatchUnwind, Range, RangeAttempts,
     };
+    #[cfg(feature = "tch")]
+    pub use crate::retry::{Chunked, ChunkedAttempts};
     pub use core::ops::ControlFlow;
     pub use core::panic::Location;
     #[cfg(feature = "tch")]
@@ -179,7 +191,7 @@ pub mod __private {
     pub mod key_parts {
         /// The bounded stack walk behind `StacktraceMemory` keys.
         pub fn stack_hash() -> u64 {
-            crate::cache::stack_hash()
+            crate::hash::stack_hash()
         }
         /// The shared free-memory reading (up to a second old).
         pub fn free_memory_reading() -> (u64, Option<u64>) {

@@ -1,7 +1,7 @@
 //! How the size moves: down after an out-of-memory, and (for [`Policy::grow`]) back up after
 //! successes.
 
-use crate::retry::ConfigError;
+use crate::error::ConfigError;
 
 /// How a retry picks its next size.
 ///

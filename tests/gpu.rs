@@ -775,7 +775,7 @@ fn step(name: &str, what: impl FnOnce() -> Result<String, String>) -> bool {
 
 fn cap(kind: CpuCap, headroom_gib: f64) -> Result<String, String> {
     let in_use = kind.in_use().map_err(|e| e.to_string())?;
-    kind.set(in_use as f64 / GIB + headroom_gib).map_err(|e| e.to_string())?;
+    kind.set(in_use + (headroom_gib * GIB) as u64).map_err(|e| e.to_string())?;
     Ok(format!("{kind}: {} in use, capped at +{headroom_gib} GiB", gib(in_use)))
 }
 

@@ -149,10 +149,10 @@ pub enum LazyError {
         actual: Vec<i64>,
     },
     /// libtorch failed while running an op (an out-of-memory among others).
-    #[error("toma::lazy: op #{node} `{op}` failed: {source}")]
+    #[error("toma::lazy: {}`{op}` failed: {source}", node.map(|n| format!("op #{n} ")).unwrap_or_default())]
     Torch {
-        /// Position of the op in the plan (`usize::MAX` outside the graph).
-        node: usize,
+        /// Position of the op in the plan (`None`: reading a value outside the graph).
+        node: Option<usize>,
         /// The op.
         op: String,
         /// libtorch's error.

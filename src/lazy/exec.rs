@@ -41,7 +41,7 @@ pub struct TracedOp {
 }
 
 fn torch(node: usize, op: &str) -> impl Fn(TchError) -> LazyError + '_ {
-    move |source| LazyError::Torch { node, op: op.into(), source }
+    move |source| LazyError::Torch { node: Some(node), op: op.into(), source }
 }
 
 /// Whether `out`'s data lies inside `input`'s (a view of it).

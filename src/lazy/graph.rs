@@ -177,9 +177,9 @@ impl Cost {
             }
         }
         let alias_rest = inputs.len() > 64 && op.grad_aliases(64, inputs, meta);
-        let mut hash = crate::cache::mix(op.tag() ^ meta.kind as u64);
+        let mut hash = crate::hash::mix(op.tag() ^ meta.kind as u64);
         for &s in &meta.shape {
-            hash = crate::cache::mix(hash ^ s as u64);
+            hash = crate::hash::mix(hash ^ s as u64);
         }
         Cost { out, grad, extra, work, back_work, staged, saved, grad_alias, alias_rest, hash }
     }
@@ -199,9 +199,9 @@ pub(crate) struct ParamKey {
 impl ParamKey {
     pub(crate) fn of(t: &Tensor) -> Self {
         let (ptr, shape, strides, kind) = (t.data_ptr() as usize, t.size(), t.stride(), t.kind());
-        let mut hash = crate::cache::mix(ptr as u64 ^ kind as u64);
+        let mut hash = crate::hash::mix(ptr as u64 ^ kind as u64);
         for &v in shape.iter().chain(&strides) {
-            hash = crate::cache::mix(hash ^ v as u64);
+            hash = crate::hash::mix(hash ^ v as u64);
         }
         ParamKey { hash, ptr, shape, strides, kind }
     }

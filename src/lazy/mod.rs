@@ -77,6 +77,7 @@ pub use tensor::IntoLazy;
 use tch::Tensor;
 
 use crate::cache::CacheKind;
+use crate::ConfigError;
 
 /// How to plan and run: the memory budget, splitting policy and cache.
 #[derive(Clone, Debug, PartialEq)]
@@ -107,16 +108,29 @@ impl Options {
         self
     }
 
-    /// The fraction of free memory kept back when the budget is not given (0.1 unless told;
-    /// clamped to `[0, 1]`).
+    /// The fraction of free memory kept back when the budget is not given (0.1 unless told).
+    ///
+    /// # Panics
+    /// When `fraction` is not in `[0, 1)` (NaN included): [`ConfigError::OutOfRange`].
+    #[track_caller]
     pub fn safety_margin(mut self, fraction: f64) -> Self {
-        self.margin = if fraction.is_nan() { 0.1 } else { fraction.clamp(0.0, 1.0) };
+        if !(0.0..1.0).contains(&fraction) {
+            panic!("{}", ConfigError::OutOfRange { what: "safety margin", range: "[0, 1)", value: fraction });
+        }
+        self.margin = fraction;
         self
     }
 
     /// Runs micro-batches of this size (at most the batch), whatever the plan says.
+    ///
+    /// # Panics
+    /// When `size` is 0: [`ConfigError::ZeroSize`].
+    #[track_caller]
     pub fn micro_batch(mut self, size: usize) -> Self {
-        self.micro_batch = Some(size.max(1));
+        if size == 0 {
+            panic!("{}", ConfigError::ZeroSize { what: "micro-batch size" });
+        }
+        self.micro_batch = Some(size);
         self
     }
 

@@ -306,7 +306,7 @@ impl Op {
 
     /// A stable tag for fingerprints.
     pub(crate) fn tag(&self) -> u64 {
-        crate::cache::hash_bytes(0, self.name().as_bytes())
+        crate::hash::hash_bytes(0, self.name().as_bytes())
     }
 
     /// Runs the op on one micro-batch; `meta` is the node's, `ins` its inputs' values.

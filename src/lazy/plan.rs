@@ -206,7 +206,7 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
     let mut batch: Option<i64> = None;
     let mut fingerprint = 0x6c61_7a79u64;
     let leaves = found.iter().filter(|x| x.inputs.is_empty()).count();
-    let mut params_seen: HashMap<&ParamKey, u32, BuildHasherDefault<crate::cache::PassThrough>> =
+    let mut params_seen: HashMap<&ParamKey, u32, BuildHasherDefault<crate::hash::PassThrough>> =
         HashMap::with_capacity_and_hasher(leaves, BuildHasherDefault::default());
     for (i, node) in found.iter().enumerate() {
         offsets.push(inputs.len() as u32);
@@ -225,7 +225,7 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
                 | (u8::from(node.op.differentiable()) * F_DIFFERENTIABLE)
                 | (u8::from(cost.alias_rest) * F_ALIAS_REST),
         );
-        fingerprint = crate::cache::mix(fingerprint ^ node.cost.hash);
+        fingerprint = crate::hash::mix(fingerprint ^ node.cost.hash);
         match &node.op {
             Op::Input { .. } => {
                 let size = node.meta.batch().map_or(1, |bd| bd.size);
@@ -842,7 +842,7 @@ impl Plan {
                         name,
                         shape: self.shapes[start..start + f.shape_len as usize].to_vec(),
                         kind: f.kind,
-                        batch_dim: (f.batch_dim != u8::MAX).then_some(f.batch_dim as usize),
+                        batch_dim: f.batch_dim.map(|d| d as usize),
                         bytes: f.bytes,
                         view: f.view,
                         base: f.base as usize,
@@ -935,7 +935,7 @@ pub(crate) fn detail(mut c: Compiled, mode: Mode, choice: &Choice, budget: u64) 
             shape_len: node.meta.shape.len() as u32,
             bytes: node.cost.out.at(b),
             base: root,
-            batch_dim: batch.map_or(u8::MAX, |bd| bd.dim.min(254) as u8),
+            batch_dim: batch.map(|bd| bd.dim as u32),
             kind: node.meta.kind,
             view: node.meta.alias,
         });
@@ -970,8 +970,7 @@ struct OpFacts {
     shape_len: u32,
     bytes: u64,
     base: u32,
-    /// `u8::MAX`: no batch dimension.
-    batch_dim: u8,
+    batch_dim: Option<u32>,
     kind: Kind,
     view: bool,
 }

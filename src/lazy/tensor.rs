@@ -211,11 +211,7 @@ impl LazyTensor {
     /// As [`to_tensor`](Self::to_tensor), and libtorch's error for a bad index.
     pub fn f_double_value(&self, index: &[i64]) -> Result<f64, LazyError> {
         let t = self.to_tensor()?;
-        t.f_double_value(index).map_err(|source| LazyError::Torch {
-            node: usize::MAX,
-            op: "double_value".into(),
-            source,
-        })
+        t.f_double_value(index).map_err(|source| LazyError::Torch { node: None, op: "double_value".into(), source })
     }
 
     /// Like [`f_double_value`](Self::f_double_value), panicking on error.
@@ -230,7 +226,7 @@ impl LazyTensor {
     /// As [`f_double_value`](Self::f_double_value).
     pub fn f_int64_value(&self, index: &[i64]) -> Result<i64, LazyError> {
         let t = self.to_tensor()?;
-        t.f_int64_value(index).map_err(|source| LazyError::Torch { node: usize::MAX, op: "int64_value".into(), source })
+        t.f_int64_value(index).map_err(|source| LazyError::Torch { node: None, op: "int64_value".into(), source })
     }
 
     /// Like [`f_int64_value`](Self::f_int64_value), panicking on error.
@@ -1913,7 +1909,7 @@ macro_rules! try_from_lazy {
             /// Computes the value and converts it as tch's `TryFrom<&Tensor>` does.
             fn try_from(value: &LazyTensor) -> Result<Self, LazyError> {
                 let t = value.to_tensor()?;
-                <$t>::try_from(&t).map_err(|source| LazyError::Torch { node: usize::MAX, op: "try_from".into(), source })
+                <$t>::try_from(&t).map_err(|source| LazyError::Torch { node: None, op: "try_from".into(), source })
             }
         }
         impl TryFrom<LazyTensor> for $t {

@@ -20,7 +20,7 @@ pub fn cap_memory(kind: toma::cpu_memory::CpuCap, headroom_gib: f64) -> u64 {
     let warm = Tensor::ones([1 << 20], (Kind::Float, Device::Cpu)).sum(Kind::Double).double_value(&[]);
     assert_eq!(warm, (1 << 20) as f64);
     let in_use = kind.in_use().expect("VmSize or VmData");
-    kind.set(in_use as f64 / GIB + headroom_gib).expect("set the cap");
+    kind.set_headroom((headroom_gib * GIB) as u64).expect("set the cap");
     let cap = kind.limit().expect("getrlimit").expect("a cap is set");
     println!(
         "cap ({kind}): {:.2} GiB in use, cap {:.2} GiB, headroom {:.2} GiB",

@@ -1,7 +1,7 @@
 //! The attributes, with a simulated out-of-memory: exact attempt sequences per cache kind.
 #![cfg(all(feature = "macros", feature = "tch"))]
 
-mod support;
+use crate::support;
 
 use std::sync::Mutex;
 
@@ -406,7 +406,7 @@ fn the_crate_argument_names_toma_by_another_path() {
     }
     assert_eq!(halves(), Ok(4));
 
-    #[toma::range(initial_step = 4, crate = crate::facade::memory_retry)]
+    #[toma::range(initial_step = 4, crate = crate::attributes::facade::memory_retry)]
     async fn walk(start: usize, end: usize) -> Result<(), String> {
         let _ = (start, end);
         Ok(())

@@ -1,6 +1,6 @@
 //! The builders and `execute` on their own, with a simulated out-of-memory.
 
-mod support;
+use crate::support;
 
 use std::cell::RefCell;
 
@@ -185,8 +185,8 @@ impl toma::OutOfMemory for Held {
 
 #[test]
 fn bad_configuration_is_a_typed_error() {
-    assert_eq!(Batch::try_new(0).unwrap_err(), ConfigError::ZeroSize { what: "batch size" });
-    assert_eq!(Range::try_new(0, 10, 0).unwrap_err(), ConfigError::ZeroSize { what: "step" });
+    assert_eq!(Batch::try_new(0).unwrap_err(), ConfigError::ZeroSize { what: "initial batch size" });
+    assert_eq!(Range::try_new(0, 10, 0).unwrap_err(), ConfigError::ZeroSize { what: "initial step" });
     assert_eq!(Range::try_new(5, 4, 1).unwrap_err(), ConfigError::StartAfterEnd { start: 5, end: 4 });
     let message = std::panic::catch_unwind(|| Batch::new(0)).unwrap_err();
     assert!(message.downcast_ref::<String>().unwrap().contains("at least 1"));
@@ -359,7 +359,7 @@ fn a_clipped_last_sub_range_does_not_pin_the_cache() {
 /// hook set before it sees every other panic. In a child process: the hook is process-wide.
 #[test]
 fn caught_panics_reach_the_hook_only_when_not_quiet() {
-    const TEST: &str = "caught_panics_reach_the_hook_only_when_not_quiet";
+    const TEST: &str = "builders::caught_panics_reach_the_hook_only_when_not_quiet";
     const ENV: &str = "TOMA_HOOK_CHILD";
     if let Ok(mode) = std::env::var(ENV) {
         use std::sync::atomic::{AtomicUsize, Ordering};

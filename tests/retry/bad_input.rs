@@ -9,8 +9,8 @@ fn oom() -> String {
 
 #[test]
 fn zero_sizes_and_reversed_ranges() {
-    assert_eq!(Batch::try_new(0).unwrap_err(), ConfigError::ZeroSize { what: "batch size" });
-    assert_eq!(Range::try_new(0, 1, 0).unwrap_err(), ConfigError::ZeroSize { what: "step" });
+    assert_eq!(Batch::try_new(0).unwrap_err(), ConfigError::ZeroSize { what: "initial batch size" });
+    assert_eq!(Range::try_new(0, 1, 0).unwrap_err(), ConfigError::ZeroSize { what: "initial step" });
     let err = Range::try_new(10, 3, 4).unwrap_err();
     assert_eq!(err, ConfigError::StartAfterEnd { start: 10, end: 3 });
     assert_eq!(err.to_string(), "toma: range start 10 is after its end 3");
@@ -69,7 +69,7 @@ mod tensors {
         );
         let payload = std::panic::catch_unwind(|| Chunked::new(&t, 2).dimension(9)).unwrap_err();
         assert!(payload.downcast_ref::<String>().unwrap().contains("dimension 9 is out of range"));
-        assert_eq!(Chunked::try_new(&t, 0, 0).unwrap_err(), ConfigError::ZeroSize { what: "step" });
+        assert_eq!(Chunked::try_new(&t, 0, 0).unwrap_err(), ConfigError::ZeroSize { what: "initial step" });
     }
 
     #[test]

@@ -5,9 +5,10 @@ use std::panic::Location;
 
 use tch::Tensor;
 
+use super::{CatchUnwind, Range, RangeAttempts, Report};
 use crate::cache::Operation;
+use crate::error::ConfigError;
 use crate::oom::OutOfMemory;
-use crate::retry::{CatchUnwind, ConfigError, Range, RangeAttempts, Report};
 
 /// Runs a body on consecutive chunks of a tensor along one dimension, halving the chunk
 /// length on out-of-memory.
@@ -35,7 +36,7 @@ pub struct Chunked<'a> {
     range: Range,
 }
 
-crate::retry::settings_methods!(Chunked<'_>, range.settings, "step");
+super::settings_methods!(Chunked<'_>, range.settings, "step");
 
 impl<'a> Chunked<'a> {
     /// Chunks of `initial_step` along dimension 0 of `tensor`.

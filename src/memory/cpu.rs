@@ -4,7 +4,7 @@
 //! inside libtorch with `DefaultCPUAllocator: can't allocate memory`, which toma catches and
 //! retries like a CUDA out-of-memory:
 //!
-//! - [`CpuCap::AddressSpace`] (`RLIMIT_AS`, what [`set_cpu_memory_limit`] sets) counts every
+//! - [`CpuCap::AddressSpace`] (`RLIMIT_AS`) counts every
 //!   mapping, reservations included. Use it where no CUDA driver is loaded.
 //! - [`CpuCap::Data`] (`RLIMIT_DATA`) counts private writable memory only: what tensors,
 //!   `malloc` and thread stacks take, not mapped libraries or address ranges reserved with
@@ -20,7 +20,14 @@
 use std::fmt;
 use std::io;
 
-const GIB: f64 = (1u64 << 30) as f64;
+use super::cuda::cuda_driver_present;
+
+use crate::error::ConfigError;
+
+/// Bad input to a cap, as the `io::Error` the cap functions return.
+fn invalid(err: ConfigError) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, err)
+}
 
 /// Which kernel limit caps the process's CPU memory. See the [module docs](self) for which
 /// to use where.
@@ -28,8 +35,7 @@ const GIB: f64 = (1u64 << 30) as f64;
 /// ```no_run
 /// use toma::cpu_memory::CpuCap;
 /// // On a CUDA machine: cap private memory at what is in use now plus 8 GiB.
-/// let in_use = CpuCap::Data.in_use()? as f64 / (1u64 << 30) as f64;
-/// CpuCap::Data.set(in_use + 8.0)?;
+/// CpuCap::Data.set(CpuCap::Data.in_use()? + (8 << 30))?;
 /// assert!(CpuCap::Data.limit()?.is_some());
 /// # Ok::<(), std::io::Error>(())
 /// ```
@@ -56,25 +62,37 @@ impl CpuCap {
         }
     }
 
-    /// Caps this figure at `gib` GiB (soft = hard = `min(gib, current hard limit)`: a cap can
+    /// Caps this figure at `bytes` (soft = hard = `min(bytes, current hard limit)`: a cap can
     /// only be lowered). Size it against [`CpuCap::in_use`], not against the memory you want
-    /// for tensors alone.
+    /// for tensors alone; [`CpuCap::set_headroom`] does that for you.
     ///
     /// # Errors
-    /// - [`io::ErrorKind::InvalidInput`] when `gib` is NaN, infinite, zero or negative, or
-    ///   when the cap would sit below what is already in use (every later allocation would
-    ///   fail; the message says how much is in use).
+    /// - [`io::ErrorKind::InvalidInput`], wrapping a [`ConfigError`], when `bytes` is 0 or the
+    ///   cap would sit below what is already in use (every later allocation would fail).
     /// - The OS error when `setrlimit` fails, and [`io::ErrorKind::Unsupported`] off Linux.
-    pub fn set(self, gib: f64) -> io::Result<()> {
-        if !gib.is_finite() || gib <= 0.0 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("CPU memory limit must be a finite number of GiB above 0, got {gib}"),
-            ));
+    pub fn set(self, bytes: u64) -> io::Result<()> {
+        if bytes == 0 {
+            return Err(invalid(ConfigError::ZeroSize { what: "CPU memory cap (bytes)" }));
         }
-        // f64 → u64 saturates, so a huge request becomes "no lower than the hard limit".
-        let requested = (gib * GIB) as u64;
-        imp::set_limit(self, requested)
+        imp::set_limit(self, bytes)
+    }
+
+    /// Caps this figure at what is in use now plus `bytes`: the usual way to leave a known
+    /// amount of room for tensors.
+    ///
+    /// ```no_run
+    /// use toma::cpu_memory::CpuCap;
+    /// CpuCap::Data.set_headroom(8 << 30)?; // 8 GiB above what the process uses now
+    /// # Ok::<(), std::io::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`CpuCap::set`], and when `/proc/self` cannot be read.
+    pub fn set_headroom(self, bytes: u64) -> io::Result<()> {
+        if bytes == 0 {
+            return Err(invalid(ConfigError::ZeroSize { what: "CPU memory headroom (bytes)" }));
+        }
+        self.set(self.in_use()?.saturating_add(bytes))
     }
 
     /// The cap in bytes (the soft limit), or `None` when unlimited.
@@ -107,43 +125,12 @@ impl fmt::Display for CpuCap {
     }
 }
 
-/// Caps the address space of this process at `gib` GiB: [`CpuCap::AddressSpace`]`.set(gib)`.
-///
-/// It counts virtual memory, which includes mapped libraries and thread stacks (libtorch with
-/// its CUDA libraries maps several GiB before it allocates anything), so size it against
-/// [`address_space_in_use`] rather than against the memory you want for tensors. On a machine
-/// where CUDA is used, cap [`CpuCap::Data`] instead (see the [module docs](self)); this one
-/// logs a warning when it finds CUDA's libraries loaded.
-///
-/// # Errors
-/// As [`CpuCap::set`].
-///
-/// ```no_run
-/// // Leave 2 GiB of headroom above what the process maps now.
-/// let in_use = toma::cpu_memory::address_space_in_use()? as f64 / (1u64 << 30) as f64;
-/// toma::cpu_memory::set_cpu_memory_limit(in_use + 2.0)?;
-/// # Ok::<(), std::io::Error>(())
-/// ```
-pub fn set_cpu_memory_limit(gib: f64) -> io::Result<()> {
-    CpuCap::AddressSpace.set(gib)
-}
+/// Caps set so far in this process: the cache keys' shared reading of free memory is read
+/// afresh when this changes.
+static CAP_CHANGES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// The current address-space cap in bytes (`RLIMIT_AS` soft limit), or `None` when unlimited:
-/// [`CpuCap::AddressSpace`]`.limit()`.
-///
-/// # Errors
-/// The OS error when `getrlimit` fails, and [`io::ErrorKind::Unsupported`] off Linux.
-pub fn cpu_memory_limit() -> io::Result<Option<u64>> {
-    CpuCap::AddressSpace.limit()
-}
-
-/// Bytes of address space this process has mapped now (`VmSize`), the figure `RLIMIT_AS` counts:
-/// [`CpuCap::AddressSpace`]`.in_use()`.
-///
-/// # Errors
-/// When `/proc/self/statm` cannot be read, and [`io::ErrorKind::Unsupported`] off Linux.
-pub fn address_space_in_use() -> io::Result<u64> {
-    CpuCap::AddressSpace.in_use()
+pub(crate) fn cap_changes() -> u64 {
+    CAP_CHANGES.load(std::sync::atomic::Ordering::Acquire)
 }
 
 /// Bytes of CPU memory an allocation could still get: the smallest of the system's available
@@ -203,21 +190,9 @@ mod imp {
         let cap = hard.map_or(requested, |hard| requested.min(hard));
         let used = in_use(kind)?;
         if cap <= used {
-            let hint = match kind {
-                CpuCap::AddressSpace => "toma::cpu_memory::address_space_in_use()",
-                CpuCap::Data => "toma::cpu_memory::CpuCap::Data.in_use()",
-            };
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!(
-                    "CPU memory limit ({kind}) of {:.2} GiB is below the {:.2} GiB this process already uses; \
-                     every allocation would fail (size the cap from {hint})",
-                    cap as f64 / super::GIB,
-                    used as f64 / super::GIB
-                ),
-            ));
+            return Err(super::invalid(crate::ConfigError::CapBelowUse { limit: kind.name(), cap, in_use: used }));
         }
-        if kind == CpuCap::AddressSpace && (crate::memory::cuda_driver_present() || cuda_driver_loaded()) {
+        if kind == CpuCap::AddressSpace && (super::cuda_driver_present() || cuda_driver_loaded()) {
             tracing::warn!(
                 "toma: an address-space cap (RLIMIT_AS) on a machine with a CUDA driver: the driver's \
                  address-space reservations count against it and can make CUDA fail; cap CpuCap::Data instead"
@@ -229,7 +204,7 @@ mod imp {
             return Err(io::Error::last_os_error());
         }
         // Cache keys bucket free memory; the cap just changed it.
-        crate::memory::refresh_free_memory_reading();
+        super::CAP_CHANGES.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         tracing::info!(limit = kind.name(), cap_bytes = cap, in_use_bytes = used, "toma: CPU memory cap set");
         Ok(())
     }
@@ -320,12 +295,12 @@ mod tests {
     #[test]
     fn bad_requests_are_invalid_input() {
         for cap in CpuCap::ALL {
-            for gib in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 0.0, -0.0, -1.0] {
-                let err = cap.set(gib).unwrap_err();
-                assert_eq!(err.kind(), io::ErrorKind::InvalidInput, "{cap} {gib}");
+            for err in [cap.set(0).unwrap_err(), cap.set_headroom(0).unwrap_err()] {
+                assert_eq!(err.kind(), io::ErrorKind::InvalidInput, "{cap}");
+                let inner = err.get_ref().and_then(|e| e.downcast_ref::<ConfigError>());
+                assert!(matches!(inner, Some(ConfigError::ZeroSize { .. })), "{err}");
             }
         }
-        assert_eq!(set_cpu_memory_limit(f64::NAN).unwrap_err().kind(), io::ErrorKind::InvalidInput);
     }
 
     #[cfg(target_os = "linux")]
@@ -334,10 +309,12 @@ mod tests {
         for cap in CpuCap::ALL {
             let before = cap.limit().unwrap();
             // One byte is below any process's use of either figure.
-            let err = cap.set(1.0 / GIB).unwrap_err();
+            let err = cap.set(1).unwrap_err();
             assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
             let text = err.to_string();
             assert!(text.contains("already uses") && text.contains(cap.name()), "{text}");
+            let inner = err.get_ref().and_then(|e| e.downcast_ref::<ConfigError>());
+            assert!(matches!(inner, Some(ConfigError::CapBelowUse { cap: 1, .. })), "{err}");
             assert_eq!(cap.limit().unwrap(), before);
         }
     }
@@ -345,7 +322,7 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[test]
     fn readings_are_plausible() {
-        let size = address_space_in_use().unwrap();
+        let size = CpuCap::AddressSpace.in_use().unwrap();
         let data = CpuCap::Data.in_use().unwrap();
         assert!(data > 1 << 20 && size > data, "VmSize {size}, VmData {data}");
         // A private writable mapping counts in VmData. Other test threads map and unmap

@@ -1,12 +1,14 @@
 //! The lost-update race, forced: slow calls succeed at a size that a fast call has meanwhile
 //! seen fail under the same key. Afterwards no call may start at or above the failed size.
-//! Its own binary, because it empties the process-wide cache between rounds.
+//! It holds `support::serial()`: it empties the process-wide cache between rounds.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use toma::{Batch, CacheKind};
+
+use crate::support;
 
 const INITIAL: usize = 64;
 
@@ -26,6 +28,7 @@ fn attribute_call(batchsize: usize, body: Body<'_>) -> Result<usize, String> {
 
 #[test]
 fn stale_successes_never_undo_a_failure() {
+    let _serial = support::serial();
     // One test, so that the rounds' `clear()` never runs under another test's calls.
     race(builder_call);
     #[cfg(feature = "macros")]

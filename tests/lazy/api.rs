@@ -3,7 +3,7 @@
 //! event, and micro-batches that still run out of memory being halved without counting twice.
 #![cfg(feature = "tch")]
 
-mod support;
+use crate::support;
 
 use std::cell::Cell;
 use std::rc::Rc;
@@ -271,4 +271,19 @@ fn gradients_flow_to_tied_parameters_and_through_eager_transforms() {
     eager.backward();
     assert!((eager.double_value(&[]) - value).abs() < 1e-10);
     assert!(lazy_grad.allclose(&w.grad(), 1e-10, 1e-12, false));
+}
+
+/// Options refuse values that cannot work, naming the `ConfigError`, instead of clamping them.
+#[test]
+fn options_refuse_bad_values() {
+    let text = |f: fn() -> Options| support::payload_text(std::panic::catch_unwind(f).unwrap_err().as_ref());
+    assert!(text(|| Options::new().micro_batch(0)).contains("micro-batch size must be at least 1"));
+    for margin in [
+        || Options::new().safety_margin(f64::NAN),
+        || Options::new().safety_margin(1.0),
+        || Options::new().safety_margin(-0.1),
+    ] {
+        assert!(text(margin).contains("safety margin must lie in [0, 1)"));
+    }
+    assert_eq!(Options::new().safety_margin(0.0).micro_batch(3), Options::new().safety_margin(0.0).micro_batch(3));
 }

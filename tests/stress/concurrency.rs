@@ -7,6 +7,8 @@ use std::time::{Duration, Instant};
 
 use toma::{Batch, CacheKind};
 
+use crate::support;
+
 const THREADS: usize = 16;
 const CALLS: usize = 10_000;
 const INITIAL: usize = 64;
@@ -120,18 +122,21 @@ fn hammer(kind: CacheKind) {
 
 #[test]
 fn sixteen_threads_global() {
+    let _serial = support::serial();
     panic::set_hook(Box::new(|_| {}));
     hammer(CacheKind::Global);
 }
 
 #[test]
 fn sixteen_threads_stacktrace_memory() {
+    let _serial = support::serial();
     panic::set_hook(Box::new(|_| {}));
     hammer(CacheKind::StacktraceMemory);
 }
 
 #[test]
 fn sixteen_threads_no_cache() {
+    let _serial = support::serial();
     panic::set_hook(Box::new(|_| {}));
     hammer(CacheKind::None);
 }

@@ -1,0 +1,39 @@
+//! Free memory of CUDA devices and of the CPU, and libtorch's CUDA caching allocator.
+//!
+//! CUDA figures come from the driver API, loaded at run time through cudarc (feature `cuda`):
+//! a build needs no CUDA toolkit, and on a machine without a driver or device every probe
+//! returns `None`, never a panic.
+//!
+//! libtorch keeps the CUDA memory its tensors free in a cache of its own, which the driver
+//! counts as used. With feature `tch`, a small native shim (compiled against the libtorch tch
+//! links) reads the caching allocator's figures ([`cuda_allocator_stats`]), resets its peak
+//! ([`reset_cuda_peak`]) and empties its cache ([`empty_cuda_cache`]); [`cuda_usable_memory`]
+//! adds the cached bytes back to the driver's free bytes. Without feature `tch`, without CUDA
+//! support in libtorch, or without a device, these report `None` or `false`.
+
+//!
+//! - [`cpu`] (also at `toma::cpu_memory`): a cap on the process's CPU memory, and what is left.
+//! - The CUDA driver's figures: [`cuda_memory`], [`cuda_device_count`].
+//! - libtorch's allocators: [`cuda_allocator_stats`], [`track_cpu_allocations`] and the rest.
+
+mod allocator;
+pub mod cpu;
+mod cuda;
+mod reading;
+
+pub(crate) use allocator::work_device;
+pub use allocator::{
+    cpu_allocator_stats, cuda_allocator_stats, cuda_current_device, cuda_usable_memory, empty_cuda_cache,
+    release_cached_blocks, reset_cpu_peak, reset_cuda_peak, track_cpu_allocations, try_cuda_allocator_stats,
+    AllocatorError, AllocatorStats, CpuAllocatorStats,
+};
+#[cfg(feature = "tch")]
+pub(crate) use cuda::cuda_multiprocessors;
+pub use cuda::{cuda_device_count, cuda_memory, DeviceMemory};
+pub(crate) use reading::{free_memory_reading, free_memory_reading_for};
+
+/// Bytes of CPU memory available to this process now; see
+/// [`available_cpu_memory`](cpu::available_cpu_memory).
+pub fn cpu_available() -> u64 {
+    cpu::available_cpu_memory()
+}

@@ -1,0 +1,150 @@
+//! The retry engine: run a body, and on an out-of-memory halve the size and run it again.
+//!
+//! [`Batch`], [`Range`] and [`Chunked`](crate::Chunked) are small builders; the attributes and
+//! [`execute`](crate::execute) lower to them. Each attempt ends in one of three ways:
+//!
+//! - **ok**: the size is remembered in the cache and the result returned;
+//! - **out of memory** (an `Err` whose [`OutOfMemory::is_out_of_memory`] is true, or a panic
+//!   whose message is an out-of-memory): everything of the attempt is dropped, the size goes
+//!   to `size / 2`, and the body runs again; at size 1 the error is returned, or the panic
+//!   resumed;
+//! - **anything else**: the error is returned, or the panic resumed, at once and unchanged.
+//!
+//! Nothing loops forever: each retry halves a size of at least 2, so a body runs at most
+//! `⌊log2(initial)⌋ + 1` times per (sub-)range.
+
+mod batch;
+#[cfg(feature = "tch")]
+mod chunked;
+mod range;
+mod sizer;
+mod unwind;
+
+use std::future::Future;
+use std::time::Duration;
+
+pub use batch::{Batch, BatchAttempts};
+#[cfg(feature = "tch")]
+pub use chunked::{Chunked, ChunkedAttempts};
+pub use range::{Range, RangeAttempts};
+pub use unwind::{quiet_caught_panics, CatchUnwind};
+
+use crate::cache::{self, CacheKind};
+use crate::oom::Decide;
+use crate::policy::Policy;
+
+/// What one call did: returned by the builders' `run_with_report`, and summarised in an `info`
+/// event when a call caught out-of-memories.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Report {
+    /// Times the body ran.
+    pub attempts: u32,
+    /// Attempts that ran out of memory (and were retried, or ended the call at size 1).
+    pub out_of_memory: u32,
+    /// The size of the first attempt.
+    pub first_size: usize,
+    /// Whether the first size came from the cache.
+    pub from_cache: bool,
+    /// The size the call ended at (for range and chunked: the last step).
+    pub final_size: usize,
+    /// Wall time spent in attempts that ran out of memory.
+    pub failed_time: Duration,
+    /// Wall time of the whole call.
+    pub total_time: Duration,
+}
+
+/// Settings shared by the three builders.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Settings {
+    pub(crate) cache: Option<CacheKind>,
+    pub(crate) policy: Policy,
+    /// What the call belongs to beyond its line: see [`CallSite::identity`].
+    pub(crate) identity: Option<(u64, &'static str)>,
+    /// The wrapped function's lock-free copy of its `Global` entry.
+    pub(crate) hint: cache::Hint,
+    /// Where the work runs, when the builder knows (chunked: the tensor's device): `Some(None)`
+    /// for the CPU, `Some(Some(i))` for CUDA device `i`.
+    pub(crate) device: Option<Option<usize>>,
+    /// The call's own say on what is an out-of-memory: see the builders' `when`.
+    pub(crate) decide: Option<Decide>,
+    /// The initial size was worked out to fit (a `toma::lazy` plan): the cache may only lower
+    /// it below a size that failed, not to a smaller size that merely worked before.
+    pub(crate) planned: bool,
+}
+
+/// The builder methods that every retry builder shares, over its [`Settings`] at `$settings`.
+macro_rules! settings_methods {
+    ($builder:ty, $($settings:ident).+, $moves:literal) => {
+        impl $builder {
+            /// Which cache to use; without this, the process default ([`crate::default_cache`]).
+            pub fn cache(mut self, kind: $crate::CacheKind) -> Self {
+                self.$($settings).+.cache = Some(kind);
+                self
+            }
+
+            #[doc = concat!("How the ", $moves, " moves; [`Policy::halve`](crate::Policy::halve) without this.")]
+            pub fn policy(mut self, policy: $crate::Policy) -> Self {
+                self.$($settings).+.policy = policy;
+                self
+            }
+
+            /// Overrides toma's decision ([`toma::oom`](crate::oom)) for this call: `decide` gets
+            /// each failure's text (an error's [`message`](crate::OutOfMemory::message), a panic's
+            /// text) and answers `Some(true)` to retry it as an out-of-memory, `Some(false)` to
+            /// give it back at once, or `None` to leave it to toma. A plain `fn` or a closure
+            /// that captures nothing; for every call in the process, see
+            /// [`oom::add_out_of_memory_marker`](crate::oom::add_out_of_memory_marker). A panic
+            /// retried only because `decide` said so still reaches the panic hook (see
+            /// [`quiet_caught_panics`](crate::quiet_caught_panics)).
+            ///
+            /// ```
+            /// let out = toma::Batch::new(8)
+            ///     .cache(toma::CacheKind::None)
+            ///     .when(|text| text.contains("arena exhausted").then_some(true))
+            ///     .run(|bs| if bs > 2 { Err(format!("my_allocator: arena exhausted at {bs}")) } else { Ok(bs) });
+            /// assert_eq!(out, Ok(2));
+            /// ```
+            pub fn when(mut self, decide: $crate::oom::Decide) -> Self {
+                self.$($settings).+.decide = Some(decide);
+                self
+            }
+
+            #[doc(hidden)]
+            pub fn site(mut self, site: &'static $crate::cache::Site) -> Self {
+                self.$($settings).+.identity = Some(site.identity());
+                self.$($settings).+.hint = site.hint();
+                self
+            }
+        }
+    };
+}
+use settings_methods;
+
+// ---------------------------------------------------------------------------------------------
+// Sugar used by generated code.
+
+/// Turns an infallible body's value into the `Result` the engine takes.
+#[doc(hidden)]
+#[inline(always)]
+pub fn infallible<T>(value: T) -> Result<T, std::convert::Infallible> {
+    Ok(value)
+}
+
+/// Takes the value back out of an engine result whose error type is uninhabited.
+#[doc(hidden)]
+#[inline(always)]
+pub fn unwrap_infallible<T>(result: Result<T, std::convert::Infallible>) -> T {
+    match result {
+        Ok(value) => value,
+        Err(never) => match never {},
+    }
+}
+
+/// Fixes an async block's output type before it is awaited, so that `?` inside the body
+/// knows which error to convert into.
+#[doc(hidden)]
+#[inline(always)]
+pub fn typed_future<R, F: Future<Output = R>>(future: F) -> F {
+    future
+}

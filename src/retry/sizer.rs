@@ -1,0 +1,192 @@
+//! The size a call is at: where it starts (the cache, the policy, a plan), how it moves after
+//! a success or an out-of-memory, and the report of what happened.
+
+use std::time::Instant;
+
+use super::unwind::Failure;
+use super::{Report, Settings};
+use crate::cache::{self, CacheKind, CallSite, Entry, Operation};
+use crate::oom::{first_line, panic_message, Decide, OutOfMemory};
+use crate::policy::Policy;
+
+/// The size a call is at, what the cache knows, and what happened so far.
+#[derive(Debug)]
+pub(super) struct Sizer {
+    pub(super) op: Operation,
+    /// The call's override of the out-of-memory decision.
+    pub(super) decide: Option<Decide>,
+    pub(super) name: &'static str,
+    pub(super) key: Option<u64>,
+    pub(super) hint: cache::Hint,
+    pub(super) policy: Policy,
+    pub(super) cap: usize,
+    /// The cache entry as this call last saw or wrote it.
+    pub(super) seen: Option<Entry>,
+    /// Size of the next attempt.
+    pub(super) size: usize,
+    /// Largest size that worked in this call or before (0: none known).
+    pub(super) ok: usize,
+    /// Smallest size that failed in this call or before.
+    pub(super) failed: usize,
+    pub(super) report: Report,
+    /// Clock for the report: only read when someone will see the times.
+    pub(super) timed: Option<Instant>,
+    pub(super) attempt_started: Option<Instant>,
+    pub(super) concluded: bool,
+}
+
+impl Sizer {
+    /// `device`: the CUDA device the work runs on, if known (`None`: libtorch's current one).
+    #[inline]
+    pub(super) fn start(
+        op: Operation,
+        initial: usize,
+        kind: CacheKind,
+        settings: Settings,
+        site: CallSite,
+        report: bool,
+    ) -> Self {
+        let timed = (report || tracing::enabled!(tracing::Level::INFO)).then(Instant::now);
+        // Only StacktraceMemory keys read free memory, so only they need the device.
+        let device = match kind {
+            CacheKind::StacktraceMemory => settings.device.unwrap_or_else(crate::memory::work_device),
+            _ => None,
+        };
+        let key = cache::key(kind, op, site, device);
+        // A function's Global key is its identity alone, which its hint mirrors.
+        let hint = if kind == CacheKind::Global { settings.hint } else { None };
+        let seen = key.and_then(|key| cache::lookup(key, hint));
+        let policy = settings.policy;
+        let cap = policy.cap(initial);
+        let (ok, failed) = seen.map_or((0, Entry::NO_FAILURE), |e| (e.ok, e.failed));
+        let size = match seen {
+            None => initial,
+            // A plan's size stands unless it failed before: a smaller size that worked under a
+            // tighter budget says nothing about this one.
+            Some(e) if settings.planned && e.failed > initial => initial,
+            // Always below the smallest size that failed under this key.
+            Some(e) if policy.grows() => policy.after_success(e.ok.min(cap), e.failed, cap),
+            Some(e) => e.ok.min(initial),
+        };
+        let name = site.identity.map_or("execute", |(_, name)| name);
+        if let Some(entry) = seen {
+            tracing::debug!(op = ?op, function = name, size, ok = entry.ok, failed = entry.failed, "toma: starting from the cache");
+        }
+        let report = Report { first_size: size, from_cache: seen.is_some(), ..Report::default() };
+        Sizer {
+            op,
+            decide: settings.decide,
+            name,
+            key,
+            hint,
+            policy,
+            cap,
+            seen,
+            size,
+            ok,
+            failed,
+            report,
+            timed,
+            attempt_started: None,
+            concluded: false,
+        }
+    }
+
+    pub(super) fn begin_attempt(&mut self) {
+        self.report.attempts += 1;
+        if self.timed.is_some() {
+            self.attempt_started = Some(Instant::now());
+        }
+    }
+
+    /// Records a success with `len` (the size the attempt really used). `full` is false for a
+    /// clipped last sub-range, which says nothing about the step.
+    pub(super) fn succeeded(&mut self, len: usize, full: bool) {
+        if len < self.failed && len > self.ok {
+            self.ok = len;
+        }
+        // Only a full step says what fits: a clipped last sub-range of 10 must not pin later
+        // calls to 10. Skipping the write when the cache already knows keeps hits read-only.
+        if let (Some(key), true) = (self.key, full && self.seen.is_none_or(|e| e.ok < len && len < e.failed)) {
+            self.seen = Some(cache::record_success(key, len, self.hint));
+        }
+        if full {
+            self.size = self.policy.after_success(self.size, self.failed, self.cap);
+        }
+    }
+
+    /// Records an out-of-memory at `failed` (the size the failed attempt really used) and moves
+    /// to the policy's next size: the current size shrunk, as often as it takes to fall below
+    /// `failed` (a clipped last sub-range of 40 at step 64 goes on at step 32, as Python toma
+    /// does, not at 20; at 10 it goes on at 8, not three times at 10). `false` when there is
+    /// nothing smaller to try.
+    pub(super) fn out_of_memory<E>(&mut self, failed: usize, failure: &Failure<E>) -> bool
+    where
+        E: OutOfMemory,
+    {
+        self.report.out_of_memory += 1;
+        if let Some(started) = self.attempt_started.take() {
+            self.report.failed_time += started.elapsed();
+        }
+        self.failed = self.failed.min(failed);
+        if failed <= 1 {
+            tracing::info!(op = ?self.op, function = self.name, size = failed, "toma: out of memory at size 1, giving up");
+            return false;
+        }
+        let mut next = self.size.max(failed);
+        while next >= failed {
+            // `shrink` goes down and stays at least 1, and `failed` ≥ 2 here: this ends.
+            next = self.policy.shrink(next, self.ok);
+        }
+        if let Some(key) = self.key {
+            self.seen = Some(cache::record_out_of_memory(key, failed, next, self.hint));
+        }
+        if tracing::enabled!(tracing::Level::INFO) {
+            let text = match failure {
+                Failure::Panic(payload) => panic_message(payload.as_ref()).unwrap_or_default(),
+                Failure::Error(err) => err.message().unwrap_or_default(),
+            };
+            tracing::info!(
+                op = ?self.op,
+                function = self.name,
+                from = failed,
+                to = next,
+                caught = if matches!(failure, Failure::Panic(_)) { "panic" } else { "error" },
+                error = first_line(&text),
+                "toma: out of memory, retrying with a smaller size"
+            );
+        }
+        // Give libtorch's cached CUDA blocks back before the smaller attempt, as Python toma
+        // does; free at once without CUDA.
+        crate::memory::release_cached_blocks();
+        self.size = next;
+        true
+    }
+
+    /// The report of the call so far.
+    pub(super) fn report(&self) -> Report {
+        let mut report = self.report.clone();
+        report.final_size = self.size;
+        if let Some(clock) = self.timed {
+            report.total_time = clock.elapsed();
+        }
+        report
+    }
+
+    /// Ends the call: logs a summary when it caught out-of-memories.
+    pub(super) fn conclude(&mut self) {
+        if self.report.out_of_memory > 0 && !std::mem::replace(&mut self.concluded, true) {
+            let report = self.report();
+            tracing::info!(
+                op = ?self.op,
+                function = self.name,
+                attempts = report.attempts,
+                out_of_memory = report.out_of_memory,
+                first_size = report.first_size,
+                final_size = report.final_size,
+                failed_ms = report.failed_time.as_secs_f64() * 1e3,
+                "toma: call done"
+            );
+        }
+    }
+}

@@ -1,0 +1,9 @@
+//! `toma::lazy` in one process: the API, gradients, ops and plans.
+#![cfg(feature = "tch")]
+#[path = "../support/mod.rs"]
+mod support;
+
+mod api;
+mod grad;
+mod ops;
+mod plan;
