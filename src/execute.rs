@@ -74,3 +74,34 @@ where
 {
     crate::Chunked::new(tensor, initial_step).run(body)
 }
+
+/// Runs `body(start, end)` over `[start, end)` with the step sized from measured memory (the
+/// free memory of each device in use, less 10%); see [`Range::auto`]. For a budget or other
+/// options use the builder: `Range::auto(start, end).budget(bytes).run(..)`.
+///
+/// # Panics
+/// When `start > end`, and as [`batch`] for the body's panics.
+#[track_caller]
+pub fn range_auto<E, F>(start: usize, end: usize, body: F) -> Result<(), E>
+where
+    E: OutOfMemory,
+    F: FnMut(usize, usize) -> Result<(), E>,
+{
+    Range::auto(start, end).run(body)
+}
+
+/// Runs `body(chunk, start, end)` on chunks of `tensor` along dimension 0 with the step sized
+/// from measured memory; see [`Chunked::auto`](crate::Chunked::auto).
+///
+/// # Panics
+/// When `tensor` is a scalar, and as [`batch`] for the body's panics.
+#[cfg(feature = "tch")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
+#[track_caller]
+pub fn chunked_auto<E, F>(tensor: &tch::Tensor, body: F) -> Result<(), E>
+where
+    E: OutOfMemory,
+    F: FnMut(tch::Tensor, usize, usize) -> Result<(), E>,
+{
+    crate::Chunked::auto(tensor).run(body)
+}

@@ -74,7 +74,7 @@ pub use policy::Policy;
 #[cfg(feature = "tch")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
 pub use retry::Chunked;
-pub use retry::{quiet_caught_panics, Batch, Range, Report};
+pub use retry::{quiet_caught_panics, AutoReport, Batch, DeviceFit, MeasuredDevice, Objective, Range, Report};
 
 /// Retries a function with a halved batch size on out-of-memory, remembering the size that
 /// worked.
@@ -177,6 +177,7 @@ pub use toma_macros::chunked;
 pub mod __private {
     pub use crate::cache::{CacheKind, Site};
     pub use crate::policy::Policy;
+    pub use crate::retry::Objective;
     pub use crate::retry::{
         infallible, typed_future, unwrap_infallible, Batch, BatchAttempts, CatchUnwind, Range, RangeAttempts,
     };

@@ -1044,3 +1044,66 @@ fn time_per_sample_by_batch_size() {
         assert!(rows.iter().all(|r| r.1.is_finite() && r.1 > 0.0), "{model}: {rows:?}");
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Auto steps on the card: fitted from the caching allocator's peaks.
+
+/// `Range::auto` with no budget on the card: the budget is the card's usable memory less 10%,
+/// no chunk goes over it once the fit exists, at most one real out-of-memory, and the step
+/// reaches most of what fits. Then a body that allocates only on the CPU, on this CUDA
+/// machine: the CPU is measured too, so the step stays under the CPU budget instead of
+/// growing without bound on peaks of 0.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-run.sh runs it with TOMA_CUDA_TESTS=1"]
+fn auto_steps_fit_the_card_and_the_cpu() {
+    let Some(gpu) = gpu("auto_steps_fit_the_card_and_the_cpu") else { return };
+    warm_up();
+    memory::release_cached_blocks();
+    // 64 MiB rows: the card holds about total / 128 MiB of them with the temporary.
+    let len = 4 * rows_beyond_the_card();
+    let started = Instant::now();
+    let mut chunks = Vec::new();
+    let (result, report_) = toma::Range::auto(0, len).cache(toma::CacheKind::None).run_with_report(|s, e| {
+        chunks.push(e - s);
+        ones_and_double(e - s)
+    });
+    result.expect("every chunk is done");
+    let secs = started.elapsed().as_secs_f64();
+    let auto = report_.auto.clone().expect("an auto report");
+    println!("auto on CUDA: chunks {chunks:?} in {secs:.2} s; {auto:?}");
+    let cuda = auto.devices.iter().find(|d| d.device == toma::MeasuredDevice::Cuda(0)).expect("device 0 measured");
+    let fits = ((cuda.budget.saturating_sub(cuda.fixed_bytes)) / (2 * ROW_BYTES)) as usize;
+    assert_eq!(auto.over_budget, 0, "{auto:?}");
+    assert!(report_.out_of_memory <= 1, "{report_:?}");
+    assert!(cuda.bytes_per_item >= 2 * ROW_BYTES && cuda.bytes_per_item <= 2 * ROW_BYTES + (8 << 20), "{cuda:?}");
+    let full = &chunks[..chunks.len() - 1];
+    assert!(full.iter().skip(4).all(|&n| n * 4 >= fits * 3), "after 4 probes every chunk >= 75% of {fits}: {chunks:?}");
+    report(
+        "auto_cuda",
+        &[
+            ("card", &gib(gpu.total)),
+            ("budget", &gib(cuda.budget)),
+            ("rows", &len),
+            ("chunks", &chunks.len()),
+            ("probes", &auto.probes),
+            ("step", &auto.step),
+            ("fits", &fits),
+            ("ooms", &report_.out_of_memory),
+            ("secs", &format!("{secs:.2}")),
+        ],
+    );
+
+    // A CPU-only body: 1 MiB per item on the CPU, budget 256 MiB: at most 256 per chunk.
+    let mut cpu_chunks = Vec::new();
+    let (result, cpu_report) =
+        toma::Range::auto(0, 100_000).budget(256 << 20).cache(toma::CacheKind::None).run_with_report(|s, e| {
+            let t = Tensor::f_ones([(e - s) as i64, 1 << 18], (Kind::Float, Device::Cpu))?;
+            cpu_chunks.push(e - s);
+            t.f_sum(Kind::Float).map(drop)
+        });
+    result.expect("the CPU body runs");
+    let cpu_auto = cpu_report.auto.unwrap();
+    assert!(cpu_chunks.iter().all(|&n| n <= 256), "{cpu_chunks:?} {cpu_auto:?}");
+    assert_eq!(cpu_auto.over_budget, 0, "{cpu_auto:?}");
+    report("auto_cpu_body", &[("chunks", &cpu_chunks.len()), ("step", &cpu_auto.step)]);
+}

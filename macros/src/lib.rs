@@ -60,8 +60,20 @@ impl Op {
     fn allowed(self) -> &'static [&'static str] {
         match self {
             Op::Batch => &["initial_batchsize", "cache", "policy", "crate"],
-            Op::Range => &["initial_step", "cache", "policy", "crate"],
-            Op::Chunked => &["initial_step", "dimension", "cache", "policy", "crate"],
+            Op::Range => {
+                &["initial_step", "cache", "policy", "budget", "safety_margin", "max_step", "objective", "crate"]
+            }
+            Op::Chunked => &[
+                "initial_step",
+                "dimension",
+                "cache",
+                "policy",
+                "budget",
+                "safety_margin",
+                "max_step",
+                "objective",
+                "crate",
+            ],
         }
     }
 
@@ -89,6 +101,10 @@ struct Args {
     dimension: Option<Expr>,
     cache: Option<syn::Ident>,
     policy: Option<TokenStream2>,
+    /// `initial_step = auto`: the step comes from measurement.
+    auto: bool,
+    /// The `auto` options as builder calls (`.budget(..)`, ..).
+    auto_options: TokenStream2,
     /// The path toma is reached by (`crate = path`, for a crate that re-exports toma);
     /// `::toma` by default.
     krate: TokenStream2,
@@ -115,8 +131,15 @@ fn with_placeholder(op: Op, error: syn::Error, function: &ItemFn, item: TokenStr
     if op == Op::Chunked {
         return with_original(error, item);
     }
-    let placeholder =
-        Args { size: syn::parse_quote!(1usize), dimension: None, cache: None, policy: None, krate: quote!(::toma) };
+    let placeholder = Args {
+        size: syn::parse_quote!(1usize),
+        dimension: None,
+        cache: None,
+        policy: None,
+        auto: false,
+        auto_options: TokenStream2::new(),
+        krate: quote!(::toma),
+    };
     match rewrite(op, &placeholder, function) {
         Ok(tokens) => {
             let error = error.to_compile_error();
@@ -159,6 +182,10 @@ fn parse_args(op: Op, args: TokenStream2) -> syn::Result<Args> {
     let mut dimension = None;
     let mut cache = None;
     let mut policy = None;
+    let mut auto = false;
+    let mut auto_options = TokenStream2::new();
+    let mut option_spans = Vec::new();
+    let mut seen = std::collections::HashSet::new();
     for pair in pairs.into_iter().filter(|pair| !pair.path.is_ident("crate")) {
         let name = pair.path.get_ident().map(|i| i.to_string()).unwrap_or_default();
         if !op.allowed().contains(&name.as_str()) {
@@ -172,30 +199,54 @@ fn parse_args(op: Op, args: TokenStream2) -> syn::Result<Args> {
                 ),
             ));
         }
-        let slot_taken = match name.as_str() {
-            "initial_batchsize" | "initial_step" => size.is_some(),
-            "dimension" => dimension.is_some(),
-            "policy" => policy.is_some(),
-            _ => cache.is_some(),
-        };
-        if slot_taken {
+        if !seen.insert(name.clone()) {
             return Err(syn::Error::new(pair.path.span(), format!("`{name}` is given more than once")));
         }
+        let p = quote!(#krate::__private);
         match name.as_str() {
+            "initial_step" if is_ident(&pair.value, "auto") => {
+                auto = true;
+                size = Some(syn::parse_quote!(1usize));
+            }
             "initial_batchsize" | "initial_step" => size = Some(positive_size(&name, pair.value)?),
             "dimension" => dimension = Some(dimension_value(pair.value)?),
             "policy" => policy = Some(policy_value(pair.value, &krate)?),
+            "budget" | "safety_margin" | "max_step" => {
+                let method = format_ident!("{}", name);
+                let value = if name == "safety_margin" { pair.value } else { positive_size(&name, pair.value)? };
+                option_spans.push((name.clone(), value.span()));
+                auto_options.extend(quote_spanned!(value.span()=> .#method(#value)));
+            }
+            "objective" => {
+                let value = if is_ident(&pair.value, "largest") {
+                    quote!(#p::Objective::Largest)
+                } else if is_ident(&pair.value, "fastest") {
+                    quote!(#p::Objective::Fastest)
+                } else {
+                    pair.value.to_token_stream()
+                };
+                option_spans.push((name.clone(), pair.value.span()));
+                auto_options.extend(quote!(.objective(#value)));
+            }
             _ => cache = Some(cache_kind(pair.value)?),
         }
     }
+    if let (false, Some((name, span))) = (auto, option_spans.first()) {
+        return Err(syn::Error::new(*span, format!("`{name}` is an option of `initial_step = auto`")));
+    }
     let size = size.ok_or_else(|| {
         let span = if args.is_empty() { Span::call_site() } else { args.span() };
+        let auto = if op == Op::Batch { "" } else { ", or `auto` to size it from measured memory" };
         syn::Error::new(
             span,
-            format!("{} needs `{} = N` (the size to try first, at least 1)", op.attribute(), op.size_argument()),
+            format!("{} needs `{} = N` (the size to try first, at least 1{auto})", op.attribute(), op.size_argument()),
         )
     })?;
-    Ok(Args { size, dimension, cache, policy, krate })
+    Ok(Args { size, dimension, cache, policy, auto, auto_options, krate })
+}
+
+fn is_ident(value: &Expr, name: &str) -> bool {
+    matches!(value, Expr::Path(path) if path.qself.is_none() && path.path.is_ident(name))
 }
 
 /// An integer literal ≥ 1, or any other expression (checked at run time).
@@ -441,13 +492,16 @@ fn rewrite(op: Op, args: &Args, original: &ItemFn) -> syn::Result<TokenStream2> 
     let site = format_ident!("__TOMA_SITE", span = Span::mixed_site());
     let builder_expr = match op {
         Op::Batch => quote_spanned!(size_span=> #p::Batch::new(#size)),
+        Op::Range if args.auto => quote_spanned!(size_span=> #p::Range::auto(#start_name, #end_name)),
         Op::Range => quote_spanned!(size_span=> #p::Range::new(#start_name, #end_name, #size)),
+        Op::Chunked if args.auto => quote_spanned!(size_span=> #p::Chunked::auto(#tensor_name)),
         Op::Chunked => quote_spanned!(size_span=> #p::Chunked::new(#tensor_name, #size)),
     };
+    let auto_options = &args.auto_options;
     let dimension = args.dimension.as_ref().map(|d| quote_spanned!(d.span()=> .dimension(#d)));
     let cache = args.cache.as_ref().map(|kind| quote_spanned!(kind.span()=> .cache(#p::CacheKind::#kind)));
     let policy = args.policy.as_ref().map(|policy| quote!(.policy(#policy)));
-    let builder = quote!(#builder_expr #dimension #cache #policy .site(&#site));
+    let builder = quote!(#builder_expr #dimension #cache #policy #auto_options .site(&#site));
 
     let body = &function.block;
     let (ret, value_mode) = match &out {

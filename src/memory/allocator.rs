@@ -180,7 +180,7 @@ pub(crate) fn work_device() -> Option<usize> {
 }
 
 /// libtorch's CUDA device count, asked once: libtorch fixes it at its first answer too.
-fn torch_device_count() -> usize {
+pub(crate) fn torch_device_count() -> usize {
     static COUNT: OnceLock<usize> = OnceLock::new();
     *COUNT.get_or_init(|| torch::device_count().map_err(|err| err.log("counting CUDA devices")).unwrap_or(0))
 }

@@ -21,12 +21,12 @@ pub mod cpu;
 mod cuda;
 mod reading;
 
-pub(crate) use allocator::work_device;
 pub use allocator::{
     cpu_allocator_stats, cuda_allocator_stats, cuda_current_device, cuda_usable_memory, empty_cuda_cache,
     release_cached_blocks, reset_cpu_peak, reset_cuda_peak, track_cpu_allocations, try_cuda_allocator_stats,
     AllocatorError, AllocatorStats, CpuAllocatorStats,
 };
+pub(crate) use allocator::{torch_device_count, work_device};
 #[cfg(feature = "tch")]
 pub(crate) use cuda::cuda_multiprocessors;
 pub use cuda::{cuda_device_count, cuda_memory, DeviceMemory};

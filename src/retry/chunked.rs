@@ -61,6 +61,52 @@ impl<'a> Chunked<'a> {
         Ok(Chunked { tensor, dimension, range })
     }
 
+    /// Chunks along dimension 0 with a step sized from measurement: see [`Range::auto`] (the
+    /// options [`budget`](Self::budget), [`safety_margin`](Self::safety_margin),
+    /// [`max_step`](Self::max_step) and [`objective`](Self::objective) are the same).
+    ///
+    /// # Panics
+    /// When `tensor` is a scalar; [`Chunked::try_auto`] reports it instead.
+    #[track_caller]
+    pub fn auto(tensor: &'a Tensor) -> Self {
+        Self::try_auto(tensor, 0).unwrap_or_else(|err| panic!("{err}"))
+    }
+
+    /// Like [`Chunked::auto`] along `dimension`, with bad input reported as a [`ConfigError`].
+    pub fn try_auto(tensor: &'a Tensor, dimension: i64) -> Result<Self, ConfigError> {
+        let mut chunked = Self::try_new(tensor, 1, dimension)?;
+        chunked.range = Range::try_auto(0, chunked.range.end)?.with_settings(chunked.range.settings);
+        Ok(chunked)
+    }
+
+    /// As [`Range::budget`].
+    #[track_caller]
+    pub fn budget(mut self, bytes: u64) -> Self {
+        self.range = self.range.budget(bytes);
+        self
+    }
+
+    /// As [`Range::safety_margin`].
+    #[track_caller]
+    pub fn safety_margin(mut self, fraction: f64) -> Self {
+        self.range = self.range.safety_margin(fraction);
+        self
+    }
+
+    /// As [`Range::max_step`].
+    #[track_caller]
+    pub fn max_step(mut self, step: usize) -> Self {
+        self.range = self.range.max_step(step);
+        self
+    }
+
+    /// As [`Range::objective`].
+    #[track_caller]
+    pub fn objective(mut self, objective: crate::Objective) -> Self {
+        self.range = self.range.objective(objective);
+        self
+    }
+
     /// Chunks along `dimension` instead of 0 (negative counts from the last, as in tch).
     ///
     /// # Panics

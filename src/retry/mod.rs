@@ -13,6 +13,7 @@
 //! Nothing loops forever: each retry halves a size of at least 2, so a body runs at most
 //! `⌊log2(initial)⌋ + 1` times per (sub-)range.
 
+mod auto;
 mod batch;
 #[cfg(feature = "tch")]
 mod chunked;
@@ -23,6 +24,7 @@ mod unwind;
 use std::future::Future;
 use std::time::Duration;
 
+pub use auto::{AutoReport, DeviceFit, MeasuredDevice, Objective};
 pub use batch::{Batch, BatchAttempts};
 #[cfg(feature = "tch")]
 pub use chunked::{Chunked, ChunkedAttempts};
@@ -52,6 +54,8 @@ pub struct Report {
     pub failed_time: Duration,
     /// Wall time of the whole call.
     pub total_time: Duration,
+    /// For `auto` steps: the fitted models, budgets, the step chosen and why.
+    pub auto: Option<AutoReport>,
 }
 
 /// Settings shared by the three builders.

@@ -3,6 +3,7 @@
 use std::future::Future;
 use std::panic::Location;
 
+use super::auto::{Auto, AutoSettings, Objective};
 use super::sizer::Sizer;
 use super::unwind::{catch_attempt, classify, CatchUnwind};
 use super::{Report, Settings};
@@ -34,6 +35,8 @@ pub struct Range {
     pub(crate) end: usize,
     pub(crate) initial: usize,
     pub(crate) settings: Settings,
+    /// `Some` for [`Range::auto`]: the step comes from measured peaks.
+    pub(crate) auto: Option<AutoSettings>,
 }
 
 super::settings_methods!(Range, settings, "step");
@@ -54,7 +57,133 @@ impl Range {
         if start > end {
             return Err(ConfigError::StartAfterEnd { start, end });
         }
-        Ok(Range { start, end, initial, settings: Settings::default() })
+        Ok(Range { start, end, initial, settings: Settings::default(), auto: None })
+    }
+
+    /// A range whose step is sized from measurement instead of a guess: the first chunks are
+    /// probes (real work, never redone), each chunk's allocator peak above the call's baseline
+    /// is measured on the CPU (libtorch's allocator, counted from the first `auto` call on:
+    /// [`track_cpu_allocations`](crate::memory::track_cpu_allocations), about +0.8 µs per CPU
+    /// allocation for the rest of the process) and on every CUDA device libtorch has, a line
+    /// `fixed + per_item · n` is fitted per device, and each next step is the largest that keeps
+    /// every device under its budget. Every chunk is measured again and refines the fit. A real
+    /// out-of-memory goes through the retry engine (the step shrinks by the policy) and the
+    /// step stays below the size that failed. The fit is remembered under the call's cache key:
+    /// the next call starts at the fitted step, with no probes.
+    ///
+    /// The budget per device is [`budget`](Self::budget), or its free memory now (CUDA: driver
+    /// free + libtorch's cached bytes; CPU: [`available_cpu_memory`](crate::cpu_memory::available_cpu_memory),
+    /// which honours a cap) less the [`safety_margin`](Self::safety_margin) (10%).
+    ///
+    /// The model is a line: a body whose peak grows faster than its length (an `n × n`
+    /// product of the chunk with itself) can go over the budget at a step the line allowed.
+    /// The 16-fold growth cap keeps such a miss small, the fit is raised to cover it at once,
+    /// and [`AutoReport::over_budget`](crate::AutoReport::over_budget) counts it.
+    ///
+    /// The peak counters are process-wide: two `auto` loops running at once on one device
+    /// measure each other's peaks too (safe, but smaller steps). Without feature `tch` nothing
+    /// can be measured, and the step grows 16-fold per chunk up to [`max_step`](Self::max_step).
+    ///
+    /// ```
+    /// # #[cfg(feature = "tch")] {
+    /// use tch::{Device, Kind, Tensor};
+    /// let data = Tensor::ones([10_000, 256], (Kind::Float, Device::Cpu));
+    /// let weights = Tensor::ones([256, 1024], (Kind::Float, Device::Cpu));
+    /// let mut total = 0.0;
+    /// let (result, report) = toma::Range::auto(0, 10_000).budget(16 << 20).run_with_report(|start, end| {
+    ///     let part = data.f_narrow(0, start as i64, (end - start) as i64)?;
+    ///     total += part.f_matmul(&weights)?.f_relu()?.f_sum(Kind::Float)?.f_double_value(&[])?;
+    ///     Ok::<(), tch::TchError>(())
+    /// });
+    /// result.unwrap();
+    /// let auto = report.auto.unwrap();
+    /// assert_eq!(auto.over_budget, 0); // no chunk went over 16 MiB once the fit existed
+    /// # }
+    /// ```
+    ///
+    /// # Panics
+    /// When `start > end`; [`Range::try_auto`] reports it instead.
+    #[track_caller]
+    pub fn auto(start: usize, end: usize) -> Self {
+        Self::try_auto(start, end).unwrap_or_else(|err| panic!("{err}"))
+    }
+
+    /// Like [`Range::auto`], with bad input reported as a [`ConfigError`].
+    pub fn try_auto(start: usize, end: usize) -> Result<Self, ConfigError> {
+        let mut range = Self::try_new(start, end, 1)?;
+        range.auto = Some(AutoSettings::default());
+        Ok(range)
+    }
+
+    /// `auto` only: the bytes the body may add at its peak, on each device, over what is in
+    /// use when the call starts (instead of the free memory less the margin).
+    ///
+    /// # Panics
+    /// When `bytes` is 0, or on a range that is not [`auto`](Self::auto).
+    #[track_caller]
+    pub fn budget(mut self, bytes: u64) -> Self {
+        if bytes == 0 {
+            panic!("{}", ConfigError::ZeroSize { what: "budget (bytes)" });
+        }
+        self.auto_settings().budget = Some(bytes);
+        self
+    }
+
+    /// `auto` only: the fraction of free memory kept back when no budget is given (0.1).
+    ///
+    /// # Panics
+    /// When `fraction` is not in `[0, 1)`, or on a range that is not [`auto`](Self::auto).
+    #[track_caller]
+    pub fn safety_margin(mut self, fraction: f64) -> Self {
+        if !(0.0..1.0).contains(&fraction) {
+            panic!("{}", ConfigError::OutOfRange { what: "safety margin", range: "[0, 1)", value: fraction });
+        }
+        self.auto_settings().margin = fraction;
+        self
+    }
+
+    /// `auto` only: the largest step to use, whatever fits.
+    ///
+    /// # Panics
+    /// When `step` is 0, or on a range that is not [`auto`](Self::auto).
+    #[track_caller]
+    pub fn max_step(mut self, step: usize) -> Self {
+        if step == 0 {
+            panic!("{}", ConfigError::ZeroSize { what: "max_step" });
+        }
+        self.auto_settings().max_step = Some(step);
+        self
+    }
+
+    /// `auto` only: settle on the largest step that fits (the default) or the fastest one
+    /// measured. `Fastest` times every full chunk, explores doubling steps up to the largest
+    /// that fits, times each candidate three times and takes the median (the first run of a
+    /// new size pays allocator and kernel warm-up), prefers a larger step only when it is at
+    /// least 5% faster, and explores again when throughput at the chosen step drops below 80%.
+    /// It pays where time per item falls with the step and then flattens (GPU kernels
+    /// saturate; on a CPU a transformer block's time per sample is flat from batch 2 to 64):
+    /// the smaller step leaves memory to other work at no cost in speed. Exploring costs a few
+    /// chunks at sizes that turn out slower.
+    ///
+    /// # Panics
+    /// On a range that is not [`auto`](Self::auto).
+    #[track_caller]
+    pub fn objective(mut self, objective: Objective) -> Self {
+        self.auto_settings().objective = objective;
+        self
+    }
+
+    #[cfg(feature = "tch")]
+    pub(crate) fn with_settings(mut self, settings: Settings) -> Self {
+        self.settings = settings;
+        self
+    }
+
+    #[track_caller]
+    fn auto_settings(&mut self) -> &mut AutoSettings {
+        self.auto.as_mut().unwrap_or_else(|| {
+            panic!("toma: budget, safety_margin, max_step and objective are options of Range::auto / Chunked::auto")
+        })
     }
 
     /// Keys the cache on `id` (with `name` in logs) instead of a function: `toma::lazy` keys
@@ -86,8 +215,15 @@ impl Range {
         } else {
             self.settings.cache.unwrap_or_else(cache::default_cache)
         };
-        let sizer = Sizer::start(op, self.initial, kind, self.settings, site, report);
-        RangeAttempts { sizer, position: self.start, end: self.end }
+        let mut sizer = Sizer::start(op, self.initial, kind, self.settings, site, report);
+        let auto = self.auto.map(|settings| {
+            let mut auto = Auto::start(settings, sizer.key);
+            sizer.size = auto.first_step(sizer.failed);
+            sizer.report.first_size = sizer.size;
+            sizer.report.from_cache = auto.report().reason == "remembered";
+            Box::new(auto)
+        });
+        RangeAttempts { sizer, position: self.start, end: self.end, auto }
     }
 
     /// Calls `body(start, end)` on consecutive sub-ranges covering `[start, end)` once each, in
@@ -143,6 +279,7 @@ pub struct RangeAttempts {
     sizer: Sizer,
     position: usize,
     end: usize,
+    auto: Option<Box<Auto>>,
 }
 
 impl RangeAttempts {
@@ -178,6 +315,9 @@ impl RangeAttempts {
             tracing::debug!(op = ?self.sizer.op, function = self.sizer.name, start, end, "toma: attempt");
         }
         self.sizer.begin_attempt();
+        if let Some(auto) = self.auto.as_mut() {
+            auto.before_chunk();
+        }
     }
 
     /// Runs one attempt, catching its panic.
@@ -202,7 +342,11 @@ impl RangeAttempts {
         match classify(outcome) {
             Ok(()) => {
                 let len = end - start;
-                self.sizer.succeeded(len, len == self.sizer.size);
+                let (step, full) = (self.sizer.size, len == self.sizer.size);
+                self.sizer.succeeded(len, full);
+                if let Some(auto) = self.auto.as_mut() {
+                    self.sizer.size = auto.after_chunk(len, step, full, self.sizer.failed);
+                }
                 self.position = end;
                 if self.position == self.end {
                     self.sizer.conclude();
@@ -223,6 +367,8 @@ impl RangeAttempts {
 
     /// What the call did so far.
     pub fn report(&self) -> Report {
-        self.sizer.report()
+        let mut report = self.sizer.report();
+        report.auto = self.auto.as_ref().map(|auto| auto.report());
+        report
     }
 }
