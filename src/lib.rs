@@ -74,7 +74,7 @@ pub use policy::Policy;
 #[cfg(feature = "tch")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
 pub use retry::Chunked;
-pub use retry::{quiet_caught_panics, AutoReport, Batch, DeviceFit, MeasuredDevice, Objective, Range, Report};
+pub use retry::{quiet_caught_panics, share, AutoReport, Batch, DeviceFit, MeasuredDevice, Objective, Range, Report};
 
 /// Retries a function with a halved batch size on out-of-memory, remembering the size that
 /// worked.

@@ -105,29 +105,35 @@ fn chunked_auto_keeps_to_its_budget() {
     assert!(chunks[4..chunks.len() - 1].iter().all(|&n| n >= 48), "{chunks:?}");
 }
 
-/// A body whose throughput peaks at 64 items: a fixed 2 ms per chunk, then 10 µs per item up
-/// to 64 and 40 µs per item beyond. Its memory would allow 1024.
+/// A body whose throughput peaks at 64 items: a fixed 20 ms per chunk, then 250 µs per item up
+/// to 64 and 1 ms per item beyond (64 items: 1.8 k/s; 32: 1.1 k/s; 128: 0.9 k/s). Long enough
+/// that a busy machine's late wake-ups (a few ms) do not decide. Its memory would allow 1024.
 #[test]
 fn fastest_settles_near_the_best_throughput() {
     let _serial = support::serial();
     let mut chunks = Vec::new();
-    let (result, report) = Range::auto(0, 20_000)
+    let (result, report) = Range::auto(0, 8000)
         .budget(1024 * (64 << 10) + (1 << 20))
         .objective(Objective::Fastest)
         .cache(CacheKind::None)
         .run_with_report(|s, e| {
             let n = e - s;
             let _t = Tensor::f_zeros([n as i64, 16 << 10], (Kind::Float, Device::Cpu))?;
-            let per_item = if n <= 64 { 10 } else { 40 };
-            std::thread::sleep(Duration::from_micros(2000 + per_item * n as u64));
+            let per_item = if n <= 64 { 250 } else { 1000 };
+            std::thread::sleep(Duration::from_micros(20_000 + per_item * n as u64));
             chunks.push(n);
             Ok::<(), TchError>(())
         });
     result.unwrap();
     let auto = report.auto.unwrap();
-    let last_full = chunks[chunks.len() - 2];
-    assert!((38..=102).contains(&last_full), "settled on {last_full}, want 0.6-1.6x of 64: {chunks:?} {auto:?}");
-    assert_eq!(auto.reason, "fastest measured", "{auto:?}");
+    // Where it settled: the step most chunks ran at (a busy machine may make it explore again
+    // near the end, so the last chunk alone says less).
+    let mut counts = std::collections::BTreeMap::new();
+    for &n in &chunks[..chunks.len() - 1] {
+        *counts.entry(n).or_insert(0) += 1;
+    }
+    let (&settled, _) = counts.iter().max_by_key(|(_, &c)| c).unwrap();
+    assert!((38..=102).contains(&settled), "settled on {settled}, want 0.6-1.6x of 64: {chunks:?} {auto:?}");
 }
 
 #[test]
@@ -211,4 +217,44 @@ fn execute_forms_cover_everything() {
     let t = Tensor::zeros([300, 4], (Kind::Float, Device::Cpu));
     toma::execute::chunked_auto(&t, |mut chunk, _, _| chunk.f_fill_(1.0).map(drop)).unwrap();
     assert_eq!(t.sum(Kind::Double).double_value(&[]), 1200.0);
+}
+
+/// An unchanged tch resnet18 through `Range::auto`: chunks weighted by `toma::share` give the
+/// full batch's gradients (batch norm in eval mode; f64 so that they agree to 1e-9).
+#[test]
+fn resnet18_gradients_accumulate_exactly_through_auto_chunks() {
+    use tch::nn::{self, ModuleT};
+    let _serial = support::serial();
+    tch::manual_seed(0);
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let model = tch::vision::resnet::resnet18(&vs.root(), 10);
+    vs.double();
+    let n = 24;
+    let images = Tensor::randn([n as i64, 3, 32, 32], (Kind::Double, Device::Cpu));
+    let labels = Tensor::randint(10, [n as i64], (Kind::Int64, Device::Cpu));
+    let grads =
+        |vs: &nn::VarStore| -> Vec<Tensor> { vs.trainable_variables().iter().map(|v| v.grad().copy()).collect() };
+
+    model.forward_t(&images, false).cross_entropy_for_logits(&labels).backward();
+    let full = grads(&vs);
+    for mut v in vs.trainable_variables() {
+        v.zero_grad();
+    }
+    let mut sizes = Vec::new();
+    let (result, report) = Range::auto(0, n).budget(24 << 20).cache(CacheKind::None).run_with_report(|start, end| {
+        let x = images.f_narrow(0, start as i64, (end - start) as i64)?;
+        let y = labels.f_narrow(0, start as i64, (end - start) as i64)?;
+        let loss = model.forward_t(&x, false).cross_entropy_for_logits(&y);
+        loss.f_mul_scalar(toma::share(start, end, n))?.f_backward()?;
+        sizes.push(end - start);
+        Ok::<(), TchError>(())
+    });
+    result.unwrap();
+    assert!(sizes.len() >= 3 && sizes.iter().sum::<usize>() == n, "{sizes:?} {report:?}");
+    let chunked = grads(&vs);
+    for (a, b) in full.iter().zip(&chunked) {
+        let scale = a.abs().max().double_value(&[]).max(1e-12);
+        let diff = (a - b).abs().max().double_value(&[]);
+        assert!(diff <= 1e-9 * scale, "gradient differs by {diff} (scale {scale}); chunks {sizes:?}");
+    }
 }

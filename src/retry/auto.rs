@@ -86,7 +86,8 @@ pub struct DeviceFit {
 pub struct AutoReport {
     /// One fitted model per device measured.
     pub devices: Vec<DeviceFit>,
-    /// Chunks run before the fit existed (0 when the call started from a remembered fit).
+    /// Probes: chunks whose step was set by the 16-fold growth cap, before the fitted limit
+    /// was reached (0 when the call started from a remembered fit).
     pub probes: u32,
     /// Chunks whose measured peak went over their device's budget.
     pub over_budget: u32,
@@ -301,7 +302,8 @@ impl Auto {
             }
             device.fit = Some(fit(&device.samples));
         }
-        if !fitted_before {
+        // A probe: a chunk whose step the growth cap chose, not the fit.
+        if self.report.reason == "probe" {
             self.report.probes += 1;
         }
         if let Some(key) = self.key {
@@ -327,6 +329,9 @@ impl Auto {
             }
         }
         self.report.step = next;
+        if next != step {
+            tracing::info!(from = step, to = next, reason = self.report.reason, "toma: auto step changed");
+        }
         self.trace(len);
         next
     }
@@ -371,17 +376,6 @@ impl Auto {
             }
             None => self.timings.push(Timing { step, rates: vec![rate] }),
         }
-        // The fit still moving: probe on, as `Largest` would.
-        if self.report.probes > 0
-            && self.timings.len() == 1
-            && self.timings[0].rates.len() == 1
-            && step < largest
-            && self.settled.is_none()
-        {
-            // The first timing of a new size is slow (warm-up): time it again before moving on.
-            self.report.reason = "fastest: timing";
-            return step;
-        }
         if let Some((settled, best)) = self.settled {
             if step == settled {
                 let now = self.timings.iter().find(|t| t.step == step).map_or(rate, Timing::median);
@@ -395,10 +389,13 @@ impl Auto {
                     before = best,
                     "toma: auto step: throughput dropped, exploring again"
                 );
+                // Time the settled step and its neighbours afresh, then decide again.
                 self.settled = None;
-                self.timings.retain(|t| t.step == step);
-                self.timings[0].rates.clear();
-                self.timings[0].rates.push(now);
+                let near = [step / 2, step, step.saturating_mul(2)];
+                self.timings.retain(|t| near.contains(&t.step));
+                for t in &mut self.timings {
+                    t.rates.clear();
+                }
             }
         }
         // Each candidate needs its timings; the next one to time is the smallest short of them.
@@ -406,11 +403,11 @@ impl Auto {
             self.report.reason = "fastest: timing";
             return t.step;
         }
-        let doubled = step.saturating_mul(2).min(largest);
         let best = self.best();
-        let explored_up = self.timings.iter().any(|t| t.step >= largest);
+        let top = self.timings.iter().map(|t| t.step).max().unwrap_or(step);
+        let doubled = top.saturating_mul(2).min(largest);
         // Explore upward while the largest step timed so far is still the best.
-        if !explored_up && best.0 == self.timings.iter().map(|t| t.step).max().unwrap_or(step) && doubled > step {
+        if top < largest && best.0 == top && doubled > top {
             self.timings.push(Timing { step: doubled, rates: Vec::new() });
             self.report.reason = "fastest: exploring";
             return doubled;

@@ -125,6 +125,25 @@ macro_rules! settings_methods {
 }
 use settings_methods;
 
+/// The weight of the chunk `[start, end)` of a range of `len` items: `(end - start) / len`.
+///
+/// For exact gradient accumulation over chunks: scale each chunk's *mean*-reduced loss by its
+/// share before `backward`, and the summed gradients equal one backward over the whole range.
+/// Dividing by the number of chunks instead is wrong whenever the last chunk is shorter, or
+/// when the step changes mid-range, as it does under `auto` or after an out-of-memory.
+/// A sum-reduced loss needs no weight. `0.0` when `len` is 0.
+///
+/// ```
+/// assert_eq!(toma::share(0, 256, 1000), 0.256);
+/// assert_eq!(toma::share(768, 1000, 1000), 0.232);
+/// ```
+pub fn share(start: usize, end: usize, len: usize) -> f64 {
+    if len == 0 {
+        return 0.0;
+    }
+    end.saturating_sub(start) as f64 / len as f64
+}
+
 // ---------------------------------------------------------------------------------------------
 // Sugar used by generated code.
 
