@@ -354,6 +354,11 @@ pub(crate) fn backward(output: &LazyTensor, options: &Options) -> Result<f64, La
         }
     }
     let leaf: Vec<bool> = originals.iter().map(Tensor::is_leaf).collect();
+    // One micro-batch of the whole batch needs no second copy of the gradients: autograd
+    // accumulates straight into `.grad`, as plain tch does (the plan counts it so). A backward
+    // that fails half-way is undone by zeroing what it filled (there was nothing before),
+    // before the retry splits the batch.
+    let direct = p.c.accumulates_in_place();
     let mut through: Vec<Option<Tensor>> = params.iter().map(|_| None).collect();
     let unsplit = vec![None; p.c.len()];
     let mut dens: Option<Vec<Option<f64>>> = None;
@@ -369,6 +374,19 @@ pub(crate) fn backward(output: &LazyTensor, options: &Options) -> Result<f64, La
         let (value, grads) = tch::with_grad(|| -> Result<(f64, Vec<Tensor>), LazyError> {
             let loss = forward_chunk(&p.c, &chunk, None)?;
             let value = loss.f_sum(Kind::Double).and_then(|v| v.f_double_value(&[])).map_err(&err)?;
+            if direct && b == n && !params.is_empty() && loss.requires_grad() {
+                if let Err(e) = loss.f_backward() {
+                    let _no_grad = tch::no_grad_guard();
+                    for param in &params {
+                        let mut grad = param.grad();
+                        if grad.defined() {
+                            let _ = grad.f_zero_();
+                        }
+                    }
+                    return Err(err(e));
+                }
+                return Ok((value, Vec::new()));
+            }
             let grads = if params.is_empty() || !loss.requires_grad() {
                 Vec::new()
             } else {

@@ -397,7 +397,10 @@ impl Op {
                 Tensor::f_embedding(ins[0], ins[1], *padding_idx, *scale_grad_by_freq, false)?
             }
             Op::View => x().f_view(meta.shape_at(cx.b).as_slice())?,
-            Op::Reshape => x().f_reshape(meta.shape_at(cx.b).as_slice())?,
+            // Recorded as a copy (the full batch's strides allowed no view), so later views were
+            // recorded against a contiguous result: a micro-batch's strides can let libtorch
+            // return a strided view instead, which those views cannot take.
+            Op::Reshape => x().f_reshape(meta.shape_at(cx.b).as_slice())?.f_contiguous()?,
             Op::Transpose { dim0, dim1 } => x().f_transpose(*dim0, *dim1)?,
             Op::Permute { dims } => x().f_permute(dims.as_slice())?,
             Op::Unsqueeze { dim } => x().f_unsqueeze(*dim)?,

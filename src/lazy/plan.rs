@@ -98,6 +98,9 @@ pub(crate) struct Compiled {
     /// Bytes of gradients that parameters without a `.grad()` will get: asking libtorch costs
     /// ~0.5 µs a parameter, so it is asked only when the answer can change the plan.
     undefined_grad_bytes: OnceCell<u64>,
+    /// Whether a backward of the whole batch accumulates straight into `.grad`: see
+    /// [`Compiled::accumulates_in_place`].
+    in_place: OnceCell<bool>,
     /// Full batch size (1 when nothing is batched).
     pub(crate) batch: i64,
     pub(crate) fingerprint: u64,
@@ -163,6 +166,23 @@ impl Compiled {
                 })
                 .map(|node| node.cost.grad.at(1))
                 .sum()
+        })
+    }
+
+    /// Whether one micro-batch of the whole batch can let autograd accumulate straight into
+    /// `.grad`, with no second copy of the gradients: every parameter is a leaf without a
+    /// gradient yet (the first step, or after `opt.zero_grad()`), and no input requires a
+    /// gradient of its own. The executor does exactly this then, and the plan counts it so.
+    pub(crate) fn accumulates_in_place(&self) -> bool {
+        *self.in_place.get_or_init(|| {
+            self.nodes.iter().enumerate().all(|(i, node)| match &node.op {
+                Op::Leaf { tensor, param: Some(_) } => {
+                    self.param[i].is_none_or(|first| first as usize != i)
+                        || (tensor.is_leaf() && !tensor.grad().defined())
+                }
+                Op::Input { tensor, .. } => !tensor.requires_grad(),
+                _ => true,
+            })
         })
     }
 
@@ -289,6 +309,7 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
         reached_params,
         param_grad_bytes,
         undefined_grad_bytes: OnceCell::new(),
+        in_place: OnceCell::new(),
         batch: batch.unwrap_or(1),
         fingerprint,
         global,
@@ -580,7 +601,11 @@ impl Outcome {
     }
 
     /// The exact outcome, asking which gradients exist only when the answer changes the peak.
-    fn resolve(self, c: &Compiled) -> (Outcome, u64) {
+    /// `whole`: the micro-batch is the whole batch (see [`Compiled::accumulates_in_place`]).
+    fn resolve(self, c: &Compiled, whole: bool) -> (Outcome, u64) {
+        if whole && c.accumulates_in_place() {
+            return (self.with(0), 0);
+        }
         let (low, high) = (self.with(0), self.with(c.param_grad_bytes));
         if low.peak == high.peak {
             return (high, c.param_grad_bytes);
@@ -590,7 +615,11 @@ impl Outcome {
     }
 
     /// Whether the peak fits `budget`, asking which gradients exist only when needed.
-    fn fits(self, c: &Compiled, budget: u64) -> (bool, Outcome) {
+    fn fits(self, c: &Compiled, budget: u64, whole: bool) -> (bool, Outcome) {
+        if whole && c.accumulates_in_place() {
+            let in_place = self.with(0);
+            return (in_place.peak <= budget, in_place);
+        }
         let high = self.with(c.param_grad_bytes);
         if high.peak <= budget {
             return (true, high);
@@ -643,14 +672,14 @@ impl Choice {
 pub(crate) fn choose(c: &Compiled, mode: Mode, budget: u64, options: &Options) -> Result<Choice, LazyError> {
     let n = c.batch.max(1) as u64;
     let full = simulate(c, mode, n);
-    let full_resolved = full.resolve(c);
+    let full_resolved = full.resolve(c, true);
     let full_peak = full_resolved.0.peak;
     if let Some(forced) = options.micro_batch {
         let b = (forced.max(1) as u64).min(n);
-        let resolved = simulate(c, mode, b).resolve(c);
+        let resolved = simulate(c, mode, b).resolve(c, b == n);
         return Ok(Choice { micro_batch: b as usize, peak: resolved.0.peak, full_peak, outcome: Some(resolved) });
     }
-    if full.fits(c, budget).0 {
+    if full.fits(c, budget, true).0 {
         return Ok(Choice { micro_batch: n as usize, peak: full_peak, full_peak, outcome: Some(full_resolved) });
     }
     // Exponents e with 2^e < n: find the largest that fits (1 is checked last, if at all).
@@ -659,7 +688,7 @@ pub(crate) fn choose(c: &Compiled, mode: Mode, budget: u64, options: &Options) -
     while lo < hi {
         let mid = (lo + hi).div_ceil(2);
         let outcome = simulate(c, mode, 1 << mid);
-        if outcome.fits(c, budget).0 {
+        if outcome.fits(c, budget, false).0 {
             lo = mid;
             best = Some(outcome);
         } else {
@@ -670,7 +699,7 @@ pub(crate) fn choose(c: &Compiled, mode: Mode, budget: u64, options: &Options) -
         Some(outcome) => outcome,
         None => {
             let at_one = simulate(c, mode, 1);
-            let (fits, seen) = at_one.fits(c, budget);
+            let (fits, seen) = at_one.fits(c, budget, n == 1);
             if !fits {
                 let (node, _) = step_node(c, mode, seen.peak_step);
                 return Err(LazyError::DoesNotFit {
@@ -684,7 +713,7 @@ pub(crate) fn choose(c: &Compiled, mode: Mode, budget: u64, options: &Options) -
             at_one
         }
     };
-    let resolved = best.resolve(c);
+    let resolved = best.resolve(c, (1u64 << lo) == n);
     Ok(Choice { micro_batch: 1 << lo, peak: resolved.0.peak, full_peak, outcome: Some(resolved) })
 }
 
@@ -910,7 +939,8 @@ pub(crate) fn splittable(c: &Compiled, mode: Mode, choice: &Choice, budget: u64,
 /// The full plan (table included) for a choice.
 pub(crate) fn detail(mut c: Compiled, mode: Mode, choice: &Choice, budget: u64) -> Plan {
     let b = choice.micro_batch as u64;
-    let (outcome, new_grads) = choice.outcome.unwrap_or_else(|| simulate(&c, mode, b).resolve(&c));
+    let (outcome, new_grads) =
+        choice.outcome.unwrap_or_else(|| simulate(&c, mode, b).resolve(&c, b == c.batch.max(1) as u64));
     // The per-op table is materialized only when asked for: planning copies flat facts.
     let mut shapes = Vec::with_capacity(2 * c.len());
     let mut facts = Vec::with_capacity(c.len());

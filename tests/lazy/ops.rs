@@ -491,3 +491,17 @@ fn a_custom_op_plans_and_runs_like_a_builtin() {
     assert!(matches!(t.to_tensor_with(&Options::new().micro_batch(2)), Err(LazyError::MixesBatch { .. })));
     assert!(t.to_tensor().unwrap().allclose(&x.sum(None), 1e-12, 1e-12, false));
 }
+
+/// Found by `shape_ops_follow_the_batch`: a reshape recorded as a copy (the full batch's strides
+/// allow no view) fed a view; on a micro-batch of 3 libtorch's reshape returned a strided view
+/// instead, which that view could not take. The executor now makes such a reshape contiguous.
+#[test]
+fn a_view_after_a_copying_reshape_runs_on_any_micro_batch() {
+    let t = randn(&[4, 1, 2, 2]);
+    let l = lazy(&t, 0).transpose(-3, 3).reshape([8, 2, 1]).reshape([16, 1]);
+    let eager = t.transpose(-3, 3).reshape([8, 2, 1]).reshape([16, 1]);
+    for micro in 1..=4 {
+        let value = l.to_tensor_with(&Options::new().micro_batch(micro)).unwrap();
+        assert!(value.equal(&eager), "micro-batch {micro}");
+    }
+}
