@@ -335,12 +335,13 @@ pub(crate) fn backward(output: &LazyTensor, options: &Options) -> Result<f64, La
     let mut originals: Vec<Tensor> = Vec::new();
     let mut params: Vec<Tensor> = Vec::new();
     let mut stand_ins: Vec<Option<Tensor>> = (0..p.c.len()).map(|_| None).collect();
-    let mut slot = vec![usize::MAX; p.c.len()];
+    // Each parameter's position in `params`, at its first leaf.
+    let mut slot: Vec<Option<usize>> = vec![None; p.c.len()];
     for (i, first) in p.c.param.iter().enumerate() {
         let Some(first) = first.map(|f| f as usize) else { continue };
         if first == i {
             let Op::Leaf { tensor, .. } = &p.c.nodes[i].op else { unreachable!("parameters are leaves") };
-            slot[i] = params.len();
+            slot[i] = Some(params.len());
             params.push(if tensor.is_leaf() {
                 tensor.shallow_clone()
             } else {
@@ -348,7 +349,7 @@ pub(crate) fn backward(output: &LazyTensor, options: &Options) -> Result<f64, La
             });
             originals.push(tensor.shallow_clone());
         }
-        let k = slot[first];
+        let k = slot[first].expect("a parameter's first leaf comes before its other leaves");
         if !originals[k].is_leaf() {
             stand_ins[i] = Some(params[k].shallow_clone());
         }
