@@ -154,8 +154,44 @@ fn tax(c: &mut Criterion) {
     let x = Tensor::randn([64, 3, 32, 32], (Kind::Float, Device::Cpu));
     let y = Tensor::randint(10, [64], (Kind::Int64, Device::Cpu));
     compare(c, "cnn", cnn, &x, &y, plain, lazily);
+    split(&x, &y);
     let x = Tensor::randn([64, 1024], (Kind::Float, Device::Cpu));
     compare(c, "mlp", mlp, &x, &y, mlp_plain, mlp_lazily);
+}
+
+/// When the plan splits: the CNN step in 4 micro-batches of 16 through `toma::lazy`, against
+/// the sum of 4 plain steps of 16 (goal, issue 17: within 10%).
+fn split(x: &Tensor, y: &Tensor) {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let m = cnn(&vs);
+    let mut opt = nn::Sgd::default().build(&vs, 0.0).unwrap();
+    let options = Options::new().micro_batch(16);
+    let lazy_split = || {
+        let (lx, ly) = lazy((x, y), 0);
+        let h = lx.apply(&m.c1).relu().max_pool2d([2, 2], [2, 2], [0, 0], [1, 1], false);
+        let h = h.apply(&m.c2).relu().max_pool2d([2, 2], [2, 2], [0, 0], [1, 1], false);
+        let loss = h.flatten(1, -1).apply(&m.fc).cross_entropy_for_logits(&ly);
+        loss.backward_with(&options).unwrap()
+    };
+    let plain_parts =
+        || (0..4).map(|k| plain(&m, &x.narrow(0, 16 * k, 16), &y.narrow(0, 16 * k, 16)) * 0.25).sum::<f64>();
+    let mut time = |f: &dyn Fn() -> f64| {
+        opt.zero_grad();
+        let start = Instant::now();
+        black_box(f());
+        start.elapsed().as_secs_f64()
+    };
+    let (mut p, mut l) = (f64::INFINITY, f64::INFINITY);
+    for _ in 0..20 {
+        p = p.min(time(&plain_parts));
+        l = l.min(time(&lazy_split));
+    }
+    println!(
+        "ratio: cnn split 4 x 16, lazy {:.3}x the sum of 4 plain steps of 16 ({:.2} ms vs {:.2} ms)",
+        l / p,
+        l * 1e3,
+        p * 1e3
+    );
 }
 
 criterion_group! {
