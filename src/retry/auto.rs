@@ -267,6 +267,11 @@ impl Auto {
         }
     }
 
+    /// Whether the call started from a fit remembered under its key (no probes).
+    pub(crate) fn started_from_remembered_fit(&self) -> bool {
+        self.report.reason == "remembered"
+    }
+
     /// Before a chunk: resets the peaks.
     pub(crate) fn before_chunk(&mut self) {
         for device in &self.devices {

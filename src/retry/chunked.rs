@@ -5,6 +5,7 @@ use std::panic::Location;
 
 use tch::Tensor;
 
+use super::auto::AutoSettings;
 use super::{CatchUnwind, Range, RangeAttempts, Report};
 use crate::cache::Operation;
 use crate::error::ConfigError;
@@ -75,7 +76,7 @@ impl<'a> Chunked<'a> {
     /// Like [`Chunked::auto`] along `dimension`, with bad input reported as a [`ConfigError`].
     pub fn try_auto(tensor: &'a Tensor, dimension: i64) -> Result<Self, ConfigError> {
         let mut chunked = Self::try_new(tensor, 1, dimension)?;
-        chunked.range = Range::try_auto(0, chunked.range.end)?.with_settings(chunked.range.settings);
+        chunked.range.auto = Some(AutoSettings::default());
         Ok(chunked)
     }
 

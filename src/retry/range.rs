@@ -173,12 +173,6 @@ impl Range {
         self
     }
 
-    #[cfg(feature = "tch")]
-    pub(crate) fn with_settings(mut self, settings: Settings) -> Self {
-        self.settings = settings;
-        self
-    }
-
     #[track_caller]
     fn auto_settings(&mut self) -> &mut AutoSettings {
         self.auto.as_mut().unwrap_or_else(|| {
@@ -220,7 +214,7 @@ impl Range {
             let mut auto = Auto::start(settings, sizer.key);
             sizer.size = auto.first_step(sizer.failed);
             sizer.report.first_size = sizer.size;
-            sizer.report.from_cache = auto.report().reason == "remembered";
+            sizer.report.from_cache = auto.started_from_remembered_fit();
             Box::new(auto)
         });
         RangeAttempts { sizer, position: self.start, end: self.end, auto }
