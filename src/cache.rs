@@ -300,9 +300,19 @@ pub(crate) fn key(kind: CacheKind, op: Operation, site: CallSite, device: Option
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Mutex;
+
+    /// The store is process-wide and filling it clears it: tests that read back what they
+    /// wrote must not run beside the one that overfills it.
+    static STORE_TESTS: Mutex<()> = Mutex::new(());
+
+    fn exclusive() -> std::sync::MutexGuard<'static, ()> {
+        STORE_TESTS.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
 
     #[test]
     fn entries_keep_ok_below_the_smallest_failure() {
+        let _store = exclusive();
         let key = mix(0xdead_beef);
         assert_eq!(lookup(key, None), None);
         assert_eq!(record_success(key, 64, None), Entry { ok: 64, failed: Entry::NO_FAILURE });
@@ -319,6 +329,7 @@ mod tests {
 
     #[test]
     fn hints_follow_entries_and_clear() {
+        let _store = exclusive();
         static SITE: Site = Site::new("m::hinted", "src/h.rs", 7);
         let key = mix(SITE.id ^ 0x41);
         let hint = SITE.hint();
@@ -345,6 +356,7 @@ mod tests {
 
     #[test]
     fn a_million_distinct_keys_stay_bounded() {
+        let _store = exclusive();
         for i in 0..1_000_000u64 {
             record_success(mix(i ^ 0xb0b0_0000_0000), 1 + (i as usize % 7), None);
             if i % 65_536 == 0 {
