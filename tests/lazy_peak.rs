@@ -103,6 +103,40 @@ fn planner_peak_matches_the_cpu_allocator() {
             planned_and_measured(&block_lazy(&m, &x, &y), n as usize)
         });
     }
+    // The ops added with the op families: conv1d, silu, causal attention (the fused kernel),
+    // baddbmm, softplus.
+    for batch in [4, 16] {
+        measure("seq", batch, &|n| {
+            let vs = nn::VarStore::new(CPU);
+            let m = seq(&vs, 16, 256, 4, 128);
+            let x = Tensor::randn([n, 16, 128], (Kind::Float, CPU));
+            let y = Tensor::randint(10, [n], (Kind::Int64, CPU));
+            planned_and_measured(&seq_lazy(&m, &x, &y), n as usize)
+        });
+    }
+    // 3-D attention runs libtorch's composite path, which materializes the attention weights:
+    // weights as large as the queries, and four times larger.
+    for (model, batch, len, width) in [("attention", 4, 128, 64), ("attention", 16, 128, 64), ("long attn", 4, 256, 16)]
+    {
+        measure(model, batch, &|n| {
+            let vs = nn::VarStore::new(CPU);
+            let qkv = nn::linear(vs.root() / "qkv", width, 3 * width, Default::default());
+            let x = Tensor::randn([n, len, width], (Kind::Float, CPU));
+            let h = toma::lazy::lazy(&x, 0).apply(&qkv);
+            let part = |i: i64| h.narrow(2, width * i, width);
+            let a = LazyTensor::scaled_dot_product_attention(
+                &part(0),
+                &part(1),
+                &part(2),
+                None::<&LazyTensor>,
+                0.0,
+                true,
+                None,
+                false,
+            );
+            planned_and_measured(&a.mean(None), n as usize)
+        });
+    }
     // All rows are printed before any bound is checked.
     for (model, batch, planned, measured) in rows {
         let (p, m) = (planned as f64, measured as f64);

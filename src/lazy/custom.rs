@@ -1,13 +1,16 @@
 //! Ops of your own: a shape rule and a tch function, planned and run like the built-in ones.
 
+use std::collections::HashSet;
 use std::fmt;
 use std::rc::Rc;
+use std::sync::Mutex;
 
 use tch::{Device, Kind, TchError, Tensor};
 
 use super::error::LazyError;
-use super::graph::{same_device, BatchDim, Flow, Node, Record};
-use super::ops::Op;
+use super::graph::{BatchDim, Flow, Node};
+use super::ops::record::{same_device, Record};
+use super::ops::{Op, Rules, RunCx};
 use super::LazyTensor;
 
 /// What autograd keeps alive for a custom op's backward; the planner counts it until the
@@ -68,7 +71,7 @@ type RunFn = dyn Fn(&[&Tensor]) -> Result<Tensor, TchError>;
 /// ```
 #[derive(Clone)]
 pub struct CustomOp {
-    name: Rc<str>,
+    name: &'static str,
     shape: Rc<ShapeRule>,
     run: Rc<RunFn>,
     saves: Saves,
@@ -120,25 +123,13 @@ impl CustomOp {
         shape_rule: impl Fn(&[TensorMeta]) -> Result<TensorMeta, String> + 'static,
         run: impl Fn(&[&Tensor]) -> Result<Tensor, TchError> + 'static,
     ) -> Self {
-        CustomOp { name: name.into().into(), shape: Rc::new(shape_rule), run: Rc::new(run), saves: Saves::default() }
+        CustomOp { name: intern(name.into()), shape: Rc::new(shape_rule), run: Rc::new(run), saves: Saves::default() }
     }
 
     /// What autograd keeps for the op's backward ([`Saves::Inputs`] unless told).
     pub fn saves(mut self, saves: Saves) -> Self {
         self.saves = saves;
         self
-    }
-
-    pub(crate) fn name(&self) -> &str {
-        &self.name
-    }
-
-    pub(crate) fn saves_kind(&self) -> Saves {
-        self.saves
-    }
-
-    pub(crate) fn run(&self, inputs: &[&Tensor]) -> Result<Tensor, TchError> {
-        (self.run)(inputs)
     }
 
     /// Records the op on `inputs`.
@@ -156,7 +147,7 @@ impl CustomOp {
                 reason: "a custom op needs at least one input".into(),
             });
         }
-        let device = same_device(&self.name, &nodes.iter().collect::<Vec<_>>())?;
+        let device = same_device(self.name, &nodes.iter().collect::<Vec<_>>())?;
         let metas: Vec<TensorMeta> = nodes
             .iter()
             .map(|n| TensorMeta {
@@ -180,5 +171,37 @@ impl CustomOp {
         let (flow, mixes) = self.flow(&nodes, &out).map_err(argument)?;
         let op = Op::Custom(Rc::new(self.clone()));
         Ok(Record::new(op, nodes, out.shape, out.kind, device).flow((flow, mixes)).finish())
+    }
+}
+
+/// Names live as long as the process, as built-in ops' do: each distinct name is kept once,
+/// so plans and errors name custom ops without allocating.
+fn intern(name: String) -> &'static str {
+    static NAMES: Mutex<Option<HashSet<&'static str>>> = Mutex::new(None);
+    let mut names = NAMES.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let names = names.get_or_insert_with(HashSet::new);
+    if let Some(&known) = names.get(name.as_str()) {
+        return known;
+    }
+    let leaked: &'static str = Box::leak(name.into_boxed_str());
+    names.insert(leaked);
+    leaked
+}
+
+impl Rules for CustomOp {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        (self.run)(ins)
+    }
+
+    fn saves_input(&self, _i: usize, _inputs: &[Rc<Node>]) -> bool {
+        matches!(self.saves, Saves::Inputs | Saves::InputsAndOutput)
+    }
+
+    fn saves_output(&self) -> bool {
+        matches!(self.saves, Saves::Output | Saves::InputsAndOutput)
     }
 }

@@ -1,13 +1,13 @@
 //! The executor: runs a compiled graph on consecutive micro-batches under the retry engine,
 //! and puts the full-batch result (value, or accumulated gradients) together.
 
-use tch::{Kind, Reduction, TchError, Tensor};
+use tch::{Kind, TchError, Tensor};
 
 use super::error::LazyError;
 use super::graph::Flow;
-use super::ops::{reduce, Op, ReduceOp, RunCx};
-use super::plan::{self, additive, Compiled, Mode};
-use super::shape;
+use super::ops::source::Source;
+use super::ops::{Op, RunCx, Share};
+use super::plan::{self, Compiled, Mode};
 use super::{LazyTensor, Options};
 use crate::retry::Range;
 
@@ -58,52 +58,25 @@ fn shares_storage(out: &Tensor, input: &Tensor) -> bool {
 /// Runs node `i` on the micro-batch, weighting what a split sum needs weighted.
 fn run_node(c: &Compiled, i: usize, ins: &[&Tensor], chunk: &Chunk<'_>) -> Result<Tensor, LazyError> {
     let node = &c.nodes[i];
-    let name = node.op.name();
-    let err = torch(i, name);
+    let rules = node.op.rules();
+    let err = torch(i, rules.name());
     if let Some(Some(stand_in)) = chunk.stand_ins.get(i) {
         return Ok(stand_in.shallow_clone());
     }
-    let mut cx = RunCx { start: chunk.start, b: chunk.b, scalar_scale: 1.0 };
+    let cx = RunCx { meta: &node.meta, start: chunk.start, b: chunk.b };
     if chunk.split && c.global[i] {
-        let reduces_batch = node.inputs.iter().any(|x| x.meta.batch().is_some());
-        if reduces_batch {
-            // A reduction over the batch feeding the output linearly: each micro-batch adds its
-            // share, so means divide by the full batch's count, not the micro-batch's.
-            let x = ins[0];
-            let full_count = |m: &super::graph::Meta| shape::numel(&m.shape) as f64;
-            match &node.op {
-                Op::Reduce { op: ReduceOp::Mean, dims, keepdim, kind } => {
-                    let count = full_count(&node.inputs[0].meta) / full_count(&node.meta).max(1.0);
-                    return reduce(x, ReduceOp::Sum, dims.as_deref(), *keepdim, *kind)
-                        .and_then(|s| s.f_div_scalar(count))
-                        .map_err(err);
-                }
-                Op::CrossEntropy { ignore_index } => {
-                    let den = chunk.dens[i].expect("denominator computed before splitting");
-                    return x
-                        .f_log_softmax(-1, None)
-                        .and_then(|l| l.f_nll_loss(ins[1], None::<&Tensor>, Reduction::Sum, *ignore_index))
-                        .and_then(|s| s.f_div_scalar(den))
-                        .map_err(err);
-                }
-                Op::NllLoss { reduction: Reduction::Mean, ignore_index } => {
-                    let den = chunk.dens[i].expect("denominator computed before splitting");
-                    return x
-                        .f_nll_loss(ins[1], ins.get(2).copied(), Reduction::Sum, *ignore_index)
-                        .and_then(|s| s.f_div_scalar(den))
-                        .map_err(err);
-                }
-                Op::MseLoss { reduction: Reduction::Mean } => {
-                    let per =
-                        shape::broadcast(&node.inputs[0].meta.shape, &node.inputs[1].meta.shape).unwrap_or_default();
-                    let count = shape::numel(&per) as f64;
-                    return x.f_mse_loss(ins[1], Reduction::Sum).and_then(|s| s.f_div_scalar(count)).map_err(err);
-                }
-                _ => {}
-            }
+        // A value summed over micro-batches: the op's own rewrite, if it has one.
+        let share = Share {
+            cx,
+            frac: chunk.frac,
+            den: chunk.dens[i],
+            reduces_batch: node.inputs.iter().any(|x| x.meta.batch().is_some()),
+        };
+        if let Some(result) = rules.run_share(ins, node, &share) {
+            return result.map_err(err);
         }
         // `sum + fixed`: the fixed part must count once over all micro-batches.
-        if additive(&node.op) && node.inputs.iter().any(|x| x.meta.flow == Flow::Fixed) {
+        if rules.adds_fixed() && node.inputs.iter().any(|x| x.meta.flow == Flow::Fixed) {
             let scaled: Vec<Tensor> = node
                 .inputs
                 .iter()
@@ -120,13 +93,11 @@ fn run_node(c: &Compiled, i: usize, ins: &[&Tensor], chunk: &Chunk<'_>) -> Resul
                 .collect::<Result<_, _>>()
                 .map_err(&err)?;
             let refs: Vec<&Tensor> = scaled.iter().collect();
-            return node.op.run(&node.meta, &refs, &cx).map_err(err);
+            return rules.run(&refs, &share.cx).map_err(err);
         }
-        if matches!(node.op, Op::Scalar { .. }) {
-            cx.scalar_scale = chunk.frac;
-        }
+        return rules.run(ins, &share.cx).map_err(err);
     }
-    node.op.run(&node.meta, ins, &cx).map_err(err)
+    rules.run(ins, &cx).map_err(err)
 }
 
 /// Runs the forward pass of one micro-batch, dropping each value after its last use.
@@ -144,7 +115,7 @@ fn forward_chunk(c: &Compiled, chunk: &Chunk<'_>, mut trace: Option<&mut Vec<Tra
                 return Err(LazyError::ShapeRule { node: i, op: node.op.name().into(), expected, actual });
             }
             if let Some(t) = trace.as_deref_mut() {
-                let leaf = matches!(node.op, Op::Input { .. } | Op::Leaf { .. });
+                let leaf = node.op.is_source();
                 let view = leaf || ins.first().is_some_and(|x| shares_storage(&out, x));
                 let bytes = if view {
                     0
@@ -203,10 +174,8 @@ fn denominators(c: &Compiled, split: bool, options: &Options) -> Result<Vec<Opti
         return Ok(dens);
     }
     for (i, node) in c.nodes.iter().enumerate() {
-        let ignore = match node.op {
-            Op::CrossEntropy { ignore_index } => ignore_index,
-            Op::NllLoss { reduction: Reduction::Mean, ignore_index } => ignore_index,
-            _ => continue,
+        let Some(ignore) = node.op.rules().counted_targets() else {
+            continue;
         };
         if !c.global[i] {
             continue;
@@ -265,7 +234,7 @@ fn run_chunks(
 pub(crate) fn evaluate(output: &LazyTensor, options: &Options) -> Result<Tensor, LazyError> {
     // An input or a constant is its own value: nothing to plan or run (the denominators of a
     // split loss ask for the targets this way).
-    if let Op::Input { tensor, .. } | Op::Leaf { tensor, .. } = &output.node.op {
+    if let Op::Source(Source::Input { tensor, .. } | Source::Leaf { tensor, .. }) = &output.node.op {
         return Ok(tensor.shallow_clone());
     }
     let p = prepare(output, Mode::Forward, options)?;
@@ -340,7 +309,9 @@ pub(crate) fn backward(output: &LazyTensor, options: &Options) -> Result<f64, La
     for (i, first) in p.c.param.iter().enumerate() {
         let Some(first) = first.map(|f| f as usize) else { continue };
         if first == i {
-            let Op::Leaf { tensor, .. } = &p.c.nodes[i].op else { unreachable!("parameters are leaves") };
+            let Op::Source(Source::Leaf { tensor, .. }) = &p.c.nodes[i].op else {
+                unreachable!("parameters are leaves")
+            };
             slot[i] = Some(params.len());
             params.push(if tensor.is_leaf() {
                 tensor.shallow_clone()

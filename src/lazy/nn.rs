@@ -61,18 +61,31 @@ impl LazyModule for nn::Linear {
     }
 }
 
+/// A convolution's settings, refusing padding modes other than zeros.
+fn conv_settings<ND: std::fmt::Debug>(layer: &nn::Conv<ND>, what: &str) -> Result<tch_compat::ConvSettings, LazyError> {
+    let c = tch_compat::conv(layer, what)?;
+    if c.padding_mode != "Zeros" {
+        return Err(LazyError::Unsupported {
+            op: what.into(),
+            reason: format!(
+                "padding mode {} pads with an op toma::lazy does not plan; pad with a CustomOp, then convolve",
+                c.padding_mode
+            ),
+        });
+    }
+    Ok(c)
+}
+
+impl LazyModule for nn::Conv1D {
+    fn lazy_forward(&self, xs: &LazyTensor) -> Result<LazyTensor, LazyError> {
+        let c = conv_settings(self, "nn::Conv1D")?;
+        xs.f_conv1d(&self.ws, self.bs.as_ref(), c.stride, c.padding, c.dilation, c.groups)
+    }
+}
+
 impl LazyModule for nn::Conv2D {
     fn lazy_forward(&self, xs: &LazyTensor) -> Result<LazyTensor, LazyError> {
-        let c = tch_compat::conv2d(self)?;
-        if c.padding_mode != "Zeros" {
-            return Err(LazyError::Unsupported {
-                op: "nn::Conv2D".into(),
-                reason: format!(
-                    "padding mode {} pads with an op toma::lazy does not plan; pad with a CustomOp, then convolve",
-                    c.padding_mode
-                ),
-            });
-        }
+        let c = conv_settings(self, "nn::Conv2D")?;
         xs.f_conv2d(&self.ws, self.bs.as_ref(), c.stride, c.padding, c.dilation, c.groups)
     }
 }

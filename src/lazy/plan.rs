@@ -22,17 +22,17 @@
 
 use std::borrow::Cow;
 use std::cell::OnceCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::hash::BuildHasherDefault;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use tch::{Device, Kind};
 
 use super::error::LazyError;
 use super::graph::{Bytes, Flow, Node, ParamKey};
-use super::ops::{Binary, Op};
+use super::ops::source::Source;
+use super::ops::Op;
 use super::scratch::ReduceStaging;
 use super::{LazyTensor, Options};
 
@@ -144,7 +144,7 @@ impl Compiled {
     pub(crate) fn device(&self) -> Device {
         self.nodes
             .iter()
-            .find(|n| matches!(n.op, Op::Input { .. }))
+            .find(|n| matches!(n.op, Op::Source(Source::Input { .. })))
             .map_or(self.output().meta.device, |n| n.meta.device)
     }
 
@@ -161,7 +161,7 @@ impl Compiled {
                 .map(|&i| &self.nodes[i as usize])
                 .filter(|node| match &node.op {
                     // A non-leaf's gradient is summed in a buffer of toma's (see exec).
-                    Op::Leaf { tensor, param: Some(p) } => !p.is_leaf || !tensor.grad().defined(),
+                    Op::Source(Source::Leaf { tensor, param: Some(p) }) => !p.is_leaf || !tensor.grad().defined(),
                     _ => false,
                 })
                 .map(|node| node.cost.grad.at(1))
@@ -176,11 +176,11 @@ impl Compiled {
     pub(crate) fn accumulates_in_place(&self) -> bool {
         *self.in_place.get_or_init(|| {
             self.nodes.iter().enumerate().all(|(i, node)| match &node.op {
-                Op::Leaf { tensor, param: Some(_) } => {
+                Op::Source(Source::Leaf { tensor, param: Some(_) }) => {
                     self.param[i].is_none_or(|first| first as usize != i)
                         || (tensor.is_leaf() && !tensor.grad().defined())
                 }
-                Op::Input { tensor, .. } => !tensor.requires_grad(),
+                Op::Source(Source::Input { tensor, .. }) => !tensor.requires_grad(),
                 _ => true,
             })
         })
@@ -193,29 +193,28 @@ impl Compiled {
 
 /// Collects the graph of `output` in topological order and precomputes what planning needs.
 pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
-    // Depth-first collection, marking nodes with this traversal's generation; ids give the
-    // order (inputs are always created first).
-    static GENERATION: AtomicU64 = AtomicU64::new(1);
-    let generation = GENERATION.fetch_add(1, Ordering::Relaxed);
+    // Depth-first collection; ids give the order (inputs are always created first). The
+    // visited set holds mixed ids: a bijection, so no two nodes collide.
+    let mut visited: HashSet<u64, BuildHasherDefault<crate::hash::PassThrough>> = HashSet::default();
+    visited.insert(crate::hash::mix(output.node.id));
     let mut seen: Vec<(u64, &Rc<Node>)> = vec![(output.node.id, &output.node)];
-    output.node.mark.set(generation);
     let mut stack: Vec<&Rc<Node>> = vec![&output.node];
     while let Some(node) = stack.pop() {
         for input in &node.inputs {
-            if input.mark.get() != generation {
-                input.mark.set(generation);
+            if visited.insert(crate::hash::mix(input.id)) {
                 seen.push((input.id, input));
                 stack.push(input);
             }
         }
     }
-    // Sorting (id, node) pairs compares without touching the nodes.
+    drop(visited);
+    // Sorting (id, node) pairs compares without touching the nodes; a node's position is then
+    // found by its id.
     seen.sort_unstable_by_key(|&(id, _)| id);
+    let ids: Vec<u64> = seen.iter().map(|&(id, _)| id).collect();
+    let pos = |node: &Node| ids.binary_search(&node.id).expect("collected above") as u32;
     let found: Vec<Rc<Node>> = seen.iter().map(|&(_, n)| n.clone()).collect();
     drop(seen);
-    for (pos, n) in found.iter().enumerate() {
-        n.pos.set(pos as u32);
-    }
     let n = found.len();
     let mut offsets = Vec::with_capacity(n + 1);
     let mut inputs = Vec::with_capacity(2 * n);
@@ -231,23 +230,23 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
     for (i, node) in found.iter().enumerate() {
         offsets.push(inputs.len() as u32);
         for input in &node.inputs {
-            let from = input.pos.get();
+            let from = pos(input);
             last_use[from as usize] = i as u32;
             inputs.push(from);
         }
-        root.push(if node.meta.alias { root[node.inputs[0].pos.get() as usize] } else { i as u32 });
+        root.push(if node.meta.alias { root[pos(&node.inputs[0]) as usize] } else { i as u32 });
         let cost = &node.cost;
         flags.push(
             (u8::from(cost.out != Bytes::default()) * F_ALLOCATES)
                 | (u8::from(node.meta.requires_grad) * F_REQUIRES_GRAD)
-                | (u8::from(node.meta.requires_grad && node.op.saves_output()) * F_SAVES_OUTPUT)
+                | (u8::from(node.meta.requires_grad && node.op.rules().saves_output()) * F_SAVES_OUTPUT)
                 | (u8::from(node.inputs.is_empty()) * F_LEAF)
-                | (u8::from(node.op.differentiable()) * F_DIFFERENTIABLE)
+                | (u8::from(node.op.rules().differentiable()) * F_DIFFERENTIABLE)
                 | (u8::from(cost.alias_rest) * F_ALIAS_REST),
         );
         fingerprint = crate::hash::mix(fingerprint ^ node.cost.hash);
         match &node.op {
-            Op::Input { .. } => {
+            Op::Source(Source::Input { .. }) => {
                 let size = node.meta.batch().map_or(1, |bd| bd.size);
                 match batch {
                     None => batch = Some(size),
@@ -262,7 +261,7 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
                     _ => {}
                 }
             }
-            Op::Leaf { param: Some(p), .. } => {
+            Op::Source(Source::Leaf { param: Some(p), .. }) => {
                 param[i] = Some(*params_seen.entry(&p.key).or_insert(i as u32));
             }
             _ => {}
@@ -388,7 +387,7 @@ impl Schedule {
                 events.push(STAGE | (staged.len() - 1) as u32);
             }
         };
-        let mut extra_at = vec![u32::MAX; if training { n } else { 0 }];
+        let mut extra_at: Vec<Option<u32>> = vec![None; if training { n } else { 0 }];
         let mut events = Vec::with_capacity(6 * n);
         let mut steps = Vec::with_capacity(if training { 2 * n } else { n });
         let requires = |i: usize| c.flags[i] & F_REQUIRES_GRAD != 0;
@@ -411,7 +410,7 @@ impl Schedule {
             }
             if training {
                 if let Some(k) = add_entry(&mut table, c.nodes[i].cost.extra) {
-                    extra_at[i] = k;
+                    extra_at[i] = Some(k);
                     events.push(ADD | k);
                 }
             }
@@ -448,16 +447,18 @@ impl Schedule {
             return Schedule { table, staged, events, steps, training };
         }
         // ---- backward: gradients flow from the output in reverse order.
-        let mut grad_of: Vec<u32> = vec![u32::MAX; n];
+        let mut grad_of: Vec<Option<u32>> = vec![None; n];
         let out = n - 1;
         if requires(out) {
-            grad_of[out] = (n + out) as u32;
+            grad_of[out] = Some((n + out) as u32);
             pins[n + out] = 1;
             events.push(ADD | out as u32);
         }
         for i in (0..n).rev() {
-            let g = grad_of[i];
-            if g == u32::MAX || c.flags[i] & F_LEAF != 0 {
+            let Some(g) = grad_of[i] else {
+                continue;
+            };
+            if c.flags[i] & F_LEAF != 0 {
                 continue;
             }
             let alias_mask = c.nodes[i].cost.grad_alias;
@@ -470,14 +471,14 @@ impl Schedule {
                 }
                 let target = c.param[j].map_or(j, |p| p as usize);
                 let alias = if k < 64 { alias_mask & (1 << k) != 0 } else { c.flags[i] & F_ALIAS_REST != 0 };
-                if grad_of[target] != u32::MAX {
+                if grad_of[target].is_some() {
                     // A second contribution: computed, then added into the first.
                     events.push(TRANSIENT | j as u32);
                 } else if alias {
-                    grad_of[target] = g;
+                    grad_of[target] = Some(g);
                     pins[g as usize] += 1;
                 } else {
-                    grad_of[target] = (n + target) as u32;
+                    grad_of[target] = Some((n + target) as u32);
                     pins[n + target] = 1;
                     events.push(ADD | j as u32);
                 }
@@ -508,8 +509,8 @@ impl Schedule {
                 if saves_output(i) {
                     release(&mut events, c.root[i] as usize);
                 }
-                if extra_at[i] != u32::MAX {
-                    events.push(FREE | extra_at[i]);
+                if let Some(k) = extra_at[i] {
+                    events.push(FREE | k);
                 }
             }
             events.push(END);
@@ -792,8 +793,6 @@ pub struct Plan {
     per_sample_at_peak: u64,
     facts: Vec<OpFacts>,
     shapes: Vec<i64>,
-    /// Names of custom ops, by position.
-    custom_names: Vec<(u32, String)>,
     ops: OnceCell<Vec<PlanOp>>,
     /// The schedule, evaluated into steps when they are asked for.
     schedule: Schedule,
@@ -857,15 +856,10 @@ impl Plan {
     /// The ops, in the order they run.
     pub fn ops(&self) -> &[PlanOp] {
         self.ops.get_or_init(|| {
-            let mut custom = self.custom_names.iter().peekable();
             self.facts
                 .iter()
-                .enumerate()
-                .map(|(i, f)| {
-                    let name = match custom.next_if(|(at, _)| *at as usize == i) {
-                        Some((_, name)) => Cow::Owned(name.clone()),
-                        None => Cow::Borrowed(f.name),
-                    };
+                .map(|f| {
+                    let name = Cow::Borrowed(f.name);
                     let start = f.shape_start as usize;
                     PlanOp {
                         name,
@@ -944,21 +938,14 @@ pub(crate) fn detail(mut c: Compiled, mode: Mode, choice: &Choice, budget: u64) 
     // The per-op table is materialized only when asked for: planning copies flat facts.
     let mut shapes = Vec::with_capacity(2 * c.len());
     let mut facts = Vec::with_capacity(c.len());
-    let mut custom_names = Vec::new();
-    for (i, (node, &root)) in c.nodes.iter().zip(&c.root).enumerate() {
+    for (node, &root) in c.nodes.iter().zip(&c.root) {
         let start = shapes.len();
         shapes.extend_from_slice(&node.meta.shape);
         let batch = node.meta.batch();
         if let Some(bd) = batch {
             shapes[start + bd.dim] = b as i64 * bd.factor;
         }
-        let name = match node.op.label() {
-            Cow::Borrowed(name) => name,
-            Cow::Owned(name) => {
-                custom_names.push((i as u32, name));
-                "custom"
-            }
-        };
+        let name = node.op.name();
         facts.push(OpFacts {
             name,
             shape_start: start as u32,
@@ -981,7 +968,6 @@ pub(crate) fn detail(mut c: Compiled, mode: Mode, choice: &Choice, budget: u64) 
         per_sample_at_peak: outcome.peak_per_sample,
         facts,
         shapes,
-        custom_names,
         ops: OnceCell::new(),
         schedule: c.schedules[mode as usize].take().unwrap_or_default(),
         new_grads,
@@ -994,7 +980,7 @@ pub(crate) fn detail(mut c: Compiled, mode: Mode, choice: &Choice, budget: u64) 
 /// is built often and read rarely).
 #[derive(Clone, Debug)]
 struct OpFacts {
-    /// The name of a built-in op; custom ops' names are in [`Plan::custom_names`].
+    /// The op's name (custom ops' names are interned: static too).
     name: &'static str,
     shape_start: u32,
     shape_len: u32,
@@ -1087,9 +1073,4 @@ impl fmt::Display for Plan {
         }
         Ok(())
     }
-}
-
-/// Whether an op adds its fixed operands (they must be weighted per micro-batch in a sum).
-pub(crate) fn additive(op: &Op) -> bool {
-    matches!(op, Op::Binary(Binary::Add | Binary::Sub) | Op::Cat { .. })
 }

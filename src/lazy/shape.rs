@@ -212,28 +212,40 @@ pub(crate) fn window_out(input: i64, kernel: i64, pad: i64, stride: i64, dilatio
 
 /// Expands a 1- or 2-element list to a pair (`[k]` means `[k, k]`), as tch's IntList takes it.
 pub(crate) fn pair(values: &[i64], what: &str) -> Result<[i64; 2], String> {
+    spatial(values, what)
+}
+
+/// Expands a list of 1 or `D` elements to `D` (`[k]` means `k` along every dimension).
+pub(crate) fn spatial<const D: usize>(values: &[i64], what: &str) -> Result<[i64; D], String> {
     match values {
-        [a] => Ok([*a, *a]),
-        [a, b] => Ok([*a, *b]),
-        _ => Err(format!("{what} must have 1 or 2 elements, got {values:?}")),
+        [a] => Ok([*a; D]),
+        v if v.len() == D => Ok(v.try_into().expect("length checked")),
+        _ if D == 1 => Err(format!("{what} must have 1 element, got {values:?}")),
+        _ => Err(format!("{what} must have 1 or {D} elements, got {values:?}")),
     }
 }
 
-/// Output spatial size of a 2-D convolution.
-pub(crate) fn conv2d(
+/// Output shape of a convolution over `D` spatial dimensions (`[N, C, ..]` or unbatched
+/// `[C, ..]` input, `[O, C / groups, k..]` weight).
+pub(crate) fn conv<const D: usize>(
     input: &[i64],
     weight: &[i64],
     bias: Option<&[i64]>,
-    stride: [i64; 2],
-    padding: [i64; 2],
-    dilation: [i64; 2],
+    stride: [i64; D],
+    padding: [i64; D],
+    dilation: [i64; D],
     groups: i64,
 ) -> Result<Vec<i64>, String> {
-    if input.len() != 3 && input.len() != 4 {
-        return Err(format!("expected a 3-D (unbatched) or 4-D (batched) input, got {} dims", input.len()));
+    if input.len() != D + 1 && input.len() != D + 2 {
+        return Err(format!(
+            "expected a {}-D (unbatched) or {}-D (batched) input, got {} dims",
+            D + 1,
+            D + 2,
+            input.len()
+        ));
     }
-    if weight.len() != 4 {
-        return Err(format!("expected a 4-D weight, got {} dims", weight.len()));
+    if weight.len() != D + 2 {
+        return Err(format!("expected a {}-D weight, got {} dims", D + 2, weight.len()));
     }
     if groups < 1 || stride.iter().any(|&s| s < 1) || dilation.iter().any(|&d| d < 1) || padding.iter().any(|&p| p < 0)
     {
@@ -242,8 +254,8 @@ pub(crate) fn conv2d(
              dilation {dilation:?}, padding {padding:?}"
         ));
     }
-    let batched = input.len() == 4;
-    let (c, h, w) = if batched { (input[1], input[2], input[3]) } else { (input[0], input[1], input[2]) };
+    let batched = input.len() == D + 2;
+    let (c, sizes) = if batched { (input[1], &input[2..]) } else { (input[0], &input[1..]) };
     if weight[0] % groups != 0 {
         return Err(format!("out channels {} are not divisible by groups {groups}", weight[0]));
     }
@@ -258,22 +270,22 @@ pub(crate) fn conv2d(
             return Err(format!("bias of shape {bias:?} does not match {} output channels", weight[0]));
         }
     }
-    let mut spatial = [0i64; 2];
-    for (i, size) in [h, w].into_iter().enumerate() {
-        let effective = dilation[i] * (weight[2 + i] - 1) + 1;
-        if size + 2 * padding[i] < effective {
-            return Err(format!(
-                "input size per channel ({h} x {w}, padded by {padding:?}) is smaller than the kernel ({} x {}, dilation {dilation:?})",
-                weight[2], weight[3]
-            ));
-        }
-        spatial[i] = window_out(size, weight[2 + i], padding[i], stride[i], dilation[i], false);
-    }
-    let mut out = Vec::with_capacity(4);
+    let mut out = Vec::with_capacity(D + 2);
     if batched {
         out.push(input[0]);
     }
-    out.extend([weight[0], spatial[0], spatial[1]]);
+    out.push(weight[0]);
+    for (i, &size) in sizes.iter().enumerate() {
+        let effective = dilation[i] * (weight[2 + i] - 1) + 1;
+        if size + 2 * padding[i] < effective {
+            return Err(format!(
+                "input size per channel ({sizes:?}, padded by {padding:?}) is smaller than the kernel ({:?}, dilation \
+                 {dilation:?})",
+                &weight[2..]
+            ));
+        }
+        out.push(window_out(size, weight[2 + i], padding[i], stride[i], dilation[i], false));
+    }
     Ok(out)
 }
 

@@ -14,8 +14,8 @@ use super::error::LazyError;
 /// The tch line these readers were written against.
 const TCH: &str = "0.24";
 
-/// A 2-d convolution's settings.
-pub(crate) struct Conv2dSettings {
+/// A convolution's settings.
+pub(crate) struct ConvSettings {
     pub(crate) stride: Vec<i64>,
     pub(crate) padding: Vec<i64>,
     pub(crate) dilation: Vec<i64>,
@@ -24,15 +24,16 @@ pub(crate) struct Conv2dSettings {
     pub(crate) padding_mode: String,
 }
 
-pub(crate) fn conv2d(layer: &nn::Conv2D) -> Result<Conv2dSettings, LazyError> {
+/// A convolution's settings; `what` names the layer (`nn::Conv2D`) in errors.
+pub(crate) fn conv<ND: std::fmt::Debug>(layer: &nn::Conv<ND>, what: &str) -> Result<ConvSettings, LazyError> {
     let text = format!("{layer:?}");
-    let config = config_of("nn::Conv2D", &text)?;
-    let list = |name: &str| field(config, name).and_then(parse_list).ok_or_else(|| unreadable("nn::Conv2D", name));
-    Ok(Conv2dSettings {
+    let config = config_of(what, &text)?;
+    let list = |name: &str| field(config, name).and_then(parse_list).ok_or_else(|| unreadable(what, name));
+    Ok(ConvSettings {
         stride: list("stride")?,
         padding: list("padding")?,
         dilation: list("dilation")?,
-        groups: parsed("nn::Conv2D", config, "groups")?,
+        groups: parsed(what, config, "groups")?,
         padding_mode: field(config, "padding_mode").unwrap_or("Zeros").to_owned(),
     })
 }
@@ -121,14 +122,14 @@ mod tests {
     fn the_settings_of_real_tch_layers_read_back() {
         let vs = nn::VarStore::new(Device::Cpu);
         let r = vs.root();
-        let conv = nn::conv2d(
+        let layer = nn::conv2d(
             &r / "c",
             4,
             8,
             3,
             nn::ConvConfig { stride: 2, padding: 3, dilation: 2, groups: 2, ..Default::default() },
         );
-        let c = conv2d(&conv).expect("tch's Conv2D Debug text");
+        let c = conv(&layer, "nn::Conv2D").expect("tch's Conv2D Debug text");
         assert_eq!((c.stride, c.padding, c.dilation, c.groups), (vec![2, 2], vec![3, 3], vec![2, 2], 2));
         assert_eq!(c.padding_mode, "Zeros");
         let reflect = nn::conv2d(
@@ -138,7 +139,16 @@ mod tests {
             3,
             nn::ConvConfig { padding_mode: nn::PaddingMode::Reflect, ..Default::default() },
         );
-        assert_eq!(conv2d(&reflect).unwrap().padding_mode, "Reflect");
+        assert_eq!(conv(&reflect, "nn::Conv2D").unwrap().padding_mode, "Reflect");
+        let one = nn::conv1d(
+            &r / "c1",
+            4,
+            8,
+            5,
+            nn::ConvConfig { stride: 3, padding: 2, dilation: 2, groups: 4, ..Default::default() },
+        );
+        let c = conv(&one, "nn::Conv1D").expect("tch's Conv1D Debug text");
+        assert_eq!((c.stride, c.padding, c.dilation, c.groups), (vec![3], vec![2], vec![2], 4));
 
         let ln = nn::layer_norm(&r / "ln", vec![6], nn::LayerNormConfig { eps: 1e-3, ..Default::default() });
         assert_eq!(layer_norm_eps(&ln).unwrap(), 1e-3);

@@ -359,3 +359,29 @@ fn gradients_accumulate_on_top_of_existing_ones_like_tch() {
         assert!(err <= 1e-10, "{name}: {err:e}");
     }
 }
+
+/// The ops added with the op families (conv1d, silu, causal attention, baddbmm, softplus) in
+/// one sequence model: micro-batched gradients are the full batch's.
+#[test]
+fn sequence_model_of_the_new_ops_matches_the_full_batch() {
+    use crate::support::models::{seq, seq_eager, seq_lazy};
+    tch::manual_seed(5);
+    let mut vs = nn::VarStore::new(CPU);
+    let (channels, len) = (3, 12);
+    let m = seq(&vs, channels, 8, 2, len);
+    vs.double();
+    for n in [7i64, 20] {
+        let x = Tensor::randn([n, channels, len], (Kind::Double, CPU));
+        let y = Tensor::randint(10, [n], (Kind::Int64, CPU));
+        for micro in [1, 3] {
+            let b = check(
+                &vs,
+                &format!("sequence model n={n} in micro-batches of {micro}"),
+                &Options::new().micro_batch(micro),
+                || seq_eager(&m, &x, &y),
+                || seq_lazy(&m, &x, &y),
+            );
+            assert_eq!(b, micro);
+        }
+    }
+}

@@ -190,10 +190,10 @@ proptest! {
     }
 
     #[test]
-    fn unary_and_softmax(a in shape(4, 5), micro in 1usize..6, op in 0usize..11, dim in -4i64..4) {
+    fn unary_and_softmax(a in shape(4, 5), micro in 1usize..6, op in 0usize..13, dim in -4i64..4) {
         let t = randn(&a);
         let l = lazy(&t, 0);
-        let split = if op >= 9 && dim.rem_euclid(a.len() as i64) == 0 && dim >= -(a.len() as i64) && dim < a.len() as i64 {
+        let split = if (op == 9 || op == 10) && dim.rem_euclid(a.len() as i64) == 0 && dim >= -(a.len() as i64) && dim < a.len() as i64 {
             Split::Refused
         } else {
             Split::Exact
@@ -209,7 +209,9 @@ proptest! {
             7 => (t.abs().f_sqrt(), lazy(&t.abs(), 0).f_sqrt(), "sqrt"),
             8 => (t.f_abs(), l.f_abs(), "abs"),
             9 => (t.f_softmax(dim, None), l.f_softmax(dim, None), "softmax"),
-            _ => (t.f_log_softmax(dim, Kind::Float), l.f_log_softmax(dim, Kind::Float), "log_softmax"),
+            10 => (t.f_log_softmax(dim, Kind::Float), l.f_log_softmax(dim, Kind::Float), "log_softmax"),
+            11 => (t.f_silu(), l.f_silu(), "silu"),
+            _ => (t.f_softplus(), l.f_softplus(), "softplus"),
         };
         agree(&format!("{name} {a:?} dim {dim}"), eager, lazy_t, micro, split)?;
     }
@@ -269,6 +271,134 @@ proptest! {
         let eager = x.f_conv2d(&wt, bias_t, stride.as_slice(), padding.as_slice(), dilation.as_slice(), groups);
         let lazy_t = lazy(&x, 0).f_conv2d(&wt, bias_t, &stride, &padding, &dilation, groups);
         agree(&format!("conv2d s{stride:?} p{padding:?} d{dilation:?} g{groups} k{kh}x{kw} in {h}x{w}"), eager, lazy_t, micro, Split::Exact)?;
+    }
+
+    #[test]
+    fn conv1d_every_parameter(
+        n in 1i64..4,
+        batched in any::<bool>(),
+        (groups, cin_per, cout_per) in (1i64..3, 1i64..3, 1i64..3),
+        len in 1i64..10,
+        k in 1i64..4,
+        stride in prop::collection::vec(1i64..4, 1..=2),
+        padding in 0i64..3,
+        dilation in 1i64..3,
+        bias in any::<bool>(),
+        micro in 1usize..4,
+    ) {
+        // A 2-element stride is refused by both, as libtorch refuses it.
+        let shape: Vec<i64> = if batched { vec![n, groups * cin_per, len] } else { vec![groups * cin_per, len] };
+        let x = randn(&shape);
+        let wt = randn(&[groups * cout_per, cin_per, k]);
+        let b = randn(&[groups * cout_per]);
+        let bias_t = bias.then_some(&b);
+        let eager = x.f_conv1d(&wt, bias_t, stride.as_slice(), [padding].as_slice(), [dilation].as_slice(), groups);
+        let lazy_t = if batched {
+            lazy(&x, 0).f_conv1d(&wt, bias_t, &stride, [padding], [dilation], groups)
+        } else {
+            LazyTensor::fixed(&x).f_conv1d(&wt, bias_t, &stride, [padding], [dilation], groups)
+        };
+        agree(&format!("conv1d {shape:?} s{stride:?} p{padding} d{dilation} g{groups} k{k}"), eager, lazy_t, micro, Split::Exact)?;
+    }
+
+    #[test]
+    fn baddbmm_wherever_the_batch_is(
+        case in 0usize..5,
+        n in 1i64..5,
+        (r, k, c) in (1i64..4, 1i64..4, 1i64..4),
+        (beta, alpha) in (prop_oneof![Just(1.0f64), Just(0.0), -2.0f64..2.0], -2.0f64..2.0),
+        input_shape in 0usize..3,
+        micro in 1usize..5,
+    ) {
+        // The product's B is the batch (0), rows of batch1 (1), columns of batch2 (2), the
+        // contracted dimension (3: mixes samples), or B with a fixed factor (4).
+        let (b1, b2) = match case {
+            1 => (randn(&[2, n, k]), randn(&[2, k, c])),
+            2 => (randn(&[2, r, k]), randn(&[2, k, n])),
+            3 => (randn(&[2, r, n]), randn(&[2, n, c])),
+            _ => (randn(&[n, r, k]), randn(&[n, k, c])),
+        };
+        let out = vec![b1.size()[0], b1.size()[1], b2.size()[2]];
+        // A fixed input broadcasts over the batch (size 1 there).
+        let fixed_shape = |mut shape: Vec<i64>| {
+            let at = shape.len() as i64 - 3 + [0, 1, 2][case.min(2)];
+            if case < 3 && at >= 0 {
+                shape[at as usize] = 1;
+            }
+            shape
+        };
+        let input = match input_shape {
+            0 => randn(&out),
+            1 => randn(&fixed_shape(out[1..].to_vec())),
+            _ => randn(&fixed_shape(vec![1, 1, out[2]])),
+        };
+        let eager = input.f_baddbmm(&b1, &b2, beta, alpha);
+        let (l1, l2) = match case {
+            0 => (lazy(&b1, 0), lazy(&b2, 0)),
+            1 => (lazy(&b1, 1), LazyTensor::fixed(&b2)),
+            2 => (LazyTensor::fixed(&b1), lazy(&b2, 2)),
+            3 => (lazy(&b1, 2), lazy(&b2, 1)),
+            _ => (lazy(&b1, 0), LazyTensor::fixed(&b2)),
+        };
+        // An input with the whole output's shape carries the batch too.
+        let li = if input_shape == 0 && case < 3 {
+            lazy(&input, [0, 1, 2][case])
+        } else {
+            LazyTensor::fixed(&input)
+        };
+        let lazy_t = li.f_baddbmm(&l1, &l2, beta, alpha);
+        let split = if case == 3 { Split::Refused } else { Split::Exact };
+        if case == 4 && n > 1 {
+            // A fixed factor with the batch's size along B is refused: it is per-sample data.
+            prop_assert!(lazy_t.is_err());
+            return Ok(());
+        }
+        agree(&format!("baddbmm case {case} input {:?} b1 {:?} b2 {:?}", input.size(), b1.size(), b2.size()), eager, lazy_t, micro, split)?;
+    }
+
+    #[test]
+    fn scaled_dot_product_attention_every_option(
+        case in 0usize..4,
+        n in 1i64..4,
+        (h, l, s, e) in (1i64..3, 1i64..5, 1i64..5, 1i64..4),
+        mask in 0usize..3,
+        causal in any::<bool>(),
+        scale in prop_oneof![Just(None), (0.1f64..2.0).prop_map(Some)],
+        gqa in any::<bool>(),
+        micro in 1usize..4,
+    ) {
+        // 4-D (the fused kernel on the CPU), 3-D (the composite path), keys and values fixed
+        // with the batch on the queries' rows, grouped-query heads.
+        let (qs, ks): (Vec<i64>, Vec<i64>) = match case {
+            0 => (vec![n, h, l, e], vec![n, h, s, e]),
+            1 => (vec![n, l, e], vec![n, s, e]),
+            2 => (vec![h, n, e], vec![h, s, e]),
+            _ => (vec![n, 2 * h, l, e], vec![n, h, s, e]),
+        };
+        let (q, k, v) = (randn(&qs), randn(&ks), randn(&ks));
+        let rows = qs[qs.len() - 2];
+        // A fixed mask over the batch's rows would be per-sample data: only without that.
+        let mask = if case == 2 && n > 1 { 0 } else { mask };
+        let m = match mask {
+            0 => None,
+            1 => Some(Tensor::randint(2, [rows, s], (Kind::Int64, CPU)).to_kind(Kind::Bool).logical_or(&Tensor::eye_m(rows, s, (Kind::Bool, CPU)))),
+            _ => Some(randn(&[rows, s])),
+        };
+        let gqa = gqa || case == 3;
+        let eager = Tensor::f_scaled_dot_product_attention(&q, &k, &v, m.as_ref(), 0.0, causal, scale, gqa);
+        let (lq, lk, lv) = if case == 2 {
+            (lazy(&q, 1), LazyTensor::fixed(&k), LazyTensor::fixed(&v))
+        } else {
+            let (lq, lk) = lazy((&q, &k), 0);
+            (lq, lk, lazy(&v, 0))
+        };
+        let lazy_t = LazyTensor::f_scaled_dot_product_attention(&lq, &lk, &lv, m.as_ref(), 0.0, causal, scale, gqa);
+        let split = if case == 2 && causal { Split::Refused } else { Split::Exact };
+        agree(&format!("sdpa case {case} q {qs:?} k {ks:?} mask {mask} causal {causal} gqa {gqa}"), eager, lazy_t, micro, split)?;
+        // Dropout: each micro-batch draws its own; shapes only.
+        let dropped = LazyTensor::f_scaled_dot_product_attention(&lq, &lk, &lv, m.as_ref(), 0.5, causal, scale, gqa);
+        let eager_dropped = Tensor::f_scaled_dot_product_attention(&q, &k, &v, m.as_ref(), 0.5, causal, scale, gqa);
+        agree("sdpa with dropout", eager_dropped, dropped, micro, Split::Shape)?;
     }
 
     #[test]

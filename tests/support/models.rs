@@ -156,3 +156,62 @@ pub fn res_eager(m: &Res, x: &Tensor, y: &Tensor) -> Tensor {
     let h = (&h + h.apply(&m.conv).relu()).apply(&m.proj).relu();
     h.adaptive_avg_pool2d([1, 1]).flatten(1, -1).apply(&m.fc).log_softmax(-1, None).nll_loss(y)
 }
+
+/// A sequence model built from the ops added with the op families (conv1d, silu, causal
+/// scaled-dot-product attention, baddbmm, softplus). Input `[N, C, L]`.
+pub struct Seq {
+    pub conv: nn::Conv1D,
+    pub qkv: nn::Linear,
+    /// `[L, L]`, added to every sample's gram matrix by `baddbmm`.
+    pub bias: Tensor,
+    pub head: nn::Linear,
+    pub d: i64,
+    pub heads: i64,
+}
+
+pub fn seq(vs: &nn::VarStore, channels: i64, d: i64, heads: i64, len: i64) -> Seq {
+    let r = vs.root();
+    Seq {
+        conv: nn::conv1d(&r / "conv", channels, d, 3, nn::ConvConfig { padding: 1, ..Default::default() }),
+        qkv: nn::linear(&r / "qkv", d, 3 * d, Default::default()),
+        bias: r.var("bias", &[len, len], nn::Init::Const(0.1)),
+        head: nn::linear(&r / "head", len, 10, Default::default()),
+        d,
+        heads,
+    }
+}
+
+pub fn seq_lazy(m: &Seq, x: &Tensor, y: &Tensor) -> LazyTensor {
+    let (x, y) = lazy((x, y), 0);
+    let (n, l) = (x.size()[0], x.size()[2]);
+    let h = x.apply(&m.conv).silu().transpose(1, 2);
+    let qkv = h.apply(&m.qkv);
+    let heads = |i: i64| qkv.narrow(2, i * m.d, m.d).reshape([n, l, m.heads, m.d / m.heads]).transpose(1, 2);
+    let a = LazyTensor::scaled_dot_product_attention(
+        &heads(0),
+        &heads(1),
+        &heads(2),
+        None::<&LazyTensor>,
+        0.0,
+        true,
+        None,
+        false,
+    );
+    let h = a.transpose(1, 2).reshape([n, l, m.d]);
+    let gram = LazyTensor::fixed(&m.bias).baddbmm(&h, &h.transpose(1, 2), 1.0, 1.0 / (m.d as f64).sqrt());
+    gram.softplus().mean_dim([2], false, None).apply(&m.head).cross_entropy_for_logits(&y)
+}
+
+/// The eager twin of [`seq_lazy`].
+pub fn seq_eager(m: &Seq, x: &Tensor, y: &Tensor) -> Tensor {
+    let (n, l) = (x.size()[0], x.size()[2]);
+    let h = x.apply(&m.conv).silu().transpose(1, 2);
+    let qkv = h.apply(&m.qkv);
+    let heads = |i: i64| qkv.narrow(2, i * m.d, m.d).reshape([n, l, m.heads, m.d / m.heads]).transpose(1, 2);
+    let a =
+        Tensor::scaled_dot_product_attention(&heads(0), &heads(1), &heads(2), None::<&Tensor>, 0.0, true, None, false);
+    let h = a.transpose(1, 2).reshape([n, l, m.d]);
+    let gram = m.bias.baddbmm(&h, &h.transpose(1, 2), 1.0, 1.0 / (m.d as f64).sqrt());
+    // The log-softmax in the logits' kind, as `toma::lazy` takes it (tch's takes it in Float).
+    gram.softplus().mean_dim([2i64].as_slice(), false, None).apply(&m.head).log_softmax(-1, None).nll_loss(y)
+}

@@ -1,0 +1,267 @@
+//! Losses: cross-entropy, negative log-likelihood and mean squared error. Mean-reduced ones
+//! are sums over the batch divided by a count: a split run divides each micro-batch's sum by
+//! the full batch's count.
+
+use std::rc::Rc;
+
+use tch::{Kind, Reduction, TchError, Tensor};
+
+use super::record::{broadcast_flows, combine_flows, same_device, Linearity, Record};
+use super::{arg, floating, kind_err, panicking, same_kind, shape_err, Rules, RunCx, Share};
+use crate::lazy::error::LazyError;
+use crate::lazy::graph::{Flow, Meta, Node};
+use crate::lazy::shape;
+use crate::lazy::tensor::IntoLazy;
+use crate::lazy::LazyTensor;
+
+pub(crate) enum Loss {
+    /// Operands: logits, targets. Mean over non-ignored targets.
+    CrossEntropy { ignore_index: i64 },
+    /// Operands: log-probabilities, targets, optional class weights.
+    Nll { reduction: Reduction, ignore_index: i64 },
+    /// Operands: input, target.
+    Mse { reduction: Reduction },
+}
+
+impl Rules for Loss {
+    fn name(&self) -> &'static str {
+        match self {
+            Loss::CrossEntropy { .. } => "cross_entropy_for_logits",
+            Loss::Nll { .. } => "nll_loss",
+            Loss::Mse { .. } => "mse_loss",
+        }
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let (x, target) = (ins[0], ins[1]);
+        match self {
+            Loss::CrossEntropy { ignore_index } => {
+                x.f_log_softmax(-1, None)?.f_nll_loss(target, None::<&Tensor>, Reduction::Mean, *ignore_index)
+            }
+            Loss::Nll { reduction, ignore_index } => {
+                let weight = ins.get(2).copied();
+                x.f_nll_loss(target, weight, *reduction, *ignore_index)
+            }
+            Loss::Mse { reduction } => x.f_mse_loss(target, *reduction),
+        }
+    }
+
+    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
+        match self {
+            // The targets; the log-probabilities are an extra.
+            Loss::CrossEntropy { .. } => i == 1,
+            Loss::Nll { .. } | Loss::Mse { .. } => true,
+        }
+    }
+
+    fn saved_extra(&self, inputs: &[Rc<Node>], _meta: &Meta) -> Option<(u64, u64, Kind)> {
+        match self {
+            // The log-probabilities between log_softmax and nll_loss.
+            Loss::CrossEntropy { .. } => {
+                let input = &inputs.first()?.meta;
+                let (a, c) = input.numel_parts();
+                Some((a, c, input.kind))
+            }
+            _ => None,
+        }
+    }
+
+    fn run_share(&self, ins: &[&Tensor], node: &Node, share: &Share) -> Option<Result<Tensor, TchError>> {
+        if !share.reduces_batch {
+            return None;
+        }
+        let (x, target) = (ins[0], ins[1]);
+        let den = || share.den.expect("denominator computed before splitting");
+        Some(match self {
+            Loss::CrossEntropy { ignore_index } => x
+                .f_log_softmax(-1, None)
+                .and_then(|l| l.f_nll_loss(target, None::<&Tensor>, Reduction::Sum, *ignore_index))
+                .and_then(|s| s.f_div_scalar(den())),
+            Loss::Nll { reduction: Reduction::Mean, ignore_index } => x
+                .f_nll_loss(target, ins.get(2).copied(), Reduction::Sum, *ignore_index)
+                .and_then(|s| s.f_div_scalar(den())),
+            Loss::Mse { reduction: Reduction::Mean } => {
+                let per = shape::broadcast(&node.inputs[0].meta.shape, &node.inputs[1].meta.shape).unwrap_or_default();
+                let count = shape::numel(&per) as f64;
+                x.f_mse_loss(target, Reduction::Sum).and_then(|s| s.f_div_scalar(count))
+            }
+            _ => return None,
+        })
+    }
+
+    fn counted_targets(&self) -> Option<i64> {
+        match self {
+            Loss::CrossEntropy { ignore_index } | Loss::Nll { reduction: Reduction::Mean, ignore_index } => {
+                Some(*ignore_index)
+            }
+            _ => None,
+        }
+    }
+}
+
+impl LazyTensor {
+    /// Flow of a loss over `[N, C]` inputs and `[N]` targets (batch on dimension 0 of both).
+    fn class_loss_flow(
+        name: &str,
+        input: &Rc<Node>,
+        target: &Rc<Node>,
+        reduction: Reduction,
+    ) -> Result<(Flow, Option<String>), LazyError> {
+        let n = input.meta.shape.first().copied().unwrap_or(1);
+        let per_sample_shape = if input.meta.shape.len() == 2 { vec![n] } else { vec![] };
+        let mapped = [
+            input.meta.batch().filter(|bd| bd.dim == 0 && input.meta.shape.len() == 2).map(|_| 0),
+            target.meta.batch().filter(|bd| bd.dim == 0).map(|_| 0),
+        ];
+        // A fixed input or target facing a per-sample other side of the batch's size.
+        let batched = [input, target].iter().find_map(|t| t.meta.batch());
+        if let Some(bd) = batched {
+            let full = bd.size * bd.factor;
+            for t in [input, target] {
+                if t.meta.flow == Flow::Fixed && t.meta.shape.first() == Some(&full) && full > 1 {
+                    return Err(LazyError::Batch {
+                        op: name.into(),
+                        lhs: input.meta.shape.clone(),
+                        rhs: target.meta.shape.clone(),
+                        reason: "one side is not batched but has the batch's size; wrap both with lazy(..)".into(),
+                    });
+                }
+            }
+        }
+        let (flow, mixes) =
+            combine_flows(name, &[input, target], &mapped, &per_sample_shape, Linearity::Nonlinear, false)?;
+        Ok(match (flow, reduction) {
+            (Flow::PerSample(_), Reduction::Mean | Reduction::Sum) => (Flow::Sum, mixes),
+            other => (other.0, mixes),
+        })
+    }
+
+    fn check_class_loss(name: &str, input: &Node, target: &Node) -> Result<(), LazyError> {
+        let (si, st) = (&input.meta.shape, &target.meta.shape);
+        let ok = match si.len() {
+            2 => st.len() == 1 && st[0] == si[0],
+            1 => st.is_empty(),
+            _ => false,
+        };
+        if !ok {
+            return Err(shape_err(
+                name,
+                si,
+                st,
+                "expected input [N, C] with target [N], or input [C] with a 0-dim target",
+            ));
+        }
+        floating(name, input)?;
+        if target.meta.kind != Kind::Int64 {
+            return Err(kind_err(name, target.meta.kind, st, "targets must be Int64 class indices"));
+        }
+        Ok(())
+    }
+
+    /// Cross-entropy of logits `[N, C]` against class indices `[N]`, averaged over the
+    /// targets that are not -100 (tch's `cross_entropy_for_logits`; the log-softmax is taken in
+    /// the logits' kind, where tch uses `Float`). Split in micro-batches, each one is weighted
+    /// by its share of the counted targets, so values and gradients are the full batch's.
+    ///
+    /// # Errors
+    /// [`LazyError::Shape`] for other shapes, [`LazyError::Kind`] for non-floating logits or
+    /// non-`Int64` targets.
+    pub fn f_cross_entropy_for_logits(&self, targets: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        let t = targets.into_lazy();
+        let name = "cross_entropy_for_logits";
+        let (x, tn) = (&self.node, &t.node);
+        let device = same_device(name, &[x, tn])?;
+        Self::check_class_loss(name, x, tn)?;
+        let flow = Self::class_loss_flow(name, x, tn, Reduction::Mean)?;
+        let op = Loss::CrossEntropy { ignore_index: -100 };
+        Ok(Record::new(op, vec![x.clone(), tn.clone()], vec![], x.meta.kind, device).flow(flow).finish())
+    }
+
+    /// Negative log-likelihood of log-probabilities `[N, C]` against class indices `[N]`
+    /// (tch's `nll_loss`: mean over targets that are not -100, no class weights).
+    ///
+    /// # Errors
+    /// As [`f_cross_entropy_for_logits`](Self::f_cross_entropy_for_logits).
+    pub fn f_nll_loss(&self, targets: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        self.f_g_nll_loss(targets, None::<&LazyTensor>, Reduction::Mean, -100)
+    }
+
+    /// Negative log-likelihood with class `weight`s (`[C]`), a reduction and an ignored index
+    /// (tch's `g_nll_loss`). A mean is over the weights of the counted targets, as in libtorch.
+    ///
+    /// # Errors
+    /// As [`f_cross_entropy_for_logits`](Self::f_cross_entropy_for_logits); a weight that is not
+    /// `[C]`; [`Reduction::Other`].
+    pub fn f_g_nll_loss(
+        &self,
+        targets: impl IntoLazy,
+        weight: Option<impl IntoLazy>,
+        reduction: Reduction,
+        ignore_index: i64,
+    ) -> Result<LazyTensor, LazyError> {
+        let t = targets.into_lazy();
+        let w = weight.map(IntoLazy::into_lazy);
+        let name = "nll_loss";
+        let (x, tn) = (&self.node, &t.node);
+        let mut nodes = vec![x, tn];
+        if let Some(w) = &w {
+            nodes.push(&w.node);
+        }
+        let device = same_device(name, &nodes)?;
+        Self::check_class_loss(name, x, tn)?;
+        if let Some(w) = &w {
+            let c = *x.meta.shape.last().expect("checked");
+            if w.node.meta.shape != [c] || w.node.meta.flow != Flow::Fixed {
+                return Err(shape_err(
+                    name,
+                    &x.meta.shape,
+                    &w.node.meta.shape,
+                    format!("weight must be a fixed [{c}]"),
+                ));
+            }
+            same_kind(name, x, &w.node)?;
+        }
+        if matches!(reduction, Reduction::Other(_)) {
+            return Err(arg(name, &x.meta.shape, "unknown reduction"));
+        }
+        let flow = Self::class_loss_flow(name, x, tn, reduction)?;
+        let out = if reduction == Reduction::None { x.meta.shape[..x.meta.shape.len() - 1].to_vec() } else { vec![] };
+        let op = Loss::Nll { reduction, ignore_index };
+        let inputs = nodes.into_iter().cloned().collect();
+        Ok(Record::new(op, inputs, out, x.meta.kind, device).flow(flow).finish())
+    }
+
+    /// Mean squared error against `target` (broadcast), with a reduction (tch's `mse_loss`).
+    ///
+    /// # Errors
+    /// [`LazyError::Shape`] when the shapes do not broadcast, [`LazyError::Kind`],
+    /// [`LazyError::Device`]; [`Reduction::Other`].
+    pub fn f_mse_loss(&self, target: impl IntoLazy, reduction: Reduction) -> Result<LazyTensor, LazyError> {
+        let t = target.into_lazy();
+        let name = "mse_loss";
+        let (x, tn) = (&self.node, &t.node);
+        let device = same_device(name, &[x, tn])?;
+        let per = shape::broadcast(&x.meta.shape, &tn.meta.shape)
+            .map_err(|r| shape_err(name, &x.meta.shape, &tn.meta.shape, r))?;
+        floating(name, x)?;
+        same_kind(name, x, tn)?;
+        if matches!(reduction, Reduction::Other(_)) {
+            return Err(arg(name, &x.meta.shape, "unknown reduction"));
+        }
+        let (flow, mixes) = broadcast_flows(name, &[x, tn], &per, Linearity::Nonlinear)?;
+        let (flow, out) = match (flow, reduction) {
+            (Flow::PerSample(_), Reduction::Mean | Reduction::Sum) => (Flow::Sum, vec![]),
+            (f, Reduction::None) => (f, per),
+            (f, _) => (f, vec![]),
+        };
+        let op = Loss::Mse { reduction };
+        Ok(Record::new(op, vec![x.clone(), tn.clone()], out, x.meta.kind, device).flow((flow, mixes)).finish())
+    }
+}
+
+panicking! {
+    cross_entropy_for_logits => f_cross_entropy_for_logits(targets: impl IntoLazy);
+    nll_loss => f_nll_loss(targets: impl IntoLazy);
+    g_nll_loss => f_g_nll_loss(targets: impl IntoLazy, weight: Option<impl IntoLazy>, reduction: Reduction, ignore_index: i64);
+    mse_loss => f_mse_loss(target: impl IntoLazy, reduction: Reduction);
+}

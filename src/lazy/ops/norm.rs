@@ -1,0 +1,190 @@
+//! Normalization: batch norm and layer norm.
+
+use std::rc::Rc;
+
+use tch::{Kind, TchError, Tensor};
+
+use super::record::{combine_flows, same_device, Linearity, Record};
+use super::{arg, floating, panicking, same_kind, shape_err, Rules, RunCx};
+use crate::lazy::error::LazyError;
+use crate::lazy::graph::{Meta, Node};
+use crate::lazy::shape;
+use crate::lazy::tensor::IntoLazy;
+use crate::lazy::LazyTensor;
+
+pub(crate) enum Norm {
+    /// Operands: x, [weight], [bias], running mean, running var.
+    BatchNorm { training: bool, momentum: f64, eps: f64, weight: bool, bias: bool },
+    /// Operands: x, [weight], [bias].
+    LayerNorm { normalized_shape: Vec<i64>, eps: f64, weight: bool, bias: bool },
+}
+
+/// A normalization's operands by name.
+struct Operands<'a> {
+    x: &'a Tensor,
+    weight: Option<&'a Tensor>,
+    bias: Option<&'a Tensor>,
+    /// The running statistics (batch norm only).
+    running: [Option<&'a Tensor>; 2],
+}
+
+impl Norm {
+    fn operands<'a>(&self, ins: &[&'a Tensor]) -> Operands<'a> {
+        let (weight, bias) = match self {
+            Norm::BatchNorm { weight, bias, .. } | Norm::LayerNorm { weight, bias, .. } => (*weight, *bias),
+        };
+        let mut rest = ins[1..].iter().copied();
+        let weight = if weight { rest.next() } else { None };
+        let bias = if bias { rest.next() } else { None };
+        Operands { x: ins[0], weight, bias, running: [rest.next(), rest.next()] }
+    }
+}
+
+impl Rules for Norm {
+    fn name(&self) -> &'static str {
+        match self {
+            Norm::BatchNorm { .. } => "batch_norm",
+            Norm::LayerNorm { .. } => "layer_norm",
+        }
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let o = self.operands(ins);
+        match self {
+            Norm::BatchNorm { training, momentum, eps, .. } => {
+                let [mean, var] = o.running;
+                Tensor::f_batch_norm(o.x, o.weight, o.bias, mean, var, *training, *momentum, *eps, true)
+            }
+            Norm::LayerNorm { normalized_shape, eps, .. } => {
+                Tensor::f_layer_norm(o.x, normalized_shape.as_slice(), o.weight, o.bias, *eps, true)
+            }
+        }
+    }
+
+    fn saves_input(&self, _i: usize, _inputs: &[Rc<Node>]) -> bool {
+        true
+    }
+
+    fn saved_extra(&self, inputs: &[Rc<Node>], _meta: &Meta) -> Option<(u64, u64, Kind)> {
+        match self {
+            // Mean and inverse standard deviation per normalized row (two of them).
+            Norm::LayerNorm { normalized_shape, .. } => {
+                let input = &inputs.first()?.meta;
+                let rows = shape::numel(normalized_shape).max(1) as u64;
+                let (a, c) = input.numel_parts();
+                let stat = if input.kind == Kind::Double { Kind::Double } else { Kind::Float };
+                Some((2 * a / rows, 2 * c / rows, stat))
+            }
+            Norm::BatchNorm { .. } => None,
+        }
+    }
+}
+
+impl LazyTensor {
+    /// Batch normalization, as tch's `Tensor::batch_norm` (`cudnn_enabled` on). In training mode
+    /// it normalizes with statistics over the batch: splitting the batch is refused unless
+    /// [`Options::allow_batch_mixing`](crate::lazy::Options::allow_batch_mixing). Running statistics are updated in place in training
+    /// mode, once per micro-batch.
+    ///
+    /// # Errors
+    /// [`LazyError::Shape`] when weight, bias or statistics are not `[C]`, [`LazyError::Kind`],
+    /// [`LazyError::Device`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn f_batch_norm(
+        &self,
+        weight: Option<impl IntoLazy>,
+        bias: Option<impl IntoLazy>,
+        running_mean: impl IntoLazy,
+        running_var: impl IntoLazy,
+        training: bool,
+        momentum: f64,
+        eps: f64,
+    ) -> Result<LazyTensor, LazyError> {
+        let x = &self.node;
+        let name = "batch_norm";
+        let s = &x.meta.shape;
+        if s.len() < 2 {
+            return Err(arg(name, s, format!("expected at least 2 dims (N, C, ..), got {}", s.len())));
+        }
+        floating(name, x)?;
+        let (w, b) = (weight.map(IntoLazy::into_lazy), bias.map(IntoLazy::into_lazy));
+        let (rm, rv) = (running_mean.into_lazy(), running_var.into_lazy());
+        let mut params: Vec<&Rc<Node>> = Vec::new();
+        params.extend(w.iter().map(|t| &t.node));
+        params.extend(b.iter().map(|t| &t.node));
+        params.extend([&rm.node, &rv.node]);
+        for p in &params {
+            if p.meta.shape != [s[1]] {
+                return Err(shape_err(
+                    name,
+                    s,
+                    &p.meta.shape,
+                    format!("expected [{}] for the weight, bias and statistics", s[1]),
+                ));
+            }
+        }
+        let mut nodes = vec![x];
+        nodes.extend(params.iter().copied());
+        let device = same_device(name, &nodes)?;
+        let mapped: Vec<Option<usize>> = nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| n.meta.batch().filter(|bd| i == 0 && bd.dim == 0).map(|_| 0))
+            .collect();
+        let (flow, mut mixes) = combine_flows(name, &nodes, &mapped, s, Linearity::Nonlinear, false)?;
+        if training && x.meta.batch().is_some() {
+            mixes = Some("in training mode normalizes with statistics over the batch".into());
+        }
+        let op = Norm::BatchNorm { training, momentum, eps, weight: w.is_some(), bias: b.is_some() };
+        let inputs = nodes.into_iter().cloned().collect();
+        Ok(Record::new(op, inputs, s.clone(), x.meta.kind, device).flow((flow, mixes)).finish())
+    }
+
+    /// Layer normalization over the trailing `normalized_shape`, as tch's
+    /// `Tensor::layer_norm` (`cudnn_enable` on).
+    ///
+    /// # Errors
+    /// [`LazyError::Shape`] when the trailing dimensions, weight or bias do not match
+    /// `normalized_shape`, [`LazyError::Kind`], [`LazyError::Device`].
+    pub fn f_layer_norm(
+        &self,
+        normalized_shape: impl AsRef<[i64]>,
+        weight: Option<impl IntoLazy>,
+        bias: Option<impl IntoLazy>,
+        eps: f64,
+    ) -> Result<LazyTensor, LazyError> {
+        let x = &self.node;
+        let name = "layer_norm";
+        let s = &x.meta.shape;
+        let norm = normalized_shape.as_ref().to_vec();
+        if norm.is_empty() || norm.len() > s.len() || s[s.len() - norm.len()..] != norm[..] {
+            return Err(shape_err(name, s, &norm, "the input's trailing dimensions must equal normalized_shape"));
+        }
+        floating(name, x)?;
+        let (w, b) = (weight.map(IntoLazy::into_lazy), bias.map(IntoLazy::into_lazy));
+        let mut nodes = vec![x];
+        for p in w.iter().chain(b.iter()) {
+            if p.node.meta.shape != norm {
+                return Err(shape_err(name, &norm, &p.node.meta.shape, "weight and bias must have normalized_shape"));
+            }
+            same_kind(name, x, &p.node)?;
+            nodes.push(&p.node);
+        }
+        let device = same_device(name, &nodes)?;
+        let first_norm = s.len() - norm.len();
+        let mapped: Vec<Option<usize>> =
+            nodes.iter().enumerate().map(|(i, n)| n.meta.batch().filter(|_| i == 0).map(|bd| bd.dim)).collect();
+        let (flow, mut mixes) = combine_flows(name, &nodes, &mapped, s, Linearity::Nonlinear, false)?;
+        if x.meta.batch().is_some_and(|bd| bd.dim >= first_norm) {
+            mixes = Some("normalizes over the batch dimension".into());
+        }
+        let op = Norm::LayerNorm { normalized_shape: norm, eps, weight: w.is_some(), bias: b.is_some() };
+        let inputs = nodes.into_iter().cloned().collect();
+        Ok(Record::new(op, inputs, s.clone(), x.meta.kind, device).flow((flow, mixes)).finish())
+    }
+}
+
+panicking! {
+    batch_norm => f_batch_norm(weight: Option<impl IntoLazy>, bias: Option<impl IntoLazy>, running_mean: impl IntoLazy, running_var: impl IntoLazy, training: bool, momentum: f64, eps: f64);
+    layer_norm => f_layer_norm(normalized_shape: impl AsRef<[i64]>, weight: Option<impl IntoLazy>, bias: Option<impl IntoLazy>, eps: f64);
+}

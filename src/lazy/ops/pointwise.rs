@@ -1,0 +1,688 @@
+//! Elementwise ops: activations and other unary functions, binary arithmetic and comparisons
+//! (tensor with tensor, broadcasting, or with a scalar), and dropout.
+
+use std::rc::Rc;
+
+use tch::{Kind, TchError, Tensor};
+
+use super::record::{broadcast_flows, same_device, Linearity, Record};
+use super::{arg, floating, panicking, requires, same_shape_flow, shape_err, Rules, RunCx, Scratch, Share};
+use crate::lazy::error::LazyError;
+use crate::lazy::graph::{Meta, Node};
+use crate::lazy::shape;
+use crate::lazy::tensor::IntoLazy;
+use crate::lazy::LazyTensor;
+
+/// Unary elementwise ops.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Unary {
+    Relu,
+    Sigmoid,
+    Tanh,
+    Exp,
+    Log,
+    Neg,
+    Sqrt,
+    Abs,
+    /// `approximate`: `"none"` or `"tanh"`, as tch's `gelu` takes it.
+    Gelu(String),
+    /// `x * sigmoid(x)`.
+    Silu,
+    /// `log(1 + e^x)` (tch's defaults: beta 1, threshold 20).
+    Softplus,
+}
+
+/// Binary elementwise ops (tensor with tensor, or tensor with scalar).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Binary {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Pow,
+    Maximum,
+    Minimum,
+    Eq,
+    Ne,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+}
+
+impl Binary {
+    pub(crate) fn is_comparison(self) -> bool {
+        matches!(self, Binary::Eq | Binary::Ne | Binary::Lt | Binary::Le | Binary::Gt | Binary::Ge)
+    }
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Binary::Add => "add",
+            Binary::Sub => "sub",
+            Binary::Mul => "mul",
+            Binary::Div => "div",
+            Binary::Pow => "pow",
+            Binary::Maximum => "maximum",
+            Binary::Minimum => "minimum",
+            Binary::Eq => "eq",
+            Binary::Ne => "ne",
+            Binary::Lt => "lt",
+            Binary::Le => "le",
+            Binary::Gt => "gt",
+            Binary::Ge => "ge",
+        }
+    }
+}
+
+pub(crate) enum Pointwise {
+    Unary(Unary),
+    /// Operands: a, b.
+    Binary(Binary),
+    /// `x op scalar`, or `scalar op x` when `reversed`.
+    Scalar {
+        op: Binary,
+        scalar: f64,
+        reversed: bool,
+    },
+    Dropout {
+        p: f64,
+        train: bool,
+    },
+}
+
+impl Rules for Pointwise {
+    fn name(&self) -> &'static str {
+        match self {
+            Pointwise::Unary(u) => match u {
+                Unary::Relu => "relu",
+                Unary::Sigmoid => "sigmoid",
+                Unary::Tanh => "tanh",
+                Unary::Exp => "exp",
+                Unary::Log => "log",
+                Unary::Neg => "neg",
+                Unary::Sqrt => "sqrt",
+                Unary::Abs => "abs",
+                Unary::Gelu(_) => "gelu",
+                Unary::Silu => "silu",
+                Unary::Softplus => "softplus",
+            },
+            Pointwise::Binary(b) => b.name(),
+            Pointwise::Scalar { op, reversed, .. } => match (op, reversed) {
+                (Binary::Add, _) => "add_scalar",
+                (Binary::Sub, false) => "sub_scalar",
+                (Binary::Sub, true) => "rsub_scalar",
+                (Binary::Mul, _) => "mul_scalar",
+                (Binary::Div, false) => "div_scalar",
+                (Binary::Div, true) => "rdiv_scalar",
+                (Binary::Pow, _) => "pow_scalar",
+                (other, _) => other.name(),
+            },
+            Pointwise::Dropout { .. } => "dropout",
+        }
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        match self {
+            Pointwise::Unary(u) => {
+                let x = ins[0];
+                match u {
+                    Unary::Relu => x.f_relu(),
+                    Unary::Sigmoid => x.f_sigmoid(),
+                    Unary::Tanh => x.f_tanh(),
+                    Unary::Exp => x.f_exp(),
+                    Unary::Log => x.f_log(),
+                    Unary::Neg => x.f_neg(),
+                    Unary::Sqrt => x.f_sqrt(),
+                    Unary::Abs => x.f_abs(),
+                    Unary::Gelu(approximate) => x.f_gelu(approximate),
+                    Unary::Silu => x.f_silu(),
+                    Unary::Softplus => x.f_softplus(),
+                }
+            }
+            Pointwise::Binary(op) => {
+                let (a, b) = (ins[0], ins[1]);
+                match op {
+                    Binary::Add => a.f_add(b),
+                    Binary::Sub => a.f_sub(b),
+                    Binary::Mul => a.f_mul(b),
+                    Binary::Div => a.f_div(b),
+                    Binary::Pow => a.f_pow(b),
+                    Binary::Maximum => a.f_maximum(b),
+                    Binary::Minimum => a.f_minimum(b),
+                    Binary::Eq => a.f_eq_tensor(b),
+                    Binary::Ne => a.f_ne_tensor(b),
+                    Binary::Lt => a.f_lt_tensor(b),
+                    Binary::Le => a.f_le_tensor(b),
+                    Binary::Gt => a.f_gt_tensor(b),
+                    Binary::Ge => a.f_ge_tensor(b),
+                }
+            }
+            Pointwise::Scalar { op, scalar, reversed } => scalar_op(ins[0], *op, *scalar, *reversed),
+            Pointwise::Dropout { p, train } => ins[0].f_dropout(*p, *train),
+        }
+    }
+
+    fn differentiable(&self) -> bool {
+        !matches!(self, Pointwise::Binary(b) | Pointwise::Scalar { op: b, .. } if b.is_comparison())
+    }
+
+    fn saves_input(&self, i: usize, inputs: &[Rc<Node>]) -> bool {
+        let other_requires = |j: usize| requires(inputs, j);
+        match self {
+            Pointwise::Unary(u) => {
+                i == 0 && matches!(u, Unary::Log | Unary::Abs | Unary::Gelu(_) | Unary::Silu | Unary::Softplus)
+            }
+            Pointwise::Binary(op) => match op {
+                Binary::Add | Binary::Sub => false,
+                Binary::Mul => other_requires(1 - i),
+                Binary::Div => (i == 1 && (other_requires(0) || other_requires(1))) || (i == 0 && other_requires(1)),
+                Binary::Pow | Binary::Maximum | Binary::Minimum => true,
+                _ => false,
+            },
+            Pointwise::Scalar { op: Binary::Pow, .. } => i == 0,
+            _ => false,
+        }
+    }
+
+    fn saves_output(&self) -> bool {
+        match self {
+            Pointwise::Unary(u) => matches!(u, Unary::Relu | Unary::Sigmoid | Unary::Tanh | Unary::Exp | Unary::Sqrt),
+            Pointwise::Binary(Binary::Pow) => true,
+            _ => false,
+        }
+    }
+
+    fn grad_aliases(&self, i: usize, inputs: &[Rc<Node>], meta: &Meta) -> bool {
+        let same_shape = |j: usize| inputs.get(j).is_some_and(|n| n.meta.shape == meta.shape);
+        match self {
+            Pointwise::Binary(Binary::Add) => same_shape(i),
+            Pointwise::Binary(Binary::Sub) => i == 0 && same_shape(0),
+            Pointwise::Scalar { op: Binary::Add | Binary::Sub, reversed: false, .. } => true,
+            Pointwise::Dropout { p, train } => !*train || *p == 0.0,
+            _ => false,
+        }
+    }
+
+    fn saved_extra(&self, inputs: &[Rc<Node>], _meta: &Meta) -> Option<(u64, u64, Kind)> {
+        let input = &inputs.first()?.meta;
+        let (a, c) = input.numel_parts();
+        match self {
+            // The scaled Bernoulli mask, as large as the input (CPU path).
+            Pointwise::Dropout { p, train } if *train && *p > 0.0 => Some((a, c, input.kind)),
+            // The reciprocal between `1 / x` and the multiplication.
+            Pointwise::Scalar { op: Binary::Div, reversed: true, .. } => Some((a, c, input.kind)),
+            _ => None,
+        }
+    }
+
+    fn scratch(&self, inputs: &[Rc<Node>], meta: &Meta) -> Scratch {
+        let mut scratch = Scratch::default();
+        // A broadcast operand's gradient: the output gradient summed over the broadcast
+        // dimensions.
+        if let Pointwise::Binary(op) = self {
+            if !op.is_comparison() && meta.requires_grad {
+                for (k, input) in inputs.iter().enumerate().take(2) {
+                    if requires(inputs, k) && input.meta.shape != meta.shape {
+                        scratch.stage(true, meta, shape::broadcast_mask(&input.meta.shape, &meta.shape));
+                    }
+                }
+            }
+        }
+        scratch
+    }
+
+    fn run_share(&self, ins: &[&Tensor], _node: &Node, share: &Share) -> Option<Result<Tensor, TchError>> {
+        match self {
+            // `sum + s`: the scalar must count once over all micro-batches.
+            Pointwise::Scalar { op: op @ (Binary::Add | Binary::Sub), scalar, reversed } => {
+                Some(scalar_op(ins[0], *op, scalar * share.frac, *reversed))
+            }
+            _ => None,
+        }
+    }
+
+    fn adds_fixed(&self) -> bool {
+        matches!(self, Pointwise::Binary(Binary::Add | Binary::Sub))
+    }
+}
+
+fn scalar_op(a: &Tensor, op: Binary, s: f64, reversed: bool) -> Result<Tensor, TchError> {
+    match (op, reversed) {
+        (Binary::Add, _) => a.f_add_scalar(s),
+        (Binary::Sub, false) => a.f_sub_scalar(s),
+        (Binary::Sub, true) => a.f_rsub_scalar(s),
+        (Binary::Mul, _) => a.f_mul_scalar(s),
+        (Binary::Div, false) => a.f_div_scalar(s),
+        // As Python's `s / x`: a reciprocal times the scalar.
+        (Binary::Div, true) => a.f_reciprocal()?.f_mul_scalar(s),
+        (Binary::Pow, _) => a.f_pow_tensor_scalar(s),
+        (Binary::Eq, _) => a.f_eq(s),
+        (Binary::Ne, _) => a.f_ne(s),
+        (Binary::Lt, _) => a.f_lt(s),
+        (Binary::Le, _) => a.f_le(s),
+        (Binary::Gt, _) => a.f_gt(s),
+        (Binary::Ge, _) => a.f_ge(s),
+        (Binary::Maximum | Binary::Minimum, _) => unreachable!("not recorded with a scalar"),
+    }
+}
+
+impl LazyTensor {
+    fn f_unary(&self, u: Unary) -> Result<LazyTensor, LazyError> {
+        let op = Pointwise::Unary(u);
+        let name = op.name();
+        let n = &self.node;
+        let kind = match op {
+            Pointwise::Unary(Unary::Relu | Unary::Neg | Unary::Abs) => n.meta.kind,
+            Pointwise::Unary(Unary::Gelu(ref approximate)) => {
+                floating(name, n)?;
+                if approximate != "none" && approximate != "tanh" {
+                    return Err(arg(
+                        name,
+                        &n.meta.shape,
+                        format!("approximate must be \"none\" or \"tanh\", got {approximate:?}"),
+                    ));
+                }
+                n.meta.kind
+            }
+            // libtorch has no integer kernels for these.
+            Pointwise::Unary(Unary::Silu | Unary::Softplus) => {
+                floating(name, n)?;
+                n.meta.kind
+            }
+            _ => shape::scalar_result_kind(n.meta.kind),
+        };
+        let linearity =
+            if matches!(op, Pointwise::Unary(Unary::Neg)) { Linearity::Additive } else { Linearity::Nonlinear };
+        let flow = same_shape_flow(name, n, linearity)?;
+        Ok(Record::new(op, vec![n.clone()], n.meta.shape.clone(), kind, n.meta.device).flow(flow).finish())
+    }
+
+    /// `max(x, 0)`.
+    ///
+    /// # Errors
+    /// None in practice; `Result` for symmetry with the other ops.
+    pub fn f_relu(&self) -> Result<LazyTensor, LazyError> {
+        self.f_unary(Unary::Relu)
+    }
+    /// The logistic sigmoid.
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_sigmoid(&self) -> Result<LazyTensor, LazyError> {
+        self.f_unary(Unary::Sigmoid)
+    }
+    /// The hyperbolic tangent.
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_tanh(&self) -> Result<LazyTensor, LazyError> {
+        self.f_unary(Unary::Tanh)
+    }
+    /// `e^x`.
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_exp(&self) -> Result<LazyTensor, LazyError> {
+        self.f_unary(Unary::Exp)
+    }
+    /// The natural logarithm.
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_log(&self) -> Result<LazyTensor, LazyError> {
+        self.f_unary(Unary::Log)
+    }
+    /// `-x`.
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_neg(&self) -> Result<LazyTensor, LazyError> {
+        self.f_unary(Unary::Neg)
+    }
+    /// The square root.
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_sqrt(&self) -> Result<LazyTensor, LazyError> {
+        self.f_unary(Unary::Sqrt)
+    }
+    /// The absolute value.
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_abs(&self) -> Result<LazyTensor, LazyError> {
+        self.f_unary(Unary::Abs)
+    }
+    /// GELU; `approximate` is `"none"` or `"tanh"`, as in tch.
+    ///
+    /// # Errors
+    /// [`LazyError::Kind`] for a non-floating tensor, [`LazyError::Argument`] for another
+    /// `approximate`.
+    pub fn f_gelu(&self, approximate: &str) -> Result<LazyTensor, LazyError> {
+        self.f_unary(Unary::Gelu(approximate.to_string()))
+    }
+    /// SiLU (swish): `x * sigmoid(x)`.
+    ///
+    /// # Errors
+    /// [`LazyError::Kind`] for a non-floating tensor.
+    pub fn f_silu(&self) -> Result<LazyTensor, LazyError> {
+        self.f_unary(Unary::Silu)
+    }
+    /// Softplus, `log(1 + e^x)`, with tch's defaults (beta 1; linear above 20).
+    ///
+    /// # Errors
+    /// [`LazyError::Kind`] for a non-floating tensor.
+    pub fn f_softplus(&self) -> Result<LazyTensor, LazyError> {
+        self.f_unary(Unary::Softplus)
+    }
+
+    fn f_binary(&self, op: Binary, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        let other = other.into_lazy();
+        let (a, b) = (&self.node, &other.node);
+        let name = op.name();
+        let device = same_device(name, &[a, b])?;
+        let out = shape::broadcast(&a.meta.shape, &b.meta.shape)
+            .map_err(|r| shape_err(name, &a.meta.shape, &b.meta.shape, r))?;
+        let promoted = shape::result_kind(a.meta.kind, a.meta.shape.len(), b.meta.kind, b.meta.shape.len());
+        let kind = match op {
+            _ if op.is_comparison() => Kind::Bool,
+            Binary::Div if shape::is_integral(promoted) => Kind::Float,
+            _ => promoted,
+        };
+        let linearity = match op {
+            Binary::Add | Binary::Sub => Linearity::Additive,
+            Binary::Mul => Linearity::Scaling { divisor: None },
+            Binary::Div => Linearity::Scaling { divisor: Some(1) },
+            _ => Linearity::Nonlinear,
+        };
+        let flow = broadcast_flows(name, &[a, b], &out, linearity)?;
+        let mut record = Record::new(Pointwise::Binary(op), vec![a.clone(), b.clone()], out, kind, device).flow(flow);
+        if op.is_comparison() {
+            record = record.not_differentiable();
+        }
+        Ok(record.finish())
+    }
+
+    fn f_scalar(&self, op: Binary, scalar: f64, reversed: bool) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let kind = match op {
+            _ if op.is_comparison() => Kind::Bool,
+            Binary::Div => {
+                if shape::is_integral(n.meta.kind) {
+                    Kind::Float
+                } else {
+                    n.meta.kind
+                }
+            }
+            _ => shape::scalar_result_kind(n.meta.kind),
+        };
+        let linearity = match op {
+            Binary::Add | Binary::Sub => Linearity::Additive,
+            Binary::Mul => Linearity::Structural,
+            Binary::Div if !reversed => Linearity::Structural,
+            _ => Linearity::Nonlinear,
+        };
+        let record_op = Pointwise::Scalar { op, scalar, reversed };
+        let flow = same_shape_flow(record_op.name(), n, linearity)?;
+        let mut record = Record::new(record_op, vec![n.clone()], n.meta.shape.clone(), kind, n.meta.device).flow(flow);
+        if op.is_comparison() {
+            record = record.not_differentiable();
+        }
+        Ok(record.finish())
+    }
+
+    /// `self + other`, broadcasting.
+    ///
+    /// # Errors
+    /// [`LazyError::Shape`] when the shapes do not broadcast, [`LazyError::Device`],
+    /// [`LazyError::Batch`] for a fixed operand that has the batch's size along the batch
+    /// dimension.
+    pub fn f_add(&self, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        self.f_binary(Binary::Add, other)
+    }
+    /// `self - other`, broadcasting.
+    ///
+    /// # Errors
+    /// As [`f_add`](Self::f_add).
+    pub fn f_sub(&self, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        self.f_binary(Binary::Sub, other)
+    }
+    /// `self * other`, broadcasting.
+    ///
+    /// # Errors
+    /// As [`f_add`](Self::f_add).
+    pub fn f_mul(&self, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        self.f_binary(Binary::Mul, other)
+    }
+    /// `self / other` (true division), broadcasting.
+    ///
+    /// # Errors
+    /// As [`f_add`](Self::f_add).
+    pub fn f_div(&self, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        self.f_binary(Binary::Div, other)
+    }
+    /// `self ^ other`, broadcasting.
+    ///
+    /// # Errors
+    /// As [`f_add`](Self::f_add).
+    pub fn f_pow(&self, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        self.f_binary(Binary::Pow, other)
+    }
+    /// Elementwise maximum, broadcasting.
+    ///
+    /// # Errors
+    /// As [`f_add`](Self::f_add).
+    pub fn f_maximum(&self, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        self.f_binary(Binary::Maximum, other)
+    }
+    /// Elementwise minimum, broadcasting.
+    ///
+    /// # Errors
+    /// As [`f_add`](Self::f_add).
+    pub fn f_minimum(&self, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        self.f_binary(Binary::Minimum, other)
+    }
+    /// `self == other` elementwise (a `Bool` tensor).
+    ///
+    /// # Errors
+    /// As [`f_add`](Self::f_add).
+    pub fn f_eq_tensor(&self, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        self.f_binary(Binary::Eq, other)
+    }
+    /// `self != other` elementwise.
+    ///
+    /// # Errors
+    /// As [`f_add`](Self::f_add).
+    pub fn f_ne_tensor(&self, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        self.f_binary(Binary::Ne, other)
+    }
+    /// `self < other` elementwise.
+    ///
+    /// # Errors
+    /// As [`f_add`](Self::f_add).
+    pub fn f_lt_tensor(&self, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        self.f_binary(Binary::Lt, other)
+    }
+    /// `self <= other` elementwise.
+    ///
+    /// # Errors
+    /// As [`f_add`](Self::f_add).
+    pub fn f_le_tensor(&self, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        self.f_binary(Binary::Le, other)
+    }
+    /// `self > other` elementwise.
+    ///
+    /// # Errors
+    /// As [`f_add`](Self::f_add).
+    pub fn f_gt_tensor(&self, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        self.f_binary(Binary::Gt, other)
+    }
+    /// `self >= other` elementwise.
+    ///
+    /// # Errors
+    /// As [`f_add`](Self::f_add).
+    pub fn f_ge_tensor(&self, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        self.f_binary(Binary::Ge, other)
+    }
+
+    /// `self + s`.
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_add_scalar(&self, s: f64) -> Result<LazyTensor, LazyError> {
+        self.f_scalar(Binary::Add, s, false)
+    }
+    /// `self - s`.
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_sub_scalar(&self, s: f64) -> Result<LazyTensor, LazyError> {
+        self.f_scalar(Binary::Sub, s, false)
+    }
+    /// `s - self`.
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_rsub_scalar(&self, s: f64) -> Result<LazyTensor, LazyError> {
+        self.f_scalar(Binary::Sub, s, true)
+    }
+    /// `self * s`.
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_mul_scalar(&self, s: f64) -> Result<LazyTensor, LazyError> {
+        self.f_scalar(Binary::Mul, s, false)
+    }
+    /// `self / s`.
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_div_scalar(&self, s: f64) -> Result<LazyTensor, LazyError> {
+        self.f_scalar(Binary::Div, s, false)
+    }
+    /// `s / self` (as Python's `s / x`: the reciprocal times `s`).
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_rdiv_scalar(&self, s: f64) -> Result<LazyTensor, LazyError> {
+        self.f_scalar(Binary::Div, s, true)
+    }
+    /// `self ^ s` (tch's `pow_tensor_scalar`).
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_pow_tensor_scalar(&self, s: f64) -> Result<LazyTensor, LazyError> {
+        self.f_scalar(Binary::Pow, s, false)
+    }
+    /// `self == s` elementwise.
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_eq(&self, s: f64) -> Result<LazyTensor, LazyError> {
+        self.f_scalar(Binary::Eq, s, false)
+    }
+    /// `self != s` elementwise.
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_ne(&self, s: f64) -> Result<LazyTensor, LazyError> {
+        self.f_scalar(Binary::Ne, s, false)
+    }
+    /// `self < s` elementwise.
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_lt(&self, s: f64) -> Result<LazyTensor, LazyError> {
+        self.f_scalar(Binary::Lt, s, false)
+    }
+    /// `self <= s` elementwise.
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_le(&self, s: f64) -> Result<LazyTensor, LazyError> {
+        self.f_scalar(Binary::Le, s, false)
+    }
+    /// `self > s` elementwise.
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_gt(&self, s: f64) -> Result<LazyTensor, LazyError> {
+        self.f_scalar(Binary::Gt, s, false)
+    }
+    /// `self >= s` elementwise.
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_ge(&self, s: f64) -> Result<LazyTensor, LazyError> {
+        self.f_scalar(Binary::Ge, s, false)
+    }
+
+    /// Dropout with probability `p` when `train` (the same value, not a copy, otherwise).
+    /// Each micro-batch draws its own mask.
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for `p` outside `[0, 1]`.
+    pub fn f_dropout(&self, p: f64, train: bool) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        if !(0.0..=1.0).contains(&p) {
+            return Err(arg(
+                "dropout",
+                &n.meta.shape,
+                format!("dropout probability has to be between 0 and 1, but got {p}"),
+            ));
+        }
+        let identity = !train || p == 0.0;
+        let linearity = if identity { Linearity::Structural } else { Linearity::Nonlinear };
+        let flow = same_shape_flow("dropout", n, linearity)?;
+        let record = Record::new(
+            Pointwise::Dropout { p, train },
+            vec![n.clone()],
+            n.meta.shape.clone(),
+            n.meta.kind,
+            n.meta.device,
+        )
+        .flow(flow);
+        Ok(if identity { record.view(n.meta.strides.clone()) } else { record }.finish())
+    }
+}
+
+panicking! {
+    relu => f_relu();
+    sigmoid => f_sigmoid();
+    tanh => f_tanh();
+    exp => f_exp();
+    log => f_log();
+    neg => f_neg();
+    sqrt => f_sqrt();
+    abs => f_abs();
+    gelu => f_gelu(approximate: &str);
+    silu => f_silu();
+    softplus => f_softplus();
+    add => f_add(other: impl IntoLazy);
+    sub => f_sub(other: impl IntoLazy);
+    mul => f_mul(other: impl IntoLazy);
+    div => f_div(other: impl IntoLazy);
+    pow => f_pow(other: impl IntoLazy);
+    maximum => f_maximum(other: impl IntoLazy);
+    minimum => f_minimum(other: impl IntoLazy);
+    eq_tensor => f_eq_tensor(other: impl IntoLazy);
+    ne_tensor => f_ne_tensor(other: impl IntoLazy);
+    lt_tensor => f_lt_tensor(other: impl IntoLazy);
+    le_tensor => f_le_tensor(other: impl IntoLazy);
+    gt_tensor => f_gt_tensor(other: impl IntoLazy);
+    ge_tensor => f_ge_tensor(other: impl IntoLazy);
+    add_scalar => f_add_scalar(s: f64);
+    sub_scalar => f_sub_scalar(s: f64);
+    rsub_scalar => f_rsub_scalar(s: f64);
+    mul_scalar => f_mul_scalar(s: f64);
+    div_scalar => f_div_scalar(s: f64);
+    rdiv_scalar => f_rdiv_scalar(s: f64);
+    pow_tensor_scalar => f_pow_tensor_scalar(s: f64);
+    eq => f_eq(s: f64);
+    ne => f_ne(s: f64);
+    lt => f_lt(s: f64);
+    le => f_le(s: f64);
+    gt => f_gt(s: f64);
+    ge => f_ge(s: f64);
+    dropout => f_dropout(p: f64, train: bool);
+}

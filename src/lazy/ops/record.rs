@@ -1,0 +1,320 @@
+//! Recording: a node about to be created, how the batch flows from an op's inputs to its
+//! output, and what the node costs, from its op's rules.
+
+use std::rc::Rc;
+
+use tch::{Device, Kind, Tensor};
+
+use super::source::Source;
+use super::Op;
+use crate::lazy::error::LazyError;
+use crate::lazy::graph::{BatchDim, Bytes, Cost, Flow, Meta, Node, Param, ParamKey};
+use crate::lazy::shape;
+use crate::lazy::LazyTensor;
+
+/// How an op treats values that were reduced over the batch ([`Flow::Sum`] and [`Flow::Max`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Linearity {
+    /// `a + b`, `a - b`: sums stay sums (fixed operands are weighted per micro-batch).
+    Additive,
+    /// `a * b`, `a / b`: a sum times something fixed stays a sum; `divisor` is the input that
+    /// must not be a sum.
+    Scaling { divisor: Option<usize> },
+    /// Shape-only and linear reductions (views, `sum`, `mean`): sums and maxima pass through.
+    Structural,
+    /// Anything else.
+    Nonlinear,
+}
+
+/// A node about to be created.
+pub(crate) struct Record {
+    pub(crate) op: Op,
+    pub(crate) inputs: Vec<Rc<Node>>,
+    pub(crate) shape: Vec<i64>,
+    /// `None`: a fresh, contiguous output.
+    pub(crate) strides: Option<Vec<i64>>,
+    pub(crate) kind: Kind,
+    pub(crate) device: Device,
+    pub(crate) flow: Flow,
+    pub(crate) mixes: Option<String>,
+    pub(crate) alias: bool,
+    pub(crate) differentiable: bool,
+}
+
+impl Record {
+    pub(crate) fn new(op: impl Into<Op>, inputs: Vec<Rc<Node>>, shape: Vec<i64>, kind: Kind, device: Device) -> Self {
+        Record {
+            op: op.into(),
+            inputs,
+            shape,
+            strides: None,
+            kind,
+            device,
+            flow: Flow::Fixed,
+            mixes: None,
+            alias: false,
+            differentiable: true,
+        }
+    }
+
+    pub(crate) fn flow(mut self, (flow, mixes): (Flow, Option<String>)) -> Self {
+        self.flow = flow;
+        self.mixes = mixes;
+        self
+    }
+
+    pub(crate) fn view(mut self, strides: Vec<i64>) -> Self {
+        self.strides = Some(strides);
+        self.alias = true;
+        self
+    }
+
+    pub(crate) fn not_differentiable(mut self) -> Self {
+        self.differentiable = false;
+        self
+    }
+
+    pub(crate) fn finish(self) -> LazyTensor {
+        let requires_grad =
+            self.differentiable && shape::is_floating(self.kind) && self.inputs.iter().any(|n| n.meta.requires_grad);
+        let strides = self.strides.unwrap_or_else(|| shape::contiguous_strides(&self.shape));
+        let meta = Meta {
+            shape: self.shape,
+            strides,
+            kind: self.kind,
+            device: self.device,
+            flow: self.flow,
+            requires_grad,
+            alias: self.alias,
+            mixes: self.mixes,
+        };
+        let op = self.op;
+        let cost = cost(&op, &self.inputs, &meta);
+        LazyTensor { node: Node::new(op, self.inputs, meta, cost) }
+    }
+}
+
+/// A leaf: a batched input (`batch = Some(dim)`) or a fixed tensor (parameters, constants).
+pub(crate) fn leaf(tensor: &Tensor, batch: Option<usize>) -> LazyTensor {
+    let shape = tensor.size();
+    let meta_flow = match batch {
+        Some(dim) => Flow::PerSample(BatchDim { dim, size: shape[dim], factor: 1 }),
+        None => Flow::Fixed,
+    };
+    let meta = Meta {
+        strides: tensor.stride(),
+        kind: tensor.kind(),
+        device: tensor.device(),
+        flow: meta_flow,
+        requires_grad: tensor.requires_grad(),
+        alias: false,
+        mixes: None,
+        shape,
+    };
+    let op = Op::Source(match batch {
+        Some(dim) => Source::Input { tensor: tensor.shallow_clone(), dim },
+        None => {
+            let param =
+                meta.requires_grad.then(|| Box::new(Param { key: ParamKey::of(tensor), is_leaf: tensor.is_leaf() }));
+            Source::Leaf { tensor: tensor.shallow_clone(), param }
+        }
+    });
+    let cost = cost(&op, &[], &meta);
+    LazyTensor { node: Node::new(op, Vec::new(), meta, cost) }
+}
+
+/// Checks that all operands live on one device; gives it back.
+pub(crate) fn same_device(op: &str, nodes: &[&Rc<Node>]) -> Result<Device, LazyError> {
+    let first = nodes[0];
+    for n in &nodes[1..] {
+        // libtorch lets a 0-dim CPU tensor join any device, as a scalar.
+        let scalar = n.meta.shape.is_empty() && n.meta.device == Device::Cpu;
+        if n.meta.device != first.meta.device && !scalar {
+            return Err(LazyError::Device {
+                op: op.into(),
+                lhs: first.meta.device,
+                lhs_shape: first.meta.shape.clone(),
+                rhs: n.meta.device,
+                rhs_shape: n.meta.shape.clone(),
+            });
+        }
+    }
+    Ok(first.meta.device)
+}
+
+/// The flow of an op's output, given where each per-sample input's batch dimension lands in
+/// the output (`mapped[i]`: `Some(dim)`, or `None` when the op consumes it) and how the op
+/// treats reduced values.
+///
+/// Checks that per-sample inputs share one batch size, and that a fixed operand does not carry
+/// what looks like the batch (a fixed tensor of size N along the batch dimension would be
+/// broadcast against every micro-batch: wrong, so it is an error).
+pub(crate) fn combine_flows(
+    op: &str,
+    inputs: &[&Rc<Node>],
+    mapped: &[Option<usize>],
+    out_shape: &[i64],
+    linearity: Linearity,
+    check_fixed: bool,
+) -> Result<(Flow, Option<String>), LazyError> {
+    let mut per: Option<(BatchDim, usize)> = None;
+    let mut consumed = false;
+    let (mut sums, mut maxes, mut opaque) = (0, 0, false);
+    let mut misaligned = false;
+    for (i, n) in inputs.iter().enumerate() {
+        match n.meta.flow {
+            Flow::PerSample(bd) => match mapped[i] {
+                None => consumed = true,
+                Some(dim) => {
+                    let here = BatchDim { dim, ..bd };
+                    match per {
+                        None => per = Some((here, i)),
+                        Some((first, j)) => {
+                            if first.size != here.size {
+                                return Err(LazyError::Batch {
+                                    op: op.into(),
+                                    lhs: inputs[j].meta.shape.clone(),
+                                    rhs: n.meta.shape.clone(),
+                                    reason: format!(
+                                        "batch sizes {} and {} differ (inputs wrapped by different lazy() calls?)",
+                                        first.size, here.size
+                                    ),
+                                });
+                            }
+                            misaligned |= first != here;
+                        }
+                    }
+                }
+            },
+            Flow::Fixed => {}
+            Flow::Sum => sums += 1,
+            Flow::Max => maxes += 1,
+            Flow::Opaque => opaque = true,
+        }
+    }
+    if opaque {
+        return Ok((Flow::Opaque, None));
+    }
+    if let Some((bd, j)) = per {
+        // A fixed operand with the batch's size along the batch dimension (right-aligned, as
+        // broadcasting aligns) is almost surely per-sample data that was not wrapped.
+        let full = bd.size * bd.factor;
+        if check_fixed && full > 1 {
+            for n in inputs.iter().filter(|n| n.meta.flow == Flow::Fixed) {
+                let offset = out_shape.len() as i64 - n.meta.shape.len() as i64;
+                let at = bd.dim as i64 - offset;
+                if at >= 0 && n.meta.shape.get(at as usize) == Some(&full) {
+                    return Err(LazyError::Batch {
+                        op: op.into(),
+                        lhs: inputs[j].meta.shape.clone(),
+                        rhs: n.meta.shape.clone(),
+                        reason: format!(
+                            "the second operand is not batched but has the batch's size {full} along the batch \
+                             dimension {}; wrap it with toma::lazy::lazy(.., dim) so it is split with the batch",
+                            bd.dim
+                        ),
+                    });
+                }
+            }
+        }
+        if misaligned || consumed {
+            let reason = if consumed {
+                "reduces over the batch dimension of one operand while keeping another's".to_string()
+            } else {
+                "pairs samples found at different positions of its operands' batch dimensions".to_string()
+            };
+            return Ok((Flow::Opaque, Some(reason)));
+        }
+        if out_shape.get(bd.dim) != Some(&full) {
+            // Only possible with N = 1 broadcast against something larger: never split.
+            return Ok((Flow::Opaque, None));
+        }
+        if sums + maxes > 0 {
+            let reason = "combines per-sample values with a value reduced over the batch".to_string();
+            return Ok((Flow::PerSample(bd), Some(reason)));
+        }
+        return Ok((Flow::PerSample(bd), None));
+    }
+    if consumed {
+        return Ok((Flow::Opaque, Some("consumes the batch dimension".to_string())));
+    }
+    if maxes > 0 {
+        if linearity == Linearity::Structural && sums == 0 {
+            return Ok((Flow::Max, None));
+        }
+        return Ok((Flow::Opaque, Some("is applied to a maximum over the batch".to_string())));
+    }
+    if sums > 0 {
+        let linear = match linearity {
+            Linearity::Additive | Linearity::Structural => true,
+            Linearity::Scaling { divisor } => {
+                sums == 1 && divisor.is_none_or(|d| inputs.get(d).is_none_or(|n| n.meta.flow != Flow::Sum))
+            }
+            Linearity::Nonlinear => false,
+        };
+        if linear {
+            return Ok((Flow::Sum, None));
+        }
+        return Ok((
+            Flow::Opaque,
+            Some("is applied to a value reduced over the batch, which is not linear".to_string()),
+        ));
+    }
+    Ok((Flow::Fixed, None))
+}
+
+/// Elementwise (broadcasting) ops: each input's batch dimension is right-aligned into the output.
+pub(crate) fn broadcast_flows(
+    op: &str,
+    inputs: &[&Rc<Node>],
+    out_shape: &[i64],
+    linearity: Linearity,
+) -> Result<(Flow, Option<String>), LazyError> {
+    let mapped: Vec<Option<usize>> =
+        inputs.iter().map(|n| n.meta.batch().map(|bd| bd.dim + out_shape.len() - n.meta.shape.len())).collect();
+    combine_flows(op, inputs, &mapped, out_shape, linearity, true)
+}
+
+/// A unary op that keeps the batch dimension at `dim` (given the input's), or drops it (`None`).
+pub(crate) fn unary_flow(
+    op: &str,
+    input: &Rc<Node>,
+    out_shape: &[i64],
+    dim: impl FnOnce(usize) -> Option<usize>,
+    linearity: Linearity,
+) -> Result<(Flow, Option<String>), LazyError> {
+    let mapped = [input.meta.batch().and_then(|bd| dim(bd.dim))];
+    combine_flows(op, &[input], &mapped, out_shape, linearity, false)
+}
+
+/// What a node costs in memory, from its op's rules: worked out once, when it is recorded.
+fn cost(op: &Op, inputs: &[Rc<Node>], meta: &Meta) -> Cost {
+    let elements = meta.numel_parts();
+    let grad = Bytes::of(elements, meta.kind);
+    let leaf = op.is_source();
+    let rules = op.rules();
+    let out = if leaf || meta.alias { Bytes::default() } else { grad };
+    let extra = match rules.saved_extra(inputs, meta) {
+        Some((a, c, kind)) if meta.requires_grad => Bytes::of((a, c), kind),
+        _ => Bytes::default(),
+    };
+    let in_kind = inputs.first().map_or(meta.kind, |x| x.meta.kind);
+    let scratch = rules.scratch(inputs, meta);
+    let (work, back_work) = (Bytes::of(scratch.forward, in_kind), Bytes::of(scratch.backward, in_kind));
+    let staged = scratch.staged.into_boxed_slice();
+    let (mut saved, mut grad_alias) = (0u64, 0u64);
+    for k in 0..inputs.len().min(64) {
+        if meta.requires_grad && rules.saves_input(k, inputs) {
+            saved |= 1 << k;
+        }
+        if rules.grad_aliases(k, inputs, meta) {
+            grad_alias |= 1 << k;
+        }
+    }
+    let alias_rest = inputs.len() > 64 && rules.grad_aliases(64, inputs, meta);
+    let mut hash = crate::hash::mix(op.tag() ^ meta.kind as u64);
+    for &s in &meta.shape {
+        hash = crate::hash::mix(hash ^ s as u64);
+    }
+    Cost { out, grad, extra, work, back_work, staged, saved, grad_alias, alias_rest, hash }
+}

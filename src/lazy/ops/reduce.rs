@@ -1,0 +1,292 @@
+//! Reductions over dimensions (`sum`, `mean`, `amax`) and the softmaxes, which normalize
+//! along one.
+
+use std::rc::Rc;
+
+use tch::{Kind, TchError, Tensor};
+
+use super::record::{Linearity, Record};
+use super::{arg, kind_err, panicking, same_shape_flow, Rules, RunCx, Scratch, Share};
+use crate::lazy::error::LazyError;
+use crate::lazy::graph::{BatchDim, Flow, Meta, Node};
+use crate::lazy::shape;
+use crate::lazy::LazyTensor;
+
+/// What a reduction computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ReduceOp {
+    Sum,
+    Mean,
+    Amax,
+}
+
+pub(crate) enum Reduce {
+    /// Over `dims` (all when `None`).
+    Dims {
+        op: ReduceOp,
+        dims: Option<Vec<i64>>,
+        keepdim: bool,
+        kind: Option<Kind>,
+    },
+    Softmax {
+        dim: i64,
+        kind: Option<Kind>,
+        log: bool,
+    },
+}
+
+impl Rules for Reduce {
+    fn name(&self) -> &'static str {
+        match self {
+            Reduce::Dims { op: ReduceOp::Sum, .. } => "sum",
+            Reduce::Dims { op: ReduceOp::Mean, .. } => "mean",
+            Reduce::Dims { op: ReduceOp::Amax, .. } => "amax",
+            Reduce::Softmax { log: false, .. } => "softmax",
+            Reduce::Softmax { log: true, .. } => "log_softmax",
+        }
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let x = ins[0];
+        match self {
+            Reduce::Dims { op, dims, keepdim, kind } => reduce(x, *op, dims.as_deref(), *keepdim, *kind),
+            Reduce::Softmax { dim, kind, log: false } => x.f_softmax(*dim, *kind),
+            Reduce::Softmax { dim, kind, log: true } => x.f_log_softmax(*dim, *kind),
+        }
+    }
+
+    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
+        matches!(self, Reduce::Dims { op: ReduceOp::Amax, .. }) && i == 0
+    }
+
+    fn saves_output(&self) -> bool {
+        matches!(self, Reduce::Softmax { .. } | Reduce::Dims { op: ReduceOp::Amax, .. })
+    }
+
+    fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
+        // The gradient of a sum is the output's, expanded.
+        matches!(self, Reduce::Dims { op: ReduceOp::Sum, .. })
+    }
+
+    fn scratch(&self, inputs: &[Rc<Node>], _meta: &Meta) -> Scratch {
+        let mut scratch = Scratch::default();
+        if let Reduce::Dims { dims, .. } = self {
+            let of = &inputs[0].meta;
+            let rank = of.shape.len();
+            // Checked when recorded: a wrapping error cannot happen here.
+            let mask = match dims {
+                None => shape::dims_mask(0..rank),
+                Some(dims) => shape::wrap_dims(dims, rank).map_or(0, shape::dims_mask),
+            };
+            scratch.stage(false, of, mask);
+        }
+        scratch
+    }
+
+    fn run_share(&self, ins: &[&Tensor], node: &Node, share: &Share) -> Option<Result<Tensor, TchError>> {
+        match self {
+            // A mean over the batch: each micro-batch adds its share, so it divides by the full
+            // batch's count, not the micro-batch's.
+            Reduce::Dims { op: ReduceOp::Mean, dims, keepdim, kind } if share.reduces_batch => {
+                let full_count = |m: &Meta| shape::numel(&m.shape) as f64;
+                let count = full_count(&node.inputs[0].meta) / full_count(&node.meta).max(1.0);
+                Some(
+                    reduce(ins[0], ReduceOp::Sum, dims.as_deref(), *keepdim, *kind).and_then(|s| s.f_div_scalar(count)),
+                )
+            }
+            _ => None,
+        }
+    }
+}
+
+/// A reduction as tch runs it.
+fn reduce(
+    x: &Tensor,
+    op: ReduceOp,
+    dims: Option<&[i64]>,
+    keepdim: bool,
+    kind: Option<Kind>,
+) -> Result<Tensor, TchError> {
+    match (op, dims) {
+        (ReduceOp::Sum, None) => x.f_sum(kind),
+        (ReduceOp::Sum, Some(dims)) => x.f_sum_dim_intlist(dims, keepdim, kind),
+        (ReduceOp::Mean, None) => x.f_mean(kind),
+        (ReduceOp::Mean, Some(dims)) => x.f_mean_dim(dims, keepdim, kind),
+        (ReduceOp::Amax, None) => x.f_max(),
+        (ReduceOp::Amax, Some(dims)) => x.f_amax(dims, keepdim),
+    }
+}
+
+impl LazyTensor {
+    fn f_softmax_impl(&self, dim: i64, kind: Option<Kind>, log: bool) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let op = Reduce::Softmax { dim, kind, log };
+        let name = op.name();
+        let d = shape::wrap_dim(dim, n.meta.shape.len()).map_err(|r| arg(name, &n.meta.shape, r))?;
+        let out_kind = kind.unwrap_or(n.meta.kind);
+        if !shape::is_floating(out_kind) {
+            return Err(kind_err(name, out_kind, &n.meta.shape, "softmax needs a floating-point kind"));
+        }
+        let (flow, mut mixes) = same_shape_flow(name, n, Linearity::Nonlinear)?;
+        if n.meta.batch().is_some_and(|bd| bd.dim == d) {
+            mixes = Some(format!("normalizes over the batch dimension {d}"));
+        }
+        Ok(Record::new(op, vec![n.clone()], n.meta.shape.clone(), out_kind, n.meta.device).flow((flow, mixes)).finish())
+    }
+
+    /// Softmax along `dim`, optionally computed in `kind`.
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for a bad dimension, [`LazyError::Kind`] for a non-floating kind.
+    pub fn f_softmax(&self, dim: i64, kind: impl Into<Option<Kind>>) -> Result<LazyTensor, LazyError> {
+        self.f_softmax_impl(dim, kind.into(), false)
+    }
+
+    /// Log-softmax along `dim`, optionally computed in `kind`.
+    ///
+    /// # Errors
+    /// As [`f_softmax`](Self::f_softmax).
+    pub fn f_log_softmax(&self, dim: i64, kind: impl Into<Option<Kind>>) -> Result<LazyTensor, LazyError> {
+        self.f_softmax_impl(dim, kind.into(), true)
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Reductions
+
+    fn f_reduce(
+        &self,
+        op: ReduceOp,
+        dims: Option<&[i64]>,
+        keepdim: bool,
+        kind: Option<Kind>,
+    ) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let m = &n.meta;
+        let name = Reduce::Dims { op, dims: None, keepdim, kind }.name();
+        let a = |r: String| arg(name, &m.shape, r);
+        let (reduced, dims) = match dims {
+            Some(list) if !list.is_empty() => {
+                let wrapped = shape::wrap_dims(list, m.shape.len()).map_err(a)?;
+                (wrapped, Some(list.to_vec()))
+            }
+            // An empty list reduces every dimension, as in libtorch.
+            Some(_) => {
+                ((0..m.shape.len()).collect(), if keepdim { Some((0..m.shape.len() as i64).collect()) } else { None })
+            }
+            None => ((0..m.shape.len()).collect(), None),
+        };
+        let out_kind = match op {
+            ReduceOp::Sum => kind.unwrap_or(if shape::is_integral(m.kind) { Kind::Int64 } else { m.kind }),
+            ReduceOp::Mean => {
+                let k = kind.unwrap_or(m.kind);
+                if !shape::is_floating(k) {
+                    return Err(kind_err(name, k, &m.shape, "mean needs a floating-point kind (pass one)"));
+                }
+                k
+            }
+            ReduceOp::Amax => {
+                if m.shape.iter().zip(0..).any(|(&s, i)| s == 0 && reduced.contains(&i)) {
+                    return Err(a("cannot take the maximum over an empty dimension".into()));
+                }
+                m.kind
+            }
+        };
+        let out: Vec<i64> = match (&dims, keepdim) {
+            (None, false) => Vec::new(),
+            _ => m
+                .shape
+                .iter()
+                .enumerate()
+                .filter_map(|(i, &s)| if reduced.contains(&i) { keepdim.then_some(1) } else { Some(s) })
+                .collect(),
+        };
+        let flow = match m.flow {
+            Flow::PerSample(bd) if reduced.contains(&bd.dim) => match op {
+                ReduceOp::Sum | ReduceOp::Mean => (Flow::Sum, None),
+                ReduceOp::Amax => (Flow::Max, None),
+            },
+            Flow::PerSample(bd) => {
+                let dim = if keepdim { bd.dim } else { bd.dim - reduced.iter().filter(|&&r| r < bd.dim).count() };
+                (Flow::PerSample(BatchDim { dim, ..bd }), None)
+            }
+            Flow::Sum if op == ReduceOp::Amax => {
+                (Flow::Opaque, Some("takes a maximum of a value summed over the batch".to_string()))
+            }
+            Flow::Max if op != ReduceOp::Amax => (Flow::Opaque, Some("sums a maximum over the batch".to_string())),
+            other => (other, None),
+        };
+        let record_op = Reduce::Dims { op, dims, keepdim, kind };
+        Ok(Record::new(record_op, vec![n.clone()], out, out_kind, m.device).flow(flow).finish())
+    }
+
+    /// The sum of all elements (optionally in `kind`). Over the batch, micro-batch sums add up.
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_sum(&self, kind: impl Into<Option<Kind>>) -> Result<LazyTensor, LazyError> {
+        self.f_reduce(ReduceOp::Sum, None, false, kind.into())
+    }
+
+    /// The sum over `dims` (tch's `sum_dim_intlist`).
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for bad or repeated dimensions.
+    pub fn f_sum_dim_intlist(
+        &self,
+        dims: impl AsRef<[i64]>,
+        keepdim: bool,
+        kind: impl Into<Option<Kind>>,
+    ) -> Result<LazyTensor, LazyError> {
+        self.f_reduce(ReduceOp::Sum, Some(dims.as_ref()), keepdim, kind.into())
+    }
+
+    /// The mean of all elements. Over the batch, each micro-batch is weighted by its share, so
+    /// the result is the full-batch mean.
+    ///
+    /// # Errors
+    /// [`LazyError::Kind`] for an integer tensor without a floating `kind`.
+    pub fn f_mean(&self, kind: impl Into<Option<Kind>>) -> Result<LazyTensor, LazyError> {
+        self.f_reduce(ReduceOp::Mean, None, false, kind.into())
+    }
+
+    /// The mean over `dims` (tch's `mean_dim`).
+    ///
+    /// # Errors
+    /// As [`f_mean`](Self::f_mean), and bad dimensions.
+    pub fn f_mean_dim(
+        &self,
+        dims: impl AsRef<[i64]>,
+        keepdim: bool,
+        kind: impl Into<Option<Kind>>,
+    ) -> Result<LazyTensor, LazyError> {
+        self.f_reduce(ReduceOp::Mean, Some(dims.as_ref()), keepdim, kind.into())
+    }
+
+    /// The maximum over `dims` (tch's `amax`). Over the batch it can be evaluated, not
+    /// differentiated in micro-batches.
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for bad dimensions or an empty one.
+    pub fn f_amax(&self, dims: impl AsRef<[i64]>, keepdim: bool) -> Result<LazyTensor, LazyError> {
+        self.f_reduce(ReduceOp::Amax, Some(dims.as_ref()), keepdim, None)
+    }
+
+    /// The maximum of all elements (tch's `max`).
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for an empty tensor.
+    pub fn f_max(&self) -> Result<LazyTensor, LazyError> {
+        self.f_reduce(ReduceOp::Amax, None, false, None)
+    }
+}
+
+panicking! {
+    softmax => f_softmax(dim: i64, kind: impl Into<Option<Kind>>);
+    log_softmax => f_log_softmax(dim: i64, kind: impl Into<Option<Kind>>);
+    sum => f_sum(kind: impl Into<Option<Kind>>);
+    sum_dim_intlist => f_sum_dim_intlist(dims: impl AsRef<[i64]>, keepdim: bool, kind: impl Into<Option<Kind>>);
+    mean => f_mean(kind: impl Into<Option<Kind>>);
+    mean_dim => f_mean_dim(dims: impl AsRef<[i64]>, keepdim: bool, kind: impl Into<Option<Kind>>);
+    amax => f_amax(dims: impl AsRef<[i64]>, keepdim: bool);
+    max => f_max();
+}

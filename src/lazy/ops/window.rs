@@ -1,0 +1,364 @@
+//! Windows over spatial dimensions: convolutions (1-D and 2-D) and 2-D pooling.
+
+use std::rc::Rc;
+
+use tch::{Kind, TchError, Tensor};
+
+use super::record::{combine_flows, same_device, unary_flow, Linearity, Record};
+use super::{arg, floating, panicking, requires, same_kind, shape_err, Rules, RunCx, Scratch};
+use crate::lazy::error::LazyError;
+use crate::lazy::graph::{Flow, Meta, Node};
+use crate::lazy::scratch;
+use crate::lazy::shape;
+use crate::lazy::tensor::IntoLazy;
+use crate::lazy::LazyTensor;
+
+pub(crate) enum Window {
+    /// Operands: x, weight, optional bias.
+    Conv1d {
+        stride: [i64; 1],
+        padding: [i64; 1],
+        dilation: [i64; 1],
+        groups: i64,
+    },
+    /// Operands: x, weight, optional bias.
+    Conv2d {
+        stride: [i64; 2],
+        padding: [i64; 2],
+        dilation: [i64; 2],
+        groups: i64,
+    },
+    MaxPool2d {
+        kernel: [i64; 2],
+        stride: [i64; 2],
+        padding: [i64; 2],
+        dilation: [i64; 2],
+        ceil_mode: bool,
+    },
+    AvgPool2d {
+        kernel: [i64; 2],
+        stride: [i64; 2],
+        padding: [i64; 2],
+        ceil_mode: bool,
+        count_include_pad: bool,
+        divisor_override: Option<i64>,
+    },
+    AdaptiveAvgPool2d {
+        output: [i64; 2],
+    },
+}
+
+/// A convolution's settings, as slices over its spatial dimensions.
+struct Settings<'a> {
+    stride: &'a [i64],
+    padding: &'a [i64],
+    dilation: &'a [i64],
+    groups: i64,
+}
+
+impl Window {
+    /// A convolution's settings, whatever its dimensions.
+    fn convolution(&self) -> Option<Settings<'_>> {
+        match self {
+            Window::Conv1d { stride, padding, dilation, groups } => {
+                Some(Settings { stride, padding, dilation, groups: *groups })
+            }
+            Window::Conv2d { stride, padding, dilation, groups } => {
+                Some(Settings { stride, padding, dilation, groups: *groups })
+            }
+            _ => None,
+        }
+    }
+}
+
+impl Rules for Window {
+    fn name(&self) -> &'static str {
+        match self {
+            Window::Conv1d { .. } => "conv1d",
+            Window::Conv2d { .. } => "conv2d",
+            Window::MaxPool2d { .. } => "max_pool2d",
+            Window::AvgPool2d { .. } => "avg_pool2d",
+            Window::AdaptiveAvgPool2d { .. } => "adaptive_avg_pool2d",
+        }
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let x = ins[0];
+        match self {
+            Window::Conv1d { stride, padding, dilation, groups } => {
+                let (weight, bias) = (ins[1], ins.get(2).copied());
+                x.f_conv1d(weight, bias, stride, padding, dilation, *groups)
+            }
+            Window::Conv2d { stride, padding, dilation, groups } => {
+                let (weight, bias) = (ins[1], ins.get(2).copied());
+                x.f_conv2d(weight, bias, stride, padding, dilation, *groups)
+            }
+            Window::MaxPool2d { kernel, stride, padding, dilation, ceil_mode } => {
+                x.f_max_pool2d(kernel, stride, padding, dilation, *ceil_mode)
+            }
+            Window::AvgPool2d { kernel, stride, padding, ceil_mode, count_include_pad, divisor_override } => {
+                x.f_avg_pool2d(kernel, stride, padding, *ceil_mode, *count_include_pad, *divisor_override)
+            }
+            Window::AdaptiveAvgPool2d { output } => x.f_adaptive_avg_pool2d(output),
+        }
+    }
+
+    fn saves_input(&self, i: usize, inputs: &[Rc<Node>]) -> bool {
+        match self {
+            // Input and weight, each for the other's gradient.
+            Window::Conv1d { .. } | Window::Conv2d { .. } => match i {
+                0 => requires(inputs, 1),
+                1 => requires(inputs, 0),
+                _ => false,
+            },
+            _ => i == 0,
+        }
+    }
+
+    fn saved_extra(&self, _inputs: &[Rc<Node>], meta: &Meta) -> Option<(u64, u64, Kind)> {
+        match self {
+            // Indices of the maxima, one int64 per output element.
+            Window::MaxPool2d { .. } => {
+                let (a, c) = meta.numel_parts();
+                Some((a, c, Kind::Int64))
+            }
+            _ => None,
+        }
+    }
+
+    fn scratch(&self, inputs: &[Rc<Node>], meta: &Meta) -> Scratch {
+        let mut scratch = Scratch::default();
+        let Some(Settings { stride, padding, dilation, groups }) = self.convolution() else {
+            return scratch;
+        };
+        let w = &inputs[1].meta.shape;
+        let out = &meta.shape;
+        let spatial = stride.len();
+        let batched = out.len() == spatial + 2;
+        if meta.device.is_cuda() && batched {
+            // cuDNN may reorder both operands (see `scratch`): their bytes, and a few MiB.
+            let ((ip, ic), (op, oc)) = (inputs[0].meta.numel_parts(), meta.numel_parts());
+            let elem = meta.kind.elt_size_in_bytes().max(1) as u64;
+            let (forward, backward) = scratch::CONV_WORKSPACE_FIXED;
+            scratch.forward = (ip + op, ic + oc + forward / elem);
+            scratch.backward = (ip + op, ic + oc + backward / elem);
+            // The bias gradient: the output gradient summed over every dimension but channels.
+            if requires(inputs, 2) && meta.requires_grad {
+                scratch.stage(true, meta, shape::dims_mask((0..out.len()).filter(|&d| d != 1)));
+            }
+            return scratch;
+        }
+        let kernel = &w[2..];
+        let one_by_one = kernel.iter().all(|&k| k == 1)
+            && stride.iter().all(|&s| s == 1)
+            && padding.iter().all(|&p| p == 0)
+            && dilation.iter().all(|&d| d == 1);
+        if one_by_one {
+            return scratch;
+        }
+        // im2col: every input channel times every kernel position, per output position.
+        let positions = shape::numel(&out[out.len() - spatial..]) as u64;
+        let cols = (w[1] * groups * shape::numel(kernel)) as u64 * positions;
+        let work = match meta.batch() {
+            Some(_) if batched => (cols, 0),
+            _ => (0, cols * if batched { out[0] as u64 } else { 1 }),
+        };
+        scratch.forward = work;
+        scratch.backward = work;
+        scratch
+    }
+}
+
+impl LazyTensor {
+    /// 2-D convolution, as tch's `conv2d`: `self` is `[N, C, H, W]` (or `[C, H, W]`), `weight`
+    /// `[O, C / groups, kh, kw]`; `stride`, `padding` and `dilation` take 1 or 2 values.
+    ///
+    /// # Errors
+    /// [`LazyError::Shape`] when input and weight do not fit, [`LazyError::Argument`] for bad
+    /// parameters, [`LazyError::Kind`], [`LazyError::Device`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn f_conv2d(
+        &self,
+        weight: impl IntoLazy,
+        bias: Option<impl IntoLazy>,
+        stride: impl AsRef<[i64]>,
+        padding: impl AsRef<[i64]>,
+        dilation: impl AsRef<[i64]>,
+        groups: i64,
+    ) -> Result<LazyTensor, LazyError> {
+        let (w, b) = (weight.into_lazy(), bias.map(IntoLazy::into_lazy));
+        let (stride, padding, dilation) = (stride.as_ref(), padding.as_ref(), dilation.as_ref());
+        self.convolution::<2>("conv2d", &w, b.as_ref(), [stride, padding, dilation], groups, |s, p, d| Window::Conv2d {
+            stride: s,
+            padding: p,
+            dilation: d,
+            groups,
+        })
+    }
+
+    /// 1-D convolution, as tch's `conv1d`: `self` is `[N, C, L]` (or `[C, L]`), `weight`
+    /// `[O, C / groups, k]`; `stride`, `padding` and `dilation` take 1 value.
+    ///
+    /// # Errors
+    /// As [`f_conv2d`](Self::f_conv2d).
+    #[allow(clippy::too_many_arguments)]
+    pub fn f_conv1d(
+        &self,
+        weight: impl IntoLazy,
+        bias: Option<impl IntoLazy>,
+        stride: impl AsRef<[i64]>,
+        padding: impl AsRef<[i64]>,
+        dilation: impl AsRef<[i64]>,
+        groups: i64,
+    ) -> Result<LazyTensor, LazyError> {
+        let (w, b) = (weight.into_lazy(), bias.map(IntoLazy::into_lazy));
+        let (stride, padding, dilation) = (stride.as_ref(), padding.as_ref(), dilation.as_ref());
+        self.convolution::<1>("conv1d", &w, b.as_ref(), [stride, padding, dilation], groups, |s, p, d| Window::Conv1d {
+            stride: s,
+            padding: p,
+            dilation: d,
+            groups,
+        })
+    }
+
+    /// Records a convolution over `D` spatial dimensions.
+    fn convolution<const D: usize>(
+        &self,
+        name: &'static str,
+        w: &LazyTensor,
+        b: Option<&LazyTensor>,
+        [stride, padding, dilation]: [&[i64]; 3],
+        groups: i64,
+        op: impl FnOnce([i64; D], [i64; D], [i64; D]) -> Window,
+    ) -> Result<LazyTensor, LazyError> {
+        let x = &self.node;
+        let mut nodes = vec![x, &w.node];
+        if let Some(b) = b {
+            nodes.push(&b.node);
+        }
+        let device = same_device(name, &nodes)?;
+        let sx = &x.meta.shape;
+        let a = |r: String| arg(name, sx, r);
+        let stride = shape::spatial::<D>(stride, "stride").map_err(a)?;
+        let padding = shape::spatial::<D>(padding, "padding").map_err(a)?;
+        let dilation = shape::spatial::<D>(dilation, "dilation").map_err(a)?;
+        let sw = &w.node.meta.shape;
+        let out = shape::conv(sx, sw, b.map(|b| b.node.meta.shape.as_slice()), stride, padding, dilation, groups)
+            .map_err(|r| shape_err(name, sx, sw, r))?;
+        floating(name, x)?;
+        same_kind(name, x, &w.node)?;
+        if let Some(b) = b {
+            same_kind(name, x, &b.node)?;
+        }
+        // Only the batch of a batched input's first dimension stays per-sample.
+        let mapped: Vec<Option<usize>> = nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| n.meta.batch().filter(|bd| i == 0 && sx.len() == D + 2 && bd.dim == 0).map(|_| 0))
+            .collect();
+        let flow = combine_flows(name, &nodes, &mapped, &out, Linearity::Nonlinear, false)?;
+        let inputs = nodes.into_iter().cloned().collect();
+        Ok(Record::new(op(stride, padding, dilation), inputs, out, x.meta.kind, device).flow(flow).finish())
+    }
+
+    fn pool_flow(&self, name: &str, out: &[i64]) -> Result<(Flow, Option<String>), LazyError> {
+        let nd = self.node.meta.shape.len();
+        unary_flow(name, &self.node, out, |d| (d + 2 < nd).then_some(d), Linearity::Nonlinear)
+    }
+
+    /// 2-D max pooling, as tch's `max_pool2d` (an empty `stride` means the kernel size).
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for parameters libtorch refuses (a padding over half the
+    /// kernel, an output smaller than 1, ..).
+    pub fn f_max_pool2d(
+        &self,
+        kernel: impl AsRef<[i64]>,
+        stride: impl AsRef<[i64]>,
+        padding: impl AsRef<[i64]>,
+        dilation: impl AsRef<[i64]>,
+        ceil_mode: bool,
+    ) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let name = "max_pool2d";
+        let a = |r: String| arg(name, &n.meta.shape, r);
+        let kernel = shape::pair(kernel.as_ref(), "kernel_size").map_err(a)?;
+        let stride =
+            if stride.as_ref().is_empty() { kernel } else { shape::pair(stride.as_ref(), "stride").map_err(a)? };
+        let padding = shape::pair(padding.as_ref(), "padding").map_err(a)?;
+        let dilation = shape::pair(dilation.as_ref(), "dilation").map_err(a)?;
+        let out = shape::pool2d(&n.meta.shape, kernel, stride, padding, dilation, ceil_mode).map_err(a)?;
+        let flow = self.pool_flow(name, &out)?;
+        let op = Window::MaxPool2d { kernel, stride, padding, dilation, ceil_mode };
+        Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
+    }
+
+    /// 2-D average pooling, as tch's `avg_pool2d` (an empty `stride` means the kernel size).
+    ///
+    /// # Errors
+    /// As [`f_max_pool2d`](Self::f_max_pool2d); also a `divisor_override` of 0.
+    #[allow(clippy::too_many_arguments)]
+    pub fn f_avg_pool2d(
+        &self,
+        kernel: impl AsRef<[i64]>,
+        stride: impl AsRef<[i64]>,
+        padding: impl AsRef<[i64]>,
+        ceil_mode: bool,
+        count_include_pad: bool,
+        divisor_override: impl Into<Option<i64>>,
+    ) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let name = "avg_pool2d";
+        let a = |r: String| arg(name, &n.meta.shape, r);
+        let kernel = shape::pair(kernel.as_ref(), "kernel_size").map_err(a)?;
+        let stride =
+            if stride.as_ref().is_empty() { kernel } else { shape::pair(stride.as_ref(), "stride").map_err(a)? };
+        let padding = shape::pair(padding.as_ref(), "padding").map_err(a)?;
+        let divisor_override = divisor_override.into();
+        if divisor_override == Some(0) {
+            return Err(a("divisor must be not zero".into()));
+        }
+        floating(name, n)?;
+        let out = shape::pool2d(&n.meta.shape, kernel, stride, padding, [1, 1], ceil_mode).map_err(a)?;
+        let flow = self.pool_flow(name, &out)?;
+        let op = Window::AvgPool2d { kernel, stride, padding, ceil_mode, count_include_pad, divisor_override };
+        Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
+    }
+
+    /// 2-D adaptive average pooling to `output_size` (`[h, w]`).
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for a non 3-/4-D input or a bad size.
+    pub fn f_adaptive_avg_pool2d(&self, output_size: impl AsRef<[i64]>) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let name = "adaptive_avg_pool2d";
+        let a = |r: String| arg(name, &n.meta.shape, r);
+        let output: [i64; 2] = output_size
+            .as_ref()
+            .try_into()
+            .map_err(|_| a(format!("output_size must be 2 values, got {:?}", output_size.as_ref())))?;
+        let s = &n.meta.shape;
+        if s.len() != 3 && s.len() != 4 {
+            return Err(a(format!("expected a 3-D or 4-D input, got {} dims", s.len())));
+        }
+        if s[s.len() - 3..].contains(&0) || output.iter().any(|&v| v < 0) {
+            return Err(a(format!("non-empty input and non-negative output size expected, got output {output:?}")));
+        }
+        floating(name, n)?;
+        let mut out = s.clone();
+        let nd = out.len();
+        out[nd - 2..].copy_from_slice(&output);
+        let flow = self.pool_flow(name, &out)?;
+        Ok(Record::new(Window::AdaptiveAvgPool2d { output }, vec![n.clone()], out, n.meta.kind, n.meta.device)
+            .flow(flow)
+            .finish())
+    }
+}
+
+panicking! {
+    conv1d => f_conv1d(weight: impl IntoLazy, bias: Option<impl IntoLazy>, stride: impl AsRef<[i64]>, padding: impl AsRef<[i64]>, dilation: impl AsRef<[i64]>, groups: i64);
+    conv2d => f_conv2d(weight: impl IntoLazy, bias: Option<impl IntoLazy>, stride: impl AsRef<[i64]>, padding: impl AsRef<[i64]>, dilation: impl AsRef<[i64]>, groups: i64);
+    max_pool2d => f_max_pool2d(kernel: impl AsRef<[i64]>, stride: impl AsRef<[i64]>, padding: impl AsRef<[i64]>, dilation: impl AsRef<[i64]>, ceil_mode: bool);
+    avg_pool2d => f_avg_pool2d(kernel: impl AsRef<[i64]>, stride: impl AsRef<[i64]>, padding: impl AsRef<[i64]>, ceil_mode: bool, count_include_pad: bool, divisor_override: impl Into<Option<i64>>);
+    adaptive_avg_pool2d => f_adaptive_avg_pool2d(output_size: impl AsRef<[i64]>);
+}
