@@ -22,7 +22,7 @@
 
 use std::borrow::Cow;
 use std::cell::OnceCell;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::fmt;
 use std::hash::BuildHasherDefault;
 use std::rc::Rc;
@@ -191,29 +191,64 @@ impl Compiled {
     }
 }
 
+/// Where the planner found each node of one traversal (1-based; 0: not yet), by id. Ids are
+/// given in creation order, so a graph's ids mostly lie just below its output's: a dense table
+/// there, a map for the rare node far older (a constant recorded long before).
+struct Index {
+    top: u64,
+    near: Vec<u32>,
+    far: HashMap<u64, u32, BuildHasherDefault<crate::hash::PassThrough>>,
+}
+
+impl Index {
+    /// The dense table's largest span of ids (4 MiB of slots).
+    const NEAR: usize = 1 << 20;
+
+    fn new(top: u64) -> Self {
+        Index { top, near: Vec::with_capacity(4096), far: HashMap::default() }
+    }
+
+    fn slot(&mut self, id: u64) -> &mut u32 {
+        let offset = (self.top - id) as usize;
+        if offset < Self::NEAR {
+            if offset >= self.near.len() {
+                self.near.resize((offset + 1).next_power_of_two().min(Self::NEAR), 0);
+            }
+            &mut self.near[offset]
+        } else {
+            // Mixed: the map's hasher passes keys through.
+            self.far.entry(crate::hash::mix(id)).or_insert(0)
+        }
+    }
+}
+
 /// Collects the graph of `output` in topological order and precomputes what planning needs.
 pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
     // Depth-first collection; ids give the order (inputs are always created first). The
-    // visited set holds mixed ids: a bijection, so no two nodes collide.
-    let mut visited: HashSet<u64, BuildHasherDefault<crate::hash::PassThrough>> = HashSet::default();
-    visited.insert(crate::hash::mix(output.node.id));
+    // planner's own index says where each visited node was found.
+    let mut index = Index::new(output.node.id);
+    *index.slot(output.node.id) = 1;
     let mut seen: Vec<(u64, &Rc<Node>)> = vec![(output.node.id, &output.node)];
     let mut stack: Vec<&Rc<Node>> = vec![&output.node];
     while let Some(node) = stack.pop() {
         for input in &node.inputs {
-            if visited.insert(crate::hash::mix(input.id)) {
+            let slot = index.slot(input.id);
+            if *slot == 0 {
                 seen.push((input.id, input));
+                *slot = seen.len() as u32;
                 stack.push(input);
             }
         }
     }
-    drop(visited);
-    // Sorting (id, node) pairs compares without touching the nodes; a node's position is then
-    // found by its id.
-    seen.sort_unstable_by_key(|&(id, _)| id);
-    let ids: Vec<u64> = seen.iter().map(|&(id, _)| id).collect();
-    let pos = |node: &Node| ids.binary_search(&node.id).expect("collected above") as u32;
-    let found: Vec<Rc<Node>> = seen.iter().map(|&(_, n)| n.clone()).collect();
+    // Sorting by id gives the order; `position[k]` is where the node found `k`-th lands.
+    let mut order: Vec<(u64, u32)> = seen.iter().enumerate().map(|(k, &(id, _))| (id, k as u32)).collect();
+    order.sort_unstable_by_key(|&(id, _)| id);
+    let mut position = vec![0u32; order.len()];
+    for (pos, &(_, k)) in order.iter().enumerate() {
+        position[k as usize] = pos as u32;
+    }
+    let mut pos = |node: &Node| position[*index.slot(node.id) as usize - 1];
+    let found: Vec<Rc<Node>> = order.iter().map(|&(_, k)| seen[k as usize].1.clone()).collect();
     drop(seen);
     let n = found.len();
     let mut offsets = Vec::with_capacity(n + 1);
@@ -1072,5 +1107,26 @@ impl fmt::Display for Plan {
             )?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Index;
+
+    #[test]
+    fn the_index_keeps_near_and_far_ids_apart() {
+        let top = 10 * Index::NEAR as u64;
+        let mut index = Index::new(top);
+        let ids = [top, top - 1, top - 4096, top - Index::NEAR as u64 + 1, top - Index::NEAR as u64, 3, 2];
+        for (k, &id) in ids.iter().enumerate() {
+            assert_eq!(*index.slot(id), 0, "id {id} starts unvisited");
+            *index.slot(id) = k as u32 + 1;
+        }
+        for (k, &id) in ids.iter().enumerate() {
+            assert_eq!(*index.slot(id), k as u32 + 1, "id {id}");
+        }
+        assert_eq!(index.far.len(), 3, "ids past the dense span go to the map");
+        assert!(index.near.len() <= Index::NEAR);
     }
 }
