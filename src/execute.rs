@@ -105,3 +105,33 @@ where
 {
     crate::Chunked::auto(tensor).run(body)
 }
+
+/// [`range`] with its progress on stderr when stderr is a terminal (feature `progress`; see
+/// [`Progress`](crate::Progress)). For other settings use the builder:
+/// `Range::new(start, end, step).progress(Progress::Always).run(..)`.
+///
+/// # Panics
+/// As [`range`].
+#[track_caller]
+pub fn range_with_progress<E, F>(start: usize, end: usize, initial_step: usize, body: F) -> Result<(), E>
+where
+    E: OutOfMemory,
+    F: FnMut(usize, usize) -> Result<(), E>,
+{
+    Range::new(start, end, initial_step).progress(true).run(body)
+}
+
+/// [`chunked`] with its progress on stderr when stderr is a terminal (feature `progress`).
+///
+/// # Panics
+/// As [`chunked`].
+#[cfg(feature = "tch")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
+#[track_caller]
+pub fn chunked_with_progress<E, F>(tensor: &tch::Tensor, initial_step: usize, body: F) -> Result<(), E>
+where
+    E: OutOfMemory,
+    F: FnMut(tch::Tensor, usize, usize) -> Result<(), E>,
+{
+    crate::Chunked::new(tensor, initial_step).progress(true).run(body)
+}

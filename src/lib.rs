@@ -31,10 +31,25 @@
 //! - `tch` (default): `OutOfMemory for tch::TchError`, [`Chunked`], [`execute::chunked`].
 //! - `cuda` (default): CUDA free memory through the driver, loaded at run time.
 //! - `macros` (default): the attributes.
+//! - `progress`: a progress bar on stderr for `range` and `chunked` calls that ask for one
+//!   ([`Range::progress`], `progress = true` on the attributes); see [`Progress`].
+//! - `anyhow`: `OutOfMemory for anyhow::Error`.
 //!
 //! ## Tracing
-//! A `debug` event per attempt (its size) and an `info` event per caught out-of-memory (old and
-//! new size, the first line of the message), under the target `toma`.
+//! Everything is logged under the target `toma`, inside one span per call:
+//!
+//! | span | fields |
+//! |---|---|
+//! | `toma.batch`, `toma.range`, `toma.chunked` | `function` (the wrapped function, or `"execute"`), `site` (`file:line:column` of the call), `initial` (batch size or step) |
+//! | `toma.lazy` | `mode` (`"forward"` or `"backward"`), `op` (the output's op) |
+//!
+//! Inside them: a `debug` event per attempt (`size`, or `start` and `end`), an `info` event per
+//! caught out-of-memory (`from`, `to`, `caught`: `"panic"` or `"error"`, `error`: the first line
+//! of the message), an `info` summary of a call that caught any (`attempts`, `out_of_memory`,
+//! `first_size`, `final_size`, `failed_ms`), `debug` events for cache hits and `auto` steps,
+//! and an `info` event per lazy plan (`batch`, `micro_batch`, `chunks`, `peak`, `budget`). With
+//! `tracing-subscriber`: `RUST_LOG=toma=info` and
+//! `tracing_subscriber::fmt().with_env_filter(EnvFilter::from_default_env()).init()`.
 //!
 //! ## Bad input
 //! One style throughout: a value that cannot work is a [`ConfigError`], never clamped or
@@ -65,16 +80,21 @@ pub mod memory;
 pub use memory::cpu as cpu_memory;
 pub mod oom;
 mod policy;
+mod progress;
 mod retry;
+mod svg;
 
 pub use cache::{default_cache, set_default_cache, CacheKind};
 pub use error::ConfigError;
 pub use oom::OutOfMemory;
 pub use policy::Policy;
+pub use progress::Progress;
 #[cfg(feature = "tch")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
 pub use retry::Chunked;
-pub use retry::{quiet_caught_panics, share, AutoReport, Batch, DeviceFit, MeasuredDevice, Objective, Range, Report};
+pub use retry::{
+    quiet_caught_panics, share, Attempt, AutoReport, Batch, DeviceFit, MeasuredDevice, Objective, Range, Report,
+};
 
 /// Retries a function with a halved batch size on out-of-memory, remembering the size that
 /// worked.
@@ -177,6 +197,7 @@ pub use toma_macros::chunked;
 pub mod __private {
     pub use crate::cache::{CacheKind, Site};
     pub use crate::policy::Policy;
+    pub use crate::progress::Progress;
     pub use crate::retry::Objective;
     pub use crate::retry::{
         infallible, typed_future, unwrap_infallible, Batch, BatchAttempts, CatchUnwind, Range, RangeAttempts,

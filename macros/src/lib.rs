@@ -60,9 +60,17 @@ impl Op {
     fn allowed(self) -> &'static [&'static str] {
         match self {
             Op::Batch => &["initial_batchsize", "cache", "policy", "crate"],
-            Op::Range => {
-                &["initial_step", "cache", "policy", "budget", "safety_margin", "max_step", "objective", "crate"]
-            }
+            Op::Range => &[
+                "initial_step",
+                "cache",
+                "policy",
+                "budget",
+                "safety_margin",
+                "max_step",
+                "objective",
+                "progress",
+                "crate",
+            ],
             Op::Chunked => &[
                 "initial_step",
                 "dimension",
@@ -72,6 +80,7 @@ impl Op {
                 "safety_margin",
                 "max_step",
                 "objective",
+                "progress",
                 "crate",
             ],
         }
@@ -103,7 +112,7 @@ struct Args {
     policy: Option<TokenStream2>,
     /// `initial_step = auto`: the step comes from measurement.
     auto: bool,
-    /// The `auto` options as builder calls (`.budget(..)`, ..).
+    /// The `auto` options and `progress` as builder calls (`.budget(..)`, ..).
     auto_options: TokenStream2,
     /// The path toma is reached by (`crate = path`, for a crate that re-exports toma);
     /// `::toma` by default.
@@ -227,6 +236,16 @@ fn parse_args(op: Op, args: TokenStream2) -> syn::Result<Args> {
                 };
                 option_spans.push((name.clone(), pair.value.span()));
                 auto_options.extend(quote!(.objective(#value)));
+            }
+            "progress" => {
+                // `true`/`false`, `terminal`/`always`/`off`, or any `impl Into<toma::Progress>`.
+                let value = match &pair.value {
+                    v if is_ident(v, "terminal") => quote!(#p::Progress::Terminal),
+                    v if is_ident(v, "always") => quote!(#p::Progress::Always),
+                    v if is_ident(v, "off") => quote!(#p::Progress::Off),
+                    v => v.to_token_stream(),
+                };
+                auto_options.extend(quote_spanned!(pair.value.span()=> .progress(#value)));
             }
             _ => cache = Some(cache_kind(pair.value)?),
         }

@@ -237,6 +237,8 @@ pub(crate) fn evaluate(output: &LazyTensor, options: &Options) -> Result<Tensor,
     if let Op::Source(Source::Input { tensor, .. } | Source::Leaf { tensor, .. }) = &output.node.op {
         return Ok(tensor.shallow_clone());
     }
+    let span = tracing::info_span!("toma.lazy", mode = "forward", op = output.op_name());
+    let _entered = span.enter();
     let p = prepare(output, Mode::Forward, options)?;
     let _no_grad = tch::no_grad_guard();
     let n = p.c.batch;
@@ -295,6 +297,8 @@ pub(crate) fn backward(output: &LazyTensor, options: &Options) -> Result<f64, La
     if output.numel() != 1 {
         return Err(LazyError::NotScalar { op: output.op_name().into(), shape: output.size() });
     }
+    let span = tracing::info_span!("toma.lazy", mode = "backward", op = output.op_name());
+    let _entered = span.enter();
     let p = prepare(output, Mode::Backward, options)?;
     let n = p.c.batch;
     // One tensor per parameter, however many leaves hold it. A fixed operand computed eagerly

@@ -931,6 +931,85 @@ impl Plan {
             steps
         })
     }
+    /// The plan as a picture: a self-contained SVG (no scripts, inline styles) of the bytes
+    /// live during each step of the schedule at the chosen micro-batch, beside the same
+    /// schedule at the whole batch (dashed) when the batch is split; the forward and backward
+    /// passes shaded; the peak marked with its op; and the budget when it is within the
+    /// picture's scale (else it is named in the title).
+    ///
+    /// Each series is a `<g data-series="..">`: `forward`, `backward`, `micro-batch`,
+    /// `whole batch` (when split), `peak`, `budget` (when drawn).
+    ///
+    /// ```
+    /// use tch::{Device, Kind, Tensor};
+    /// use toma::lazy::{lazy, Mode, Options};
+    ///
+    /// let w = Tensor::randn([64, 32], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    /// let x = Tensor::randn([256, 64], (Kind::Float, Device::Cpu));
+    /// let loss = lazy(&x, 0).matmul(&w).relu().sum(None);
+    /// let plan = loss.plan(Mode::Backward, &Options::new().budget(64 << 10))?;
+    /// let svg = plan.to_svg();
+    /// assert!(svg.starts_with("<svg") && svg.contains("data-series=\"peak\""));
+    /// // std::fs::write("plan.svg", svg)?;
+    /// # Ok::<(), toma::lazy::LazyError>(())
+    /// ```
+    pub fn to_svg(&self) -> String {
+        use crate::svg::{bytes, Chart, Unit};
+        let steps = self.steps();
+        let curve = |steps: &[Step]| -> Vec<(f64, f64)> {
+            steps.iter().enumerate().map(|(k, s)| (k as f64, s.during as f64)).collect()
+        };
+        let micro = curve(steps);
+        let whole = self.splits().then(|| {
+            let mut full = Vec::with_capacity(self.schedule.steps.len());
+            self.schedule.eval(self.batch_size as u64, Some(&mut full));
+            curve(&full)
+        });
+        let top = micro.iter().chain(whole.iter().flatten()).fold(0.0f64, |m, &(_, y)| m.max(y));
+        let budget_drawn = (self.budget as f64) <= 2.0 * top.max(1.0);
+        let y_max = if budget_drawn { top.max(self.budget as f64) } else { top };
+        let mode = match self.mode {
+            Mode::Forward => "forward",
+            Mode::Backward => "forward + backward",
+        };
+        let mut title = format!(
+            "toma::lazy plan ({mode}): batch {} in {} micro-batch(es) of {}; peak {}",
+            self.batch_size,
+            self.chunks(),
+            self.micro_batch,
+            bytes(self.peak as f64)
+        );
+        if !budget_drawn {
+            title.push_str(&format!(", budget {} (off scale)", bytes(self.budget as f64)));
+        }
+        let mut chart =
+            Chart::new(&title, "schedule step (ops in the order they run)", micro.len() as f64, y_max, Unit::Bytes);
+        let backward_from = steps.iter().position(|s| s.phase != Phase::Forward).unwrap_or(steps.len());
+        chart.band("forward", 0.0, backward_from as f64, "#2a6fdb", "forward");
+        if backward_from < steps.len() {
+            chart.band("backward", backward_from as f64, steps.len() as f64, "#d9822b", "backward");
+        }
+        if let Some(whole) = &whole {
+            let label = format!("whole batch of {} (peak {})", self.batch_size, bytes(self.full_batch_peak as f64));
+            chart.steps("whole batch", &label, whole, "#888", true);
+        }
+        let label = format!("micro-batch of {}", self.micro_batch);
+        chart.steps("micro-batch", &label, &micro, "#1f5fbf", false);
+        if budget_drawn {
+            chart.hline("budget", &format!("budget {}", bytes(self.budget as f64)), self.budget as f64, "#c0392b");
+        }
+        let peak = &steps[self.peak_step.min(steps.len().saturating_sub(1))];
+        let phase = match peak.phase {
+            Phase::Forward => "forward",
+            Phase::Backward => "backward",
+            Phase::Accumulate => "accumulate",
+        };
+        let op = &self.ops()[peak.node].name;
+        let label = format!("peak {} at #{} {op} ({phase})", bytes(self.peak as f64), peak.node);
+        chart.marker("peak", self.peak_step as f64, peak.during as f64, &label, "#c0392b");
+        chart.finish()
+    }
+
     /// Positions of the values the executor holds after forward step `op` (its output, and
     /// earlier values still to be used), as the plan schedules them.
     pub fn held_after(&self, op: usize) -> Vec<usize> {

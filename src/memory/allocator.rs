@@ -179,6 +179,53 @@ pub(crate) fn work_device() -> Option<usize> {
     cuda_current_device().or_else(|| DRIVER_DEVICES.get_or_init(|| cuda_device_count() > 0).then_some(0))
 }
 
+/// The allocator counter that measures one attempt's peak, for reports: the CUDA device the
+/// work runs on, or libtorch's CPU allocator when [`track_cpu_allocations`] is on. Quiet:
+/// no counter is no measurement, not a warning.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum PeakCounter {
+    Cpu,
+    Cuda(usize),
+}
+
+impl PeakCounter {
+    /// The counter for work on `device` (`None`: the CPU), if one can be read.
+    pub(crate) fn for_device(device: Option<usize>) -> Option<PeakCounter> {
+        match device {
+            Some(d) => torch::stats(d).is_ok().then_some(PeakCounter::Cuda(d)),
+            None => torch::cpu_stats().is_ok().then_some(PeakCounter::Cpu),
+        }
+    }
+
+    /// Resets the peak to what is in use now, and returns that.
+    pub(crate) fn start(self) -> Option<u64> {
+        match self {
+            PeakCounter::Cpu => torch::cpu_reset_peak().ok().and(torch::cpu_stats().ok()).map(|s| s.allocated),
+            PeakCounter::Cuda(d) => torch::reset_peak(d).ok().and(torch::stats(d).ok()).map(|s| s.allocated),
+        }
+    }
+
+    /// The peak since [`start`](Self::start).
+    pub(crate) fn peak(self) -> Option<u64> {
+        match self {
+            PeakCounter::Cpu => torch::cpu_stats().ok().map(|s| s.peak_allocated),
+            PeakCounter::Cuda(d) => torch::stats(d).ok().map(|s| s.peak_allocated),
+        }
+    }
+
+    /// The bytes the work could still take: the device's free memory (CUDA: driver free plus
+    /// what libtorch caches; CPU: [`available_cpu_memory`](crate::cpu_memory::available_cpu_memory)).
+    pub(crate) fn available(self) -> Option<u64> {
+        match self {
+            PeakCounter::Cpu => Some(crate::memory::cpu::available_cpu_memory()),
+            PeakCounter::Cuda(d) => {
+                let cached = torch::stats(d).ok().map_or(0, |s| s.reserved.saturating_sub(s.allocated));
+                crate::memory::cuda::cuda_memory(d).map(|m| m.free + cached)
+            }
+        }
+    }
+}
+
 /// libtorch's CUDA device count, asked once: libtorch fixes it at its first answer too.
 pub(crate) fn torch_device_count() -> usize {
     static COUNT: OnceLock<usize> = OnceLock::new();

@@ -26,7 +26,7 @@ pub use allocator::{
     release_cached_blocks, reset_cpu_peak, reset_cuda_peak, track_cpu_allocations, try_cuda_allocator_stats,
     AllocatorError, AllocatorStats, CpuAllocatorStats,
 };
-pub(crate) use allocator::{torch_device_count, work_device};
+pub(crate) use allocator::{torch_device_count, work_device, PeakCounter};
 #[cfg(feature = "tch")]
 pub(crate) use cuda::cuda_multiprocessors;
 pub use cuda::{cuda_device_count, cuda_memory, DeviceMemory};

@@ -108,6 +108,12 @@ impl<'a> Chunked<'a> {
         self
     }
 
+    /// Shows the call's progress on stderr: see [`Range::progress`].
+    pub fn progress(mut self, progress: impl Into<crate::Progress>) -> Self {
+        self.range = self.range.progress(progress);
+        self
+    }
+
     /// Chunks along `dimension` instead of 0 (negative counts from the last, as in tch).
     ///
     /// # Panics

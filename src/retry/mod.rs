@@ -56,6 +56,97 @@ pub struct Report {
     pub total_time: Duration,
     /// For `auto` steps: the fitted models, budgets, the step chosen and why.
     pub auto: Option<AutoReport>,
+    /// Each attempt, in order: recorded by `run_with_report` (empty otherwise), at most
+    /// [`Report::HISTORY_MAX`] of them (`history_dropped` counts the rest).
+    pub history: Vec<Attempt>,
+    /// Attempts past [`Report::HISTORY_MAX`], counted but not kept.
+    pub history_dropped: u64,
+    /// The bytes the work could take when the call started, on the device whose peaks
+    /// [`Attempt::peak`] measures (`run_with_report` only; `None` without a counter). An
+    /// `auto` call's own budget is in [`AutoReport`].
+    pub available: Option<u64>,
+}
+
+impl Report {
+    /// The most attempts a report keeps (a long `range` runs one attempt per chunk).
+    pub const HISTORY_MAX: usize = 4096;
+
+    /// The call as a picture: a self-contained SVG with one bar per attempt of
+    /// [`history`](Self::history), red where it ran out of memory. Bars show each attempt's
+    /// measured peak against the memory available when the call started, when a counter
+    /// measured them (CUDA, or the CPU with
+    /// [`track_cpu_allocations`](crate::memory::track_cpu_allocations)); else its size. Sizes
+    /// label the bars when there are few enough to read.
+    ///
+    /// Series (`<g data-series="..">`): `attempts`, and `available` when drawn.
+    ///
+    /// ```
+    /// let (result, report) = toma::Batch::new(64).run_with_report(|size| {
+    ///     if size > 16 { Err("CUDA out of memory".to_string()) } else { Ok(size) }
+    /// });
+    /// assert_eq!(result, Ok(16));
+    /// assert_eq!(report.history.iter().map(|a| (a.size, a.out_of_memory)).collect::<Vec<_>>(),
+    ///            [(64, true), (32, true), (16, false)]);
+    /// let svg = report.to_svg("simulated");
+    /// assert!(svg.contains("data-series=\"attempts\""));
+    /// // std::fs::write("run.svg", svg)?;
+    /// ```
+    pub fn to_svg(&self, title: &str) -> String {
+        use crate::svg::{bytes, Chart, Unit};
+        const FITS: &str = "#3a9d5d";
+        const OOM: &str = "#d64541";
+        let measured = self.history.iter().any(|a| a.peak.is_some());
+        let value = |a: &Attempt| if measured { a.peak.unwrap_or(0) as f64 } else { a.size as f64 };
+        let top = self.history.iter().map(value).fold(0.0f64, f64::max);
+        let available = self.available.filter(|&b| measured && b as f64 <= 2.0 * top.max(1.0));
+        let y_max = available.map_or(top, |b| top.max(b as f64));
+        let mut heading = format!(
+            "{title}: {} attempt(s), {} out of memory; size {} -> {}",
+            self.attempts, self.out_of_memory, self.first_size, self.final_size
+        );
+        if self.history_dropped > 0 {
+            heading.push_str(&format!(" (first {} shown)", self.history.len()));
+        }
+        let (x_label, unit) = if measured {
+            ("attempt (bar: peak above what was in use when it started; label: size)", Unit::Bytes)
+        } else {
+            ("attempt (bar: size)", Unit::Count)
+        };
+        let mut chart = Chart::new(&heading, x_label, self.history.len() as f64, y_max, unit);
+        let labelled = self.history.len() <= 40;
+        let bars: Vec<(f64, f64, &str, Option<String>)> = self
+            .history
+            .iter()
+            .enumerate()
+            .map(|(k, a)| {
+                let color = if a.out_of_memory { OOM } else { FITS };
+                (k as f64, value(a), color, labelled.then(|| a.size.to_string()))
+            })
+            .collect();
+        chart.bars("attempts", &bars);
+        chart.legend("fits", FITS);
+        chart.legend("out of memory", OOM);
+        if let Some(b) = available {
+            chart.hline("available", &format!("available at the start: {}", bytes(b as f64)), b as f64, "#555");
+        }
+        chart.finish()
+    }
+}
+
+/// One attempt of a call, as [`Report::history`] keeps it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Attempt {
+    /// Its size: the batch size, or the length of the chunk (`range`, `chunked`).
+    pub size: usize,
+    /// Whether it ran out of memory.
+    pub out_of_memory: bool,
+    /// Its wall time.
+    pub duration: Duration,
+    /// The allocator's peak above what was allocated when it started, on the device the work
+    /// runs on: CUDA, or the CPU once [`track_cpu_allocations`](crate::memory::track_cpu_allocations)
+    /// is on. `None` without such a counter.
+    pub peak: Option<u64>,
 }
 
 /// Settings shared by the three builders.

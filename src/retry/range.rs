@@ -10,6 +10,7 @@ use super::{Report, Settings};
 use crate::cache::{self, CacheKind, CallSite, Operation};
 use crate::error::{nonzero, ConfigError};
 use crate::oom::OutOfMemory;
+use crate::progress::{Bar, Progress};
 
 /// Runs a body over `[start, end)` in consecutive sub-ranges of at most `step` indices,
 /// shrinking the step on out-of-memory.
@@ -37,6 +38,7 @@ pub struct Range {
     pub(crate) settings: Settings,
     /// `Some` for [`Range::auto`]: the step comes from measured peaks.
     pub(crate) auto: Option<AutoSettings>,
+    pub(crate) progress: Progress,
 }
 
 super::settings_methods!(Range, settings, "step");
@@ -57,7 +59,7 @@ impl Range {
         if start > end {
             return Err(ConfigError::StartAfterEnd { start, end });
         }
-        Ok(Range { start, end, initial, settings: Settings::default(), auto: None })
+        Ok(Range { start, end, initial, settings: Settings::default(), auto: None, progress: Progress::Off })
     }
 
     /// A range whose step is sized from measurement instead of a guess: the first chunks are
@@ -155,6 +157,13 @@ impl Range {
         self
     }
 
+    /// Shows the call's progress on stderr (see [`Progress`]): `true` draws a bar when stderr
+    /// is a terminal. Needs feature `progress`; without it nothing is drawn.
+    pub fn progress(mut self, progress: impl Into<Progress>) -> Self {
+        self.progress = progress.into();
+        self
+    }
+
     /// `auto` only: settle on the largest step that fits (the default) or the fastest one
     /// measured. `Fastest` times every full chunk, explores doubling steps up to the largest
     /// that fits, times each candidate three times and takes the median (the first run of a
@@ -217,7 +226,13 @@ impl Range {
             sizer.report.from_cache = auto.started_from_remembered_fit();
             Box::new(auto)
         });
-        RangeAttempts { sizer, position: self.start, end: self.end, auto }
+        let label = match op {
+            Operation::Batch | Operation::Range => "range",
+            #[cfg(feature = "tch")]
+            Operation::Chunked => "chunked",
+        };
+        let bar = Bar::start(self.progress, self.start, self.end, label);
+        RangeAttempts { sizer, position: self.start, end: self.end, auto, bar }
     }
 
     /// Calls `body(start, end)` on consecutive sub-ranges covering `[start, end)` once each, in
@@ -274,6 +289,7 @@ pub struct RangeAttempts {
     position: usize,
     end: usize,
     auto: Option<Box<Auto>>,
+    bar: Option<Box<Bar>>,
 }
 
 impl RangeAttempts {
@@ -316,6 +332,8 @@ impl RangeAttempts {
 
     /// Runs one attempt, catching its panic.
     pub fn attempt<R>(&mut self, body: impl FnOnce() -> R) -> std::thread::Result<R> {
+        let span = self.sizer.span.clone();
+        let _entered = span.enter();
         self.begin();
         catch_attempt(self.retryable(), body)
     }
@@ -323,7 +341,7 @@ impl RangeAttempts {
     /// Wraps one attempt's future so that its panic is caught.
     pub fn attempt_async<F: Future>(&mut self, future: F) -> CatchUnwind<F> {
         self.begin();
-        CatchUnwind::new(future, self.retryable())
+        CatchUnwind::new(future, self.retryable()).in_span(self.sizer.span.clone())
     }
 
     /// Takes an attempt's outcome: `Ok` to go on (with the next sub-range or a smaller one),
@@ -332,6 +350,8 @@ impl RangeAttempts {
     /// # Panics
     /// When called after [`next_range`](Self::next_range) returned `None`.
     pub fn finish<E: OutOfMemory>(&mut self, outcome: std::thread::Result<Result<(), E>>) -> Result<(), E> {
+        let span = self.sizer.span.clone();
+        let _entered = span.enter();
         let (start, end) = self.next_range().expect("toma: RangeAttempts::finish after the range was done");
         match classify(outcome) {
             Ok(()) => {
@@ -342,17 +362,29 @@ impl RangeAttempts {
                     self.sizer.size = auto.after_chunk(len, step, full, self.sizer.failed);
                 }
                 self.position = end;
+                if let Some(bar) = self.bar.as_mut() {
+                    bar.advance(end, self.sizer.size);
+                }
                 if self.position == self.end {
                     self.sizer.conclude();
+                    if let Some(bar) = self.bar.as_mut() {
+                        bar.finish();
+                    }
                 }
                 Ok(())
             }
             Err(failure) => {
                 if failure.is_out_of_memory(self.sizer.decide) && self.sizer.out_of_memory(end - start, &failure) {
                     drop(failure);
+                    if let Some(bar) = self.bar.as_mut() {
+                        bar.out_of_memory(start, self.sizer.size);
+                    }
                     Ok(())
                 } else {
                     self.sizer.conclude();
+                    if let Some(bar) = self.bar.as_mut() {
+                        bar.finish();
+                    }
                     Err(failure.give_back())
                 }
             }

@@ -4,8 +4,10 @@
 use std::time::Instant;
 
 use super::unwind::Failure;
+use super::Attempt;
 use super::{Report, Settings};
 use crate::cache::{self, CacheKind, CallSite, Entry, Operation};
+use crate::memory::PeakCounter;
 use crate::oom::{first_line, panic_message, Decide, OutOfMemory};
 use crate::policy::Policy;
 
@@ -33,6 +35,12 @@ pub(super) struct Sizer {
     pub(super) timed: Option<Instant>,
     pub(super) attempt_started: Option<Instant>,
     pub(super) concluded: bool,
+    /// With a report: the counter that measures each attempt's peak, and what was allocated
+    /// when the attempt started.
+    pub(super) history: Option<(Option<PeakCounter>, u64)>,
+    /// The call's span (`toma.batch`, `toma.range`, `toma.chunked`), entered around each
+    /// attempt and its outcome; disabled (and free) without a subscriber that wants it.
+    pub(super) span: tracing::Span,
 }
 
 impl Sizer {
@@ -44,9 +52,9 @@ impl Sizer {
         kind: CacheKind,
         settings: Settings,
         site: CallSite,
-        report: bool,
+        report_wanted: bool,
     ) -> Self {
-        let timed = (report || tracing::enabled!(tracing::Level::INFO)).then(Instant::now);
+        let timed = (report_wanted || tracing::enabled!(tracing::Level::INFO)).then(Instant::now);
         // Only StacktraceMemory keys read free memory, so only they need the device.
         let device = match kind {
             CacheKind::StacktraceMemory => settings.device.unwrap_or_else(crate::memory::work_device),
@@ -69,10 +77,24 @@ impl Sizer {
             Some(e) => e.ok.min(initial),
         };
         let name = site.identity.map_or("execute", |(_, name)| name);
+        let caller = site.caller;
+        let span = match op {
+            Operation::Batch => tracing::info_span!("toma.batch", function = name, site = %caller, initial),
+            Operation::Range => tracing::info_span!("toma.range", function = name, site = %caller, initial),
+            #[cfg(feature = "tch")]
+            Operation::Chunked => tracing::info_span!("toma.chunked", function = name, site = %caller, initial),
+        };
+        let _entered = span.enter();
         if let Some(entry) = seen {
             tracing::debug!(op = ?op, function = name, size, ok = entry.ok, failed = entry.failed, "toma: starting from the cache");
         }
-        let report = Report { first_size: size, from_cache: seen.is_some(), ..Report::default() };
+        let mut report = Report { first_size: size, from_cache: seen.is_some(), ..Report::default() };
+        // Only a caller who asked for the report pays for the history.
+        let history = report_wanted.then(|| {
+            let counter = PeakCounter::for_device(settings.device.unwrap_or_else(crate::memory::work_device));
+            report.available = counter.and_then(PeakCounter::available);
+            (counter, 0)
+        });
         Sizer {
             op,
             decide: settings.decide,
@@ -89,19 +111,37 @@ impl Sizer {
             timed,
             attempt_started: None,
             concluded: false,
+            history,
+            span: span.clone(),
         }
     }
 
     pub(super) fn begin_attempt(&mut self) {
         self.report.attempts += 1;
+        if let Some((Some(counter), start)) = &mut self.history {
+            *start = counter.start().unwrap_or(0);
+        }
         if self.timed.is_some() {
             self.attempt_started = Some(Instant::now());
         }
     }
 
+    /// Adds the attempt that just ended to the history, when there is one.
+    fn record(&mut self, size: usize, out_of_memory: bool) {
+        let Some((counter, start)) = self.history else { return };
+        if self.report.history.len() >= Report::HISTORY_MAX {
+            self.report.history_dropped += 1;
+            return;
+        }
+        let duration = self.attempt_started.map(|t| t.elapsed()).unwrap_or_default();
+        let peak = counter.and_then(PeakCounter::peak).map(|p| p.saturating_sub(start));
+        self.report.history.push(Attempt { size, out_of_memory, duration, peak });
+    }
+
     /// Records a success with `len` (the size the attempt really used). `full` is false for a
     /// clipped last sub-range, which says nothing about the step.
     pub(super) fn succeeded(&mut self, len: usize, full: bool) {
+        self.record(len, false);
         if len < self.failed && len > self.ok {
             self.ok = len;
         }
@@ -125,6 +165,7 @@ impl Sizer {
         E: OutOfMemory,
     {
         self.report.out_of_memory += 1;
+        self.record(failed, true);
         if let Some(started) = self.attempt_started.take() {
             self.report.failed_time += started.elapsed();
         }

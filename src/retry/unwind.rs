@@ -95,12 +95,19 @@ pub(super) fn catch_attempt<R>(retryable: bool, body: impl FnOnce() -> R) -> std
 pub struct CatchUnwind<F> {
     future: F,
     retryable: bool,
+    /// The call's span, entered at every poll (a guard must not live across an `.await`).
+    span: tracing::Span,
 }
 
 impl<F: Future> CatchUnwind<F> {
     #[doc(hidden)]
     pub fn new(future: F, retryable: bool) -> Self {
-        CatchUnwind { future, retryable }
+        CatchUnwind { future, retryable, span: tracing::Span::none() }
+    }
+
+    pub(super) fn in_span(mut self, span: tracing::Span) -> Self {
+        self.span = span;
+        self
     }
 }
 
@@ -111,6 +118,7 @@ impl<F: Future> Future for CatchUnwind<F> {
         // SAFETY: `future` is structurally pinned: it is never moved out of `self`.
         let this = unsafe { self.get_unchecked_mut() };
         let retryable = this.retryable;
+        let _entered = this.span.enter();
         let future = unsafe { Pin::new_unchecked(&mut this.future) };
         match catch_attempt(retryable, || future.poll(cx)) {
             Ok(Poll::Pending) => Poll::Pending,

@@ -413,3 +413,46 @@ fn the_crate_argument_names_toma_by_another_path() {
     }
     assert_eq!(block_on(walk(0, 10)), Ok(()));
 }
+
+// ---- progress --------------------------------------------------------------------------------
+
+#[toma::range(initial_step = 64, cache = None, progress = always)]
+fn range_with_progress(start: usize, end: usize) -> Result<(), String> {
+    if end - start > 16 {
+        return Err(oom());
+    }
+    Ok(())
+}
+
+#[toma::range(initial_step = 64, cache = None, progress = true)]
+fn range_with_terminal_progress(start: usize, end: usize) -> Result<(), String> {
+    if end - start > 16 {
+        return Err(oom());
+    }
+    Ok(())
+}
+
+/// `progress = always` writes to a stderr that is not a terminal (a pipe here); `progress =
+/// true` writes only to a terminal. With feature `progress`; without it, neither writes.
+#[test]
+fn progress_writes_only_where_asked() {
+    if std::env::var_os("TOMA_PROGRESS_CHILD").is_some() {
+        range_with_terminal_progress(0, 100).unwrap();
+        eprintln!("-- terminal only above, always below --");
+        range_with_progress(0, 100).unwrap();
+        return;
+    }
+    let child = support::child::run("attributes::progress_writes_only_where_asked", "TOMA_PROGRESS_CHILD", "1");
+    assert!(child.status.success(), "{}", child.report);
+    let (terminal, always) =
+        child.stderr.split_once("-- terminal only above, always below --").expect("the marker line");
+    assert!(!terminal.contains("items"), "progress = true wrote to a pipe:\n{}", child.report);
+    if cfg!(feature = "progress") {
+        let last = always.lines().rfind(|l| l.contains("items")).unwrap_or_else(|| panic!("{}", child.report));
+        assert!(last.contains("100/100 items"), "{last}");
+        assert!(last.contains("out of memory caught"), "{last}");
+        assert!(!last.contains("| 0 out of memory caught"), "the two caught are counted: {last}");
+    } else {
+        assert!(!always.contains("items"), "{}", child.report);
+    }
+}

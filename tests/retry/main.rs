@@ -7,3 +7,4 @@ mod attributes;
 mod bad_input;
 mod builders;
 mod properties;
+mod spans;

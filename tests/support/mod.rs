@@ -155,6 +155,8 @@ pub mod events {
     pub struct Recorded {
         pub level: tracing::Level,
         pub fields: BTreeMap<String, String>,
+        /// The innermost span the event was emitted in (its name), and that span's fields.
+        pub span: Option<(&'static str, BTreeMap<String, String>)>,
     }
 
     impl Recorded {
@@ -169,6 +171,11 @@ pub mod events {
     }
 
     static EVENTS: Mutex<Vec<Recorded>> = Mutex::new(Vec::new());
+    type SpanInfo = (&'static str, BTreeMap<String, String>);
+    static SPANS: Mutex<BTreeMap<u64, SpanInfo>> = Mutex::new(BTreeMap::new());
+    thread_local! {
+        static ENTERED: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
 
     struct Recorder;
 
@@ -195,9 +202,13 @@ pub mod events {
         fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
             metadata.target().starts_with("toma")
         }
-        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        fn new_span(&self, attributes: &tracing::span::Attributes<'_>) -> tracing::span::Id {
             static NEXT: AtomicU64 = AtomicU64::new(1);
-            tracing::span::Id::from_u64(NEXT.fetch_add(1, Ordering::Relaxed))
+            let id = NEXT.fetch_add(1, Ordering::Relaxed);
+            let mut fields = BTreeMap::new();
+            attributes.record(&mut FieldsVisitor(&mut fields));
+            SPANS.lock().unwrap_or_else(|e| e.into_inner()).insert(id, (attributes.metadata().name(), fields));
+            tracing::span::Id::from_u64(id)
         }
         fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
         fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
@@ -205,10 +216,21 @@ pub mod events {
             let mut fields = BTreeMap::new();
             event.record(&mut FieldsVisitor(&mut fields));
             let level = *event.metadata().level();
-            lock().push(Recorded { level, fields });
+            let current = ENTERED.with(|stack| stack.borrow().last().copied());
+            let span = current.and_then(|id| SPANS.lock().unwrap_or_else(|e| e.into_inner()).get(&id).cloned());
+            lock().push(Recorded { level, fields, span });
         }
-        fn enter(&self, _: &tracing::span::Id) {}
-        fn exit(&self, _: &tracing::span::Id) {}
+        fn enter(&self, id: &tracing::span::Id) {
+            ENTERED.with(|stack| stack.borrow_mut().push(id.into_u64()));
+        }
+        fn exit(&self, id: &tracing::span::Id) {
+            ENTERED.with(|stack| {
+                let mut stack = stack.borrow_mut();
+                if let Some(at) = stack.iter().rposition(|&s| s == id.into_u64()) {
+                    stack.remove(at);
+                }
+            });
+        }
     }
 
     fn lock() -> MutexGuard<'static, Vec<Recorded>> {
