@@ -23,9 +23,13 @@ fn with_libtorch() {
     println!("cargo::rerun-if-changed=src/shim/toma_shim.cpp");
     println!("cargo::rerun-if-changed=src/shim/toma_shim.h");
     println!("cargo::rerun-if-env-changed=LIBTORCH_CXX11_ABI");
+    println!("cargo::rerun-if-env-changed=DOCS_RS");
     let Some(lib) = env::var_os("DEP_TCH_LIBTORCH_LIB").map(PathBuf::from) else {
-        // torch-sys without a libtorch (its `doc-only` feature): nothing to compile against.
-        println!("cargo::warning=toma: torch-sys reported no libtorch lib dir; CUDA allocator statistics disabled");
+        // torch-sys without a libtorch (its `doc-only` feature, as on docs.rs): nothing to
+        // compile against.
+        if env::var_os("DOCS_RS").is_none() {
+            println!("cargo::warning=toma: torch-sys reported no libtorch lib dir; CUDA allocator statistics disabled");
+        }
         return;
     };
     let include = lib.parent().map_or_else(|| lib.join("include"), |root| root.join("include"));

@@ -5,6 +5,8 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 scripts/ensure-libtorch.sh
+# The test that renders the pictures in a browser (skipped, and saying so, where it cannot install).
+scripts/ensure-chromium.sh
 # shellcheck source=scripts/env.sh
 source scripts/env.sh
 
@@ -26,4 +28,9 @@ step "GPU test bundle (packed here; scripts/gpu-run.sh runs it on a CUDA machine
 TOMA_BUNDLE_PROFILE=debug scripts/gpu-bundle.sh
 step "cargo doc (no warnings)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --all-features --no-deps
+step "docs.rs build: its features, no libtorch (tch's doc-only bindings; the shim is skipped)"
+env -u LIBTORCH_USE_PYTORCH -u LIBTORCH DOCS_RS=1 RUSTDOCFLAGS="-D warnings" \
+  cargo doc -p toma --no-deps --no-default-features --features "tch/doc-only,cuda,macros,anyhow,progress"
+step "cargo publish --dry-run (toma-macros and toma, packaged and built from the packages)"
+cargo publish --dry-run --workspace --allow-dirty
 step "all checks passed"

@@ -61,7 +61,9 @@ pub(crate) enum Unit {
 pub(crate) struct Chart {
     x_max: f64,
     y_max: f64,
-    unit: Unit,
+    /// Grid step, and the divisor and unit name of the y labels.
+    y_step: f64,
+    scale: (f64, &'static str),
     body: String,
     legend: Vec<(String, String, bool)>,
     title: String,
@@ -72,10 +74,12 @@ pub(crate) struct Chart {
 #[cfg_attr(not(feature = "tch"), allow(dead_code))]
 impl Chart {
     pub(crate) fn new(title: &str, x_label: &str, x_max: f64, y_max: f64, unit: Unit) -> Chart {
+        let (y_max, y_step, scale) = axis(y_max.max(1.0), unit);
         Chart {
             x_max: x_max.max(1.0),
-            y_max: nice_ceiling(y_max.max(1.0)),
-            unit,
+            y_max,
+            y_step,
+            scale,
             body: String::new(),
             legend: Vec::new(),
             title: title.to_owned(),
@@ -172,8 +176,10 @@ impl Chart {
             let (px, py) = (self.x(*x + 0.1), self.y(*y));
             let _ = write!(
                 self.body,
-                "<rect x=\"{px:.1}\" y=\"{py:.1}\" width=\"{w:.1}\" height=\"{:.1}\" fill=\"{color}\"/>",
-                (self.y(0.0) - py).max(0.5)
+                "<rect x=\"{:.1}\" y=\"{:.1}\" width=\"{w:.1}\" height=\"{:.1}\" fill=\"{color}\"/>",
+                px,
+                py.min(self.y(0.0) - 3.0),
+                (self.y(0.0) - py).max(3.0)
             );
             if let Some(label) = label {
                 let _ = write!(
@@ -194,9 +200,13 @@ impl Chart {
     }
 
     fn tick_label(&self, v: f64) -> String {
-        match self.unit {
-            Unit::Bytes => bytes(v),
-            Unit::Count => format!("{v:.0}"),
+        let (divisor, name) = self.scale;
+        let x = v / divisor;
+        let number = if (x - x.round()).abs() < 1e-9 { format!("{x:.0}") } else { format!("{x:.1}") };
+        if name.is_empty() {
+            number
+        } else {
+            format!("{number} {name}")
         }
     }
 
@@ -209,14 +219,17 @@ impl Chart {
              {HEIGHT}\" role=\"img\"><title>{}</title><rect width=\"{WIDTH}\" height=\"{HEIGHT}\" fill=\"white\"/>",
             escape(&self.title)
         );
+        // A long title gets a smaller font rather than running off the picture.
+        let size = (16.0 * 95.0 / self.title.chars().count().max(1) as f64).clamp(10.0, 16.0);
         let _ = write!(
             out,
-            "<text x=\"{LEFT}\" y=\"24\" {FONT} font-size=\"16\" font-weight=\"bold\" fill=\"#111\">{}</text>",
+            "<text x=\"{LEFT}\" y=\"24\" {FONT} font-size=\"{size:.1}\" font-weight=\"bold\" fill=\"#111\">{}</text>",
             escape(&self.title)
         );
-        // Grid and y labels: five steps of a round size.
-        for k in 0..=5 {
-            let v = self.y_max * k as f64 / 5.0;
+        // Grid and y labels at round values.
+        let ticks = (self.y_max / self.y_step).round() as usize;
+        for k in 0..=ticks {
+            let v = self.y_step * k as f64;
             let py = self.y(v);
             let _ = write!(
                 out,
@@ -238,6 +251,18 @@ impl Chart {
             HEIGHT - 16.0,
             escape(&self.x_label)
         );
+        // x labels at round steps.
+        let (_, x_step, _) = axis(self.x_max, Unit::Count);
+        let mut v = 0.0;
+        while v <= self.x_max {
+            let _ = write!(
+                out,
+                "<text x=\"{:.1}\" y=\"{:.1}\" {FONT} font-size=\"11\" fill=\"#555\" text-anchor=\"middle\">{v:.0}</text>",
+                self.x(v),
+                bottom + 15.0
+            );
+            v += x_step;
+        }
         out.push_str(&self.body);
         // Legend, left to right under the title.
         let mut x = LEFT;
@@ -258,16 +283,28 @@ impl Chart {
     }
 }
 
-/// The smallest 1, 2 or 5 times a power of two or ten at or above `v`, so that grid lines
-/// fall on round values.
-fn nice_ceiling(v: f64) -> f64 {
-    let p = 10f64.powf(v.log10().floor());
-    for m in [1.0, 2.0, 2.5, 5.0, 10.0] {
-        if m * p >= v {
-            return m * p;
+/// The y axis for values up to `v`: its top, its grid step (1, 2, 2.5 or 5 times a power of
+/// ten in the label unit, four to eight steps), and the label unit (bytes: the binary unit
+/// that keeps the top under 1024).
+fn axis(v: f64, unit: Unit) -> (f64, f64, (f64, &'static str)) {
+    let scale = match unit {
+        Unit::Count => (1.0, ""),
+        Unit::Bytes => {
+            const NAMES: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+            let mut k = 0;
+            while v / 1024f64.powi(k as i32) >= 1024.0 && k + 1 < NAMES.len() {
+                k += 1;
+            }
+            (1024f64.powi(k as i32), NAMES[k])
         }
-    }
-    10.0 * p
+    };
+    let x = v / scale.0;
+    let rough = x / 5.0;
+    let p = 10f64.powf(rough.log10().floor());
+    let step = [1.0, 2.0, 2.5, 5.0, 10.0].iter().map(|m| m * p).find(|&s| s >= rough).unwrap_or(10.0 * p);
+    let step = if matches!(unit, Unit::Count) { step.max(1.0) } else { step };
+    let top = (x / step).ceil().max(1.0) * step;
+    (top * scale.0, step * scale.0, scale)
 }
 
 #[cfg(test)]
@@ -280,8 +317,11 @@ mod tests {
         assert_eq!(bytes(512.0), "512 B");
         assert_eq!(bytes(1536.0), "1.5 KiB");
         assert_eq!(bytes(20.0 * 1024.0 * 1024.0), "20 MiB");
-        assert_eq!(nice_ceiling(7.3), 10.0);
-        assert_eq!(nice_ceiling(1200.0), 2000.0);
+        let mib = 1024.0 * 1024.0;
+        let (top, step, (divisor, name)) = axis(1.5 * mib, Unit::Bytes);
+        assert_eq!((top / mib, step / mib, divisor, name), (1.5, 0.5, mib, "MiB"));
+        assert_eq!(axis(64.0, Unit::Count).0, 80.0);
+        assert_eq!(axis(3.0, Unit::Count).1, 1.0, "counts step by whole numbers");
     }
 
     #[test]

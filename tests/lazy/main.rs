@@ -6,4 +6,5 @@ mod support;
 mod api;
 mod grad;
 mod ops;
+mod pictures;
 mod plan;
