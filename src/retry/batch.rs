@@ -141,8 +141,8 @@ impl BatchAttempts {
 
     /// Runs one attempt, catching its panic.
     pub fn attempt<R>(&mut self, body: impl FnOnce() -> R) -> std::thread::Result<R> {
-        let span = self.sizer.span.clone();
-        let _entered = span.enter();
+        let span = self.sizer.span();
+        let _entered = span.as_ref().map(tracing::Span::enter);
         tracing::debug!(op = "batch", function = self.sizer.name, size = self.sizer.size, "toma: attempt");
         self.sizer.begin_attempt();
         catch_attempt(self.retryable(), body)
@@ -152,7 +152,7 @@ impl BatchAttempts {
     pub fn attempt_async<F: Future>(&mut self, future: F) -> CatchUnwind<F> {
         tracing::debug!(op = "batch", function = self.sizer.name, size = self.sizer.size, "toma: attempt");
         self.sizer.begin_attempt();
-        CatchUnwind::new(future, self.retryable()).in_span(self.sizer.span.clone())
+        CatchUnwind::new(future, self.retryable()).in_span(self.sizer.span())
     }
 
     /// Takes an attempt's outcome: `Break` with the call's result, or `Continue` to try again
@@ -161,8 +161,8 @@ impl BatchAttempts {
         &mut self,
         outcome: std::thread::Result<Result<T, E>>,
     ) -> ControlFlow<Result<T, E>> {
-        let span = self.sizer.span.clone();
-        let _entered = span.enter();
+        let span = self.sizer.span();
+        let _entered = span.as_ref().map(tracing::Span::enter);
         match classify(outcome) {
             Ok(value) => {
                 self.sizer.succeeded(self.sizer.size, true);

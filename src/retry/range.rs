@@ -332,8 +332,8 @@ impl RangeAttempts {
 
     /// Runs one attempt, catching its panic.
     pub fn attempt<R>(&mut self, body: impl FnOnce() -> R) -> std::thread::Result<R> {
-        let span = self.sizer.span.clone();
-        let _entered = span.enter();
+        let span = self.sizer.span();
+        let _entered = span.as_ref().map(tracing::Span::enter);
         self.begin();
         catch_attempt(self.retryable(), body)
     }
@@ -341,7 +341,7 @@ impl RangeAttempts {
     /// Wraps one attempt's future so that its panic is caught.
     pub fn attempt_async<F: Future>(&mut self, future: F) -> CatchUnwind<F> {
         self.begin();
-        CatchUnwind::new(future, self.retryable()).in_span(self.sizer.span.clone())
+        CatchUnwind::new(future, self.retryable()).in_span(self.sizer.span())
     }
 
     /// Takes an attempt's outcome: `Ok` to go on (with the next sub-range or a smaller one),
@@ -350,8 +350,8 @@ impl RangeAttempts {
     /// # Panics
     /// When called after [`next_range`](Self::next_range) returned `None`.
     pub fn finish<E: OutOfMemory>(&mut self, outcome: std::thread::Result<Result<(), E>>) -> Result<(), E> {
-        let span = self.sizer.span.clone();
-        let _entered = span.enter();
+        let span = self.sizer.span();
+        let _entered = span.as_ref().map(tracing::Span::enter);
         let (start, end) = self.next_range().expect("toma: RangeAttempts::finish after the range was done");
         match classify(outcome) {
             Ok(()) => {

@@ -35,12 +35,56 @@ pub(super) struct Sizer {
     pub(super) timed: Option<Instant>,
     pub(super) attempt_started: Option<Instant>,
     pub(super) concluded: bool,
-    /// With a report: the counter that measures each attempt's peak, and what was allocated
-    /// when the attempt started.
-    pub(super) history: Option<(Option<PeakCounter>, u64)>,
-    /// The call's span (`toma.batch`, `toma.range`, `toma.chunked`), entered around each
-    /// attempt and its outcome; disabled (and free) without a subscriber that wants it.
-    pub(super) span: tracing::Span,
+    /// What only some calls pay for (`None` for the rest: a cache hit stays small and fast).
+    pub(super) extras: Option<Box<Extras>>,
+}
+
+/// A call's span, when a subscriber wants it, and its history, when its caller asked for a
+/// report.
+#[derive(Debug, Default)]
+pub(super) struct Extras {
+    /// `toma.batch`, `toma.range` or `toma.chunked`, entered around each attempt and its outcome.
+    span: Option<tracing::Span>,
+    history: Option<History>,
+}
+
+impl Extras {
+    #[cold]
+    #[inline(never)]
+    fn start(
+        op: Operation,
+        name: &'static str,
+        caller: &'static std::panic::Location<'static>,
+        initial: usize,
+        settings: &Settings,
+        report_wanted: bool,
+    ) -> Option<Box<Extras>> {
+        let span = match op {
+            Operation::Batch => tracing::info_span!("toma.batch", function = name, site = %caller, initial),
+            Operation::Range => tracing::info_span!("toma.range", function = name, site = %caller, initial),
+            #[cfg(feature = "tch")]
+            Operation::Chunked => tracing::info_span!("toma.chunked", function = name, site = %caller, initial),
+        };
+        let span = (!span.is_disabled()).then_some(span);
+        // Only a caller who asked for the report pays for the history.
+        let history = report_wanted.then(|| {
+            let counter = PeakCounter::for_device(settings.device.unwrap_or_else(crate::memory::work_device));
+            let available = counter.and_then(PeakCounter::available);
+            History { counter, start: 0, attempts: Vec::new(), dropped: 0, available }
+        });
+        (span.is_some() || history.is_some()).then(|| Box::new(Extras { span, history }))
+    }
+}
+
+#[derive(Debug)]
+struct History {
+    /// The counter that measures each attempt's peak, and what was allocated when the current
+    /// attempt started.
+    counter: Option<PeakCounter>,
+    start: u64,
+    attempts: Vec<Attempt>,
+    dropped: u64,
+    available: Option<u64>,
 }
 
 impl Sizer {
@@ -77,24 +121,19 @@ impl Sizer {
             Some(e) => e.ok.min(initial),
         };
         let name = site.identity.map_or("execute", |(_, name)| name);
-        let caller = site.caller;
-        let span = match op {
-            Operation::Batch => tracing::info_span!("toma.batch", function = name, site = %caller, initial),
-            Operation::Range => tracing::info_span!("toma.range", function = name, site = %caller, initial),
-            #[cfg(feature = "tch")]
-            Operation::Chunked => tracing::info_span!("toma.chunked", function = name, site = %caller, initial),
+        // A static level check first: without a subscriber at INFO and without a report, a
+        // call pays for neither span nor history.
+        let extras = if report_wanted || tracing::level_enabled!(tracing::Level::INFO) {
+            Extras::start(op, name, site.caller, initial, &settings, report_wanted)
+        } else {
+            None
         };
-        let _entered = span.enter();
+        let span = extras.as_ref().and_then(|e| e.span.clone());
+        let _entered = span.as_ref().map(tracing::Span::enter);
         if let Some(entry) = seen {
             tracing::debug!(op = ?op, function = name, size, ok = entry.ok, failed = entry.failed, "toma: starting from the cache");
         }
-        let mut report = Report { first_size: size, from_cache: seen.is_some(), ..Report::default() };
-        // Only a caller who asked for the report pays for the history.
-        let history = report_wanted.then(|| {
-            let counter = PeakCounter::for_device(settings.device.unwrap_or_else(crate::memory::work_device));
-            report.available = counter.and_then(PeakCounter::available);
-            (counter, 0)
-        });
+        let report = Report { first_size: size, from_cache: seen.is_some(), ..Report::default() };
         Sizer {
             op,
             decide: settings.decide,
@@ -111,31 +150,56 @@ impl Sizer {
             timed,
             attempt_started: None,
             concluded: false,
-            history,
-            span: span.clone(),
+            extras,
         }
     }
 
     pub(super) fn begin_attempt(&mut self) {
         self.report.attempts += 1;
-        if let Some((Some(counter), start)) = &mut self.history {
-            *start = counter.start().unwrap_or(0);
+        if self.extras.is_some() {
+            self.measure_from_here();
         }
         if self.timed.is_some() {
             self.attempt_started = Some(Instant::now());
         }
     }
 
+    /// The call's span, to enter around an attempt or its outcome (a clone: the sizer stays
+    /// free to change while it is entered).
+    #[inline]
+    pub(super) fn span(&self) -> Option<tracing::Span> {
+        self.extras.as_ref().and_then(|e| e.span.clone())
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn measure_from_here(&mut self) {
+        if let Some(History { counter: Some(counter), start, .. }) =
+            self.extras.as_mut().and_then(|e| e.history.as_mut())
+        {
+            *start = counter.start().unwrap_or(0);
+        }
+    }
+
     /// Adds the attempt that just ended to the history, when there is one.
+    #[inline]
     fn record(&mut self, size: usize, out_of_memory: bool) {
-        let Some((counter, start)) = self.history else { return };
-        if self.report.history.len() >= Report::HISTORY_MAX {
-            self.report.history_dropped += 1;
+        if self.extras.is_some() {
+            self.record_attempt(size, out_of_memory);
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn record_attempt(&mut self, size: usize, out_of_memory: bool) {
+        let Some(history) = self.extras.as_mut().and_then(|e| e.history.as_mut()) else { return };
+        if history.attempts.len() >= Report::HISTORY_MAX {
+            history.dropped += 1;
             return;
         }
         let duration = self.attempt_started.map(|t| t.elapsed()).unwrap_or_default();
-        let peak = counter.and_then(PeakCounter::peak).map(|p| p.saturating_sub(start));
-        self.report.history.push(Attempt { size, out_of_memory, duration, peak });
+        let peak = history.counter.and_then(PeakCounter::peak).map(|p| p.saturating_sub(history.start));
+        history.attempts.push(Attempt { size, out_of_memory, duration, peak });
     }
 
     /// Records a success with `len` (the size the attempt really used). `full` is false for a
@@ -208,6 +272,11 @@ impl Sizer {
     pub(super) fn report(&self) -> Report {
         let mut report = self.report.clone();
         report.final_size = self.size;
+        if let Some(history) = self.extras.as_ref().and_then(|e| e.history.as_ref()) {
+            report.history = history.attempts.clone();
+            report.history_dropped = history.dropped;
+            report.available = history.available;
+        }
         if let Some(clock) = self.timed {
             report.total_time = clock.elapsed();
         }

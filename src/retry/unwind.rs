@@ -96,16 +96,16 @@ pub struct CatchUnwind<F> {
     future: F,
     retryable: bool,
     /// The call's span, entered at every poll (a guard must not live across an `.await`).
-    span: tracing::Span,
+    span: Option<tracing::Span>,
 }
 
 impl<F: Future> CatchUnwind<F> {
     #[doc(hidden)]
     pub fn new(future: F, retryable: bool) -> Self {
-        CatchUnwind { future, retryable, span: tracing::Span::none() }
+        CatchUnwind { future, retryable, span: None }
     }
 
-    pub(super) fn in_span(mut self, span: tracing::Span) -> Self {
+    pub(super) fn in_span(mut self, span: Option<tracing::Span>) -> Self {
         self.span = span;
         self
     }
@@ -118,7 +118,7 @@ impl<F: Future> Future for CatchUnwind<F> {
         // SAFETY: `future` is structurally pinned: it is never moved out of `self`.
         let this = unsafe { self.get_unchecked_mut() };
         let retryable = this.retryable;
-        let _entered = this.span.enter();
+        let _entered = this.span.as_ref().map(tracing::Span::enter);
         let future = unsafe { Pin::new_unchecked(&mut this.future) };
         match catch_attempt(retryable, || future.poll(cx)) {
             Ok(Poll::Pending) => Poll::Pending,
