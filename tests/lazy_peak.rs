@@ -21,10 +21,10 @@ const MIB: u64 = 1 << 20;
 /// The planner's target (issue 6), either way: within 10% of the measured peak.
 const UNDER_TOLERANCE: f64 = 0.10;
 const OVER_TOLERANCE: f64 = 0.10;
-/// Convolutions are planned with an im2col workspace (libtorch's generic kernels and the
-/// bound for cuDNN's choices); oneDNN, which libtorch uses on x86 CPUs, needs less: measured
-/// +43% and +45% at batch 8 and 32. An overestimate only wastes memory.
-const CNN_OVER_TOLERANCE: f64 = 0.5;
+/// Generated CNNs: oneDNN's choices on the CPU are planned conservatively where they vary
+/// (1×1 convolutions over a few channels, small batches): up to this much over. Under by more
+/// than the 10% margin is never allowed.
+const GENERATED_OVER_TOLERANCE: f64 = 0.5;
 
 /// The plan's peak for forward and backward of the whole batch, and the peak the counter saw
 /// above what was live before (inputs, parameters).
@@ -142,8 +142,7 @@ fn planner_peak_matches_the_cpu_allocator() {
         let (p, m) = (planned as f64, measured as f64);
         // Never under by more than the default safety margin: that is what would run out.
         assert!(m <= p * (1.0 + UNDER_TOLERANCE), "{model} at {batch}: planned {planned} < measured {measured}");
-        let over = if model == "cnn" { CNN_OVER_TOLERANCE } else { OVER_TOLERANCE };
-        assert!(p <= m * (1.0 + over), "{model} at {batch}: planned {planned} >> measured {measured}");
+        assert!(p <= m * (1.0 + OVER_TOLERANCE), "{model} at {batch}: planned {planned} >> measured {measured}");
     }
 }
 
@@ -193,4 +192,143 @@ fn an_unsplit_first_step_peaks_like_plain_tch() {
     for (a, b) in plain_grads.iter().zip(&lazy_grads) {
         assert!(a.allclose(b, 1e-5, 1e-6, false), "gradients differ");
     }
+}
+
+/// One generated CNN: its shape, and how its loss is taken.
+#[derive(Clone, Copy, Debug)]
+struct Arch {
+    channels: i64,
+    hidden: i64,
+    size: i64,
+    kernel: i64,
+    stride: i64,
+    activation: usize,
+    pooling: usize,
+    loss: usize,
+    later_step: bool,
+    batch: i64,
+}
+
+const ACTIVATIONS: [&str; 7] = ["relu", "tanh", "sigmoid", "gelu", "silu", "softplus", "abs"];
+const POOLINGS: [&str; 4] = ["max", "avg", "adaptive", "none"];
+const LOSSES: [&str; 5] = ["nll sum", "nll mean", "cross-entropy", "mse mean", "mse sum"];
+
+impl Arch {
+    /// A deterministic walk over the space (a linear congruential generator, seeded): the
+    /// models are generated, not picked.
+    fn generate(count: usize, seed: u64) -> Vec<Arch> {
+        let mut state = seed;
+        let mut next = |n: usize| {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((state >> 33) % n as u64) as usize
+        };
+        (0..count)
+            .map(|_| Arch {
+                channels: [1, 3, 8, 16, 64][next(5)],
+                hidden: [4, 16, 32, 64][next(4)],
+                size: [8, 16, 28, 32][next(4)],
+                kernel: [1, 3, 5][next(3)],
+                stride: [1, 2][next(2)],
+                activation: next(ACTIVATIONS.len()),
+                pooling: next(POOLINGS.len()),
+                loss: next(LOSSES.len()),
+                later_step: next(2) == 1,
+                batch: [2, 8, 32][next(3)],
+            })
+            .collect()
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "c{} h{} {}x{} k{} s{} {} {}-pool {}{} b{}",
+            self.channels,
+            self.hidden,
+            self.size,
+            self.size,
+            self.kernel,
+            self.stride,
+            ACTIVATIONS[self.activation],
+            POOLINGS[self.pooling],
+            LOSSES[self.loss],
+            if self.later_step { " (later step)" } else { "" },
+            self.batch
+        )
+    }
+
+    /// The loss of this model at batch `n`, recorded lazily on `vs`'s parameters.
+    fn loss(&self, vs: &nn::VarStore, n: i64) -> LazyTensor {
+        let r = vs.root();
+        let config = nn::ConvConfig { stride: self.stride, padding: self.kernel / 2, ..Default::default() };
+        let c1 = nn::conv2d(&r / "c1", self.channels, self.hidden, self.kernel, config);
+        let c2 =
+            nn::conv2d(&r / "c2", self.hidden, self.hidden, 3, nn::ConvConfig { padding: 1, ..Default::default() });
+        let x = Tensor::randn([n, self.channels, self.size, self.size], (Kind::Float, CPU));
+        let act = |t: LazyTensor| match ACTIVATIONS[self.activation] {
+            "relu" => t.relu(),
+            "tanh" => t.tanh(),
+            "sigmoid" => t.sigmoid(),
+            "gelu" => t.gelu("none"),
+            "silu" => t.silu(),
+            "softplus" => t.softplus(),
+            _ => t.abs(),
+        };
+        let h = act(toma::lazy::lazy(&x, 0).apply(&c1));
+        let h = match POOLINGS[self.pooling] {
+            "max" => h.max_pool2d([2, 2], [2, 2], [0, 0], [1, 1], false),
+            "avg" => h.avg_pool2d([2, 2], [2, 2], [0, 0], false, true, None),
+            "adaptive" => h.adaptive_avg_pool2d([4, 4]),
+            _ => h,
+        };
+        let h = act(h.apply(&c2));
+        let features = h.size()[1..].iter().product::<i64>();
+        let fc = nn::linear(&r / "fc", features, 10, Default::default());
+        let logits = h.flatten(1, -1).apply(&fc);
+        let y = Tensor::randint(10, [n], (Kind::Int64, CPU));
+        let ly = LazyTensor::batched(&y, 0).unwrap();
+        let target = Tensor::randn([n, 10], (Kind::Float, CPU));
+        let lt = LazyTensor::batched(&target, 0).unwrap();
+        match LOSSES[self.loss] {
+            "nll sum" => logits.log_softmax(-1, None).g_nll_loss(&ly, None::<&Tensor>, tch::Reduction::Sum, -100),
+            "nll mean" => logits.log_softmax(-1, None).nll_loss(&ly),
+            "cross-entropy" => logits.cross_entropy_for_logits(&ly),
+            "mse mean" => logits.mse_loss(&lt, tch::Reduction::Mean),
+            _ => logits.mse_loss(&lt, tch::Reduction::Sum),
+        }
+    }
+}
+
+/// The planner on generated CNNs (channels 1..64, kernels, strides, every activation, max, avg,
+/// adaptive or no pooling, sum and mean losses, first and later steps): the plan's peak against
+/// the CPU allocator's. Never more than 10% under (what would run out of memory), at most 50%
+/// over, and within 10% either way on at least two models in three (measured: 22 of 32).
+#[test]
+fn generated_models_peak_as_planned() {
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    tch::manual_seed(3);
+    let mut rows = Vec::new();
+    for arch in Arch::generate(32, 0x7041) {
+        let run = |n: i64| {
+            let vs = nn::VarStore::new(CPU);
+            let loss = arch.loss(&vs, n);
+            if arch.later_step {
+                // A later step: every parameter already has a `.grad`.
+                loss.backward_with(&Options::new().micro_batch(n as usize)).expect("a first step");
+            }
+            planned_and_measured(&loss, n as usize)
+        };
+        run(2); // warm-up: lazily created kernels' state, not measured
+        let (planned, measured) = run(arch.batch);
+        let error = (planned as f64 - measured as f64) / measured as f64;
+        println!("{:<60} planned {planned:>10} measured {measured:>10} error {:+.1}%", arch.describe(), 100.0 * error);
+        rows.push((arch, planned, measured, error));
+    }
+    let bad: Vec<String> = rows
+        .iter()
+        .filter(|(_, _, _, e)| *e < -UNDER_TOLERANCE || *e > GENERATED_OVER_TOLERANCE)
+        .map(|(a, p, m, e)| format!("{}: planned {p} measured {m} ({:+.1}%)", a.describe(), 100.0 * e))
+        .collect();
+    assert!(bad.is_empty(), "{} of {} models out of bounds:\n{}", bad.len(), rows.len(), bad.join("\n"));
+    let close = rows.iter().filter(|(_, _, _, e)| e.abs() <= OVER_TOLERANCE).count();
+    assert!(3 * close >= 2 * rows.len(), "only {close} of {} models within 10%", rows.len());
 }

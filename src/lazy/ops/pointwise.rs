@@ -217,6 +217,11 @@ impl Rules for Pointwise {
 
     fn scratch(&self, inputs: &[Rc<Node>], meta: &Meta) -> Scratch {
         let mut scratch = Scratch::default();
+        // Backward formulas that are not one fused kernel: `grad * x.sgn()` and
+        // `grad / (2 * result)` each make a temporary as large as the value.
+        if matches!(self, Pointwise::Unary(Unary::Abs | Unary::Sqrt)) && meta.requires_grad {
+            scratch.backward = meta.numel_parts();
+        }
         // A broadcast operand's gradient: the output gradient summed over the broadcast
         // dimensions.
         if let Pointwise::Binary(op) = self {

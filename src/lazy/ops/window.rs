@@ -148,6 +148,9 @@ impl Rules for Window {
             }
             return scratch;
         }
+        if meta.kind == Kind::Float && batched && meta.batch().is_some() && onednn(w, stride, dilation, groups) {
+            return onednn_scratch(inputs, meta, requires(inputs, 0));
+        }
         let kernel = &w[2..];
         let one_by_one = kernel.iter().all(|&k| k == 1)
             && stride.iter().all(|&s| s == 1)
@@ -167,6 +170,72 @@ impl Rules for Window {
         scratch.backward = work;
         scratch
     }
+}
+
+/// Whether libtorch hands a batched `Float` convolution on the CPU to oneDNN: its rule
+/// (`ConvParams::use_mkldnn`) for a batch of more than one, where a 1×1 unstrided convolution
+/// stays native only on one thread.
+fn onednn(weight: &[i64], stride: &[i64], dilation: &[i64], groups: i64) -> bool {
+    let one_by_one = weight[2..].iter().all(|&k| k == 1);
+    let strided = stride.iter().any(|&s| s != 1) || dilation.iter().any(|&d| d != 1);
+    groups >= 1 && (!one_by_one || strided || threads() > 1)
+}
+
+/// libtorch's intra-op threads, asked once.
+fn threads() -> i32 {
+    static THREADS: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    *THREADS.get_or_init(tch::get_num_threads)
+}
+
+/// oneDNN's channel block on this CPU: 16 with AVX-512, else 8.
+fn channel_block() -> i64 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        return 16;
+    }
+    8
+}
+
+/// A oneDNN convolution's scratch on the CPU, measured with the CPU allocator (libtorch 2.11,
+/// x86-64; `tests/lazy_peak.rs` checks it on generated models). oneDNN works in channel-blocked
+/// layouts:
+/// - an input with a full block of channels (or more) is reordered into one, and so is the
+///   weight; an output whose channels do not fill whole blocks is padded to them;
+/// - fewer input channels (a first layer) keep the input plain and reorder the output, and a
+///   1×1 convolution over them copies the input as well;
+/// - the backward reorders the output gradient (and the input from half a block of channels,
+///   and the weight gradient), and once more with an input gradient to compute from a plain
+///   input; its primitives take a scratchpad of their own (about 96 KiB measured).
+fn onednn_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool) -> Scratch {
+    const SCRATCHPAD: u64 = 32 << 10;
+    let block = channel_block();
+    let weight = &inputs[1].meta.shape;
+    let cin = weight[1];
+    let pointwise = weight[2..].iter().all(|&k| k == 1);
+    let o = meta.shape[1].max(1);
+    let blocks = (o + block - 1) / block * block;
+    let padded = |(a, c): (u64, u64)| (a * blocks as u64 / o as u64, c * blocks as u64 / o as u64);
+    let add = |a: (u64, u64), b: (u64, u64)| (a.0 + b.0, a.1 + b.1);
+    let x = inputs[0].meta.numel_parts();
+    let w = inputs[1].meta.numel_parts();
+    let plain_y = meta.numel_parts();
+    let y = padded(plain_y);
+    let elem = meta.kind.elt_size_in_bytes().max(1) as u64;
+    let mut scratch = Scratch::default();
+    let (forward, mut backward) = if cin >= block {
+        let reordered = add(x, w);
+        (if o % block == 0 { reordered } else { add(reordered, y) }, add(y, reordered))
+    } else if pointwise {
+        (add(add(x, y), plain_y), add(add(x, y), add(y, plain_y)))
+    } else {
+        (y, if 2 * cin >= block { add(add(y, x), w) } else { add(y, w) })
+    };
+    if input_grad && 2 * cin < block {
+        backward = add(backward, y);
+    }
+    scratch.forward = forward;
+    scratch.backward = add(backward, (0, SCRATCHPAD / elem));
+    scratch
 }
 
 impl LazyTensor {
