@@ -332,3 +332,55 @@ fn generated_models_peak_as_planned() {
     let close = rows.iter().filter(|(_, _, _, e)| e.abs() <= OVER_TOLERANCE).count();
     assert!(3 * close >= 2 * rows.len(), "only {close} of {} models within 10%", rows.len());
 }
+
+/// A plan that was low is corrected by measurement: an op of the user's that takes a
+/// temporary the planner cannot see runs over its plan once; the graph's later plans hold that
+/// much more in reserve, show it, and fit the budget.
+#[test]
+fn a_plan_that_was_low_is_corrected_for_later_steps() {
+    use toma::lazy::{CustomOp, Saves};
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    // `hidden(x) = x * 2`, with a scratch 8 times x's size the shape rule does not declare.
+    let hidden = CustomOp::new(
+        "hidden_scratch",
+        |ins| Ok(ins[0].clone()),
+        |xs| {
+            let scratch = Tensor::f_zeros([xs[0].numel() as i64 * 8], (xs[0].kind(), xs[0].device()))?;
+            let doubled = xs[0].f_mul_scalar(2.0)?;
+            drop(scratch);
+            Ok(doubled)
+        },
+    )
+    .saves(Saves::Nothing);
+    let vs = nn::VarStore::new(CPU);
+    let fc = nn::linear(vs.root() / "fc", 256, 256, Default::default());
+    let x = Tensor::randn([64, 256], (Kind::Float, CPU));
+    let step = || {
+        let h = toma::lazy::lazy(&x, 0).apply(&fc);
+        hidden.apply(&[&h]).unwrap().relu().sum(None)
+    };
+    let whole = step().plan(Mode::Backward, &Options::new().budget(u64::MAX / 4)).unwrap();
+    assert_eq!(whole.correction_bytes_per_sample(), 0, "a graph never run has no correction");
+    let budget = whole.peak_bytes() * 3 / 2;
+    let options = Options::new().budget(budget);
+    let first = step().plan(Mode::Backward, &options).unwrap();
+    assert!(!first.splits(), "{first}");
+    let before = memory::cpu_allocator_stats().unwrap().allocated;
+    assert!(memory::reset_cpu_peak());
+    step().backward_with(&options).unwrap();
+    let measured = memory::cpu_allocator_stats().unwrap().peak_allocated - before;
+    assert!(measured > budget, "the hidden scratch breaks the plan: measured {measured}, budget {budget}");
+
+    let second = step().plan(Mode::Backward, &options).unwrap();
+    let shown = second.to_string();
+    // The scratch is 8 KiB a sample; the plan's own peak (in the backward) covers part of it.
+    assert!(second.correction_bytes_per_sample() >= 1 << 10, "{shown}");
+    assert!(shown.contains("verified: an earlier run of this graph measured"), "{shown}");
+    assert!(second.splits(), "the corrected plan splits: {shown}");
+    let before = memory::cpu_allocator_stats().unwrap().allocated;
+    assert!(memory::reset_cpu_peak());
+    step().backward_with(&options).unwrap();
+    let measured = memory::cpu_allocator_stats().unwrap().peak_allocated - before;
+    assert!(measured <= budget, "the corrected step fits: measured {measured}, budget {budget}\n{shown}");
+}

@@ -142,7 +142,10 @@ fn forward_chunk(c: &Compiled, chunk: &Chunk<'_>, mut trace: Option<&mut Vec<Tra
 /// What planning decided for one run.
 struct Prepared {
     c: Compiled,
+    mode: Mode,
     micro_batch: usize,
+    /// The plan's peak at `micro_batch`.
+    peak: u64,
     /// Whether a micro-batch that runs out of memory may be halved (the result allows it).
     splittable: bool,
 }
@@ -164,7 +167,7 @@ fn prepare(output: &LazyTensor, mode: Mode, options: &Options) -> Result<Prepare
         nodes = c.len(),
         "toma::lazy: plan"
     );
-    Ok(Prepared { micro_batch: choice.micro_batch, splittable, c })
+    Ok(Prepared { micro_batch: choice.micro_batch, peak: choice.peak, splittable, mode, c })
 }
 
 /// Full-batch denominators of the mean-reduced class losses that a split must divide by.
@@ -208,6 +211,33 @@ fn run_chunks(
     options: &Options,
     mut body: impl FnMut(i64, i64) -> Result<(), LazyError>,
 ) -> Result<(), LazyError> {
+    // Each micro-batch is measured against its plan where an allocator counts.
+    let counter = crate::memory::PeakCounter::for_device(match p.c.device() {
+        tch::Device::Cuda(i) => Some(i),
+        _ => None,
+    });
+    let mut body = |start: i64, b: i64| -> Result<(), LazyError> {
+        let Some(counter) = counter else { return body(start, b) };
+        let Some((before, outer_peak)) = counter.start() else { return body(start, b) };
+        let result = body(start, b);
+        let peak = counter.peak();
+        counter.end(outer_peak);
+        result?;
+        if let Some(peak) = peak {
+            let measured = peak.saturating_sub(before);
+            let planned = if b as usize == p.micro_batch { p.peak } else { plan::peak_at(&p.c, p.mode, b as u64) };
+            if let Some(factor) = plan::verify(&p.c, p.mode, b as u64, planned, measured) {
+                tracing::warn!(
+                    micro_batch = b,
+                    planned,
+                    measured,
+                    per_sample = factor,
+                    "toma::lazy: a micro-batch peaked above its plan; later plans of this graph hold the excess in reserve"
+                );
+            }
+        }
+        Ok(())
+    };
     let n = p.c.batch.max(1) as usize;
     if !p.splittable || !options.retry {
         let step = if p.splittable { p.micro_batch } else { n };

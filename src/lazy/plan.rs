@@ -705,8 +705,16 @@ impl Choice {
 
 /// The largest micro-batch that fits: the whole batch when it does, else the largest power of
 /// two whose peak fits (the peak never decreases with the micro-batch, so a binary search).
-pub(crate) fn choose(c: &Compiled, mode: Mode, budget: u64, options: &Options) -> Result<Choice, LazyError> {
+pub(crate) fn choose(
+    c: &Compiled,
+    mode: Mode,
+    budget: u64,
+    correction: f64,
+    options: &Options,
+) -> Result<Choice, LazyError> {
     let n = c.batch.max(1) as u64;
+    // The budget the schedule at `b` is held to, less what measurement found the plan misses.
+    let held = |b: u64| budget.saturating_sub((correction * b as f64).ceil() as u64);
     let full = simulate(c, mode, n);
     let full_resolved = full.resolve(c, true);
     let full_peak = full_resolved.0.peak;
@@ -715,7 +723,7 @@ pub(crate) fn choose(c: &Compiled, mode: Mode, budget: u64, options: &Options) -
         let resolved = simulate(c, mode, b).resolve(c, b == n);
         return Ok(Choice { micro_batch: b as usize, peak: resolved.0.peak, full_peak, outcome: Some(resolved) });
     }
-    if full.fits(c, budget, true).0 {
+    if full.fits(c, held(n), true).0 {
         return Ok(Choice { micro_batch: n as usize, peak: full_peak, full_peak, outcome: Some(full_resolved) });
     }
     // Exponents e with 2^e < n: find the largest that fits (1 is checked last, if at all).
@@ -724,7 +732,7 @@ pub(crate) fn choose(c: &Compiled, mode: Mode, budget: u64, options: &Options) -
     while lo < hi {
         let mid = (lo + hi).div_ceil(2);
         let outcome = simulate(c, mode, 1 << mid);
-        if outcome.fits(c, budget, false).0 {
+        if outcome.fits(c, held(1 << mid), false).0 {
             lo = mid;
             best = Some(outcome);
         } else {
@@ -735,7 +743,7 @@ pub(crate) fn choose(c: &Compiled, mode: Mode, budget: u64, options: &Options) -
         Some(outcome) => outcome,
         None => {
             let at_one = simulate(c, mode, 1);
-            let (fits, seen) = at_one.fits(c, budget, n == 1);
+            let (fits, seen) = at_one.fits(c, held(1), n == 1);
             if !fits {
                 let (node, _) = step_node(c, mode, seen.peak_step);
                 return Err(LazyError::DoesNotFit {
@@ -834,6 +842,8 @@ pub struct Plan {
     new_grads: u64,
     steps: OnceCell<Vec<Step>>,
     last_use: Vec<u32>,
+    /// Bytes per sample earlier runs of this graph measured above their plans (0: none did).
+    correction: f64,
 }
 
 impl Plan {
@@ -860,6 +870,13 @@ impl Plan {
     /// The memory budget in bytes.
     pub fn budget(&self) -> u64 {
         self.budget
+    }
+    /// Bytes per sample an earlier run of this graph measured above its plan (on CUDA, or on
+    /// the CPU with [`track_cpu_allocations`](crate::memory::track_cpu_allocations)): the
+    /// micro-batch is chosen with that much more per sample held in reserve. 0 when no run
+    /// measured more than planned.
+    pub fn correction_bytes_per_sample(&self) -> u64 {
+        self.correction.ceil() as u64
     }
     /// Peak bytes of the schedule at the micro-batch size.
     pub fn peak_bytes(&self) -> u64 {
@@ -1028,11 +1045,62 @@ pub(crate) fn plan(output: &LazyTensor, mode: Mode, options: &Options) -> Result
 }
 
 /// The budget, the micro-batch and the split check: what planning and running both decide.
+/// A correction learned from earlier runs of the same graph (see [`verify`]) shrinks the
+/// budget the schedule is held to.
 pub(crate) fn decide(c: &Compiled, mode: Mode, options: &Options) -> Result<(Choice, u64), LazyError> {
     let budget = budget(options, c.device());
-    let choice = choose(c, mode, budget, options)?;
+    let choice = choose(c, mode, budget, correction(c, mode), options)?;
     check_split(c, mode, &choice, budget, options)?;
     Ok((choice, budget))
+}
+
+/// The schedule's peak at micro-batch `b`, as [`choose`] computes it.
+pub(crate) fn peak_at(c: &Compiled, mode: Mode, b: u64) -> u64 {
+    let n = c.batch.max(1) as u64;
+    simulate(c, mode, b).resolve(c, b == n).0.peak
+}
+
+/// Corrections learned by measuring runs: the most bytes per sample a micro-batch of a graph
+/// (its fingerprint), mode and device measured above its plan. Bounded: starting over costs
+/// one more measurement.
+fn corrections() -> &'static std::sync::Mutex<HashMap<u64, f64>> {
+    static CORRECTIONS: std::sync::OnceLock<std::sync::Mutex<HashMap<u64, f64>>> = std::sync::OnceLock::new();
+    CORRECTIONS.get_or_init(Default::default)
+}
+
+fn correction_key(c: &Compiled, mode: Mode) -> u64 {
+    let device = match c.device() {
+        Device::Cuda(i) => i as u64 + 1,
+        _ => 0,
+    };
+    crate::hash::mix(c.fingerprint ^ crate::hash::mix(device << 1 | mode as u64))
+}
+
+/// The bytes per sample this graph's plans add (0 until a run measured more than planned).
+pub(crate) fn correction(c: &Compiled, mode: Mode) -> f64 {
+    let map = corrections().lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    map.get(&correction_key(c, mode)).copied().unwrap_or(0.0)
+}
+
+/// After a micro-batch of `b` samples: the allocator measured `measured` bytes above what was
+/// in use when it started, where the plan said `planned`. A measurement more than 2% over the
+/// plan raises the graph's correction to the excess per sample (what a hidden temporary of a
+/// per-sample op costs), so that later plans of the graph hold; returns the new correction
+/// when it changed.
+pub(crate) fn verify(c: &Compiled, mode: Mode, b: u64, planned: u64, measured: u64) -> Option<f64> {
+    if (measured as f64) <= planned as f64 * 1.02 {
+        return None;
+    }
+    let per_sample = (measured - planned) as f64 / b.max(1) as f64;
+    let mut map = corrections().lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if map.len() >= 4096 {
+        map.clear();
+    }
+    let slot = map.entry(correction_key(c, mode)).or_insert(0.0);
+    (per_sample > *slot).then(|| {
+        *slot = per_sample;
+        per_sample
+    })
 }
 
 /// Whether a micro-batch that runs out of memory may be halved. A choice that already splits
@@ -1087,6 +1155,7 @@ pub(crate) fn detail(mut c: Compiled, mode: Mode, choice: &Choice, budget: u64) 
         new_grads,
         steps: OnceCell::new(),
         last_use: std::mem::take(&mut c.last_use),
+        correction: correction(&c, mode),
     }
 }
 
@@ -1144,6 +1213,14 @@ impl fmt::Display for Plan {
             human(self.budget),
             human(self.full_batch_peak),
         )?;
+        if self.correction > 0.0 {
+            writeln!(
+                f,
+                "verified: an earlier run of this graph measured {} per sample above its plan; held in reserve: {}",
+                human(self.correction.ceil() as u64),
+                human((self.correction * self.micro_batch as f64).ceil() as u64)
+            )?;
+        }
         writeln!(
             f,
             "peak = {} per sample x {} + {} fixed",

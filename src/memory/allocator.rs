@@ -197,11 +197,20 @@ impl PeakCounter {
         }
     }
 
-    /// Resets the peak to what is in use now, and returns that.
-    pub(crate) fn start(self) -> Option<u64> {
+    /// Starts measuring: resets the peak to what is in use now. Returns what is in use, and
+    /// the peak before the reset (for [`end`](Self::end)).
+    pub(crate) fn start(self) -> Option<(u64, u64)> {
         match self {
-            PeakCounter::Cpu => torch::cpu_reset_peak().ok().and(torch::cpu_stats().ok()).map(|s| s.allocated),
-            PeakCounter::Cuda(d) => torch::reset_peak(d).ok().and(torch::stats(d).ok()).map(|s| s.allocated),
+            PeakCounter::Cpu => {
+                let before = torch::cpu_stats().ok()?;
+                torch::cpu_reset_peak().ok()?;
+                Some((before.allocated, before.peak_allocated))
+            }
+            PeakCounter::Cuda(d) => {
+                let before = torch::stats(d).ok()?;
+                torch::reset_peak(d).ok()?;
+                Some((before.allocated, before.peak_allocated))
+            }
         }
     }
 
@@ -210,6 +219,16 @@ impl PeakCounter {
         match self {
             PeakCounter::Cpu => torch::cpu_stats().ok().map(|s| s.peak_allocated),
             PeakCounter::Cuda(d) => torch::stats(d).ok().map(|s| s.peak_allocated),
+        }
+    }
+
+    /// Ends a measurement: gives the counter back the peak it had before [`start`](Self::start)
+    /// if that was higher, so that a measurement around this one (an `auto` chunk whose body
+    /// runs a lazy step) still sees it. On the CPU only: libtorch's CUDA peaks can be reset,
+    /// not raised.
+    pub(crate) fn end(self, previous_peak: u64) {
+        if let PeakCounter::Cpu = self {
+            let _ = torch::cpu_raise_peak(previous_peak);
         }
     }
 
@@ -306,6 +325,7 @@ mod torch {
         fn toma_shim_cpu_track() -> c_int;
         fn toma_shim_cpu_stats(stats: *mut RawCpuStats) -> c_int;
         fn toma_shim_cpu_reset_peak() -> c_int;
+        fn toma_shim_cpu_raise_peak(value: i64) -> c_int;
         fn toma_shim_last_error() -> *const c_char;
     }
 
@@ -391,6 +411,11 @@ mod torch {
         // SAFETY: as above.
         check(unsafe { toma_shim_cpu_reset_peak() }, 0)
     }
+
+    pub(super) fn cpu_raise_peak(value: u64) -> Result<(), AllocatorError> {
+        // SAFETY: as above.
+        check(unsafe { toma_shim_cpu_raise_peak(value as i64) }, 0)
+    }
 }
 
 /// No shim: built without feature `tch`, or its compile failed (a build warning said so).
@@ -420,6 +445,10 @@ mod torch {
         Err(AllocatorError::NotBuilt)
     }
     pub(super) fn cpu_reset_peak() -> Result<(), AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+
+    pub(super) fn cpu_raise_peak(_value: u64) -> Result<(), AllocatorError> {
         Err(AllocatorError::NotBuilt)
     }
 }

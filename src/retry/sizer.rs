@@ -70,7 +70,7 @@ impl Extras {
         let history = report_wanted.then(|| {
             let counter = PeakCounter::for_device(settings.device.unwrap_or_else(crate::memory::work_device));
             let available = counter.and_then(PeakCounter::available);
-            History { counter, start: 0, attempts: Vec::new(), dropped: 0, available }
+            History { counter, start: 0, previous_peak: 0, attempts: Vec::new(), dropped: 0, available }
         });
         (span.is_some() || history.is_some()).then(|| Box::new(Extras { span, history }))
     }
@@ -82,6 +82,8 @@ struct History {
     /// attempt started.
     counter: Option<PeakCounter>,
     start: u64,
+    /// The counter's peak before this attempt's measurement reset it.
+    previous_peak: u64,
     attempts: Vec<Attempt>,
     dropped: u64,
     available: Option<u64>,
@@ -174,10 +176,10 @@ impl Sizer {
     #[cold]
     #[inline(never)]
     fn measure_from_here(&mut self) {
-        if let Some(History { counter: Some(counter), start, .. }) =
+        if let Some(History { counter: Some(counter), start, previous_peak, .. }) =
             self.extras.as_mut().and_then(|e| e.history.as_mut())
         {
-            *start = counter.start().unwrap_or(0);
+            (*start, *previous_peak) = counter.start().unwrap_or((0, 0));
         }
     }
 
@@ -199,6 +201,9 @@ impl Sizer {
         }
         let duration = self.attempt_started.map(|t| t.elapsed()).unwrap_or_default();
         let peak = history.counter.and_then(PeakCounter::peak).map(|p| p.saturating_sub(history.start));
+        if let Some(counter) = history.counter {
+            counter.end(history.previous_peak);
+        }
         history.attempts.push(Attempt { size, out_of_memory, duration, peak });
     }
 

@@ -132,6 +132,12 @@ class CountingCpuAllocator final : public c10::Allocator {
     peak_.store(allocated_.load(std::memory_order_relaxed), std::memory_order_relaxed);
   }
 
+  void raise_peak(int64_t value) {
+    int64_t peak = peak_.load(std::memory_order_relaxed);
+    while (value > peak && !peak_.compare_exchange_weak(peak, value, std::memory_order_relaxed)) {
+    }
+  }
+
  private:
   struct Shard {
     std::mutex mutex;
@@ -218,6 +224,17 @@ int toma_shim_cpu_reset_peak(void) {
   });
 }
 
+
+int toma_shim_cpu_raise_peak(int64_t value) {
+  return guarded([&]() -> int {
+    CountingCpuAllocator* counter = cpu_counter.load();
+    if (counter == nullptr) {
+      return fail(TOMA_SHIM_NOT_TRACKING, "CPU allocations are not counted: call toma::memory::track_cpu_allocations first");
+    }
+    counter->raise_peak(value);
+    return TOMA_SHIM_OK;
+  });
+}
 
 int toma_shim_cuda_device_count(int64_t* count) {
   return guarded([&]() -> int {

@@ -77,6 +77,10 @@ int toma_shim_cpu_stats(toma_shim_cpu_counts* stats);
 // Resets the CPU peak to the current figure; TOMA_SHIM_NOT_TRACKING before toma_shim_cpu_track.
 int toma_shim_cpu_reset_peak(void);
 
+// Raises the CPU peak to `value` if it is below (a measurement nested in another gives the
+// outer one its peak back); TOMA_SHIM_NOT_TRACKING before toma_shim_cpu_track.
+int toma_shim_cpu_raise_peak(int64_t value);
+
 // Why the last call on this thread did not return TOMA_SHIM_OK: libtorch's message for
 // TOMA_SHIM_ERROR, the reason for the others ("" after a success). Valid until the next call
 // on this thread.
