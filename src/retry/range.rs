@@ -357,9 +357,12 @@ impl RangeAttempts {
             Ok(()) => {
                 let len = end - start;
                 let (step, full) = (self.sizer.size, len == self.sizer.size);
+                // `auto` reads the chunk's peak before the history's measurement ends (which
+                // gives the counter back its earlier peak).
+                let next = self.auto.as_mut().map(|auto| auto.after_chunk(len, step, full, self.sizer.failed));
                 self.sizer.succeeded(len, full);
-                if let Some(auto) = self.auto.as_mut() {
-                    self.sizer.size = auto.after_chunk(len, step, full, self.sizer.failed);
+                if let Some(next) = next {
+                    self.sizer.size = next;
                 }
                 self.position = end;
                 if let Some(bar) = self.bar.as_mut() {
