@@ -209,7 +209,8 @@ struct Arch {
     batch: i64,
 }
 
-const ACTIVATIONS: [&str; 7] = ["relu", "tanh", "sigmoid", "gelu", "silu", "softplus", "abs"];
+const ACTIVATIONS: [&str; 12] =
+    ["relu", "tanh", "sigmoid", "gelu", "silu", "softplus", "abs", "leaky_relu", "elu", "hardswish", "relu6", "mish"];
 const POOLINGS: [&str; 4] = ["max", "avg", "adaptive", "none"];
 const LOSSES: [&str; 5] = ["nll sum", "nll mean", "cross-entropy", "mse mean", "mse sum"];
 
@@ -270,6 +271,11 @@ impl Arch {
             "gelu" => t.gelu("none"),
             "silu" => t.silu(),
             "softplus" => t.softplus(),
+            "leaky_relu" => t.leaky_relu(),
+            "elu" => t.elu(),
+            "hardswish" => t.hardswish(),
+            "relu6" => t.relu6(),
+            "mish" => t.mish(),
             _ => t.abs(),
         };
         let h = act(toma::lazy::lazy(&x, 0).apply(&c1));

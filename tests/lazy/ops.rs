@@ -190,7 +190,7 @@ proptest! {
     }
 
     #[test]
-    fn unary_and_softmax(a in shape(4, 5), micro in 1usize..6, op in 0usize..13, dim in -4i64..4) {
+    fn unary_and_softmax(a in shape(4, 5), micro in 1usize..6, op in 0usize..19, dim in -4i64..4) {
         let t = randn(&a);
         let l = lazy(&t, 0);
         let split = if (op == 9 || op == 10) && dim.rem_euclid(a.len() as i64) == 0 && dim >= -(a.len() as i64) && dim < a.len() as i64 {
@@ -211,7 +211,13 @@ proptest! {
             9 => (t.f_softmax(dim, None), l.f_softmax(dim, None), "softmax"),
             10 => (t.f_log_softmax(dim, Kind::Float), l.f_log_softmax(dim, Kind::Float), "log_softmax"),
             11 => (t.f_silu(), l.f_silu(), "silu"),
-            _ => (t.f_softplus(), l.f_softplus(), "softplus"),
+            12 => (t.f_softplus(), l.f_softplus(), "softplus"),
+            13 => (t.f_leaky_relu(), l.f_leaky_relu(), "leaky_relu"),
+            14 => (t.f_elu(), l.f_elu(), "elu"),
+            15 => (t.f_hardswish(), l.f_hardswish(), "hardswish"),
+            16 => (t.f_hardsigmoid(), l.f_hardsigmoid(), "hardsigmoid"),
+            17 => (t.f_relu6(), l.f_relu6(), "relu6"),
+            _ => (t.f_mish(), l.f_mish(), "mish"),
         };
         agree(&format!("{name} {a:?} dim {dim}"), eager, lazy_t, micro, split)?;
     }
@@ -402,6 +408,67 @@ proptest! {
     }
 
     #[test]
+    fn masks_where_and_triangles(a in shape(4, 4), micro in 1usize..5, value in -3.0f64..3.0, diagonal in -2i64..3, fixed_mask in any::<bool>()) {
+        let t = randn(&a);
+        let l = lazy(&t, 0);
+        // A mask over the trailing dimensions (fixed), or one per sample.
+        let trailing: Vec<i64> = if fixed_mask { a[1..].to_vec() } else { a.clone() };
+        let mask = Tensor::randint(2, trailing.as_slice(), (Kind::Int64, CPU)).to_kind(Kind::Bool);
+        let lm = if fixed_mask { LazyTensor::fixed(&mask) } else { lazy(&mask, 0) };
+        agree("masked_fill", t.f_masked_fill(&mask, value), l.f_masked_fill(&lm, value), micro, Split::Exact)?;
+        let other = randn(&a);
+        agree("where_self", t.f_where_self(&mask, &other), l.f_where_self(&lm, &lazy(&other, 0)), micro, Split::Exact)?;
+        // libtorch refuses an integer mask (tch's `f_masked_fill` panics on it): so does recording.
+        let not_bool = mask.to_kind(Kind::Int64);
+        prop_assert!(l.f_masked_fill(&LazyTensor::fixed(&not_bool), value).is_err());
+        // Triangles of the trailing two dimensions: the batch (dimension 0) stays per-sample
+        // when it is not one of them.
+        let split = if a.len() <= 2 { Split::Refused } else { Split::Exact };
+        agree("tril", t.f_tril(diagonal), l.f_tril(diagonal), micro, split)?;
+        agree("triu", t.f_triu(diagonal), l.f_triu(diagonal), micro, split)?;
+    }
+
+    #[test]
+    fn bmm_wherever_the_batch_is(case in 0usize..4, n in 1i64..5, (r, k, c) in (1i64..4, 1i64..4, 1i64..4), micro in 1usize..5) {
+        let (a, b) = match case {
+            1 => (randn(&[2, n, k]), randn(&[2, k, c])),
+            2 => (randn(&[2, r, k]), randn(&[2, k, n])),
+            3 => (randn(&[2, r, n]), randn(&[2, n, c])),
+            _ => (randn(&[n, r, k]), randn(&[n, k, c])),
+        };
+        let (la, lb) = match case {
+            0 => (lazy(&a, 0), lazy(&b, 0)),
+            1 => (lazy(&a, 1), LazyTensor::fixed(&b)),
+            2 => (LazyTensor::fixed(&a), lazy(&b, 2)),
+            _ => (lazy(&a, 2), lazy(&b, 1)),
+        };
+        let split = if case == 3 { Split::Refused } else { Split::Exact };
+        agree(&format!("bmm case {case}"), a.f_bmm(&b), la.f_bmm(&lb), micro, split)?;
+    }
+
+    #[test]
+    fn chunks_and_splits_are_tchs(a in shape(3, 7), pieces in 1i64..5, dim in 1usize..3, micro in 1usize..4) {
+        let t = randn(&a);
+        let l = lazy(&t, 0);
+        let dim = dim.min(a.len() - 1) as i64;
+        if dim == 0 {
+            return Ok(());
+        }
+        let eager = t.chunk(pieces, dim);
+        let lazy_parts = l.f_chunk(pieces, dim).unwrap();
+        prop_assert_eq!(eager.len(), lazy_parts.len(), "chunk count");
+        for (e, p) in eager.into_iter().zip(lazy_parts) {
+            agree("chunk", Ok(e), Ok(p), micro, Split::Exact)?;
+        }
+        let eager = t.split(pieces, dim);
+        let lazy_parts = l.f_split(pieces, dim).unwrap();
+        prop_assert_eq!(eager.len(), lazy_parts.len(), "split count");
+        for (e, p) in eager.into_iter().zip(lazy_parts) {
+            agree("split", Ok(e), Ok(p), micro, Split::Exact)?;
+        }
+    }
+
+    #[test]
     fn max_pool2d_every_parameter(
         shape in (1i64..4, 1i64..3, 1i64..10, 1i64..10),
         kernel in prop::collection::vec(1i64..4, 1..=2),
@@ -579,6 +646,15 @@ proptest! {
         agree("nll", logp.f_nll_loss(&y, Some(&w), red, -100), lazy(&logp, 0).f_g_nll_loss(&ly, Some(&w), red, -100), micro, Split::Exact)?;
         let target = randn(&[n, c]);
         agree("mse", x.f_mse_loss(&target, red), lx.f_mse_loss(&lazy(&target, 0), red), micro, Split::Exact)?;
+        let lt = lazy(&target, 0);
+        agree("smooth_l1", x.f_smooth_l1_loss(&target, red, 0.5), lx.f_smooth_l1_loss(&lt, red, 0.5), micro, Split::Exact)?;
+        agree("huber", x.f_huber_loss(&target, red, 0.7), lx.f_huber_loss(&lt, red, 0.7), micro, Split::Exact)?;
+        let probability = target.sigmoid();
+        let eager_bce = x.f_binary_cross_entropy_with_logits(&probability, None::<&Tensor>, None::<&Tensor>, red);
+        agree("bce with logits", eager_bce, lx.f_binary_cross_entropy_with_logits(&lazy(&probability, 0), red), micro, Split::Exact)?;
+        // A fixed target broadcast over the batch (a row of targets for every sample).
+        let row = randn(&[c]);
+        agree("mse, fixed target", x.f_mse_loss(&row, red), lx.f_mse_loss(&row, red), micro, Split::Exact)?;
         let bad = Tensor::randint(c, [n + 1], (Kind::Int64, CPU));
         agree("nll shape", logp.f_nll_loss(&bad, None::<Tensor>, red, -100), LazyTensor::fixed(&logp).f_g_nll_loss(&bad, None::<&Tensor>, red, -100), 1, Split::Exact)?;
     }

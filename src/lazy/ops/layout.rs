@@ -312,6 +312,47 @@ impl LazyTensor {
         Ok(Record::new(op, vec![n.clone()], s, m.kind, m.device).flow((flow, mixes)).view(m.strides.clone()).finish())
     }
 
+    /// Splits into `chunks` views along `dim`, as tch's `chunk`: each `ceil(size / chunks)`
+    /// long, the last one shorter (fewer chunks when the size runs out).
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for `chunks` < 1 or a bad dimension.
+    pub fn f_chunk(&self, chunks: i64, dim: i64) -> Result<Vec<LazyTensor>, LazyError> {
+        let shape = &self.node.meta.shape;
+        if chunks < 1 {
+            return Err(arg("chunk", shape, format!("chunk expects `chunks` to be greater than 0, got: {chunks}")));
+        }
+        let d = shape::wrap_dim(dim, shape.len()).map_err(|r| arg("chunk", shape, r))?;
+        let size = (shape[d] + chunks - 1) / chunks;
+        self.f_split(size.max(1), dim)
+            .map(|parts| if shape[d] == 0 { parts.into_iter().take(1).collect() } else { parts })
+    }
+
+    /// Splits into views of `split_size` along `dim` (the last one shorter), as tch's `split`.
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for `split_size` < 1 (unless the dimension is empty) or a bad
+    /// dimension.
+    pub fn f_split(&self, split_size: i64, dim: i64) -> Result<Vec<LazyTensor>, LazyError> {
+        let shape = &self.node.meta.shape;
+        let d = shape::wrap_dim(dim, shape.len()).map_err(|r| arg("split", shape, r))?;
+        let size = shape[d];
+        if split_size < 1 && size > 0 {
+            return Err(arg(
+                "split",
+                shape,
+                format!("split_size can only be 0 if dimension size is 0, but got {split_size}"),
+            ));
+        }
+        if size == 0 {
+            return Ok(vec![self.f_narrow(d as i64, 0, 0)?]);
+        }
+        (0..size)
+            .step_by(split_size as usize)
+            .map(|start| self.f_narrow(d as i64, start, split_size.min(size - start)))
+            .collect()
+    }
+
     /// The value in another kind (the same value, not a copy, when the kind is the same).
     ///
     /// # Errors
@@ -397,6 +438,24 @@ panicking! {
 }
 
 impl LazyTensor {
+    /// Like [`f_chunk`](Self::f_chunk), panicking with its error.
+    ///
+    /// # Panics
+    /// When the op cannot be recorded.
+    #[track_caller]
+    pub fn chunk(&self, chunks: i64, dim: i64) -> Vec<LazyTensor> {
+        self.f_chunk(chunks, dim).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Like [`f_split`](Self::f_split), panicking with its error.
+    ///
+    /// # Panics
+    /// When the op cannot be recorded.
+    #[track_caller]
+    pub fn split(&self, split_size: i64, dim: i64) -> Vec<LazyTensor> {
+        self.f_split(split_size, dim).unwrap_or_else(|e| panic!("{e}"))
+    }
+
     /// Like [`f_cat`](Self::f_cat), panicking with its error.
     ///
     /// # Panics

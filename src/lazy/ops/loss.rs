@@ -7,7 +7,7 @@ use std::rc::Rc;
 use tch::{Kind, Reduction, TchError, Tensor};
 
 use super::record::{broadcast_flows, combine_flows, same_device, Linearity, Record};
-use super::{arg, floating, kind_err, panicking, same_kind, shape_err, Rules, RunCx, Share};
+use super::{arg, floating, kind_err, panicking, same_kind, shape_err, Rules, RunCx, Scratch, Share};
 use crate::lazy::error::LazyError;
 use crate::lazy::graph::{Flow, Meta, Node};
 use crate::lazy::shape;
@@ -21,6 +21,37 @@ pub(crate) enum Loss {
     Nll { reduction: Reduction, ignore_index: i64 },
     /// Operands: input, target.
     Mse { reduction: Reduction },
+    /// Operands: logits, target (same shape).
+    BceWithLogits { reduction: Reduction },
+    /// Operands: input, target.
+    SmoothL1 { reduction: Reduction, beta: f64 },
+    /// Operands: input, target.
+    Huber { reduction: Reduction, delta: f64 },
+}
+
+impl Loss {
+    /// An elementwise loss and its reduction: run whole, or as a sum for a share of a mean.
+    fn elementwise(&self, x: &Tensor, target: &Tensor, reduction: Reduction) -> Result<Tensor, TchError> {
+        match self {
+            Loss::Mse { .. } => x.f_mse_loss(target, reduction),
+            Loss::BceWithLogits { .. } => {
+                x.f_binary_cross_entropy_with_logits(target, None::<&Tensor>, None::<&Tensor>, reduction)
+            }
+            Loss::SmoothL1 { beta, .. } => x.f_smooth_l1_loss(target, reduction, *beta),
+            Loss::Huber { delta, .. } => x.f_huber_loss(target, reduction, *delta),
+            Loss::CrossEntropy { .. } | Loss::Nll { .. } => unreachable!("class losses are not elementwise"),
+        }
+    }
+
+    fn reduction(&self) -> Option<Reduction> {
+        match self {
+            Loss::Mse { reduction }
+            | Loss::BceWithLogits { reduction }
+            | Loss::SmoothL1 { reduction, .. }
+            | Loss::Huber { reduction, .. } => Some(*reduction),
+            _ => None,
+        }
+    }
 }
 
 impl Rules for Loss {
@@ -29,6 +60,9 @@ impl Rules for Loss {
             Loss::CrossEntropy { .. } => "cross_entropy_for_logits",
             Loss::Nll { .. } => "nll_loss",
             Loss::Mse { .. } => "mse_loss",
+            Loss::BceWithLogits { .. } => "binary_cross_entropy_with_logits",
+            Loss::SmoothL1 { .. } => "smooth_l1_loss",
+            Loss::Huber { .. } => "huber_loss",
         }
     }
 
@@ -42,7 +76,7 @@ impl Rules for Loss {
                 let weight = ins.get(2).copied();
                 x.f_nll_loss(target, weight, *reduction, *ignore_index)
             }
-            Loss::Mse { reduction } => x.f_mse_loss(target, *reduction),
+            elementwise => elementwise.elementwise(x, target, elementwise.reduction().expect("elementwise")),
         }
     }
 
@@ -50,8 +84,30 @@ impl Rules for Loss {
         match self {
             // The targets; the log-probabilities are an extra.
             Loss::CrossEntropy { .. } => i == 1,
-            Loss::Nll { .. } | Loss::Mse { .. } => true,
+            _ => true,
         }
+    }
+
+    fn scratch(&self, inputs: &[Rc<Node>], _meta: &Meta) -> Scratch {
+        let x = inputs[0].meta.numel_parts();
+        let times = |k: u64| (k * x.0, k * x.1);
+        let mut scratch = Scratch::default();
+        match self {
+            // Composite kernels: `(1 - t) x + log(1 + e^-|x|) + max(-x, 0)` forward, and
+            // `sigmoid(x) - t` scaled backward, each a few temporaries as large as the input.
+            Loss::BceWithLogits { .. } => {
+                scratch.forward = times(3);
+                scratch.backward = times(2);
+            }
+            // The elementwise loss before its reduction.
+            Loss::SmoothL1 { reduction, .. } | Loss::Huber { reduction, .. } | Loss::Mse { reduction }
+                if !matches!(reduction, Reduction::None) =>
+            {
+                scratch.forward = times(1);
+            }
+            _ => {}
+        }
+        scratch
     }
 
     fn saved_extra(&self, inputs: &[Rc<Node>], _meta: &Meta) -> Option<(u64, u64, Kind)> {
@@ -80,10 +136,10 @@ impl Rules for Loss {
             Loss::Nll { reduction: Reduction::Mean, ignore_index } => x
                 .f_nll_loss(target, ins.get(2).copied(), Reduction::Sum, *ignore_index)
                 .and_then(|s| s.f_div_scalar(den())),
-            Loss::Mse { reduction: Reduction::Mean } => {
+            elementwise if matches!(elementwise.reduction(), Some(Reduction::Mean)) => {
                 let per = shape::broadcast(&node.inputs[0].meta.shape, &node.inputs[1].meta.shape).unwrap_or_default();
                 let count = shape::numel(&per) as f64;
-                x.f_mse_loss(target, Reduction::Sum).and_then(|s| s.f_div_scalar(count))
+                elementwise.elementwise(x, target, Reduction::Sum).and_then(|s| s.f_div_scalar(count))
             }
             _ => return None,
         })
@@ -237,8 +293,77 @@ impl LazyTensor {
     /// [`LazyError::Shape`] when the shapes do not broadcast, [`LazyError::Kind`],
     /// [`LazyError::Device`]; [`Reduction::Other`].
     pub fn f_mse_loss(&self, target: impl IntoLazy, reduction: Reduction) -> Result<LazyTensor, LazyError> {
+        self.f_elementwise_loss(target, Loss::Mse { reduction })
+    }
+
+    /// Binary cross-entropy of logits against targets of the same shape (tch's
+    /// `binary_cross_entropy_with_logits`, without class or positive weights).
+    ///
+    /// # Errors
+    /// [`LazyError::Shape`] for a target of another shape, [`LazyError::Kind`],
+    /// [`LazyError::Device`]; [`Reduction::Other`].
+    pub fn f_binary_cross_entropy_with_logits(
+        &self,
+        target: impl IntoLazy,
+        reduction: Reduction,
+    ) -> Result<LazyTensor, LazyError> {
         let t = target.into_lazy();
-        let name = "mse_loss";
+        if t.node.meta.shape != self.node.meta.shape {
+            return Err(shape_err(
+                "binary_cross_entropy_with_logits",
+                &self.node.meta.shape,
+                &t.node.meta.shape,
+                "the target must have the input's size",
+            ));
+        }
+        self.f_elementwise_loss(&t, Loss::BceWithLogits { reduction })
+    }
+
+    /// Smooth L1 loss (quadratic below `beta`), as tch's `smooth_l1_loss`.
+    ///
+    /// # Errors
+    /// As [`f_mse_loss`](Self::f_mse_loss); [`LazyError::Argument`] for a negative `beta`.
+    pub fn f_smooth_l1_loss(
+        &self,
+        target: impl IntoLazy,
+        reduction: Reduction,
+        beta: f64,
+    ) -> Result<LazyTensor, LazyError> {
+        if beta < 0.0 {
+            return Err(arg(
+                "smooth_l1_loss",
+                &self.node.meta.shape,
+                "smooth_l1_loss does not support negative values for beta.",
+            ));
+        }
+        self.f_elementwise_loss(target, Loss::SmoothL1 { reduction, beta })
+    }
+
+    /// Huber loss (quadratic below `delta`), as tch's `huber_loss`.
+    ///
+    /// # Errors
+    /// As [`f_mse_loss`](Self::f_mse_loss); [`LazyError::Argument`] for `delta` ≤ 0.
+    pub fn f_huber_loss(
+        &self,
+        target: impl IntoLazy,
+        reduction: Reduction,
+        delta: f64,
+    ) -> Result<LazyTensor, LazyError> {
+        if delta <= 0.0 {
+            return Err(arg(
+                "huber_loss",
+                &self.node.meta.shape,
+                "huber_loss does not support non-positive values for delta.",
+            ));
+        }
+        self.f_elementwise_loss(target, Loss::Huber { reduction, delta })
+    }
+
+    /// An elementwise loss against a broadcast target, reduced by `op`'s reduction.
+    fn f_elementwise_loss(&self, target: impl IntoLazy, op: Loss) -> Result<LazyTensor, LazyError> {
+        let t = target.into_lazy();
+        let reduction = op.reduction().expect("an elementwise loss");
+        let name = op.name();
         let (x, tn) = (&self.node, &t.node);
         let device = same_device(name, &[x, tn])?;
         let per = shape::broadcast(&x.meta.shape, &tn.meta.shape)
@@ -254,7 +379,6 @@ impl LazyTensor {
             (f, Reduction::None) => (f, per),
             (f, _) => (f, vec![]),
         };
-        let op = Loss::Mse { reduction };
         Ok(Record::new(op, vec![x.clone(), tn.clone()], out, x.meta.kind, device).flow((flow, mixes)).finish())
     }
 }
@@ -264,4 +388,7 @@ panicking! {
     nll_loss => f_nll_loss(targets: impl IntoLazy);
     g_nll_loss => f_g_nll_loss(targets: impl IntoLazy, weight: Option<impl IntoLazy>, reduction: Reduction, ignore_index: i64);
     mse_loss => f_mse_loss(target: impl IntoLazy, reduction: Reduction);
+    binary_cross_entropy_with_logits => f_binary_cross_entropy_with_logits(target: impl IntoLazy, reduction: Reduction);
+    smooth_l1_loss => f_smooth_l1_loss(target: impl IntoLazy, reduction: Reduction, beta: f64);
+    huber_loss => f_huber_loss(target: impl IntoLazy, reduction: Reduction, delta: f64);
 }

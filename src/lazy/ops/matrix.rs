@@ -15,6 +15,8 @@ use crate::lazy::LazyTensor;
 pub(crate) enum Matrix {
     /// Operands: a, b.
     Matmul,
+    /// `[B, n, m] @ [B, m, p]`. Operands: a, b.
+    Bmm,
     /// Operands: x, weight, optional bias.
     Linear,
     /// `beta * input + alpha * (batch1 @ batch2)`. Operands: input, batch1, batch2.
@@ -27,6 +29,7 @@ impl Rules for Matrix {
     fn name(&self) -> &'static str {
         match self {
             Matrix::Matmul => "matmul",
+            Matrix::Bmm => "bmm",
             Matrix::Linear => "linear",
             Matrix::Baddbmm { .. } => "baddbmm",
             Matrix::Embedding { .. } => "embedding",
@@ -36,6 +39,7 @@ impl Rules for Matrix {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         match self {
             Matrix::Matmul => ins[0].f_matmul(ins[1]),
+            Matrix::Bmm => ins[0].f_bmm(ins[1]),
             Matrix::Linear => {
                 let (x, weight, bias) = (ins[0], ins[1], ins.get(2).copied());
                 x.f_linear(weight, bias)
@@ -54,7 +58,7 @@ impl Rules for Matrix {
     fn saves_input(&self, i: usize, inputs: &[Rc<Node>]) -> bool {
         match self {
             // Each factor is kept for the other's gradient.
-            Matrix::Matmul => requires(inputs, 1 - i),
+            Matrix::Matmul | Matrix::Bmm => requires(inputs, 1 - i),
             Matrix::Linear => match i {
                 0 => requires(inputs, 1),
                 1 => requires(inputs, 0),
@@ -212,6 +216,32 @@ impl LazyTensor {
         Ok(Record::new(Matrix::Matmul, vec![a.clone(), b.clone()], out, a.meta.kind, device).flow(flow).finish())
     }
 
+    /// Batched matrix product, as tch's `bmm`: `self` `[B, n, m]` by `other` `[B, m, p]`. The
+    /// batch may be `B`, the rows of `self` or the columns of `other`; contracting over it
+    /// mixes samples.
+    ///
+    /// # Errors
+    /// [`LazyError::Shape`] for other shapes, [`LazyError::Kind`], [`LazyError::Device`].
+    pub fn f_bmm(&self, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        let other = other.into_lazy();
+        let (a, b) = (&self.node, &other.node);
+        let name = "bmm";
+        let device = same_device(name, &[a, b])?;
+        let (sa, sb) = (&a.meta.shape, &b.meta.shape);
+        if sa.len() != 3 || sb.len() != 3 || sa[0] != sb[0] || sa[2] != sb[1] {
+            return Err(shape_err(name, sa, sb, "expected [B, n, m] and [B, m, p]"));
+        }
+        same_kind(name, a, b)?;
+        let out = vec![sa[0], sa[1], sb[2]];
+        let mapped = [
+            a.meta.batch().and_then(|bd| (bd.dim < 2).then_some(bd.dim)),
+            b.meta.batch().and_then(|bd| (bd.dim != 1).then_some(bd.dim)),
+        ];
+        let along_b = mapped.iter().flatten().any(|&d| d == 0);
+        let flow = combine_flows(name, &[a, b], &mapped, &out, Linearity::Nonlinear, along_b)?;
+        Ok(Record::new(Matrix::Bmm, vec![a.clone(), b.clone()], out, a.meta.kind, device).flow(flow).finish())
+    }
+
     /// `self @ weightᵀ + bias`, as tch's `linear`: `self` is `[.., in]`, `weight` `[out, in]`,
     /// `bias` `[out]`.
     ///
@@ -335,6 +365,7 @@ impl LazyTensor {
 
 panicking! {
     matmul => f_matmul(other: impl IntoLazy);
+    bmm => f_bmm(other: impl IntoLazy);
     linear => f_linear(weight: impl IntoLazy, bias: Option<impl IntoLazy>);
     baddbmm => f_baddbmm(batch1: impl IntoLazy, batch2: impl IntoLazy, beta: f64, alpha: f64);
 }

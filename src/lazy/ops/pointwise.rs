@@ -6,7 +6,7 @@ use std::rc::Rc;
 use tch::{Kind, TchError, Tensor};
 
 use super::record::{broadcast_flows, same_device, Linearity, Record};
-use super::{arg, floating, panicking, requires, same_shape_flow, shape_err, Rules, RunCx, Scratch, Share};
+use super::{arg, floating, kind_err, panicking, requires, same_shape_flow, shape_err, Rules, RunCx, Scratch, Share};
 use crate::lazy::error::LazyError;
 use crate::lazy::graph::{Meta, Node};
 use crate::lazy::shape;
@@ -30,6 +30,16 @@ pub(crate) enum Unary {
     Silu,
     /// `log(1 + e^x)` (tch's defaults: beta 1, threshold 20).
     Softplus,
+    /// Slope 0.01 below 0, as tch's `leaky_relu`.
+    LeakyRelu,
+    /// `alpha = 1`, as tch's `elu`.
+    Elu,
+    Hardswish,
+    Hardsigmoid,
+    /// `min(max(x, 0), 6)`.
+    Relu6,
+    /// `x * tanh(softplus(x))`.
+    Mish,
 }
 
 /// Binary elementwise ops (tensor with tensor, or tensor with scalar).
@@ -88,6 +98,17 @@ pub(crate) enum Pointwise {
         p: f64,
         train: bool,
     },
+    /// Operands: x, mask (Bool, broadcast to x).
+    MaskedFill {
+        value: f64,
+    },
+    /// `condition ? x : y`. Operands: condition, x, y (broadcast together).
+    Where,
+    /// The lower (`tril`) or upper (`triu`) triangle of the last two dimensions.
+    Triangle {
+        upper: bool,
+        diagonal: i64,
+    },
 }
 
 impl Rules for Pointwise {
@@ -105,6 +126,12 @@ impl Rules for Pointwise {
                 Unary::Gelu(_) => "gelu",
                 Unary::Silu => "silu",
                 Unary::Softplus => "softplus",
+                Unary::LeakyRelu => "leaky_relu",
+                Unary::Elu => "elu",
+                Unary::Hardswish => "hardswish",
+                Unary::Hardsigmoid => "hardsigmoid",
+                Unary::Relu6 => "relu6",
+                Unary::Mish => "mish",
             },
             Pointwise::Binary(b) => b.name(),
             Pointwise::Scalar { op, reversed, .. } => match (op, reversed) {
@@ -118,6 +145,10 @@ impl Rules for Pointwise {
                 (other, _) => other.name(),
             },
             Pointwise::Dropout { .. } => "dropout",
+            Pointwise::MaskedFill { .. } => "masked_fill",
+            Pointwise::Where => "where_self",
+            Pointwise::Triangle { upper: false, .. } => "tril",
+            Pointwise::Triangle { upper: true, .. } => "triu",
         }
     }
 
@@ -137,6 +168,12 @@ impl Rules for Pointwise {
                     Unary::Gelu(approximate) => x.f_gelu(approximate),
                     Unary::Silu => x.f_silu(),
                     Unary::Softplus => x.f_softplus(),
+                    Unary::LeakyRelu => x.f_leaky_relu(),
+                    Unary::Elu => x.f_elu(),
+                    Unary::Hardswish => x.f_hardswish(),
+                    Unary::Hardsigmoid => x.f_hardsigmoid(),
+                    Unary::Relu6 => x.f_relu6(),
+                    Unary::Mish => x.f_mish(),
                 }
             }
             Pointwise::Binary(op) => {
@@ -159,6 +196,16 @@ impl Rules for Pointwise {
             }
             Pointwise::Scalar { op, scalar, reversed } => scalar_op(ins[0], *op, *scalar, *reversed),
             Pointwise::Dropout { p, train } => ins[0].f_dropout(*p, *train),
+            Pointwise::MaskedFill { value } => {
+                let (x, mask) = (ins[0], ins[1]);
+                x.f_masked_fill(mask, *value)
+            }
+            Pointwise::Where => {
+                let (condition, x, y) = (ins[0], ins[1], ins[2]);
+                x.f_where_self(condition, y)
+            }
+            Pointwise::Triangle { upper: false, diagonal } => ins[0].f_tril(*diagonal),
+            Pointwise::Triangle { upper: true, diagonal } => ins[0].f_triu(*diagonal),
         }
     }
 
@@ -170,7 +217,21 @@ impl Rules for Pointwise {
         let other_requires = |j: usize| requires(inputs, j);
         match self {
             Pointwise::Unary(u) => {
-                i == 0 && matches!(u, Unary::Log | Unary::Abs | Unary::Gelu(_) | Unary::Silu | Unary::Softplus)
+                i == 0
+                    && matches!(
+                        u,
+                        Unary::Log
+                            | Unary::Abs
+                            | Unary::Gelu(_)
+                            | Unary::Silu
+                            | Unary::Softplus
+                            | Unary::LeakyRelu
+                            | Unary::Elu
+                            | Unary::Hardswish
+                            | Unary::Hardsigmoid
+                            | Unary::Relu6
+                            | Unary::Mish
+                    )
             }
             Pointwise::Binary(op) => match op {
                 Binary::Add | Binary::Sub => false,
@@ -180,6 +241,9 @@ impl Rules for Pointwise {
                 _ => false,
             },
             Pointwise::Scalar { op: Binary::Pow, .. } => i == 0,
+            // The mask, and the condition: where the gradient goes.
+            Pointwise::MaskedFill { .. } => i == 1,
+            Pointwise::Where => i == 0,
             _ => false,
         }
     }
@@ -290,7 +354,16 @@ impl LazyTensor {
                 n.meta.kind
             }
             // libtorch has no integer kernels for these.
-            Pointwise::Unary(Unary::Silu | Unary::Softplus) => {
+            Pointwise::Unary(
+                Unary::Silu
+                | Unary::Softplus
+                | Unary::LeakyRelu
+                | Unary::Elu
+                | Unary::Hardswish
+                | Unary::Hardsigmoid
+                | Unary::Relu6
+                | Unary::Mish,
+            ) => {
                 floating(name, n)?;
                 n.meta.kind
             }
@@ -379,6 +452,126 @@ impl LazyTensor {
     /// [`LazyError::Kind`] for a non-floating tensor.
     pub fn f_softplus(&self) -> Result<LazyTensor, LazyError> {
         self.f_unary(Unary::Softplus)
+    }
+    /// Leaky ReLU with tch's slope (0.01).
+    ///
+    /// # Errors
+    /// [`LazyError::Kind`] for a non-floating tensor.
+    pub fn f_leaky_relu(&self) -> Result<LazyTensor, LazyError> {
+        self.f_unary(Unary::LeakyRelu)
+    }
+    /// ELU with tch's `alpha` (1).
+    ///
+    /// # Errors
+    /// [`LazyError::Kind`] for a non-floating tensor.
+    pub fn f_elu(&self) -> Result<LazyTensor, LazyError> {
+        self.f_unary(Unary::Elu)
+    }
+    /// Hard swish, `x * relu6(x + 3) / 6`.
+    ///
+    /// # Errors
+    /// [`LazyError::Kind`] for a non-floating tensor.
+    pub fn f_hardswish(&self) -> Result<LazyTensor, LazyError> {
+        self.f_unary(Unary::Hardswish)
+    }
+    /// Hard sigmoid, `relu6(x + 3) / 6`.
+    ///
+    /// # Errors
+    /// [`LazyError::Kind`] for a non-floating tensor.
+    pub fn f_hardsigmoid(&self) -> Result<LazyTensor, LazyError> {
+        self.f_unary(Unary::Hardsigmoid)
+    }
+    /// `min(max(x, 0), 6)`.
+    ///
+    /// # Errors
+    /// [`LazyError::Kind`] for a non-floating tensor.
+    pub fn f_relu6(&self) -> Result<LazyTensor, LazyError> {
+        self.f_unary(Unary::Relu6)
+    }
+    /// Mish, `x * tanh(softplus(x))`.
+    ///
+    /// # Errors
+    /// [`LazyError::Kind`] for a non-floating tensor.
+    pub fn f_mish(&self) -> Result<LazyTensor, LazyError> {
+        self.f_unary(Unary::Mish)
+    }
+
+    /// `value` where `mask` (Bool, broadcast to `self`'s shape) is true, `self` elsewhere, as
+    /// tch's `masked_fill`.
+    ///
+    /// # Errors
+    /// [`LazyError::Kind`] for a mask that is not Bool, [`LazyError::Shape`] for one that does
+    /// not broadcast to `self`, [`LazyError::Device`], [`LazyError::Batch`] for a fixed mask
+    /// with the batch's size along the batch dimension.
+    pub fn f_masked_fill(&self, mask: impl IntoLazy, value: f64) -> Result<LazyTensor, LazyError> {
+        let mask = mask.into_lazy();
+        let (x, m) = (&self.node, &mask.node);
+        let name = "masked_fill";
+        let device = same_device(name, &[x, m])?;
+        if m.meta.kind != Kind::Bool {
+            return Err(kind_err(name, m.meta.kind, &m.meta.shape, "the mask must be Bool"));
+        }
+        match shape::broadcast(&x.meta.shape, &m.meta.shape) {
+            Ok(b) if b == x.meta.shape => {}
+            _ => return Err(shape_err(name, &x.meta.shape, &m.meta.shape, "the mask must broadcast to the tensor")),
+        }
+        let flow = broadcast_flows(name, &[x, m], &x.meta.shape, Linearity::Nonlinear)?;
+        let op = Pointwise::MaskedFill { value };
+        Ok(Record::new(op, vec![x.clone(), m.clone()], x.meta.shape.clone(), x.meta.kind, device).flow(flow).finish())
+    }
+
+    /// `self` where `condition` is true, `other` elsewhere, broadcast together (tch's
+    /// `where_self`, PyTorch's `torch.where(condition, self, other)`).
+    ///
+    /// # Errors
+    /// [`LazyError::Kind`] for a condition that is not Bool, [`LazyError::Shape`] when the shapes
+    /// do not broadcast, [`LazyError::Device`], [`LazyError::Batch`].
+    pub fn f_where_self(&self, condition: impl IntoLazy, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        let (condition, other) = (condition.into_lazy(), other.into_lazy());
+        let (c, x, y) = (&condition.node, &self.node, &other.node);
+        let name = "where_self";
+        let device = same_device(name, &[x, c, y])?;
+        if c.meta.kind != Kind::Bool {
+            return Err(kind_err(name, c.meta.kind, &c.meta.shape, "the condition must be Bool"));
+        }
+        let out = shape::broadcast(&x.meta.shape, &y.meta.shape)
+            .and_then(|xy| shape::broadcast(&xy, &c.meta.shape))
+            .map_err(|r| shape_err(name, &x.meta.shape, &y.meta.shape, r))?;
+        let kind = shape::result_kind(x.meta.kind, x.meta.shape.len(), y.meta.kind, y.meta.shape.len());
+        let flow = broadcast_flows(name, &[c, x, y], &out, Linearity::Nonlinear)?;
+        Ok(Record::new(Pointwise::Where, vec![c.clone(), x.clone(), y.clone()], out, kind, device).flow(flow).finish())
+    }
+
+    fn f_triangle(&self, upper: bool, diagonal: i64) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let op = Pointwise::Triangle { upper, diagonal };
+        let name = op.name();
+        let rank = n.meta.shape.len();
+        if rank < 2 {
+            return Err(arg(name, &n.meta.shape, "needs at least 2 dimensions"));
+        }
+        let (flow, mut mixes) = same_shape_flow(name, n, Linearity::Structural)?;
+        if n.meta.batch().is_some_and(|bd| bd.dim + 2 >= rank) {
+            mixes = Some("keeps a triangle by position along the batch dimension".into());
+        }
+        Ok(Record::new(op, vec![n.clone()], n.meta.shape.clone(), n.meta.kind, n.meta.device)
+            .flow((flow, mixes))
+            .finish())
+    }
+
+    /// The lower triangle of the last two dimensions (at and below `diagonal`), zeros above.
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for fewer than 2 dimensions.
+    pub fn f_tril(&self, diagonal: i64) -> Result<LazyTensor, LazyError> {
+        self.f_triangle(false, diagonal)
+    }
+    /// The upper triangle of the last two dimensions (at and above `diagonal`), zeros below.
+    ///
+    /// # Errors
+    /// As [`f_tril`](Self::f_tril).
+    pub fn f_triu(&self, diagonal: i64) -> Result<LazyTensor, LazyError> {
+        self.f_triangle(true, diagonal)
     }
 
     fn f_binary(&self, op: Binary, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
@@ -663,6 +856,16 @@ panicking! {
     gelu => f_gelu(approximate: &str);
     silu => f_silu();
     softplus => f_softplus();
+    leaky_relu => f_leaky_relu();
+    elu => f_elu();
+    hardswish => f_hardswish();
+    hardsigmoid => f_hardsigmoid();
+    relu6 => f_relu6();
+    mish => f_mish();
+    masked_fill => f_masked_fill(mask: impl IntoLazy, value: f64);
+    where_self => f_where_self(condition: impl IntoLazy, other: impl IntoLazy);
+    tril => f_tril(diagonal: i64);
+    triu => f_triu(diagonal: i64);
     add => f_add(other: impl IntoLazy);
     sub => f_sub(other: impl IntoLazy);
     mul => f_mul(other: impl IntoLazy);
