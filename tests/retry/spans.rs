@@ -11,9 +11,13 @@ fn oom_above(limit: usize, size: usize) -> Result<usize, String> {
     }
 }
 
-/// The events emitted inside spans called `name`, with that span's fields.
+/// The events emitted inside spans called `name` opened in this file (other tests run beside
+/// these and record into the same global subscriber).
 fn in_span<'a>(recorded: &'a [events::Recorded], name: &str) -> Vec<&'a events::Recorded> {
-    recorded.iter().filter(|e| e.span.as_ref().is_some_and(|(n, _)| *n == name)).collect()
+    recorded
+        .iter()
+        .filter(|e| e.span.as_ref().is_some_and(|(n, fields)| *n == name && fields["site"].contains("spans.rs")))
+        .collect()
 }
 
 #[test]
