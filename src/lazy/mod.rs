@@ -66,6 +66,7 @@ mod scratch;
 mod shape;
 mod tch_compat;
 mod tensor;
+mod tensor_ops;
 
 pub use custom::{CustomOp, Saves, TensorMeta};
 pub use error::LazyError;
@@ -73,6 +74,7 @@ pub use exec::TracedOp;
 pub use graph::LazyTensor;
 pub use plan::{round_block, Mode, Phase, Plan, PlanOp, Step, BLOCK};
 pub use tensor::IntoLazy;
+pub use tensor_ops::{Layer, LayerT, TensorOps};
 
 use tch::Tensor;
 

@@ -8,3 +8,4 @@ mod grad;
 mod ops;
 mod pictures;
 mod plan;
+mod written_once;
