@@ -568,7 +568,11 @@ proptest! {
                 5 => {
                     // Merge the first two dims, or split the first one in two.
                     let s = e.size();
-                    let target: Vec<i64> = if s.len() >= 2 { [&[s[0] * s[1]][..], &s[2..]].concat() } else { vec![s[0], 1] };
+                    let target: Vec<i64> = match s.len() {
+                        0 => vec![1],
+                        1 => vec![s[0], 1],
+                        _ => [&[s[0] * s[1]][..], &s[2..]].concat(),
+                    };
                     (e.f_reshape(target.as_slice()), l.f_reshape(&target))
                 }
                 6 => (e.f_contiguous(), l.f_contiguous()),
