@@ -67,6 +67,7 @@ mod shape;
 mod tch_compat;
 mod tensor;
 mod tensor_ops;
+pub mod vision;
 
 pub use custom::{CustomOp, Saves, TensorMeta};
 pub use error::LazyError;

@@ -8,4 +8,5 @@ mod grad;
 mod ops;
 mod pictures;
 mod plan;
+mod vision;
 mod written_once;

@@ -1,0 +1,68 @@
+//! `toma::lazy::vision` against tch's own models on one `VarStore`: the same variable names
+//! (tch's weights load), the same outputs eagerly and lazily, and, micro-batched, the same
+//! gradients as one eager backward.
+
+use tch::nn::{self, ModuleT};
+use tch::{Device, Kind, Tensor};
+use toma::lazy::{lazy, vision, Options};
+
+const CPU: Device = Device::Cpu;
+
+#[test]
+fn resnets_match_tchs_own_on_one_var_store() {
+    tch::manual_seed(31);
+    for (name, depth) in [("resnet18", 18), ("resnet50", 50)] {
+        let tch_vs = nn::VarStore::new(CPU);
+        let theirs: Box<dyn ModuleT> = match depth {
+            18 => Box::new(tch::vision::resnet::resnet18(&tch_vs.root(), 7)),
+            _ => Box::new(tch::vision::resnet::resnet50(&tch_vs.root(), 7)),
+        };
+        let mut vs = nn::VarStore::new(CPU);
+        let ours = match depth {
+            18 => vision::resnet18(&vs.root(), 7),
+            _ => vision::resnet50(&vs.root(), 7),
+        };
+        // The same names and shapes: tch's weights load.
+        let names = |vs: &nn::VarStore| {
+            let mut v: Vec<(String, Vec<i64>)> = vs.variables().into_iter().map(|(n, t)| (n, t.size())).collect();
+            v.sort();
+            v
+        };
+        assert_eq!(names(&vs), names(&tch_vs), "{name}: variable names");
+        vs.copy(&tch_vs).unwrap();
+        let x = Tensor::randn([6, 3, 32, 32], (Kind::Float, CPU));
+        let expected = theirs.forward_t(&x, false);
+        let eager = ours.forward_t(&x, false);
+        assert!(eager.allclose(&expected, 1e-5, 1e-5, false), "{name}: eager outputs");
+        let planned = lazy(&x, 0).apply_t(&ours, false).to_tensor_with(&Options::new().micro_batch(4)).unwrap();
+        assert!(planned.allclose(&expected, 1e-4, 1e-4, false), "{name}: lazy outputs");
+    }
+}
+
+#[test]
+fn a_resnet18_step_micro_batched_has_the_full_batchs_gradients() {
+    tch::manual_seed(32);
+    let mut vs = nn::VarStore::new(CPU);
+    let net = vision::resnet18(&vs.root(), 5);
+    vs.double();
+    let x = Tensor::randn([10, 3, 32, 32], (Kind::Double, CPU));
+    let y = Tensor::randint(5, [10], (Kind::Int64, CPU));
+    let trainable = |vs: &nn::VarStore| -> Vec<(String, Tensor)> {
+        vs.variables().into_iter().filter(|(_, v)| v.requires_grad()).collect()
+    };
+    let loss = net.forward_t(&x, false).log_softmax(-1, None).nll_loss(&y);
+    loss.backward();
+    let eager: Vec<(String, Tensor)> = trainable(&vs).into_iter().map(|(n, v)| (n, v.grad().copy())).collect();
+    for (_, mut v) in trainable(&vs) {
+        v.zero_grad();
+    }
+    let (lx, ly) = lazy((&x, &y), 0);
+    let lazy_loss = lx.apply_t(&net, false).log_softmax(-1, None).nll_loss(&ly);
+    lazy_loss.backward_with(&Options::new().micro_batch(3)).unwrap();
+    let variables = vs.variables();
+    for (name, e) in eager {
+        let l = variables[&name].grad();
+        let err = (&l - &e).abs().max().double_value(&[]) / e.abs().max().double_value(&[]).max(1e-7);
+        assert!(err <= 1e-6, "{name}: gradients differ by {err:e} relative");
+    }
+}
