@@ -469,6 +469,48 @@ proptest! {
     }
 
     #[test]
+    fn expand_repeat_index_select_and_pad(a in shape(3, 4), micro in 1usize..4, new_dims in 0usize..2, r in 1i64..3, pad in prop::collection::vec(0i64..3, 2..=4), mode in 0usize..4) {
+        let t = randn(&a);
+        let l = lazy(&t, 0);
+        // Expand: size-1 dimensions grow, leading ones are added.
+        let ones = Tensor::randn([a[0], 1], F64);
+        let target: Vec<i64> = [vec![2; new_dims], vec![a[0], 3]].concat();
+        agree("expand", ones.f_expand(target.as_slice(), false), lazy(&ones, 0).f_expand(&target), micro, Split::Exact)?;
+        agree("expand, bad", t.f_expand([a[0] + 1].as_slice(), false), l.f_expand([a[0] + 1]), micro, Split::Exact)?;
+        // Repeat: along the other dimensions only (along the batch it mixes samples).
+        let mut repeats = vec![1; a.len()];
+        if a.len() > 1 {
+            repeats[a.len() - 1] = r;
+        }
+        agree("repeat", t.f_repeat(repeats.as_slice()), l.f_repeat(&repeats), micro, Split::Exact)?;
+        let mut along_batch = vec![1; a.len()];
+        along_batch[0] = 2;
+        agree("repeat along the batch", t.f_repeat(along_batch.as_slice()), l.f_repeat(&along_batch), micro, Split::Refused)?;
+        // Index select along the last dimension (fixed index), and along the batch (mixes).
+        let last = a.len() as i64 - 1;
+        let index = Tensor::randint(a[a.len() - 1], [3], (Kind::Int64, CPU));
+        let split = if last == 0 { Split::Refused } else { Split::Exact };
+        agree("index_select", t.f_index_select(last, &index), l.f_index_select(last, &index), micro, split)?;
+        // Pad the trailing dimensions.
+        let pad = if pad.len() % 2 == 1 { pad[..pad.len() - 1].to_vec() } else { pad };
+        let mode = ["constant", "reflect", "replicate", "circular"][mode];
+        let value = (mode == "constant").then_some(1.5);
+        let batched4 = Tensor::randn([a[0], 2, 3, 4], F64);
+        agree(&format!("pad {mode} {pad:?}"), batched4.f_pad(pad.as_slice(), mode, value), lazy(&batched4, 0).f_pad(&pad, mode, value), micro, Split::Exact)?;
+    }
+
+    #[test]
+    fn group_norm_and_upsampling(n in 1i64..5, groups in 1i64..4, per in 1i64..3, (h, w) in (1i64..6, 1i64..6), (oh, ow) in (1i64..9, 1i64..9), affine in any::<bool>(), micro in 1usize..4) {
+        let c = groups * per;
+        let x = randn(&[n, c, h, w]);
+        let (wt, b) = (randn(&[c]), randn(&[c]));
+        let (wo, bo) = if affine { (Some(&wt), Some(&b)) } else { (None, None) };
+        agree("group_norm", x.f_group_norm(groups, wo, bo, 1e-5, true), lazy(&x, 0).f_group_norm(groups, wo, bo, 1e-5), micro, Split::Exact)?;
+        agree("group_norm, bad groups", x.f_group_norm(c + 1, wo, bo, 1e-5, true), lazy(&x, 0).f_group_norm(c + 1, wo, bo, 1e-5), micro, Split::Exact)?;
+        agree("upsample_nearest2d", x.f_upsample_nearest2d([oh, ow].as_slice(), None, None), lazy(&x, 0).f_upsample_nearest2d([oh, ow]), micro, Split::Exact)?;
+    }
+
+    #[test]
     fn max_pool2d_every_parameter(
         shape in (1i64..4, 1i64..3, 1i64..10, 1i64..10),
         kernel in prop::collection::vec(1i64..4, 1..=2),

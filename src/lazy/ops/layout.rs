@@ -10,6 +10,7 @@ use super::{arg, panicking, same_shape_flow, shape_err, Rules, RunCx};
 use crate::lazy::error::LazyError;
 use crate::lazy::graph::{BatchDim, Flow, Meta, Node};
 use crate::lazy::shape;
+use crate::lazy::tensor::IntoLazy;
 use crate::lazy::LazyTensor;
 
 pub(crate) enum Layout {
@@ -43,6 +44,22 @@ pub(crate) enum Layout {
     Cat {
         dim: i64,
     },
+    /// A view broadcast to the node's shape (no copy).
+    Expand,
+    /// Copies repeated `repeats` times along each dimension.
+    Repeat {
+        repeats: Vec<i64>,
+    },
+    /// Operands: x, index (1-D integers).
+    IndexSelect {
+        dim: i64,
+    },
+    /// Padding of the trailing dimensions, as tch's `pad`.
+    Pad {
+        pad: Vec<i64>,
+        mode: &'static str,
+        value: Option<f64>,
+    },
 }
 
 impl Rules for Layout {
@@ -58,6 +75,10 @@ impl Rules for Layout {
             Layout::ToKind { .. } => "to_kind",
             Layout::Contiguous => "contiguous",
             Layout::Cat { .. } => "cat",
+            Layout::Expand => "expand",
+            Layout::Repeat { .. } => "repeat",
+            Layout::IndexSelect { .. } => "index_select",
+            Layout::Pad { .. } => "pad",
         }
     }
 
@@ -77,6 +98,10 @@ impl Rules for Layout {
             Layout::ToKind { kind } => x.f_to_kind(*kind),
             Layout::Contiguous => x.f_contiguous(),
             Layout::Cat { dim } => Tensor::f_cat(ins, *dim),
+            Layout::Expand => x.f_expand(cx.meta.shape_at(cx.b).as_slice(), false),
+            Layout::Repeat { repeats } => x.f_repeat(repeats.as_slice()),
+            Layout::IndexSelect { dim } => x.f_index_select(*dim, ins[1]),
+            Layout::Pad { pad, mode, value } => x.f_pad(pad.as_slice(), mode, *value),
         }
     }
 
@@ -90,8 +115,32 @@ impl Rules for Layout {
             | Layout::Cat { .. }
             | Layout::Contiguous => true,
             Layout::ToKind { kind } => inputs[0].meta.kind == *kind,
-            Layout::Reshape | Layout::Narrow { .. } => false,
+            Layout::Reshape
+            | Layout::Narrow { .. }
+            | Layout::Expand
+            | Layout::Repeat { .. }
+            | Layout::IndexSelect { .. }
+            | Layout::Pad { .. } => false,
         }
+    }
+
+    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
+        // The index, to send the gradient back to the rows it picked.
+        matches!(self, Layout::IndexSelect { .. }) && i == 1
+    }
+
+    fn scratch(&self, inputs: &[Rc<Node>], meta: &Meta) -> crate::lazy::ops::Scratch {
+        let mut scratch = crate::lazy::ops::Scratch::default();
+        // The gradient of an expansion is summed over the expanded dimensions.
+        if matches!(self, Layout::Expand) && meta.requires_grad {
+            let input = &inputs[0].meta;
+            let offset = meta.shape.len() - input.shape.len();
+            let mask = shape::dims_mask(
+                (0..meta.shape.len()).filter(|&d| d < offset || (input.shape[d - offset] == 1 && meta.shape[d] != 1)),
+            );
+            scratch.stage(true, meta, mask);
+        }
+        scratch
     }
 
     fn adds_fixed(&self) -> bool {
@@ -353,6 +402,266 @@ impl LazyTensor {
             .collect()
     }
 
+    /// A view broadcast to `size` (tch's `expand`, `implicit` false): `-1` keeps a size, new
+    /// leading dimensions may be added, and only dimensions of size 1 grow. The batch stays
+    /// where it is.
+    ///
+    /// # Errors
+    /// [`LazyError::Shape`] for a size `self` cannot be expanded to.
+    pub fn f_expand(&self, size: impl AsRef<[i64]>) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let m = &n.meta;
+        let size = size.as_ref();
+        let name = "expand";
+        if size.len() < m.shape.len() {
+            return Err(shape_err(
+                name,
+                &m.shape,
+                size,
+                "the number of sizes must be at least the tensor's dimensions",
+            ));
+        }
+        let offset = size.len() - m.shape.len();
+        let mut out = Vec::with_capacity(size.len());
+        let mut strides = Vec::with_capacity(size.len());
+        for (k, &want) in size.iter().enumerate() {
+            if k < offset {
+                if want < 0 {
+                    return Err(shape_err(
+                        name,
+                        &m.shape,
+                        size,
+                        "-1 is not allowed in a leading, non-existing dimension",
+                    ));
+                }
+                out.push(want);
+                strides.push(0);
+                continue;
+            }
+            let (have, stride) = (m.shape[k - offset], m.strides[k - offset]);
+            match want {
+                -1 => {
+                    out.push(have);
+                    strides.push(stride);
+                }
+                w if w == have => {
+                    out.push(have);
+                    strides.push(stride);
+                }
+                w if have == 1 && w >= 0 => {
+                    out.push(w);
+                    strides.push(0);
+                }
+                _ => {
+                    return Err(shape_err(
+                        name,
+                        &m.shape,
+                        size,
+                        format!("the expanded size ({want}) must match the existing size ({have}) at non-singleton dimension {k}"),
+                    ))
+                }
+            }
+        }
+        let (flow, mixes) = match m.batch() {
+            Some(bd) if out[bd.dim + offset] != m.shape[bd.dim] => {
+                (Flow::Opaque, Some("`expand` broadcasts along the batch dimension".to_string()))
+            }
+            _ => unary_flow(name, n, &out, |d| Some(d + offset), Linearity::Nonlinear)?,
+        };
+        Ok(Record::new(Layout::Expand, vec![n.clone()], out, m.kind, m.device)
+            .flow((flow, mixes))
+            .view(strides)
+            .finish())
+    }
+
+    /// A copy repeated `repeats[i]` times along each dimension (tch's `repeat`; extra leading
+    /// repeats add dimensions). Repeating along the batch dimension mixes samples.
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for fewer repeats than dimensions or a negative one.
+    pub fn f_repeat(&self, repeats: impl AsRef<[i64]>) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let m = &n.meta;
+        let repeats = repeats.as_ref().to_vec();
+        if repeats.len() < m.shape.len() {
+            return Err(arg("repeat", &m.shape, "the number of repeats must be at least the number of dimensions"));
+        }
+        if repeats.iter().any(|&r| r < 0) {
+            return Err(arg("repeat", &m.shape, format!("repeats must be non-negative, got {repeats:?}")));
+        }
+        let offset = repeats.len() - m.shape.len();
+        let out: Vec<i64> =
+            repeats.iter().enumerate().map(|(k, &r)| if k < offset { r } else { r * m.shape[k - offset] }).collect();
+        let (flow, mixes) = match m.batch() {
+            Some(bd) if repeats[bd.dim + offset] != 1 => {
+                (Flow::Opaque, Some("`repeat` repeats along the batch dimension".to_string()))
+            }
+            _ => unary_flow("repeat", n, &out, |d| Some(d + offset), Linearity::Structural)?,
+        };
+        Ok(Record::new(Layout::Repeat { repeats }, vec![n.clone()], out, m.kind, m.device).flow((flow, mixes)).finish())
+    }
+
+    /// The entries of `index` (1-D, integers) along `dim`, as tch's `index_select`. Selecting
+    /// along the batch dimension picks samples: it mixes them.
+    ///
+    /// # Errors
+    /// [`LazyError::Kind`] for a non-integer index, [`LazyError::Shape`] for one that is not 1-D,
+    /// [`LazyError::Argument`] for a bad dimension, [`LazyError::Device`].
+    pub fn f_index_select(&self, dim: i64, index: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        let index = index.into_lazy();
+        let (x, i) = (&self.node, &index.node);
+        let name = "index_select";
+        let device = same_device(name, &[x, i])?;
+        if !matches!(i.meta.kind, Kind::Int64 | Kind::Int) {
+            return Err(crate::lazy::ops::kind_err(name, i.meta.kind, &i.meta.shape, "the index must be Int64 or Int"));
+        }
+        if i.meta.shape.len() > 1 {
+            return Err(shape_err(name, &x.meta.shape, &i.meta.shape, "the index must be 1-D"));
+        }
+        let rank = x.meta.shape.len().max(1);
+        let d = shape::wrap_dim(dim, rank).map_err(|r| arg(name, &x.meta.shape, r))?;
+        let mut out = x.meta.shape.clone();
+        if !out.is_empty() {
+            out[d] = i.meta.shape.first().copied().unwrap_or(1);
+        }
+        let (flow, mixes) = if x.meta.batch().is_some_and(|bd| bd.dim == d) || i.meta.batch().is_some() {
+            (Flow::Opaque, Some("`index_select` picks along the batch dimension".to_string()))
+        } else {
+            unary_flow(name, x, &out, Some, Linearity::Structural)?
+        };
+        let op = Layout::IndexSelect { dim: d as i64 };
+        Ok(Record::new(op, vec![x.clone(), i.clone()], out, x.meta.kind, device).flow((flow, mixes)).finish())
+    }
+
+    /// Pads the trailing dimensions, as tch's `pad`: `pad` holds (before, after) pairs from
+    /// the last dimension backwards; `mode` is `"constant"` (with `value`, default 0),
+    /// `"reflect"`, `"replicate"` or `"circular"`. Padding the batch dimension mixes samples.
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for an odd or too long `pad`, an unknown mode, or a pad the mode
+    /// cannot take (reflect: at least as large as the dimension).
+    pub fn f_pad(
+        &self,
+        pad: impl AsRef<[i64]>,
+        mode: &str,
+        value: impl Into<Option<f64>>,
+    ) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let m = &n.meta;
+        let pad = pad.as_ref().to_vec();
+        let a = |r: String| arg("pad", &m.shape, r);
+        let mode: &'static str = match mode {
+            "constant" => "constant",
+            "reflect" => "reflect",
+            "replicate" => "replicate",
+            "circular" => "circular",
+            other => {
+                return Err(a(format!("unknown padding mode {other:?}: constant, reflect, replicate or circular")))
+            }
+        };
+        let value = value.into();
+        if pad.len() % 2 != 0 || pad.len() / 2 > m.shape.len() {
+            return Err(a(format!(
+                "padding length must be even and at most twice the number of dimensions, got {}",
+                pad.len()
+            )));
+        }
+        let padded = pad.len() / 2;
+        if mode != "constant" {
+            if value.is_some_and(|v| v != 0.0) {
+                return Err(a(format!("padding mode \"{mode}\" doesn't take in value argument")));
+            }
+            if m.shape.len() != padded + 1 && m.shape.len() != padded + 2 {
+                return Err(a(format!(
+                    "{mode} padding of {padded} dimensions needs a {}-D or {}-D input",
+                    padded + 1,
+                    padded + 2
+                )));
+            }
+        }
+        let mut out = m.shape.clone();
+        for k in 0..padded {
+            let d = m.shape.len() - 1 - k;
+            let (before, after) = (pad[2 * k], pad[2 * k + 1]);
+            let size = m.shape[d];
+            match mode {
+                "reflect" if before >= size || after >= size => {
+                    return Err(a(format!(
+                        "padding ({before}, {after}) must be below the size {size} of dimension {d}"
+                    )))
+                }
+                "circular" if before > size || after > size => {
+                    return Err(a(format!(
+                        "padding ({before}, {after}) must be at most the size {size} of dimension {d}"
+                    )))
+                }
+                "replicate" | "reflect" | "circular" if size == 0 => {
+                    return Err(a(format!("{mode} padding of an empty dimension {d}")))
+                }
+                _ => {}
+            }
+            out[d] = size + before + after;
+            if out[d] < 0 {
+                return Err(a(format!("the padded size of dimension {d} is negative")));
+            }
+        }
+        let first_padded = m.shape.len() - padded;
+        let (flow, mixes) = if m.batch().is_some_and(|bd| bd.dim >= first_padded) {
+            (Flow::Opaque, Some("`pad` pads the batch dimension".to_string()))
+        } else {
+            unary_flow("pad", n, &out, Some, Linearity::Nonlinear)?
+        };
+        let value = if mode == "constant" { value } else { None };
+        Ok(Record::new(Layout::Pad { pad, mode, value }, vec![n.clone()], out, m.kind, m.device)
+            .flow((flow, mixes))
+            .finish())
+    }
+
+    /// The value flattened per leading entry: `view([size[0], -1])`, as tch's `flat_view`.
+    ///
+    /// # Errors
+    /// As [`f_view`](Self::f_view); [`LazyError::Argument`] for a 0-dim tensor.
+    pub fn f_flat_view(&self) -> Result<LazyTensor, LazyError> {
+        let s = &self.node.meta.shape;
+        let Some(&first) = s.first() else {
+            return Err(arg("flat_view", s, "a 0-dim tensor has no leading dimension"));
+        };
+        self.f_view([first, -1])
+    }
+
+    /// The sizes of a 2-D value, as tch's `size2`.
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for another number of dimensions.
+    pub fn size2(&self) -> Result<(i64, i64), LazyError> {
+        match self.node.meta.shape[..] {
+            [a, b] => Ok((a, b)),
+            ref s => Err(arg("size2", s, "expected 2 dimensions")),
+        }
+    }
+
+    /// The sizes of a 3-D value, as tch's `size3`.
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for another number of dimensions.
+    pub fn size3(&self) -> Result<(i64, i64, i64), LazyError> {
+        match self.node.meta.shape[..] {
+            [a, b, c] => Ok((a, b, c)),
+            ref s => Err(arg("size3", s, "expected 3 dimensions")),
+        }
+    }
+
+    /// The sizes of a 4-D value, as tch's `size4`.
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for another number of dimensions.
+    pub fn size4(&self) -> Result<(i64, i64, i64, i64), LazyError> {
+        match self.node.meta.shape[..] {
+            [a, b, c, d] => Ok((a, b, c, d)),
+            ref s => Err(arg("size4", s, "expected 4 dimensions")),
+        }
+    }
+
     /// The value in another kind (the same value, not a copy, when the kind is the same).
     ///
     /// # Errors
@@ -435,6 +744,11 @@ panicking! {
     narrow => f_narrow(dim: i64, start: i64, length: i64);
     to_kind => f_to_kind(kind: Kind);
     contiguous => f_contiguous();
+    expand => f_expand(size: impl AsRef<[i64]>);
+    repeat => f_repeat(repeats: impl AsRef<[i64]>);
+    index_select => f_index_select(dim: i64, index: impl IntoLazy);
+    pad => f_pad(pad: impl AsRef<[i64]>, mode: &str, value: impl Into<Option<f64>>);
+    flat_view => f_flat_view();
 }
 
 impl LazyTensor {

@@ -17,6 +17,8 @@ pub(crate) enum Norm {
     BatchNorm { training: bool, momentum: f64, eps: f64, weight: bool, bias: bool },
     /// Operands: x, [weight], [bias].
     LayerNorm { normalized_shape: Vec<i64>, eps: f64, weight: bool, bias: bool },
+    /// Operands: x, [weight], [bias]. Statistics per sample and group.
+    GroupNorm { num_groups: i64, eps: f64, weight: bool, bias: bool },
 }
 
 /// A normalization's operands by name.
@@ -31,7 +33,9 @@ struct Operands<'a> {
 impl Norm {
     fn operands<'a>(&self, ins: &[&'a Tensor]) -> Operands<'a> {
         let (weight, bias) = match self {
-            Norm::BatchNorm { weight, bias, .. } | Norm::LayerNorm { weight, bias, .. } => (*weight, *bias),
+            Norm::BatchNorm { weight, bias, .. }
+            | Norm::LayerNorm { weight, bias, .. }
+            | Norm::GroupNorm { weight, bias, .. } => (*weight, *bias),
         };
         let mut rest = ins[1..].iter().copied();
         let weight = if weight { rest.next() } else { None };
@@ -45,6 +49,7 @@ impl Rules for Norm {
         match self {
             Norm::BatchNorm { .. } => "batch_norm",
             Norm::LayerNorm { .. } => "layer_norm",
+            Norm::GroupNorm { .. } => "group_norm",
         }
     }
 
@@ -58,6 +63,7 @@ impl Rules for Norm {
             Norm::LayerNorm { normalized_shape, eps, .. } => {
                 Tensor::f_layer_norm(o.x, normalized_shape.as_slice(), o.weight, o.bias, *eps, true)
             }
+            Norm::GroupNorm { num_groups, eps, .. } => o.x.f_group_norm(*num_groups, o.weight, o.bias, *eps, true),
         }
     }
 
@@ -74,6 +80,19 @@ impl Rules for Norm {
                 let (a, c) = input.numel_parts();
                 let stat = if input.kind == Kind::Double { Kind::Double } else { Kind::Float };
                 Some((2 * a / rows, 2 * c / rows, stat))
+            }
+            // Mean and inverse standard deviation per sample and group.
+            Norm::GroupNorm { num_groups, .. } => {
+                let input = &inputs.first()?.meta;
+                let stat = if input.kind == Kind::Double { Kind::Double } else { Kind::Float };
+                match input.batch() {
+                    Some(_) => Some((2 * *num_groups as u64, 0, stat)),
+                    None => Some((
+                        0,
+                        2 * *num_groups as u64 * input.shape.first().copied().unwrap_or(1).max(1) as u64,
+                        stat,
+                    )),
+                }
             }
             Norm::BatchNorm { .. } => None,
         }
@@ -184,7 +203,62 @@ impl LazyTensor {
     }
 }
 
+impl LazyTensor {
+    /// Group normalization, as tch's `group_norm`: `self` is `[N, C, ..]`, normalized per sample
+    /// over `num_groups` groups of `C / num_groups` channels; `weight` and `bias` are `[C]`.
+    /// Samples stay apart: it splits freely.
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] when `num_groups` does not divide `C`, [`LazyError::Shape`] for
+    /// a weight or bias that is not `[C]`, [`LazyError::Kind`], [`LazyError::Device`].
+    pub fn f_group_norm(
+        &self,
+        num_groups: i64,
+        weight: Option<impl IntoLazy>,
+        bias: Option<impl IntoLazy>,
+        eps: f64,
+    ) -> Result<LazyTensor, LazyError> {
+        let x = &self.node;
+        let name = "group_norm";
+        let s = &x.meta.shape;
+        if s.len() < 2 {
+            return Err(arg(name, s, format!("expected at least 2 dims (N, C, ..), got {}", s.len())));
+        }
+        if num_groups < 1 || s[1] % num_groups != 0 {
+            return Err(arg(
+                name,
+                s,
+                format!("expected number of channels {} to be divisible by num_groups {num_groups}", s[1]),
+            ));
+        }
+        floating(name, x)?;
+        let (w, b) = (weight.map(IntoLazy::into_lazy), bias.map(IntoLazy::into_lazy));
+        let mut nodes = vec![x];
+        for p in w.iter().chain(b.iter()) {
+            if p.node.meta.shape != [s[1]] {
+                return Err(shape_err(name, s, &p.node.meta.shape, format!("weight and bias must be [{}]", s[1])));
+            }
+            same_kind(name, x, &p.node)?;
+            nodes.push(&p.node);
+        }
+        let device = same_device(name, &nodes)?;
+        let mapped: Vec<Option<usize>> = nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| n.meta.batch().filter(|bd| i == 0 && bd.dim == 0).map(|_| 0))
+            .collect();
+        let (flow, mut mixes) = combine_flows(name, &nodes, &mapped, s, Linearity::Nonlinear, false)?;
+        if x.meta.batch().is_some_and(|bd| bd.dim != 0) {
+            mixes = Some("normalizes over the batch dimension (it is not the first)".into());
+        }
+        let op = Norm::GroupNorm { num_groups, eps, weight: w.is_some(), bias: b.is_some() };
+        let inputs = nodes.into_iter().cloned().collect();
+        Ok(Record::new(op, inputs, s.clone(), x.meta.kind, device).flow((flow, mixes)).finish())
+    }
+}
+
 panicking! {
+    group_norm => f_group_norm(num_groups: i64, weight: Option<impl IntoLazy>, bias: Option<impl IntoLazy>, eps: f64);
     batch_norm => f_batch_norm(weight: Option<impl IntoLazy>, bias: Option<impl IntoLazy>, running_mean: impl IntoLazy, running_var: impl IntoLazy, training: bool, momentum: f64, eps: f64);
     layer_norm => f_layer_norm(normalized_shape: impl AsRef<[i64]>, weight: Option<impl IntoLazy>, bias: Option<impl IntoLazy>, eps: f64);
 }

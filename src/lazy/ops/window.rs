@@ -46,6 +46,9 @@ pub(crate) enum Window {
     AdaptiveAvgPool2d {
         output: [i64; 2],
     },
+    UpsampleNearest2d {
+        output: [i64; 2],
+    },
 }
 
 /// A convolution's settings, as slices over its spatial dimensions.
@@ -79,6 +82,7 @@ impl Rules for Window {
             Window::MaxPool2d { .. } => "max_pool2d",
             Window::AvgPool2d { .. } => "avg_pool2d",
             Window::AdaptiveAvgPool2d { .. } => "adaptive_avg_pool2d",
+            Window::UpsampleNearest2d { .. } => "upsample_nearest2d",
         }
     }
 
@@ -100,6 +104,7 @@ impl Rules for Window {
                 x.f_avg_pool2d(kernel, stride, padding, *ceil_mode, *count_include_pad, *divisor_override)
             }
             Window::AdaptiveAvgPool2d { output } => x.f_adaptive_avg_pool2d(output),
+            Window::UpsampleNearest2d { output } => x.f_upsample_nearest2d(output, None, None),
         }
     }
 
@@ -111,6 +116,8 @@ impl Rules for Window {
                 1 => requires(inputs, 0),
                 _ => false,
             },
+            // Nearest upsampling needs only the sizes for its backward.
+            Window::UpsampleNearest2d { .. } => false,
             _ => i == 0,
         }
     }
@@ -330,6 +337,30 @@ impl LazyTensor {
         Ok(Record::new(op(stride, padding, dilation), inputs, out, x.meta.kind, device).flow(flow).finish())
     }
 
+    /// Nearest-neighbour upsampling of `[N, C, H, W]` to `output_size` (`[h, w]`), as tch's
+    /// `upsample_nearest2d` without scales.
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for a non 4-D input or a size below 1.
+    pub fn f_upsample_nearest2d(&self, output_size: impl AsRef<[i64]>) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let name = "upsample_nearest2d";
+        let a = |r: String| arg(name, &n.meta.shape, r);
+        let output: [i64; 2] = output_size
+            .as_ref()
+            .try_into()
+            .map_err(|_| a(format!("output_size must be 2 values, got {:?}", output_size.as_ref())))?;
+        if n.meta.shape.len() != 4 || output.iter().any(|&v| v < 1) || n.meta.shape[2..].contains(&0) {
+            return Err(a(format!("expected a non-empty 4-D input and an output size of at least 1, got {output:?}")));
+        }
+        let mut out = n.meta.shape.clone();
+        out[2..].copy_from_slice(&output);
+        let flow = self.pool_flow(name, &out)?;
+        Ok(Record::new(Window::UpsampleNearest2d { output }, vec![n.clone()], out, n.meta.kind, n.meta.device)
+            .flow(flow)
+            .finish())
+    }
+
     fn pool_flow(&self, name: &str, out: &[i64]) -> Result<(Flow, Option<String>), LazyError> {
         let nd = self.node.meta.shape.len();
         unary_flow(name, &self.node, out, |d| (d + 2 < nd).then_some(d), Linearity::Nonlinear)
@@ -430,4 +461,5 @@ panicking! {
     max_pool2d => f_max_pool2d(kernel: impl AsRef<[i64]>, stride: impl AsRef<[i64]>, padding: impl AsRef<[i64]>, dilation: impl AsRef<[i64]>, ceil_mode: bool);
     avg_pool2d => f_avg_pool2d(kernel: impl AsRef<[i64]>, stride: impl AsRef<[i64]>, padding: impl AsRef<[i64]>, ceil_mode: bool, count_include_pad: bool, divisor_override: impl Into<Option<i64>>);
     adaptive_avg_pool2d => f_adaptive_avg_pool2d(output_size: impl AsRef<[i64]>);
+    upsample_nearest2d => f_upsample_nearest2d(output_size: impl AsRef<[i64]>);
 }
