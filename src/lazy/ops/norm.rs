@@ -14,11 +14,11 @@ use crate::lazy::LazyTensor;
 
 pub(crate) enum Norm {
     /// Operands: x, [weight], [bias], running mean, running var.
-    BatchNorm { training: bool, momentum: f64, eps: f64, weight: bool, bias: bool },
+    Batch { training: bool, momentum: f64, eps: f64, weight: bool, bias: bool },
     /// Operands: x, [weight], [bias].
-    LayerNorm { normalized_shape: Vec<i64>, eps: f64, weight: bool, bias: bool },
+    Layer { normalized_shape: Vec<i64>, eps: f64, weight: bool, bias: bool },
     /// Operands: x, [weight], [bias]. Statistics per sample and group.
-    GroupNorm { num_groups: i64, eps: f64, weight: bool, bias: bool },
+    Group { num_groups: i64, eps: f64, weight: bool, bias: bool },
 }
 
 /// A normalization's operands by name.
@@ -33,9 +33,9 @@ struct Operands<'a> {
 impl Norm {
     fn operands<'a>(&self, ins: &[&'a Tensor]) -> Operands<'a> {
         let (weight, bias) = match self {
-            Norm::BatchNorm { weight, bias, .. }
-            | Norm::LayerNorm { weight, bias, .. }
-            | Norm::GroupNorm { weight, bias, .. } => (*weight, *bias),
+            Norm::Batch { weight, bias, .. } | Norm::Layer { weight, bias, .. } | Norm::Group { weight, bias, .. } => {
+                (*weight, *bias)
+            }
         };
         let mut rest = ins[1..].iter().copied();
         let weight = if weight { rest.next() } else { None };
@@ -47,23 +47,23 @@ impl Norm {
 impl Rules for Norm {
     fn name(&self) -> &'static str {
         match self {
-            Norm::BatchNorm { .. } => "batch_norm",
-            Norm::LayerNorm { .. } => "layer_norm",
-            Norm::GroupNorm { .. } => "group_norm",
+            Norm::Batch { .. } => "batch_norm",
+            Norm::Layer { .. } => "layer_norm",
+            Norm::Group { .. } => "group_norm",
         }
     }
 
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         let o = self.operands(ins);
         match self {
-            Norm::BatchNorm { training, momentum, eps, .. } => {
+            Norm::Batch { training, momentum, eps, .. } => {
                 let [mean, var] = o.running;
                 Tensor::f_batch_norm(o.x, o.weight, o.bias, mean, var, *training, *momentum, *eps, true)
             }
-            Norm::LayerNorm { normalized_shape, eps, .. } => {
+            Norm::Layer { normalized_shape, eps, .. } => {
                 Tensor::f_layer_norm(o.x, normalized_shape.as_slice(), o.weight, o.bias, *eps, true)
             }
-            Norm::GroupNorm { num_groups, eps, .. } => o.x.f_group_norm(*num_groups, o.weight, o.bias, *eps, true),
+            Norm::Group { num_groups, eps, .. } => o.x.f_group_norm(*num_groups, o.weight, o.bias, *eps, true),
         }
     }
 
@@ -74,7 +74,7 @@ impl Rules for Norm {
     fn saved_extra(&self, inputs: &[Rc<Node>], _meta: &Meta) -> Option<(u64, u64, Kind)> {
         match self {
             // Mean and inverse standard deviation per normalized row (two of them).
-            Norm::LayerNorm { normalized_shape, .. } => {
+            Norm::Layer { normalized_shape, .. } => {
                 let input = &inputs.first()?.meta;
                 let rows = shape::numel(normalized_shape).max(1) as u64;
                 let (a, c) = input.numel_parts();
@@ -82,7 +82,7 @@ impl Rules for Norm {
                 Some((2 * a / rows, 2 * c / rows, stat))
             }
             // Mean and inverse standard deviation per sample and group.
-            Norm::GroupNorm { num_groups, .. } => {
+            Norm::Group { num_groups, .. } => {
                 let input = &inputs.first()?.meta;
                 let stat = if input.kind == Kind::Double { Kind::Double } else { Kind::Float };
                 match input.batch() {
@@ -94,7 +94,7 @@ impl Rules for Norm {
                     )),
                 }
             }
-            Norm::BatchNorm { .. } => None,
+            Norm::Batch { .. } => None,
         }
     }
 }
@@ -154,7 +154,7 @@ impl LazyTensor {
         if training && x.meta.batch().is_some() {
             mixes = Some("in training mode normalizes with statistics over the batch".into());
         }
-        let op = Norm::BatchNorm { training, momentum, eps, weight: w.is_some(), bias: b.is_some() };
+        let op = Norm::Batch { training, momentum, eps, weight: w.is_some(), bias: b.is_some() };
         let inputs = nodes.into_iter().cloned().collect();
         Ok(Record::new(op, inputs, s.clone(), x.meta.kind, device).flow((flow, mixes)).finish())
     }
@@ -197,7 +197,7 @@ impl LazyTensor {
         if x.meta.batch().is_some_and(|bd| bd.dim >= first_norm) {
             mixes = Some("normalizes over the batch dimension".into());
         }
-        let op = Norm::LayerNorm { normalized_shape: norm, eps, weight: w.is_some(), bias: b.is_some() };
+        let op = Norm::Layer { normalized_shape: norm, eps, weight: w.is_some(), bias: b.is_some() };
         let inputs = nodes.into_iter().cloned().collect();
         Ok(Record::new(op, inputs, s.clone(), x.meta.kind, device).flow((flow, mixes)).finish())
     }
@@ -251,7 +251,7 @@ impl LazyTensor {
         if x.meta.batch().is_some_and(|bd| bd.dim != 0) {
             mixes = Some("normalizes over the batch dimension (it is not the first)".into());
         }
-        let op = Norm::GroupNorm { num_groups, eps, weight: w.is_some(), bias: b.is_some() };
+        let op = Norm::Group { num_groups, eps, weight: w.is_some(), bias: b.is_some() };
         let inputs = nodes.into_iter().cloned().collect();
         Ok(Record::new(op, inputs, s.clone(), x.meta.kind, device).flow((flow, mixes)).finish())
     }
