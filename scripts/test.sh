@@ -10,7 +10,8 @@ scripts/ensure-chromium.sh
 # shellcheck source=scripts/env.sh
 source scripts/env.sh
 
-step() { printf '\n==> %s\n' "$*"; }
+started=$SECONDS
+step() { printf '\n==> [%ss] %s\n' "$((SECONDS - started))" "$*"; }
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
