@@ -34,7 +34,7 @@ pub(crate) fn escape(text: &str) -> String {
     out
 }
 
-/// Bytes as a short label: `512 B`, `1.5 KiB`, `20 MiB`, `3.2 GiB`.
+/// Bytes as a short label: `512 B`, `1.5 KiB`, `20 MiB`, `3.2 GiB` (plans print them so too).
 pub(crate) fn bytes(b: f64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = b;

@@ -1174,22 +1174,6 @@ struct OpFacts {
     view: bool,
 }
 
-/// Bytes in a short human form (binary units).
-pub(crate) fn human(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut value = bytes as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit < UNITS.len() - 1 {
-        value /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{bytes} B")
-    } else {
-        format!("{value:.1} {}", UNITS[unit])
-    }
-}
-
 impl fmt::Display for Plan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let (peak_node, peak_name, peak_phase) = self.peak_op();
@@ -1204,29 +1188,29 @@ impl fmt::Display for Plan {
             self.batch_size,
             self.micro_batch,
             self.chunks(),
-            human(self.peak),
+            crate::svg::bytes(self.peak as f64),
             match peak_phase {
                 Phase::Forward => "forward",
                 Phase::Backward => "backward",
                 Phase::Accumulate => "gradient accumulation",
             },
-            human(self.budget),
-            human(self.full_batch_peak),
+            crate::svg::bytes(self.budget as f64),
+            crate::svg::bytes(self.full_batch_peak as f64),
         )?;
         if self.correction > 0.0 {
             writeln!(
                 f,
                 "verified: an earlier run of this graph measured {} per sample above its plan; held in reserve: {}",
-                human(self.correction.ceil() as u64),
-                human((self.correction * self.micro_batch as f64).ceil() as u64)
+                crate::svg::bytes(self.correction.ceil()),
+                crate::svg::bytes((self.correction * self.micro_batch as f64).ceil())
             )?;
         }
         writeln!(
             f,
             "peak = {} per sample x {} + {} fixed",
-            human(self.per_sample_at_peak),
+            crate::svg::bytes(self.per_sample_at_peak as f64),
             self.micro_batch,
-            human(self.fixed_bytes())
+            crate::svg::bytes(self.fixed_bytes() as f64)
         )?;
         writeln!(
             f,
@@ -1257,9 +1241,9 @@ impl fmt::Display for Plan {
             writeln!(
                 f,
                 "{node:>5}  {phase:<9} {name:<26} {shape:<24} {:>10} {:>10} {:>10}{marker}",
-                human(s.bytes),
-                human(s.during),
-                human(s.live)
+                crate::svg::bytes(s.bytes as f64),
+                crate::svg::bytes(s.during as f64),
+                crate::svg::bytes(s.live as f64)
             )?;
         }
         Ok(())

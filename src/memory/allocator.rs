@@ -232,15 +232,12 @@ impl PeakCounter {
         }
     }
 
-    /// The bytes the work could still take: the device's free memory (CUDA: driver free plus
-    /// what libtorch caches; CPU: [`available_cpu_memory`](crate::cpu_memory::available_cpu_memory)).
+    /// The bytes the work could still take: [`cuda_usable_memory`], or on the CPU
+    /// [`available_cpu_memory`](crate::cpu_memory::available_cpu_memory).
     pub(crate) fn available(self) -> Option<u64> {
         match self {
             PeakCounter::Cpu => Some(crate::memory::cpu::available_cpu_memory()),
-            PeakCounter::Cuda(d) => {
-                let cached = torch::stats(d).ok().map_or(0, |s| s.reserved.saturating_sub(s.allocated));
-                crate::memory::cuda::cuda_memory(d).map(|m| m.free + cached)
-            }
+            PeakCounter::Cuda(d) => cuda_usable_memory(d),
         }
     }
 }

@@ -70,9 +70,29 @@ impl Extras {
         let history = report_wanted.then(|| {
             let counter = PeakCounter::for_device(settings.device.unwrap_or_else(crate::memory::work_device));
             let available = counter.and_then(PeakCounter::available);
-            History { counter, start: 0, previous_peak: 0, attempts: Vec::new(), dropped: 0, available }
+            History {
+                counter,
+                start: 0,
+                previous_peak: 0,
+                measuring: false,
+                attempts: Vec::new(),
+                dropped: 0,
+                available,
+            }
         });
         (span.is_some() || history.is_some()).then(|| Box::new(Extras { span, history }))
+    }
+}
+
+impl History {
+    /// Gives the counter back the peak it had before this attempt's measurement (see
+    /// [`PeakCounter::end`]); once per measurement.
+    fn end_measurement(&mut self) {
+        if let Some(counter) = self.counter {
+            if std::mem::take(&mut self.measuring) {
+                counter.end(self.previous_peak);
+            }
+        }
     }
 }
 
@@ -82,8 +102,10 @@ struct History {
     /// attempt started.
     counter: Option<PeakCounter>,
     start: u64,
-    /// The counter's peak before this attempt's measurement reset it.
+    /// The counter's peak before this attempt's measurement reset it, and whether that
+    /// measurement is still open.
     previous_peak: u64,
+    measuring: bool,
     attempts: Vec<Attempt>,
     dropped: u64,
     available: Option<u64>,
@@ -123,9 +145,9 @@ impl Sizer {
             Some(e) => e.ok.min(initial),
         };
         let name = site.identity.map_or("execute", |(_, name)| name);
-        // A static level check first: without a subscriber at INFO and without a report, a
-        // call pays for neither span nor history.
-        let extras = if report_wanted || tracing::level_enabled!(tracing::Level::INFO) {
+        // Without a subscriber at INFO and without a report, a call pays for neither span nor
+        // history: `timed` already asked both.
+        let extras = if timed.is_some() {
             Extras::start(op, name, site.caller, initial, &settings, report_wanted)
         } else {
             None
@@ -176,10 +198,11 @@ impl Sizer {
     #[cold]
     #[inline(never)]
     fn measure_from_here(&mut self) {
-        if let Some(History { counter: Some(counter), start, previous_peak, .. }) =
+        if let Some(History { counter: Some(counter), start, previous_peak, measuring, .. }) =
             self.extras.as_mut().and_then(|e| e.history.as_mut())
         {
             (*start, *previous_peak) = counter.start().unwrap_or((0, 0));
+            *measuring = true;
         }
     }
 
@@ -195,15 +218,13 @@ impl Sizer {
     #[inline(never)]
     fn record_attempt(&mut self, size: usize, out_of_memory: bool) {
         let Some(history) = self.extras.as_mut().and_then(|e| e.history.as_mut()) else { return };
+        let peak = history.counter.and_then(PeakCounter::peak).map(|p| p.saturating_sub(history.start));
+        history.end_measurement();
         if history.attempts.len() >= Report::HISTORY_MAX {
             history.dropped += 1;
             return;
         }
         let duration = self.attempt_started.map(|t| t.elapsed()).unwrap_or_default();
-        let peak = history.counter.and_then(PeakCounter::peak).map(|p| p.saturating_sub(history.start));
-        if let Some(counter) = history.counter {
-            counter.end(history.previous_peak);
-        }
         history.attempts.push(Attempt { size, out_of_memory, duration, peak });
     }
 
@@ -290,6 +311,10 @@ impl Sizer {
 
     /// Ends the call: logs a summary when it caught out-of-memories.
     pub(super) fn conclude(&mut self) {
+        // An attempt that ended the call with another error was measured but not recorded.
+        if let Some(history) = self.extras.as_mut().and_then(|e| e.history.as_mut()) {
+            history.end_measurement();
+        }
         if self.report.out_of_memory > 0 && !std::mem::replace(&mut self.concluded, true) {
             let report = self.report();
             tracing::info!(

@@ -13,21 +13,22 @@ use toma::lazy::{lazy, LazyTensor, Mode, Options};
 const CPU: Device = Device::Cpu;
 
 /// The trainable variables by name, with their gradients zeroed.
-fn zero_grads(vs: &nn::VarStore) {
+pub(crate) fn zero_grads(vs: &nn::VarStore) {
     for (_, mut v) in vs.variables() {
         v.zero_grad();
     }
 }
 
-fn grads(vs: &nn::VarStore) -> BTreeMap<String, Tensor> {
-    vs.variables().into_iter().map(|(name, v)| (name, v.grad().copy())).collect()
+/// The gradients of the trainable variables (batch norm's running statistics have none).
+pub(crate) fn grads(vs: &nn::VarStore) -> BTreeMap<String, Tensor> {
+    vs.variables().into_iter().filter(|(_, v)| v.requires_grad()).map(|(name, v)| (name, v.grad().copy())).collect()
 }
 
 /// Largest elementwise difference relative to the largest reference magnitude. Gradients
 /// that are zero in exact arithmetic (a key bias under softmax) are round-off noise of about
 /// 1e-17: a floor of 1e-7 under the reference magnitude keeps them from counting as relative
 /// errors.
-fn relative_error(a: &Tensor, b: &Tensor) -> f64 {
+pub(crate) fn relative_error(a: &Tensor, b: &Tensor) -> f64 {
     let diff = (a - b).abs().max().double_value(&[]);
     let scale = b.abs().max().double_value(&[]).max(1e-7);
     diff / scale

@@ -6,6 +6,8 @@ use tch::nn::{self, ModuleT};
 use tch::{Device, Kind, Tensor};
 use toma::lazy::{lazy, vision, Options};
 
+use crate::grad::{grads, relative_error, zero_grads};
+
 const CPU: Device = Device::Cpu;
 
 #[test]
@@ -47,22 +49,17 @@ fn a_resnet18_step_micro_batched_has_the_full_batchs_gradients() {
     vs.double();
     let x = Tensor::randn([10, 3, 32, 32], (Kind::Double, CPU));
     let y = Tensor::randint(5, [10], (Kind::Int64, CPU));
-    let trainable = |vs: &nn::VarStore| -> Vec<(String, Tensor)> {
-        vs.variables().into_iter().filter(|(_, v)| v.requires_grad()).collect()
-    };
     let loss = net.forward_t(&x, false).log_softmax(-1, None).nll_loss(&y);
     loss.backward();
-    let eager: Vec<(String, Tensor)> = trainable(&vs).into_iter().map(|(n, v)| (n, v.grad().copy())).collect();
-    for (_, mut v) in trainable(&vs) {
-        v.zero_grad();
-    }
+    let eager = grads(&vs);
+    zero_grads(&vs);
     let (lx, ly) = lazy((&x, &y), 0);
     let lazy_loss = lx.apply_t(&net, false).log_softmax(-1, None).nll_loss(&ly);
     lazy_loss.backward_with(&Options::new().micro_batch(3)).unwrap();
     let variables = vs.variables();
     for (name, e) in eager {
         let l = variables[&name].grad();
-        let err = (&l - &e).abs().max().double_value(&[]) / e.abs().max().double_value(&[]).max(1e-7);
+        let err = relative_error(&l, &e);
         assert!(err <= 1e-6, "{name}: gradients differ by {err:e} relative");
     }
 }

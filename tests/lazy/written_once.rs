@@ -1,11 +1,11 @@
 //! One model, written once over `TensorOps`, run eagerly on tensors and lazily in
 //! micro-batches with the same `VarStore`: the same loss and the same gradients.
 
-use std::collections::BTreeMap;
-
 use tch::nn;
 use tch::{Device, Kind, Tensor};
 use toma::lazy::{lazy, Layer, LayerT, Options, TensorOps};
+
+use crate::grad::{grads, relative_error, zero_grads};
 
 const CPU: Device = Device::Cpu;
 
@@ -47,11 +47,6 @@ impl Net {
     }
 }
 
-/// The gradients of the trainable variables (batch norm's running statistics have none).
-fn grads(vs: &nn::VarStore) -> BTreeMap<String, Tensor> {
-    vs.variables().into_iter().filter(|(_, v)| v.requires_grad()).map(|(name, v)| (name, v.grad().copy())).collect()
-}
-
 #[test]
 fn a_model_written_once_runs_eagerly_and_lazily_alike() {
     tch::manual_seed(21);
@@ -65,16 +60,14 @@ fn a_model_written_once_runs_eagerly_and_lazily_alike() {
     let eager_value = eager.double_value(&[]);
     eager.backward();
     let eager_grads = grads(&vs);
-    for (_, mut v) in vs.variables().into_iter().filter(|(_, v)| v.requires_grad()) {
-        v.zero_grad();
-    }
+    zero_grads(&vs);
 
     let (lx, ly) = lazy((&x, &y), 0);
     let value = net.loss(&lx, &ly).backward_with(&Options::new().micro_batch(6)).unwrap();
     assert!((value - eager_value).abs() <= 1e-10 * eager_value.abs(), "{value} vs {eager_value}");
     for (name, e) in eager_grads {
         let l = vs.variables()[&name].grad();
-        let err = (&l - &e).abs().max().double_value(&[]) / e.abs().max().double_value(&[]).max(1e-7);
+        let err = relative_error(&l, &e);
         assert!(err <= 1e-6, "{name}: gradients differ by {err:e} relative");
     }
 }

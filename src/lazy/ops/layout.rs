@@ -6,7 +6,7 @@ use std::rc::Rc;
 use tch::{Kind, TchError, Tensor};
 
 use super::record::{combine_flows, same_device, unary_flow, Linearity, Record};
-use super::{arg, panicking, same_shape_flow, shape_err, Rules, RunCx};
+use super::{arg, kind_err, panicking, same_shape_flow, shape_err, Rules, RunCx, Scratch};
 use crate::lazy::error::LazyError;
 use crate::lazy::graph::{BatchDim, Flow, Meta, Node};
 use crate::lazy::shape;
@@ -129,8 +129,8 @@ impl Rules for Layout {
         matches!(self, Layout::IndexSelect { .. }) && i == 1
     }
 
-    fn scratch(&self, inputs: &[Rc<Node>], meta: &Meta) -> crate::lazy::ops::Scratch {
-        let mut scratch = crate::lazy::ops::Scratch::default();
+    fn scratch(&self, inputs: &[Rc<Node>], meta: &Meta) -> Scratch {
+        let mut scratch = Scratch::default();
         // The gradient of an expansion is summed over the expanded dimensions.
         if matches!(self, Layout::Expand) && meta.requires_grad {
             let input = &inputs[0].meta;
@@ -513,7 +513,7 @@ impl LazyTensor {
         let name = "index_select";
         let device = same_device(name, &[x, i])?;
         if !matches!(i.meta.kind, Kind::Int64 | Kind::Int) {
-            return Err(crate::lazy::ops::kind_err(name, i.meta.kind, &i.meta.shape, "the index must be Int64 or Int"));
+            return Err(kind_err(name, i.meta.kind, &i.meta.shape, "the index must be Int64 or Int"));
         }
         if i.meta.shape.len() > 1 {
             return Err(shape_err(name, &x.meta.shape, &i.meta.shape, "the index must be 1-D"));

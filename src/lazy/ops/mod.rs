@@ -34,29 +34,34 @@ pub(crate) mod reduce;
 pub(crate) mod source;
 pub(crate) mod window;
 
-/// One recorded operation, by family. Shapes that depend on the batch are not stored here:
-/// they are the node's [`Meta`] shape at the micro-batch size.
-pub(crate) enum Op {
-    Source(source::Source),
-    Pointwise(pointwise::Pointwise),
-    Matrix(matrix::Matrix),
-    Window(window::Window),
-    Norm(norm::Norm),
-    Layout(layout::Layout),
-    Reduce(reduce::Reduce),
-    Loss(loss::Loss),
-    Attention(attention::Attention),
-    Custom(Rc<CustomOp>),
-}
-
+/// The families, listed once: the `Op` enum, its `From` conversions and its rules.
 macro_rules! families {
-    ($($family:ident($ty:ty)),*) => {$(
-        impl From<$ty> for Op {
-            fn from(op: $ty) -> Op {
-                Op::$family(op)
+    ($($family:ident($ty:ty)),*) => {
+        /// One recorded operation, by family. Shapes that depend on the batch are not stored
+        /// here: they are the node's [`Meta`] shape at the micro-batch size.
+        pub(crate) enum Op {
+            $($family($ty),)*
+            Custom(Rc<CustomOp>),
+        }
+
+        $(
+            impl From<$ty> for Op {
+                fn from(op: $ty) -> Op {
+                    Op::$family(op)
+                }
+            }
+        )*
+
+        impl Op {
+            /// The op's rules.
+            pub(crate) fn rules(&self) -> &dyn Rules {
+                match self {
+                    $(Op::$family(r) => r,)*
+                    Op::Custom(r) => &**r,
+                }
             }
         }
-    )*};
+    };
 }
 families!(
     Source(source::Source),
@@ -172,22 +177,6 @@ impl Scratch {
 }
 
 impl Op {
-    /// The op's rules.
-    pub(crate) fn rules(&self) -> &dyn Rules {
-        match self {
-            Op::Source(r) => r,
-            Op::Pointwise(r) => r,
-            Op::Matrix(r) => r,
-            Op::Window(r) => r,
-            Op::Norm(r) => r,
-            Op::Layout(r) => r,
-            Op::Reduce(r) => r,
-            Op::Loss(r) => r,
-            Op::Attention(r) => r,
-            Op::Custom(r) => &**r,
-        }
-    }
-
     /// The op's name, as tch calls the method.
     pub(crate) fn name(&self) -> &'static str {
         self.rules().name()

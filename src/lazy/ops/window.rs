@@ -155,7 +155,7 @@ impl Rules for Window {
             }
             return scratch;
         }
-        if meta.kind == Kind::Float && batched && meta.batch().is_some() && onednn(w, stride, dilation, groups) {
+        if meta.kind == Kind::Float && batched && meta.batch().is_some() && onednn(w, stride, dilation) {
             return onednn_scratch(inputs, meta, requires(inputs, 0));
         }
         let kernel = &w[2..];
@@ -180,12 +180,12 @@ impl Rules for Window {
 }
 
 /// Whether libtorch hands a batched `Float` convolution on the CPU to oneDNN: its rule
-/// (`ConvParams::use_mkldnn`) for a batch of more than one, where a 1×1 unstrided convolution
-/// stays native only on one thread.
-fn onednn(weight: &[i64], stride: &[i64], dilation: &[i64], groups: i64) -> bool {
+/// (`ConvParams::use_mkldnn`) for a batch of more than one, where only a 1×1 unstrided
+/// convolution on one thread stays native.
+fn onednn(weight: &[i64], stride: &[i64], dilation: &[i64]) -> bool {
     let one_by_one = weight[2..].iter().all(|&k| k == 1);
     let strided = stride.iter().any(|&s| s != 1) || dilation.iter().any(|&d| d != 1);
-    groups >= 1 && (!one_by_one || strided || threads() > 1)
+    !one_by_one || strided || threads() > 1
 }
 
 /// libtorch's intra-op threads, asked once.
