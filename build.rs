@@ -12,6 +12,8 @@ use std::path::{Path, PathBuf};
 
 fn main() {
     println!("cargo::rustc-check-cfg=cfg(toma_shim)");
+    println!("cargo::rustc-check-cfg=cfg(toma_dist_shim)");
+    println!("cargo::rustc-check-cfg=cfg(toma_gloo)");
     println!("cargo::rerun-if-changed=build.rs");
     // `cc` is a build dependency of feature `tch` only.
     #[cfg(feature = "tch")]
@@ -41,7 +43,50 @@ fn with_libtorch() {
             include.display()
         ),
     }
+    if env::var_os("CARGO_FEATURE_DIST").is_some() {
+        compile_dist(&include);
+    }
     link_torch_cuda(&lib);
+}
+
+/// Feature `dist`: c10d's store and, with gloo's headers, its Gloo process group. Unlike the
+/// allocator shim, a failure here fails the build: the feature is nothing without it.
+#[cfg(feature = "tch")]
+fn compile_dist(include: &Path) {
+    println!("cargo::rerun-if-changed=src/shim/toma_dist.cpp");
+    println!("cargo::rerun-if-changed=src/shim/toma_dist.h");
+    println!("cargo::rerun-if-env-changed=TOMA_GLOO_INCLUDE");
+    let manifest = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    // scripts/ensure-gloo-headers.sh puts them here; TOMA_GLOO_INCLUDE points elsewhere.
+    let gloo = env::var_os("TOMA_GLOO_INCLUDE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| manifest.join(".deps/gloo/include"))
+        .canonicalize()
+        .ok()
+        .filter(|dir| dir.join("gloo/algorithm.h").exists());
+    println!("cargo::rerun-if-changed={}", manifest.join(".deps/gloo/include").display());
+    let mut build = cc::Build::new();
+    build.cpp(true).std("c++17").file("src/shim/toma_dist.cpp").include("src/shim");
+    for dir in [include.to_path_buf(), include.join("torch/csrc/api/include")] {
+        build.flag("-isystem").flag(dir);
+    }
+    let abi = env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".to_owned());
+    build.define("_GLIBCXX_USE_CXX11_ABI", abi.as_str());
+    // c10d's headers are heavy; the shim is a thin layer, so optimizing it buys nothing.
+    build.opt_level(0).debug(false);
+    match &gloo {
+        Some(dir) => {
+            build.flag("-isystem").flag(dir).define("USE_C10D_GLOO", None).define("TOMA_DIST_GLOO", None);
+            println!("cargo::rustc-cfg=toma_gloo");
+        }
+        None => println!(
+            "cargo::warning=toma: no gloo headers (run scripts/ensure-gloo-headers.sh, or set TOMA_GLOO_INCLUDE); toma::dist's gradient all-reduce is disabled"
+        ),
+    }
+    if let Err(err) = build.try_compile("toma_dist") {
+        panic!("toma: feature `dist` needs c10d's headers from libtorch ({}): {err}", include.display());
+    }
+    println!("cargo::rustc-cfg=toma_dist_shim");
 }
 
 #[cfg(feature = "tch")]

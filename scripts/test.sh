@@ -7,6 +7,8 @@ cd "$root"
 scripts/ensure-libtorch.sh
 # The test that renders the pictures in a browser (skipped, and saying so, where it cannot install).
 scripts/ensure-chromium.sh
+# gloo's headers for feature `dist`'s Gloo process group (Debian's libgloo-dev, 49 kB).
+scripts/ensure-gloo-headers.sh
 # shellcheck source=scripts/env.sh
 source scripts/env.sh
 

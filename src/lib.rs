@@ -69,6 +69,9 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod cache;
+#[cfg(feature = "dist")]
+#[cfg_attr(docsrs, doc(cfg(feature = "dist")))]
+pub mod dist;
 mod error;
 pub mod execute;
 mod hash;

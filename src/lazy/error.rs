@@ -159,6 +159,11 @@ pub enum LazyError {
         #[source]
         source: TchError,
     },
+    /// The ranks of [`Options::group`](super::Options::group) could not agree, or the gradient
+    /// all-reduce failed.
+    #[cfg(feature = "dist")]
+    #[error("toma::lazy: {0}")]
+    Dist(#[from] crate::dist::DistError),
 }
 
 impl OutOfMemory for LazyError {

@@ -371,12 +371,19 @@ pub(crate) fn backward(output: &LazyTensor, options: &Options) -> Result<f64, La
     let out = p.c.len() - 1;
     let err = torch(out, "backward");
     let mut total = 0.0;
+    // One rank of several: every share is of the global batch, every denominator global.
+    let global = group_weights(&p.c, options)?;
+    let n_all = global.as_ref().map_or(n, |g| g.batch);
+    if let Some(g) = &global {
+        dens = Some(g.dens.clone());
+    }
     run_chunks(&p, options, |start, b| {
         if b < n && dens.is_none() {
             dens = Some(tch::no_grad(|| denominators(&p.c, true, options))?);
         }
         let dens = dens.as_deref().unwrap_or(&unsplit);
-        let chunk = Chunk { start, b, split: b < n, frac: b as f64 / n as f64, dens, stand_ins: &stand_ins };
+        let split = b < n_all;
+        let chunk = Chunk { start, b, split, frac: b as f64 / n_all as f64, dens, stand_ins: &stand_ins };
         let (value, grads) = tch::with_grad(|| -> Result<(f64, Vec<Tensor>), LazyError> {
             let loss = forward_chunk(&p.c, &chunk, None)?;
             let value = loss.f_sum(Kind::Double).and_then(|v| v.f_double_value(&[])).map_err(&err)?;
@@ -421,7 +428,39 @@ pub(crate) fn backward(output: &LazyTensor, options: &Options) -> Result<f64, La
         })
         .map_err(&err)?;
     }
+    #[cfg(feature = "dist")]
+    if let Some(group) = options.group.as_ref().filter(|g| g.world_size() > 1) {
+        // Every rank's share is in its own `.grad`: their sum is the union's gradient.
+        let grads: Vec<Tensor> = params.iter().zip(&leaf).filter(|(_, &l)| l).map(|(p, _)| p.grad()).collect();
+        let defined: Vec<&Tensor> = grads.iter().filter(|g| g.defined()).collect();
+        group.all_reduce_sum(&defined)?;
+        total = group.all_reduce_f64("toma.lazy/loss", crate::dist::Reduce::Sum, &[total])?[0];
+    }
     Ok(total)
+}
+
+/// The global batch and denominators of a step run as one rank of [`Options::group`].
+struct Global {
+    batch: i64,
+    dens: Vec<Option<f64>>,
+}
+
+#[cfg(feature = "dist")]
+fn group_weights(c: &Compiled, options: &Options) -> Result<Option<Global>, LazyError> {
+    let Some(group) = options.group.as_ref().filter(|g| g.world_size() > 1) else { return Ok(None) };
+    let mut dens = tch::no_grad(|| denominators(c, true, options))?;
+    let mut local: Vec<f64> = vec![c.batch as f64];
+    local.extend(dens.iter().flatten());
+    let sums = group.all_reduce_f64("toma.lazy/weights", crate::dist::Reduce::Sum, &local)?;
+    for (d, sum) in dens.iter_mut().flatten().zip(&sums[1..]) {
+        *d = *sum;
+    }
+    Ok(Some(Global { batch: sums[0].round() as i64, dens }))
+}
+
+#[cfg(not(feature = "dist"))]
+fn group_weights(_: &Compiled, _: &Options) -> Result<Option<Global>, LazyError> {
+    Ok(None)
 }
 
 /// Adds a micro-batch's gradients into `.grad()` (leaves; a parameter without one first gets a

@@ -91,11 +91,22 @@ pub struct Options {
     pub(crate) allow_batch_mixing: bool,
     pub(crate) cache: Option<CacheKind>,
     pub(crate) retry: bool,
+    #[cfg(feature = "dist")]
+    pub(crate) group: Option<crate::dist::Group>,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { budget: None, margin: 0.1, micro_batch: None, allow_batch_mixing: false, cache: None, retry: true }
+        Options {
+            budget: None,
+            margin: 0.1,
+            micro_batch: None,
+            allow_batch_mixing: false,
+            cache: None,
+            retry: true,
+            #[cfg(feature = "dist")]
+            group: None,
+        }
     }
 }
 
@@ -154,6 +165,26 @@ impl Options {
     /// Whether a micro-batch that runs out of memory is halved and redone (on unless told).
     pub fn retry(mut self, retry: bool) -> Self {
         self.retry = retry;
+        self
+    }
+
+    /// Trains as one rank of `group` (feature `dist`): [`backward_with`](LazyTensor::backward_with)
+    /// weighs every mean-reduced loss by the *global* count of samples (or counted targets),
+    /// summed over the ranks, then sums every parameter's `.grad()` across the ranks (c10d Gloo).
+    /// Each rank plans and splits its own batch under its own budget (ranks on different cards
+    /// use different micro-batches, and may hold different batch sizes); afterwards every
+    /// rank's `.grad()` equals one backward over the union of all ranks' batches, and every
+    /// rank gets the loss of that union.
+    ///
+    /// Every rank must call it for the same model (the same graph) in step. Zero the gradients
+    /// before each step (`opt.zero_grad()`): the sum covers the whole `.grad()`, so gradients
+    /// left from an earlier step would be summed again. Parameters that reach the graph only
+    /// through eager ops (a fixed operand computed from them) get their gradient through those
+    /// ops and are not summed; sum them with [`Group::all_reduce_sum`](crate::dist::Group::all_reduce_sum).
+    #[cfg(feature = "dist")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "dist")))]
+    pub fn group(mut self, group: &crate::dist::Group) -> Self {
+        self.group = Some(group.clone());
         self
     }
 }

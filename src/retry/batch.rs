@@ -54,7 +54,7 @@ impl Batch {
         self.start_at(Location::caller(), false)
     }
 
-    fn start_at(self, caller: &'static Location<'static>, report: bool) -> BatchAttempts {
+    pub(super) fn start_at(self, caller: &'static Location<'static>, report: bool) -> BatchAttempts {
         let site = CallSite { identity: self.settings.identity, caller };
         let kind = self.settings.cache.unwrap_or_else(cache::default_cache);
         BatchAttempts { sizer: Sizer::start(Operation::Batch, self.initial, kind, self.settings, site, report) }
@@ -111,7 +111,7 @@ impl Batch {
 #[doc(hidden)]
 #[derive(Debug)]
 pub struct BatchAttempts {
-    sizer: Sizer,
+    pub(super) sizer: Sizer,
 }
 
 impl BatchAttempts {

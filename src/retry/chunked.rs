@@ -31,10 +31,10 @@ use crate::oom::OutOfMemory;
 #[derive(Debug)]
 #[must_use = "a builder does nothing until `run` is called"]
 pub struct Chunked<'a> {
-    tensor: &'a Tensor,
-    dimension: i64,
+    pub(super) tensor: &'a Tensor,
+    pub(super) dimension: i64,
     /// Over `[0, length of the dimension)`.
-    range: Range,
+    pub(super) range: Range,
 }
 
 super::settings_methods!(Chunked<'_>, range.settings, "step");
@@ -124,6 +124,14 @@ impl<'a> Chunked<'a> {
         self.dimension = dimension;
         self.range.end = len;
         self
+    }
+
+    /// Runs the call on every rank of `group` in step (feature `dist`), as
+    /// [`Range::group`](crate::Range::group): each rank chunks its own tensor, and the ranks agree
+    /// on the step.
+    #[cfg(feature = "dist")]
+    pub fn group(self, group: &crate::dist::Group) -> super::GroupedChunked<'a, '_> {
+        super::GroupedChunked { chunked: self, group }
     }
 
     #[doc(hidden)]

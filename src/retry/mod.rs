@@ -17,6 +17,8 @@ mod auto;
 mod batch;
 #[cfg(feature = "tch")]
 mod chunked;
+#[cfg(feature = "dist")]
+mod grouped;
 mod range;
 mod sizer;
 mod unwind;
@@ -28,6 +30,10 @@ pub use auto::{AutoReport, DeviceFit, MeasuredDevice, Objective};
 pub use batch::{Batch, BatchAttempts};
 #[cfg(feature = "tch")]
 pub use chunked::{Chunked, ChunkedAttempts};
+#[cfg(all(feature = "dist", feature = "tch"))]
+pub use grouped::GroupedChunked;
+#[cfg(feature = "dist")]
+pub use grouped::{GroupedBatch, GroupedRange};
 pub use range::{Range, RangeAttempts};
 pub use unwind::{quiet_caught_panics, CatchUnwind};
 

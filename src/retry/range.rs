@@ -285,7 +285,7 @@ impl Range {
 #[doc(hidden)]
 #[derive(Debug)]
 pub struct RangeAttempts {
-    sizer: Sizer,
+    pub(super) sizer: Sizer,
     position: usize,
     end: usize,
     auto: Option<Box<Auto>>,
@@ -355,42 +355,54 @@ impl RangeAttempts {
         let (start, end) = self.next_range().expect("toma: RangeAttempts::finish after the range was done");
         match classify(outcome) {
             Ok(()) => {
-                let len = end - start;
-                let (step, full) = (self.sizer.size, len == self.sizer.size);
-                // `auto` reads the chunk's peak before the history's measurement ends (which
-                // gives the counter back its earlier peak).
-                let next = self.auto.as_mut().map(|auto| auto.after_chunk(len, step, full, self.sizer.failed));
-                self.sizer.succeeded(len, full);
-                if let Some(next) = next {
-                    self.sizer.size = next;
-                }
-                self.position = end;
-                if let Some(bar) = self.bar.as_mut() {
-                    bar.advance(end, self.sizer.size);
-                }
-                if self.position == self.end {
-                    self.sizer.conclude();
-                    if let Some(bar) = self.bar.as_mut() {
-                        bar.finish();
-                    }
-                }
+                self.succeeded(start, end);
                 Ok(())
             }
             Err(failure) => {
                 if failure.is_out_of_memory(self.sizer.decide) && self.sizer.out_of_memory(end - start, &failure) {
                     drop(failure);
-                    if let Some(bar) = self.bar.as_mut() {
-                        bar.out_of_memory(start, self.sizer.size);
-                    }
+                    self.shrunk(start);
                     Ok(())
                 } else {
-                    self.sizer.conclude();
-                    if let Some(bar) = self.bar.as_mut() {
-                        bar.finish();
-                    }
+                    self.stop();
                     Err(failure.give_back())
                 }
             }
+        }
+    }
+
+    /// The chunk `[start, end)` succeeded: move past it, at the next step.
+    pub(super) fn succeeded(&mut self, start: usize, end: usize) {
+        let len = end - start;
+        let (step, full) = (self.sizer.size, len == self.sizer.size);
+        // `auto` reads the chunk's peak before the history's measurement ends (which
+        // gives the counter back its earlier peak).
+        let next = self.auto.as_mut().map(|auto| auto.after_chunk(len, step, full, self.sizer.failed));
+        self.sizer.succeeded(len, full);
+        if let Some(next) = next {
+            self.sizer.size = next;
+        }
+        self.position = end;
+        if let Some(bar) = self.bar.as_mut() {
+            bar.advance(end, self.sizer.size);
+        }
+        if self.position == self.end {
+            self.stop();
+        }
+    }
+
+    /// The chunk at `start` ran out of memory and will be retried at the (smaller) step.
+    pub(super) fn shrunk(&mut self, start: usize) {
+        if let Some(bar) = self.bar.as_mut() {
+            bar.out_of_memory(start, self.sizer.size);
+        }
+    }
+
+    /// The call ends (done, or with an error).
+    pub(super) fn stop(&mut self) {
+        self.sizer.conclude();
+        if let Some(bar) = self.bar.as_mut() {
+            bar.finish();
         }
     }
 

@@ -254,6 +254,19 @@ impl Sizer {
     where
         E: OutOfMemory,
     {
+        self.out_of_memory_with(failed, || match failure {
+            Failure::Panic(payload) => ("panic", panic_message(payload.as_ref()).unwrap_or_default()),
+            Failure::Error(err) => ("error", err.message().unwrap_or_default()),
+        })
+    }
+
+    /// [`out_of_memory`](Self::out_of_memory) with the failure described lazily, as
+    /// `(caught, text)` (only read when an `info` event is logged).
+    pub(super) fn out_of_memory_with(
+        &mut self,
+        failed: usize,
+        describe: impl FnOnce() -> (&'static str, String),
+    ) -> bool {
         self.report.out_of_memory += 1;
         self.record(failed, true);
         if let Some(started) = self.attempt_started.take() {
@@ -264,25 +277,18 @@ impl Sizer {
             tracing::info!(op = ?self.op, function = self.name, size = failed, "toma: out of memory at size 1, giving up");
             return false;
         }
-        let mut next = self.size.max(failed);
-        while next >= failed {
-            // `shrink` goes down and stays at least 1, and `failed` ≥ 2 here: this ends.
-            next = self.policy.shrink(next, self.ok);
-        }
+        let next = self.next_below(failed);
         if let Some(key) = self.key {
             self.seen = Some(cache::record_out_of_memory(key, failed, next, self.hint));
         }
         if tracing::enabled!(tracing::Level::INFO) {
-            let text = match failure {
-                Failure::Panic(payload) => panic_message(payload.as_ref()).unwrap_or_default(),
-                Failure::Error(err) => err.message().unwrap_or_default(),
-            };
+            let (caught, text) = describe();
             tracing::info!(
                 op = ?self.op,
                 function = self.name,
                 from = failed,
                 to = next,
-                caught = if matches!(failure, Failure::Panic(_)) { "panic" } else { "error" },
+                caught,
                 error = first_line(&text),
                 "toma: out of memory, retrying with a smaller size"
             );
@@ -292,6 +298,31 @@ impl Sizer {
         crate::memory::release_cached_blocks();
         self.size = next;
         true
+    }
+
+    /// The size the policy goes to after an out-of-memory at `failed` (≥ 2): the current size
+    /// shrunk as often as it takes to fall below `failed`.
+    pub(super) fn next_below(&self, failed: usize) -> usize {
+        let mut next = self.size.max(failed);
+        while next >= failed && next > 1 {
+            // `shrink` goes down and stays at least 1: this ends.
+            next = self.policy.shrink(next, self.ok);
+        }
+        next
+    }
+
+    /// A size the ranks of a group agreed on (feature `dist`). After a round in which some rank
+    /// ran out of memory, `failed` is the smallest size that failed on any rank: it is recorded
+    /// with the agreed size, so every rank's cache entry says the same.
+    #[cfg(feature = "dist")]
+    pub(super) fn agree_on(&mut self, size: usize, failed: Option<usize>) {
+        self.size = size;
+        if let Some(failed) = failed {
+            self.failed = self.failed.min(failed);
+            if let (Some(key), true) = (self.key, size < self.failed) {
+                self.seen = Some(cache::record_out_of_memory(key, self.failed, size, self.hint));
+            }
+        }
     }
 
     /// The report of the call so far.
