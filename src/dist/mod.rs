@@ -44,8 +44,10 @@
 //! [`Group::barrier`]. Each namespace counts its own rounds, so calls never collide, and each
 //! rank deletes its key of the round before, so the store holds at most one key per rank and
 //! namespace. Values are ASCII: integers joined by `,`, and for grouped calls the failure
-//! message after a `;`. Any process that can reach the store can take part: a Python rank
-//! with `torch.distributed.TCPStore` (`tests/dist/py_rank.py` does).
+//! message after a `;`. Joining is a round of namespace `join` whose value is the world size;
+//! leaving adds 1 to `toma/<restart>/exit` (the rank that hosts the store waits for every rank
+//! to leave before it takes the store down). Any process that can reach the store can take
+//! part: a Python rank with `torch.distributed.TCPStore` (`tests/dist/py_rank.py` does).
 //!
 //! ## Not covered
 //! toma cannot see collectives inside your body (a gradient all-reduce in the forward pass, a
@@ -57,8 +59,8 @@
 //! [`Group::all_reduce_sum`] sums tensors across ranks over a c10d Gloo process group created
 //! on first use over the same store (on the CPU; CUDA tensors are staged by Gloo). For exact
 //! gradients over ranks with different batch sizes, weight each rank's mean loss by its share
-//! of the global count ([`Group::all_reduce`] with [`Reduce::Sum`] gives it; `toma::lazy`'s
-//! `backward_in_group` does it for you).
+//! of the global count ([`Group::all_reduce`] with [`Reduce::Sum`] gives it), or let
+//! `toma::lazy` do both: [`Options::group`](crate::lazy::Options::group).
 
 mod store;
 
