@@ -433,48 +433,35 @@ impl Group {
     /// Combines each rank's `values` element by element (every rank passes as many); all
     /// ranks get the same result. `namespace` names the call (see the module docs' "Keys").
     pub fn all_reduce(&self, namespace: &str, op: Reduce, values: &[i64]) -> Result<Vec<i64>, DistError> {
-        let all = self.exchange(namespace, values, "")?;
-        let mut out = values.to_vec();
-        for (rank, (theirs, _)) in all.iter().enumerate() {
-            if theirs.len() != values.len() {
-                return Err(DistError::Mismatch(format!(
-                    "all_reduce `{namespace}`: rank {rank} passed {} value(s), rank {} passed {}",
-                    theirs.len(),
-                    self.rank(),
-                    values.len()
-                )));
-            }
-            if rank != self.rank() {
-                for (o, v) in out.iter_mut().zip(theirs) {
-                    *o = op.apply(*o, *v);
-                }
-            }
-        }
-        Ok(out)
+        self.reduce(namespace, values, |v| v, |v| v, |a, b| op.apply(a, b))
     }
 
     /// [`all_reduce`](Self::all_reduce) of `f64`s (each travels as its bit pattern, an `i64`).
     pub fn all_reduce_f64(&self, namespace: &str, op: Reduce, values: &[f64]) -> Result<Vec<f64>, DistError> {
-        let bits: Vec<i64> = values.iter().map(|v| v.to_bits() as i64).collect();
-        let all = self.exchange(namespace, &bits, "")?;
+        let combine = |a: f64, b: f64| match op {
+            Reduce::Max => a.max(b),
+            Reduce::Min => a.min(b),
+            Reduce::Sum => a + b,
+        };
+        self.reduce(namespace, values, |v| v.to_bits() as i64, |v| f64::from_bits(v as u64), combine)
+    }
+
+    /// One round of `values` (sent as `encode`d integers), folded in rank order with `combine`.
+    fn reduce<T: Copy>(
+        &self,
+        namespace: &str,
+        values: &[T],
+        encode: impl Fn(T) -> i64,
+        decode: impl Fn(i64) -> T,
+        combine: impl Fn(T, T) -> T,
+    ) -> Result<Vec<T>, DistError> {
+        let sent: Vec<i64> = values.iter().map(|&v| encode(v)).collect();
+        let all = self.exchange_checked(namespace, &sent, "")?;
         let mut out = values.to_vec();
         for (rank, (theirs, _)) in all.iter().enumerate() {
-            if theirs.len() != values.len() {
-                return Err(DistError::Mismatch(format!(
-                    "all_reduce_f64 `{namespace}`: rank {rank} passed {} value(s), rank {} passed {}",
-                    theirs.len(),
-                    self.rank(),
-                    values.len()
-                )));
-            }
             if rank != self.rank() {
-                for (o, v) in out.iter_mut().zip(theirs) {
-                    let v = f64::from_bits(*v as u64);
-                    *o = match op {
-                        Reduce::Max => o.max(v),
-                        Reduce::Min => o.min(v),
-                        Reduce::Sum => *o + v,
-                    };
+                for (o, &v) in out.iter_mut().zip(theirs) {
+                    *o = combine(*o, decode(v));
                 }
             }
         }
@@ -512,6 +499,26 @@ impl Group {
 
     fn key(&self, namespace: &str, round: u64) -> String {
         format!("{}{namespace}/{round}/", self.inner.prefix)
+    }
+
+    /// [`exchange`](Self::exchange), failing when a rank sent a different number of values (the
+    /// ranks made different calls under one namespace).
+    pub(crate) fn exchange_checked(
+        &self,
+        namespace: &str,
+        values: &[i64],
+        message: &str,
+    ) -> Result<Vec<(Vec<i64>, String)>, DistError> {
+        let all = self.exchange(namespace, values, message)?;
+        if let Some((rank, (theirs, _))) = all.iter().enumerate().find(|(_, (v, _))| v.len() != values.len()) {
+            return Err(DistError::Mismatch(format!(
+                "`{namespace}`: rank {rank} sent {} value(s), rank {} sent {}: the ranks made different calls there",
+                theirs.len(),
+                self.rank(),
+                values.len()
+            )));
+        }
+        Ok(all)
     }
 
     /// One round: every rank publishes `values` (and a message), and gets every rank's, in rank

@@ -45,17 +45,9 @@ struct Round {
 }
 
 fn agree(group: &Group, namespace: &str, record: &[i64], message: &str) -> Result<Round, DistError> {
-    let all = group.exchange(namespace, record, message)?;
+    let all = group.exchange_checked(namespace, record, message)?;
     let mut round = Round { fatal: None, out_of_memory: false, min: record.to_vec() };
     for (rank, (values, message)) in all.into_iter().enumerate() {
-        if values.len() != record.len() {
-            return Err(DistError::Mismatch(format!(
-                "at {namespace}, rank {rank} sent {} field(s) and rank {} sent {}: the ranks run different kinds of call there",
-                values.len(),
-                group.rank(),
-                record.len()
-            )));
-        }
         match values[0] {
             FATAL if round.fatal.is_none() => round.fatal = Some((rank, message, values.get(2) == Some(&1))),
             OUT_OF_MEMORY => round.out_of_memory = true,
@@ -66,6 +58,25 @@ fn agree(group: &Group, namespace: &str, record: &[i64], message: &str) -> Resul
         }
     }
     Ok(round)
+}
+
+/// Reads a round for the end of the call: `Err` with what this rank returns when the round
+/// failed or some rank failed for good, `Ok` to go on. `own` is this rank's failure for good,
+/// if it had one (a panic is resumed rather than returned).
+fn settle<E: OutOfMemory>(round: Result<Round, DistError>, own: Option<Failure<E>>) -> Result<Round, GroupError<E>> {
+    match round {
+        Err(err) => {
+            if let Some(Failure::Panic(payload)) = own {
+                std::panic::resume_unwind(payload);
+            }
+            Err(GroupError::Dist(err))
+        }
+        Ok(mut round) => match (round.fatal.take(), own) {
+            (_, Some(failure)) => Err(GroupError::Local(failure.give_back())),
+            (Some((rank, message, out_of_memory)), None) => Err(GroupError::Peer { rank, message, out_of_memory }),
+            (None, None) => Ok(round),
+        },
+    }
 }
 
 /// A [`Batch`] whose ranks agree after every attempt: see [`Batch::group`].
@@ -143,44 +154,37 @@ impl GroupedBatch<'_> {
                 Err(f) => (FATAL, describe(f), f.is_out_of_memory(sizer.decide)),
             };
             let proposal = if size > 1 { sizer.next_below(size) } else { 1 };
-            let round = match agree(self.group, &ns, &[code, proposal as i64, i64::from(oom)], &message) {
+            let round = agree(self.group, &ns, &[code, proposal as i64, i64::from(oom)], &message);
+            let (value, failure) = match local {
+                Ok(value) => (Some(value), None),
+                Err(failure) => (None, Some(failure)),
+            };
+            let (failure, own) = if code == FATAL { (None, failure) } else { (failure, None) };
+            let round = match settle(round, own) {
                 Ok(round) => round,
-                Err(err) => {
+                Err(end) => {
                     sizer.conclude();
-                    if let Err(Failure::Panic(payload)) = local {
-                        std::panic::resume_unwind(payload);
-                    }
-                    break Err(GroupError::Dist(err));
+                    break Err(end);
                 }
             };
-            if let Some((rank, message, out_of_memory)) = round.fatal {
-                sizer.conclude();
-                break match local {
-                    Err(failure) if code == FATAL => Err(GroupError::Local(failure.give_back())),
-                    _ => Err(GroupError::Peer { rank, message, out_of_memory }),
-                };
-            }
-            if round.out_of_memory {
-                match local {
-                    Err(failure) => {
-                        sizer.out_of_memory(size, &failure);
-                    }
-                    Ok(value) => {
-                        // This rank's result is dropped: every rank redoes the batch.
-                        drop(value);
-                        sizer.out_of_memory_with(size, || ("peer", "another rank ran out of memory".to_owned()));
-                    }
-                }
-                sizer.agree_on(round.min[1].max(1) as usize, Some(size));
-                continue;
-            }
-            match local {
-                Ok(value) => {
+            match (round.out_of_memory, value) {
+                (false, Some(value)) => {
                     sizer.succeeded(size, true);
                     sizer.conclude();
                     break Ok(value);
                 }
-                Err(_) => unreachable!("a rank's own failure is in the round"),
+                (_, value) => {
+                    // Some rank ran out of memory: every rank runs the batch again, this one's
+                    // result (if it had one) is dropped.
+                    drop(value);
+                    match failure {
+                        Some(failure) => sizer.out_of_memory(size, &failure),
+                        None => {
+                            sizer.out_of_memory_with(size, || ("peer", "another rank ran out of memory".to_owned()))
+                        }
+                    };
+                    sizer.agree_on(round.min[1].max(1) as usize, Some(size));
+                }
             }
         };
         (result, attempts.report())
@@ -333,23 +337,13 @@ where
             }
         };
         let message = local.as_ref().map(describe).unwrap_or_default();
-        let round = match agree(group, ns, &record, &message) {
+        let round = match settle(agree(group, ns, &record, &message), local) {
             Ok(round) => round,
-            Err(err) => {
+            Err(end) => {
                 attempts.stop();
-                if let Some(Failure::Panic(payload)) = local {
-                    std::panic::resume_unwind(payload);
-                }
-                return Err(GroupError::Dist(err));
+                return Err(end);
             }
         };
-        if let Some((rank, message, out_of_memory)) = round.fatal {
-            attempts.stop();
-            return Err(match local {
-                Some(failure) => GroupError::Local(failure.give_back()),
-                None => GroupError::Peer { rank, message, out_of_memory },
-            });
-        }
         if round.out_of_memory {
             attempts.sizer.agree_on(round.min[3].max(1) as usize, Some(round.min[4].max(1) as usize));
             continue;
