@@ -137,6 +137,36 @@ fn planner_peak_matches_the_cpu_allocator() {
             planned_and_measured(&a.mean(None), n as usize)
         });
     }
+    // Losses over many classes, where their temporaries dominate: label-smoothed
+    // cross-entropy and a KL divergence to a target distribution.
+    for batch in [16, 128] {
+        measure("losses", batch, &|n| {
+            let vs = nn::VarStore::new(CPU);
+            let head = nn::linear(vs.root() / "head", 256, 2000, Default::default());
+            let x = Tensor::randn([n, 256], (Kind::Float, CPU));
+            let y = Tensor::randint(2000, [n], (Kind::Int64, CPU));
+            let q = Tensor::randn([n, 2000], (Kind::Float, CPU)).softmax(-1, None);
+            let (lx, ly, lq) = toma::lazy::lazy((&x, &y, &q), 0);
+            let out = lx.apply(&head);
+            let loss = out.cross_entropy_loss(&ly, None::<&Tensor>, tch::Reduction::Mean, -100, 0.1)
+                + out.log_softmax(-1, None).kl_div(&lq, tch::Reduction::Mean, false);
+            planned_and_measured(&loss, n as usize)
+        });
+    }
+    // RMS norm with a weight, gather with a per-sample index, select.
+    for batch in [4, 16] {
+        measure("rms gather", batch, &|n| {
+            let vs = nn::VarStore::new(CPU);
+            let norm = vs.root().ones("norm", &[256]);
+            let proj = nn::linear(vs.root() / "proj", 256, 256, Default::default());
+            let x = Tensor::randn([n, 64, 256], (Kind::Float, CPU));
+            let idx = Tensor::randint(256, [n, 64, 64], (Kind::Int64, CPU));
+            let (lx, li) = toma::lazy::lazy((&x, &idx), 0);
+            let h = lx.rms_norm([256], Some(&norm), 1e-6).apply(&proj).gelu("none");
+            let loss = h.gather(2, &li, false).select(1, 0).pow_tensor_scalar(2.0).mean(None);
+            planned_and_measured(&loss, n as usize)
+        });
+    }
     // All rows are printed before any bound is checked.
     for (model, batch, planned, measured) in rows {
         let (p, m) = (planned as f64, measured as f64);

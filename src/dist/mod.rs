@@ -226,6 +226,8 @@ pub struct Config {
     host_store: bool,
     restart: u64,
     timeout: Duration,
+    /// `None`: the timeout.
+    join_timeout: Option<Duration>,
 }
 
 impl Config {
@@ -243,14 +245,16 @@ impl Config {
             host_store: rank == 0,
             restart: 0,
             timeout: Self::DEFAULT_TIMEOUT,
+            join_timeout: None,
         }
     }
 
     /// torchrun's variables: `MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE` (required),
     /// `LOCAL_RANK` (default: `RANK`), `TORCHELASTIC_USE_AGENT_STORE` (`True`: torchrun's agent
     /// hosts the store and every rank is a client; otherwise rank 0 hosts it),
-    /// `TORCHELASTIC_RESTART_COUNT` (keys of a restarted job never meet the old ones), and
-    /// `TOMA_DIST_TIMEOUT` (seconds; default 300).
+    /// `TORCHELASTIC_RESTART_COUNT` (keys of a restarted job never meet the old ones),
+    /// `TOMA_DIST_TIMEOUT` (seconds; default 300) and `TOMA_DIST_JOIN_TIMEOUT` (seconds; default:
+    /// the timeout).
     pub fn from_env() -> Result<Config, DistError> {
         Self::from_vars(|name| std::env::var(name).ok())
     }
@@ -287,6 +291,16 @@ impl Config {
             }
             config.timeout = Duration::from_secs_f64(seconds);
         }
+        if var("TOMA_DIST_JOIN_TIMEOUT").is_some() {
+            let seconds: f64 = parse(&var, "TOMA_DIST_JOIN_TIMEOUT")?;
+            if !(seconds > 0.0 && seconds.is_finite()) {
+                return Err(DistError::Env {
+                    var: "TOMA_DIST_JOIN_TIMEOUT",
+                    problem: format!("must be a positive number of seconds, got {seconds}"),
+                });
+            }
+            config.join_timeout = Some(Duration::from_secs_f64(seconds));
+        }
         Ok(config)
     }
 
@@ -294,6 +308,14 @@ impl Config {
     /// [`DistError::Timeout`]. Default 5 minutes.
     pub fn timeout(mut self, timeout: Duration) -> Config {
         self.timeout = timeout;
+        self
+    }
+
+    /// How long [`connect`](Self::connect) waits for the store and for every rank to join
+    /// (default: the [`timeout`](Self::timeout)). Ranks start unevenly (loading libtorch, a
+    /// model, data), so joining may deserve longer than a round.
+    pub fn join_timeout(mut self, timeout: Duration) -> Config {
+        self.join_timeout = Some(timeout);
         self
     }
 
@@ -374,7 +396,8 @@ impl Group {
             )));
         }
         let started = Instant::now();
-        let store = Store::connect(&config.host, config.port, config.host_store, config.timeout).map_err(|e| {
+        let join_timeout = config.join_timeout.unwrap_or(config.timeout);
+        let store = Store::connect(&config.host, config.port, config.host_store, join_timeout).map_err(|e| {
             DistError::Connect {
                 rank: config.rank,
                 addr: format!("{}:{}", config.host, config.port),
@@ -395,7 +418,7 @@ impl Group {
             }),
         };
         // Everyone arrives, with the same world size.
-        let sizes = group.exchange("join", &[group.world_size() as i64], "")?;
+        let sizes = group.exchange_within("join", &[group.world_size() as i64], "", join_timeout)?;
         if let Some((rank, _)) =
             sizes.iter().enumerate().find(|(_, (v, _))| v.first() != Some(&(group.world_size() as i64)))
         {
@@ -529,13 +552,23 @@ impl Group {
         values: &[i64],
         message: &str,
     ) -> Result<Vec<(Vec<i64>, String)>, DistError> {
+        self.exchange_within(namespace, values, message, self.timeout())
+    }
+
+    fn exchange_within(
+        &self,
+        namespace: &str,
+        values: &[i64],
+        message: &str,
+        timeout: Duration,
+    ) -> Result<Vec<(Vec<i64>, String)>, DistError> {
         let round = {
             let mut rounds = self.inner.rounds.lock().unwrap_or_else(|e| e.into_inner());
             let next = rounds.entry(namespace.to_owned()).or_insert(0);
             *next += 1;
             *next - 1
         };
-        let result = self.exchange_round(namespace, round, values, message);
+        let result = self.exchange_round(namespace, round, values, message, timeout);
         if result.is_err() {
             self.inner.broken.store(true, std::sync::atomic::Ordering::Relaxed);
         }
@@ -548,6 +581,7 @@ impl Group {
         round: u64,
         values: &[i64],
         message: &str,
+        timeout: Duration,
     ) -> Result<Vec<(Vec<i64>, String)>, DistError> {
         let store = &self.inner.store;
         let base = self.key(namespace, round);
@@ -559,7 +593,7 @@ impl Group {
         store.set(&format!("{base}{}", self.rank()), payload.as_bytes()).map_err(|e| e.store("set"))?;
         let keys: Vec<String> = (0..self.world_size()).map(|r| format!("{base}{r}")).collect();
         let started = Instant::now();
-        if let Err(err) = store.wait(&keys, self.timeout()) {
+        if let Err(err) = store.wait(&keys, timeout) {
             return Err(self.missing(&base, &keys, started.elapsed(), err));
         }
         let raw = store.multi_get(&keys).map_err(|e| e.store("multi_get"))?;
@@ -671,12 +705,14 @@ mod tests {
             ("TORCHELASTIC_USE_AGENT_STORE", "True"),
             ("TORCHELASTIC_RESTART_COUNT", "2"),
             ("TOMA_DIST_TIMEOUT", "7.5"),
+            ("TOMA_DIST_JOIN_TIMEOUT", "60"),
         ]))
         .unwrap();
         assert_eq!((config.rank, config.world_size, config.local_rank), (3, 8, 1));
         assert!(!config.host_store);
         assert_eq!(config.restart, 2);
         assert_eq!(config.timeout, Duration::from_millis(7500));
+        assert_eq!(config.join_timeout, Some(Duration::from_secs(60)));
 
         let rank0 =
             Config::from_vars(vars(&[("MASTER_ADDR", "h"), ("MASTER_PORT", "1"), ("RANK", "0"), ("WORLD_SIZE", "2")]))

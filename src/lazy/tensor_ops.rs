@@ -375,4 +375,15 @@ tensor_ops! {
     smooth_l1_loss / f_smooth_l1_loss(target: &Self, reduction: Reduction, beta: f64);
     /// Huber loss.
     huber_loss / f_huber_loss(target: &Self, reduction: Reduction, delta: f64);
+    /// Cross-entropy of logits against class indices, with class weights, a reduction, an
+    /// ignored index and label smoothing.
+    cross_entropy_loss / f_cross_entropy_loss(target: &Self, weight: Option<&Tensor>, reduction: Reduction, ignore_index: i64, label_smoothing: f64);
+    /// Kullback-Leibler divergence (the input holds log-probabilities).
+    kl_div / f_kl_div(target: &Self, reduction: Reduction, log_target: bool);
+    /// Entries along `dim` at `index`.
+    gather / f_gather(dim: i64, index: &Self, sparse_grad: bool);
+    /// Entry `index` of `dim`, the dimension removed.
+    select / f_select(dim: i64, index: i64);
+    /// Root-mean-square normalization over the trailing `normalized_shape`.
+    rms_norm / f_rms_norm(normalized_shape: &[i64], weight: Option<&Tensor>, eps: Option<f64>);
 }

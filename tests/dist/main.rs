@@ -234,7 +234,9 @@ fn spawn(scenario: &str, world: usize, timeout_s: f64, env: &[(&str, String)]) -
                 .env("MASTER_PORT", port.to_string())
                 .env("RANK", rank.to_string())
                 .env("WORLD_SIZE", world.to_string())
-                .env("TOMA_DIST_TIMEOUT", timeout_s.to_string());
+                .env("TOMA_DIST_TIMEOUT", timeout_s.to_string())
+                // Starting a process that loads libtorch can take seconds on a busy machine.
+                .env("TOMA_DIST_JOIN_TIMEOUT", "120");
             for (k, v) in env {
                 cmd.env(k, v);
             }

@@ -99,6 +99,25 @@ fn mlp_mean_and_sum_losses_match_the_full_batch() {
         );
         assert_eq!(b, 4);
 
+        // Label-smoothed cross-entropy plus a KL divergence to a target distribution.
+        let q = target.softmax(-1, None);
+        check(
+            &vs,
+            &format!("mlp smoothed ce + kl n={n}"),
+            &forced,
+            || {
+                let out = l2.forward(&l1.forward(&x).relu());
+                out.cross_entropy_loss(&y, None::<&Tensor>, Reduction::Mean, -100, 0.1)
+                    + out.log_softmax(-1, None).kl_div(&q, Reduction::Mean, false)
+            },
+            || {
+                let (lx, ly, lq) = lazy((&x, &y, &q), 0);
+                let out = lx.apply(&l1).relu().apply(&l2);
+                out.cross_entropy_loss(&ly, None::<&Tensor>, Reduction::Mean, -100, 0.1)
+                    + out.log_softmax(-1, None).kl_div(&lq, Reduction::Mean, false)
+            },
+        );
+
         // Sum-reduced MSE plus a weight penalty that does not depend on the batch.
         check(
             &vs,
@@ -383,6 +402,45 @@ fn sequence_model_of_the_new_ops_matches_the_full_batch() {
                 || seq_lazy(&m, &x, &y),
             );
             assert_eq!(b, micro);
+        }
+    }
+}
+
+/// `rms_norm` (with a weight), `gather` with an index split with the batch, and `select`:
+/// written once over `TensorOps`, the same function eagerly and lazily.
+#[test]
+fn rms_norm_gather_and_select_match_the_full_batch() {
+    use toma::lazy::TensorOps;
+    fn head<T: TensorOps>(x: &T, idx: &T, y: &T, norm: &Tensor, proj: &nn::Linear) -> T
+    where
+        nn::Linear: toma::lazy::Layer<T>,
+    {
+        let h = x.rms_norm(&[8], Some(norm), Some(1e-6)).apply(proj).tanh();
+        // Three picked features per position, then the last position of the sequence.
+        let picked = h.gather(2, idx, false);
+        // tch's cross_entropy_for_logits takes the log-softmax in Float; this one in the input's kind.
+        picked.select(1, -1).cross_entropy_loss(y, None, Reduction::Mean, -100, 0.0)
+    }
+    tch::manual_seed(9);
+    let mut vs = nn::VarStore::new(CPU);
+    let proj = nn::linear(vs.root() / "proj", 8, 6, Default::default());
+    let norm = vs.root().ones("norm", &[8]);
+    vs.double();
+    for n in [5i64, 16] {
+        let x = Tensor::randn([n, 4, 8], (Kind::Double, CPU));
+        let idx = Tensor::randint(6, [n, 4, 3], (Kind::Int64, CPU));
+        let y = Tensor::randint(3, [n], (Kind::Int64, CPU));
+        for micro in [1, 3] {
+            check(
+                &vs,
+                &format!("rms/gather/select n={n} micro {micro}"),
+                &Options::new().micro_batch(micro),
+                || head(&x, &idx, &y, &norm, &proj),
+                || {
+                    let (lx, li, ly) = lazy((&x, &idx, &y), 0);
+                    head(&lx, &li, &ly, &norm, &proj)
+                },
+            );
         }
     }
 }

@@ -491,6 +491,20 @@ proptest! {
         let index = Tensor::randint(a[a.len() - 1], [3], (Kind::Int64, CPU));
         let split = if last == 0 { Split::Refused } else { Split::Exact };
         agree("index_select", t.f_index_select(last, &index), l.f_index_select(last, &index), micro, split)?;
+        // Gather along the last dimension with an index split with the batch, and with a fixed
+        // index (it would pair every micro-batch with the first samples' indices: mixes).
+        let mut ishape = a.clone();
+        ishape[a.len() - 1] = r + 1;
+        let gidx = Tensor::randint(a[a.len() - 1], ishape.as_slice(), (Kind::Int64, CPU));
+        if last > 0 {
+            agree("gather", t.f_gather(last, &gidx, false), l.f_gather(last, &lazy(&gidx, 0), false), micro, Split::Exact)?;
+        }
+        agree("gather, fixed index", t.f_gather(last, &gidx, false), l.f_gather(last, &gidx, false), micro, Split::Refused)?;
+        agree("gather, bad kind", t.f_gather(last, &gidx.to_kind(Kind::Float), false), l.f_gather(last, &lazy(&gidx.to_kind(Kind::Float), 0), false), micro, Split::Exact)?;
+        // Select an entry of the last dimension (and of the batch: mixes), negative ones too.
+        let pick = -(r.min(a[a.len() - 1]));
+        agree("select", t.f_select(last, pick), l.f_select(last, pick), micro, if last == 0 { Split::Refused } else { Split::Exact })?;
+        agree("select out of range", t.f_select(last, a[a.len() - 1]), l.f_select(last, a[a.len() - 1]), micro, Split::Exact)?;
         // Pad the trailing dimensions.
         let pad = if pad.len() % 2 == 1 { pad[..pad.len() - 1].to_vec() } else { pad };
         let mode = ["constant", "reflect", "replicate", "circular"][mode];
@@ -508,6 +522,12 @@ proptest! {
         agree("group_norm", x.f_group_norm(groups, wo, bo, 1e-5, true), lazy(&x, 0).f_group_norm(groups, wo, bo, 1e-5), micro, Split::Exact)?;
         agree("group_norm, bad groups", x.f_group_norm(c + 1, wo, bo, 1e-5, true), lazy(&x, 0).f_group_norm(c + 1, wo, bo, 1e-5), micro, Split::Exact)?;
         agree("upsample_nearest2d", x.f_upsample_nearest2d([oh, ow].as_slice(), None, None), lazy(&x, 0).f_upsample_nearest2d([oh, ow]), micro, Split::Exact)?;
+        // RMS norm over the trailing one or two dimensions, with or without a weight and eps.
+        let trailing: Vec<i64> = if affine { vec![w] } else { vec![h, w] };
+        let rw = randn(&trailing);
+        let eps = if affine { Some(1e-6) } else { None };
+        agree("rms_norm", x.f_rms_norm(trailing.as_slice(), affine.then_some(&rw), eps), lazy(&x, 0).f_rms_norm(&trailing, affine.then_some(&rw), eps), micro, Split::Exact)?;
+        agree("rms_norm, bad shape", x.f_rms_norm([w + 1].as_slice(), None::<&Tensor>, eps), lazy(&x, 0).f_rms_norm([w + 1], None::<&Tensor>, eps), micro, Split::Exact)?;
     }
 
     #[test]
@@ -701,6 +721,17 @@ proptest! {
         // A fixed target broadcast over the batch (a row of targets for every sample).
         let row = randn(&[c]);
         agree("mse, fixed target", x.f_mse_loss(&row, red), lx.f_mse_loss(&row, red), micro, Split::Exact)?;
+        // cross_entropy_loss: weights, reductions, label smoothing.
+        let eps = [0.0, 0.1, 0.35][reduction];
+        agree("cross_entropy_loss", x.f_cross_entropy_loss(&y, None::<&Tensor>, red, -100, eps), lx.f_cross_entropy_loss(&ly, None::<&Tensor>, red, -100, eps), micro, Split::Exact)?;
+        agree("cross_entropy_loss weighted", x.f_cross_entropy_loss(&y, Some(&w), red, -100, 0.0), lx.f_cross_entropy_loss(&ly, Some(&w), red, -100, 0.0), micro, Split::Exact)?;
+        prop_assert!(lx.f_cross_entropy_loss(&ly, Some(&w), red, -100, 0.2).is_err(), "smoothing with weights is refused");
+        prop_assert!(lx.f_cross_entropy_loss(&ly, None::<&Tensor>, red, -100, 1.5).is_err(), "smoothing above 1 is refused");
+        // KL divergence of log-probabilities, the target as probabilities or log-probabilities.
+        let log_q = target.log_softmax(-1, None);
+        let (lp, lq) = (lazy(&logp, 0), lazy(&log_q, 0));
+        agree("kl_div", logp.f_kl_div(&log_q.exp(), red, false), lp.f_kl_div(&lazy(&log_q.exp(), 0), red, false), micro, Split::Exact)?;
+        agree("kl_div log target", logp.f_kl_div(&log_q, red, true), lp.f_kl_div(&lq, red, true), micro, Split::Exact)?;
         let bad = Tensor::randint(c, [n + 1], (Kind::Int64, CPU));
         agree("nll shape", logp.f_nll_loss(&bad, None::<Tensor>, red, -100), LazyTensor::fixed(&logp).f_g_nll_loss(&bad, None::<&Tensor>, red, -100), 1, Split::Exact)?;
     }

@@ -54,6 +54,11 @@ pub(crate) enum Layout {
     IndexSelect {
         dim: i64,
     },
+    /// Operands: x, index (integers, x's rank; the output's shape).
+    Gather {
+        dim: i64,
+        sparse_grad: bool,
+    },
     /// Padding of the trailing dimensions, as tch's `pad`.
     Pad {
         pad: Vec<i64>,
@@ -78,6 +83,7 @@ impl Rules for Layout {
             Layout::Expand => "expand",
             Layout::Repeat { .. } => "repeat",
             Layout::IndexSelect { .. } => "index_select",
+            Layout::Gather { .. } => "gather",
             Layout::Pad { .. } => "pad",
         }
     }
@@ -101,6 +107,7 @@ impl Rules for Layout {
             Layout::Expand => x.f_expand(cx.meta.shape_at(cx.b).as_slice(), false),
             Layout::Repeat { repeats } => x.f_repeat(repeats.as_slice()),
             Layout::IndexSelect { dim } => x.f_index_select(*dim, ins[1]),
+            Layout::Gather { dim, sparse_grad } => x.f_gather(*dim, ins[1], *sparse_grad),
             Layout::Pad { pad, mode, value } => x.f_pad(pad.as_slice(), mode, *value),
         }
     }
@@ -120,13 +127,14 @@ impl Rules for Layout {
             | Layout::Expand
             | Layout::Repeat { .. }
             | Layout::IndexSelect { .. }
+            | Layout::Gather { .. }
             | Layout::Pad { .. } => false,
         }
     }
 
     fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
-        // The index, to send the gradient back to the rows it picked.
-        matches!(self, Layout::IndexSelect { .. }) && i == 1
+        // The index, to send the gradient back to the entries it picked.
+        matches!(self, Layout::IndexSelect { .. } | Layout::Gather { .. }) && i == 1
     }
 
     fn scratch(&self, inputs: &[Rc<Node>], meta: &Meta) -> Scratch {
@@ -533,6 +541,71 @@ impl LazyTensor {
         Ok(Record::new(op, vec![x.clone(), i.clone()], out, x.meta.kind, device).flow((flow, mixes)).finish())
     }
 
+    /// The entries of `self` along `dim` at `index` (integers, as many dimensions as `self`, no
+    /// larger than it outside `dim`), as tch's `gather`: `out[i][j] = self[index[i][j]][j]` for
+    /// `dim` 0. The output has the index's shape. Gathering along the batch dimension, or with
+    /// an index that is not split with the batch (when `self` is), mixes samples.
+    ///
+    /// # Errors
+    /// [`LazyError::Kind`] for a non-`Int64` index, [`LazyError::Shape`] for an index of another
+    /// rank or larger than `self` outside `dim`, [`LazyError::Argument`] for a bad dimension,
+    /// [`LazyError::Device`].
+    pub fn f_gather(&self, dim: i64, index: impl IntoLazy, sparse_grad: bool) -> Result<LazyTensor, LazyError> {
+        let index = index.into_lazy();
+        let (x, i) = (&self.node, &index.node);
+        let name = "gather";
+        let device = same_device(name, &[x, i])?;
+        if i.meta.kind != Kind::Int64 {
+            return Err(kind_err(name, i.meta.kind, &i.meta.shape, "gather(): Expected dtype int64 for index"));
+        }
+        let (xs, is) = (&x.meta.shape, &i.meta.shape);
+        let rank = xs.len().max(1);
+        let d = shape::wrap_dim(dim, rank).map_err(|r| arg(name, xs, r))?;
+        if xs.len().max(1) != is.len().max(1) {
+            return Err(shape_err(
+                name,
+                xs,
+                is,
+                "Index tensor must have the same number of dimensions as input tensor",
+            ));
+        }
+        if xs.iter().zip(is).enumerate().any(|(k, (a, b))| k != d && b > a) {
+            return Err(shape_err(name, xs, is, format!("Size does not match at a dimension other than {d}")));
+        }
+        let mapped: Vec<Option<usize>> =
+            [x, i].iter().map(|n| n.meta.batch().map(|bd| bd.dim).filter(|&b| b != d)).collect();
+        let (flow, mut mixes) = combine_flows(name, &[x, i], &mapped, is, Linearity::Structural, false)?;
+        let along_batch = [x, i].iter().any(|n| n.meta.batch().is_some_and(|bd| bd.dim == d));
+        if along_batch || (x.meta.batch().is_some() && i.meta.batch().is_none()) {
+            mixes = Some("`gather` picks samples along the batch dimension, or with an index not split with it".into());
+        }
+        let flow = if mixes.is_some() && matches!(flow, Flow::PerSample(_)) { Flow::Opaque } else { flow };
+        let op = Layout::Gather { dim: d as i64, sparse_grad };
+        Ok(Record::new(op, vec![x.clone(), i.clone()], is.clone(), x.meta.kind, device).flow((flow, mixes)).finish())
+    }
+
+    /// Entry `index` of `dim`, that dimension removed (a view), as tch's `select`; a negative
+    /// index counts from the end. Not along the batch dimension.
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for a bad dimension or an index outside it.
+    pub fn f_select(&self, dim: i64, index: i64) -> Result<LazyTensor, LazyError> {
+        let shape = &self.node.meta.shape;
+        let d = shape::wrap_dim(dim, shape.len().max(1)).map_err(|r| arg("select", shape, r))?;
+        let size = shape
+            .get(d)
+            .copied()
+            .ok_or_else(|| arg("select", shape, "select() cannot be applied to a 0-dim tensor"))?;
+        if index < -size || index >= size {
+            return Err(arg(
+                "select",
+                shape,
+                format!("index {index} out of range for tensor of size {shape:?} at dimension {d}"),
+            ));
+        }
+        self.f_narrow(d as i64, index, 1)?.f_squeeze_dim(d as i64)
+    }
+
     /// Pads the trailing dimensions, as tch's `pad`: `pad` holds (before, after) pairs from
     /// the last dimension backwards; `mode` is `"constant"` (with `value`, default 0),
     /// `"reflect"`, `"replicate"` or `"circular"`. Padding the batch dimension mixes samples.
@@ -747,6 +820,8 @@ panicking! {
     expand => f_expand(size: impl AsRef<[i64]>);
     repeat => f_repeat(repeats: impl AsRef<[i64]>);
     index_select => f_index_select(dim: i64, index: impl IntoLazy);
+    gather => f_gather(dim: i64, index: impl IntoLazy, sparse_grad: bool);
+    select => f_select(dim: i64, index: i64);
     pad => f_pad(pad: impl AsRef<[i64]>, mode: &str, value: impl Into<Option<f64>>);
     flat_view => f_flat_view();
 }

@@ -1,4 +1,5 @@
-//! Losses: cross-entropy, negative log-likelihood and mean squared error. Mean-reduced ones
+//! Losses: cross-entropy, negative log-likelihood, elementwise losses (squared error, smooth L1,
+//! Huber, binary cross-entropy, KL divergence). Mean-reduced ones
 //! are sums over the batch divided by a count: a split run divides each micro-batch's sum by
 //! the full batch's count.
 
@@ -15,8 +16,9 @@ use crate::lazy::tensor::IntoLazy;
 use crate::lazy::LazyTensor;
 
 pub(crate) enum Loss {
-    /// Operands: logits, targets. Mean over non-ignored targets.
-    CrossEntropy { ignore_index: i64 },
+    /// Operands: logits, targets. A mean is over the non-ignored targets; `label_smoothing`
+    /// mixes in the uniform distribution over the classes, as libtorch does.
+    CrossEntropy { ignore_index: i64, label_smoothing: f64, reduction: Reduction },
     /// Operands: log-probabilities, targets, optional class weights.
     Nll { reduction: Reduction, ignore_index: i64 },
     /// Operands: input, target.
@@ -27,6 +29,9 @@ pub(crate) enum Loss {
     SmoothL1 { reduction: Reduction, beta: f64 },
     /// Operands: input, target.
     Huber { reduction: Reduction, delta: f64 },
+    /// Operands: input (log-probabilities), target (probabilities, or log-probabilities with
+    /// `log_target`).
+    KlDiv { reduction: Reduction, log_target: bool },
 }
 
 impl Loss {
@@ -39,6 +44,7 @@ impl Loss {
             }
             Loss::SmoothL1 { beta, .. } => x.f_smooth_l1_loss(target, reduction, *beta),
             Loss::Huber { delta, .. } => x.f_huber_loss(target, reduction, *delta),
+            Loss::KlDiv { log_target, .. } => x.f_kl_div(target, reduction, *log_target),
             Loss::CrossEntropy { .. } | Loss::Nll { .. } => unreachable!("class losses are not elementwise"),
         }
     }
@@ -48,7 +54,8 @@ impl Loss {
             Loss::Mse { reduction }
             | Loss::BceWithLogits { reduction }
             | Loss::SmoothL1 { reduction, .. }
-            | Loss::Huber { reduction, .. } => Some(*reduction),
+            | Loss::Huber { reduction, .. }
+            | Loss::KlDiv { reduction, .. } => Some(*reduction),
             _ => None,
         }
     }
@@ -63,14 +70,15 @@ impl Rules for Loss {
             Loss::BceWithLogits { .. } => "binary_cross_entropy_with_logits",
             Loss::SmoothL1 { .. } => "smooth_l1_loss",
             Loss::Huber { .. } => "huber_loss",
+            Loss::KlDiv { .. } => "kl_div",
         }
     }
 
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         let (x, target) = (ins[0], ins[1]);
         match self {
-            Loss::CrossEntropy { ignore_index } => {
-                x.f_log_softmax(-1, None)?.f_nll_loss(target, None::<&Tensor>, Reduction::Mean, *ignore_index)
+            Loss::CrossEntropy { ignore_index, label_smoothing, reduction } => {
+                cross_entropy(x, target, *reduction, *ignore_index, *label_smoothing)
             }
             Loss::Nll { reduction, ignore_index } => {
                 let weight = ins.get(2).copied();
@@ -105,6 +113,18 @@ impl Rules for Loss {
             {
                 scratch.forward = times(1);
             }
+            // With label smoothing, the backward adds the uniform part's gradient, a tensor as
+            // large as the logits, to the targets' one.
+            Loss::CrossEntropy { label_smoothing, .. } if *label_smoothing > 0.0 => {
+                scratch.backward = times(1);
+            }
+            // `target · (log target − input)` (or `exp(target) · (target − input)`): the log
+            // and the loss before its reduction are temporaries (the difference is saved, see
+            // `saved_extra`); one temporary backward.
+            Loss::KlDiv { .. } => {
+                scratch.forward = times(1);
+                scratch.backward = times(1);
+            }
             _ => {}
         }
         scratch
@@ -118,6 +138,14 @@ impl Rules for Loss {
                 let (a, c) = input.numel_parts();
                 Some((a, c, input.kind))
             }
+            // libtorch composes kl_div of primitive ops: autograd keeps `log target − input`
+            // for the product (and `exp(target)` with a log target).
+            Loss::KlDiv { log_target, .. } => {
+                let input = &inputs.first()?.meta;
+                let (a, c) = input.numel_parts();
+                let k = if *log_target { 2 } else { 1 };
+                Some((k * a, k * c, input.kind))
+            }
             _ => None,
         }
     }
@@ -129,10 +157,10 @@ impl Rules for Loss {
         let (x, target) = (ins[0], ins[1]);
         let den = || share.den.expect("denominator computed before splitting");
         Some(match self {
-            Loss::CrossEntropy { ignore_index } => x
-                .f_log_softmax(-1, None)
-                .and_then(|l| l.f_nll_loss(target, None::<&Tensor>, Reduction::Sum, *ignore_index))
-                .and_then(|s| s.f_div_scalar(den())),
+            Loss::CrossEntropy { ignore_index, label_smoothing, reduction: Reduction::Mean } => {
+                cross_entropy(x, target, Reduction::Sum, *ignore_index, *label_smoothing)
+                    .and_then(|s| s.f_div_scalar(den()))
+            }
             Loss::Nll { reduction: Reduction::Mean, ignore_index } => x
                 .f_nll_loss(target, ins.get(2).copied(), Reduction::Sum, *ignore_index)
                 .and_then(|s| s.f_div_scalar(den())),
@@ -147,12 +175,26 @@ impl Rules for Loss {
 
     fn counted_targets(&self) -> Option<i64> {
         match self {
-            Loss::CrossEntropy { ignore_index } | Loss::Nll { reduction: Reduction::Mean, ignore_index } => {
-                Some(*ignore_index)
-            }
+            Loss::CrossEntropy { ignore_index, reduction: Reduction::Mean, .. }
+            | Loss::Nll { reduction: Reduction::Mean, ignore_index } => Some(*ignore_index),
             _ => None,
         }
     }
+}
+
+/// Cross-entropy of logits, as libtorch's `cross_entropy_loss` without class weights, with the
+/// log-softmax in the logits' kind.
+fn cross_entropy(
+    x: &Tensor,
+    target: &Tensor,
+    reduction: Reduction,
+    ignore_index: i64,
+    label_smoothing: f64,
+) -> Result<Tensor, TchError> {
+    if label_smoothing == 0.0 {
+        return x.f_log_softmax(-1, None)?.f_nll_loss(target, None::<&Tensor>, reduction, ignore_index);
+    }
+    x.f_cross_entropy_loss(target, None::<&Tensor>, reduction, ignore_index, label_smoothing)
 }
 
 impl LazyTensor {
@@ -229,8 +271,74 @@ impl LazyTensor {
         let device = same_device(name, &[x, tn])?;
         Self::check_class_loss(name, x, tn)?;
         let flow = Self::class_loss_flow(name, x, tn, Reduction::Mean)?;
-        let op = Loss::CrossEntropy { ignore_index: -100 };
+        let op = Loss::CrossEntropy { ignore_index: -100, label_smoothing: 0.0, reduction: Reduction::Mean };
         Ok(Record::new(op, vec![x.clone(), tn.clone()], vec![], x.meta.kind, device).flow(flow).finish())
+    }
+
+    /// Cross-entropy of logits `[N, C]` against class indices `[N]`, as tch's
+    /// `cross_entropy_loss`: optional class `weight`s (`[C]`), a reduction, an ignored index, and
+    /// `label_smoothing` in `[0, 1]` (the target mixed with the uniform distribution over the
+    /// classes). Split in micro-batches, a mean is weighted by the full batch's count of
+    /// counted targets (or their weights), so values and gradients are the full batch's.
+    ///
+    /// # Errors
+    /// As [`f_g_nll_loss`](Self::f_g_nll_loss); [`LazyError::Argument`] for a smoothing outside
+    /// `[0, 1]`, or smoothing together with class weights (not modelled lazily: compute it
+    /// eagerly, or write the smoothed term with `log_softmax` and `mean_dim`).
+    pub fn f_cross_entropy_loss(
+        &self,
+        targets: impl IntoLazy,
+        weight: Option<impl IntoLazy>,
+        reduction: Reduction,
+        ignore_index: i64,
+        label_smoothing: f64,
+    ) -> Result<LazyTensor, LazyError> {
+        let name = "cross_entropy_loss";
+        if !(0.0..=1.0).contains(&label_smoothing) {
+            return Err(arg(
+                name,
+                &self.node.meta.shape,
+                format!("label_smoothing must lie in [0, 1], got {label_smoothing}"),
+            ));
+        }
+        if label_smoothing == 0.0 || weight.is_some() {
+            if label_smoothing != 0.0 {
+                return Err(arg(
+                    name,
+                    &self.node.meta.shape,
+                    "label smoothing with class weights is not supported lazily; compute the smoothed term with log_softmax and mean_dim",
+                ));
+            }
+            let kind = self.node.meta.kind;
+            return self.f_log_softmax(-1, kind)?.f_g_nll_loss(targets, weight, reduction, ignore_index);
+        }
+        let t = targets.into_lazy();
+        let (x, tn) = (&self.node, &t.node);
+        let device = same_device(name, &[x, tn])?;
+        Self::check_class_loss(name, x, tn)?;
+        if matches!(reduction, Reduction::Other(_)) {
+            return Err(arg(name, &x.meta.shape, "unknown reduction"));
+        }
+        let flow = Self::class_loss_flow(name, x, tn, reduction)?;
+        let out = if reduction == Reduction::None { x.meta.shape[..x.meta.shape.len() - 1].to_vec() } else { vec![] };
+        let op = Loss::CrossEntropy { ignore_index, label_smoothing, reduction };
+        Ok(Record::new(op, vec![x.clone(), tn.clone()], out, x.meta.kind, device).flow(flow).finish())
+    }
+
+    /// Kullback-Leibler divergence of `target` from `self` (log-probabilities), as tch's
+    /// `kl_div`: pointwise `target · (log target − self)` (with `log_target`, the target is given
+    /// as log-probabilities), reduced by `reduction` (a mean is over every element, as in
+    /// libtorch; divide a sum by the batch for PyTorch's `batchmean`).
+    ///
+    /// # Errors
+    /// As [`f_mse_loss`](Self::f_mse_loss).
+    pub fn f_kl_div(
+        &self,
+        target: impl IntoLazy,
+        reduction: Reduction,
+        log_target: bool,
+    ) -> Result<LazyTensor, LazyError> {
+        self.f_elementwise_loss(target, Loss::KlDiv { reduction, log_target })
     }
 
     /// Negative log-likelihood of log-probabilities `[N, C]` against class indices `[N]`
@@ -391,4 +499,6 @@ panicking! {
     binary_cross_entropy_with_logits => f_binary_cross_entropy_with_logits(target: impl IntoLazy, reduction: Reduction);
     smooth_l1_loss => f_smooth_l1_loss(target: impl IntoLazy, reduction: Reduction, beta: f64);
     huber_loss => f_huber_loss(target: impl IntoLazy, reduction: Reduction, delta: f64);
+    cross_entropy_loss => f_cross_entropy_loss(targets: impl IntoLazy, weight: Option<impl IntoLazy>, reduction: Reduction, ignore_index: i64, label_smoothing: f64);
+    kl_div => f_kl_div(target: impl IntoLazy, reduction: Reduction, log_target: bool);
 }

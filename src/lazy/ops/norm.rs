@@ -1,4 +1,4 @@
-//! Normalization: batch norm and layer norm.
+//! Normalization: batch, layer, group and RMS norm.
 
 use std::rc::Rc;
 
@@ -19,6 +19,8 @@ pub(crate) enum Norm {
     Layer { normalized_shape: Vec<i64>, eps: f64, weight: bool, bias: bool },
     /// Operands: x, [weight], [bias]. Statistics per sample and group.
     Group { num_groups: i64, eps: f64, weight: bool, bias: bool },
+    /// Operands: x, [weight]. Root mean square over the trailing `normalized_shape`.
+    Rms { normalized_shape: Vec<i64>, eps: Option<f64>, weight: bool },
 }
 
 /// A normalization's operands by name.
@@ -36,6 +38,7 @@ impl Norm {
             Norm::Batch { weight, bias, .. } | Norm::Layer { weight, bias, .. } | Norm::Group { weight, bias, .. } => {
                 (*weight, *bias)
             }
+            Norm::Rms { weight, .. } => (*weight, false),
         };
         let mut rest = ins[1..].iter().copied();
         let weight = if weight { rest.next() } else { None };
@@ -45,11 +48,24 @@ impl Norm {
 }
 
 impl Rules for Norm {
+    fn scratch(&self, inputs: &[Rc<Node>], _meta: &Meta) -> super::Scratch {
+        let mut scratch = super::Scratch::default();
+        // The composite rms_norm squares the input before its mean (forward), and its backward
+        // builds input-sized terms of the gradient.
+        if matches!(self, Norm::Rms { .. }) {
+            let x = inputs[0].meta.numel_parts();
+            scratch.forward = x;
+            scratch.backward = x;
+        }
+        scratch
+    }
+
     fn name(&self) -> &'static str {
         match self {
             Norm::Batch { .. } => "batch_norm",
             Norm::Layer { .. } => "layer_norm",
             Norm::Group { .. } => "group_norm",
+            Norm::Rms { .. } => "rms_norm",
         }
     }
 
@@ -64,6 +80,7 @@ impl Rules for Norm {
                 Tensor::f_layer_norm(o.x, normalized_shape.as_slice(), o.weight, o.bias, *eps, true)
             }
             Norm::Group { num_groups, eps, .. } => o.x.f_group_norm(*num_groups, o.weight, o.bias, *eps, true),
+            Norm::Rms { normalized_shape, eps, .. } => o.x.f_rms_norm(normalized_shape.as_slice(), o.weight, *eps),
         }
     }
 
@@ -93,6 +110,15 @@ impl Rules for Norm {
                         stat,
                     )),
                 }
+            }
+            // libtorch's CPU rms_norm is composite: autograd keeps the inverse root mean square
+            // per row and, with a weight, the normalized input that the weight multiplies.
+            Norm::Rms { normalized_shape, weight, .. } => {
+                let input = &inputs.first()?.meta;
+                let rows = shape::numel(normalized_shape).max(1) as u64;
+                let (a, c) = input.numel_parts();
+                let (a, c) = if *weight { (a + a / rows, c + c / rows) } else { (a / rows, c / rows) };
+                Some((a, c, input.kind))
             }
             Norm::Batch { .. } => None,
         }
@@ -257,7 +283,53 @@ impl LazyTensor {
     }
 }
 
+impl LazyTensor {
+    /// Root-mean-square normalization over the trailing `normalized_shape`, as tch's
+    /// `rms_norm`: `x / sqrt(mean(x²) + eps) · weight` (`eps`: the kind's epsilon when `None`).
+    /// Each sample is normalized alone unless the batch dimension is among the normalized ones.
+    ///
+    /// # Errors
+    /// [`LazyError::Shape`] when the trailing dimensions or the weight do not match
+    /// `normalized_shape`, [`LazyError::Kind`], [`LazyError::Device`].
+    pub fn f_rms_norm(
+        &self,
+        normalized_shape: impl AsRef<[i64]>,
+        weight: Option<impl IntoLazy>,
+        eps: impl Into<Option<f64>>,
+    ) -> Result<LazyTensor, LazyError> {
+        let x = &self.node;
+        let name = "rms_norm";
+        let s = &x.meta.shape;
+        let norm = normalized_shape.as_ref().to_vec();
+        if norm.is_empty() || norm.len() > s.len() || s[s.len() - norm.len()..] != norm[..] {
+            return Err(shape_err(name, s, &norm, "the input's trailing dimensions must equal normalized_shape"));
+        }
+        floating(name, x)?;
+        let w = weight.map(IntoLazy::into_lazy);
+        let mut nodes = vec![x];
+        if let Some(w) = &w {
+            if w.node.meta.shape != norm {
+                return Err(shape_err(name, &norm, &w.node.meta.shape, "the weight must have normalized_shape"));
+            }
+            same_kind(name, x, &w.node)?;
+            nodes.push(&w.node);
+        }
+        let device = same_device(name, &nodes)?;
+        let first_norm = s.len() - norm.len();
+        let mapped: Vec<Option<usize>> =
+            nodes.iter().enumerate().map(|(i, n)| n.meta.batch().filter(|_| i == 0).map(|bd| bd.dim)).collect();
+        let (flow, mut mixes) = combine_flows(name, &nodes, &mapped, s, Linearity::Nonlinear, false)?;
+        if x.meta.batch().is_some_and(|bd| bd.dim >= first_norm) {
+            mixes = Some("normalizes over the batch dimension".into());
+        }
+        let op = Norm::Rms { normalized_shape: norm, eps: eps.into(), weight: w.is_some() };
+        let inputs = nodes.into_iter().cloned().collect();
+        Ok(Record::new(op, inputs, s.clone(), x.meta.kind, device).flow((flow, mixes)).finish())
+    }
+}
+
 panicking! {
+    rms_norm => f_rms_norm(normalized_shape: impl AsRef<[i64]>, weight: Option<impl IntoLazy>, eps: impl Into<Option<f64>>);
     group_norm => f_group_norm(num_groups: i64, weight: Option<impl IntoLazy>, bias: Option<impl IntoLazy>, eps: f64);
     batch_norm => f_batch_norm(weight: Option<impl IntoLazy>, bias: Option<impl IntoLazy>, running_mean: impl IntoLazy, running_var: impl IntoLazy, training: bool, momentum: f64, eps: f64);
     layer_norm => f_layer_norm(normalized_shape: impl AsRef<[i64]>, weight: Option<impl IntoLazy>, bias: Option<impl IntoLazy>, eps: f64);
