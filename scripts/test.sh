@@ -34,6 +34,12 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --all-features --no-deps
 step "docs.rs build: its features, no libtorch (tch's doc-only bindings; the shim is skipped)"
 env -u LIBTORCH_USE_PYTORCH -u LIBTORCH DOCS_RS=1 RUSTDOCFLAGS="-D warnings" \
   cargo doc -p toma --no-deps --no-default-features --features "tch/doc-only,cuda,macros,anyhow,progress"
-step "cargo publish --dry-run (toma-macros and toma, packaged and built from the packages)"
-cargo publish --dry-run --workspace --allow-dirty
+step "cargo publish --dry-run (both crates packaged and built from the packages, without libtorch; the C++ shims packaged)"
+# Built without tch: verifying with libtorch would build torch-sys's C++ again from the
+# registry copy (a minute), and the tests above already built the shims from these files.
+cargo publish --dry-run --workspace --allow-dirty --no-default-features --features macros
+listed="$(cargo package -p toma --list --allow-dirty 2>/dev/null)"
+for file in build.rs src/shim/toma_shim.cpp src/shim/toma_shim.h src/shim/toma_dist.cpp src/shim/toma_dist.h; do
+  grep -qx "$file" <<<"$listed" || { echo "the toma package lacks $file" >&2; exit 1; }
+done
 step "all checks passed"

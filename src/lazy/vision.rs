@@ -1,5 +1,6 @@
-//! tch's vision models written once over [`TensorOps`]: the same layers under the same variable
-//! names as `tch::vision` (its weights load), runnable eagerly on tensors (tch's `ModuleT`) and
+//! tch's vision models written once over [`TensorOps`] (ResNet-18/34/50, VGG-11/13/16/19 with
+//! and without batch norm, AlexNet): the same layers under the same variable names as
+//! `tch::vision` (its weights load), runnable eagerly on tensors (tch's `ModuleT`) and
 //! lazily, planned and micro-batched (`x.apply_t(&model, train)` on a [`LazyTensor`]).
 //!
 //! Batch norm in training mode normalizes with statistics over the batch: a lazy run in
@@ -202,4 +203,194 @@ pub fn resnet34(p: &nn::Path, num_classes: i64) -> ResNet {
 /// ResNet-50 (tch's `resnet50`).
 pub fn resnet50(p: &nn::Path, num_classes: i64) -> ResNet {
     ResNet::new(p, Some(num_classes), [3, 4, 6, 3], true)
+}
+
+/// One entry of a VGG's `features`: a 3×3 convolution (with its batch norm), then a ReLU; or a
+/// 2×2 max-pool.
+enum VggFeature {
+    Conv(nn::Conv2D, Option<nn::BatchNorm>),
+    Pool,
+}
+
+/// A VGG with tch's layout and variable names (`features.N`, `classifier.{0,3,6}`), where `N`
+/// counts every layer of torchvision's `Sequential` (convolutions, batch norms, ReLUs, pools).
+/// As in tch, the classifier takes the 7×7 map of a 224×224 image, with no adaptive pooling.
+pub struct Vgg {
+    features: Vec<VggFeature>,
+    classifier: [nn::Linear; 3],
+}
+
+impl std::fmt::Debug for Vgg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let convs = self.features.iter().filter(|l| matches!(l, VggFeature::Conv(..))).count();
+        let bn = self.features.iter().any(|l| matches!(l, VggFeature::Conv(_, Some(_))));
+        f.debug_struct("Vgg").field("convolutions", &convs).field("batch_norm", &bn).finish()
+    }
+}
+
+impl Vgg {
+    /// `blocks`: the output channels of each block's convolutions; a pool ends every block.
+    fn new(p: &nn::Path, blocks: &[&[i64]], num_classes: i64, batch_norm: bool) -> Vgg {
+        let f = p / "features";
+        let mut features = Vec::new();
+        // Index of the next layer in torchvision's `features` Sequential.
+        let mut index = 0;
+        let mut c_in = 3;
+        for block in blocks {
+            for &c_out in *block {
+                let config = nn::ConvConfig { padding: 1, ..Default::default() };
+                let conv = nn::conv2d(&f / index.to_string(), c_in, c_out, 3, config);
+                let bn = batch_norm.then(|| nn::batch_norm2d(&f / (index + 1).to_string(), c_out, Default::default()));
+                index += if batch_norm { 3 } else { 2 };
+                features.push(VggFeature::Conv(conv, bn));
+                c_in = c_out;
+            }
+            features.push(VggFeature::Pool);
+            index += 1;
+        }
+        let c = p / "classifier";
+        let classifier = [
+            nn::linear(&c / "0", 512 * 7 * 7, 4096, Default::default()),
+            nn::linear(&c / "3", 4096, 4096, Default::default()),
+            nn::linear(&c / "6", 4096, num_classes, Default::default()),
+        ];
+        Vgg { features, classifier }
+    }
+
+    /// The model on `xs` (`[N, 3, 224, 224]`), written once for tensors and lazy tensors.
+    pub fn forward_t<T: TensorOps>(&self, xs: &T, train: bool) -> T
+    where
+        nn::Conv2D: Layer<T>,
+        nn::BatchNorm: LayerT<T>,
+        nn::Linear: Layer<T>,
+    {
+        let mut h: Option<T> = None;
+        for layer in &self.features {
+            let x = h.as_ref().unwrap_or(xs);
+            h = Some(match layer {
+                VggFeature::Conv(conv, None) => x.apply(conv).relu(),
+                VggFeature::Conv(conv, Some(bn)) => x.apply(conv).apply_t(bn, train).relu(),
+                VggFeature::Pool => x.max_pool2d(&[2, 2], &[2, 2], &[0, 0], &[1, 1], false),
+            });
+        }
+        let [fc1, fc2, fc3] = &self.classifier;
+        let h = h.expect("a VGG has layers").flatten(1, -1).apply(fc1).relu().dropout(0.5, train);
+        h.apply(fc2).relu().dropout(0.5, train).apply(fc3)
+    }
+}
+
+/// An AlexNet as tch's `alexnet`: its layout and variable names (`features.{0,3,6,8,10}`,
+/// `classifier.{1,4,6}`), and its second convolution (stride 2, padding 1, where torchvision's
+/// has stride 1, padding 2), so outputs equal tch's on the same weights. Inputs of at least
+/// about 100×100 (the features are pooled to 6×6 at the end).
+pub struct AlexNet {
+    convs: [nn::Conv2D; 5],
+    classifier: [nn::Linear; 3],
+}
+
+impl std::fmt::Debug for AlexNet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AlexNet").finish_non_exhaustive()
+    }
+}
+
+impl AlexNet {
+    fn new(p: &nn::Path, num_classes: i64) -> AlexNet {
+        let f = p / "features";
+        // (index, in, out, kernel, padding, stride)
+        let shapes = [
+            (0, 3, 64, 11, 2, 4),
+            (3, 64, 192, 5, 1, 2),
+            (6, 192, 384, 3, 1, 1),
+            (8, 384, 256, 3, 1, 1),
+            (10, 256, 256, 3, 1, 1),
+        ];
+        let convs = shapes.map(|(i, c_in, c_out, k, padding, stride)| {
+            nn::conv2d(&f / i.to_string(), c_in, c_out, k, nn::ConvConfig { stride, padding, ..Default::default() })
+        });
+        let c = p / "classifier";
+        let classifier = [
+            nn::linear(&c / "1", 256 * 6 * 6, 4096, Default::default()),
+            nn::linear(&c / "4", 4096, 4096, Default::default()),
+            nn::linear(&c / "6", 4096, num_classes, Default::default()),
+        ];
+        AlexNet { convs, classifier }
+    }
+
+    /// The model on `xs` (`[N, 3, H, W]`), written once for tensors and lazy tensors.
+    pub fn forward_t<T: TensorOps>(&self, xs: &T, train: bool) -> T
+    where
+        nn::Conv2D: Layer<T>,
+        nn::Linear: Layer<T>,
+    {
+        let pool = |h: T| h.max_pool2d(&[3, 3], &[2, 2], &[0, 0], &[1, 1], false);
+        let [c1, c2, c3, c4, c5] = &self.convs;
+        let h = pool(xs.apply(c1).relu());
+        let h = pool(h.apply(c2).relu());
+        let h = h.apply(c3).relu().apply(c4).relu();
+        let h = pool(h.apply(c5).relu()).adaptive_avg_pool2d(&[6, 6]).flatten(1, -1);
+        let [fc1, fc2, fc3] = &self.classifier;
+        let h = h.dropout(0.5, train).apply(fc1).relu();
+        h.dropout(0.5, train).apply(fc2).relu().apply(fc3)
+    }
+}
+
+/// `ModuleT` for tensors and `LazyModuleT` for lazy tensors, both by the one `forward_t`.
+macro_rules! both_modules {
+    ($($model:ty),*) => {$(
+        impl nn::ModuleT for $model {
+            fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+                <$model>::forward_t(self, xs, train)
+            }
+        }
+
+        /// Records the model; a shape that does not fit panics with the recording error, as
+        /// tch's eager model panics.
+        impl LazyModuleT for $model {
+            fn lazy_forward_t(&self, xs: &LazyTensor, train: bool) -> Result<LazyTensor, LazyError> {
+                Ok(<$model>::forward_t(self, xs, train))
+            }
+        }
+    )*};
+}
+both_modules!(Vgg, AlexNet);
+
+const VGG11: &[&[i64]] = &[&[64], &[128], &[256, 256], &[512, 512], &[512, 512]];
+const VGG13: &[&[i64]] = &[&[64, 64], &[128, 128], &[256, 256], &[512, 512], &[512, 512]];
+const VGG16: &[&[i64]] = &[&[64, 64], &[128, 128], &[256, 256, 256], &[512, 512, 512], &[512, 512, 512]];
+const VGG19: &[&[i64]] = &[&[64, 64], &[128, 128], &[256, 256, 256, 256], &[512, 512, 512, 512], &[512, 512, 512, 512]];
+
+/// VGG-11 (tch's `vgg11`).
+pub fn vgg11(p: &nn::Path, num_classes: i64) -> Vgg {
+    Vgg::new(p, VGG11, num_classes, false)
+}
+
+/// VGG-11 with batch norm (tch's `vgg11_bn`).
+pub fn vgg11_bn(p: &nn::Path, num_classes: i64) -> Vgg {
+    Vgg::new(p, VGG11, num_classes, true)
+}
+
+/// VGG-13 (tch's `vgg13`).
+pub fn vgg13(p: &nn::Path, num_classes: i64) -> Vgg {
+    Vgg::new(p, VGG13, num_classes, false)
+}
+
+/// VGG-16 (tch's `vgg16`).
+pub fn vgg16(p: &nn::Path, num_classes: i64) -> Vgg {
+    Vgg::new(p, VGG16, num_classes, false)
+}
+
+/// VGG-16 with batch norm (tch's `vgg16_bn`).
+pub fn vgg16_bn(p: &nn::Path, num_classes: i64) -> Vgg {
+    Vgg::new(p, VGG16, num_classes, true)
+}
+
+/// VGG-19 (tch's `vgg19`).
+pub fn vgg19(p: &nn::Path, num_classes: i64) -> Vgg {
+    Vgg::new(p, VGG19, num_classes, false)
+}
+
+/// AlexNet (tch's `alexnet`).
+pub fn alexnet(p: &nn::Path, num_classes: i64) -> AlexNet {
+    AlexNet::new(p, num_classes)
 }

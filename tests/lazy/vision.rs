@@ -63,3 +63,64 @@ fn a_resnet18_step_micro_batched_has_the_full_batchs_gradients() {
         assert!(err <= 1e-6, "{name}: gradients differ by {err:e} relative");
     }
 }
+
+/// The same names and shapes as tch's model on another var store: tch's weights load.
+fn same_variables(ours: &nn::VarStore, theirs: &nn::VarStore, name: &str) {
+    let names = |vs: &nn::VarStore| {
+        let mut v: Vec<(String, Vec<i64>)> = vs.variables().into_iter().map(|(n, t)| (n, t.size())).collect();
+        v.sort();
+        v
+    };
+    assert_eq!(names(ours), names(theirs), "{name}: variable names");
+}
+
+#[test]
+fn vgg16_and_alexnet_match_tchs_own_on_one_var_store() {
+    tch::manual_seed(33);
+    // VGG-16 (its classifier takes a 224×224 image's 7×7 map) and VGG-11 with batch norm.
+    for (name, bn) in [("vgg16", false), ("vgg11_bn", true)] {
+        let tch_vs = nn::VarStore::new(CPU);
+        let theirs =
+            if bn { tch::vision::vgg::vgg11_bn(&tch_vs.root(), 4) } else { tch::vision::vgg::vgg16(&tch_vs.root(), 4) };
+        let mut vs = nn::VarStore::new(CPU);
+        let ours = if bn { vision::vgg11_bn(&vs.root(), 4) } else { vision::vgg16(&vs.root(), 4) };
+        same_variables(&vs, &tch_vs, name);
+        vs.copy(&tch_vs).unwrap();
+        let x = Tensor::randn([2, 3, 224, 224], (Kind::Float, CPU));
+        let expected = theirs.forward_t(&x, false);
+        assert!(ours.forward_t(&x, false).allclose(&expected, 1e-5, 1e-5, false), "{name}: eager outputs");
+        let planned = lazy(&x, 0).apply_t(&ours, false).to_tensor_with(&Options::new().micro_batch(1)).unwrap();
+        assert!(planned.allclose(&expected, 1e-4, 1e-4, false), "{name}: lazy outputs");
+    }
+    let tch_vs = nn::VarStore::new(CPU);
+    let theirs = tch::vision::alexnet::alexnet(&tch_vs.root(), 4);
+    let mut vs = nn::VarStore::new(CPU);
+    let ours = vision::alexnet(&vs.root(), 4);
+    same_variables(&vs, &tch_vs, "alexnet");
+    vs.copy(&tch_vs).unwrap();
+    let x = Tensor::randn([3, 3, 128, 128], (Kind::Float, CPU));
+    let expected = theirs.forward_t(&x, false);
+    assert!(ours.forward_t(&x, false).allclose(&expected, 1e-5, 1e-5, false), "alexnet: eager outputs");
+    let planned = lazy(&x, 0).apply_t(&ours, false).to_tensor_with(&Options::new().micro_batch(2)).unwrap();
+    assert!(planned.allclose(&expected, 1e-4, 1e-4, false), "alexnet: lazy outputs");
+}
+
+#[test]
+fn an_alexnet_step_micro_batched_has_the_full_batchs_gradients() {
+    tch::manual_seed(34);
+    let mut vs = nn::VarStore::new(CPU);
+    let net = vision::alexnet(&vs.root(), 3);
+    vs.double();
+    let x = Tensor::randn([5, 3, 128, 128], (Kind::Double, CPU));
+    let y = Tensor::randint(3, [5], (Kind::Int64, CPU));
+    net.forward_t(&x, false).log_softmax(-1, None).nll_loss(&y).backward();
+    let eager = grads(&vs);
+    zero_grads(&vs);
+    let (lx, ly) = lazy((&x, &y), 0);
+    lx.apply_t(&net, false).log_softmax(-1, None).nll_loss(&ly).backward_with(&Options::new().micro_batch(2)).unwrap();
+    let variables = vs.variables();
+    for (name, e) in eager {
+        let err = relative_error(&variables[&name].grad(), &e);
+        assert!(err <= 1e-6, "{name}: gradients differ by {err:e} relative");
+    }
+}
