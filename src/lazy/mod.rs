@@ -59,6 +59,7 @@ mod custom;
 mod error;
 mod exec;
 mod graph;
+pub mod models;
 pub mod nn;
 mod ops;
 mod plan;

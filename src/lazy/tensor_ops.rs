@@ -97,6 +97,9 @@ macro_rules! tensor_ops {
             fn kind(&self) -> Kind;
             /// The device.
             fn device(&self) -> Device;
+            /// A constant of the model (a mask, position ids, a lookup table): the tensor itself,
+            /// or a fixed operand of a lazy graph (the same for every sample, never split).
+            fn constant(tensor: &Tensor) -> Self;
             /// `layer` applied to `self` (tch's `apply`).
             #[track_caller]
             fn apply<L: Layer<Self> + ?Sized>(&self, layer: &L) -> Self {
@@ -177,6 +180,10 @@ macro_rules! tensor_ops {
                 Tensor::device(self)
             }
             #[inline]
+            fn constant(tensor: &Tensor) -> Self {
+                tensor.shallow_clone()
+            }
+            #[inline]
             fn f_chunk(&self, chunks: i64, dim: i64) -> Result<Vec<Self>, TchError> {
                 Tensor::f_chunk(self, chunks, dim)
             }
@@ -221,6 +228,9 @@ macro_rules! tensor_ops {
             }
             fn device(&self) -> Device {
                 LazyTensor::device(self)
+            }
+            fn constant(tensor: &Tensor) -> Self {
+                LazyTensor::fixed(tensor)
             }
             fn f_chunk(&self, chunks: i64, dim: i64) -> Result<Vec<Self>, LazyError> {
                 LazyTensor::f_chunk(self, chunks, dim)

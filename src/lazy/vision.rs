@@ -208,7 +208,7 @@ pub fn resnet50(p: &nn::Path, num_classes: i64) -> ResNet {
 /// One entry of a VGG's `features`: a 3×3 convolution (with its batch norm), then a ReLU; or a
 /// 2×2 max-pool.
 enum VggFeature {
-    Conv(nn::Conv2D, Option<nn::BatchNorm>),
+    Conv(Box<(nn::Conv2D, Option<nn::BatchNorm>)>),
     Pool,
 }
 
@@ -223,7 +223,7 @@ pub struct Vgg {
 impl std::fmt::Debug for Vgg {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let convs = self.features.iter().filter(|l| matches!(l, VggFeature::Conv(..))).count();
-        let bn = self.features.iter().any(|l| matches!(l, VggFeature::Conv(_, Some(_))));
+        let bn = self.features.iter().any(|l| matches!(l, VggFeature::Conv(layers) if layers.1.is_some()));
         f.debug_struct("Vgg").field("convolutions", &convs).field("batch_norm", &bn).finish()
     }
 }
@@ -242,7 +242,7 @@ impl Vgg {
                 let conv = nn::conv2d(&f / index.to_string(), c_in, c_out, 3, config);
                 let bn = batch_norm.then(|| nn::batch_norm2d(&f / (index + 1).to_string(), c_out, Default::default()));
                 index += if batch_norm { 3 } else { 2 };
-                features.push(VggFeature::Conv(conv, bn));
+                features.push(VggFeature::Conv(Box::new((conv, bn))));
                 c_in = c_out;
             }
             features.push(VggFeature::Pool);
@@ -268,8 +268,10 @@ impl Vgg {
         for layer in &self.features {
             let x = h.as_ref().unwrap_or(xs);
             h = Some(match layer {
-                VggFeature::Conv(conv, None) => x.apply(conv).relu(),
-                VggFeature::Conv(conv, Some(bn)) => x.apply(conv).apply_t(bn, train).relu(),
+                VggFeature::Conv(layers) => match &**layers {
+                    (conv, None) => x.apply(conv).relu(),
+                    (conv, Some(bn)) => x.apply(conv).apply_t(bn, train).relu(),
+                },
                 VggFeature::Pool => x.max_pool2d(&[2, 2], &[2, 2], &[0, 0], &[1, 1], false),
             });
         }

@@ -5,6 +5,7 @@ mod support;
 
 mod api;
 mod grad;
+mod models;
 mod op_table;
 mod ops;
 mod pictures;
