@@ -167,6 +167,19 @@ fn planner_peak_matches_the_cpu_allocator() {
             planned_and_measured(&loss, n as usize)
         });
     }
+    // A decoder: strided transposed convolutions and bilinear upsampling.
+    for batch in [4, 16] {
+        measure("deconv", batch, &|n| {
+            let vs = nn::VarStore::new(CPU);
+            let w1 = vs.root().randn("w1", &[32, 16, 4, 4], 0.0, 0.1);
+            let w2 = vs.root().randn("w2", &[16, 3, 3, 3], 0.0, 0.1);
+            let x = Tensor::randn([n, 32, 16, 16], (Kind::Float, CPU));
+            let h = toma::lazy::lazy(&x, 0).conv_transpose2d(&w1, None::<&Tensor>, [2], [1], [0], 1, [1]).relu();
+            let h = h.conv_transpose2d(&w2, None::<&Tensor>, [1], [1], [0], 1, [1]);
+            let loss = h.upsample_bilinear2d([48, 48], false, None, None).pow_tensor_scalar(2.0).mean(None);
+            planned_and_measured(&loss, n as usize)
+        });
+    }
     // All rows are printed before any bound is checked.
     for (model, batch, planned, measured) in rows {
         let (p, m) = (planned as f64, measured as f64);

@@ -396,4 +396,8 @@ tensor_ops! {
     select / f_select(dim: i64, index: i64);
     /// Root-mean-square normalization over the trailing `normalized_shape`.
     rms_norm / f_rms_norm(normalized_shape: &[i64], weight: Option<&Tensor>, eps: Option<f64>);
+    /// Bilinear upsampling to `output_size`.
+    upsample_bilinear2d / f_upsample_bilinear2d(output_size: &[i64], align_corners: bool, scales_h: Option<f64>, scales_w: Option<f64>);
+    /// 2-D transposed convolution.
+    conv_transpose2d / f_conv_transpose2d(weight: &Tensor, bias: Option<&Tensor>, stride: &[i64], padding: &[i64], output_padding: &[i64], groups: i64, dilation: &[i64]);
 }

@@ -444,3 +444,34 @@ fn rms_norm_gather_and_select_match_the_full_batch() {
         }
     }
 }
+
+/// A small decoder: `conv_transpose2d` (strided, grouped) and bilinear upsampling.
+#[test]
+fn transposed_convolution_and_bilinear_upsampling_match_the_full_batch() {
+    use toma::lazy::TensorOps;
+    fn decode<T: TensorOps>(x: &T, target: &T, w1: &Tensor, b1: &Tensor, w2: &Tensor) -> T {
+        let h = x.conv_transpose2d(w1, Some(b1), &[2], &[1], &[1], 2, &[1]).relu();
+        let h = h.conv_transpose2d(w2, None, &[1], &[0], &[0], 1, &[1]);
+        h.upsample_bilinear2d(&[15, 17], false, None, None).mse_loss(target, Reduction::Mean)
+    }
+    tch::manual_seed(12);
+    let mut vs = nn::VarStore::new(CPU);
+    let w1 = vs.root().randn("w1", &[4, 3, 3, 3], 0.0, 0.3);
+    let b1 = vs.root().randn("b1", &[6], 0.0, 0.1);
+    let w2 = vs.root().randn("w2", &[6, 2, 2, 2], 0.0, 0.3);
+    vs.double();
+    for n in [4i64, 9] {
+        let x = Tensor::randn([n, 4, 5, 6], (Kind::Double, CPU));
+        let target = Tensor::randn([n, 2, 15, 17], (Kind::Double, CPU));
+        check(
+            &vs,
+            &format!("decoder n={n}"),
+            &Options::new().micro_batch(2),
+            || decode(&x, &target, &w1, &b1, &w2),
+            || {
+                let (lx, lt) = lazy((&x, &target), 0);
+                decode(&lx, &lt, &w1, &b1, &w2)
+            },
+        );
+    }
+}

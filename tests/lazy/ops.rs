@@ -522,12 +522,38 @@ proptest! {
         agree("group_norm", x.f_group_norm(groups, wo, bo, 1e-5, true), lazy(&x, 0).f_group_norm(groups, wo, bo, 1e-5), micro, Split::Exact)?;
         agree("group_norm, bad groups", x.f_group_norm(c + 1, wo, bo, 1e-5, true), lazy(&x, 0).f_group_norm(c + 1, wo, bo, 1e-5), micro, Split::Exact)?;
         agree("upsample_nearest2d", x.f_upsample_nearest2d([oh, ow].as_slice(), None, None), lazy(&x, 0).f_upsample_nearest2d([oh, ow]), micro, Split::Exact)?;
+        // Bilinear upsampling, with and without aligned corners and scales.
+        let scale = (affine && per == 1).then_some(oh as f64 / h as f64);
+        agree("upsample_bilinear2d", x.f_upsample_bilinear2d([oh, ow].as_slice(), affine, scale, None), lazy(&x, 0).f_upsample_bilinear2d([oh, ow], affine, scale, None), micro, Split::Exact)?;
         // RMS norm over the trailing one or two dimensions, with or without a weight and eps.
         let trailing: Vec<i64> = if affine { vec![w] } else { vec![h, w] };
         let rw = randn(&trailing);
         let eps = if affine { Some(1e-6) } else { None };
         agree("rms_norm", x.f_rms_norm(trailing.as_slice(), affine.then_some(&rw), eps), lazy(&x, 0).f_rms_norm(&trailing, affine.then_some(&rw), eps), micro, Split::Exact)?;
         agree("rms_norm, bad shape", x.f_rms_norm([w + 1].as_slice(), None::<&Tensor>, eps), lazy(&x, 0).f_rms_norm([w + 1], None::<&Tensor>, eps), micro, Split::Exact)?;
+    }
+
+    #[test]
+    fn conv_transpose2d_every_parameter(
+        (n, groups, cin_per, cout_per) in (1i64..4, 1i64..3, 1i64..3, 1i64..3),
+        (h, w) in (1i64..6, 1i64..6),
+        (kh, kw) in (1i64..4, 1i64..4),
+        (stride, padding, dilation, extra) in (1i64..3, 0i64..2, 1i64..3, 0i64..2),
+        bias in any::<bool>(),
+        micro in 1usize..4,
+    ) {
+        let x = randn(&[n, groups * cin_per, h, w]);
+        let weight = randn(&[groups * cin_per, cout_per, kh, kw]);
+        let b = randn(&[groups * cout_per]);
+        let bo = bias.then_some(&b);
+        // output_padding must stay below the stride or the dilation: libtorch refuses it otherwise.
+        let op = extra.min(stride.max(dilation) - 1);
+        let eager = x.f_conv_transpose2d(&weight, bo, [stride].as_slice(), [padding].as_slice(), [op].as_slice(), groups, [dilation].as_slice());
+        let lazy_t = lazy(&x, 0).f_conv_transpose2d(&weight, bo, [stride], [padding], [op], groups, [dilation]);
+        agree(&format!("conv_transpose2d s{stride} p{padding} op{op} d{dilation} g{groups}"), eager, lazy_t, micro, Split::Exact)?;
+        // An output padding as large as the stride is refused by both.
+        let bad = x.f_conv_transpose2d(&weight, bo, [1].as_slice(), [0].as_slice(), [1].as_slice(), groups, [1].as_slice());
+        agree("conv_transpose2d, bad output padding", bad, lazy(&x, 0).f_conv_transpose2d(&weight, bo, [1], [0], [1], groups, [1]), micro, Split::Exact)?;
     }
 
     #[test]

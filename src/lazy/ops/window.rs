@@ -1,4 +1,5 @@
-//! Windows over spatial dimensions: convolutions (1-D and 2-D) and 2-D pooling.
+//! Windows over spatial dimensions: convolutions (1-D, 2-D, transposed 2-D), 2-D pooling and
+//! upsampling.
 
 use std::rc::Rc;
 
@@ -49,6 +50,20 @@ pub(crate) enum Window {
     UpsampleNearest2d {
         output: [i64; 2],
     },
+    /// Scales, when given, change how output positions map onto the input (as in libtorch).
+    UpsampleBilinear2d {
+        output: [i64; 2],
+        align_corners: bool,
+        scales: [Option<f64>; 2],
+    },
+    /// Operands: x, weight (`[C_in, C_out / groups, kh, kw]`), optional bias.
+    ConvTranspose2d {
+        stride: [i64; 2],
+        padding: [i64; 2],
+        output_padding: [i64; 2],
+        dilation: [i64; 2],
+        groups: i64,
+    },
 }
 
 /// A convolution's settings, as slices over its spatial dimensions.
@@ -83,6 +98,8 @@ impl Rules for Window {
             Window::AvgPool2d { .. } => "avg_pool2d",
             Window::AdaptiveAvgPool2d { .. } => "adaptive_avg_pool2d",
             Window::UpsampleNearest2d { .. } => "upsample_nearest2d",
+            Window::UpsampleBilinear2d { .. } => "upsample_bilinear2d",
+            Window::ConvTranspose2d { .. } => "conv_transpose2d",
         }
     }
 
@@ -105,19 +122,26 @@ impl Rules for Window {
             }
             Window::AdaptiveAvgPool2d { output } => x.f_adaptive_avg_pool2d(output),
             Window::UpsampleNearest2d { output } => x.f_upsample_nearest2d(output, None, None),
+            Window::UpsampleBilinear2d { output, align_corners, scales: [h, w] } => {
+                x.f_upsample_bilinear2d(output, *align_corners, *h, *w)
+            }
+            Window::ConvTranspose2d { stride, padding, output_padding, dilation, groups } => {
+                let (weight, bias) = (ins[1], ins.get(2).copied());
+                x.f_conv_transpose2d(weight, bias, stride, padding, output_padding, *groups, dilation)
+            }
         }
     }
 
     fn saves_input(&self, i: usize, inputs: &[Rc<Node>]) -> bool {
         match self {
             // Input and weight, each for the other's gradient.
-            Window::Conv1d { .. } | Window::Conv2d { .. } => match i {
+            Window::Conv1d { .. } | Window::Conv2d { .. } | Window::ConvTranspose2d { .. } => match i {
                 0 => requires(inputs, 1),
                 1 => requires(inputs, 0),
                 _ => false,
             },
-            // Nearest upsampling needs only the sizes for its backward.
-            Window::UpsampleNearest2d { .. } => false,
+            // Upsampling needs only the sizes for its backward.
+            Window::UpsampleNearest2d { .. } | Window::UpsampleBilinear2d { .. } => false,
             _ => i == 0,
         }
     }
@@ -135,6 +159,9 @@ impl Rules for Window {
 
     fn scratch(&self, inputs: &[Rc<Node>], meta: &Meta) -> Scratch {
         let mut scratch = Scratch::default();
+        if matches!(self, Window::ConvTranspose2d { .. }) {
+            return transposed_scratch(inputs, meta);
+        }
         let Some(Settings { stride, padding, dilation, groups }) = self.convolution() else {
             return scratch;
         };
@@ -245,7 +272,152 @@ fn onednn_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool) -> Scratch
     scratch
 }
 
+/// A transposed convolution's scratch: libtorch runs it as the backward of a convolution
+/// (oneDNN's deconvolution for batched `Float` on the CPU, cuDNN's on CUDA), reordering input,
+/// weight and output into blocked layouts as a convolution does, forward and backward.
+fn transposed_scratch(inputs: &[Rc<Node>], meta: &Meta) -> Scratch {
+    let add = |a: (u64, u64), b: (u64, u64)| (a.0 + b.0, a.1 + b.1);
+    let moved = add(add(inputs[0].meta.numel_parts(), inputs[1].meta.numel_parts()), meta.numel_parts());
+    let elem = meta.kind.elt_size_in_bytes().max(1) as u64;
+    let mut scratch = Scratch::default();
+    scratch.forward = moved;
+    scratch.backward = add(moved, (0, (32 << 10) / elem));
+    if meta.device.is_cuda() {
+        let (forward, backward) = scratch::CONV_WORKSPACE_FIXED;
+        scratch.forward.1 += forward / elem;
+        scratch.backward.1 += backward / elem;
+    }
+    scratch
+}
+
 impl LazyTensor {
+    /// 2-D transposed convolution, as tch's `conv_transpose2d`: `self` is `[N, C_in, H, W]` (or
+    /// `[C_in, H, W]`), `weight` `[C_in, C_out / groups, kh, kw]`, `bias` `[C_out]`; `stride`,
+    /// `padding`, `output_padding` and `dilation` take 1 or 2 values. Each output side is
+    /// `(in − 1)·stride − 2·padding + dilation·(k − 1) + output_padding + 1`.
+    ///
+    /// # Errors
+    /// [`LazyError::Shape`] when input, weight and bias do not fit, [`LazyError::Argument`] for
+    /// bad parameters (an `output_padding` not below the stride or the dilation, an empty
+    /// output), [`LazyError::Kind`], [`LazyError::Device`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn f_conv_transpose2d(
+        &self,
+        weight: impl IntoLazy,
+        bias: Option<impl IntoLazy>,
+        stride: impl AsRef<[i64]>,
+        padding: impl AsRef<[i64]>,
+        output_padding: impl AsRef<[i64]>,
+        groups: i64,
+        dilation: impl AsRef<[i64]>,
+    ) -> Result<LazyTensor, LazyError> {
+        let name = "conv_transpose2d";
+        let (w, b) = (weight.into_lazy(), bias.map(IntoLazy::into_lazy));
+        let x = &self.node;
+        let mut nodes = vec![x, &w.node];
+        if let Some(b) = &b {
+            nodes.push(&b.node);
+        }
+        let device = same_device(name, &nodes)?;
+        let sx = &x.meta.shape;
+        let a = |r: String| arg(name, sx, r);
+        let stride = shape::spatial::<2>(stride.as_ref(), "stride").map_err(a)?;
+        let padding = shape::spatial::<2>(padding.as_ref(), "padding").map_err(a)?;
+        let output_padding = shape::spatial::<2>(output_padding.as_ref(), "output_padding").map_err(a)?;
+        let dilation = shape::spatial::<2>(dilation.as_ref(), "dilation").map_err(a)?;
+        if groups < 1
+            || stride.iter().chain(&dilation).any(|&v| v < 1)
+            || padding.iter().chain(&output_padding).any(|&v| v < 0)
+        {
+            return Err(a(format!(
+                "groups, stride and dilation must be positive, padding and output_padding non-negative: \
+                 groups {groups}, stride {stride:?}, padding {padding:?}, output_padding {output_padding:?}, dilation {dilation:?}"
+            )));
+        }
+        if (0..2).any(|i| output_padding[i] >= stride[i].max(dilation[i])) {
+            return Err(a(format!(
+                "output padding must be smaller than either stride or dilation, got output_padding {output_padding:?}, stride {stride:?}, dilation {dilation:?}"
+            )));
+        }
+        let sw = &w.node.meta.shape;
+        let batched = sx.len() == 4;
+        if !(batched || sx.len() == 3) || sw.len() != 4 {
+            return Err(shape_err(name, sx, sw, "expected a 3-D or 4-D input and a 4-D weight"));
+        }
+        let c_in = sx[sx.len() - 3];
+        if sw[0] != c_in || c_in % groups != 0 {
+            return Err(shape_err(
+                name,
+                sx,
+                sw,
+                format!("the weight's first dimension must be the {c_in} input channels, divisible by groups {groups}"),
+            ));
+        }
+        let c_out = sw[1] * groups;
+        if let Some(b) = &b {
+            if b.node.meta.shape != [c_out] {
+                return Err(shape_err(name, sw, &b.node.meta.shape, format!("the bias must be [{c_out}]")));
+            }
+        }
+        let spatial: Vec<i64> = (0..2)
+            .map(|i| {
+                let input = sx[sx.len() - 2 + i];
+                (input - 1) * stride[i] - 2 * padding[i] + dilation[i] * (sw[2 + i] - 1) + output_padding[i] + 1
+            })
+            .collect();
+        if spatial.iter().any(|&v| v < 1) {
+            return Err(a(format!("the output would be empty: {spatial:?}")));
+        }
+        let out =
+            if batched { vec![sx[0], c_out, spatial[0], spatial[1]] } else { vec![c_out, spatial[0], spatial[1]] };
+        floating(name, x)?;
+        same_kind(name, x, &w.node)?;
+        if let Some(b) = &b {
+            same_kind(name, x, &b.node)?;
+        }
+        let mapped: Vec<Option<usize>> = nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| n.meta.batch().filter(|bd| i == 0 && batched && bd.dim == 0).map(|_| 0))
+            .collect();
+        let flow = combine_flows(name, &nodes, &mapped, &out, Linearity::Nonlinear, false)?;
+        let op = Window::ConvTranspose2d { stride, padding, output_padding, dilation, groups };
+        let inputs = nodes.into_iter().cloned().collect();
+        Ok(Record::new(op, inputs, out, x.meta.kind, device).flow(flow).finish())
+    }
+
+    /// Bilinear upsampling of `[N, C, H, W]` to `output_size` (`[h, w]`), as tch's
+    /// `upsample_bilinear2d` (`align_corners`, and optional scales that change how output
+    /// positions map onto the input, as in libtorch).
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for a non 4-D input or a size below 1, [`LazyError::Kind`] for
+    /// integers.
+    pub fn f_upsample_bilinear2d(
+        &self,
+        output_size: impl AsRef<[i64]>,
+        align_corners: bool,
+        scales_h: impl Into<Option<f64>>,
+        scales_w: impl Into<Option<f64>>,
+    ) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let name = "upsample_bilinear2d";
+        let a = |r: String| arg(name, &n.meta.shape, r);
+        let output: [i64; 2] = output_size
+            .as_ref()
+            .try_into()
+            .map_err(|_| a(format!("output_size must be 2 values, got {:?}", output_size.as_ref())))?;
+        if n.meta.shape.len() != 4 || output.iter().any(|&v| v < 1) || n.meta.shape[2..].contains(&0) {
+            return Err(a(format!("expected a non-empty 4-D input and an output size of at least 1, got {output:?}")));
+        }
+        floating(name, n)?;
+        let mut out = n.meta.shape.clone();
+        out[2..].copy_from_slice(&output);
+        let flow = self.pool_flow(name, &out)?;
+        let op = Window::UpsampleBilinear2d { output, align_corners, scales: [scales_h.into(), scales_w.into()] };
+        Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
+    }
+
     /// 2-D convolution, as tch's `conv2d`: `self` is `[N, C, H, W]` (or `[C, H, W]`), `weight`
     /// `[O, C / groups, kh, kw]`; `stride`, `padding` and `dilation` take 1 or 2 values.
     ///
@@ -462,4 +634,6 @@ panicking! {
     avg_pool2d => f_avg_pool2d(kernel: impl AsRef<[i64]>, stride: impl AsRef<[i64]>, padding: impl AsRef<[i64]>, ceil_mode: bool, count_include_pad: bool, divisor_override: impl Into<Option<i64>>);
     adaptive_avg_pool2d => f_adaptive_avg_pool2d(output_size: impl AsRef<[i64]>);
     upsample_nearest2d => f_upsample_nearest2d(output_size: impl AsRef<[i64]>);
+    upsample_bilinear2d => f_upsample_bilinear2d(output_size: impl AsRef<[i64]>, align_corners: bool, scales_h: impl Into<Option<f64>>, scales_w: impl Into<Option<f64>>);
+    conv_transpose2d => f_conv_transpose2d(weight: impl IntoLazy, bias: Option<impl IntoLazy>, stride: impl AsRef<[i64]>, padding: impl AsRef<[i64]>, output_padding: impl AsRef<[i64]>, groups: i64, dilation: impl AsRef<[i64]>);
 }
