@@ -155,9 +155,11 @@ macro_rules! tensor_ops {
                 ///
                 /// # Errors
                 /// The op's error: libtorch's, or what recording found.
+                #[allow(clippy::too_many_arguments)]
                 fn $f(&self, $($arg: $ty),*) -> Result<Self, Self::Error>;
                 #[doc = concat!("Like [`", stringify!($f), "`](Self::", stringify!($f), "), panicking with its error.")]
                 #[track_caller]
+                #[allow(clippy::too_many_arguments)]
                 fn $name(&self, $($arg: $ty),*) -> Self {
                     self.$f($($arg),*).unwrap_or_else(|e| panic!("{e}"))
                 }
@@ -211,6 +213,7 @@ macro_rules! tensor_ops {
             }
             $(
                 #[inline]
+                #[allow(clippy::too_many_arguments)]
                 fn $f(&self, $($arg: $ty),*) -> Result<Self, TchError> {
                     Tensor::$f(self, $($arg),*)
                 }
@@ -256,6 +259,7 @@ macro_rules! tensor_ops {
                 LazyTensor::nll_loss(self, targets)
             }
             $(
+                #[allow(clippy::too_many_arguments)]
                 fn $f(&self, $($arg: $ty),*) -> Result<Self, LazyError> {
                     LazyTensor::$f(self, $($arg),*)
                 }

@@ -279,9 +279,7 @@ fn transposed_scratch(inputs: &[Rc<Node>], meta: &Meta) -> Scratch {
     let add = |a: (u64, u64), b: (u64, u64)| (a.0 + b.0, a.1 + b.1);
     let moved = add(add(inputs[0].meta.numel_parts(), inputs[1].meta.numel_parts()), meta.numel_parts());
     let elem = meta.kind.elt_size_in_bytes().max(1) as u64;
-    let mut scratch = Scratch::default();
-    scratch.forward = moved;
-    scratch.backward = add(moved, (0, (32 << 10) / elem));
+    let mut scratch = Scratch { forward: moved, backward: add(moved, (0, (32 << 10) / elem)), ..Scratch::default() };
     if meta.device.is_cuda() {
         let (forward, backward) = scratch::CONV_WORKSPACE_FIXED;
         scratch.forward.1 += forward / elem;
