@@ -75,7 +75,7 @@ pub use error::LazyError;
 pub use exec::TracedOp;
 pub use graph::LazyTensor;
 pub use plan::{round_block, Mode, Phase, Plan, PlanOp, Step, BLOCK};
-pub use tensor::IntoLazy;
+pub use tensor::{IntoLazy, OpCosts, Split};
 pub use tensor_ops::{Layer, LayerT, TensorOps};
 
 use tch::Tensor;

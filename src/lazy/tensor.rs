@@ -105,6 +105,40 @@ impl LazyTensor {
         self.node.op.name()
     }
 
+    /// What the planner charges the op that produced this value, at the recorded batch size,
+    /// and how a split treats it. Runs nothing. `docs/ops.md` lists it for every op.
+    pub fn op_costs(&self) -> OpCosts {
+        use super::graph::Flow;
+        let (meta, cost) = (&self.node.meta, &self.node.cost);
+        let total = |b: &super::graph::Bytes| b.per + b.fixed;
+        let split = match (&meta.mixes, meta.flow) {
+            (Some(reason), _) => Split::Mixes(reason.clone()),
+            (None, Flow::PerSample(_)) => Split::PerSample,
+            (None, Flow::Sum) => Split::Summed,
+            (None, Flow::Max) => Split::Maximum,
+            (None, Flow::Fixed) => Split::Fixed,
+            (None, Flow::Opaque) => Split::Mixes("depends on the batch as a whole".into()),
+        };
+        OpCosts {
+            output: total(&cost.out),
+            operands: self
+                .node
+                .inputs
+                .iter()
+                .map(|x| {
+                    let (a, c) = x.meta.numel_parts();
+                    (a + c) * x.meta.kind.elt_size_in_bytes() as u64
+                })
+                .collect(),
+            saves_output: meta.requires_grad && self.node.op.rules().saves_output(),
+            saved_inputs: (0..self.node.inputs.len().min(64)).filter(|k| cost.saved >> k & 1 == 1).collect(),
+            saved_extra: total(&cost.extra),
+            scratch: total(&cost.work),
+            backward_scratch: total(&cost.back_work),
+            split,
+        }
+    }
+
     pub(crate) fn meta(&self) -> &super::graph::Meta {
         &self.node.meta
     }
@@ -402,4 +436,43 @@ impl LazyTensor {
     pub fn explain(&self, mode: Mode, options: &Options) -> Result<String, LazyError> {
         Ok(self.plan(mode, options)?.to_string())
     }
+}
+
+/// What the planner charges one op ([`LazyTensor::op_costs`]), in bytes at the recorded batch
+/// size. The saved parts count only when gradients flow through the op.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct OpCosts {
+    /// The output's new allocation (0 for a view, an input or a parameter).
+    pub output: u64,
+    /// Each operand's size.
+    pub operands: Vec<u64>,
+    /// Whether autograd keeps the output for the backward.
+    pub saves_output: bool,
+    /// The operands autograd keeps for the backward (by position).
+    pub saved_inputs: Vec<usize>,
+    /// What else autograd keeps (indices of maxima, statistics, intermediate values).
+    pub saved_extra: u64,
+    /// Temporaries while the op runs forward, and while its backward runs.
+    pub scratch: u64,
+    /// See [`scratch`](Self::scratch).
+    pub backward_scratch: u64,
+    /// How micro-batches treat the value.
+    pub split: Split,
+}
+
+/// How micro-batches treat a value ([`OpCosts::split`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Split {
+    /// Per-sample rows: each micro-batch computes its own, concatenated.
+    PerSample,
+    /// A sum over the batch (a mean is weighted by each micro-batch's share): added up.
+    Summed,
+    /// A maximum over the batch: combined by a maximum (forward only).
+    Maximum,
+    /// Independent of the batch.
+    Fixed,
+    /// Mixes samples: a split would change the result, so it is refused (the reason).
+    Mixes(String),
 }

@@ -1,9 +1,217 @@
 //! `docs/ops.md`, the table of every op `toma::lazy` records, is generated from the op family
-//! files (`src/lazy/ops/*.rs`: each `pub fn f_op` and the first line of its documentation), so
-//! it cannot drift: this test fails when the table differs from the code.
+//! files (`src/lazy/ops/*.rs`: each `pub fn f_op` and the first line of its documentation) and
+//! from the ops themselves (each recorded once on sample operands, its `op_costs` read: how a
+//! split treats it and what the planner charges it), so it cannot drift: this test fails when
+//! the table differs from the code, or when an op has no sample here.
 //! `TOMA_WRITE_OP_TABLE=1 cargo test --test lazy op_table` rewrites it.
 
 use std::path::Path;
+
+use tch::{Device, Kind, Reduction, Tensor};
+use toma::lazy::{lazy, LazyTensor, Split};
+
+const F32: (Kind, Device) = (Kind::Float, Device::Cpu);
+
+/// A per-sample activation `[4, ..shape]` that gradients flow through.
+fn act(shape: &[i64]) -> LazyTensor {
+    let mut full = vec![4];
+    full.extend_from_slice(shape);
+    let scale = Tensor::ones([1], F32).set_requires_grad(true);
+    lazy(&Tensor::randn(full.as_slice(), F32), 0) * LazyTensor::fixed(&scale)
+}
+
+/// A parameter.
+fn param(shape: &[i64]) -> Tensor {
+    Tensor::randn(shape, F32).set_requires_grad(true)
+}
+
+/// Per-sample integers below `high`, `[4, ..shape]`.
+fn ints(high: i64, shape: &[i64]) -> LazyTensor {
+    let mut full = vec![4];
+    full.extend_from_slice(shape);
+    lazy(&Tensor::randint(high, full.as_slice(), (Kind::Int64, Device::Cpu)), 0)
+}
+
+/// The op `name` recorded once on sample operands (the first piece of a split).
+fn sample(name: &str) -> Option<LazyTensor> {
+    let x = || act(&[6, 5]);
+    let img = || act(&[8, 6, 6]);
+    let seq = || act(&[8, 10]);
+    let y = || ints(5, &[]);
+    let mask = || lazy(&Tensor::randn([4, 6, 5], F32).gt(0.0), 0);
+    let none = None::<&Tensor>;
+    Some(match name {
+        "relu" => x().relu(),
+        "sigmoid" => x().sigmoid(),
+        "tanh" => x().tanh(),
+        "exp" => x().exp(),
+        "log" => x().abs().log(),
+        "neg" => x().neg(),
+        "sqrt" => x().abs().sqrt(),
+        "abs" => x().abs(),
+        "gelu" => x().gelu("none"),
+        "silu" => x().silu(),
+        "softplus" => x().softplus(),
+        "leaky_relu" => x().leaky_relu(),
+        "elu" => x().elu(),
+        "hardswish" => x().hardswish(),
+        "hardsigmoid" => x().hardsigmoid(),
+        "relu6" => x().relu6(),
+        "mish" => x().mish(),
+        "masked_fill" => x().masked_fill(&mask(), 0.0),
+        "where_self" => x().where_self(&mask(), &x()),
+        "tril" => x().tril(0),
+        "triu" => x().triu(0),
+        "add" => x().add(&x()),
+        "sub" => x().sub(&x()),
+        "mul" => x().mul(&x()),
+        "div" => x().div(&x()),
+        "pow" => x().abs().pow(&x()),
+        "maximum" => x().maximum(&x()),
+        "minimum" => x().minimum(&x()),
+        "eq_tensor" => x().eq_tensor(&x()),
+        "ne_tensor" => x().ne_tensor(&x()),
+        "lt_tensor" => x().lt_tensor(&x()),
+        "le_tensor" => x().le_tensor(&x()),
+        "gt_tensor" => x().gt_tensor(&x()),
+        "ge_tensor" => x().ge_tensor(&x()),
+        "add_scalar" => x().add_scalar(1.0),
+        "sub_scalar" => x().sub_scalar(1.0),
+        "rsub_scalar" => x().rsub_scalar(1.0),
+        "mul_scalar" => x().mul_scalar(2.0),
+        "div_scalar" => x().div_scalar(2.0),
+        "rdiv_scalar" => x().rdiv_scalar(2.0),
+        "pow_tensor_scalar" => x().pow_tensor_scalar(2.0),
+        "eq" => x().eq(0.0),
+        "ne" => x().ne(0.0),
+        "lt" => x().lt(0.0),
+        "le" => x().le(0.0),
+        "gt" => x().gt(0.0),
+        "ge" => x().ge(0.0),
+        "dropout" => x().dropout(0.1, true),
+        "softmax" => x().softmax(-1, None),
+        "log_softmax" => x().log_softmax(-1, None),
+        "sum" => x().sum(None),
+        "sum_dim_intlist" => x().sum_dim_intlist([-1], false, None),
+        "mean" => x().mean(None),
+        "mean_dim" => x().mean_dim([-1], false, None),
+        "amax" => x().amax([-1], false),
+        "max" => x().max(),
+        "matmul" => x().matmul(&param(&[5, 7])),
+        "bmm" => x().bmm(&act(&[5, 3])),
+        "linear" => x().linear(&param(&[7, 5]), Some(&param(&[7]))),
+        "baddbmm" => act(&[6, 3]).baddbmm(&x(), &act(&[5, 3]), 1.0, 1.0),
+        "embedding" => LazyTensor::embedding(&param(&[11, 5]), &ints(11, &[6]), -1, false),
+        "batch_norm" => img().batch_norm(
+            Some(&param(&[8])),
+            Some(&param(&[8])),
+            &Tensor::zeros([8], F32),
+            &Tensor::ones([8], F32),
+            false,
+            0.1,
+            1e-5,
+        ),
+        "layer_norm" => x().layer_norm([5], Some(&param(&[5])), Some(&param(&[5])), 1e-5),
+        "group_norm" => img().group_norm(2, Some(&param(&[8])), Some(&param(&[8])), 1e-5),
+        "rms_norm" => x().rms_norm([5], Some(&param(&[5])), None),
+        "scaled_dot_product_attention" => LazyTensor::scaled_dot_product_attention(
+            &act(&[2, 6, 4]),
+            &act(&[2, 6, 4]),
+            &act(&[2, 6, 4]),
+            None::<&LazyTensor>,
+            0.0,
+            true,
+            None,
+            false,
+        ),
+        "conv2d" => img().conv2d(&param(&[4, 8, 3, 3]), Some(&param(&[4])), [1], [1], [1], 1),
+        "conv1d" => seq().conv1d(&param(&[4, 8, 3]), Some(&param(&[4])), [1], [1], [1], 1),
+        "conv_transpose2d" => img().conv_transpose2d(&param(&[8, 4, 3, 3]), Some(&param(&[4])), [2], [1], [0], 1, [1]),
+        "max_pool2d" => img().max_pool2d([2, 2], [2, 2], [0, 0], [1, 1], false),
+        "avg_pool2d" => img().avg_pool2d([2, 2], [2, 2], [0, 0], false, true, None),
+        "adaptive_avg_pool2d" => img().adaptive_avg_pool2d([1, 1]),
+        "upsample_nearest2d" => img().upsample_nearest2d([12, 12]),
+        "upsample_bilinear2d" => img().upsample_bilinear2d([12, 12], false, None, None),
+        "view" => x().view([4, 30]),
+        "reshape" => x().transpose(1, 2).reshape([4, 30]),
+        "flatten" => x().flatten(1, -1),
+        "transpose" => x().transpose(1, 2),
+        "permute" => x().permute([0, 2, 1]),
+        "unsqueeze" => x().unsqueeze(1),
+        "squeeze" => act(&[1, 5]).squeeze(),
+        "squeeze_dim" => act(&[1, 5]).squeeze_dim(1),
+        "narrow" => x().narrow(2, 1, 3),
+        "chunk" => x().chunk(2, 1).swap_remove(0),
+        "split" => x().split(2, 1).swap_remove(0),
+        "expand" => act(&[1, 5]).expand([4, 6, 5]),
+        "repeat" => x().repeat([1, 1, 2]),
+        "index_select" => x().index_select(2, &Tensor::from_slice(&[0i64, 2])),
+        "gather" => x().gather(2, &ints(5, &[6, 2]), false),
+        "select" => x().select(1, 0),
+        "pad" => img().pad([1, 1, 1, 1], "reflect", None),
+        "flat_view" => x().flat_view(),
+        "to_kind" => x().to_kind(Kind::Double),
+        "contiguous" => x().transpose(1, 2).contiguous(),
+        "cat" => LazyTensor::cat(&[x(), x()], 2),
+        "cross_entropy_for_logits" => act(&[5]).cross_entropy_for_logits(&y()),
+        "cross_entropy_loss" => act(&[5]).cross_entropy_loss(&y(), none, Reduction::Mean, -100, 0.1),
+        "kl_div" => act(&[5]).log_softmax(-1, None).kl_div(&act(&[5]).softmax(-1, None), Reduction::Mean, false),
+        "nll_loss" => act(&[5]).log_softmax(-1, None).nll_loss(&y()),
+        "g_nll_loss" => {
+            act(&[5]).log_softmax(-1, None).g_nll_loss(&y(), Some(&Tensor::ones([5], F32)), Reduction::Sum, -100)
+        }
+        "mse_loss" => x().mse_loss(&x(), Reduction::Mean),
+        "binary_cross_entropy_with_logits" => x().binary_cross_entropy_with_logits(&x().sigmoid(), Reduction::Mean),
+        "smooth_l1_loss" => x().smooth_l1_loss(&x(), Reduction::Mean, 1.0),
+        "huber_loss" => x().huber_loss(&x(), Reduction::Mean, 1.0),
+        _ => return None,
+    })
+}
+
+/// The two generated columns of `name`: how micro-batches treat it, and what the planner charges
+/// it (relative to its output's bytes, or its first operand's).
+fn costs(name: &str) -> (String, String) {
+    let value = sample(name).unwrap_or_else(|| {
+        panic!("op `{name}` has no sample in tests/lazy/op_table.rs: add one to `sample` (its recorded costs go in docs/ops.md)")
+    });
+    let c = value.op_costs();
+    let split = match &c.split {
+        Split::PerSample => "per sample".to_string(),
+        Split::Summed => "summed (weighted by share)".to_string(),
+        Split::Maximum => "maximum".to_string(),
+        Split::Fixed => "fixed".to_string(),
+        Split::Mixes(reason) => format!("refused: {reason}"),
+        other => format!("{other:?}"),
+    };
+    // Sizes relative to the first operand (for most ops, the activation they work on).
+    let unit = c.operands.first().copied().unwrap_or(c.output).max(1) as f64;
+    let ratio = |bytes: u64| {
+        let r = bytes as f64 / unit;
+        if r < 0.01 {
+            "<0.01".to_string()
+        } else if r >= 0.5 && (r - r.round()).abs() < 0.05 {
+            format!("{}", r.round())
+        } else {
+            format!("{r:.2}")
+        }
+    };
+    let mut memory = Vec::new();
+    memory.push(if c.output == 0 { "a view".to_string() } else { format!("output {}×", ratio(c.output)) });
+    let mut kept: Vec<String> = c.saved_inputs.iter().map(|k| format!("operand {k}")).collect();
+    if c.saves_output {
+        kept.push("output".into());
+    }
+    if c.saved_extra > 0 {
+        kept.push(format!("{}× more", ratio(c.saved_extra)));
+    }
+    if !kept.is_empty() {
+        memory.push(format!("keeps {}", kept.join(", ")));
+    }
+    if c.scratch > 0 || c.backward_scratch > 0 {
+        memory.push(format!("scratch {}× / {}×", ratio(c.scratch), ratio(c.backward_scratch)));
+    }
+    (split, memory.join("; "))
+}
 
 /// The rows of one family file: (op, first documentation line).
 fn ops_of(source: &str) -> Vec<(String, String)> {
@@ -65,12 +273,50 @@ fn table() -> String {
          (`TOMA_WRITE_OP_TABLE=1 cargo test --test lazy op_table`); CI fails when it differs from the code. \
          Each op also has a panicking form without `f_`, as in tch. Its file holds all its rules: how it is \
          recorded, run on a micro-batch, what its memory costs, and how a split rewrites it; its documentation \
-         says when it mixes samples (and a split is refused).\n\n| op | family | what it computes |\n|---|---|---|\n",
+         says when it mixes samples (and a split is refused). The two middle columns are read from each op \
+         recorded once on small sample operands (`LazyTensor::op_costs`): how micro-batches treat its value, and \
+         what the planner charges it: its output, what autograd keeps for the backward (operands by \
+         position, from 0; the output; more), and scratch space forward / backward, sized relative to the \
+         op's first operand (on the CPU, in `Float`).\n\n\
+         | op | family | micro-batches | memory (planned) | what it computes |\n|---|---|---|---|---|\n",
     );
     for file in files {
         let family = file.file_stem().unwrap().to_string_lossy().into_owned();
         for (name, summary) in ops_of(&std::fs::read_to_string(&file).unwrap()) {
-            out.push_str(&format!("| `{name}` | {family} | {summary} |\n"));
+            let (split, memory) = costs(&name);
+            out.push_str(&format!(
+                "| `{name}` | {family} | {} | {} | {summary} |\n",
+                split.replace('|', "\\|"),
+                memory
+            ));
+        }
+    }
+    // The layers: every `impl LazyModule(T) for ..` in src/lazy, and the models written once.
+    out.push_str(
+        "\n## Layers\n\nWhat `LazyTensor::apply` / `apply_t` take (from the `impl LazyModule for` and \
+         `impl LazyModuleT for` lines of `src/lazy/*.rs`, and the models' `both_modules!` lists); each records \
+         the ops above.\n\n| layer | file |\n|---|---|\n",
+    );
+    let lazy_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/lazy");
+    let mut files: Vec<_> =
+        std::fs::read_dir(&lazy_dir).unwrap().map(|e| e.unwrap().path()).filter(|p| p.is_file()).collect();
+    files.sort();
+    for file in files {
+        let source = std::fs::read_to_string(&file).unwrap();
+        let stem = file.file_name().unwrap().to_string_lossy().into_owned();
+        for line in source.lines() {
+            let layer = ["impl LazyModule for ", "impl LazyModuleT for "]
+                .iter()
+                .find_map(|prefix| line.strip_prefix(prefix))
+                .map(|rest| rest.trim_end_matches(" {").to_string());
+            let listed =
+                line.trim_start().strip_prefix("both_modules!(").map(|rest| rest.trim_end_matches(");").to_string());
+            for name in layer
+                .into_iter()
+                .chain(listed.into_iter().flat_map(|l| l.split(", ").map(str::to_string).collect::<Vec<_>>()))
+            {
+                out.push_str(&format!("| `{name}` | `src/lazy/{stem}` |\n"));
+            }
         }
     }
     out
