@@ -1,5 +1,5 @@
 //! tch's vision models written once over [`TensorOps`] (ResNet-18/34/50, VGG-11/13/16/19 with
-//! and without batch norm, AlexNet): the same layers under the same variable names as
+//! and without batch norm, AlexNet, MobileNet-V2): the same layers under the same variable names as
 //! `tch::vision` (its weights load), runnable eagerly on tensors (tch's `ModuleT`) and
 //! lazily, planned and micro-batched (`x.apply_t(&model, train)` on a [`LazyTensor`]).
 //!
@@ -355,7 +355,134 @@ macro_rules! both_modules {
         }
     )*};
 }
-both_modules!(Vgg, AlexNet);
+both_modules!(Vgg, AlexNet, MobileNetV2);
+
+/// A convolution, its batch norm and a ReLU6, under `p/0` and `p/1` (padding keeps the size).
+#[derive(Debug)]
+struct ConvBnRelu6 {
+    conv: nn::Conv2D,
+    bn: nn::BatchNorm,
+}
+
+impl ConvBnRelu6 {
+    fn new(p: nn::Path, c_in: i64, c_out: i64, ksize: i64, stride: i64, groups: i64) -> Self {
+        let config = nn::ConvConfig { stride, padding: (ksize - 1) / 2, groups, bias: false, ..Default::default() };
+        ConvBnRelu6 {
+            conv: nn::conv2d(&p / 0, c_in, c_out, ksize, config),
+            bn: nn::batch_norm2d(&p / 1, c_out, Default::default()),
+        }
+    }
+
+    fn forward<T: TensorOps>(&self, xs: &T, train: bool) -> T
+    where
+        nn::Conv2D: Layer<T>,
+        nn::BatchNorm: LayerT<T>,
+    {
+        xs.apply(&self.conv).apply_t(&self.bn, train).relu6()
+    }
+}
+
+/// MobileNet-V2's inverted residual: a 1×1 expansion (unless the ratio is 1), a 3×3 depthwise
+/// convolution, a linear 1×1 projection; the input is added back when the shape allows.
+#[derive(Debug)]
+struct InvertedResidual {
+    expand: Option<ConvBnRelu6>,
+    depthwise: ConvBnRelu6,
+    project: nn::Conv2D,
+    bn: nn::BatchNorm,
+    residual: bool,
+}
+
+impl InvertedResidual {
+    fn new(p: nn::Path, c_in: i64, c_out: i64, stride: i64, ratio: i64) -> Self {
+        let hidden = ratio * c_in;
+        let expand = (ratio != 1).then(|| ConvBnRelu6::new(&p / 0, c_in, hidden, 1, 1, 1));
+        let at = i64::from(ratio != 1);
+        InvertedResidual {
+            expand,
+            depthwise: ConvBnRelu6::new(&p / at, hidden, hidden, 3, stride, hidden),
+            project: nn::conv2d(&p / (at + 1), hidden, c_out, 1, nn::ConvConfig { bias: false, ..Default::default() }),
+            bn: nn::batch_norm2d(&p / (at + 2), c_out, Default::default()),
+            residual: stride == 1 && c_in == c_out,
+        }
+    }
+
+    fn forward<T: TensorOps>(&self, xs: &T, train: bool) -> T
+    where
+        nn::Conv2D: Layer<T>,
+        nn::BatchNorm: LayerT<T>,
+    {
+        let h = match &self.expand {
+            Some(expand) => self.depthwise.forward(&expand.forward(xs, train), train),
+            None => self.depthwise.forward(xs, train),
+        };
+        let h = h.apply(&self.project).apply_t(&self.bn, train);
+        if self.residual {
+            xs.add(&h)
+        } else {
+            h
+        }
+    }
+}
+
+/// MobileNet-V2 as tch's `mobilenet::v2`: its layout and variable names (`features.0`,
+/// `features.N.conv.M`, `classifier.1`); ReLU6 where tch writes `relu().clamp_max(6)` (the same
+/// values), and the spatial mean in the input's kind.
+pub struct MobileNetV2 {
+    stem: ConvBnRelu6,
+    blocks: Vec<InvertedResidual>,
+    head: ConvBnRelu6,
+    classifier: nn::Linear,
+}
+
+impl std::fmt::Debug for MobileNetV2 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MobileNetV2").field("blocks", &self.blocks.len()).finish_non_exhaustive()
+    }
+}
+
+impl MobileNetV2 {
+    fn new(p: &nn::Path, num_classes: i64) -> MobileNetV2 {
+        // (expansion ratio, output channels, repeats, first stride): the paper's table 2.
+        const SETTINGS: [(i64, i64, i64, i64); 7] =
+            [(1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1)];
+        let f = p / "features";
+        let stem = ConvBnRelu6::new(&f / 0, 3, 32, 3, 2, 1);
+        let (mut c_in, mut index) = (32, 1);
+        let mut blocks = Vec::new();
+        for (ratio, c_out, repeats, stride) in SETTINGS {
+            for i in 0..repeats {
+                let stride = if i == 0 { stride } else { 1 };
+                blocks.push(InvertedResidual::new(&f / index / "conv", c_in, c_out, stride, ratio));
+                c_in = c_out;
+                index += 1;
+            }
+        }
+        let head = ConvBnRelu6::new(&f / index, c_in, 1280, 1, 1, 1);
+        let classifier = nn::linear(p / "classifier" / 1, 1280, num_classes, Default::default());
+        MobileNetV2 { stem, blocks, head, classifier }
+    }
+
+    /// The model on `xs` (`[N, 3, H, W]`), written once for tensors and lazy tensors.
+    pub fn forward_t<T: TensorOps>(&self, xs: &T, train: bool) -> T
+    where
+        nn::Conv2D: Layer<T>,
+        nn::BatchNorm: LayerT<T>,
+        nn::Linear: Layer<T>,
+    {
+        let mut h = self.stem.forward(xs, train);
+        for block in &self.blocks {
+            h = block.forward(&h, train);
+        }
+        let h = self.head.forward(&h, train).mean_dim(&[2, 3], false, None);
+        h.dropout(0.2, train).apply(&self.classifier)
+    }
+}
+
+/// MobileNet-V2 (tch's `mobilenet::v2`).
+pub fn mobilenet_v2(p: &nn::Path, num_classes: i64) -> MobileNetV2 {
+    MobileNetV2::new(p, num_classes)
+}
 
 const VGG11: &[&[i64]] = &[&[64], &[128], &[256, 256], &[512, 512], &[512, 512]];
 const VGG13: &[&[i64]] = &[&[64, 64], &[128, 128], &[256, 256], &[512, 512], &[512, 512]];

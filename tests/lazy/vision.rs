@@ -124,3 +124,34 @@ fn an_alexnet_step_micro_batched_has_the_full_batchs_gradients() {
         assert!(err <= 1e-6, "{name}: gradients differ by {err:e} relative");
     }
 }
+
+#[test]
+fn mobilenet_v2_matches_tchs_own_and_splits_exactly() {
+    tch::manual_seed(35);
+    let tch_vs = nn::VarStore::new(CPU);
+    let theirs = tch::vision::mobilenet::v2(&tch_vs.root(), 5);
+    let mut vs = nn::VarStore::new(CPU);
+    let ours = vision::mobilenet_v2(&vs.root(), 5);
+    same_variables(&vs, &tch_vs, "mobilenet_v2");
+    vs.copy(&tch_vs).unwrap();
+    let x = Tensor::randn([4, 3, 64, 64], (Kind::Float, CPU));
+    let expected = theirs.forward_t(&x, false);
+    assert!(ours.forward_t(&x, false).allclose(&expected, 1e-5, 1e-5, false), "eager outputs");
+    let planned = lazy(&x, 0).apply_t(&ours, false).to_tensor_with(&Options::new().micro_batch(3)).unwrap();
+    assert!(planned.allclose(&expected, 1e-4, 1e-4, false), "lazy outputs");
+
+    // A micro-batched step (eval-mode batch norm: per sample) has the full batch's gradients.
+    vs.double();
+    let x = x.to_kind(Kind::Double);
+    let y = Tensor::randint(5, [4], (Kind::Int64, CPU));
+    ours.forward_t(&x, false).log_softmax(-1, None).nll_loss(&y).backward();
+    let eager = grads(&vs);
+    zero_grads(&vs);
+    let (lx, ly) = lazy((&x, &y), 0);
+    lx.apply_t(&ours, false).log_softmax(-1, None).nll_loss(&ly).backward_with(&Options::new().micro_batch(3)).unwrap();
+    let variables = vs.variables();
+    for (name, e) in eager {
+        let err = relative_error(&variables[&name].grad(), &e);
+        assert!(err <= 1e-6, "{name}: gradients differ by {err:e} relative");
+    }
+}
