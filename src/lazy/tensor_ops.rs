@@ -402,6 +402,9 @@ tensor_ops! {
     rms_norm / f_rms_norm(normalized_shape: &[i64], weight: Option<&Tensor>, eps: Option<f64>);
     /// Bilinear upsampling to `output_size`.
     upsample_bilinear2d / f_upsample_bilinear2d(output_size: &[i64], align_corners: bool, scales_h: Option<f64>, scales_w: Option<f64>);
+    /// Pads the trailing dimensions (`"constant"` with `value`, `"reflect"`, `"replicate"`,
+    /// `"circular"`).
+    pad / f_pad(pad: &[i64], mode: &str, value: Option<f64>);
     /// 2-D transposed convolution.
     conv_transpose2d / f_conv_transpose2d(weight: &Tensor, bias: Option<&Tensor>, stride: &[i64], padding: &[i64], output_padding: &[i64], groups: i64, dilation: &[i64]);
 }

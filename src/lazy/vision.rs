@@ -1,5 +1,5 @@
 //! tch's vision models written once over [`TensorOps`] (ResNet-18/34/50, VGG-11/13/16/19 with
-//! and without batch norm, AlexNet, MobileNet-V2): the same layers under the same variable names as
+//! and without batch norm, AlexNet, MobileNet-V2, EfficientNet-B0): the same layers under the same variable names as
 //! `tch::vision` (its weights load), runnable eagerly on tensors (tch's `ModuleT`) and
 //! lazily, planned and micro-batched (`x.apply_t(&model, train)` on a [`LazyTensor`]).
 //!
@@ -355,7 +355,7 @@ macro_rules! both_modules {
         }
     )*};
 }
-both_modules!(Vgg, AlexNet, MobileNetV2);
+both_modules!(Vgg, AlexNet, MobileNetV2, EfficientNet);
 
 /// A convolution, its batch norm and a ReLU6, under `p/0` and `p/1` (padding keeps the size).
 #[derive(Debug)]
@@ -522,4 +522,174 @@ pub fn vgg19(p: &nn::Path, num_classes: i64) -> Vgg {
 /// AlexNet (tch's `alexnet`).
 pub fn alexnet(p: &nn::Path, num_classes: i64) -> AlexNet {
     AlexNet::new(p, num_classes)
+}
+
+/// A convolution with TensorFlow's "same" padding (zeros, the odd one after), as EfficientNet's
+/// weights expect; then a batch norm (EfficientNet's epsilon and momentum) and, unless it is a
+/// projection, swish. Under `p/0` and `p/1`.
+#[derive(Debug)]
+struct SameConvBn {
+    conv: nn::Conv2D,
+    kernel: i64,
+    stride: i64,
+    bn: nn::BatchNorm,
+    swish: bool,
+}
+
+/// `x · sigmoid(x)`, as tch's EfficientNet computes it.
+fn swish<T: TensorOps>(x: &T) -> T {
+    x.mul(&x.sigmoid())
+}
+
+/// Pads `x` for a "same" convolution of `kernel` and `stride` (nothing when none is needed).
+fn same_padding<T: TensorOps>(x: &T, kernel: i64, stride: i64) -> Option<T> {
+    let size = x.size();
+    let pad = |input: i64| (((input + stride - 1) / stride - 1) * stride + kernel - input).max(0);
+    let (ph, pw) = (pad(size[2]), pad(size[3]));
+    (ph > 0 || pw > 0).then(|| x.pad(&[pw / 2, pw - pw / 2, ph / 2, ph - ph / 2], "constant", Some(0.0)))
+}
+
+impl SameConvBn {
+    fn new(p: nn::Path, c_in: i64, c_out: i64, kernel: i64, stride: i64, groups: i64, swish: bool) -> Self {
+        let config = nn::ConvConfig { stride, groups, bias: false, ..Default::default() };
+        let bn = nn::BatchNormConfig { momentum: 0.01, eps: 1e-3, ..Default::default() };
+        SameConvBn {
+            conv: nn::conv2d(&p / 0, c_in, c_out, kernel, config),
+            kernel,
+            stride,
+            bn: nn::batch_norm2d(&p / 1, c_out, bn),
+            swish,
+        }
+    }
+
+    fn forward<T: TensorOps>(&self, xs: &T, train: bool) -> T
+    where
+        nn::Conv2D: Layer<T>,
+        nn::BatchNorm: LayerT<T>,
+    {
+        let h = match same_padding(xs, self.kernel, self.stride) {
+            Some(padded) => padded.apply(&self.conv),
+            None => xs.apply(&self.conv),
+        };
+        let h = h.apply_t(&self.bn, train);
+        if self.swish {
+            swish(&h)
+        } else {
+            h
+        }
+    }
+}
+
+/// EfficientNet's mobile inverted bottleneck: expansion (unless the ratio is 1), a depthwise
+/// convolution, squeeze-and-excitation, a linear projection; the input added back when the
+/// shape allows.
+#[derive(Debug)]
+struct MbConv {
+    expand: Option<SameConvBn>,
+    depthwise: SameConvBn,
+    squeeze: (nn::Conv2D, nn::Conv2D),
+    project: SameConvBn,
+    residual: bool,
+}
+
+impl MbConv {
+    fn new(p: nn::Path, ratio: i64, kernel: i64, stride: i64, c_in: i64, c_out: i64) -> Self {
+        let p = &p / "block";
+        let hidden = ratio * c_in;
+        let expand = (ratio != 1).then(|| SameConvBn::new(&p / 0, c_in, hidden, 1, 1, 1, true));
+        let at = i64::from(ratio != 1);
+        let squeezed = (c_in / 4).max(1);
+        let se = &p / (at + 1);
+        MbConv {
+            expand,
+            depthwise: SameConvBn::new(&p / at, hidden, hidden, kernel, stride, hidden, true),
+            squeeze: (
+                nn::conv2d(&se / "fc1", hidden, squeezed, 1, Default::default()),
+                nn::conv2d(&se / "fc2", squeezed, hidden, 1, Default::default()),
+            ),
+            project: SameConvBn::new(&p / (at + 2), hidden, c_out, 1, 1, 1, false),
+            residual: stride == 1 && c_in == c_out,
+        }
+    }
+
+    fn forward<T: TensorOps>(&self, xs: &T, train: bool) -> T
+    where
+        nn::Conv2D: Layer<T>,
+        nn::BatchNorm: LayerT<T>,
+    {
+        let h = match &self.expand {
+            Some(expand) => self.depthwise.forward(&expand.forward(xs, train), train),
+            None => self.depthwise.forward(xs, train),
+        };
+        let (fc1, fc2) = &self.squeeze;
+        let scale = swish(&h.adaptive_avg_pool2d(&[1, 1]).apply(fc1)).apply(fc2).sigmoid();
+        let h = self.project.forward(&scale.mul(&h), train);
+        if self.residual {
+            h.add(xs)
+        } else {
+            h
+        }
+    }
+}
+
+/// EfficientNet-B0 as tch's `efficientnet::b0`: its layout and variable names (`features.0`,
+/// `features.S.R.block.M`, `classifier.1`), "same" padding and swish.
+pub struct EfficientNet {
+    stem: SameConvBn,
+    blocks: Vec<MbConv>,
+    head: SameConvBn,
+    classifier: nn::Linear,
+}
+
+impl std::fmt::Debug for EfficientNet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EfficientNet").field("blocks", &self.blocks.len()).finish_non_exhaustive()
+    }
+}
+
+impl EfficientNet {
+    fn b0(p: &nn::Path, num_classes: i64) -> EfficientNet {
+        // (expansion ratio, kernel, first stride, input channels, output channels, repeats).
+        const STAGES: [(i64, i64, i64, i64, i64, i64); 7] = [
+            (1, 3, 1, 32, 16, 1),
+            (6, 3, 2, 16, 24, 2),
+            (6, 5, 2, 24, 40, 2),
+            (6, 3, 2, 40, 80, 3),
+            (6, 5, 1, 80, 112, 3),
+            (6, 5, 2, 112, 192, 4),
+            (6, 3, 1, 192, 320, 1),
+        ];
+        let f = p / "features";
+        let stem = SameConvBn::new(&f / 0, 3, 32, 3, 2, 1, true);
+        let mut blocks = Vec::new();
+        for (stage, (ratio, kernel, stride, c_in, c_out, repeats)) in STAGES.into_iter().enumerate() {
+            for r in 0..repeats {
+                let (c_in, stride) = if r == 0 { (c_in, stride) } else { (c_out, 1) };
+                blocks.push(MbConv::new(&f / (stage + 1) / r, ratio, kernel, stride, c_in, c_out));
+            }
+        }
+        let head = SameConvBn::new(&f / (STAGES.len() + 1), 320, 1280, 1, 1, 1, true);
+        let classifier = nn::linear(p / "classifier" / 1, 1280, num_classes, Default::default());
+        EfficientNet { stem, blocks, head, classifier }
+    }
+
+    /// The model on `xs` (`[N, 3, H, W]`), written once for tensors and lazy tensors.
+    pub fn forward_t<T: TensorOps>(&self, xs: &T, train: bool) -> T
+    where
+        nn::Conv2D: Layer<T>,
+        nn::BatchNorm: LayerT<T>,
+        nn::Linear: Layer<T>,
+    {
+        let mut h = self.stem.forward(xs, train);
+        for block in &self.blocks {
+            h = block.forward(&h, train);
+        }
+        let h = self.head.forward(&h, train).adaptive_avg_pool2d(&[1, 1]);
+        h.squeeze_dim(-1).squeeze_dim(-1).apply(&self.classifier)
+    }
+}
+
+/// EfficientNet-B0 (tch's `efficientnet::b0`).
+pub fn efficientnet_b0(p: &nn::Path, num_classes: i64) -> EfficientNet {
+    EfficientNet::b0(p, num_classes)
 }

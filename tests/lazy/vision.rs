@@ -155,3 +155,34 @@ fn mobilenet_v2_matches_tchs_own_and_splits_exactly() {
         assert!(err <= 1e-6, "{name}: gradients differ by {err:e} relative");
     }
 }
+
+#[test]
+fn efficientnet_b0_matches_tchs_own_and_splits_exactly() {
+    tch::manual_seed(36);
+    let tch_vs = nn::VarStore::new(CPU);
+    let theirs = tch::vision::efficientnet::b0(&tch_vs.root(), 5);
+    let mut vs = nn::VarStore::new(CPU);
+    let ours = vision::efficientnet_b0(&vs.root(), 5);
+    same_variables(&vs, &tch_vs, "efficientnet_b0");
+    vs.copy(&tch_vs).unwrap();
+    // 67×67: odd sizes take "same" padding's uneven split.
+    let x = Tensor::randn([3, 3, 67, 67], (Kind::Float, CPU));
+    let expected = theirs.forward_t(&x, false);
+    assert!(ours.forward_t(&x, false).allclose(&expected, 1e-5, 1e-5, false), "eager outputs");
+    let planned = lazy(&x, 0).apply_t(&ours, false).to_tensor_with(&Options::new().micro_batch(2)).unwrap();
+    assert!(planned.allclose(&expected, 1e-4, 1e-4, false), "lazy outputs");
+
+    vs.double();
+    let x = x.to_kind(Kind::Double);
+    let y = Tensor::randint(5, [3], (Kind::Int64, CPU));
+    ours.forward_t(&x, false).log_softmax(-1, None).nll_loss(&y).backward();
+    let eager = grads(&vs);
+    zero_grads(&vs);
+    let (lx, ly) = lazy((&x, &y), 0);
+    lx.apply_t(&ours, false).log_softmax(-1, None).nll_loss(&ly).backward_with(&Options::new().micro_batch(2)).unwrap();
+    let variables = vs.variables();
+    for (name, e) in eager {
+        let err = relative_error(&variables[&name].grad(), &e);
+        assert!(err <= 1e-6, "{name}: gradients differ by {err:e} relative");
+    }
+}
