@@ -180,6 +180,17 @@ fn planner_peak_matches_the_cpu_allocator() {
             planned_and_measured(&loss, n as usize)
         });
     }
+    // The dropouts in training: alpha (a product and an offset), then per channel.
+    for batch in [4, 16] {
+        measure("dropouts", batch, &|n| {
+            let vs = nn::VarStore::new(CPU);
+            let w = vs.root().randn("w", &[16, 16, 3, 3], 0.0, 0.1);
+            let x = Tensor::randn([n, 16, 32, 32], (Kind::Float, CPU));
+            let h = toma::lazy::lazy(&x, 0).conv2d(&w, None::<&Tensor>, [1], [1], [1], 1).tanh();
+            let loss = h.alpha_dropout(0.2, true).feature_dropout(0.2, true).pow_tensor_scalar(2.0).mean(None);
+            planned_and_measured(&loss, n as usize)
+        });
+    }
     // All rows are printed before any bound is checked.
     for (model, batch, planned, measured) in rows {
         let (p, m) = (planned as f64, measured as f64);

@@ -347,6 +347,12 @@ tensor_ops! {
     adaptive_avg_pool2d / f_adaptive_avg_pool2d(output_size: &[i64]);
     /// Dropout.
     dropout / f_dropout(p: f64, train: bool);
+    /// Dropout of whole channels.
+    feature_dropout / f_feature_dropout(p: f64, train: bool);
+    /// Alpha dropout.
+    alpha_dropout / f_alpha_dropout(p: f64, train: bool);
+    /// Alpha dropout of whole channels.
+    feature_alpha_dropout / f_feature_alpha_dropout(p: f64, train: bool);
     /// A view with another shape.
     view / f_view(shape: &[i64]);
     /// Another shape, copying where a view cannot.

@@ -89,6 +89,9 @@ fn sample(name: &str) -> Option<LazyTensor> {
         "gt" => x().gt(0.0),
         "ge" => x().ge(0.0),
         "dropout" => x().dropout(0.1, true),
+        "feature_dropout" => img().feature_dropout(0.1, true),
+        "alpha_dropout" => x().alpha_dropout(0.1, true),
+        "feature_alpha_dropout" => img().feature_alpha_dropout(0.1, true),
         "softmax" => x().softmax(-1, None),
         "log_softmax" => x().log_softmax(-1, None),
         "sum" => x().sum(None),
@@ -187,7 +190,9 @@ fn costs(name: &str) -> (String, String) {
     let unit = c.operands.first().copied().unwrap_or(c.output).max(1) as f64;
     let ratio = |bytes: u64| {
         let r = bytes as f64 / unit;
-        if r < 0.01 {
+        if bytes == 0 {
+            "0".to_string()
+        } else if r < 0.01 {
             "<0.01".to_string()
         } else if r >= 0.5 && (r - r.round()).abs() < 0.05 {
             format!("{}", r.round())

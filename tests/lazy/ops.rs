@@ -525,6 +525,17 @@ proptest! {
         // Bilinear upsampling, with and without aligned corners and scales.
         let scale = (affine && per == 1).then_some(oh as f64 / h as f64);
         agree("upsample_bilinear2d", x.f_upsample_bilinear2d([oh, ow].as_slice(), affine, scale, None), lazy(&x, 0).f_upsample_bilinear2d([oh, ow], affine, scale, None), micro, Split::Exact)?;
+        // The dropouts: the value itself in eval mode; in training, random masks (shapes only).
+        let lx = lazy(&x, 0);
+        agree("dropout eval", x.f_dropout(0.3, false), lx.f_dropout(0.3, false), micro, Split::Exact)?;
+        agree("feature_dropout eval", x.f_feature_dropout(0.3, false), lx.f_feature_dropout(0.3, false), micro, Split::Exact)?;
+        agree("alpha_dropout eval", x.f_alpha_dropout(0.3, false), lx.f_alpha_dropout(0.3, false), micro, Split::Exact)?;
+        agree("feature_alpha_dropout eval", x.f_feature_alpha_dropout(0.3, false), lx.f_feature_alpha_dropout(0.3, false), micro, Split::Exact)?;
+        agree("feature_dropout train", x.f_feature_dropout(0.3, true), lx.f_feature_dropout(0.3, true), micro, Split::Shape)?;
+        agree("alpha_dropout train", x.f_alpha_dropout(0.3, true), lx.f_alpha_dropout(0.3, true), micro, Split::Shape)?;
+        agree("feature_alpha_dropout train", x.f_feature_alpha_dropout(0.3, true), lx.f_feature_alpha_dropout(0.3, true), micro, Split::Shape)?;
+        let flat = randn(&[n]);
+        agree("feature_dropout 1-D", flat.f_feature_dropout(0.3, true), lazy(&flat, 0).f_feature_dropout(0.3, true), micro, Split::Shape)?;
         // RMS norm over the trailing one or two dimensions, with or without a weight and eps.
         let trailing: Vec<i64> = if affine { vec![w] } else { vec![h, w] };
         let rw = randn(&trailing);

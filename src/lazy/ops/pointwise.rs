@@ -97,6 +97,7 @@ pub(crate) enum Pointwise {
     Dropout {
         p: f64,
         train: bool,
+        kind: DropoutKind,
     },
     /// Operands: x, mask (Bool, broadcast to x).
     MaskedFill {
@@ -144,7 +145,7 @@ impl Rules for Pointwise {
                 (Binary::Pow, _) => "pow_scalar",
                 (other, _) => other.name(),
             },
-            Pointwise::Dropout { .. } => "dropout",
+            Pointwise::Dropout { kind, .. } => kind.name(),
             Pointwise::MaskedFill { .. } => "masked_fill",
             Pointwise::Where => "where_self",
             Pointwise::Triangle { upper: false, .. } => "tril",
@@ -195,7 +196,12 @@ impl Rules for Pointwise {
                 }
             }
             Pointwise::Scalar { op, scalar, reversed } => scalar_op(ins[0], *op, *scalar, *reversed),
-            Pointwise::Dropout { p, train } => ins[0].f_dropout(*p, *train),
+            Pointwise::Dropout { p, train, kind } => match kind {
+                DropoutKind::Plain => ins[0].f_dropout(*p, *train),
+                DropoutKind::Feature => ins[0].f_feature_dropout(*p, *train),
+                DropoutKind::Alpha => ins[0].f_alpha_dropout(*p, *train),
+                DropoutKind::FeatureAlpha => ins[0].f_feature_alpha_dropout(*p, *train),
+            },
             Pointwise::MaskedFill { value } => {
                 let (x, mask) = (ins[0], ins[1]);
                 x.f_masked_fill(mask, *value)
@@ -262,7 +268,7 @@ impl Rules for Pointwise {
             Pointwise::Binary(Binary::Add) => same_shape(i),
             Pointwise::Binary(Binary::Sub) => i == 0 && same_shape(0),
             Pointwise::Scalar { op: Binary::Add | Binary::Sub, reversed: false, .. } => true,
-            Pointwise::Dropout { p, train } => !*train || *p == 0.0,
+            Pointwise::Dropout { p, train, .. } => !*train || *p == 0.0,
             _ => false,
         }
     }
@@ -271,8 +277,12 @@ impl Rules for Pointwise {
         let input = &inputs.first()?.meta;
         let (a, c) = input.numel_parts();
         match self {
-            // The scaled Bernoulli mask, as large as the input (CPU path).
-            Pointwise::Dropout { p, train } if *train && *p > 0.0 => Some((a, c, input.kind)),
+            // The scaled Bernoulli mask (CPU path): as large as the input, or one value per
+            // sample and channel for the feature forms.
+            Pointwise::Dropout { p, train, kind } if *train && *p > 0.0 => {
+                let per = kind.mask_fraction(&input.shape);
+                Some((a / per, c / per, input.kind))
+            }
             // The reciprocal between `1 / x` and the multiplication.
             Pointwise::Scalar { op: Binary::Div, reversed: true, .. } => Some((a, c, input.kind)),
             _ => None,
@@ -285,6 +295,24 @@ impl Rules for Pointwise {
         // `grad / (2 * result)` each make a temporary as large as the value.
         if matches!(self, Pointwise::Unary(Unary::Abs | Unary::Sqrt)) && meta.requires_grad {
             scratch.backward = meta.numel_parts();
+        }
+        // `grad * (e * x.pow(e - 1))`: the power and its scaled copy, both as large as the value.
+        if let Pointwise::Scalar { op: Binary::Pow, scalar, reversed: false } = self {
+            if meta.requires_grad && *scalar != 0.0 {
+                let (a, c) = meta.numel_parts();
+                scratch.backward = (2 * a, 2 * c);
+            }
+        }
+        // Alpha dropout is `x · mask + b`: the product is a temporary as large as the input,
+        // and `b` is as large as the mask.
+        if let Pointwise::Dropout { p, train: true, kind: kind @ (DropoutKind::Alpha | DropoutKind::FeatureAlpha) } =
+            self
+        {
+            if *p > 0.0 {
+                let (a, c) = meta.numel_parts();
+                let per = kind.mask_fraction(&meta.shape);
+                scratch.forward = (a + a / per, c + c / per);
+            }
         }
         // A broadcast operand's gradient: the output gradient summed over the broadcast
         // dimensions.
@@ -821,19 +849,56 @@ impl LazyTensor {
     /// # Errors
     /// [`LazyError::Argument`] for `p` outside `[0, 1]`.
     pub fn f_dropout(&self, p: f64, train: bool) -> Result<LazyTensor, LazyError> {
+        self.dropout_as(DropoutKind::Plain, p, train)
+    }
+
+    /// Dropout of whole channels (`[N, C, ..]`: one draw per sample and channel), as tch's
+    /// `feature_dropout` (PyTorch's `dropout2d`/`dropout3d`).
+    ///
+    /// # Errors
+    /// As [`f_dropout`](Self::f_dropout); an input of fewer than 2 dimensions.
+    pub fn f_feature_dropout(&self, p: f64, train: bool) -> Result<LazyTensor, LazyError> {
+        self.dropout_as(DropoutKind::Feature, p, train)
+    }
+
+    /// Alpha dropout (keeps a SELU network's mean and variance), as tch's `alpha_dropout`.
+    ///
+    /// # Errors
+    /// As [`f_dropout`](Self::f_dropout).
+    pub fn f_alpha_dropout(&self, p: f64, train: bool) -> Result<LazyTensor, LazyError> {
+        self.dropout_as(DropoutKind::Alpha, p, train)
+    }
+
+    /// Alpha dropout of whole channels, as tch's `feature_alpha_dropout`.
+    ///
+    /// # Errors
+    /// As [`f_feature_dropout`](Self::f_feature_dropout).
+    pub fn f_feature_alpha_dropout(&self, p: f64, train: bool) -> Result<LazyTensor, LazyError> {
+        self.dropout_as(DropoutKind::FeatureAlpha, p, train)
+    }
+
+    fn dropout_as(&self, kind: DropoutKind, p: f64, train: bool) -> Result<LazyTensor, LazyError> {
         let n = &self.node;
+        let name = kind.name();
         if !(0.0..=1.0).contains(&p) {
             return Err(arg(
-                "dropout",
+                name,
                 &n.meta.shape,
                 format!("dropout probability has to be between 0 and 1, but got {p}"),
             ));
         }
+        if matches!(kind, DropoutKind::Feature | DropoutKind::FeatureAlpha) && n.meta.shape.len() < 2 {
+            return Err(arg(
+                name,
+                &n.meta.shape,
+                format!("Feature dropout requires at least 2 dimensions in the input, got {}", n.meta.shape.len()),
+            ));
+        }
         let identity = !train || p == 0.0;
         let linearity = if identity { Linearity::Structural } else { Linearity::Nonlinear };
-        let flow = same_shape_flow("dropout", n, linearity)?;
+        let flow = same_shape_flow(name, n, linearity)?;
         let record = Record::new(
-            Pointwise::Dropout { p, train },
+            Pointwise::Dropout { p, train, kind },
             vec![n.clone()],
             n.meta.shape.clone(),
             n.meta.kind,
@@ -844,7 +909,41 @@ impl LazyTensor {
     }
 }
 
+/// Which dropout: elementwise or per channel, plain or alpha.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum DropoutKind {
+    Plain,
+    Feature,
+    Alpha,
+    FeatureAlpha,
+}
+
+impl DropoutKind {
+    fn name(self) -> &'static str {
+        match self {
+            DropoutKind::Plain => "dropout",
+            DropoutKind::Feature => "feature_dropout",
+            DropoutKind::Alpha => "alpha_dropout",
+            DropoutKind::FeatureAlpha => "feature_alpha_dropout",
+        }
+    }
+
+    /// How many input elements share one mask element: the spatial size for the feature
+    /// forms (their mask is `[N, C, 1, ..]`), else 1.
+    fn mask_fraction(self, shape: &[i64]) -> u64 {
+        match self {
+            DropoutKind::Feature | DropoutKind::FeatureAlpha if shape.len() > 2 => {
+                shape[2..].iter().product::<i64>().max(1) as u64
+            }
+            _ => 1,
+        }
+    }
+}
+
 panicking! {
+    feature_dropout => f_feature_dropout(p: f64, train: bool);
+    alpha_dropout => f_alpha_dropout(p: f64, train: bool);
+    feature_alpha_dropout => f_feature_alpha_dropout(p: f64, train: bool);
     relu => f_relu();
     sigmoid => f_sigmoid();
     tanh => f_tanh();
