@@ -1,13 +1,14 @@
 //! tch's layers, recorded lazily: `x.apply(&linear)` where `linear` is a `tch::nn::Linear`,
 //! and a lazy [`Sequential`].
 //!
-//! Adapters exist for [`nn::Linear`], [`nn::Conv2D`], [`nn::LayerNorm`], [`nn::Embedding`] and
-//! [`nn::BatchNorm`] (through [`LazyModuleT`]). tch keeps some of their settings private (a
+//! Adapters exist for [`nn::Linear`], [`nn::Conv1D`], [`nn::Conv2D`] (every padding mode: the
+//! input is padded first, as tch does), [`nn::ConvTranspose2D`], [`nn::LayerNorm`],
+//! [`nn::Embedding`] and [`nn::BatchNorm`] (through [`LazyModuleT`]). tch keeps some of their settings private (a
 //! convolution's stride, a norm's epsilon); the adapters read them from the layer's `Debug`
 //! text, which tch 0.24 prints in full (all of that reading is in one place, `tch_compat`, whose
 //! tests fail loudly if a tch release prints it differently). A layer whose settings cannot
-//! be read, or that uses something the graph cannot plan (a padding mode other than zeros,
-//! sparse embeddings), is an [`LazyError::Unsupported`] naming it: it is never run eagerly.
+//! be read, or that uses something the graph cannot plan (sparse embeddings), is an
+//! [`LazyError::Unsupported`] naming it: it is never run eagerly.
 //!
 //! ```
 //! use tch::{nn, Device, Kind, Tensor};
@@ -61,32 +62,53 @@ impl LazyModule for nn::Linear {
     }
 }
 
-/// A convolution's settings, refusing padding modes other than zeros.
-fn conv_settings<ND: std::fmt::Debug>(layer: &nn::Conv<ND>, what: &str) -> Result<tch_compat::ConvSettings, LazyError> {
-    let c = tch_compat::conv(layer, what)?;
-    if c.padding_mode != "Zeros" {
-        return Err(LazyError::Unsupported {
-            op: what.into(),
-            reason: format!(
-                "padding mode {} pads with an op toma::lazy does not plan; pad with a CustomOp, then convolve",
-                c.padding_mode
-            ),
-        });
-    }
-    Ok(c)
+/// A convolution's input and settings: a padding mode other than zeros pads the input first
+/// (as tch does) and leaves the convolution unpadded.
+fn conv_input<ND: std::fmt::Debug>(
+    layer: &nn::Conv<ND>,
+    what: &str,
+    xs: &LazyTensor,
+) -> Result<(LazyTensor, tch_compat::ConvSettings), LazyError> {
+    let mut c = tch_compat::conv(layer, what)?;
+    let mode = match c.padding_mode.as_str() {
+        "Zeros" => return Ok((xs.clone(), c)),
+        "Reflect" => "reflect",
+        "Replicate" => "replicate",
+        "Circular" => "circular",
+        other => {
+            return Err(LazyError::Unsupported {
+                op: what.into(),
+                reason: format!(
+                    "padding mode {other} is not one toma::lazy knows (Zeros, Reflect, Replicate, Circular)"
+                ),
+            })
+        }
+    };
+    // `pad` takes (before, after) pairs from the last dimension backwards.
+    let pad: Vec<i64> = c.padding.iter().rev().flat_map(|&p| [p, p]).collect();
+    let padded = xs.f_pad(pad, mode, None)?;
+    c.padding = vec![0; c.padding.len()];
+    Ok((padded, c))
 }
 
 impl LazyModule for nn::Conv1D {
     fn lazy_forward(&self, xs: &LazyTensor) -> Result<LazyTensor, LazyError> {
-        let c = conv_settings(self, "nn::Conv1D")?;
+        let (xs, c) = conv_input(self, "nn::Conv1D", xs)?;
         xs.f_conv1d(&self.ws, self.bs.as_ref(), c.stride, c.padding, c.dilation, c.groups)
     }
 }
 
 impl LazyModule for nn::Conv2D {
     fn lazy_forward(&self, xs: &LazyTensor) -> Result<LazyTensor, LazyError> {
-        let c = conv_settings(self, "nn::Conv2D")?;
+        let (xs, c) = conv_input(self, "nn::Conv2D", xs)?;
         xs.f_conv2d(&self.ws, self.bs.as_ref(), c.stride, c.padding, c.dilation, c.groups)
+    }
+}
+
+impl LazyModule for nn::ConvTranspose2D {
+    fn lazy_forward(&self, xs: &LazyTensor) -> Result<LazyTensor, LazyError> {
+        let c = tch_compat::conv_transpose(self, "nn::ConvTranspose2D")?;
+        xs.f_conv_transpose2d(&self.ws, self.bs.as_ref(), c.stride, c.padding, c.output_padding, c.groups, c.dilation)
     }
 }
 

@@ -38,6 +38,32 @@ pub(crate) fn conv<ND: std::fmt::Debug>(layer: &nn::Conv<ND>, what: &str) -> Res
     })
 }
 
+/// A transposed convolution's settings.
+pub(crate) struct ConvTransposeSettings {
+    pub(crate) stride: Vec<i64>,
+    pub(crate) padding: Vec<i64>,
+    pub(crate) output_padding: Vec<i64>,
+    pub(crate) dilation: Vec<i64>,
+    pub(crate) groups: i64,
+}
+
+/// A transposed convolution's settings; `what` names the layer in errors.
+pub(crate) fn conv_transpose<ND: std::fmt::Debug>(
+    layer: &nn::ConvTransposeND<ND>,
+    what: &str,
+) -> Result<ConvTransposeSettings, LazyError> {
+    let text = format!("{layer:?}");
+    let config = config_of(what, &text)?;
+    let list = |name: &str| field(config, name).and_then(parse_list).ok_or_else(|| unreadable(what, name));
+    Ok(ConvTransposeSettings {
+        stride: list("stride")?,
+        padding: list("padding")?,
+        output_padding: list("output_padding")?,
+        dilation: list("dilation")?,
+        groups: parsed(what, config, "groups")?,
+    })
+}
+
 /// A layer norm's epsilon.
 pub(crate) fn layer_norm_eps(layer: &nn::LayerNorm) -> Result<f64, LazyError> {
     let text = format!("{layer:?}");
@@ -149,6 +175,21 @@ mod tests {
         );
         let c = conv(&one, "nn::Conv1D").expect("tch's Conv1D Debug text");
         assert_eq!((c.stride, c.padding, c.dilation, c.groups), (vec![3], vec![2], vec![2], 4));
+
+        let config = nn::ConvTransposeConfig {
+            stride: 3,
+            padding: 2,
+            output_padding: 1,
+            dilation: 2,
+            groups: 2,
+            ..Default::default()
+        };
+        let t = nn::conv_transpose2d(&r / "t", 4, 6, 3, config);
+        let c = conv_transpose(&t, "nn::ConvTranspose2D").expect("tch's ConvTranspose2D Debug text");
+        assert_eq!(
+            (c.stride, c.padding, c.output_padding, c.dilation, c.groups),
+            (vec![3, 3], vec![2, 2], vec![1, 1], vec![2, 2], 2)
+        );
 
         let ln = nn::layer_norm(&r / "ln", vec![6], nn::LayerNormConfig { eps: 1e-3, ..Default::default() });
         assert_eq!(layer_norm_eps(&ln).unwrap(), 1e-3);

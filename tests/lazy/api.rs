@@ -242,18 +242,12 @@ fn an_oom_in_a_micro_batch_halves_it_and_never_counts_twice() {
 
 #[test]
 fn unplannable_things_are_errors_not_eager_runs() {
-    // A reflect-padded convolution pads with an op the graph does not plan.
+    // A sparse embedding's gradient is a sparse tensor the planner does not model.
     let vs = nn::VarStore::new(CPU);
-    let conv = nn::conv2d(
-        vs.root(),
-        3,
-        3,
-        3,
-        nn::ConvConfig { padding: 1, padding_mode: nn::PaddingMode::Reflect, ..Default::default() },
-    );
-    let img = lazy(&Tensor::randn([2, 3, 5, 5], (Kind::Float, CPU)), 0);
-    let err = img.f_apply(&conv).unwrap_err();
-    assert!(matches!(err, LazyError::Unsupported { .. }) && err.to_string().contains("Reflect"), "{err}");
+    let emb = nn::embedding(vs.root(), 10, 3, nn::EmbeddingConfig { sparse: true, ..Default::default() });
+    let ids = lazy(&Tensor::randint(10, [2, 5], (Kind::Int64, CPU)), 0);
+    let err = ids.f_apply(&emb).unwrap_err();
+    assert!(matches!(err, LazyError::Unsupported { .. }) && err.to_string().contains("sparse"), "{err}");
 }
 
 #[test]
@@ -286,4 +280,37 @@ fn options_refuse_bad_values() {
         assert!(text(margin).contains("safety margin must lie in [0, 1)"));
     }
     assert_eq!(Options::new().safety_margin(0.0).micro_batch(3), Options::new().safety_margin(0.0).micro_batch(3));
+}
+
+/// tch's convolution layers with every padding mode, and its transposed convolution, as lazy
+/// layers: the same values as tch's own forward, split or not.
+#[test]
+fn tch_conv_layers_with_padding_modes_and_transposed_ones_run_lazily() {
+    use tch::nn::{self, Module};
+    let vs = nn::VarStore::new(tch::Device::Cpu);
+    let r = vs.root();
+    let x = tch::Tensor::randn([5, 4, 9, 8], (tch::Kind::Float, tch::Device::Cpu));
+    let options = toma::lazy::Options::new().micro_batch(2);
+    for (i, mode) in
+        [nn::PaddingMode::Zeros, nn::PaddingMode::Reflect, nn::PaddingMode::Replicate, nn::PaddingMode::Circular]
+            .into_iter()
+            .enumerate()
+    {
+        let conv = nn::conv2d(
+            &r / format!("c{i}"),
+            4,
+            6,
+            3,
+            nn::ConvConfig { padding: 2, stride: 2, padding_mode: mode, ..Default::default() },
+        );
+        let want = conv.forward(&x);
+        let got = toma::lazy::lazy(&x, 0).apply(&conv).to_tensor_with(&options).unwrap();
+        assert!(got.allclose(&want, 1e-5, 1e-5, false), "{mode:?}");
+    }
+    let config = nn::ConvTransposeConfig { stride: 2, padding: 1, output_padding: 1, groups: 2, ..Default::default() };
+    let t = nn::conv_transpose2d(&r / "t", 4, 6, 3, config);
+    let want = t.forward(&x);
+    let got = toma::lazy::lazy(&x, 0).apply(&t).to_tensor_with(&options).unwrap();
+    assert_eq!(got.size(), want.size());
+    assert!(got.allclose(&want, 1e-5, 1e-5, false), "conv_transpose2d");
 }
