@@ -41,6 +41,32 @@ fn resnets_match_tchs_own_on_one_var_store() {
     }
 }
 
+/// One eager backward of `net`'s NLL on `(x, y)` against one lazy backward in micro-batches
+/// of `micro`: every gradient within 1e-6 relative (the var store in `Double`).
+fn assert_micro_batched_gradients<M: ModuleT + toma::lazy::nn::LazyModuleT>(
+    vs: &nn::VarStore,
+    net: &M,
+    x: &Tensor,
+    y: &Tensor,
+    micro: usize,
+) {
+    zero_grads(vs);
+    net.forward_t(x, false).log_softmax(-1, None).nll_loss(y).backward();
+    let eager = grads(vs);
+    zero_grads(vs);
+    let (lx, ly) = lazy((x, y), 0);
+    lx.apply_t(net, false)
+        .log_softmax(-1, None)
+        .nll_loss(&ly)
+        .backward_with(&Options::new().micro_batch(micro))
+        .unwrap();
+    let variables = vs.variables();
+    for (name, e) in eager {
+        let err = relative_error(&variables[&name].grad(), &e);
+        assert!(err <= 1e-6, "{name}: gradients differ by {err:e} relative");
+    }
+}
+
 #[test]
 fn a_resnet18_step_micro_batched_has_the_full_batchs_gradients() {
     tch::manual_seed(32);
@@ -49,19 +75,7 @@ fn a_resnet18_step_micro_batched_has_the_full_batchs_gradients() {
     vs.double();
     let x = Tensor::randn([10, 3, 32, 32], (Kind::Double, CPU));
     let y = Tensor::randint(5, [10], (Kind::Int64, CPU));
-    let loss = net.forward_t(&x, false).log_softmax(-1, None).nll_loss(&y);
-    loss.backward();
-    let eager = grads(&vs);
-    zero_grads(&vs);
-    let (lx, ly) = lazy((&x, &y), 0);
-    let lazy_loss = lx.apply_t(&net, false).log_softmax(-1, None).nll_loss(&ly);
-    lazy_loss.backward_with(&Options::new().micro_batch(3)).unwrap();
-    let variables = vs.variables();
-    for (name, e) in eager {
-        let l = variables[&name].grad();
-        let err = relative_error(&l, &e);
-        assert!(err <= 1e-6, "{name}: gradients differ by {err:e} relative");
-    }
+    assert_micro_batched_gradients(&vs, &net, &x, &y, 3);
 }
 
 /// The same names and shapes as tch's model on another var store: tch's weights load.
@@ -113,16 +127,7 @@ fn an_alexnet_step_micro_batched_has_the_full_batchs_gradients() {
     vs.double();
     let x = Tensor::randn([5, 3, 128, 128], (Kind::Double, CPU));
     let y = Tensor::randint(3, [5], (Kind::Int64, CPU));
-    net.forward_t(&x, false).log_softmax(-1, None).nll_loss(&y).backward();
-    let eager = grads(&vs);
-    zero_grads(&vs);
-    let (lx, ly) = lazy((&x, &y), 0);
-    lx.apply_t(&net, false).log_softmax(-1, None).nll_loss(&ly).backward_with(&Options::new().micro_batch(2)).unwrap();
-    let variables = vs.variables();
-    for (name, e) in eager {
-        let err = relative_error(&variables[&name].grad(), &e);
-        assert!(err <= 1e-6, "{name}: gradients differ by {err:e} relative");
-    }
+    assert_micro_batched_gradients(&vs, &net, &x, &y, 2);
 }
 
 #[test]
@@ -144,16 +149,7 @@ fn mobilenet_v2_matches_tchs_own_and_splits_exactly() {
     vs.double();
     let x = x.to_kind(Kind::Double);
     let y = Tensor::randint(5, [4], (Kind::Int64, CPU));
-    ours.forward_t(&x, false).log_softmax(-1, None).nll_loss(&y).backward();
-    let eager = grads(&vs);
-    zero_grads(&vs);
-    let (lx, ly) = lazy((&x, &y), 0);
-    lx.apply_t(&ours, false).log_softmax(-1, None).nll_loss(&ly).backward_with(&Options::new().micro_batch(3)).unwrap();
-    let variables = vs.variables();
-    for (name, e) in eager {
-        let err = relative_error(&variables[&name].grad(), &e);
-        assert!(err <= 1e-6, "{name}: gradients differ by {err:e} relative");
-    }
+    assert_micro_batched_gradients(&vs, &ours, &x, &y, 3);
 }
 
 #[test]
@@ -175,14 +171,5 @@ fn efficientnet_b0_matches_tchs_own_and_splits_exactly() {
     vs.double();
     let x = x.to_kind(Kind::Double);
     let y = Tensor::randint(5, [3], (Kind::Int64, CPU));
-    ours.forward_t(&x, false).log_softmax(-1, None).nll_loss(&y).backward();
-    let eager = grads(&vs);
-    zero_grads(&vs);
-    let (lx, ly) = lazy((&x, &y), 0);
-    lx.apply_t(&ours, false).log_softmax(-1, None).nll_loss(&ly).backward_with(&Options::new().micro_batch(2)).unwrap();
-    let variables = vs.variables();
-    for (name, e) in eager {
-        let err = relative_error(&variables[&name].grad(), &e);
-        assert!(err <= 1e-6, "{name}: gradients differ by {err:e} relative");
-    }
+    assert_micro_batched_gradients(&vs, &ours, &x, &y, 2);
 }

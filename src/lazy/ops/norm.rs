@@ -198,17 +198,34 @@ impl LazyTensor {
         bias: Option<impl IntoLazy>,
         eps: f64,
     ) -> Result<LazyTensor, LazyError> {
-        let x = &self.node;
-        let name = "layer_norm";
-        let s = &x.meta.shape;
         let norm = normalized_shape.as_ref().to_vec();
+        let params = [weight.map(IntoLazy::into_lazy), bias.map(IntoLazy::into_lazy)];
+        let (weight, bias) = (params[0].is_some(), params[1].is_some());
+        self.trailing_norm(
+            "layer_norm",
+            norm.clone(),
+            &params,
+            Norm::Layer { normalized_shape: norm, eps, weight, bias },
+        )
+    }
+
+    /// Records a normalization over the trailing `norm` dimensions whose parameters (those
+    /// given) have `norm`'s shape: layer norm, RMS norm.
+    fn trailing_norm(
+        &self,
+        name: &str,
+        norm: Vec<i64>,
+        params: &[Option<LazyTensor>],
+        op: Norm,
+    ) -> Result<LazyTensor, LazyError> {
+        let x = &self.node;
+        let s = &x.meta.shape;
         if norm.is_empty() || norm.len() > s.len() || s[s.len() - norm.len()..] != norm[..] {
             return Err(shape_err(name, s, &norm, "the input's trailing dimensions must equal normalized_shape"));
         }
         floating(name, x)?;
-        let (w, b) = (weight.map(IntoLazy::into_lazy), bias.map(IntoLazy::into_lazy));
         let mut nodes = vec![x];
-        for p in w.iter().chain(b.iter()) {
+        for p in params.iter().flatten() {
             if p.node.meta.shape != norm {
                 return Err(shape_err(name, &norm, &p.node.meta.shape, "weight and bias must have normalized_shape"));
             }
@@ -223,7 +240,6 @@ impl LazyTensor {
         if x.meta.batch().is_some_and(|bd| bd.dim >= first_norm) {
             mixes = Some("normalizes over the batch dimension".into());
         }
-        let op = Norm::Layer { normalized_shape: norm, eps, weight: w.is_some(), bias: b.is_some() };
         let inputs = nodes.into_iter().cloned().collect();
         Ok(Record::new(op, inputs, s.clone(), x.meta.kind, device).flow((flow, mixes)).finish())
     }
@@ -297,34 +313,10 @@ impl LazyTensor {
         weight: Option<impl IntoLazy>,
         eps: impl Into<Option<f64>>,
     ) -> Result<LazyTensor, LazyError> {
-        let x = &self.node;
-        let name = "rms_norm";
-        let s = &x.meta.shape;
         let norm = normalized_shape.as_ref().to_vec();
-        if norm.is_empty() || norm.len() > s.len() || s[s.len() - norm.len()..] != norm[..] {
-            return Err(shape_err(name, s, &norm, "the input's trailing dimensions must equal normalized_shape"));
-        }
-        floating(name, x)?;
-        let w = weight.map(IntoLazy::into_lazy);
-        let mut nodes = vec![x];
-        if let Some(w) = &w {
-            if w.node.meta.shape != norm {
-                return Err(shape_err(name, &norm, &w.node.meta.shape, "the weight must have normalized_shape"));
-            }
-            same_kind(name, x, &w.node)?;
-            nodes.push(&w.node);
-        }
-        let device = same_device(name, &nodes)?;
-        let first_norm = s.len() - norm.len();
-        let mapped: Vec<Option<usize>> =
-            nodes.iter().enumerate().map(|(i, n)| n.meta.batch().filter(|_| i == 0).map(|bd| bd.dim)).collect();
-        let (flow, mut mixes) = combine_flows(name, &nodes, &mapped, s, Linearity::Nonlinear, false)?;
-        if x.meta.batch().is_some_and(|bd| bd.dim >= first_norm) {
-            mixes = Some("normalizes over the batch dimension".into());
-        }
-        let op = Norm::Rms { normalized_shape: norm, eps: eps.into(), weight: w.is_some() };
-        let inputs = nodes.into_iter().cloned().collect();
-        Ok(Record::new(op, inputs, s.clone(), x.meta.kind, device).flow((flow, mixes)).finish())
+        let params = [weight.map(IntoLazy::into_lazy)];
+        let op = Norm::Rms { normalized_shape: norm.clone(), eps: eps.into(), weight: params[0].is_some() };
+        self.trailing_norm("rms_norm", norm, &params, op)
     }
 }
 
