@@ -105,6 +105,16 @@ macro_rules! tensor_ops {
             fn apply<L: Layer<Self> + ?Sized>(&self, layer: &L) -> Self {
                 layer.forward(self)
             }
+            /// `layer` applied to `self` when there is one, else `self` (tch's `apply_opt`).
+            #[track_caller]
+            fn apply_opt<L: Layer<Self>>(&self, layer: &Option<L>) -> Self {
+                match layer {
+                    Some(layer) => layer.forward(self),
+                    None => self.shallow_clone(),
+                }
+            }
+            /// The same value, sharing its storage (tch's `shallow_clone`; a lazy tensor's clone).
+            fn shallow_clone(&self) -> Self;
             /// `layer` applied to `self` in training or not (tch's `apply_t`).
             #[track_caller]
             fn apply_t<L: LayerT<Self> + ?Sized>(&self, layer: &L, train: bool) -> Self {
@@ -186,6 +196,10 @@ macro_rules! tensor_ops {
                 tensor.shallow_clone()
             }
             #[inline]
+            fn shallow_clone(&self) -> Self {
+                Tensor::shallow_clone(self)
+            }
+            #[inline]
             fn f_chunk(&self, chunks: i64, dim: i64) -> Result<Vec<Self>, TchError> {
                 Tensor::f_chunk(self, chunks, dim)
             }
@@ -234,6 +248,9 @@ macro_rules! tensor_ops {
             }
             fn constant(tensor: &Tensor) -> Self {
                 LazyTensor::fixed(tensor)
+            }
+            fn shallow_clone(&self) -> Self {
+                self.clone()
             }
             fn f_chunk(&self, chunks: i64, dim: i64) -> Result<Vec<Self>, LazyError> {
                 LazyTensor::f_chunk(self, chunks, dim)

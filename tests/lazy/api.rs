@@ -314,3 +314,20 @@ fn tch_conv_layers_with_padding_modes_and_transposed_ones_run_lazily() {
     assert_eq!(got.size(), want.size());
     assert!(got.allclose(&want, 1e-5, 1e-5, false), "conv_transpose2d");
 }
+
+/// `apply_opt`, as tch's: the layer when there is one, the value itself otherwise; the same
+/// through `TensorOps` for tensors and lazy tensors.
+#[test]
+fn apply_opt_applies_a_layer_when_there_is_one() {
+    use toma::lazy::TensorOps;
+    let vs = nn::VarStore::new(CPU);
+    let some = Some(nn::linear(vs.root() / "l", 4, 3, Default::default()));
+    let none: Option<nn::Linear> = None;
+    let x = Tensor::randn([5, 4], (Kind::Float, CPU));
+    let eager = TensorOps::apply_opt(&x, &some);
+    let planned = TensorOps::apply_opt(&lazy(&x, 0), &some).to_tensor().unwrap();
+    assert!(planned.allclose(&eager, 1e-6, 1e-6, false));
+    assert_eq!(eager.size(), [5, 3]);
+    assert!(TensorOps::apply_opt(&lazy(&x, 0), &none).to_tensor().unwrap().equal(&x));
+    assert!(TensorOps::apply_opt(&x, &none).equal(&x));
+}
