@@ -331,3 +331,31 @@ fn apply_opt_applies_a_layer_when_there_is_one() {
     assert!(TensorOps::apply_opt(&lazy(&x, 0), &none).to_tensor().unwrap().equal(&x));
     assert!(TensorOps::apply_opt(&x, &none).equal(&x));
 }
+
+/// tch's indexing and tuple shapes on lazy tensors, against tch's own on the same tensor.
+#[test]
+fn indexing_and_tuple_shapes_follow_tch() {
+    use tch::{IndexOp, NewAxis};
+    use toma::lazy::LazyIndex;
+    let x = Tensor::randn([4, 6, 5], (Kind::Float, CPU));
+    let l = lazy(&x, 0);
+    let picks = Tensor::from_slice(&[4i64, 0, 2]);
+    let cases: Vec<(Tensor, toma::lazy::LazyTensor)> = vec![
+        (x.i((.., 1..3, -1)), l.i((.., 1..3, -1))),
+        (x.i((.., NewAxis, 2..)), l.i((.., NewAxis, 2..))),
+        (x.i((.., ..=2, &picks)), l.i((.., ..=2, &picks))),
+        (x.i((.., 1)), l.i((.., 1))),
+        (x.i((.., .., 1..=3)), l.i((.., .., 1..=3))),
+        (x.view((4, 30)), l.view((4, 30))),
+        (x.view((4, 3, 10)), l.view((4, 3, -1))),
+        (x.reshape([4, -1, 5]), l.reshape([4, -1, 5])),
+    ];
+    for (k, (eager, lazy_t)) in cases.into_iter().enumerate() {
+        assert_eq!(lazy_t.size(), eager.size(), "case {k}");
+        let options = toma::lazy::Options::new().micro_batch(3);
+        assert!(lazy_t.to_tensor_with(&options).unwrap().equal(&eager), "case {k}");
+    }
+    // Picking samples mixes them: recorded, but not split.
+    assert_eq!(l.i(1).size(), [6, 5]);
+    assert!(l.f_i((.., .., .., 0)).is_err(), "too many indices");
+}

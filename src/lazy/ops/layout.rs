@@ -196,14 +196,15 @@ impl LazyTensor {
         }
     }
 
-    /// A view with another shape (one size may be -1). Where the batch dimension goes is
+    /// A view with another shape (one size may be -1; a tuple, an array or a slice, as tch's
+    /// `view` takes). Where the batch dimension goes is
     /// followed: merged with the dimensions after it (`[N, T, C] -> [N * T, C]`) or split
     /// again; a view that moves samples across it cannot be split.
     ///
     /// # Errors
     /// [`LazyError::Shape`] when the sizes do not match or the strides allow no view.
-    pub fn f_view(&self, shape: impl AsRef<[i64]>) -> Result<LazyTensor, LazyError> {
-        self.f_reshape_impl("view", shape.as_ref(), true)
+    pub fn f_view(&self, shape: impl tch::Shape) -> Result<LazyTensor, LazyError> {
+        self.f_reshape_impl("view", &shape.to_shape(), true)
     }
 
     /// Like [`f_view`](Self::f_view), copying when the strides allow no view.
@@ -806,7 +807,7 @@ impl LazyTensor {
 }
 
 panicking! {
-    view => f_view(shape: impl AsRef<[i64]>);
+    view => f_view(shape: impl tch::Shape);
     reshape => f_reshape(shape: impl AsRef<[i64]>);
     flatten => f_flatten(start_dim: i64, end_dim: i64);
     transpose => f_transpose(dim0: i64, dim1: i64);
