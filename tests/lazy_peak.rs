@@ -191,6 +191,21 @@ fn planner_peak_matches_the_cpu_allocator() {
             planned_and_measured(&loss, n as usize)
         });
     }
+    // oneDNN's layouts by input channels (4..7 reorder like 8, 12 like 16), and an input that is
+    // a strided view (copied before the convolution and again for its backward).
+    for (model, cin, strided) in [("conv c4", 4, false), ("conv c12", 12, false), ("conv view", 16, true)] {
+        measure(model, 16, &|n| {
+            let vs = nn::VarStore::new(CPU);
+            let w = vs.root().randn("w", &[16, cin, 3, 3], 0.0, 0.1);
+            let x = if strided {
+                Tensor::randn([n, cin, 32, 32], (Kind::Float, CPU)).transpose(2, 3)
+            } else {
+                Tensor::randn([n, cin, 32, 32], (Kind::Float, CPU))
+            };
+            let loss = toma::lazy::lazy(&x, 0).conv2d(&w, None::<&Tensor>, [1], [1], [1], 1).mean(None);
+            planned_and_measured(&loss, n as usize)
+        });
+    }
     // All rows are printed before any bound is checked.
     for (model, batch, planned, measured) in rows {
         let (p, m) = (planned as f64, measured as f64);
