@@ -344,13 +344,7 @@ impl LazyTensor {
     ) -> Result<LazyTensor, LazyError> {
         let name = "conv_transpose2d";
         let (w, b) = (weight.into_lazy(), bias.map(IntoLazy::into_lazy));
-        let x = &self.node;
-        let mut nodes = vec![x, &w.node];
-        if let Some(b) = &b {
-            nodes.push(&b.node);
-        }
-        let device = same_device(name, &nodes)?;
-        let sx = &x.meta.shape;
+        let sx = &self.node.meta.shape;
         let a = |r: String| arg(name, sx, r);
         let stride = shape::spatial::<2>(stride.as_ref(), "stride").map_err(a)?;
         let padding = shape::spatial::<2>(padding.as_ref(), "padding").map_err(a)?;
@@ -401,20 +395,8 @@ impl LazyTensor {
         }
         let out =
             if batched { vec![sx[0], c_out, spatial[0], spatial[1]] } else { vec![c_out, spatial[0], spatial[1]] };
-        floating(name, x)?;
-        same_kind(name, x, &w.node)?;
-        if let Some(b) = &b {
-            same_kind(name, x, &b.node)?;
-        }
-        let mapped: Vec<Option<usize>> = nodes
-            .iter()
-            .enumerate()
-            .map(|(i, n)| n.meta.batch().filter(|bd| i == 0 && batched && bd.dim == 0).map(|_| 0))
-            .collect();
-        let flow = combine_flows(name, &nodes, &mapped, &out, Linearity::Nonlinear, false)?;
         let op = Window::ConvTranspose2d { stride, padding, output_padding, dilation, groups };
-        let inputs = nodes.into_iter().cloned().collect();
-        Ok(Record::new(op, inputs, out, x.meta.kind, device).flow(flow).finish())
+        self.record_convolution(name, &w, b.as_ref(), out, 2, op)
     }
 
     /// Bilinear upsampling of `[N, C, H, W]` to `output_size` (`[h, w]`), as tch's
@@ -510,13 +492,7 @@ impl LazyTensor {
         groups: i64,
         op: impl FnOnce([i64; D], [i64; D], [i64; D]) -> Window,
     ) -> Result<LazyTensor, LazyError> {
-        let x = &self.node;
-        let mut nodes = vec![x, &w.node];
-        if let Some(b) = b {
-            nodes.push(&b.node);
-        }
-        let device = same_device(name, &nodes)?;
-        let sx = &x.meta.shape;
+        let sx = &self.node.meta.shape;
         let a = |r: String| arg(name, sx, r);
         let stride = shape::spatial::<D>(stride, "stride").map_err(a)?;
         let padding = shape::spatial::<D>(padding, "padding").map_err(a)?;
@@ -524,20 +500,40 @@ impl LazyTensor {
         let sw = &w.node.meta.shape;
         let out = shape::conv(sx, sw, b.map(|b| b.node.meta.shape.as_slice()), stride, padding, dilation, groups)
             .map_err(|r| shape_err(name, sx, sw, r))?;
-        floating(name, x)?;
-        same_kind(name, x, &w.node)?;
+        self.record_convolution(name, w, b, out, D, op(stride, padding, dilation))
+    }
+
+    /// Records a convolution (plain or transposed) over `spatial` dimensions whose output shape
+    /// is already checked: one device, floating kinds, and only a batched input's first
+    /// dimension per-sample.
+    fn record_convolution(
+        &self,
+        name: &'static str,
+        w: &LazyTensor,
+        b: Option<&LazyTensor>,
+        out: Vec<i64>,
+        spatial: usize,
+        op: Window,
+    ) -> Result<LazyTensor, LazyError> {
+        let x = &self.node;
+        let mut nodes = vec![x, &w.node];
         if let Some(b) = b {
-            same_kind(name, x, &b.node)?;
+            nodes.push(&b.node);
         }
-        // Only the batch of a batched input's first dimension stays per-sample.
+        let device = same_device(name, &nodes)?;
+        floating(name, x)?;
+        for p in &nodes[1..] {
+            same_kind(name, x, p)?;
+        }
+        let batched = x.meta.shape.len() == spatial + 2;
         let mapped: Vec<Option<usize>> = nodes
             .iter()
             .enumerate()
-            .map(|(i, n)| n.meta.batch().filter(|bd| i == 0 && sx.len() == D + 2 && bd.dim == 0).map(|_| 0))
+            .map(|(i, n)| n.meta.batch().filter(|bd| i == 0 && batched && bd.dim == 0).map(|_| 0))
             .collect();
         let flow = combine_flows(name, &nodes, &mapped, &out, Linearity::Nonlinear, false)?;
         let inputs = nodes.into_iter().cloned().collect();
-        Ok(Record::new(op(stride, padding, dilation), inputs, out, x.meta.kind, device).flow(flow).finish())
+        Ok(Record::new(op, inputs, out, x.meta.kind, device).flow(flow).finish())
     }
 
     /// Nearest-neighbour upsampling of `[N, C, H, W]` to `output_size` (`[h, w]`), as tch's
