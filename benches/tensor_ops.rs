@@ -1,8 +1,10 @@
 //! `TensorOps` on `tch::Tensor` is plain delegation: a small MLP's forward written against the
 //! trait against the same code on tch's own methods, side by side in one run (tiny tensors, so
 //! that any wrapper cost would show); and a resnet18 forward, `toma::lazy::vision`'s (written
-//! once over the trait) against `tch::vision`'s on the same weights. `cargo bench --bench
-//! tensor_ops`.
+//! once over the trait) against `tch::vision`'s on the same weights; and an MLP built with
+//! `toma::lazy::nn::seq()` run eagerly against the same one built with tch's `nn::seq()` (its
+//! layers run as tch's, its `add_fn` closures are recorded and run per call: that cost is what
+//! this measures). `cargo bench --bench tensor_ops`.
 
 use std::hint::black_box;
 
@@ -70,6 +72,45 @@ fn bench(c: &mut Criterion) {
         g = g.min(time(&|| drop(ours.forward_t(&images, false))));
     }
     println!("ratio: resnet18 forward, written once / tch::vision = {:.3} (best of 7 x 20 forwards)", g / d);
+
+    // An MLP as `nn::seq()` builds it, tch's and toma's, on the same weights.
+    let build_tch =
+        |vs: &nn::VarStore| {
+            nn::seq()
+                .add(nn::linear(vs.root() / "l1", 512, 512, Default::default()))
+                .add_fn(|x| x.relu())
+                .add(nn::linear(vs.root() / "l2", 512, 10, Default::default()))
+        };
+    let tch_vs = nn::VarStore::new(Device::Cpu);
+    let theirs = build_tch(&tch_vs);
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let ours = toma::lazy::nn::seq()
+        .add(nn::linear(vs.root() / "l1", 512, 512, Default::default()))
+        .add_fn(|x| x.relu())
+        .add(nn::linear(vs.root() / "l2", 512, 10, Default::default()));
+    vs.copy(&tch_vs).expect("the same variables");
+    let x = Tensor::randn([64, 512], (Kind::Float, Device::Cpu));
+    let mut group = c.benchmark_group("seq_mlp_forward");
+    group.bench_function("tch_seq", |b| b.iter(|| nn::Module::forward(&theirs, black_box(&x))));
+    group.bench_function("toma_seq", |b| b.iter(|| nn::Module::forward(&ours, black_box(&x))));
+    group.finish();
+    let time = |f: &dyn Fn()| {
+        let start = std::time::Instant::now();
+        for _ in 0..2_000 {
+            f();
+        }
+        start.elapsed().as_secs_f64()
+    };
+    let (mut d, mut g) = (f64::MAX, f64::MAX);
+    for _ in 0..7 {
+        d = d.min(time(&|| drop(nn::Module::forward(&theirs, &x))));
+        g = g.min(time(&|| drop(nn::Module::forward(&ours, &x))));
+    }
+    println!(
+        "ratio: nn::seq MLP 64x512 forward, toma::lazy::nn::seq / tch = {:.3} (best of 7 x 2000; {:.1} us per recorded closure)",
+        g / d,
+        (g - d) / 2_000.0 * 1e6
+    );
 }
 
 criterion_group!(benches, bench);

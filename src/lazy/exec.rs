@@ -260,6 +260,58 @@ fn run_chunks(
     })
 }
 
+/// Runs a recorded graph once, whole, as the ops would have run eagerly (autograd included):
+/// how a lazy-only step of a `Sequential` applies to a `Tensor`. Nothing is planned or split, so
+/// the graph is walked directly (a step records a handful of ops; compiling a plan would cost
+/// more than running them).
+pub(crate) fn run_eagerly(output: &LazyTensor) -> Result<Tensor, LazyError> {
+    use std::collections::HashMap;
+    // Inputs have smaller ids: visiting by id runs every input before its users.
+    let mut nodes: Vec<&std::rc::Rc<super::graph::Node>> = vec![&output.node];
+    let mut seen: HashMap<u64, usize> = HashMap::new();
+    seen.insert(output.node.id, 0);
+    let mut k = 0;
+    let mut batch = None;
+    while k < nodes.len() {
+        let node = nodes[k];
+        if let Op::Source(Source::Input { .. }) = &node.op {
+            batch = node.meta.batch().map(|bd| bd.size);
+        }
+        for input in &node.inputs {
+            if let std::collections::hash_map::Entry::Vacant(slot) = seen.entry(input.id) {
+                slot.insert(nodes.len());
+                nodes.push(input);
+            }
+        }
+        k += 1;
+    }
+    nodes.sort_unstable_by_key(|n| n.id);
+    let b = batch.unwrap_or(1);
+    // Uses left per value, so each is dropped after its last use, as eager code would.
+    let mut uses: HashMap<u64, usize> = HashMap::with_capacity(nodes.len());
+    for node in &nodes {
+        for input in &node.inputs {
+            *uses.entry(input.id).or_default() += 1;
+        }
+    }
+    let mut values: HashMap<u64, Tensor> = HashMap::with_capacity(nodes.len());
+    for (i, node) in nodes.iter().enumerate() {
+        let ins: Vec<&Tensor> = node.inputs.iter().map(|x| &values[&x.id]).collect();
+        let rules = node.op.rules();
+        let cx = RunCx { meta: &node.meta, start: 0, b };
+        let out = rules.run(&ins, &cx).map_err(torch(i, rules.name()))?;
+        for input in &node.inputs {
+            let left = uses.get_mut(&input.id).expect("counted");
+            *left -= 1;
+            if *left == 0 {
+                values.remove(&input.id);
+            }
+        }
+        values.insert(node.id, out);
+    }
+    Ok(values.remove(&output.node.id).expect("the output ran"))
+}
+
 /// Computes the value of `output` (no gradients recorded).
 pub(crate) fn evaluate(output: &LazyTensor, options: &Options) -> Result<Tensor, LazyError> {
     // An input or a constant is its own value: nothing to plan or run (the denominators of a

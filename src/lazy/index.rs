@@ -1,39 +1,61 @@
-//! `i(..)` on lazy tensors, with tch's index grammar (`tch::TensorIndexer`: an `i64` selects
-//! and removes a dimension, a range narrows it, `NewAxis` inserts one, a 1-D integer tensor
-//! picks entries), recorded as `select`, `narrow`, `unsqueeze` and `index_select`.
+//! `i(..)` with tch's index grammar (`tch::TensorIndexer`: an `i64` selects and removes a
+//! dimension, a range narrows it, `NewAxis` inserts one, a 1-D integer tensor picks entries), on
+//! lazy tensors (recorded as `select`, `narrow`, `unsqueeze` and `index_select`) and through
+//! [`TensorOps::i`](super::TensorOps::i) on both kinds of tensor.
 //!
 //! ```
-//! use tch::{Device, Kind, NewAxis, Tensor};
-//! use toma::lazy::{lazy, LazyIndex};
+//! use tch::{Device, IndexOp, Kind, NewAxis, Tensor};
+//! use toma::lazy::lazy;
 //!
 //! let x = Tensor::randn([4, 6, 5], (Kind::Float, Device::Cpu));
 //! let picked = lazy(&x, 0).i((.., 1..3, -1)).to_tensor()?;
-//! assert!(picked.equal(&tch::IndexOp::i(&x, (.., 1..3, -1))));
+//! assert!(picked.equal(&x.i((.., 1..3, -1))));
 //! assert_eq!(lazy(&x, 0).i((.., NewAxis, 2..)).size(), [4, 1, 4, 5]);
 //! # Ok::<(), toma::lazy::LazyError>(())
 //! ```
 
 use std::ops::{Bound, Range, RangeFrom, RangeFull, RangeInclusive, RangeTo, RangeToInclusive};
 
-use tch::{Kind, NewAxis, Tensor, TensorIndexer};
+use tch::{Kind, NewAxis, TchError, Tensor, TensorIndexer};
 
 use super::error::LazyError;
 use super::LazyTensor;
 
-/// tch's `IndexOp` for [`LazyTensor`]: `i` and `f_i` over an indexer or a tuple of up to six.
-pub trait LazyIndex<T> {
-    /// Indexes, panicking with the error (tch's `i`).
-    #[track_caller]
-    fn i(&self, index: T) -> LazyTensor {
-        self.f_i(index).unwrap_or_else(|e| panic!("{e}"))
-    }
-
-    /// Indexes (tch's `f_i`).
+/// What `i(..)` takes: one index ([`LazyIndexer`]) or a tuple of up to six, as tch's
+/// `IndexOp`. Both tensor kinds index with it: a `Tensor` through tch's own `IndexOp`, a
+/// [`LazyTensor`] by recording the same ops.
+pub trait TensorIndex {
+    /// The index applied to a tensor, by tch.
+    ///
+    /// # Errors
+    /// tch's.
+    fn index_tensor(self, x: &Tensor) -> Result<Tensor, TchError>;
+    /// The index recorded on a lazy tensor.
     ///
     /// # Errors
     /// As the ops it records; more indices than dimensions; an index tensor that is not 1-D
     /// integers ([`LazyError::Argument`]).
-    fn f_i(&self, index: T) -> Result<LazyTensor, LazyError>;
+    fn index_lazy(self, x: &LazyTensor) -> Result<LazyTensor, LazyError>;
+}
+
+impl LazyTensor {
+    /// Indexes with tch's grammar (tch's `IndexOp::f_i`): `x.f_i((.., 1..3, -1))`.
+    ///
+    /// # Errors
+    /// As the ops it records; more indices than dimensions; an index tensor that is not 1-D
+    /// integers ([`LazyError::Argument`]).
+    pub fn f_i(&self, index: impl TensorIndex) -> Result<LazyTensor, LazyError> {
+        index.index_lazy(self)
+    }
+
+    /// Like [`f_i`](Self::f_i), panicking with its error (tch's `IndexOp::i`).
+    ///
+    /// # Panics
+    /// When the index does not apply.
+    #[track_caller]
+    pub fn i(&self, index: impl TensorIndex) -> LazyTensor {
+        self.f_i(index).unwrap_or_else(|e| panic!("{e}"))
+    }
 }
 
 impl LazyTensor {
@@ -86,7 +108,7 @@ impl LazyTensor {
     }
 }
 
-/// One index of [`LazyIndex`]: what tch turns into a `TensorIndexer` (its own trait, so that
+/// One index of [`TensorIndex`]: what tch turns into a `TensorIndexer` (its own trait, so that
 /// tuples of indices do not overlap a single one).
 pub trait LazyIndexer {
     /// As tch's indexer.
@@ -117,17 +139,23 @@ indexers!(
     &Tensor
 );
 
-impl<A: LazyIndexer> LazyIndex<A> for LazyTensor {
-    fn f_i(&self, index: A) -> Result<LazyTensor, LazyError> {
-        self.indexed(vec![index.indexer()])
+impl<A: LazyIndexer> TensorIndex for A {
+    fn index_tensor(self, x: &Tensor) -> Result<Tensor, TchError> {
+        tch::IndexOp::f_i(x, self.indexer())
+    }
+    fn index_lazy(self, x: &LazyTensor) -> Result<LazyTensor, LazyError> {
+        x.indexed(vec![self.indexer()])
     }
 }
 
 macro_rules! tuple_index {
     ($($t:ident . $n:tt),+) => {
-        impl<$($t: LazyIndexer),+> LazyIndex<($($t,)+)> for LazyTensor {
-            fn f_i(&self, index: ($($t,)+)) -> Result<LazyTensor, LazyError> {
-                self.indexed(vec![$(index.$n.indexer()),+])
+        impl<$($t: LazyIndexer),+> TensorIndex for ($($t,)+) {
+            fn index_tensor(self, x: &Tensor) -> Result<Tensor, TchError> {
+                tch::IndexOp::f_i(x, ($(self.$n.indexer(),)+))
+            }
+            fn index_lazy(self, x: &LazyTensor) -> Result<LazyTensor, LazyError> {
+                x.indexed(vec![$(self.$n.indexer()),+])
             }
         }
     };

@@ -81,7 +81,7 @@ impl SelfAttention {
         let (b, t, c) = (size[0], size[1], size[2]);
         let hs = c / self.n_head;
         let qkv = x.apply(&self.c_attn).chunk(3, 2);
-        let heads = |h: &T| h.view(&[b, t, self.n_head, hs]).transpose(1, 2);
+        let heads = |h: &T| h.view([b, t, self.n_head, hs]).transpose(1, 2);
         let (q, k, v) = (heads(&qkv[0]), heads(&qkv[1]), heads(&qkv[2]));
         let scores = q.matmul(&k.transpose(-2, -1)).mul_scalar(1.0 / (hs as f64).sqrt());
         let scores = match mask {
@@ -89,7 +89,7 @@ impl SelfAttention {
             None => scores,
         };
         let weights = scores.softmax(-1, None).dropout(self.dropout, train);
-        let y = weights.matmul(&v).transpose(1, 2).contiguous().view(&[b, t, c]);
+        let y = weights.matmul(&v).transpose(1, 2).contiguous().view([b, t, c]);
         y.apply(&self.c_proj).dropout(self.dropout, train)
     }
 }

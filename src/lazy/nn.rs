@@ -1,5 +1,6 @@
 //! tch's layers, recorded lazily: `x.apply(&linear)` where `linear` is a `tch::nn::Linear`,
-//! and a lazy [`Sequential`].
+//! and [`Sequential`] / [`SequentialT`], tch's `nn::seq()` / `nn::seq_t()` for both kinds of
+//! tensor.
 //!
 //! Adapters exist for [`nn::Linear`], [`nn::Conv1D`], [`nn::Conv2D`] (every padding mode: the
 //! input is padded first, as tch does), [`nn::ConvTranspose2D`], [`nn::LayerNorm`],
@@ -10,26 +11,35 @@
 //! be read, or that uses something the graph cannot plan (sparse embeddings), is an
 //! [`LazyError::Unsupported`] naming it: it is never run eagerly.
 //!
+//! A model built with [`seq`] is one definition for both uses: tch's `Module` runs it on a
+//! `Tensor` (`x.apply(&mlp)`), [`LazyModule`] records it on a [`LazyTensor`]
+//! (`lx.apply(&mlp)`). Its layers run eagerly as tch runs them; a function added with
+//! [`add_fn`](Sequential::add_fn) takes a `&LazyTensor`, so on a `Tensor` it is recorded and
+//! run at once (a few microseconds of recording per call, whole, with autograd as usual).
+//!
 //! ```
-//! use tch::{nn, Device, Kind, Tensor};
+//! use tch::{nn, nn::Module, Device, Kind, Tensor};
 //! use toma::lazy::{lazy, nn::seq};
 //!
 //! let vs = nn::VarStore::new(Device::Cpu);
-//! let model = seq()
+//! let mlp = seq()
 //!     .add(nn::linear(vs.root() / "l1", 4, 8, Default::default()))
 //!     .add_fn(|x| x.relu())
 //!     .add(nn::linear(vs.root() / "l2", 8, 3, Default::default()));
-//! let (x, y) = lazy((&Tensor::randn([10, 4], (Kind::Float, Device::Cpu)), &Tensor::zeros([10], (Kind::Int64, Device::Cpu))), 0);
-//! let loss = model.forward(&x)?.cross_entropy_for_logits(&y);
-//! let value = loss.backward()?; // micro-batched if the batch does not fit
-//! assert!(value.is_finite());
+//! let x = Tensor::randn([10, 4], (Kind::Float, Device::Cpu));
+//! let y = Tensor::zeros([10], (Kind::Int64, Device::Cpu));
+//! let eager = x.apply(&mlp).cross_entropy_for_logits(&y);          // tch, as ever
+//! let (lx, ly) = lazy((&x, &y), 0);                                 // the one new line
+//! let value = lx.apply(&mlp).cross_entropy_for_logits(&ly).backward()?; // micro-batched if it does not fit
+//! assert!((eager.double_value(&[]) - value).abs() < 1e-5);
 //! # Ok::<(), toma::lazy::LazyError>(())
 //! ```
 
-use tch::nn;
+use tch::{nn, Tensor};
 
 use super::error::LazyError;
 use super::tch_compat;
+use super::tensor_ops::{Layer, LayerT};
 use super::LazyTensor;
 
 /// A layer that records lazily (tch's `Module`, for [`LazyTensor`]s).
@@ -39,6 +49,14 @@ pub trait LazyModule {
     /// # Errors
     /// The recording error of the layer's ops.
     fn lazy_forward(&self, xs: &LazyTensor) -> Result<LazyTensor, LazyError>;
+
+    /// The layer applied to a `Tensor` by its own eager code, when it has some (tch's layers
+    /// do). `None`, the default: a [`Sequential`] applying it to a tensor records
+    /// [`lazy_forward`](Self::lazy_forward) and runs the record at once.
+    fn eager_forward(&self, xs: &Tensor) -> Option<Tensor> {
+        let _ = xs;
+        None
+    }
 }
 
 /// A layer that records lazily and behaves differently in training (tch's `ModuleT`).
@@ -48,15 +66,37 @@ pub trait LazyModuleT {
     /// # Errors
     /// The recording error of the layer's ops.
     fn lazy_forward_t(&self, xs: &LazyTensor, train: bool) -> Result<LazyTensor, LazyError>;
+
+    /// As [`LazyModule::eager_forward`], in training mode when `train`.
+    fn eager_forward_t(&self, xs: &Tensor, train: bool) -> Option<Tensor> {
+        let _ = (xs, train);
+        None
+    }
 }
 
 impl<M: LazyModule + ?Sized> LazyModuleT for M {
     fn lazy_forward_t(&self, xs: &LazyTensor, _train: bool) -> Result<LazyTensor, LazyError> {
         self.lazy_forward(xs)
     }
+
+    fn eager_forward_t(&self, xs: &Tensor, _train: bool) -> Option<Tensor> {
+        self.eager_forward(xs)
+    }
+}
+
+/// tch's own forward, for a layer that has one.
+macro_rules! eager_as_tch {
+    () => {
+        #[inline]
+        fn eager_forward(&self, xs: &Tensor) -> Option<Tensor> {
+            Some(nn::Module::forward(self, xs))
+        }
+    };
 }
 
 impl LazyModule for nn::Linear {
+    eager_as_tch!();
+
     fn lazy_forward(&self, xs: &LazyTensor) -> Result<LazyTensor, LazyError> {
         xs.f_linear(&self.ws, self.bs.as_ref())
     }
@@ -92,6 +132,8 @@ fn conv_input<ND: std::fmt::Debug>(
 }
 
 impl LazyModule for nn::Conv1D {
+    eager_as_tch!();
+
     fn lazy_forward(&self, xs: &LazyTensor) -> Result<LazyTensor, LazyError> {
         let (xs, c) = conv_input(self, "nn::Conv1D", xs)?;
         xs.f_conv1d(&self.ws, self.bs.as_ref(), c.stride, c.padding, c.dilation, c.groups)
@@ -99,6 +141,8 @@ impl LazyModule for nn::Conv1D {
 }
 
 impl LazyModule for nn::Conv2D {
+    eager_as_tch!();
+
     fn lazy_forward(&self, xs: &LazyTensor) -> Result<LazyTensor, LazyError> {
         let (xs, c) = conv_input(self, "nn::Conv2D", xs)?;
         xs.f_conv2d(&self.ws, self.bs.as_ref(), c.stride, c.padding, c.dilation, c.groups)
@@ -106,6 +150,8 @@ impl LazyModule for nn::Conv2D {
 }
 
 impl LazyModule for nn::ConvTranspose2D {
+    eager_as_tch!();
+
     fn lazy_forward(&self, xs: &LazyTensor) -> Result<LazyTensor, LazyError> {
         let c = tch_compat::conv_transpose(self, "nn::ConvTranspose2D")?;
         xs.f_conv_transpose2d(&self.ws, self.bs.as_ref(), c.stride, c.padding, c.output_padding, c.groups, c.dilation)
@@ -113,26 +159,29 @@ impl LazyModule for nn::ConvTranspose2D {
 }
 
 impl LazyModule for nn::LayerNorm {
+    eager_as_tch!();
+
     fn lazy_forward(&self, xs: &LazyTensor) -> Result<LazyTensor, LazyError> {
         let eps = tch_compat::layer_norm_eps(self)?;
-        xs.f_layer_norm(&self.normalized_shape, self.ws.as_ref(), self.bs.as_ref(), eps)
+        xs.f_layer_norm(&self.normalized_shape, self.ws.as_ref(), self.bs.as_ref(), eps, true)
     }
 }
 
 impl LazyModule for nn::Embedding {
+    eager_as_tch!();
+
     fn lazy_forward(&self, xs: &LazyTensor) -> Result<LazyTensor, LazyError> {
         let (padding_idx, scale, sparse) = tch_compat::embedding(self)?;
-        if sparse {
-            return Err(LazyError::Unsupported {
-                op: "nn::Embedding".into(),
-                reason: "sparse gradients are not planned; use a dense embedding".into(),
-            });
-        }
-        LazyTensor::f_embedding(&self.ws, xs, padding_idx, scale)
+        LazyTensor::f_embedding(&self.ws, xs, padding_idx, scale, sparse)
     }
 }
 
 impl LazyModuleT for nn::BatchNorm {
+    #[inline]
+    fn eager_forward_t(&self, xs: &Tensor, train: bool) -> Option<Tensor> {
+        Some(nn::ModuleT::forward_t(self, xs, train))
+    }
+
     /// Eval mode uses the running statistics (splits freely); training mode normalizes with
     /// batch statistics (splitting is refused unless allowed).
     fn lazy_forward_t(&self, xs: &LazyTensor, train: bool) -> Result<LazyTensor, LazyError> {
@@ -154,86 +203,237 @@ impl LazyModuleT for nn::BatchNorm {
     }
 }
 
-type LayerFn = dyn Fn(&LazyTensor, bool) -> Result<LazyTensor, LazyError>;
-
-/// A lazy sequence of layers and functions (tch's `SequentialT`, recording).
-#[must_use]
-pub struct Sequential {
-    layers: Vec<Box<LayerFn>>,
+/// One step of a sequence: its recording, and its eager form when it has one.
+trait Step: Send {
+    fn record(&self, xs: &LazyTensor, train: bool) -> Result<LazyTensor, LazyError>;
+    fn eager(&self, xs: &Tensor, train: bool) -> Option<Tensor>;
 }
 
-impl std::fmt::Debug for Sequential {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Sequential[{} layers]", self.layers.len())
+struct LayerStep<M>(M);
+
+impl<M: LazyModuleT + Send> Step for LayerStep<M> {
+    fn record(&self, xs: &LazyTensor, train: bool) -> Result<LazyTensor, LazyError> {
+        self.0.lazy_forward_t(xs, train)
+    }
+    fn eager(&self, xs: &Tensor, train: bool) -> Option<Tensor> {
+        self.0.eager_forward_t(xs, train)
     }
 }
 
-/// An empty [`Sequential`].
-pub fn seq() -> Sequential {
-    Sequential { layers: Vec::new() }
+struct FnStep<F>(F);
+
+impl<F: Fn(&LazyTensor, bool) -> Result<LazyTensor, LazyError> + Send> Step for FnStep<F> {
+    fn record(&self, xs: &LazyTensor, train: bool) -> Result<LazyTensor, LazyError> {
+        (self.0)(xs, train)
+    }
+    fn eager(&self, _: &Tensor, _: bool) -> Option<Tensor> {
+        None
+    }
 }
 
-impl Sequential {
-    /// Appends a layer (`nn::Linear`, `nn::Conv2D`, `nn::BatchNorm`, another `Sequential`, ..).
-    // Named as tch's `Sequential::add`, on purpose.
-    #[allow(clippy::should_implement_trait)]
-    pub fn add<M: LazyModuleT + 'static>(mut self, layer: M) -> Self {
-        self.layers.push(Box::new(move |xs, train| layer.lazy_forward_t(xs, train)));
-        self
+/// The steps shared by [`Sequential`] and [`SequentialT`].
+#[derive(Default)]
+struct Steps(Vec<Box<dyn Step>>);
+
+impl Steps {
+    fn push_layer<M: LazyModuleT + Send + 'static>(&mut self, layer: M) {
+        self.0.push(Box::new(LayerStep(layer)));
     }
 
-    /// Appends a function, as tch's `add_fn` (`|x| x.relu()`). A panicking op panics at
-    /// [`forward`](Self::forward); use [`add_f_fn`](Self::add_f_fn) for errors instead.
-    pub fn add_fn<F: Fn(&LazyTensor) -> LazyTensor + 'static>(mut self, f: F) -> Self {
-        self.layers.push(Box::new(move |xs, _| Ok(f(xs))));
-        self
+    fn push_fn(&mut self, f: impl Fn(&LazyTensor, bool) -> Result<LazyTensor, LazyError> + Send + 'static) {
+        self.0.push(Box::new(FnStep(f)));
     }
 
-    /// Appends a fallible function (`|x| x.f_relu()`).
-    pub fn add_f_fn<F: Fn(&LazyTensor) -> Result<LazyTensor, LazyError> + 'static>(mut self, f: F) -> Self {
-        self.layers.push(Box::new(move |xs, _| f(xs)));
-        self
-    }
-
-    /// Appends a function of the training flag (`|x, train| x.dropout(0.1, train)`).
-    pub fn add_fn_t<F: Fn(&LazyTensor, bool) -> LazyTensor + 'static>(mut self, f: F) -> Self {
-        self.layers.push(Box::new(move |xs, train| Ok(f(xs, train))));
-        self
-    }
-
-    /// The number of layers.
-    pub fn len(&self) -> usize {
-        self.layers.len()
-    }
-
-    /// Whether there is no layer.
-    pub fn is_empty(&self) -> bool {
-        self.layers.is_empty()
-    }
-
-    /// Records every layer in eval mode.
-    ///
-    /// # Errors
-    /// The first layer's recording error.
-    pub fn forward(&self, xs: &LazyTensor) -> Result<LazyTensor, LazyError> {
-        self.forward_t(xs, false)
-    }
-
-    /// Records every layer, in training mode when `train`.
-    ///
-    /// # Errors
-    /// The first layer's recording error.
-    pub fn forward_t(&self, xs: &LazyTensor, train: bool) -> Result<LazyTensor, LazyError> {
+    fn record(&self, xs: &LazyTensor, train: bool) -> Result<LazyTensor, LazyError> {
         let mut x = xs.clone();
-        for layer in &self.layers {
-            x = layer(&x, train)?;
+        for step in &self.0 {
+            x = step.record(&x, train)?;
+        }
+        Ok(x)
+    }
+
+    /// Each step eagerly: a layer by its own code, a function (or a lazy-only layer) recorded
+    /// on the value so far and run at once.
+    fn run(&self, xs: &Tensor, train: bool) -> Result<Tensor, LazyError> {
+        let mut x = xs.shallow_clone();
+        for step in &self.0 {
+            x = match step.eager(&x, train) {
+                Some(y) => y,
+                None => super::exec::run_eagerly(&step.record(&LazyTensor::fixed(&x), train)?)?,
+            };
         }
         Ok(x)
     }
 }
 
-impl LazyModuleT for Sequential {
+/// A sequence of layers and functions, as tch's `nn::Sequential`, for tensors and lazy tensors:
+/// tch's `Module` (`x.apply(&seq)` on a `Tensor`) and [`LazyModule`] (`lx.apply(&seq)`). See the
+/// [module docs](self). For layers that behave differently in training, use [`seq_t`].
+#[must_use]
+pub struct Sequential {
+    steps: Steps,
+}
+
+/// A sequence that knows training from evaluation, as tch's `nn::SequentialT`: tch's
+/// `ModuleT` (`x.apply_t(&seq, train)`) and [`LazyModuleT`] (`lx.apply_t(&seq, train)`).
+#[must_use]
+pub struct SequentialT {
+    steps: Steps,
+}
+
+impl std::fmt::Debug for Sequential {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Sequential[{} layers]", self.steps.0.len())
+    }
+}
+
+impl std::fmt::Debug for SequentialT {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SequentialT[{} layers]", self.steps.0.len())
+    }
+}
+
+/// An empty [`Sequential`] (tch's `nn::seq`).
+pub fn seq() -> Sequential {
+    Sequential { steps: Steps::default() }
+}
+
+/// An empty [`SequentialT`] (tch's `nn::seq_t`).
+pub fn seq_t() -> SequentialT {
+    SequentialT { steps: Steps::default() }
+}
+
+impl Sequential {
+    /// Appends a layer (`nn::Linear`, `nn::Conv2D`, another `Sequential`, ..), as tch's `add`.
+    // Named as tch's `Sequential::add`, on purpose.
+    #[allow(clippy::should_implement_trait)]
+    pub fn add<M: LazyModule + Send + 'static>(mut self, layer: M) -> Self {
+        self.steps.push_layer(layer);
+        self
+    }
+
+    /// Appends a function, as tch's `add_fn` (`|x| x.relu()`). A panicking op panics at
+    /// forward; use [`add_f_fn`](Self::add_f_fn) for errors instead.
+    pub fn add_fn<F: Fn(&LazyTensor) -> LazyTensor + Send + 'static>(mut self, f: F) -> Self {
+        self.steps.push_fn(move |xs, _| Ok(f(xs)));
+        self
+    }
+
+    /// Appends a fallible function (`|x| x.f_relu()`).
+    pub fn add_f_fn<F: Fn(&LazyTensor) -> Result<LazyTensor, LazyError> + Send + 'static>(mut self, f: F) -> Self {
+        self.steps.push_fn(move |xs, _| f(xs));
+        self
+    }
+
+    /// The number of layers and functions.
+    pub fn len(&self) -> usize {
+        self.steps.0.len()
+    }
+
+    /// Whether there is none.
+    pub fn is_empty(&self) -> bool {
+        self.steps.0.is_empty()
+    }
+
+    /// The sequence applied to `xs`, a `Tensor` (eagerly) or a [`LazyTensor`] (recorded), as
+    /// tch's `forward`; panics with a recording error, as tch panics with its own (use
+    /// [`LazyTensor::f_apply`] for the error).
+    #[track_caller]
+    pub fn forward<T>(&self, xs: &T) -> T
+    where
+        Self: Layer<T>,
+    {
+        Layer::forward(self, xs)
+    }
+}
+
+impl SequentialT {
+    /// Appends a layer (`nn::Linear`, `nn::BatchNorm`, another sequence, ..), as tch's `add`.
+    // Named as tch's `SequentialT::add`, on purpose.
+    #[allow(clippy::should_implement_trait)]
+    pub fn add<M: LazyModuleT + Send + 'static>(mut self, layer: M) -> Self {
+        self.steps.push_layer(layer);
+        self
+    }
+
+    /// Appends a function, as tch's `add_fn` (`|x| x.relu()`).
+    pub fn add_fn<F: Fn(&LazyTensor) -> LazyTensor + Send + 'static>(mut self, f: F) -> Self {
+        self.steps.push_fn(move |xs, _| Ok(f(xs)));
+        self
+    }
+
+    /// Appends a fallible function (`|x| x.f_relu()`).
+    pub fn add_f_fn<F: Fn(&LazyTensor) -> Result<LazyTensor, LazyError> + Send + 'static>(mut self, f: F) -> Self {
+        self.steps.push_fn(move |xs, _| f(xs));
+        self
+    }
+
+    /// Appends a function of the training flag (`|x, train| x.dropout(0.1, train)`), as tch's
+    /// `add_fn_t`.
+    pub fn add_fn_t<F: Fn(&LazyTensor, bool) -> LazyTensor + Send + 'static>(mut self, f: F) -> Self {
+        self.steps.push_fn(move |xs, train| Ok(f(xs, train)));
+        self
+    }
+
+    /// The number of layers and functions.
+    pub fn len(&self) -> usize {
+        self.steps.0.len()
+    }
+
+    /// Whether there is none.
+    pub fn is_empty(&self) -> bool {
+        self.steps.0.is_empty()
+    }
+
+    /// The sequence applied to `xs`, in training mode when `train`, as tch's `forward_t`;
+    /// panics with a recording error (use [`LazyTensor::f_apply_t`] for the error).
+    #[track_caller]
+    pub fn forward_t<T>(&self, xs: &T, train: bool) -> T
+    where
+        Self: LayerT<T>,
+    {
+        LayerT::forward_t(self, xs, train)
+    }
+}
+
+impl LazyModule for Sequential {
+    fn lazy_forward(&self, xs: &LazyTensor) -> Result<LazyTensor, LazyError> {
+        self.steps.record(xs, false)
+    }
+
+    fn eager_forward(&self, xs: &Tensor) -> Option<Tensor> {
+        Some(nn::Module::forward(self, xs))
+    }
+}
+
+impl LazyModuleT for SequentialT {
     fn lazy_forward_t(&self, xs: &LazyTensor, train: bool) -> Result<LazyTensor, LazyError> {
-        self.forward_t(xs, train)
+        self.steps.record(xs, train)
+    }
+
+    fn eager_forward_t(&self, xs: &Tensor, train: bool) -> Option<Tensor> {
+        Some(nn::ModuleT::forward_t(self, xs, train))
+    }
+}
+
+impl nn::Module for Sequential {
+    /// Runs every step eagerly (see the [module docs](self)).
+    ///
+    /// # Panics
+    /// When a function's ops cannot be recorded or run, as tch's layers panic.
+    #[track_caller]
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        self.steps.run(xs, false).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+impl nn::ModuleT for SequentialT {
+    /// Runs every step eagerly, in training mode when `train`.
+    ///
+    /// # Panics
+    /// When a function's ops cannot be recorded or run, as tch's layers panic.
+    #[track_caller]
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        self.steps.run(xs, train).unwrap_or_else(|e| panic!("{e}"))
     }
 }

@@ -162,13 +162,13 @@ impl ResNet {
         nn::BatchNorm: LayerT<T>,
         nn::Linear: Layer<T>,
     {
-        let mut h = self.stem.forward(xs, train).relu().max_pool2d(&[3, 3], &[2, 2], &[1, 1], &[1, 1], false);
+        let mut h = self.stem.forward(xs, train).relu().max_pool2d([3, 3], [2, 2], [1, 1], [1, 1], false);
         for layer in &self.layers {
             for block in layer {
                 h = block.forward(&h, train);
             }
         }
-        let h = h.adaptive_avg_pool2d(&[1, 1]).flatten(1, -1);
+        let h = h.adaptive_avg_pool2d([1, 1]).flatten(1, -1);
         match &self.fc {
             Some(fc) => h.apply(fc),
             None => h,
@@ -272,7 +272,7 @@ impl Vgg {
                     (conv, None) => x.apply(conv).relu(),
                     (conv, Some(bn)) => x.apply(conv).apply_t(bn, train).relu(),
                 },
-                VggFeature::Pool => x.max_pool2d(&[2, 2], &[2, 2], &[0, 0], &[1, 1], false),
+                VggFeature::Pool => x.max_pool2d([2, 2], [2, 2], [0, 0], [1, 1], false),
             });
         }
         let [fc1, fc2, fc3] = &self.classifier;
@@ -325,12 +325,12 @@ impl AlexNet {
         nn::Conv2D: Layer<T>,
         nn::Linear: Layer<T>,
     {
-        let pool = |h: T| h.max_pool2d(&[3, 3], &[2, 2], &[0, 0], &[1, 1], false);
+        let pool = |h: T| h.max_pool2d([3, 3], [2, 2], [0, 0], [1, 1], false);
         let [c1, c2, c3, c4, c5] = &self.convs;
         let h = pool(xs.apply(c1).relu());
         let h = pool(h.apply(c2).relu());
         let h = h.apply(c3).relu().apply(c4).relu();
-        let h = pool(h.apply(c5).relu()).adaptive_avg_pool2d(&[6, 6]).flatten(1, -1);
+        let h = pool(h.apply(c5).relu()).adaptive_avg_pool2d([6, 6]).flatten(1, -1);
         let [fc1, fc2, fc3] = &self.classifier;
         let h = h.dropout(0.5, train).apply(fc1).relu();
         h.dropout(0.5, train).apply(fc2).relu().apply(fc3)
@@ -474,7 +474,7 @@ impl MobileNetV2 {
         for block in &self.blocks {
             h = block.forward(&h, train);
         }
-        let h = self.head.forward(&h, train).mean_dim(&[2, 3], false, None);
+        let h = self.head.forward(&h, train).mean_dim([2, 3], false, None);
         h.dropout(0.2, train).apply(&self.classifier)
     }
 }
@@ -546,7 +546,7 @@ fn same_padding<T: TensorOps>(x: &T, kernel: i64, stride: i64) -> Option<T> {
     let size = x.size();
     let pad = |input: i64| (((input + stride - 1) / stride - 1) * stride + kernel - input).max(0);
     let (ph, pw) = (pad(size[2]), pad(size[3]));
-    (ph > 0 || pw > 0).then(|| x.pad(&[pw / 2, pw - pw / 2, ph / 2, ph - ph / 2], "constant", Some(0.0)))
+    (ph > 0 || pw > 0).then(|| x.pad([pw / 2, pw - pw / 2, ph / 2, ph - ph / 2], "constant", Some(0.0)))
 }
 
 impl SameConvBn {
@@ -622,7 +622,7 @@ impl MbConv {
             None => self.depthwise.forward(xs, train),
         };
         let (fc1, fc2) = &self.squeeze;
-        let scale = swish(&h.adaptive_avg_pool2d(&[1, 1]).apply(fc1)).apply(fc2).sigmoid();
+        let scale = swish(&h.adaptive_avg_pool2d([1, 1]).apply(fc1)).apply(fc2).sigmoid();
         let h = self.project.forward(&scale.mul(&h), train);
         if self.residual {
             h.add(xs)
@@ -684,7 +684,7 @@ impl EfficientNet {
         for block in &self.blocks {
             h = block.forward(&h, train);
         }
-        let h = self.head.forward(&h, train).adaptive_avg_pool2d(&[1, 1]);
+        let h = self.head.forward(&h, train).adaptive_avg_pool2d([1, 1]);
         h.squeeze_dim(-1).squeeze_dim(-1).apply(&self.classifier)
     }
 }

@@ -10,7 +10,11 @@ use std::rc::Rc;
 
 use tch::nn::{self, Module, ModuleT};
 use tch::{Device, Kind, TchError, Tensor};
-use toma::lazy::{lazy, nn::seq, try_lazy, CustomOp, LazyError, Mode, Options, TensorMeta};
+use toma::lazy::{
+    lazy,
+    nn::{seq, seq_t},
+    try_lazy, CustomOp, LazyError, Mode, Options, TensorMeta,
+};
 
 const CPU: Device = Device::Cpu;
 
@@ -149,15 +153,16 @@ fn tch_layers_record_with_their_private_settings() {
 
     // A lazy Sequential of tch layers and functions.
     let fc = nn::linear(&r / "fc", 6, 2, Default::default());
-    let model = seq()
+    let model = seq_t()
         .add(nn::conv2d(&r / "c", 4, 6, 3, Default::default()))
         .add_fn_t(|x, train| x.dropout(0.5, train))
         .add_fn(|x| x.relu().adaptive_avg_pool2d([1, 1]).flatten(1, -1))
         .add(fc);
     assert_eq!(model.len(), 3 + 1);
-    let out = model.forward(&lx).unwrap();
+    let out = lx.f_apply_t(&model, true).unwrap();
     assert_eq!(out.size(), [5, 2]);
-    let err = seq().add_f_fn(|x| x.f_view([7, -1])).forward(&lx).unwrap_err();
+    assert_eq!(model.forward_t(&x, false).size(), [5, 2]);
+    let err = lx.f_apply(&seq().add_f_fn(|x| x.f_view([7, -1]))).unwrap_err();
     assert!(err.to_string().contains("view"), "{err}");
 }
 
@@ -336,7 +341,6 @@ fn apply_opt_applies_a_layer_when_there_is_one() {
 #[test]
 fn indexing_and_tuple_shapes_follow_tch() {
     use tch::{IndexOp, NewAxis};
-    use toma::lazy::LazyIndex;
     let x = Tensor::randn([4, 6, 5], (Kind::Float, CPU));
     let l = lazy(&x, 0);
     let picks = Tensor::from_slice(&[4i64, 0, 2]);

@@ -281,7 +281,7 @@ impl Block {
 
     fn lazy(&self, tokens: &LazyTensor) -> LazyTensor {
         let n = tokens.size()[0];
-        let h = LazyTensor::embedding(&self.emb.ws, tokens, -1, false) + &self.pos;
+        let h = LazyTensor::embedding(&self.emb.ws, tokens, -1, false, false) + &self.pos;
         let split = |t: LazyTensor| t.view([n, T, HEADS, D / HEADS]).transpose(1, 2);
         let (q, k, v) = (split(h.apply(&self.q)), split(h.apply(&self.k)), split(h.apply(&self.v)));
         let att = (q.matmul(&k.transpose(-2, -1)) / ((D / HEADS) as f64).sqrt()).softmax(-1, None);
@@ -415,7 +415,7 @@ fn rms_norm_gather_and_select_match_the_full_batch() {
     where
         nn::Linear: toma::lazy::Layer<T>,
     {
-        let h = x.rms_norm(&[8], Some(norm), Some(1e-6)).apply(proj).tanh();
+        let h = x.rms_norm([8], Some(norm), Some(1e-6)).apply(proj).tanh();
         // Three picked features per position, then the last position of the sequence.
         let picked = h.gather(2, idx, false);
         // tch's cross_entropy_for_logits takes the log-softmax in Float; this one in the input's kind.
@@ -450,9 +450,9 @@ fn rms_norm_gather_and_select_match_the_full_batch() {
 fn transposed_convolution_and_bilinear_upsampling_match_the_full_batch() {
     use toma::lazy::TensorOps;
     fn decode<T: TensorOps>(x: &T, target: &T, w1: &Tensor, b1: &Tensor, w2: &Tensor) -> T {
-        let h = x.conv_transpose2d(w1, Some(b1), &[2], &[1], &[1], 2, &[1]).relu();
-        let h = h.conv_transpose2d(w2, None, &[1], &[0], &[0], 1, &[1]);
-        h.upsample_bilinear2d(&[15, 17], false, None, None).mse_loss(target, Reduction::Mean)
+        let h = x.conv_transpose2d(w1, Some(b1), [2], [1], [1], 2, [1]).relu();
+        let h = h.conv_transpose2d(w2, None, [1], [0], [0], 1, [1]);
+        h.upsample_bilinear2d([15, 17], false, None, None).mse_loss(target, Reduction::Mean)
     }
     tch::manual_seed(12);
     let mut vs = nn::VarStore::new(CPU);

@@ -104,7 +104,7 @@ fn sample(name: &str) -> Option<LazyTensor> {
         "bmm" => x().bmm(&act(&[5, 3])),
         "linear" => x().linear(&param(&[7, 5]), Some(&param(&[7]))),
         "baddbmm" => act(&[6, 3]).baddbmm(&x(), &act(&[5, 3]), 1.0, 1.0),
-        "embedding" => LazyTensor::embedding(&param(&[11, 5]), &ints(11, &[6]), -1, false),
+        "embedding" => LazyTensor::embedding(&param(&[11, 5]), &ints(11, &[6]), -1, false, false),
         "batch_norm" => img().batch_norm(
             Some(&param(&[8])),
             Some(&param(&[8])),
@@ -114,8 +114,8 @@ fn sample(name: &str) -> Option<LazyTensor> {
             0.1,
             1e-5,
         ),
-        "layer_norm" => x().layer_norm([5], Some(&param(&[5])), Some(&param(&[5])), 1e-5),
-        "group_norm" => img().group_norm(2, Some(&param(&[8])), Some(&param(&[8])), 1e-5),
+        "layer_norm" => x().layer_norm([5], Some(&param(&[5])), Some(&param(&[5])), 1e-5, true),
+        "group_norm" => img().group_norm(2, Some(&param(&[8])), Some(&param(&[8])), 1e-5, true),
         "rms_norm" => x().rms_norm([5], Some(&param(&[5])), None),
         "scaled_dot_product_attention" => LazyTensor::scaled_dot_product_attention(
             &act(&[2, 6, 4]),
@@ -133,7 +133,7 @@ fn sample(name: &str) -> Option<LazyTensor> {
         "max_pool2d" => img().max_pool2d([2, 2], [2, 2], [0, 0], [1, 1], false),
         "avg_pool2d" => img().avg_pool2d([2, 2], [2, 2], [0, 0], false, true, None),
         "adaptive_avg_pool2d" => img().adaptive_avg_pool2d([1, 1]),
-        "upsample_nearest2d" => img().upsample_nearest2d([12, 12]),
+        "upsample_nearest2d" => img().upsample_nearest2d([12, 12], None, None),
         "upsample_bilinear2d" => img().upsample_bilinear2d([12, 12], false, None, None),
         "view" => x().view([4, 30]),
         "reshape" => x().transpose(1, 2).reshape([4, 30]),
@@ -146,7 +146,7 @@ fn sample(name: &str) -> Option<LazyTensor> {
         "narrow" => x().narrow(2, 1, 3),
         "chunk" => x().chunk(2, 1).swap_remove(0),
         "split" => x().split(2, 1).swap_remove(0),
-        "expand" => act(&[1, 5]).expand([4, 6, 5]),
+        "expand" => act(&[1, 5]).expand([4, 6, 5], false),
         "repeat" => x().repeat([1, 1, 2]),
         "index_select" => x().index_select(2, &Tensor::from_slice(&[0i64, 2])),
         "gather" => x().gather(2, &ints(5, &[6, 2]), false),
@@ -164,7 +164,9 @@ fn sample(name: &str) -> Option<LazyTensor> {
             act(&[5]).log_softmax(-1, None).g_nll_loss(&y(), Some(&Tensor::ones([5], F32)), Reduction::Sum, -100)
         }
         "mse_loss" => x().mse_loss(&x(), Reduction::Mean),
-        "binary_cross_entropy_with_logits" => x().binary_cross_entropy_with_logits(&x().sigmoid(), Reduction::Mean),
+        "binary_cross_entropy_with_logits" => {
+            x().binary_cross_entropy_with_logits(&x().sigmoid(), None::<&Tensor>, None::<&Tensor>, Reduction::Mean)
+        }
         "smooth_l1_loss" => x().smooth_l1_loss(&x(), Reduction::Mean, 1.0),
         "huber_loss" => x().huber_loss(&x(), Reduction::Mean, 1.0),
         _ => return None,

@@ -9,6 +9,7 @@ use super::record::{combine_flows, same_device, unary_flow, Linearity, Record};
 use super::{arg, kind_err, panicking, same_shape_flow, shape_err, Rules, RunCx, Scratch};
 use crate::lazy::error::LazyError;
 use crate::lazy::graph::{BatchDim, Flow, Meta, Node};
+use crate::lazy::int_list::IntList;
 use crate::lazy::shape;
 use crate::lazy::tensor::IntoLazy;
 use crate::lazy::LazyTensor;
@@ -211,8 +212,8 @@ impl LazyTensor {
     ///
     /// # Errors
     /// [`LazyError::Shape`] when the sizes do not match.
-    pub fn f_reshape(&self, shape: impl AsRef<[i64]>) -> Result<LazyTensor, LazyError> {
-        self.f_reshape_impl("reshape", shape.as_ref(), false)
+    pub fn f_reshape(&self, shape: impl IntList) -> Result<LazyTensor, LazyError> {
+        self.f_reshape_impl("reshape", shape.as_slice(), false)
     }
 
     /// Flattens dimensions `start_dim..=end_dim` into one.
@@ -272,10 +273,10 @@ impl LazyTensor {
     ///
     /// # Errors
     /// [`LazyError::Argument`] unless `dims` is a permutation of the dimensions.
-    pub fn f_permute(&self, dims: impl AsRef<[i64]>) -> Result<LazyTensor, LazyError> {
+    pub fn f_permute(&self, dims: impl IntList) -> Result<LazyTensor, LazyError> {
         let n = &self.node;
         let m = &n.meta;
-        let dims = dims.as_ref().to_vec();
+        let dims = dims.as_slice().to_vec();
         let a = |r: String| arg("permute", &m.shape, r);
         if dims.len() != m.shape.len() {
             return Err(a(format!(
@@ -411,16 +412,17 @@ impl LazyTensor {
             .collect()
     }
 
-    /// A view broadcast to `size` (tch's `expand`, `implicit` false): `-1` keeps a size, new
-    /// leading dimensions may be added, and only dimensions of size 1 grow. The batch stays
-    /// where it is.
+    /// A view broadcast to `size` (tch's `expand`): `-1` keeps a size, new leading dimensions
+    /// may be added, and only dimensions of size 1 grow. The batch stays where it is.
+    /// `implicit` only marks the op for libtorch's tracer; the result is the same either way.
     ///
     /// # Errors
     /// [`LazyError::Shape`] for a size `self` cannot be expanded to.
-    pub fn f_expand(&self, size: impl AsRef<[i64]>) -> Result<LazyTensor, LazyError> {
+    pub fn f_expand(&self, size: impl IntList, implicit: bool) -> Result<LazyTensor, LazyError> {
+        let _ = implicit;
         let n = &self.node;
         let m = &n.meta;
-        let size = size.as_ref();
+        let size = size.as_slice();
         let name = "expand";
         if size.len() < m.shape.len() {
             return Err(shape_err(
@@ -488,10 +490,10 @@ impl LazyTensor {
     ///
     /// # Errors
     /// [`LazyError::Argument`] for fewer repeats than dimensions or a negative one.
-    pub fn f_repeat(&self, repeats: impl AsRef<[i64]>) -> Result<LazyTensor, LazyError> {
+    pub fn f_repeat(&self, repeats: impl IntList) -> Result<LazyTensor, LazyError> {
         let n = &self.node;
         let m = &n.meta;
-        let repeats = repeats.as_ref().to_vec();
+        let repeats = repeats.as_slice().to_vec();
         if repeats.len() < m.shape.len() {
             return Err(arg("repeat", &m.shape, "the number of repeats must be at least the number of dimensions"));
         }
@@ -614,15 +616,10 @@ impl LazyTensor {
     /// # Errors
     /// [`LazyError::Argument`] for an odd or too long `pad`, an unknown mode, or a pad the mode
     /// cannot take (reflect: at least as large as the dimension).
-    pub fn f_pad(
-        &self,
-        pad: impl AsRef<[i64]>,
-        mode: &str,
-        value: impl Into<Option<f64>>,
-    ) -> Result<LazyTensor, LazyError> {
+    pub fn f_pad(&self, pad: impl IntList, mode: &str, value: impl Into<Option<f64>>) -> Result<LazyTensor, LazyError> {
         let n = &self.node;
         let m = &n.meta;
-        let pad = pad.as_ref().to_vec();
+        let pad = pad.as_slice().to_vec();
         let a = |r: String| arg("pad", &m.shape, r);
         let mode: &'static str = match mode {
             "constant" => "constant",
@@ -701,6 +698,17 @@ impl LazyTensor {
             return Err(arg("flat_view", s, "a 0-dim tensor has no leading dimension"));
         };
         self.f_view([first, -1])
+    }
+
+    /// The size of a 1-D value, as tch's `size1`.
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for another number of dimensions.
+    pub fn size1(&self) -> Result<i64, LazyError> {
+        match self.node.meta.shape[..] {
+            [a] => Ok(a),
+            ref s => Err(arg("size1", s, "expected 1 dimension")),
+        }
     }
 
     /// The sizes of a 2-D value, as tch's `size2`.
@@ -808,22 +816,22 @@ impl LazyTensor {
 
 panicking! {
     view => f_view(shape: impl tch::Shape);
-    reshape => f_reshape(shape: impl AsRef<[i64]>);
+    reshape => f_reshape(shape: impl IntList);
     flatten => f_flatten(start_dim: i64, end_dim: i64);
     transpose => f_transpose(dim0: i64, dim1: i64);
-    permute => f_permute(dims: impl AsRef<[i64]>);
+    permute => f_permute(dims: impl IntList);
     unsqueeze => f_unsqueeze(dim: i64);
     squeeze => f_squeeze();
     squeeze_dim => f_squeeze_dim(dim: i64);
     narrow => f_narrow(dim: i64, start: i64, length: i64);
     to_kind => f_to_kind(kind: Kind);
     contiguous => f_contiguous();
-    expand => f_expand(size: impl AsRef<[i64]>);
-    repeat => f_repeat(repeats: impl AsRef<[i64]>);
+    expand => f_expand(size: impl IntList, implicit: bool);
+    repeat => f_repeat(repeats: impl IntList);
     index_select => f_index_select(dim: i64, index: impl IntoLazy);
     gather => f_gather(dim: i64, index: impl IntoLazy, sparse_grad: bool);
     select => f_select(dim: i64, index: i64);
-    pad => f_pad(pad: impl AsRef<[i64]>, mode: &str, value: impl Into<Option<f64>>);
+    pad => f_pad(pad: impl IntList, mode: &str, value: impl Into<Option<f64>>);
     flat_view => f_flat_view();
 }
 

@@ -282,7 +282,7 @@ impl LazyTensor {
     /// counted targets (or their weights), so values and gradients are the full batch's.
     ///
     /// # Errors
-    /// As [`f_g_nll_loss`](Self::f_g_nll_loss); [`LazyError::Argument`] for a smoothing outside
+    /// As [`f_nll_loss`](Self::f_nll_loss); [`LazyError::Argument`] for a smoothing outside
     /// `[0, 1]`, or smoothing together with class weights (not modelled lazily: compute it
     /// eagerly, or write the smoothed term with `log_softmax` and `mean_dim`).
     pub fn f_cross_entropy_loss(
@@ -310,7 +310,7 @@ impl LazyTensor {
                 ));
             }
             let kind = self.node.meta.kind;
-            return self.f_log_softmax(-1, kind)?.f_g_nll_loss(targets, weight, reduction, ignore_index);
+            return self.f_log_softmax(-1, kind)?.f_nll_loss(targets, weight, reduction, ignore_index);
         }
         let t = targets.into_lazy();
         let (x, tn) = (&self.node, &t.node);
@@ -341,22 +341,14 @@ impl LazyTensor {
         self.f_elementwise_loss(target, Loss::KlDiv { reduction, log_target })
     }
 
-    /// Negative log-likelihood of log-probabilities `[N, C]` against class indices `[N]`
-    /// (tch's `nll_loss`: mean over targets that are not -100, no class weights).
-    ///
-    /// # Errors
-    /// As [`f_cross_entropy_for_logits`](Self::f_cross_entropy_for_logits).
-    pub fn f_nll_loss(&self, targets: impl IntoLazy) -> Result<LazyTensor, LazyError> {
-        self.f_g_nll_loss(targets, None::<&LazyTensor>, Reduction::Mean, -100)
-    }
-
-    /// Negative log-likelihood with class `weight`s (`[C]`), a reduction and an ignored index
-    /// (tch's `g_nll_loss`). A mean is over the weights of the counted targets, as in libtorch.
+    /// Negative log-likelihood of log-probabilities `[N, C]` against class indices `[N]`, with
+    /// class `weight`s (`[C]`), a reduction and an ignored index (tch's `f_nll_loss`; its
+    /// panicking form is `g_nll_loss`, and `nll_loss(targets)` is the plain mean). A mean is over the weights of the counted targets, as in libtorch.
     ///
     /// # Errors
     /// As [`f_cross_entropy_for_logits`](Self::f_cross_entropy_for_logits); a weight that is not
     /// `[C]`; [`Reduction::Other`].
-    pub fn f_g_nll_loss(
+    pub fn f_nll_loss(
         &self,
         targets: impl IntoLazy,
         weight: Option<impl IntoLazy>,
@@ -404,17 +396,28 @@ impl LazyTensor {
         self.f_elementwise_loss(target, Loss::Mse { reduction })
     }
 
-    /// Binary cross-entropy of logits against targets of the same shape (tch's
-    /// `binary_cross_entropy_with_logits`, without class or positive weights).
+    /// Binary cross-entropy of logits against targets of the same shape, as tch's
+    /// `binary_cross_entropy_with_logits`.
     ///
     /// # Errors
     /// [`LazyError::Shape`] for a target of another shape, [`LazyError::Kind`],
-    /// [`LazyError::Device`]; [`Reduction::Other`].
+    /// [`LazyError::Device`]; [`Reduction::Other`]; [`LazyError::Unsupported`] for a `weight` or
+    /// `pos_weight` (not planned yet: weigh the unreduced loss, `Reduction::None`, then reduce).
     pub fn f_binary_cross_entropy_with_logits(
         &self,
         target: impl IntoLazy,
+        weight: Option<impl IntoLazy>,
+        pos_weight: Option<impl IntoLazy>,
         reduction: Reduction,
     ) -> Result<LazyTensor, LazyError> {
+        if weight.is_some() || pos_weight.is_some() {
+            return Err(LazyError::Unsupported {
+                op: "binary_cross_entropy_with_logits".into(),
+                reason: "weight and pos_weight are not planned yet; multiply the unreduced loss \
+                         (Reduction::None) by the weights, then reduce"
+                    .into(),
+            });
+        }
         let t = target.into_lazy();
         if t.node.meta.shape != self.node.meta.shape {
             return Err(shape_err(
@@ -493,12 +496,24 @@ impl LazyTensor {
 
 panicking! {
     cross_entropy_for_logits => f_cross_entropy_for_logits(targets: impl IntoLazy);
-    nll_loss => f_nll_loss(targets: impl IntoLazy);
-    g_nll_loss => f_g_nll_loss(targets: impl IntoLazy, weight: Option<impl IntoLazy>, reduction: Reduction, ignore_index: i64);
+    g_nll_loss => f_nll_loss(targets: impl IntoLazy, weight: Option<impl IntoLazy>, reduction: Reduction, ignore_index: i64);
     mse_loss => f_mse_loss(target: impl IntoLazy, reduction: Reduction);
-    binary_cross_entropy_with_logits => f_binary_cross_entropy_with_logits(target: impl IntoLazy, reduction: Reduction);
+    binary_cross_entropy_with_logits => f_binary_cross_entropy_with_logits(target: impl IntoLazy, weight: Option<impl IntoLazy>, pos_weight: Option<impl IntoLazy>, reduction: Reduction);
     smooth_l1_loss => f_smooth_l1_loss(target: impl IntoLazy, reduction: Reduction, beta: f64);
     huber_loss => f_huber_loss(target: impl IntoLazy, reduction: Reduction, delta: f64);
     cross_entropy_loss => f_cross_entropy_loss(targets: impl IntoLazy, weight: Option<impl IntoLazy>, reduction: Reduction, ignore_index: i64, label_smoothing: f64);
     kl_div => f_kl_div(target: impl IntoLazy, reduction: Reduction, log_target: bool);
+}
+
+impl LazyTensor {
+    /// Negative log-likelihood of log-probabilities against class indices, averaged over the
+    /// targets that are not -100 (tch's `nll_loss`, which has no fallible form: see
+    /// [`f_nll_loss`](Self::f_nll_loss)).
+    ///
+    /// # Panics
+    /// When the op cannot be recorded.
+    #[track_caller]
+    pub fn nll_loss(&self, targets: impl IntoLazy) -> LazyTensor {
+        self.f_nll_loss(targets, None::<&LazyTensor>, Reduction::Mean, -100).unwrap_or_else(|e| panic!("{e}"))
+    }
 }

@@ -334,15 +334,23 @@ impl LazyTensor {
     ///
     /// # Errors
     /// [`LazyError::Shape`] for a weight that is not 2-D, [`LazyError::Kind`] for non-integer
-    /// indices, [`LazyError::Device`].
+    /// indices, [`LazyError::Device`]; [`LazyError::Unsupported`] for `sparse` gradients (not
+    /// planned: use dense ones).
     pub fn f_embedding(
         weight: impl IntoLazy,
         indices: impl IntoLazy,
         padding_idx: i64,
         scale_grad_by_freq: bool,
+        sparse: bool,
     ) -> Result<LazyTensor, LazyError> {
-        let (w, i) = (weight.into_lazy(), indices.into_lazy());
         let name = "embedding";
+        if sparse {
+            return Err(LazyError::Unsupported {
+                op: name.into(),
+                reason: "sparse gradients are not planned; use dense ones (sparse = false)".into(),
+            });
+        }
+        let (w, i) = (weight.into_lazy(), indices.into_lazy());
         let (wn, inn) = (&w.node, &i.node);
         let device = same_device(name, &[wn, inn])?;
         if wn.meta.shape.len() != 2 {
@@ -381,7 +389,8 @@ impl LazyTensor {
         indices: impl IntoLazy,
         padding_idx: i64,
         scale_grad_by_freq: bool,
+        sparse: bool,
     ) -> LazyTensor {
-        Self::f_embedding(weight, indices, padding_idx, scale_grad_by_freq).unwrap_or_else(|e| panic!("{e}"))
+        Self::f_embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse).unwrap_or_else(|e| panic!("{e}"))
     }
 }

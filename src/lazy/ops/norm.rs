@@ -8,6 +8,7 @@ use super::record::{combine_flows, same_device, Linearity, Record};
 use super::{arg, floating, panicking, same_kind, shape_err, Rules, RunCx};
 use crate::lazy::error::LazyError;
 use crate::lazy::graph::{Meta, Node};
+use crate::lazy::int_list::IntList;
 use crate::lazy::shape;
 use crate::lazy::tensor::IntoLazy;
 use crate::lazy::LazyTensor;
@@ -186,19 +187,22 @@ impl LazyTensor {
     }
 
     /// Layer normalization over the trailing `normalized_shape`, as tch's
-    /// `Tensor::layer_norm` (`cudnn_enable` on).
+    /// `Tensor::layer_norm`. libtorch ignores `cudnn_enable` (it has no cuDNN layer norm), and
+    /// so does the plan.
     ///
     /// # Errors
     /// [`LazyError::Shape`] when the trailing dimensions, weight or bias do not match
     /// `normalized_shape`, [`LazyError::Kind`], [`LazyError::Device`].
     pub fn f_layer_norm(
         &self,
-        normalized_shape: impl AsRef<[i64]>,
+        normalized_shape: impl IntList,
         weight: Option<impl IntoLazy>,
         bias: Option<impl IntoLazy>,
         eps: f64,
+        cudnn_enable: bool,
     ) -> Result<LazyTensor, LazyError> {
-        let norm = normalized_shape.as_ref().to_vec();
+        let _ = cudnn_enable;
+        let norm = normalized_shape.as_slice().to_vec();
         let params = [weight.map(IntoLazy::into_lazy), bias.map(IntoLazy::into_lazy)];
         let (weight, bias) = (params[0].is_some(), params[1].is_some());
         self.trailing_norm(
@@ -248,7 +252,8 @@ impl LazyTensor {
 impl LazyTensor {
     /// Group normalization, as tch's `group_norm`: `self` is `[N, C, ..]`, normalized per sample
     /// over `num_groups` groups of `C / num_groups` channels; `weight` and `bias` are `[C]`.
-    /// Samples stay apart: it splits freely.
+    /// Samples stay apart: it splits freely. libtorch ignores `cudnn_enabled` here, and so
+    /// does the plan.
     ///
     /// # Errors
     /// [`LazyError::Argument`] when `num_groups` does not divide `C`, [`LazyError::Shape`] for
@@ -259,7 +264,9 @@ impl LazyTensor {
         weight: Option<impl IntoLazy>,
         bias: Option<impl IntoLazy>,
         eps: f64,
+        cudnn_enabled: bool,
     ) -> Result<LazyTensor, LazyError> {
+        let _ = cudnn_enabled;
         let x = &self.node;
         let name = "group_norm";
         let s = &x.meta.shape;
@@ -309,11 +316,11 @@ impl LazyTensor {
     /// `normalized_shape`, [`LazyError::Kind`], [`LazyError::Device`].
     pub fn f_rms_norm(
         &self,
-        normalized_shape: impl AsRef<[i64]>,
+        normalized_shape: impl IntList,
         weight: Option<impl IntoLazy>,
         eps: impl Into<Option<f64>>,
     ) -> Result<LazyTensor, LazyError> {
-        let norm = normalized_shape.as_ref().to_vec();
+        let norm = normalized_shape.as_slice().to_vec();
         let params = [weight.map(IntoLazy::into_lazy)];
         let op = Norm::Rms { normalized_shape: norm.clone(), eps: eps.into(), weight: params[0].is_some() };
         self.trailing_norm("rms_norm", norm, &params, op)
@@ -321,8 +328,8 @@ impl LazyTensor {
 }
 
 panicking! {
-    rms_norm => f_rms_norm(normalized_shape: impl AsRef<[i64]>, weight: Option<impl IntoLazy>, eps: impl Into<Option<f64>>);
-    group_norm => f_group_norm(num_groups: i64, weight: Option<impl IntoLazy>, bias: Option<impl IntoLazy>, eps: f64);
+    rms_norm => f_rms_norm(normalized_shape: impl IntList, weight: Option<impl IntoLazy>, eps: impl Into<Option<f64>>);
+    group_norm => f_group_norm(num_groups: i64, weight: Option<impl IntoLazy>, bias: Option<impl IntoLazy>, eps: f64, cudnn_enabled: bool);
     batch_norm => f_batch_norm(weight: Option<impl IntoLazy>, bias: Option<impl IntoLazy>, running_mean: impl IntoLazy, running_var: impl IntoLazy, training: bool, momentum: f64, eps: f64);
-    layer_norm => f_layer_norm(normalized_shape: impl AsRef<[i64]>, weight: Option<impl IntoLazy>, bias: Option<impl IntoLazy>, eps: f64);
+    layer_norm => f_layer_norm(normalized_shape: impl IntList, weight: Option<impl IntoLazy>, bias: Option<impl IntoLazy>, eps: f64, cudnn_enable: bool);
 }

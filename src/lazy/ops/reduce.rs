@@ -9,6 +9,7 @@ use super::record::{Linearity, Record};
 use super::{arg, kind_err, panicking, same_shape_flow, Rules, RunCx, Scratch, Share};
 use crate::lazy::error::LazyError;
 use crate::lazy::graph::{BatchDim, Flow, Meta, Node};
+use crate::lazy::int_list::{IntList, IntListOption};
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
 
@@ -118,6 +119,15 @@ fn reduce(
 }
 
 impl LazyTensor {
+    /// `None` reduces every dimension; kept, each stays as a 1 (as tch's `sum_dim_intlist`).
+    fn dims_or_all(&self, dims: Option<&[i64]>, keepdim: bool) -> Option<Vec<i64>> {
+        match dims {
+            Some(d) => Some(d.to_vec()),
+            None if keepdim => Some((0..self.dim() as i64).collect()),
+            None => None,
+        }
+    }
+
     fn f_softmax_impl(&self, dim: i64, kind: Option<Kind>, log: bool) -> Result<LazyTensor, LazyError> {
         let n = &self.node;
         let op = Reduce::Softmax { dim, kind, log };
@@ -233,11 +243,11 @@ impl LazyTensor {
     /// [`LazyError::Argument`] for bad or repeated dimensions.
     pub fn f_sum_dim_intlist(
         &self,
-        dims: impl AsRef<[i64]>,
+        dims: impl IntListOption,
         keepdim: bool,
         kind: impl Into<Option<Kind>>,
     ) -> Result<LazyTensor, LazyError> {
-        self.f_reduce(ReduceOp::Sum, Some(dims.as_ref()), keepdim, kind.into())
+        self.f_reduce(ReduceOp::Sum, self.dims_or_all(dims.as_option(), keepdim).as_deref(), keepdim, kind.into())
     }
 
     /// The mean of all elements. Over the batch, each micro-batch is weighted by its share, so
@@ -255,11 +265,11 @@ impl LazyTensor {
     /// As [`f_mean`](Self::f_mean), and bad dimensions.
     pub fn f_mean_dim(
         &self,
-        dims: impl AsRef<[i64]>,
+        dims: impl IntListOption,
         keepdim: bool,
         kind: impl Into<Option<Kind>>,
     ) -> Result<LazyTensor, LazyError> {
-        self.f_reduce(ReduceOp::Mean, Some(dims.as_ref()), keepdim, kind.into())
+        self.f_reduce(ReduceOp::Mean, self.dims_or_all(dims.as_option(), keepdim).as_deref(), keepdim, kind.into())
     }
 
     /// The maximum over `dims` (tch's `amax`). Over the batch it can be evaluated, not
@@ -267,8 +277,8 @@ impl LazyTensor {
     ///
     /// # Errors
     /// [`LazyError::Argument`] for bad dimensions or an empty one.
-    pub fn f_amax(&self, dims: impl AsRef<[i64]>, keepdim: bool) -> Result<LazyTensor, LazyError> {
-        self.f_reduce(ReduceOp::Amax, Some(dims.as_ref()), keepdim, None)
+    pub fn f_amax(&self, dims: impl IntList, keepdim: bool) -> Result<LazyTensor, LazyError> {
+        self.f_reduce(ReduceOp::Amax, Some(dims.as_slice()), keepdim, None)
     }
 
     /// The maximum of all elements (tch's `max`).
@@ -284,9 +294,9 @@ panicking! {
     softmax => f_softmax(dim: i64, kind: impl Into<Option<Kind>>);
     log_softmax => f_log_softmax(dim: i64, kind: impl Into<Option<Kind>>);
     sum => f_sum(kind: impl Into<Option<Kind>>);
-    sum_dim_intlist => f_sum_dim_intlist(dims: impl AsRef<[i64]>, keepdim: bool, kind: impl Into<Option<Kind>>);
+    sum_dim_intlist => f_sum_dim_intlist(dims: impl IntListOption, keepdim: bool, kind: impl Into<Option<Kind>>);
     mean => f_mean(kind: impl Into<Option<Kind>>);
-    mean_dim => f_mean_dim(dims: impl AsRef<[i64]>, keepdim: bool, kind: impl Into<Option<Kind>>);
-    amax => f_amax(dims: impl AsRef<[i64]>, keepdim: bool);
+    mean_dim => f_mean_dim(dims: impl IntListOption, keepdim: bool, kind: impl Into<Option<Kind>>);
+    amax => f_amax(dims: impl IntList, keepdim: bool);
     max => f_max();
 }

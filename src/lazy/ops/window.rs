@@ -9,6 +9,7 @@ use super::record::{combine_flows, same_device, unary_flow, Linearity, Record};
 use super::{arg, floating, panicking, requires, same_kind, shape_err, Rules, RunCx, Scratch};
 use crate::lazy::error::LazyError;
 use crate::lazy::graph::{Flow, Meta, Node};
+use crate::lazy::int_list::IntList;
 use crate::lazy::scratch;
 use crate::lazy::shape;
 use crate::lazy::tensor::IntoLazy;
@@ -49,6 +50,8 @@ pub(crate) enum Window {
     },
     UpsampleNearest2d {
         output: [i64; 2],
+        /// `scales_h`, `scales_w` as given (libtorch's source step when set).
+        scales: [Option<f64>; 2],
     },
     /// Scales, when given, change how output positions map onto the input (as in libtorch).
     UpsampleBilinear2d {
@@ -121,7 +124,7 @@ impl Rules for Window {
                 x.f_avg_pool2d(kernel, stride, padding, *ceil_mode, *count_include_pad, *divisor_override)
             }
             Window::AdaptiveAvgPool2d { output } => x.f_adaptive_avg_pool2d(output),
-            Window::UpsampleNearest2d { output } => x.f_upsample_nearest2d(output, None, None),
+            Window::UpsampleNearest2d { output, scales } => x.f_upsample_nearest2d(output, scales[0], scales[1]),
             Window::UpsampleBilinear2d { output, align_corners, scales: [h, w] } => {
                 x.f_upsample_bilinear2d(output, *align_corners, *h, *w)
             }
@@ -336,20 +339,20 @@ impl LazyTensor {
         &self,
         weight: impl IntoLazy,
         bias: Option<impl IntoLazy>,
-        stride: impl AsRef<[i64]>,
-        padding: impl AsRef<[i64]>,
-        output_padding: impl AsRef<[i64]>,
+        stride: impl IntList,
+        padding: impl IntList,
+        output_padding: impl IntList,
         groups: i64,
-        dilation: impl AsRef<[i64]>,
+        dilation: impl IntList,
     ) -> Result<LazyTensor, LazyError> {
         let name = "conv_transpose2d";
         let (w, b) = (weight.into_lazy(), bias.map(IntoLazy::into_lazy));
         let sx = &self.node.meta.shape;
         let a = |r: String| arg(name, sx, r);
-        let stride = shape::spatial::<2>(stride.as_ref(), "stride").map_err(a)?;
-        let padding = shape::spatial::<2>(padding.as_ref(), "padding").map_err(a)?;
-        let output_padding = shape::spatial::<2>(output_padding.as_ref(), "output_padding").map_err(a)?;
-        let dilation = shape::spatial::<2>(dilation.as_ref(), "dilation").map_err(a)?;
+        let stride = shape::spatial::<2>(stride.as_slice(), "stride").map_err(a)?;
+        let padding = shape::spatial::<2>(padding.as_slice(), "padding").map_err(a)?;
+        let output_padding = shape::spatial::<2>(output_padding.as_slice(), "output_padding").map_err(a)?;
+        let dilation = shape::spatial::<2>(dilation.as_slice(), "dilation").map_err(a)?;
         if groups < 1
             || stride.iter().chain(&dilation).any(|&v| v < 1)
             || padding.iter().chain(&output_padding).any(|&v| v < 0)
@@ -408,7 +411,7 @@ impl LazyTensor {
     /// integers.
     pub fn f_upsample_bilinear2d(
         &self,
-        output_size: impl AsRef<[i64]>,
+        output_size: impl IntList,
         align_corners: bool,
         scales_h: impl Into<Option<f64>>,
         scales_w: impl Into<Option<f64>>,
@@ -417,9 +420,9 @@ impl LazyTensor {
         let name = "upsample_bilinear2d";
         let a = |r: String| arg(name, &n.meta.shape, r);
         let output: [i64; 2] = output_size
-            .as_ref()
+            .as_slice()
             .try_into()
-            .map_err(|_| a(format!("output_size must be 2 values, got {:?}", output_size.as_ref())))?;
+            .map_err(|_| a(format!("output_size must be 2 values, got {:?}", output_size.as_slice())))?;
         if n.meta.shape.len() != 4 || output.iter().any(|&v| v < 1) || n.meta.shape[2..].contains(&0) {
             return Err(a(format!("expected a non-empty 4-D input and an output size of at least 1, got {output:?}")));
         }
@@ -442,13 +445,13 @@ impl LazyTensor {
         &self,
         weight: impl IntoLazy,
         bias: Option<impl IntoLazy>,
-        stride: impl AsRef<[i64]>,
-        padding: impl AsRef<[i64]>,
-        dilation: impl AsRef<[i64]>,
+        stride: impl IntList,
+        padding: impl IntList,
+        dilation: impl IntList,
         groups: i64,
     ) -> Result<LazyTensor, LazyError> {
         let (w, b) = (weight.into_lazy(), bias.map(IntoLazy::into_lazy));
-        let (stride, padding, dilation) = (stride.as_ref(), padding.as_ref(), dilation.as_ref());
+        let (stride, padding, dilation) = (stride.as_slice(), padding.as_slice(), dilation.as_slice());
         self.convolution::<2>("conv2d", &w, b.as_ref(), [stride, padding, dilation], groups, |s, p, d| Window::Conv2d {
             stride: s,
             padding: p,
@@ -467,13 +470,13 @@ impl LazyTensor {
         &self,
         weight: impl IntoLazy,
         bias: Option<impl IntoLazy>,
-        stride: impl AsRef<[i64]>,
-        padding: impl AsRef<[i64]>,
-        dilation: impl AsRef<[i64]>,
+        stride: impl IntList,
+        padding: impl IntList,
+        dilation: impl IntList,
         groups: i64,
     ) -> Result<LazyTensor, LazyError> {
         let (w, b) = (weight.into_lazy(), bias.map(IntoLazy::into_lazy));
-        let (stride, padding, dilation) = (stride.as_ref(), padding.as_ref(), dilation.as_ref());
+        let (stride, padding, dilation) = (stride.as_slice(), padding.as_slice(), dilation.as_slice());
         self.convolution::<1>("conv1d", &w, b.as_ref(), [stride, padding, dilation], groups, |s, p, d| Window::Conv1d {
             stride: s,
             padding: p,
@@ -537,27 +540,37 @@ impl LazyTensor {
     }
 
     /// Nearest-neighbour upsampling of `[N, C, H, W]` to `output_size` (`[h, w]`), as tch's
-    /// `upsample_nearest2d` without scales.
+    /// `upsample_nearest2d`; `scales_h`/`scales_w`, when given, set the source step as in
+    /// libtorch (the output size is `output_size` either way).
     ///
     /// # Errors
-    /// [`LazyError::Argument`] for a non 4-D input or a size below 1.
-    pub fn f_upsample_nearest2d(&self, output_size: impl AsRef<[i64]>) -> Result<LazyTensor, LazyError> {
+    /// [`LazyError::Argument`] for a non 4-D input, a size below 1, or a scale that is not
+    /// positive.
+    pub fn f_upsample_nearest2d(
+        &self,
+        output_size: impl IntList,
+        scales_h: impl Into<Option<f64>>,
+        scales_w: impl Into<Option<f64>>,
+    ) -> Result<LazyTensor, LazyError> {
+        let scales = [scales_h.into(), scales_w.into()];
         let n = &self.node;
         let name = "upsample_nearest2d";
         let a = |r: String| arg(name, &n.meta.shape, r);
         let output: [i64; 2] = output_size
-            .as_ref()
+            .as_slice()
             .try_into()
-            .map_err(|_| a(format!("output_size must be 2 values, got {:?}", output_size.as_ref())))?;
+            .map_err(|_| a(format!("output_size must be 2 values, got {:?}", output_size.as_slice())))?;
         if n.meta.shape.len() != 4 || output.iter().any(|&v| v < 1) || n.meta.shape[2..].contains(&0) {
             return Err(a(format!("expected a non-empty 4-D input and an output size of at least 1, got {output:?}")));
+        }
+        if scales.iter().flatten().any(|&s| s.is_nan() || s <= 0.0) {
+            return Err(a(format!("scales must be positive, got {scales:?}")));
         }
         let mut out = n.meta.shape.clone();
         out[2..].copy_from_slice(&output);
         let flow = self.pool_flow(name, &out)?;
-        Ok(Record::new(Window::UpsampleNearest2d { output }, vec![n.clone()], out, n.meta.kind, n.meta.device)
-            .flow(flow)
-            .finish())
+        let op = Window::UpsampleNearest2d { output, scales };
+        Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
     }
 
     fn pool_flow(&self, name: &str, out: &[i64]) -> Result<(Flow, Option<String>), LazyError> {
@@ -572,20 +585,20 @@ impl LazyTensor {
     /// kernel, an output smaller than 1, ..).
     pub fn f_max_pool2d(
         &self,
-        kernel: impl AsRef<[i64]>,
-        stride: impl AsRef<[i64]>,
-        padding: impl AsRef<[i64]>,
-        dilation: impl AsRef<[i64]>,
+        kernel: impl IntList,
+        stride: impl IntList,
+        padding: impl IntList,
+        dilation: impl IntList,
         ceil_mode: bool,
     ) -> Result<LazyTensor, LazyError> {
         let n = &self.node;
         let name = "max_pool2d";
         let a = |r: String| arg(name, &n.meta.shape, r);
-        let kernel = shape::pair(kernel.as_ref(), "kernel_size").map_err(a)?;
+        let kernel = shape::pair(kernel.as_slice(), "kernel_size").map_err(a)?;
         let stride =
-            if stride.as_ref().is_empty() { kernel } else { shape::pair(stride.as_ref(), "stride").map_err(a)? };
-        let padding = shape::pair(padding.as_ref(), "padding").map_err(a)?;
-        let dilation = shape::pair(dilation.as_ref(), "dilation").map_err(a)?;
+            if stride.as_slice().is_empty() { kernel } else { shape::pair(stride.as_slice(), "stride").map_err(a)? };
+        let padding = shape::pair(padding.as_slice(), "padding").map_err(a)?;
+        let dilation = shape::pair(dilation.as_slice(), "dilation").map_err(a)?;
         let out = shape::pool2d(&n.meta.shape, kernel, stride, padding, dilation, ceil_mode).map_err(a)?;
         let flow = self.pool_flow(name, &out)?;
         let op = Window::MaxPool2d { kernel, stride, padding, dilation, ceil_mode };
@@ -599,9 +612,9 @@ impl LazyTensor {
     #[allow(clippy::too_many_arguments)]
     pub fn f_avg_pool2d(
         &self,
-        kernel: impl AsRef<[i64]>,
-        stride: impl AsRef<[i64]>,
-        padding: impl AsRef<[i64]>,
+        kernel: impl IntList,
+        stride: impl IntList,
+        padding: impl IntList,
         ceil_mode: bool,
         count_include_pad: bool,
         divisor_override: impl Into<Option<i64>>,
@@ -609,10 +622,10 @@ impl LazyTensor {
         let n = &self.node;
         let name = "avg_pool2d";
         let a = |r: String| arg(name, &n.meta.shape, r);
-        let kernel = shape::pair(kernel.as_ref(), "kernel_size").map_err(a)?;
+        let kernel = shape::pair(kernel.as_slice(), "kernel_size").map_err(a)?;
         let stride =
-            if stride.as_ref().is_empty() { kernel } else { shape::pair(stride.as_ref(), "stride").map_err(a)? };
-        let padding = shape::pair(padding.as_ref(), "padding").map_err(a)?;
+            if stride.as_slice().is_empty() { kernel } else { shape::pair(stride.as_slice(), "stride").map_err(a)? };
+        let padding = shape::pair(padding.as_slice(), "padding").map_err(a)?;
         let divisor_override = divisor_override.into();
         if divisor_override == Some(0) {
             return Err(a("divisor must be not zero".into()));
@@ -628,14 +641,14 @@ impl LazyTensor {
     ///
     /// # Errors
     /// [`LazyError::Argument`] for a non 3-/4-D input or a bad size.
-    pub fn f_adaptive_avg_pool2d(&self, output_size: impl AsRef<[i64]>) -> Result<LazyTensor, LazyError> {
+    pub fn f_adaptive_avg_pool2d(&self, output_size: impl IntList) -> Result<LazyTensor, LazyError> {
         let n = &self.node;
         let name = "adaptive_avg_pool2d";
         let a = |r: String| arg(name, &n.meta.shape, r);
         let output: [i64; 2] = output_size
-            .as_ref()
+            .as_slice()
             .try_into()
-            .map_err(|_| a(format!("output_size must be 2 values, got {:?}", output_size.as_ref())))?;
+            .map_err(|_| a(format!("output_size must be 2 values, got {:?}", output_size.as_slice())))?;
         let s = &n.meta.shape;
         if s.len() != 3 && s.len() != 4 {
             return Err(a(format!("expected a 3-D or 4-D input, got {} dims", s.len())));
@@ -655,12 +668,12 @@ impl LazyTensor {
 }
 
 panicking! {
-    conv1d => f_conv1d(weight: impl IntoLazy, bias: Option<impl IntoLazy>, stride: impl AsRef<[i64]>, padding: impl AsRef<[i64]>, dilation: impl AsRef<[i64]>, groups: i64);
-    conv2d => f_conv2d(weight: impl IntoLazy, bias: Option<impl IntoLazy>, stride: impl AsRef<[i64]>, padding: impl AsRef<[i64]>, dilation: impl AsRef<[i64]>, groups: i64);
-    max_pool2d => f_max_pool2d(kernel: impl AsRef<[i64]>, stride: impl AsRef<[i64]>, padding: impl AsRef<[i64]>, dilation: impl AsRef<[i64]>, ceil_mode: bool);
-    avg_pool2d => f_avg_pool2d(kernel: impl AsRef<[i64]>, stride: impl AsRef<[i64]>, padding: impl AsRef<[i64]>, ceil_mode: bool, count_include_pad: bool, divisor_override: impl Into<Option<i64>>);
-    adaptive_avg_pool2d => f_adaptive_avg_pool2d(output_size: impl AsRef<[i64]>);
-    upsample_nearest2d => f_upsample_nearest2d(output_size: impl AsRef<[i64]>);
-    upsample_bilinear2d => f_upsample_bilinear2d(output_size: impl AsRef<[i64]>, align_corners: bool, scales_h: impl Into<Option<f64>>, scales_w: impl Into<Option<f64>>);
-    conv_transpose2d => f_conv_transpose2d(weight: impl IntoLazy, bias: Option<impl IntoLazy>, stride: impl AsRef<[i64]>, padding: impl AsRef<[i64]>, output_padding: impl AsRef<[i64]>, groups: i64, dilation: impl AsRef<[i64]>);
+    conv1d => f_conv1d(weight: impl IntoLazy, bias: Option<impl IntoLazy>, stride: impl IntList, padding: impl IntList, dilation: impl IntList, groups: i64);
+    conv2d => f_conv2d(weight: impl IntoLazy, bias: Option<impl IntoLazy>, stride: impl IntList, padding: impl IntList, dilation: impl IntList, groups: i64);
+    max_pool2d => f_max_pool2d(kernel: impl IntList, stride: impl IntList, padding: impl IntList, dilation: impl IntList, ceil_mode: bool);
+    avg_pool2d => f_avg_pool2d(kernel: impl IntList, stride: impl IntList, padding: impl IntList, ceil_mode: bool, count_include_pad: bool, divisor_override: impl Into<Option<i64>>);
+    adaptive_avg_pool2d => f_adaptive_avg_pool2d(output_size: impl IntList);
+    upsample_nearest2d => f_upsample_nearest2d(output_size: impl IntList, scales_h: impl Into<Option<f64>>, scales_w: impl Into<Option<f64>>);
+    upsample_bilinear2d => f_upsample_bilinear2d(output_size: impl IntList, align_corners: bool, scales_h: impl Into<Option<f64>>, scales_w: impl Into<Option<f64>>);
+    conv_transpose2d => f_conv_transpose2d(weight: impl IntoLazy, bias: Option<impl IntoLazy>, stride: impl IntList, padding: impl IntList, output_padding: impl IntList, groups: i64, dilation: impl IntList);
 }
