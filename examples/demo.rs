@@ -119,25 +119,39 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-/// An MLP step on 32,768 samples whose hidden activations are 1 GiB each: eagerly it runs out
-/// of memory under the cap; through `toma::lazy` it is planned against the memory left and runs
-/// in micro-batches, with gradients equal to the full batch's.
+/// An MLP step on 32,768 samples whose hidden activations are 1 GiB each. The model is one
+/// `toma::lazy::nn::seq()`: trained eagerly on a small batch, it then runs out of memory eagerly
+/// on all samples under the cap; through `toma::lazy` the same model is planned against the
+/// memory left and runs in micro-batches, with gradients equal to the full batch's, then one
+/// optimizer step on the same `VarStore`.
 fn lazy_training_step() -> Result<(usize, usize), Box<dyn std::error::Error>> {
-    use tch::nn::{self, Module};
+    use tch::nn::{self, OptimizerConfig};
     use toma::lazy::{lazy, Mode, Options};
     const N: i64 = 32_768;
     tch::manual_seed(0);
     let vs = nn::VarStore::new(Device::Cpu);
-    let l1 = nn::linear(vs.root() / "l1", 64, 8192, Default::default());
-    let l2 = nn::linear(vs.root() / "l2", 8192, 10, Default::default());
+    let mlp = toma::lazy::nn::seq()
+        .add(nn::linear(vs.root() / "l1", 64, 8192, Default::default()))
+        .add_fn(|x| x.relu())
+        .add(nn::linear(vs.root() / "l2", 8192, 10, Default::default()));
+    let mut opt = nn::Sgd::default().build(&vs, 0.01)?;
     let x = Tensor::f_randn([N, 64], CPU)?;
     let y = Tensor::f_randint(10, [N], (Kind::Int64, Device::Cpu))?;
 
-    println!("   eagerly: l2(relu(l1(x))).cross_entropy(y).backward() on all {N} samples");
+    let (xs, ys) = (x.narrow(0, 0, 256), y.narrow(0, 0, 256));
+    let small = xs.apply(&mlp).cross_entropy_for_logits(&ys);
+    opt.backward_step(&small);
+    println!(
+        "   eagerly, 256 samples: loss {:.4}, one SGD step (the model is one toma::lazy::nn::seq())",
+        small.double_value(&[])
+    );
+    println!("   eagerly, all {N} samples: x.apply(&mlp).cross_entropy(y).backward()");
     // tch's plain methods panic on out-of-memory; hide the default hook's backtrace for this one.
     let hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(|_| {}));
-    let eager = std::panic::catch_unwind(|| l2.forward(&l1.forward(&x).relu()).cross_entropy_for_logits(&y).backward());
+    let eager = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        x.apply(&mlp).cross_entropy_for_logits(&y).backward()
+    }));
     std::panic::set_hook(hook);
     match eager {
         Err(payload) => {
@@ -146,21 +160,20 @@ fn lazy_training_step() -> Result<(usize, usize), Box<dyn std::error::Error>> {
         }
         Ok(()) => println!("   => (it fit after all: the cap left more room than this step needs)"),
     }
-    for mut v in vs.trainable_variables() {
-        v.zero_grad();
-    }
+    opt.zero_grad();
 
     let (lx, ly) = lazy((&x, &y), 0);
-    let loss = lx.apply(&l1).relu().apply(&l2).cross_entropy_for_logits(&ly);
+    let loss = lx.apply(&mlp).cross_entropy_for_logits(&ly);
     let plan = loss.plan(Mode::Backward, &Options::default())?;
-    println!("   lazily: the same step, recorded shape-only and planned before anything runs:\n");
+    println!("   lazily: the same model and step, recorded shape-only and planned before anything runs:\n");
     for line in plan.to_string().lines() {
         println!("      {line}");
     }
     let (value, ooms, secs) = timed(|| loss.backward());
     let value = value?;
+    opt.step();
     println!(
-        "\n   => loss {value:.4} over all {N} samples in {} micro-batch(es) of {}, {ooms} OOMs, {secs:.2} s",
+        "\n   => loss {value:.4} over all {N} samples in {} micro-batch(es) of {}, {ooms} OOMs, {secs:.2} s; one SGD step",
         plan.chunks(),
         plan.micro_batch()
     );
