@@ -23,6 +23,24 @@ where
     TensorOps::sum(&TensorOps::apply(x, l1).relu().apply(l2).gelu("none"), Some(Kind::Float))
 }
 
+/// The best of `rounds` timings of `calls` calls each, for `a` and for `b`, interleaved so that
+/// drift in the machine's speed hits both alike.
+fn best_of(rounds: usize, calls: usize, a: &dyn Fn(), b: &dyn Fn()) -> (f64, f64) {
+    let time = |f: &dyn Fn()| {
+        let start = std::time::Instant::now();
+        for _ in 0..calls {
+            f();
+        }
+        start.elapsed().as_secs_f64()
+    };
+    let (mut ta, mut tb) = (f64::MAX, f64::MAX);
+    for _ in 0..rounds {
+        ta = ta.min(time(a));
+        tb = tb.min(time(b));
+    }
+    (ta, tb)
+}
+
 fn bench(c: &mut Criterion) {
     tch::set_num_threads(1);
     let vs = nn::VarStore::new(Device::Cpu);
@@ -34,18 +52,7 @@ fn bench(c: &mut Criterion) {
     group.bench_function("tch_methods", |b| b.iter(|| direct(black_box(&x), &l1, &l2)));
     group.bench_function("through_the_trait", |b| b.iter(|| generic(black_box(&x), &l1, &l2)));
     group.finish();
-    let time = |f: &dyn Fn()| {
-        let start = std::time::Instant::now();
-        for _ in 0..20_000 {
-            f();
-        }
-        start.elapsed().as_secs_f64()
-    };
-    let (mut d, mut g) = (f64::MAX, f64::MAX);
-    for _ in 0..5 {
-        d = d.min(time(&|| drop(direct(&x, &l1, &l2))));
-        g = g.min(time(&|| drop(generic(&x, &l1, &l2))));
-    }
+    let (d, g) = best_of(5, 20_000, &|| drop(direct(&x, &l1, &l2)), &|| drop(generic(&x, &l1, &l2)));
     println!("ratio: through the trait / tch methods = {:.3} (best of 5 x 20000 calls)", g / d);
 
     // resnet18, tch's and the one written once, on the same weights.
@@ -59,18 +66,9 @@ fn bench(c: &mut Criterion) {
     group.bench_function("tch_vision", |b| b.iter(|| nn::ModuleT::forward_t(&theirs, black_box(&images), false)));
     group.bench_function("written_once", |b| b.iter(|| ours.forward_t(black_box(&images), false)));
     group.finish();
-    let time = |f: &dyn Fn()| {
-        let start = std::time::Instant::now();
-        for _ in 0..20 {
-            f();
-        }
-        start.elapsed().as_secs_f64()
-    };
-    let (mut d, mut g) = (f64::MAX, f64::MAX);
-    for _ in 0..7 {
-        d = d.min(time(&|| drop(nn::ModuleT::forward_t(&theirs, &images, false))));
-        g = g.min(time(&|| drop(ours.forward_t(&images, false))));
-    }
+    let (d, g) = best_of(7, 20, &|| drop(nn::ModuleT::forward_t(&theirs, &images, false)), &|| {
+        drop(ours.forward_t(&images, false))
+    });
     println!("ratio: resnet18 forward, written once / tch::vision = {:.3} (best of 7 x 20 forwards)", g / d);
 
     // An MLP as `nn::seq()` builds it, tch's and toma's, on the same weights.
@@ -94,18 +92,8 @@ fn bench(c: &mut Criterion) {
     group.bench_function("tch_seq", |b| b.iter(|| nn::Module::forward(&theirs, black_box(&x))));
     group.bench_function("toma_seq", |b| b.iter(|| nn::Module::forward(&ours, black_box(&x))));
     group.finish();
-    let time = |f: &dyn Fn()| {
-        let start = std::time::Instant::now();
-        for _ in 0..2_000 {
-            f();
-        }
-        start.elapsed().as_secs_f64()
-    };
-    let (mut d, mut g) = (f64::MAX, f64::MAX);
-    for _ in 0..7 {
-        d = d.min(time(&|| drop(nn::Module::forward(&theirs, &x))));
-        g = g.min(time(&|| drop(nn::Module::forward(&ours, &x))));
-    }
+    let (d, g) =
+        best_of(7, 2_000, &|| drop(nn::Module::forward(&theirs, &x)), &|| drop(nn::Module::forward(&ours, &x)));
     println!(
         "ratio: nn::seq MLP 64x512 forward, toma::lazy::nn::seq / tch = {:.3} (best of 7 x 2000; {:.1} us per recorded closure)",
         g / d,

@@ -303,6 +303,34 @@ pub fn seq_t() -> SequentialT {
     SequentialT { steps: Steps::default() }
 }
 
+/// The methods `Sequential` and `SequentialT` share, as tch's two sequences share them.
+macro_rules! shared_methods {
+    () => {
+        /// Appends a function, as tch's `add_fn` (`|x| x.relu()`). A panicking op panics at
+        /// forward; use [`add_f_fn`](Self::add_f_fn) for errors instead.
+        pub fn add_fn<F: Fn(&LazyTensor) -> LazyTensor + Send + 'static>(mut self, f: F) -> Self {
+            self.steps.push_fn(move |xs, _| Ok(f(xs)));
+            self
+        }
+
+        /// Appends a fallible function (`|x| x.f_relu()`).
+        pub fn add_f_fn<F: Fn(&LazyTensor) -> Result<LazyTensor, LazyError> + Send + 'static>(mut self, f: F) -> Self {
+            self.steps.push_fn(move |xs, _| f(xs));
+            self
+        }
+
+        /// The number of layers and functions.
+        pub fn len(&self) -> usize {
+            self.steps.0.len()
+        }
+
+        /// Whether there is none.
+        pub fn is_empty(&self) -> bool {
+            self.steps.0.is_empty()
+        }
+    };
+}
+
 impl Sequential {
     /// Appends a layer (`nn::Linear`, `nn::Conv2D`, another `Sequential`, ..), as tch's `add`.
     // Named as tch's `Sequential::add`, on purpose.
@@ -312,28 +340,7 @@ impl Sequential {
         self
     }
 
-    /// Appends a function, as tch's `add_fn` (`|x| x.relu()`). A panicking op panics at
-    /// forward; use [`add_f_fn`](Self::add_f_fn) for errors instead.
-    pub fn add_fn<F: Fn(&LazyTensor) -> LazyTensor + Send + 'static>(mut self, f: F) -> Self {
-        self.steps.push_fn(move |xs, _| Ok(f(xs)));
-        self
-    }
-
-    /// Appends a fallible function (`|x| x.f_relu()`).
-    pub fn add_f_fn<F: Fn(&LazyTensor) -> Result<LazyTensor, LazyError> + Send + 'static>(mut self, f: F) -> Self {
-        self.steps.push_fn(move |xs, _| f(xs));
-        self
-    }
-
-    /// The number of layers and functions.
-    pub fn len(&self) -> usize {
-        self.steps.0.len()
-    }
-
-    /// Whether there is none.
-    pub fn is_empty(&self) -> bool {
-        self.steps.0.is_empty()
-    }
+    shared_methods!();
 
     /// The sequence applied to `xs`, a `Tensor` (eagerly) or a [`LazyTensor`] (recorded), as
     /// tch's `forward`; panics with a recording error, as tch panics with its own (use
@@ -356,33 +363,13 @@ impl SequentialT {
         self
     }
 
-    /// Appends a function, as tch's `add_fn` (`|x| x.relu()`).
-    pub fn add_fn<F: Fn(&LazyTensor) -> LazyTensor + Send + 'static>(mut self, f: F) -> Self {
-        self.steps.push_fn(move |xs, _| Ok(f(xs)));
-        self
-    }
-
-    /// Appends a fallible function (`|x| x.f_relu()`).
-    pub fn add_f_fn<F: Fn(&LazyTensor) -> Result<LazyTensor, LazyError> + Send + 'static>(mut self, f: F) -> Self {
-        self.steps.push_fn(move |xs, _| f(xs));
-        self
-    }
+    shared_methods!();
 
     /// Appends a function of the training flag (`|x, train| x.dropout(0.1, train)`), as tch's
     /// `add_fn_t`.
     pub fn add_fn_t<F: Fn(&LazyTensor, bool) -> LazyTensor + Send + 'static>(mut self, f: F) -> Self {
         self.steps.push_fn(move |xs, train| Ok(f(xs, train)));
         self
-    }
-
-    /// The number of layers and functions.
-    pub fn len(&self) -> usize {
-        self.steps.0.len()
-    }
-
-    /// Whether there is none.
-    pub fn is_empty(&self) -> bool {
-        self.steps.0.is_empty()
     }
 
     /// The sequence applied to `xs`, in training mode when `train`, as tch's `forward_t`;
