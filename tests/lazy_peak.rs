@@ -21,10 +21,11 @@ const MIB: u64 = 1 << 20;
 /// The planner's target (issue 6), either way: within 10% of the measured peak.
 const UNDER_TOLERANCE: f64 = 0.10;
 const OVER_TOLERANCE: f64 = 0.10;
-/// Generated CNNs: oneDNN's choices on the CPU are planned conservatively where they vary
-/// (1×1 convolutions over a few channels, small batches): up to this much over. Under by more
-/// than the 10% margin is never allowed.
-const GENERATED_OVER_TOLERANCE: f64 = 0.5;
+/// Generated CNNs: beyond the 10% margin, a plan may be over by at most oneDNN's convolution
+/// scratchpad, which the plan holds at its largest (32–48 KiB measured, often 0 on small
+/// maps): it only shows on models whose whole step takes a few hundred KiB. Under by more than
+/// the 10% margin is never allowed.
+const GENERATED_SCRATCHPAD_SLACK: u64 = 48 << 10;
 
 /// The plan's peak for forward and backward of the whole batch, and the peak the counter saw
 /// above what was live before (inputs, parameters).
@@ -206,6 +207,14 @@ fn planner_peak_matches_the_cpu_allocator() {
             planned_and_measured(&loss, n as usize)
         });
     }
+    // A batch of one runs natively (im2col), not through oneDNN.
+    measure("conv b1", 1, &|n| {
+        let vs = nn::VarStore::new(CPU);
+        let w = vs.root().randn("w", &[16, 16, 3, 3], 0.0, 0.1);
+        let x = Tensor::randn([n, 16, 32, 32], (Kind::Float, CPU));
+        let loss = toma::lazy::lazy(&x, 0).conv2d(&w, None::<&Tensor>, [1], [1], [1], 1).mean(None);
+        planned_and_measured(&loss, n as usize)
+    });
     // All rows are printed before any bound is checked.
     for (model, batch, planned, measured) in rows {
         let (p, m) = (planned as f64, measured as f64);
@@ -374,15 +383,19 @@ impl Arch {
 
 /// The planner on generated CNNs (channels 1..64, kernels, strides, every activation, max, avg,
 /// adaptive or no pooling, sum and mean losses, first and later steps): the plan's peak against
-/// the CPU allocator's. Never more than 10% under (what would run out of memory), at most 50%
-/// over, and within 10% either way on at least two models in three (measured: 22 of 32).
+/// the CPU allocator's. Never more than 10% under (what would run out of memory), over by no
+/// more than 10% or the scratchpad slack, and within 10% either way on at least 27 of 32
+/// (measured: 27; 22 before the oneDNN reorders were planned as the larger of each pair).
 #[test]
 fn generated_models_peak_as_planned() {
     let _serial = support::serial();
     assert!(memory::track_cpu_allocations());
     tch::manual_seed(3);
     let mut rows = Vec::new();
-    for arch in Arch::generate(32, 0x7041) {
+    // Another sample: `TOMA_PEAK_SEED=<n>` (the bounds below are this sample's; others measured
+    // 27, 27 and 22 within 10%, none under by more than 5%).
+    let seed = std::env::var("TOMA_PEAK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x7041);
+    for arch in Arch::generate(32, seed) {
         let run = |n: i64| {
             let vs = nn::VarStore::new(CPU);
             let loss = arch.loss(&vs, n);
@@ -400,12 +413,12 @@ fn generated_models_peak_as_planned() {
     }
     let bad: Vec<String> = rows
         .iter()
-        .filter(|(_, _, _, e)| *e < -UNDER_TOLERANCE || *e > GENERATED_OVER_TOLERANCE)
+        .filter(|(_, p, m, e)| *e < -UNDER_TOLERANCE || (*e > OVER_TOLERANCE && *p > *m + GENERATED_SCRATCHPAD_SLACK))
         .map(|(a, p, m, e)| format!("{}: planned {p} measured {m} ({:+.1}%)", a.describe(), 100.0 * e))
         .collect();
     assert!(bad.is_empty(), "{} of {} models out of bounds:\n{}", bad.len(), rows.len(), bad.join("\n"));
     let close = rows.iter().filter(|(_, _, _, e)| e.abs() <= OVER_TOLERANCE).count();
-    assert!(3 * close >= 2 * rows.len(), "only {close} of {} models within 10%", rows.len());
+    assert!(close >= 27, "only {close} of {} models within 10%", rows.len());
 }
 
 /// A plan that was low is corrected by measurement: an op of the user's that takes a

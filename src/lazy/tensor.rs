@@ -110,7 +110,12 @@ impl LazyTensor {
     pub fn op_costs(&self) -> OpCosts {
         use super::graph::Flow;
         let (meta, cost) = (&self.node.meta, &self.node.cost);
-        let total = |b: &super::graph::Bytes| b.per + b.fixed;
+        // Costs are kept per sample and fixed; the batch is the graph's (1 without one).
+        let batch = std::iter::once(&self.node)
+            .chain(&self.node.inputs)
+            .find_map(|n| n.meta.batch().map(|bd| bd.size as u64))
+            .unwrap_or(1);
+        let total = |b: &super::graph::Bytes| b.per * batch + b.fixed;
         let split = match (&meta.mixes, meta.flow) {
             (Some(reason), _) => Split::Mixes(reason.clone()),
             (None, Flow::PerSample(_)) => Split::PerSample,
@@ -125,10 +130,7 @@ impl LazyTensor {
                 .node
                 .inputs
                 .iter()
-                .map(|x| {
-                    let (a, c) = x.meta.numel_parts();
-                    (a + c) * x.meta.kind.elt_size_in_bytes() as u64
-                })
+                .map(|x| shape::numel(&x.meta.shape).max(0) as u64 * x.meta.kind.elt_size_in_bytes() as u64)
                 .collect(),
             saves_output: meta.requires_grad && self.node.op.rules().saves_output(),
             saved_inputs: (0..self.node.inputs.len().min(64)).filter(|k| cost.saved >> k & 1 == 1).collect(),

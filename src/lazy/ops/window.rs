@@ -202,14 +202,18 @@ impl Window {
             }
             return scratch;
         }
-        if meta.kind == Kind::Float && batched && meta.batch().is_some() && onednn(w, stride, dilation) {
-            return onednn_scratch(inputs, meta, requires(inputs, 0));
-        }
         let kernel = &w[2..];
         let one_by_one = kernel.iter().all(|&k| k == 1)
             && stride.iter().all(|&s| s == 1)
             && padding.iter().all(|&p| p == 0)
             && dilation.iter().all(|&d| d == 1);
+        // A batch of one runs natively (im2col below). A micro-batch of one of a larger batch
+        // does too, and is planned as oneDNN's: under by up to the columns (rare: only when two
+        // samples do not fit).
+        let several = meta.batch().is_some_and(|bd| bd.size > 1);
+        if meta.kind == Kind::Float && batched && several && onednn(w, stride, dilation) {
+            return onednn_scratch(inputs, meta, requires(inputs, 0), stride.iter().any(|&s| s != 1));
+        }
         if one_by_one {
             return scratch;
         }
@@ -227,8 +231,8 @@ impl Window {
 }
 
 /// Whether libtorch hands a batched `Float` convolution on the CPU to oneDNN: its rule
-/// (`ConvParams::use_mkldnn`) for a batch of more than one, where only a 1×1 unstrided
-/// convolution on one thread stays native.
+/// (`ConvParams::use_mkldnn`) for a batch of more than one (the caller checks the batch), where
+/// only a 1×1 unstrided convolution on one thread stays native.
 fn onednn(weight: &[i64], stride: &[i64], dilation: &[i64]) -> bool {
     let one_by_one = weight[2..].iter().all(|&k| k == 1);
     let strided = stride.iter().any(|&s| s != 1) || dilation.iter().any(|&d| d != 1);
@@ -251,36 +255,57 @@ fn channel_block() -> i64 {
 }
 
 /// A oneDNN convolution's scratch on the CPU, measured with the CPU allocator (libtorch 2.11,
-/// x86-64; `tests/lazy_peak.rs` checks it on generated models). oneDNN works in channel-blocked
-/// layouts:
+/// x86-64, one convolution at a time over channels 1..64, kernels 1/3/5, strides 1/2;
+/// `tests/lazy_peak.rs` checks it on generated models). oneDNN works in channel-blocked
+/// layouts, and its reorders come one after another, so the peak is the larger of them:
 /// - an input with a full block of channels (or more) is reordered into one, and so is the
-///   weight; an output whose channels do not fill whole blocks is padded to them;
-/// - fewer input channels (a first layer) keep the input plain and reorder the output, and a
-///   1×1 convolution over them copies the input as well;
-/// - the backward reorders the output gradient (and the input from half a block of channels,
-///   and the weight gradient), and once more with an input gradient to compute from a plain
-///   input; its primitives take a scratchpad of their own (about 96 KiB measured).
-fn onednn_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool) -> Scratch {
+///   weight, or else the output is made in blocks (padded up to whole blocks) and reordered;
+/// - fewer input channels (a first layer) keep the input plain, except a 1×1 convolution, which
+///   pads the input up to a full block;
+/// - the backward reorders the output gradient (padded to whole blocks) and the input (from half
+///   a block of channels), and once more with an input gradient to compute from a plain input;
+///   the weight gradient's reorder comes at another time (the peak when the weight outweighs
+///   the activations). Its primitives take a scratchpad of their own (up to 32 KiB measured);
+/// - a strided 1×1 convolution copies its input at unit stride, one sample per thread.
+fn onednn_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, strided: bool) -> Scratch {
     const SCRATCHPAD: u64 = 32 << 10;
     let block = channel_block();
     let weight = &inputs[1].meta.shape;
-    let cin = weight[1];
+    let cin = weight[1].max(1);
     let pointwise = weight[2..].iter().all(|&k| k == 1);
     let o = meta.shape[1].max(1);
     let blocks = (o + block - 1) / block * block;
     let padded = |(a, c): (u64, u64)| (a * blocks as u64 / o as u64, c * blocks as u64 / o as u64);
     let add = |a: (u64, u64), b: (u64, u64)| (a.0 + b.0, a.1 + b.1);
+    // The larger of two costs, as the chord of its (convex) graph between one sample and the
+    // full batch: exact at both ends, above it in between, where micro-batches fall.
+    let n = meta.batch().map_or(1, |bd| bd.size.max(1)) as u64;
+    let max = |a: (u64, u64), b: (u64, u64)| {
+        let at = |k: u64| (a.0 * k + a.1).max(b.0 * k + b.1);
+        if n == 1 {
+            return (0, at(1));
+        }
+        let slope = (at(n) - at(1)).div_ceil(n - 1);
+        (slope, at(1).saturating_sub(slope))
+    };
     let x = inputs[0].meta.numel_parts();
     let w = inputs[1].meta.numel_parts();
     let plain_y = meta.numel_parts();
     let y = padded(plain_y);
     let elem = meta.kind.elt_size_in_bytes().max(1) as u64;
-    let mut scratch = Scratch::default();
-    let (forward, mut backward) = if cin >= block {
+    let (mut forward, mut backward) = if cin >= block {
         let reordered = add(x, w);
-        (if o % block == 0 { reordered } else { add(reordered, y) }, add(y, reordered))
+        if o % block == 0 {
+            (max(reordered, plain_y), add(y, x))
+        } else {
+            // Output channels padded up to a block: the weight's gradient is made padded too.
+            (add(reordered, y), add(add(y, x), padded(w)))
+        }
     } else if pointwise {
-        (add(add(x, y), plain_y), add(add(x, y), add(y, plain_y)))
+        // The input padded to a full block of channels; the output's padding.
+        let full = |(a, c): (u64, u64)| (a * block as u64 / cin as u64, c * block as u64 / cin as u64);
+        let padding = (y.0 - plain_y.0, y.1 - plain_y.1);
+        (max(add(full(x), padding), plain_y), add(full(x), y))
     } else {
         // Computing the weight's gradient alone, from a quarter block of input channels on, the
         // backward reorders the input into a layout blocked by half a block, its channels
@@ -289,23 +314,34 @@ fn onednn_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool) -> Scratch
         let half = (block / 2).max(1);
         let blocked = |(a, c): (u64, u64)| {
             let padded = ((cin + half - 1) / half * half) as u64;
-            (a * padded / cin.max(1) as u64, c * padded / cin.max(1) as u64)
+            (a * padded / cin as u64, c * padded / cin as u64)
         };
+        // The input's reorder and the output gradient's padding are not live together.
         let backward = if !input_grad && 4 * cin >= block {
-            add(add(y, blocked(x)), w)
+            max(y, add(plain_y, blocked(x)))
         } else if 2 * cin >= block {
-            add(add(y, x), w)
+            max(y, add(plain_y, x))
         } else {
-            add(y, w)
+            y
         };
         (y, backward)
     };
+    // A strided 1×1 convolution first copies its input at unit stride, one sample per thread
+    // (its channels padded to whole blocks), forward and backward.
+    if pointwise && strided {
+        let out_positions = shape::numel(&meta.shape[2..]).max(0) as u64;
+        let channels = ((cin + block - 1) / block * block) as u64;
+        let copies = threads().max(1) as u64 * channels * out_positions;
+        forward.1 += copies;
+        backward.1 += copies;
+    }
+    // The weight gradient's reorder comes at another time: it is the peak when the weight
+    // outweighs the activations (small maps, wide layers).
+    backward = max(backward, w);
     if input_grad && 2 * cin < block {
         backward = add(backward, y);
     }
-    scratch.forward = forward;
-    scratch.backward = add(backward, (0, SCRATCHPAD / elem));
-    scratch
+    Scratch { forward, backward: add(backward, (0, SCRATCHPAD / elem)), ..Scratch::default() }
 }
 
 /// A transposed convolution's scratch: libtorch runs it as the backward of a convolution
