@@ -207,6 +207,16 @@ fn planner_peak_matches_the_cpu_allocator() {
             planned_and_measured(&loss, n as usize)
         });
     }
+    // A MobileNet-style block: a depthwise 3×3 (strided), then a pointwise expansion.
+    measure("depthwise", 16, &|n| {
+        let vs = nn::VarStore::new(CPU);
+        let dw = vs.root().randn("dw", &[32, 1, 3, 3], 0.0, 0.1);
+        let pw = vs.root().randn("pw", &[64, 32, 1, 1], 0.0, 0.1);
+        let x = Tensor::randn([n, 32, 32, 32], (Kind::Float, CPU));
+        let h = toma::lazy::lazy(&x, 0).conv2d(&dw, None::<&Tensor>, [2], [1], [1], 32).relu6();
+        let loss = h.conv2d(&pw, None::<&Tensor>, [1], [0], [1], 1).relu6().mean(None);
+        planned_and_measured(&loss, n as usize)
+    });
     // A batch of one runs natively (im2col), not through oneDNN.
     measure("conv b1", 1, &|n| {
         let vs = nn::VarStore::new(CPU);

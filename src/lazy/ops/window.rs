@@ -212,7 +212,7 @@ impl Window {
         // samples do not fit).
         let several = meta.batch().is_some_and(|bd| bd.size > 1);
         if meta.kind == Kind::Float && batched && several && onednn(w, stride, dilation) {
-            return onednn_scratch(inputs, meta, requires(inputs, 0), stride.iter().any(|&s| s != 1));
+            return onednn_scratch(inputs, meta, requires(inputs, 0), stride.iter().any(|&s| s != 1), groups);
         }
         if one_by_one {
             return scratch;
@@ -263,16 +263,18 @@ fn channel_block() -> i64 {
 /// - fewer input channels (a first layer) keep the input plain, except a 1×1 convolution, which
 ///   pads the input up to a full block;
 /// - the backward reorders the output gradient (padded to whole blocks) and the input (from half
-///   a block of channels); an input gradient of fewer than half a block of channels is made in
-///   a full block;
-///   the weight gradient's reorder comes at another time (the peak when the weight outweighs
-///   the activations). Its primitives take a scratchpad of their own (up to 32 KiB measured);
-/// - a strided 1×1 convolution copies its input at unit stride, one sample per thread.
-fn onednn_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, strided: bool) -> Scratch {
+///   a block of channels), and makes an input gradient of fewer than half a block of channels
+///   in a full block; the weight gradient's reorder comes at another time (the peak when the
+///   weight outweighs the activations). Its primitives take a scratchpad of their own (up to
+///   32 KiB measured);
+/// - a strided 1×1 convolution copies its input at unit stride, one sample per thread;
+/// - a grouped (depthwise) convolution is blocked over all its input channels.
+fn onednn_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, strided: bool, groups: i64) -> Scratch {
     const SCRATCHPAD: u64 = 32 << 10;
     let block = channel_block();
     let weight = &inputs[1].meta.shape;
-    let cin = weight[1].max(1);
+    // The input's channels: a grouped (depthwise) convolution is blocked over all of them.
+    let cin = (weight[1] * groups.max(1)).max(1);
     let pointwise = weight[2..].iter().all(|&k| k == 1);
     let o = meta.shape[1].max(1);
     let blocks = (o + block - 1) / block * block;
@@ -304,6 +306,9 @@ fn onednn_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, strided: b
             // Output channels padded up to a block: the weight's gradient is made padded too.
             (add(reordered, y), add(add(y, x), padded(w)))
         }
+    } else if groups > 1 {
+        // Grouped over fewer channels than a block: the input padded to a full one.
+        (add(full(x), plain_y), add(full(x), y))
     } else if pointwise {
         let padding = (y.0 - plain_y.0, y.1 - plain_y.1);
         (max(add(full(x), padding), plain_y), add(full(x), y))
