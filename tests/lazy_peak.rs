@@ -217,6 +217,21 @@ fn planner_peak_matches_the_cpu_allocator() {
         let loss = h.conv2d(&pw, None::<&Tensor>, [1], [0], [1], 1).relu6().mean(None);
         planned_and_measured(&loss, n as usize)
     });
+    // Whole models of toma::lazy::vision, in training mode, on small images.
+    for (model, batch) in [("resnet18", 8), ("mobilenet_v2", 8), ("efficientnet", 4)] {
+        measure(model, batch, &|n| {
+            let vs = nn::VarStore::new(CPU);
+            let x = Tensor::randn([n, 3, 32, 32], (Kind::Float, CPU));
+            let y = Tensor::randint(10, [n], (Kind::Int64, CPU));
+            let (lx, ly) = toma::lazy::lazy((&x, &y), 0);
+            let logits = match model {
+                "resnet18" => lx.apply_t(&toma::lazy::vision::resnet18(&vs.root(), 10), true),
+                "mobilenet_v2" => lx.apply_t(&toma::lazy::vision::mobilenet_v2(&vs.root(), 10), true),
+                _ => lx.apply_t(&toma::lazy::vision::efficientnet_b0(&vs.root(), 10), true),
+            };
+            planned_and_measured(&logits.cross_entropy_for_logits(&ly), n as usize)
+        });
+    }
     // A batch of one runs natively (im2col), not through oneDNN.
     measure("conv b1", 1, &|n| {
         let vs = nn::VarStore::new(CPU);
