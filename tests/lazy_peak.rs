@@ -497,3 +497,65 @@ fn a_plan_that_was_low_is_corrected_for_later_steps() {
     let measured = memory::cpu_allocator_stats().unwrap().peak_allocated - before;
     assert!(measured <= budget, "the corrected step fits: measured {measured}, budget {budget}\n{shown}");
 }
+
+/// Transformer blocks from a seeded generator (width, heads, sequence, depth, dropout, training,
+/// decoder or encoder, batch): the plan's peak against the CPU allocator's.
+#[test]
+fn generated_transformers_peak_as_planned() {
+    use toma::lazy::models::{BlockConfig, DecoderBlock, EncoderBlock};
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    tch::manual_seed(5);
+    let seed: u64 = std::env::var("TOMA_PEAK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x7f4a);
+    let mut state = seed;
+    let mut next = |n: usize| {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((state >> 33) % n as u64) as usize
+    };
+    let mut rows = Vec::new();
+    for _ in 0..16 {
+        let d = [32, 64, 128, 256][next(4)];
+        let heads = [1, 2, 4, 8][next(4)];
+        let t = [8, 16, 64, 128][next(4)];
+        let depth = 1 + next(2);
+        let dropout = [0.0, 0.1][next(2)];
+        let train = next(2) == 1;
+        let decoder = next(2) == 1;
+        let batch = [2, 8, 16][next(3)];
+        let describe = format!(
+            "{} d{d} h{heads} t{t} x{depth} p{dropout} {} b{batch}",
+            if decoder { "decoder" } else { "encoder" },
+            if train { "train" } else { "eval" }
+        );
+        let run = |n: i64| {
+            let vs = nn::VarStore::new(CPU);
+            let mut config = BlockConfig::gpt2(d, heads);
+            config.dropout = dropout;
+            let x = Tensor::randn([n, t, d], (Kind::Float, CPU));
+            let y = Tensor::randint(50, [n, t], (Kind::Int64, CPU));
+            let head = nn::linear(vs.root() / "head", d, 50, Default::default());
+            let (lx, ly) = toma::lazy::lazy((&x, &y), 0);
+            let mut h = lx;
+            for i in 0..depth {
+                h = if decoder {
+                    DecoderBlock::new(vs.root() / format!("b{i}"), config.clone()).forward_t(&h, train)
+                } else {
+                    EncoderBlock::new(vs.root() / format!("b{i}"), config.clone()).forward_t(&h, None, train)
+                };
+            }
+            let loss = h.apply(&head).view([-1, 50]).cross_entropy_for_logits(&ly.view([-1]));
+            planned_and_measured(&loss, n as usize)
+        };
+        run(2);
+        let (planned, measured) = run(batch);
+        let error = (planned as f64 - measured as f64) / measured as f64;
+        println!("{describe:<48} planned {planned:>10} measured {measured:>10} error {:+.1}%", 100.0 * error);
+        rows.push((describe, planned, measured, error));
+    }
+    let bad: Vec<String> = rows
+        .iter()
+        .filter(|(_, _, _, e)| *e < -UNDER_TOLERANCE || *e > OVER_TOLERANCE)
+        .map(|(d, p, m, e)| format!("{d}: planned {p} measured {m} ({:+.1}%)", 100.0 * e))
+        .collect();
+    assert!(bad.is_empty(), "{} of {} out of bounds:\n{}", bad.len(), rows.len(), bad.join("\n"));
+}
