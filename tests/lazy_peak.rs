@@ -538,9 +538,9 @@ fn generated_transformers_peak_as_planned() {
             let mut h = lx;
             for i in 0..depth {
                 h = if decoder {
-                    DecoderBlock::new(vs.root() / format!("b{i}"), config.clone()).forward_t(&h, train)
+                    DecoderBlock::new(vs.root() / format!("b{i}"), config).forward_t(&h, train)
                 } else {
-                    EncoderBlock::new(vs.root() / format!("b{i}"), config.clone()).forward_t(&h, None, train)
+                    EncoderBlock::new(vs.root() / format!("b{i}"), config).forward_t(&h, None, train)
                 };
             }
             let loss = h.apply(&head).view([-1, 50]).cross_entropy_for_logits(&ly.view([-1]));
