@@ -21,11 +21,11 @@ const MIB: u64 = 1 << 20;
 /// The planner's target (issue 6), either way: within 10% of the measured peak.
 const UNDER_TOLERANCE: f64 = 0.10;
 const OVER_TOLERANCE: f64 = 0.10;
-/// Generated CNNs: beyond the 10% margin, a plan may be over by at most oneDNN's convolution
-/// scratchpad, which the plan holds at its largest (32–48 KiB measured, often 0 on small
-/// maps): it only shows on models whose whole step takes a few hundred KiB. Under by more than
-/// the 10% margin is never allowed.
-const GENERATED_SCRATCHPAD_SLACK: u64 = 48 << 10;
+/// Generated CNNs: beyond the 10% margin, a plan may be over by at most oneDNN's fixed
+/// convolution buffers, which the plan holds at their largest (scratchpads of 0–46 KiB, and
+/// 61–100 KiB for a strided convolution's input gradient): it only shows on models whose whole
+/// step takes a few hundred KiB. Under by more than the 10% margin is never allowed.
+const GENERATED_SCRATCHPAD_SLACK: u64 = 104 << 10;
 
 /// The plan's peak for forward and backward of the whole batch, and the peak the counter saw
 /// above what was live before (inputs, parameters).
@@ -310,6 +310,8 @@ struct Arch {
     loss: usize,
     later_step: bool,
     batch: i64,
+    /// The second convolution's stride (it has an input gradient).
+    stride2: i64,
 }
 
 const ACTIVATIONS: [&str; 12] =
@@ -338,19 +340,21 @@ impl Arch {
                 loss: next(LOSSES.len()),
                 later_step: next(2) == 1,
                 batch: [2, 8, 32][next(3)],
+                stride2: [1, 2][next(2)],
             })
             .collect()
     }
 
     fn describe(&self) -> String {
         format!(
-            "c{} h{} {}x{} k{} s{} {} {}-pool {}{} b{}",
+            "c{} h{} {}x{} k{} s{}/{} {} {}-pool {}{} b{}",
             self.channels,
             self.hidden,
             self.size,
             self.size,
             self.kernel,
             self.stride,
+            self.stride2,
             ACTIVATIONS[self.activation],
             POOLINGS[self.pooling],
             LOSSES[self.loss],
@@ -364,8 +368,13 @@ impl Arch {
         let r = vs.root();
         let config = nn::ConvConfig { stride: self.stride, padding: self.kernel / 2, ..Default::default() };
         let c1 = nn::conv2d(&r / "c1", self.channels, self.hidden, self.kernel, config);
-        let c2 =
-            nn::conv2d(&r / "c2", self.hidden, self.hidden, 3, nn::ConvConfig { padding: 1, ..Default::default() });
+        let c2 = nn::conv2d(
+            &r / "c2",
+            self.hidden,
+            self.hidden,
+            3,
+            nn::ConvConfig { padding: 1, stride: self.stride2, ..Default::default() },
+        );
         let x = Tensor::randn([n, self.channels, self.size, self.size], (Kind::Float, CPU));
         let act = |t: LazyTensor| match ACTIVATIONS[self.activation] {
             "relu" => t.relu(),
@@ -406,19 +415,19 @@ impl Arch {
     }
 }
 
-/// The planner on generated CNNs (channels 1..64, kernels, strides, every activation, max, avg,
-/// adaptive or no pooling, sum and mean losses, first and later steps): the plan's peak against
-/// the CPU allocator's. Never more than 10% under (what would run out of memory), over by no
-/// more than 10% or the scratchpad slack, and within 10% either way on at least 27 of 32
-/// (measured: 27; 22 before the oneDNN reorders were planned as the larger of each pair).
+/// The planner on generated CNNs (channels 1..64, kernels, strides of both convolutions, every
+/// activation, max, avg, adaptive or no pooling, sum and mean losses, first and later steps):
+/// the plan's peak against the CPU allocator's. Never more than 10% under (what would run out
+/// of memory), over by no more than 10% or the fixed-buffer slack, and within 10% either way
+/// on at least 27 of 32 (measured: 29).
 #[test]
 fn generated_models_peak_as_planned() {
     let _serial = support::serial();
     assert!(memory::track_cpu_allocations());
     tch::manual_seed(3);
     let mut rows = Vec::new();
-    // Another sample: `TOMA_PEAK_SEED=<n>` (the bounds below are this sample's; four others
-    // measured 27, 27, 22 and 29 within 10%, none under by more than 5%).
+    // Another sample: `TOMA_PEAK_SEED=<n>` (the bounds below are this sample's; six others
+    // measured 25 to 30 within 10%, none under by more than 8.6%).
     let seed = std::env::var("TOMA_PEAK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x7041);
     for arch in Arch::generate(32, seed) {
         let run = |n: i64| {

@@ -212,7 +212,7 @@ impl Window {
         // samples do not fit).
         let several = meta.batch().is_some_and(|bd| bd.size > 1);
         if meta.kind == Kind::Float && batched && several && onednn(w, stride, dilation) {
-            return onednn_scratch(inputs, meta, requires(inputs, 0), stride.iter().any(|&s| s != 1), groups);
+            return onednn_scratch(inputs, meta, requires(inputs, 0), stride, groups);
         }
         if one_by_one {
             return scratch;
@@ -265,12 +265,17 @@ fn channel_block() -> i64 {
 /// - the backward reorders the output gradient (padded to whole blocks) and the input (from half
 ///   a block of channels), and makes an input gradient of fewer than half a block of channels
 ///   in a full block; the weight gradient's reorder comes at another time (the peak when the
-///   weight outweighs the activations). Its primitives take a scratchpad of their own (up to
-///   32 KiB measured);
+///   weight outweighs the activations). Its primitives take a scratchpad of their own (0–46
+///   KiB measured, by channel counts);
+/// - a strided convolution makes its input gradient in a blocked layout as large as the input,
+///   with fixed buffers of 61–100 KiB;
 /// - a strided 1×1 convolution copies its input at unit stride, one sample per thread;
 /// - a grouped (depthwise) convolution is blocked over all its input channels.
-fn onednn_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, strided: bool, groups: i64) -> Scratch {
-    const SCRATCHPAD: u64 = 32 << 10;
+///
+/// Where two costs are never live together, the larger is taken (see `max`). Each rule below
+/// says what it was fitted on; `tests/lazy_peak.rs` holds the result on whole models.
+fn onednn_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, stride: &[i64], groups: i64) -> Scratch {
+    let strided = stride.iter().any(|&s| s != 1);
     let block = channel_block();
     let weight = &inputs[1].meta.shape;
     // The input's channels: a grouped (depthwise) convolution is blocked over all of them.
@@ -303,8 +308,9 @@ fn onednn_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, strided: b
         if o % block == 0 {
             (max(reordered, plain_y), add(y, x))
         } else {
-            // Output channels padded up to a block: the weight's gradient is made padded too.
-            (add(reordered, y), add(add(y, x), padded(w)))
+            // Output channels padded up to a block: the weight is reordered padded, and its
+            // gradient is made padded too.
+            (add(add(x, padded(w)), y), add(add(y, x), padded(w)))
         }
     } else if groups > 1 {
         // Grouped over fewer channels than a block: the input padded to a full one.
@@ -335,7 +341,10 @@ fn onednn_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, strided: b
         } else {
             y
         };
-        (y, backward)
+        // Forward, the weight is reordered first: the larger of the two, or both when the
+        // output channels are padded to a block.
+        let forward = if o % block == 0 { max(y, w) } else { add(y, padded(w)) };
+        (forward, backward)
     };
     // A strided 1×1 convolution first copies its input at unit stride, one sample per thread
     // (its channels padded to whole blocks), forward and backward.
@@ -349,11 +358,41 @@ fn onednn_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, strided: b
     // The weight gradient's reorder comes at another time: it is the peak when the weight
     // outweighs the activations (small maps, wide layers).
     backward = max(backward, w);
-    // The input gradient of a few channels is made in a full block (measured: 0.46–0.78 of it).
-    if input_grad && 2 * cin < block {
-        backward = add(backward, full(x));
+    if input_grad && strided {
+        // A strided convolution's input gradient is made in a blocked layout as large as the
+        // input (measured: 0.45–0.91 of it from a block of channels on; with fewer channels,
+        // up to the input padded to a block and the output).
+        backward = if cin >= block { add(backward, x) } else { add(add(backward, full(x)), plain_y) };
+    } else if input_grad && 2 * cin < block {
+        // The input gradient of a few channels is made in a full block, about 13/16 of which is
+        // live at the peak (measured: 0.46–0.78 of it, 1 to 6 channels).
+        let (a, c) = full(x);
+        backward = add(backward, ((a * 13).div_ceil(16), (c * 13).div_ceil(16)));
     }
-    Scratch { forward, backward: add(backward, (0, SCRATCHPAD / elem)), ..Scratch::default() }
+    // The backward primitives' own scratchpad (measured one convolution at a time): for a few
+    // output channels, about 24 KiB and the weight padded to a block, or 13 KiB from two
+    // blocks of input channels on; for more output channels, none on small maps and up to
+    // 45 KiB on large ones (bounded here by a tenth of input and output).
+    let scratchpad = if o <= block {
+        if cin < 2 * block {
+            let w = padded(w);
+            (w.0, w.1 + (24 << 10) / elem)
+        } else {
+            (0, (13 << 10) / elem)
+        }
+    } else {
+        let whole = (x.0 + plain_y.0) * n + x.1 + plain_y.1;
+        (0, (whole / 10).min((48 << 10) / elem))
+    };
+    let mut backward = add(backward, scratchpad);
+    if input_grad && strided {
+        // With an input gradient, a strided convolution's buffers take 61–69 KiB in all on
+        // small maps, and 98–100 KiB when the stride does not divide the input's sides.
+        let uneven = inputs[0].meta.shape[2..].iter().zip(stride).any(|(&side, &s)| s > 1 && side % s != 0);
+        let floor = if uneven { 104 << 10 } else { 70 << 10 };
+        backward = max(backward, (0, floor / elem));
+    }
+    Scratch { forward, backward, ..Scratch::default() }
 }
 
 /// A transposed convolution's scratch: libtorch runs it as the backward of a convolution
