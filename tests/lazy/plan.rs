@@ -256,11 +256,12 @@ fn forward_only_peak_is_below_training_peak_and_both_scale_with_the_batch() {
         assert!(f >= previous.0 && t >= previous.1, "monotone in the micro-batch");
         previous = (f, t);
     }
-    // Linear in the batch, up to the fixed part and rounding.
-    let p16 = loss.plan(Mode::Backward, &Options::new().micro_batch(16)).unwrap();
+    // Linear in the batch, up to the fixed part and rounding, once the micro-batch is large
+    // enough that fixed buffers (a strided convolution's, here) no longer decide the peak.
     let p32 = loss.plan(Mode::Backward, &Options::new().micro_batch(32)).unwrap();
-    let predicted = p16.per_sample_bytes() * 32 + p16.fixed_bytes();
-    let ratio = p32.peak_bytes() as f64 / predicted as f64;
+    let p64 = loss.plan(Mode::Backward, &Options::new().micro_batch(64)).unwrap();
+    let predicted = p32.per_sample_bytes() * 64 + p32.fixed_bytes();
+    let ratio = p64.peak_bytes() as f64 / predicted as f64;
     assert!((0.9..1.1).contains(&ratio), "{ratio}");
 }
 
