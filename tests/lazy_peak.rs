@@ -232,7 +232,15 @@ fn planner_peak_matches_the_cpu_allocator() {
             planned_and_measured(&logits.cross_entropy_for_logits(&ly), n as usize)
         });
     }
-    // A batch of one runs natively (im2col), not through oneDNN.
+    // A batch of one of a small input runs natively (im2col), not through oneDNN; of a larger
+    // one (over 20480 elements), through oneDNN.
+    measure("conv b1 big", 1, &|n| {
+        let vs = nn::VarStore::new(CPU);
+        let w = vs.root().randn("w", &[32, 32, 3, 3], 0.0, 0.1);
+        let x = Tensor::randn([n, 32, 64, 64], (Kind::Float, CPU));
+        let loss = toma::lazy::lazy(&x, 0).conv2d(&w, None::<&Tensor>, [1], [1], [1], 1).mean(None);
+        planned_and_measured(&loss, n as usize)
+    });
     measure("conv b1", 1, &|n| {
         let vs = nn::VarStore::new(CPU);
         let w = vs.root().randn("w", &[16, 16, 3, 3], 0.0, 0.1);

@@ -207,11 +207,12 @@ impl Window {
             && stride.iter().all(|&s| s == 1)
             && padding.iter().all(|&p| p == 0)
             && dilation.iter().all(|&d| d == 1);
-        // A batch of one runs natively (im2col below). A micro-batch of one of a larger batch
-        // does too, and is planned as oneDNN's: under by up to the columns (rare: only when two
-        // samples do not fit).
-        let several = meta.batch().is_some_and(|bd| bd.size > 1);
-        if meta.kind == Kind::Float && batched && several && onednn(w, stride, dilation) {
+        // A batch of one of a small input runs natively (im2col below). A micro-batch of one of a
+        // larger batch does too, and is planned as oneDNN's: under by up to the columns of an
+        // input of at most 20480 elements (only when two samples do not fit).
+        let n = meta.batch().map_or(1, |bd| bd.size);
+        let per_sample = shape::numel(&inputs[0].meta.shape) / n.max(1);
+        if meta.kind == Kind::Float && batched && onednn(w, stride, dilation, groups, n, per_sample) {
             return onednn_scratch(inputs, meta, requires(inputs, 0), stride, groups);
         }
         if one_by_one {
@@ -231,12 +232,15 @@ impl Window {
 }
 
 /// Whether libtorch hands a batched `Float` convolution on the CPU to oneDNN: its rule
-/// (`ConvParams::use_mkldnn`) for a batch of more than one (the caller checks the batch), where
-/// only a 1×1 unstrided convolution on one thread stays native.
-fn onednn(weight: &[i64], stride: &[i64], dilation: &[i64]) -> bool {
+/// (`ConvParams::use_mkldnn`): a 1×1 unstrided convolution of fewer than 16 samples on one
+/// thread stays native, and so does a batch of one of a small input (at most 20480 elements)
+/// unless it is grouped or its kernel is larger than 3×3.
+fn onednn(weight: &[i64], stride: &[i64], dilation: &[i64], groups: i64, batch: i64, per_sample: i64) -> bool {
     let one_by_one = weight[2..].iter().all(|&k| k == 1);
     let strided = stride.iter().any(|&s| s != 1) || dilation.iter().any(|&d| d != 1);
-    !one_by_one || strided || threads() > 1
+    let wide_kernel = weight[2..].iter().all(|&k| k > 3);
+    (!one_by_one || strided || batch >= 16 || threads() > 1)
+        && (groups > 1 || wide_kernel || batch > 1 || per_sample > 20480)
 }
 
 /// libtorch's intra-op threads, asked once.
