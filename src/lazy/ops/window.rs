@@ -364,9 +364,15 @@ fn onednn_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, stride: &[
     backward = max(backward, w);
     if input_grad && strided {
         // A strided convolution's input gradient is made in a blocked layout as large as the
-        // input (measured: 0.45–0.91 of it from a block of channels on; with fewer channels,
-        // up to the input padded to a block and the output).
-        backward = if cin >= block { add(backward, x) } else { add(add(backward, full(x)), plain_y) };
+        // input (measured: 0.45–0.91 of it from a block of channels on). With fewer channels:
+        // up to the input padded to a block, the output, the weight padded to a block of input
+        // channels, and a copy of the weight per sample.
+        backward = if cin >= block {
+            add(backward, x)
+        } else {
+            let per_sample_weight = (w.0 + w.1, 0);
+            add(add(add(backward, full(x)), plain_y), add(full(w), per_sample_weight))
+        };
     } else if input_grad && 2 * cin < block {
         // The input gradient of a few channels is made in a full block, about 13/16 of which is
         // live at the peak (measured: 0.46–0.78 of it, 1 to 6 channels).
@@ -390,11 +396,16 @@ fn onednn_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, stride: &[
     };
     let mut backward = add(backward, scratchpad);
     if input_grad && strided {
-        // With an input gradient, a strided convolution's buffers take 61–69 KiB in all on
-        // small maps, and 98–100 KiB when the stride does not divide the input's sides.
+        // With an input gradient, a strided convolution's buffers take 61–69 KiB on small maps
+        // (98–100 KiB when the stride does not divide the input's sides). With input channels
+        // that do not fill whole blocks, the weight padded to them (and to whole blocks of
+        // output channels) comes on top; with whole blocks, it is the floor when it is larger.
         let uneven = inputs[0].meta.shape[2..].iter().zip(stride).any(|(&side, &s)| s > 1 && side % s != 0);
-        let floor = if uneven { 104 << 10 } else { 70 << 10 };
-        backward = max(backward, (0, floor / elem));
+        let base = (0, (if uneven { 104u64 << 10 } else { 70 << 10 }) / elem);
+        let blocks = ((cin + block - 1) / block * block) as u64;
+        let w_in = (w.0 * blocks / cin as u64, w.1 * blocks / cin as u64);
+        let floor = if cin % block != 0 { add(base, padded(w_in)) } else { max(base, w_in) };
+        backward = max(backward, floor);
     }
     Scratch { forward, backward, ..Scratch::default() }
 }
