@@ -576,3 +576,47 @@ fn generated_transformers_peak_as_planned() {
         .collect();
     assert!(bad.is_empty(), "{} of {} out of bounds:\n{}", bad.len(), rows.len(), bad.join("\n"));
 }
+
+/// A tool, not a check: one convolution at a time, its forward and backward temporaries as the
+/// allocator sees them against what the planner charges (`LazyTensor::op_costs`). How the
+/// oneDNN rules in `src/lazy/ops/window.rs` were fitted. `TOMA_CONVS="cin,cout,size,k,stride,
+/// batch,input_grad;..." cargo test --all-features --test lazy_peak one_convolution_at_a_time
+/// -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn one_convolution_at_a_time() {
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    let spec = std::env::var("TOMA_CONVS").unwrap_or_else(|_| "16,16,16,3,1,8,0;16,16,16,3,2,8,1".into());
+    for item in spec.split(';') {
+        let v: Vec<i64> = item.split(',').map(|x| x.trim().parse().expect("integers")).collect();
+        let (cin, cout, size, k, s, n, input_grad) = (v[0], v[1], v[2], v[3], v[4], v[5], v[6] == 1);
+        let bytes = |t: &Tensor| t.numel() as i64 * 4;
+        // The second round is reported: the first creates oneDNN's primitives.
+        for round in 0..2 {
+            let x = Tensor::randn([n, cin, size, size], (Kind::Float, CPU)).set_requires_grad(input_grad);
+            let w = Tensor::randn([cout, cin, k, k], (Kind::Float, CPU)).set_requires_grad(true);
+            let b = Tensor::randn([cout], (Kind::Float, CPU)).set_requires_grad(true);
+            let costs = toma::lazy::lazy(&x, 0).conv2d(&w, Some(&b), [s, s], [k / 2, k / 2], [1, 1], 1).op_costs();
+            let before = memory::cpu_allocator_stats().unwrap().allocated as i64;
+            memory::reset_cpu_peak();
+            let y = x.conv2d(&w, Some(&b), [s, s], [k / 2, k / 2], [1, 1], 1);
+            let forward = memory::cpu_allocator_stats().unwrap().peak_allocated as i64 - before - bytes(&y);
+            // A gradient arrives as a fresh tensor, as in a network; `g` outlives the backward,
+            // so that freeing it does not lower the peak below the baseline.
+            let g = Tensor::randn(y.size(), (Kind::Float, CPU));
+            let loss = (&y * &g).sum(Kind::Float);
+            let before = memory::cpu_allocator_stats().unwrap().allocated as i64;
+            memory::reset_cpu_peak();
+            loss.backward();
+            let grads = bytes(&y) + if input_grad { bytes(&x) } else { 0 } + bytes(&w) + bytes(&b);
+            let backward = memory::cpu_allocator_stats().unwrap().peak_allocated as i64 - before - grads;
+            if round == 1 {
+                println!(
+                    "cin {cin:>3} cout {cout:>3} {size:>2}x{size:<2} k{k} s{s} n{n:>2} input grad {input_grad:<5} | forward: measured {forward:>9} planned {:>9} | backward: measured {backward:>9} planned {:>9}",
+                    costs.scratch, costs.backward_scratch
+                );
+            }
+        }
+    }
+}
