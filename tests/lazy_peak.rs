@@ -234,20 +234,15 @@ fn planner_peak_matches_the_cpu_allocator() {
     }
     // A batch of one of a small input runs natively (im2col), not through oneDNN; of a larger
     // one (over 20480 elements), through oneDNN.
-    measure("conv b1 big", 1, &|n| {
-        let vs = nn::VarStore::new(CPU);
-        let w = vs.root().randn("w", &[32, 32, 3, 3], 0.0, 0.1);
-        let x = Tensor::randn([n, 32, 64, 64], (Kind::Float, CPU));
-        let loss = toma::lazy::lazy(&x, 0).conv2d(&w, None::<&Tensor>, [1], [1], [1], 1).mean(None);
-        planned_and_measured(&loss, n as usize)
-    });
-    measure("conv b1", 1, &|n| {
-        let vs = nn::VarStore::new(CPU);
-        let w = vs.root().randn("w", &[16, 16, 3, 3], 0.0, 0.1);
-        let x = Tensor::randn([n, 16, 32, 32], (Kind::Float, CPU));
-        let loss = toma::lazy::lazy(&x, 0).conv2d(&w, None::<&Tensor>, [1], [1], [1], 1).mean(None);
-        planned_and_measured(&loss, n as usize)
-    });
+    for (model, channels, side) in [("conv b1 big", 32, 64), ("conv b1", 16, 32)] {
+        measure(model, 1, &|n| {
+            let vs = nn::VarStore::new(CPU);
+            let w = vs.root().randn("w", &[channels, channels, 3, 3], 0.0, 0.1);
+            let x = Tensor::randn([n, channels, side, side], (Kind::Float, CPU));
+            let loss = toma::lazy::lazy(&x, 0).conv2d(&w, None::<&Tensor>, [1], [1], [1], 1).mean(None);
+            planned_and_measured(&loss, n as usize)
+        });
+    }
     // All rows are printed before any bound is checked.
     for (model, batch, planned, measured) in rows {
         let (p, m) = (planned as f64, measured as f64);
