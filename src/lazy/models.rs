@@ -21,6 +21,7 @@
 
 use tch::{nn, Kind, Tensor};
 
+use super::nn::{both_modules, LazyModuleT};
 use super::tensor_ops::{Layer, TensorOps};
 
 /// The sizes of a block.
@@ -188,5 +189,23 @@ impl EncoderBlock {
     {
         let h = xs.add(&self.attn.forward(xs, padding, train)).apply(&self.ln_1);
         h.add(&self.mlp.forward(&h, "none", train)).apply(&self.ln_2)
+    }
+}
+
+both_modules!(DecoderBlock);
+
+/// Without a padding mask: tch's `ModuleT` (`x.apply_t(&block, train)`), so that blocks stack
+/// in a `toma::lazy::nn::seq_t()`.
+impl nn::ModuleT for EncoderBlock {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        EncoderBlock::forward_t(self, xs, None, train)
+    }
+}
+
+/// Without a padding mask, recorded; a shape that does not fit panics with the recording
+/// error, as the eager block panics.
+impl LazyModuleT for EncoderBlock {
+    fn lazy_forward_t(&self, xs: &super::LazyTensor, train: bool) -> Result<super::LazyTensor, super::LazyError> {
+        Ok(EncoderBlock::forward_t(self, xs, None, train))
     }
 }

@@ -424,3 +424,27 @@ impl nn::ModuleT for SequentialT {
         self.steps.run(xs, train).unwrap_or_else(|e| panic!("{e}"))
     }
 }
+
+/// `ModuleT` for tensors and `LazyModuleT` for lazy tensors, both by the one `forward_t`.
+macro_rules! both_modules {
+    ($($model:ty),*) => {$(
+        impl tch::nn::ModuleT for $model {
+            fn forward_t(&self, xs: &tch::Tensor, train: bool) -> tch::Tensor {
+                <$model>::forward_t(self, xs, train)
+            }
+        }
+
+        /// Records the model; a shape that does not fit panics with the recording error, as
+        /// tch's eager model panics.
+        impl $crate::lazy::nn::LazyModuleT for $model {
+            fn lazy_forward_t(
+                &self,
+                xs: &$crate::lazy::LazyTensor,
+                train: bool,
+            ) -> Result<$crate::lazy::LazyTensor, $crate::lazy::LazyError> {
+                Ok(<$model>::forward_t(self, xs, train))
+            }
+        }
+    )*};
+}
+pub(crate) use both_modules;

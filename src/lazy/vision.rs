@@ -22,12 +22,10 @@
 //!
 //! [`Options::allow_batch_mixing`]: super::Options::allow_batch_mixing
 
-use tch::{nn, Tensor};
+use tch::nn;
 
-use super::error::LazyError;
-use super::nn::LazyModuleT;
+use super::nn::both_modules;
 use super::tensor_ops::{Layer, LayerT, TensorOps};
-use super::LazyTensor;
 
 fn conv(p: nn::Path, c_in: i64, c_out: i64, ksize: i64, padding: i64, stride: i64) -> nn::Conv2D {
     nn::conv2d(p, c_in, c_out, ksize, nn::ConvConfig { stride, padding, bias: false, ..Default::default() })
@@ -173,20 +171,6 @@ impl ResNet {
             Some(fc) => h.apply(fc),
             None => h,
         }
-    }
-}
-
-impl nn::ModuleT for ResNet {
-    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
-        ResNet::forward_t(self, xs, train)
-    }
-}
-
-/// Records the model; a shape that does not fit panics with the recording error, as tch's
-/// eager model panics.
-impl LazyModuleT for ResNet {
-    fn lazy_forward_t(&self, xs: &LazyTensor, train: bool) -> Result<LazyTensor, LazyError> {
-        Ok(ResNet::forward_t(self, xs, train))
     }
 }
 
@@ -337,25 +321,7 @@ impl AlexNet {
     }
 }
 
-/// `ModuleT` for tensors and `LazyModuleT` for lazy tensors, both by the one `forward_t`.
-macro_rules! both_modules {
-    ($($model:ty),*) => {$(
-        impl nn::ModuleT for $model {
-            fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
-                <$model>::forward_t(self, xs, train)
-            }
-        }
-
-        /// Records the model; a shape that does not fit panics with the recording error, as
-        /// tch's eager model panics.
-        impl LazyModuleT for $model {
-            fn lazy_forward_t(&self, xs: &LazyTensor, train: bool) -> Result<LazyTensor, LazyError> {
-                Ok(<$model>::forward_t(self, xs, train))
-            }
-        }
-    )*};
-}
-both_modules!(Vgg, AlexNet, MobileNetV2, EfficientNet);
+both_modules!(ResNet, Vgg, AlexNet, MobileNetV2, EfficientNet);
 
 /// A convolution, its batch norm and a ReLU6, under `p/0` and `p/1` (padding keeps the size).
 #[derive(Debug)]

@@ -82,3 +82,37 @@ fn gpt2_blocks_use_gpt2s_names() {
         ]
     );
 }
+
+/// Blocks stack in a `toma::lazy::nn::seq_t()` (tch's `ModuleT` and the lazy one): the stack's
+/// loss and gradients eagerly equal its micro-batched lazy ones.
+#[test]
+fn blocks_stack_in_a_sequence_for_both_uses() {
+    tch::manual_seed(43);
+    let mut vs = nn::VarStore::new(CPU);
+    let config = BlockConfig { dropout: 0.0, ..BlockConfig::gpt2(16, 2) };
+    let stack = toma::lazy::nn::seq_t()
+        .add(DecoderBlock::new(&vs.root() / "h" / 0, config))
+        .add(DecoderBlock::new(&vs.root() / "h" / 1, config))
+        .add(EncoderBlock::new(vs.root() / "enc", config))
+        .add_fn(|h| h.mean_dim(1, false, None));
+    let head = nn::linear(vs.root() / "head", 16, 5, Default::default());
+    vs.double();
+    let x = Tensor::randn([9, 6, 16], (Kind::Double, CPU));
+    let y = Tensor::randint(5, [9], (Kind::Int64, CPU));
+
+    zero_grads(&vs);
+    let eager = x.apply_t(&stack, true).apply(&head).log_softmax(-1, None).nll_loss(&y);
+    let eager_value = eager.double_value(&[]);
+    eager.backward();
+    let eager_grads = grads(&vs);
+
+    zero_grads(&vs);
+    let (lx, ly) = lazy((&x, &y), 0);
+    let loss = lx.apply_t(&stack, true).apply(&head).log_softmax(-1, None).nll_loss(&ly);
+    let value = loss.backward_with(&Options::new().micro_batch(4)).unwrap();
+    assert!((value - eager_value).abs() <= 1e-10 * eager_value.abs(), "{value} vs {eager_value}");
+    for (name, e) in eager_grads {
+        let err = relative_error(&vs.variables()[&name].grad(), &e);
+        assert!(err <= 1e-6, "{name}: gradients differ by {err:e} relative");
+    }
+}
