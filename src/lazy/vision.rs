@@ -1,7 +1,7 @@
 //! tch's vision models written once over [`TensorOps`] (ResNet-18/34/50, VGG-11/13/16/19 with
 //! and without batch norm, AlexNet, MobileNet-V2, EfficientNet-B0): the same layers under the same variable names as
 //! `tch::vision` (its weights load), runnable eagerly on tensors (tch's `ModuleT`) and
-//! lazily, planned and micro-batched (`x.apply_t(&model, train)` on a [`LazyTensor`]).
+//! lazily, planned and micro-batched (`x.apply_t(&model, train)` on a [`LazyTensor`](super::LazyTensor)).
 //!
 //! Batch norm in training mode normalizes with statistics over the batch: a lazy run in
 //! training mode is refused for splitting unless [`Options::allow_batch_mixing`] says
