@@ -207,6 +207,25 @@ fn planner_peak_matches_the_cpu_allocator() {
             planned_and_measured(&loss, n as usize)
         });
     }
+    // Sine, cosine, square and the clamps, one at a time after a scaling by a parameter (so
+    // that the activations, not the weights, make the peak).
+    for op in ["sin", "cos", "square", "clamp", "clamp_min", "clamp_max"] {
+        measure(op, 64, &|n| {
+            let vs = nn::VarStore::new(CPU);
+            let scale = vs.root().randn("scale", &[4096], 1.0, 0.1);
+            let x = Tensor::randn([n, 4096], (Kind::Float, CPU));
+            let h = toma::lazy::lazy(&x, 0) * &scale;
+            let h = match op {
+                "sin" => h.sin(),
+                "cos" => h.cos(),
+                "square" => h.square(),
+                "clamp" => h.clamp(-0.5, 0.5),
+                "clamp_min" => h.clamp_min(-0.5),
+                _ => h.clamp_max(0.5),
+            };
+            planned_and_measured(&h.sum(None), n as usize)
+        });
+    }
     // A MobileNet-style block: a depthwise 3×3 (strided), then a pointwise expansion.
     measure("depthwise", 16, &|n| {
         let vs = nn::VarStore::new(CPU);

@@ -591,6 +591,18 @@ tensor_ops! {
     relu6 / f_relu6();
     /// Mish.
     mish / f_mish();
+    /// The sine.
+    sin / f_sin();
+    /// The cosine.
+    cos / f_cos();
+    /// `x²`.
+    square / f_square();
+    /// `min(max(x, min), max)`.
+    clamp / f_clamp(min: f64, max: f64);
+    /// `max(x, min)`.
+    clamp_min / f_clamp_min(min: f64);
+    /// `min(x, max)`.
+    clamp_max / f_clamp_max(max: f64);
     /// `self + other`.
     add / f_add(other: &Self);
     /// `self - other`.

@@ -475,3 +475,34 @@ fn transposed_convolution_and_bilinear_upsampling_match_the_full_batch() {
         );
     }
 }
+
+/// Sine, cosine, square and the clamps: written once over `TensorOps`, micro-batched gradients
+/// equal the full batch's.
+#[test]
+fn sine_cosine_square_and_clamps_match_the_full_batch() {
+    use toma::lazy::TensorOps;
+    fn loss<T: TensorOps>(x: &T, y: &T, l1: &nn::Linear, l2: &nn::Linear) -> T
+    where
+        nn::Linear: toma::lazy::Layer<T>,
+    {
+        let h = x.apply(l1);
+        let h = h.sin().add(&h.cos().square()).clamp(-0.8, 0.9).clamp_min(-0.6).clamp_max(0.7);
+        h.apply(l2).log_softmax(-1, None).nll_loss(y)
+    }
+    tch::manual_seed(13);
+    let mut vs = nn::VarStore::new(CPU);
+    let (l1, l2) = mlp(&vs);
+    vs.double();
+    let x = Tensor::randn([11, 8], (Kind::Double, CPU));
+    let y = Tensor::randint(4, [11], (Kind::Int64, CPU));
+    let (lx, ly) = lazy((&x, &y), 0);
+    for micro in [2, 5] {
+        check(
+            &vs,
+            &format!("micro-batches of {micro}"),
+            &Options::new().micro_batch(micro),
+            || loss(&x, &y, &l1, &l2),
+            || loss(&lx, &ly, &l1, &l2),
+        );
+    }
+}

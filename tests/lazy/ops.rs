@@ -190,7 +190,7 @@ proptest! {
     }
 
     #[test]
-    fn unary_and_softmax(a in shape(4, 5), micro in 1usize..6, op in 0usize..19, dim in -4i64..4) {
+    fn unary_and_softmax(a in shape(4, 5), micro in 1usize..6, op in 0usize..25, dim in -4i64..4) {
         let t = randn(&a);
         let l = lazy(&t, 0);
         let split = if (op == 9 || op == 10) && dim.rem_euclid(a.len() as i64) == 0 && dim >= -(a.len() as i64) && dim < a.len() as i64 {
@@ -217,6 +217,12 @@ proptest! {
             15 => (t.f_hardswish(), l.f_hardswish(), "hardswish"),
             16 => (t.f_hardsigmoid(), l.f_hardsigmoid(), "hardsigmoid"),
             17 => (t.f_relu6(), l.f_relu6(), "relu6"),
+            18 => (t.f_sin(), l.f_sin(), "sin"),
+            19 => (t.f_cos(), l.f_cos(), "cos"),
+            20 => (t.f_square(), l.f_square(), "square"),
+            21 => (t.f_clamp(-0.5, 0.7), l.f_clamp(-0.5, 0.7), "clamp"),
+            22 => (t.f_clamp_min(-0.3), l.f_clamp_min(-0.3), "clamp_min"),
+            23 => (t.f_clamp_max(0.2), l.f_clamp_max(0.2), "clamp_max"),
             _ => (t.f_mish(), l.f_mish(), "mish"),
         };
         agree(&format!("{name} {a:?} dim {dim}"), eager, lazy_t, micro, split)?;

@@ -40,6 +40,15 @@ pub(crate) enum Unary {
     Relu6,
     /// `x * tanh(softplus(x))`.
     Mish,
+    Sin,
+    Cos,
+    /// `x²`.
+    Square,
+    /// `min(max(x, min), max)`, either bound optional (tch's `clamp`, `clamp_min`, `clamp_max`).
+    Clamp {
+        min: Option<f64>,
+        max: Option<f64>,
+    },
 }
 
 /// Binary elementwise ops (tensor with tensor, or tensor with scalar).
@@ -133,6 +142,12 @@ impl Rules for Pointwise {
                 Unary::Hardsigmoid => "hardsigmoid",
                 Unary::Relu6 => "relu6",
                 Unary::Mish => "mish",
+                Unary::Sin => "sin",
+                Unary::Cos => "cos",
+                Unary::Square => "square",
+                Unary::Clamp { min: Some(_), max: Some(_) } => "clamp",
+                Unary::Clamp { min: Some(_), max: None } => "clamp_min",
+                Unary::Clamp { min: None, .. } => "clamp_max",
             },
             Pointwise::Binary(b) => b.name(),
             Pointwise::Scalar { op, reversed, .. } => match (op, reversed) {
@@ -175,6 +190,13 @@ impl Rules for Pointwise {
                     Unary::Hardsigmoid => x.f_hardsigmoid(),
                     Unary::Relu6 => x.f_relu6(),
                     Unary::Mish => x.f_mish(),
+                    Unary::Sin => x.f_sin(),
+                    Unary::Cos => x.f_cos(),
+                    Unary::Square => x.f_square(),
+                    Unary::Clamp { min: Some(lo), max: Some(hi) } => x.f_clamp(*lo, *hi),
+                    Unary::Clamp { min: Some(lo), max: None } => x.f_clamp_min(*lo),
+                    Unary::Clamp { min: None, max: Some(hi) } => x.f_clamp_max(*hi),
+                    Unary::Clamp { min: None, max: None } => Ok(x.shallow_clone()),
                 }
             }
             Pointwise::Binary(op) => {
@@ -237,6 +259,10 @@ impl Rules for Pointwise {
                             | Unary::Hardsigmoid
                             | Unary::Relu6
                             | Unary::Mish
+                            | Unary::Sin
+                            | Unary::Cos
+                            | Unary::Square
+                            | Unary::Clamp { .. }
                     )
             }
             Pointwise::Binary(op) => match op {
@@ -295,6 +321,23 @@ impl Rules for Pointwise {
         // `grad / (2 * result)` each make a temporary as large as the value.
         if matches!(self, Pointwise::Unary(Unary::Abs | Unary::Sqrt)) && meta.requires_grad {
             scratch.backward = meta.numel_parts();
+        }
+        // `grad * x.cos()`; `grad * -x.sin()` and `grad * 2x` (two temporaries each); a clamp's
+        // backward keeps one boolean mask per bound (measured with the CPU allocator).
+        if let Pointwise::Unary(u) = self {
+            if meta.requires_grad {
+                let (a, c) = meta.numel_parts();
+                let elem = meta.kind.elt_size_in_bytes().max(1) as u64;
+                scratch.backward = match u {
+                    Unary::Sin => (a, c),
+                    Unary::Cos | Unary::Square => (2 * a, 2 * c),
+                    Unary::Clamp { min, max } => {
+                        let masks = u64::from(min.is_some()) + u64::from(max.is_some());
+                        ((masks * a).div_ceil(elem), (masks * c).div_ceil(elem))
+                    }
+                    _ => scratch.backward,
+                };
+            }
         }
         // `grad * (e * x.pow(e - 1))`: the power and its scaled copy, both as large as the value.
         if let Pointwise::Scalar { op: Binary::Pow, scalar, reversed: false } = self {
@@ -369,7 +412,7 @@ impl LazyTensor {
         let name = op.name();
         let n = &self.node;
         let kind = match op {
-            Pointwise::Unary(Unary::Relu | Unary::Neg | Unary::Abs) => n.meta.kind,
+            Pointwise::Unary(Unary::Relu | Unary::Neg | Unary::Abs | Unary::Square) => n.meta.kind,
             Pointwise::Unary(Unary::Gelu(ref approximate)) => {
                 floating(name, n)?;
                 if approximate != "none" && approximate != "tanh" {
@@ -395,6 +438,8 @@ impl LazyTensor {
                 floating(name, n)?;
                 n.meta.kind
             }
+            // Floats from integers (for `clamp`: an `f64` bound on an integer tensor gives floats,
+            // as in libtorch).
             _ => shape::scalar_result_kind(n.meta.kind),
         };
         let linearity =
@@ -522,6 +567,54 @@ impl LazyTensor {
     /// [`LazyError::Kind`] for a non-floating tensor.
     pub fn f_mish(&self) -> Result<LazyTensor, LazyError> {
         self.f_unary(Unary::Mish)
+    }
+    /// The sine.
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_sin(&self) -> Result<LazyTensor, LazyError> {
+        self.f_unary(Unary::Sin)
+    }
+    /// The cosine.
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_cos(&self) -> Result<LazyTensor, LazyError> {
+        self.f_unary(Unary::Cos)
+    }
+    /// `x²`, as tch's `square`.
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_square(&self) -> Result<LazyTensor, LazyError> {
+        self.f_unary(Unary::Square)
+    }
+    /// `min(max(x, min), max)`, as tch's `clamp` (the gradient is 0 where a bound applies).
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for a NaN bound.
+    pub fn f_clamp(&self, min: f64, max: f64) -> Result<LazyTensor, LazyError> {
+        self.f_clamp_impl(Some(min), Some(max))
+    }
+    /// `max(x, min)`, as tch's `clamp_min`.
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for a NaN bound.
+    pub fn f_clamp_min(&self, min: f64) -> Result<LazyTensor, LazyError> {
+        self.f_clamp_impl(Some(min), None)
+    }
+    /// `min(x, max)`, as tch's `clamp_max`.
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for a NaN bound.
+    pub fn f_clamp_max(&self, max: f64) -> Result<LazyTensor, LazyError> {
+        self.f_clamp_impl(None, Some(max))
+    }
+    fn f_clamp_impl(&self, min: Option<f64>, max: Option<f64>) -> Result<LazyTensor, LazyError> {
+        if min.is_some_and(f64::is_nan) || max.is_some_and(f64::is_nan) {
+            return Err(arg("clamp", &self.node.meta.shape, format!("a bound is NaN: min {min:?}, max {max:?}")));
+        }
+        self.f_unary(Unary::Clamp { min, max })
     }
 
     /// `value` where `mask` (Bool, broadcast to `self`'s shape) is true, `self` elsewhere, as
@@ -960,6 +1053,12 @@ panicking! {
     hardswish => f_hardswish();
     hardsigmoid => f_hardsigmoid();
     relu6 => f_relu6();
+    sin => f_sin();
+    cos => f_cos();
+    square => f_square();
+    clamp => f_clamp(min: f64, max: f64);
+    clamp_min => f_clamp_min(min: f64);
+    clamp_max => f_clamp_max(max: f64);
     mish => f_mish();
     masked_fill => f_masked_fill(mask: impl IntoLazy, value: f64);
     where_self => f_where_self(condition: impl IntoLazy, other: impl IntoLazy);
