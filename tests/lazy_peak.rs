@@ -209,7 +209,7 @@ fn planner_peak_matches_the_cpu_allocator() {
     }
     // Sine, cosine, square and the clamps, one at a time after a scaling by a parameter (so
     // that the activations, not the weights, make the peak).
-    for op in ["sin", "cos", "square", "clamp", "clamp_min", "clamp_max"] {
+    for op in ["sin", "cos", "square", "clamp", "clamp_min", "clamp_max", "rsqrt", "reciprocal", "erf", "log_sigmoid"] {
         measure(op, 64, &|n| {
             let vs = nn::VarStore::new(CPU);
             let scale = vs.root().randn("scale", &[4096], 1.0, 0.1);
@@ -221,7 +221,11 @@ fn planner_peak_matches_the_cpu_allocator() {
                 "square" => h.square(),
                 "clamp" => h.clamp(-0.5, 0.5),
                 "clamp_min" => h.clamp_min(-0.5),
-                _ => h.clamp_max(0.5),
+                "clamp_max" => h.clamp_max(0.5),
+                "rsqrt" => h.abs().rsqrt(),
+                "reciprocal" => h.reciprocal(),
+                "erf" => h.erf(),
+                _ => h.log_sigmoid(),
             };
             planned_and_measured(&h.sum(None), n as usize)
         });

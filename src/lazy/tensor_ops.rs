@@ -603,6 +603,14 @@ tensor_ops! {
     clamp_min / f_clamp_min(min: f64);
     /// `min(x, max)`.
     clamp_max / f_clamp_max(max: f64);
+    /// `1 / sqrt(x)`.
+    rsqrt / f_rsqrt();
+    /// `1 / x`.
+    reciprocal / f_reciprocal();
+    /// The error function.
+    erf / f_erf();
+    /// `log(sigmoid(x))`.
+    log_sigmoid / f_log_sigmoid();
     /// `self + other`.
     add / f_add(other: &Self);
     /// `self - other`.

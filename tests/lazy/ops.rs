@@ -190,7 +190,7 @@ proptest! {
     }
 
     #[test]
-    fn unary_and_softmax(a in shape(4, 5), micro in 1usize..6, op in 0usize..25, dim in -4i64..4) {
+    fn unary_and_softmax(a in shape(4, 5), micro in 1usize..6, op in 0usize..29, dim in -4i64..4) {
         let t = randn(&a);
         let l = lazy(&t, 0);
         let split = if (op == 9 || op == 10) && dim.rem_euclid(a.len() as i64) == 0 && dim >= -(a.len() as i64) && dim < a.len() as i64 {
@@ -223,6 +223,16 @@ proptest! {
             21 => (t.f_clamp(-0.5, 0.7), l.f_clamp(-0.5, 0.7), "clamp"),
             22 => (t.f_clamp_min(-0.3), l.f_clamp_min(-0.3), "clamp_min"),
             23 => (t.f_clamp_max(0.2), l.f_clamp_max(0.2), "clamp_max"),
+            24 => {
+                let p = t.abs() + 0.5;
+                (p.f_rsqrt(), lazy(&p, 0).f_rsqrt(), "rsqrt")
+            }
+            25 => {
+                let p = t.abs() + 0.5;
+                (p.f_reciprocal(), lazy(&p, 0).f_reciprocal(), "reciprocal")
+            }
+            26 => (t.f_erf(), l.f_erf(), "erf"),
+            27 => (t.f_log_sigmoid(), l.f_log_sigmoid(), "log_sigmoid"),
             _ => (t.f_mish(), l.f_mish(), "mish"),
         };
         agree(&format!("{name} {a:?} dim {dim}"), eager, lazy_t, micro, split)?;

@@ -49,6 +49,14 @@ pub(crate) enum Unary {
         min: Option<f64>,
         max: Option<f64>,
     },
+    /// `1 / sqrt(x)`.
+    Rsqrt,
+    /// `1 / x`.
+    Reciprocal,
+    /// The error function.
+    Erf,
+    /// `log(sigmoid(x))`.
+    LogSigmoid,
 }
 
 /// Binary elementwise ops (tensor with tensor, or tensor with scalar).
@@ -148,6 +156,10 @@ impl Rules for Pointwise {
                 Unary::Clamp { min: Some(_), max: Some(_) } => "clamp",
                 Unary::Clamp { min: Some(_), max: None } => "clamp_min",
                 Unary::Clamp { min: None, .. } => "clamp_max",
+                Unary::Rsqrt => "rsqrt",
+                Unary::Reciprocal => "reciprocal",
+                Unary::Erf => "erf",
+                Unary::LogSigmoid => "log_sigmoid",
             },
             Pointwise::Binary(b) => b.name(),
             Pointwise::Scalar { op, reversed, .. } => match (op, reversed) {
@@ -197,6 +209,10 @@ impl Rules for Pointwise {
                     Unary::Clamp { min: Some(lo), max: None } => x.f_clamp_min(*lo),
                     Unary::Clamp { min: None, max: Some(hi) } => x.f_clamp_max(*hi),
                     Unary::Clamp { min: None, max: None } => Ok(x.shallow_clone()),
+                    Unary::Rsqrt => x.f_rsqrt(),
+                    Unary::Reciprocal => x.f_reciprocal(),
+                    Unary::Erf => x.f_erf(),
+                    Unary::LogSigmoid => x.f_log_sigmoid(),
                 }
             }
             Pointwise::Binary(op) => {
@@ -263,6 +279,8 @@ impl Rules for Pointwise {
                             | Unary::Cos
                             | Unary::Square
                             | Unary::Clamp { .. }
+                            | Unary::Erf
+                            | Unary::LogSigmoid
                     )
             }
             Pointwise::Binary(op) => match op {
@@ -282,7 +300,16 @@ impl Rules for Pointwise {
 
     fn saves_output(&self) -> bool {
         match self {
-            Pointwise::Unary(u) => matches!(u, Unary::Relu | Unary::Sigmoid | Unary::Tanh | Unary::Exp | Unary::Sqrt),
+            Pointwise::Unary(u) => matches!(
+                u,
+                Unary::Relu
+                    | Unary::Sigmoid
+                    | Unary::Tanh
+                    | Unary::Exp
+                    | Unary::Sqrt
+                    | Unary::Rsqrt
+                    | Unary::Reciprocal
+            ),
             Pointwise::Binary(Binary::Pow) => true,
             _ => false,
         }
@@ -311,6 +338,8 @@ impl Rules for Pointwise {
             }
             // The reciprocal between `1 / x` and the multiplication.
             Pointwise::Scalar { op: Binary::Div, reversed: true, .. } => Some((a, c, input.kind)),
+            // libtorch's CPU kernel keeps a buffer as large as the input for the backward.
+            Pointwise::Unary(Unary::LogSigmoid) => Some((a, c, input.kind)),
             _ => None,
         }
     }
@@ -322,15 +351,18 @@ impl Rules for Pointwise {
         if matches!(self, Pointwise::Unary(Unary::Abs | Unary::Sqrt)) && meta.requires_grad {
             scratch.backward = meta.numel_parts();
         }
-        // `grad * x.cos()`; `grad * -x.sin()` and `grad * 2x` (two temporaries each); a clamp's
-        // backward keeps one boolean mask per bound (measured with the CPU allocator).
+        // `grad * x.cos()`; `grad * -x.sin()`, `grad * 2x`, `-grad · y²` and `-grad · y³ / 2`
+        // (two temporaries each); a clamp's backward keeps one boolean mask per bound (measured with the CPU
+        // allocator).
         if let Pointwise::Unary(u) = self {
             if meta.requires_grad {
                 let (a, c) = meta.numel_parts();
                 let elem = meta.kind.elt_size_in_bytes().max(1) as u64;
                 scratch.backward = match u {
                     Unary::Sin => (a, c),
-                    Unary::Cos | Unary::Square => (2 * a, 2 * c),
+                    Unary::Cos | Unary::Square | Unary::Reciprocal | Unary::Rsqrt => (2 * a, 2 * c),
+                    // `grad * 2/√π · exp(-x²)`: four temporaries as large as the value.
+                    Unary::Erf => (4 * a, 4 * c),
                     Unary::Clamp { min, max } => {
                         let masks = u64::from(min.is_some()) + u64::from(max.is_some());
                         ((masks * a).div_ceil(elem), (masks * c).div_ceil(elem))
@@ -433,7 +465,8 @@ impl LazyTensor {
                 | Unary::Hardswish
                 | Unary::Hardsigmoid
                 | Unary::Relu6
-                | Unary::Mish,
+                | Unary::Mish
+                | Unary::LogSigmoid,
             ) => {
                 floating(name, n)?;
                 n.meta.kind
@@ -609,6 +642,34 @@ impl LazyTensor {
     /// [`LazyError::Argument`] for a NaN bound.
     pub fn f_clamp_max(&self, max: f64) -> Result<LazyTensor, LazyError> {
         self.f_clamp_impl(None, Some(max))
+    }
+    /// `1 / sqrt(x)`, as tch's `rsqrt`.
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_rsqrt(&self) -> Result<LazyTensor, LazyError> {
+        self.f_unary(Unary::Rsqrt)
+    }
+    /// `1 / x`, as tch's `reciprocal`.
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_reciprocal(&self) -> Result<LazyTensor, LazyError> {
+        self.f_unary(Unary::Reciprocal)
+    }
+    /// The error function, as tch's `erf`.
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_erf(&self) -> Result<LazyTensor, LazyError> {
+        self.f_unary(Unary::Erf)
+    }
+    /// `log(sigmoid(x))`, as tch's `log_sigmoid`.
+    ///
+    /// # Errors
+    /// [`LazyError::Kind`] for an integer tensor.
+    pub fn f_log_sigmoid(&self) -> Result<LazyTensor, LazyError> {
+        self.f_unary(Unary::LogSigmoid)
     }
     fn f_clamp_impl(&self, min: Option<f64>, max: Option<f64>) -> Result<LazyTensor, LazyError> {
         if min.is_some_and(f64::is_nan) || max.is_some_and(f64::is_nan) {
@@ -1059,6 +1120,10 @@ panicking! {
     clamp => f_clamp(min: f64, max: f64);
     clamp_min => f_clamp_min(min: f64);
     clamp_max => f_clamp_max(max: f64);
+    rsqrt => f_rsqrt();
+    reciprocal => f_reciprocal();
+    erf => f_erf();
+    log_sigmoid => f_log_sigmoid();
     mish => f_mish();
     masked_fill => f_masked_fill(mask: impl IntoLazy, value: f64);
     where_self => f_where_self(condition: impl IntoLazy, other: impl IntoLazy);
