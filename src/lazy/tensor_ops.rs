@@ -732,6 +732,8 @@ tensor_ops! {
     to_kind / f_to_kind(kind: Kind);
     /// A contiguous copy (or the value itself).
     contiguous / f_contiguous();
+    /// The same value, no gradient flowing back through it.
+    detach / f_detach();
     /// The sum of all elements.
     sum / f_sum(kind: impl Into<Option<Kind>>);
     /// The mean of all elements.

@@ -508,3 +508,34 @@ fn more_pointwise_ops_match_the_full_batch() {
         );
     }
 }
+
+/// `detach` cuts the gradient as tch's does: `h · stop(h)` has the gradient `stop(h)` only,
+/// micro-batched or not.
+#[test]
+fn detach_cuts_the_gradient_like_tch() {
+    use toma::lazy::TensorOps;
+    fn loss<T: TensorOps>(x: &T, y: &T, l1: &nn::Linear, l2: &nn::Linear) -> T
+    where
+        nn::Linear: toma::lazy::Layer<T>,
+    {
+        let h = x.apply(l1);
+        h.mul(&h.detach().tanh()).apply(l2).log_softmax(-1, None).nll_loss(y)
+    }
+    tch::manual_seed(17);
+    let mut vs = nn::VarStore::new(CPU);
+    let (l1, l2) = mlp(&vs);
+    vs.double();
+    let x = Tensor::randn([10, 8], (Kind::Double, CPU));
+    let y = Tensor::randint(4, [10], (Kind::Int64, CPU));
+    let (lx, ly) = lazy((&x, &y), 0);
+    assert!(!lx.apply(&l1).detach().requires_grad());
+    for micro in [3, 10] {
+        check(
+            &vs,
+            &format!("micro-batches of {micro}"),
+            &Options::new().micro_batch(micro),
+            || loss(&x, &y, &l1, &l2),
+            || loss(&lx, &ly, &l1, &l2),
+        );
+    }
+}

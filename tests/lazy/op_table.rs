@@ -67,6 +67,7 @@ fn sample(name: &str) -> Option<LazyTensor> {
         "reciprocal" => x().reciprocal(),
         "erf" => x().erf(),
         "log_sigmoid" => x().log_sigmoid(),
+        "detach" => x().detach(),
         "mish" => x().mish(),
         "masked_fill" => x().masked_fill(&mask(), 0.0),
         "where_self" => x().where_self(&mask(), &x()),

@@ -41,6 +41,8 @@ pub(crate) enum Layout {
         kind: Kind,
     },
     Contiguous,
+    /// The same storage, cut from autograd.
+    Detach,
     /// Operands: the tensors, in order.
     Cat {
         dim: i64,
@@ -80,6 +82,7 @@ impl Rules for Layout {
             Layout::Narrow { .. } => "narrow",
             Layout::ToKind { .. } => "to_kind",
             Layout::Contiguous => "contiguous",
+            Layout::Detach => "detach",
             Layout::Cat { .. } => "cat",
             Layout::Expand => "expand",
             Layout::Repeat { .. } => "repeat",
@@ -104,6 +107,7 @@ impl Rules for Layout {
             Layout::Narrow { dim, start, length } => x.f_narrow(*dim, *start, *length),
             Layout::ToKind { kind } => x.f_to_kind(*kind),
             Layout::Contiguous => x.f_contiguous(),
+            Layout::Detach => x.f_detach(),
             Layout::Cat { dim } => Tensor::f_cat(ins, *dim),
             Layout::Expand => x.f_expand(cx.meta.shape_at(cx.b).as_slice(), false),
             Layout::Repeat { repeats } => x.f_repeat(repeats.as_slice()),
@@ -123,7 +127,8 @@ impl Rules for Layout {
             | Layout::Cat { .. }
             | Layout::Contiguous => true,
             Layout::ToKind { kind } => inputs[0].meta.kind == *kind,
-            Layout::Reshape
+            Layout::Detach
+            | Layout::Reshape
             | Layout::Narrow { .. }
             | Layout::Expand
             | Layout::Repeat { .. }
@@ -763,6 +768,19 @@ impl LazyTensor {
         Ok(record.finish())
     }
 
+    /// The same value, cut from autograd (tch's `detach`): no gradient flows back through it.
+    /// A view: it costs nothing.
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_detach(&self) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let m = &n.meta;
+        let flow = same_shape_flow("detach", n, Linearity::Structural)?;
+        let record = Record::new(Layout::Detach, vec![n.clone()], m.shape.clone(), m.kind, m.device).flow(flow);
+        Ok(record.view(m.strides.clone()).not_differentiable().finish())
+    }
+
     /// A contiguous value (the same value when it already is).
     ///
     /// # Errors
@@ -826,6 +844,7 @@ panicking! {
     narrow => f_narrow(dim: i64, start: i64, length: i64);
     to_kind => f_to_kind(kind: Kind);
     contiguous => f_contiguous();
+    detach => f_detach();
     expand => f_expand(size: impl IntList, implicit: bool);
     repeat => f_repeat(repeats: impl IntList);
     index_select => f_index_select(dim: i64, index: impl IntoLazy);
