@@ -207,8 +207,8 @@ fn planner_peak_matches_the_cpu_allocator() {
             planned_and_measured(&loss, n as usize)
         });
     }
-    // Sine, cosine, square and the clamps, one at a time after a scaling by a parameter (so
-    // that the activations, not the weights, make the peak).
+    // Pointwise ops and logsumexp, one at a time after a scaling by a parameter (so that the
+    // activations, not the weights, make the peak).
     for op in [
         "sin",
         "cos",
@@ -221,6 +221,7 @@ fn planner_peak_matches_the_cpu_allocator() {
         "erf",
         "log_sigmoid",
         "detach",
+        "logsumexp",
     ] {
         measure(op, 64, &|n| {
             let vs = nn::VarStore::new(CPU);
@@ -238,6 +239,7 @@ fn planner_peak_matches_the_cpu_allocator() {
                 "reciprocal" => h.reciprocal(),
                 "erf" => h.erf(),
                 "log_sigmoid" => h.log_sigmoid(),
+                "logsumexp" => h.view([-1, 64, 64]).logsumexp(-1, false),
                 // The gradient flows through one factor only.
                 _ => &h * h.detach().tanh(),
             };

@@ -746,6 +746,8 @@ tensor_ops! {
     amax / f_amax(dims: impl IntList => list, keepdim: bool);
     /// The largest element.
     max / f_max();
+    /// `log(sum(exp(x)))` over `dims`, computed stably.
+    logsumexp / f_logsumexp(dims: impl IntList => list, keepdim: bool);
     /// `value` where `mask` is true.
     masked_fill / f_masked_fill(mask: &Self, value: f64);
     /// `self` where `condition` is true, else `other`.

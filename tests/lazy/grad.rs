@@ -476,8 +476,8 @@ fn transposed_convolution_and_bilinear_upsampling_match_the_full_batch() {
     }
 }
 
-/// Sine, cosine, square, the clamps, erf, log-sigmoid, rsqrt and reciprocal: written once over
-/// `TensorOps`, micro-batched gradients equal the full batch's.
+/// Sine, cosine, square, the clamps, erf, log-sigmoid, rsqrt, reciprocal and logsumexp: written
+/// once over `TensorOps`, micro-batched gradients equal the full batch's.
 #[test]
 fn more_pointwise_ops_match_the_full_batch() {
     use toma::lazy::TensorOps;
@@ -489,6 +489,7 @@ fn more_pointwise_ops_match_the_full_batch() {
         let h = h.sin().add(&h.cos().square()).clamp(-0.8, 0.9).clamp_min(-0.6).clamp_max(0.7);
         let positive = h.square().add_scalar(0.5);
         let h = h.erf().add(&h.log_sigmoid()).add(&positive.rsqrt()).add(&positive.reciprocal());
+        let h = h.sub(&h.logsumexp(-1, true));
         h.apply(l2).log_softmax(-1, None).nll_loss(y)
     }
     tch::manual_seed(13);

@@ -110,6 +110,7 @@ fn sample(name: &str) -> Option<LazyTensor> {
         "mean" => x().mean(None),
         "mean_dim" => x().mean_dim([-1], false, None),
         "amax" => x().amax([-1], false),
+        "logsumexp" => x().logsumexp([-1], false),
         "max" => x().max(),
         "matmul" => x().matmul(&param(&[5, 7])),
         "bmm" => x().bmm(&act(&[5, 3])),

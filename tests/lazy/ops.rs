@@ -750,6 +750,22 @@ proptest! {
     }
 
     #[test]
+    fn logsumexp_over_any_dims(a in shape(4, 4), dims in prop::collection::vec(-4i64..4, 1..3), keepdim in any::<bool>(), micro in 1usize..5) {
+        let t = randn(&a);
+        // Over the batch dimension it mixes samples: evaluated whole, refused when split.
+        let rank = a.len() as i64;
+        let over_batch = dims.iter().any(|&d| d.rem_euclid(rank.max(1)) == 0 && d >= -rank && d < rank);
+        let split = if over_batch { Split::Refused } else { Split::Exact };
+        agree(
+            &format!("logsumexp {a:?} dims {dims:?} keepdim {keepdim}"),
+            t.f_logsumexp(dims.as_slice(), keepdim),
+            lazy(&t, 0).f_logsumexp(&dims, keepdim),
+            micro,
+            split,
+        )?;
+    }
+
+    #[test]
     fn losses_every_reduction(n in 1i64..7, c in 1i64..5, micro in 1usize..7, reduction in 0usize..3, ignore in any::<bool>()) {
         let x = randn(&[n, c]);
         let y = Tensor::randint(c, [n], (Kind::Int64, CPU));

@@ -19,6 +19,8 @@ pub(crate) enum ReduceOp {
     Sum,
     Mean,
     Amax,
+    /// `log(sum(exp(x)))`, computed stably.
+    LogSumExp,
 }
 
 pub(crate) enum Reduce {
@@ -42,6 +44,7 @@ impl Rules for Reduce {
             Reduce::Dims { op: ReduceOp::Sum, .. } => "sum",
             Reduce::Dims { op: ReduceOp::Mean, .. } => "mean",
             Reduce::Dims { op: ReduceOp::Amax, .. } => "amax",
+            Reduce::Dims { op: ReduceOp::LogSumExp, .. } => "logsumexp",
             Reduce::Softmax { log: false, .. } => "softmax",
             Reduce::Softmax { log: true, .. } => "log_softmax",
         }
@@ -57,11 +60,11 @@ impl Rules for Reduce {
     }
 
     fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
-        matches!(self, Reduce::Dims { op: ReduceOp::Amax, .. }) && i == 0
+        matches!(self, Reduce::Dims { op: ReduceOp::Amax | ReduceOp::LogSumExp, .. }) && i == 0
     }
 
     fn saves_output(&self) -> bool {
-        matches!(self, Reduce::Softmax { .. } | Reduce::Dims { op: ReduceOp::Amax, .. })
+        matches!(self, Reduce::Softmax { .. } | Reduce::Dims { op: ReduceOp::Amax | ReduceOp::LogSumExp, .. })
     }
 
     fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
@@ -71,6 +74,13 @@ impl Rules for Reduce {
 
     fn scratch(&self, inputs: &[Rc<Node>], _meta: &Meta) -> Scratch {
         let mut scratch = Scratch::default();
+        if let Reduce::Dims { op: ReduceOp::LogSumExp, .. } = self {
+            // `exp(x - max)` and the difference before it, forward; `exp(x - result)` and the
+            // difference, backward: each as large as the input.
+            let (a, c) = inputs[0].meta.numel_parts();
+            scratch.forward = (2 * a, 2 * c);
+            scratch.backward = (2 * a, 2 * c);
+        }
         if let Reduce::Dims { dims, .. } = self {
             let of = &inputs[0].meta;
             let rank = of.shape.len();
@@ -115,6 +125,8 @@ fn reduce(
         (ReduceOp::Mean, Some(dims)) => x.f_mean_dim(dims, keepdim, kind),
         (ReduceOp::Amax, None) => x.f_max(),
         (ReduceOp::Amax, Some(dims)) => x.f_amax(dims, keepdim),
+        (ReduceOp::LogSumExp, None) => x.f_logsumexp((0..x.dim() as i64).collect::<Vec<_>>(), keepdim),
+        (ReduceOp::LogSumExp, Some(dims)) => x.f_logsumexp(dims, keepdim),
     }
 }
 
@@ -200,6 +212,12 @@ impl LazyTensor {
                 }
                 m.kind
             }
+            ReduceOp::LogSumExp => {
+                if !shape::is_floating(m.kind) {
+                    return Err(kind_err(name, m.kind, &m.shape, "logsumexp needs a floating-point tensor"));
+                }
+                m.kind
+            }
         };
         let out: Vec<i64> = match (&dims, keepdim) {
             (None, false) => Vec::new(),
@@ -214,6 +232,9 @@ impl LazyTensor {
             Flow::PerSample(bd) if reduced.contains(&bd.dim) => match op {
                 ReduceOp::Sum | ReduceOp::Mean => (Flow::Sum, None),
                 ReduceOp::Amax => (Flow::Max, None),
+                ReduceOp::LogSumExp => {
+                    (Flow::Opaque, Some(format!("takes a logsumexp over the batch dimension {}", bd.dim)))
+                }
             },
             Flow::PerSample(bd) => {
                 let dim = if keepdim { bd.dim } else { bd.dim - reduced.iter().filter(|&&r| r < bd.dim).count() };
@@ -221,6 +242,9 @@ impl LazyTensor {
             }
             Flow::Sum if op == ReduceOp::Amax => {
                 (Flow::Opaque, Some("takes a maximum of a value summed over the batch".to_string()))
+            }
+            Flow::Sum | Flow::Max if op == ReduceOp::LogSumExp => {
+                (Flow::Opaque, Some("takes a logsumexp of a value combined over the batch".to_string()))
             }
             Flow::Max if op != ReduceOp::Amax => (Flow::Opaque, Some("sums a maximum over the batch".to_string())),
             other => (other, None),
@@ -281,6 +305,15 @@ impl LazyTensor {
         self.f_reduce(ReduceOp::Amax, Some(dims.as_slice()), keepdim, None)
     }
 
+    /// `log(sum(exp(x)))` over `dims`, computed stably (tch's `logsumexp`). Over the batch
+    /// dimension it mixes samples.
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for bad dimensions, [`LazyError::Kind`] for an integer tensor.
+    pub fn f_logsumexp(&self, dims: impl IntList, keepdim: bool) -> Result<LazyTensor, LazyError> {
+        self.f_reduce(ReduceOp::LogSumExp, Some(dims.as_slice()), keepdim, None)
+    }
+
     /// The maximum of all elements (tch's `max`).
     ///
     /// # Errors
@@ -298,5 +331,6 @@ panicking! {
     mean => f_mean(kind: impl Into<Option<Kind>>);
     mean_dim => f_mean_dim(dims: impl IntListOption, keepdim: bool, kind: impl Into<Option<Kind>>);
     amax => f_amax(dims: impl IntList, keepdim: bool);
+    logsumexp => f_logsumexp(dims: impl IntList, keepdim: bool);
     max => f_max();
 }
