@@ -509,8 +509,8 @@ impl LazyTensor {
     /// positions map onto the input, as in libtorch).
     ///
     /// # Errors
-    /// [`LazyError::Argument`] for a non 4-D input or a size below 1, [`LazyError::Kind`] for
-    /// integers.
+    /// [`LazyError::Argument`] for a non 4-D input, a size below 1 or a scale that is not
+    /// positive, [`LazyError::Kind`] for integers.
     pub fn f_upsample_bilinear2d(
         &self,
         output_size: impl IntList,
@@ -520,19 +520,11 @@ impl LazyTensor {
     ) -> Result<LazyTensor, LazyError> {
         let n = &self.node;
         let name = "upsample_bilinear2d";
-        let a = |r: String| arg(name, &n.meta.shape, r);
-        let output: [i64; 2] = output_size
-            .as_slice()
-            .try_into()
-            .map_err(|_| a(format!("output_size must be 2 values, got {:?}", output_size.as_slice())))?;
-        if n.meta.shape.len() != 4 || output.iter().any(|&v| v < 1) || n.meta.shape[2..].contains(&0) {
-            return Err(a(format!("expected a non-empty 4-D input and an output size of at least 1, got {output:?}")));
-        }
+        let scales = [scales_h.into(), scales_w.into()];
+        let (output, out) = self.upsampled(name, output_size.as_slice(), scales)?;
         floating(name, n)?;
-        let mut out = n.meta.shape.clone();
-        out[2..].copy_from_slice(&output);
         let flow = self.pool_flow(name, &out)?;
-        let op = Window::UpsampleBilinear2d { output, align_corners, scales: [scales_h.into(), scales_w.into()] };
+        let op = Window::UpsampleBilinear2d { output, align_corners, scales };
         Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
     }
 
@@ -657,22 +649,39 @@ impl LazyTensor {
         let scales = [scales_h.into(), scales_w.into()];
         let n = &self.node;
         let name = "upsample_nearest2d";
-        let a = |r: String| arg(name, &n.meta.shape, r);
-        let output: [i64; 2] = output_size
-            .as_slice()
+        let (output, out) = self.upsampled(name, output_size.as_slice(), scales)?;
+        let flow = self.pool_flow(name, &out)?;
+        let op = Window::UpsampleNearest2d { output, scales };
+        Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
+    }
+
+    /// An `output_size` of two values (`[h, w]`), as the 2-D resizing ops take it.
+    fn output_pair(&self, name: &str, output_size: &[i64]) -> Result<[i64; 2], LazyError> {
+        output_size
             .try_into()
-            .map_err(|_| a(format!("output_size must be 2 values, got {:?}", output_size.as_slice())))?;
-        if n.meta.shape.len() != 4 || output.iter().any(|&v| v < 1) || n.meta.shape[2..].contains(&0) {
+            .map_err(|_| arg(name, &self.node.meta.shape, format!("output_size must be 2 values, got {output_size:?}")))
+    }
+
+    /// An upsampling's checked output size and output shape: a non-empty 4-D input, sizes of at
+    /// least 1, and positive scales where given.
+    fn upsampled(
+        &self,
+        name: &str,
+        output_size: &[i64],
+        scales: [Option<f64>; 2],
+    ) -> Result<([i64; 2], Vec<i64>), LazyError> {
+        let shape = &self.node.meta.shape;
+        let a = |r: String| arg(name, shape, r);
+        let output = self.output_pair(name, output_size)?;
+        if shape.len() != 4 || output.iter().any(|&v| v < 1) || shape[2..].contains(&0) {
             return Err(a(format!("expected a non-empty 4-D input and an output size of at least 1, got {output:?}")));
         }
         if scales.iter().flatten().any(|&s| s.is_nan() || s <= 0.0) {
             return Err(a(format!("scales must be positive, got {scales:?}")));
         }
-        let mut out = n.meta.shape.clone();
+        let mut out = shape.clone();
         out[2..].copy_from_slice(&output);
-        let flow = self.pool_flow(name, &out)?;
-        let op = Window::UpsampleNearest2d { output, scales };
-        Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
+        Ok((output, out))
     }
 
     fn pool_flow(&self, name: &str, out: &[i64]) -> Result<(Flow, Option<String>), LazyError> {
@@ -747,10 +756,7 @@ impl LazyTensor {
         let n = &self.node;
         let name = "adaptive_avg_pool2d";
         let a = |r: String| arg(name, &n.meta.shape, r);
-        let output: [i64; 2] = output_size
-            .as_slice()
-            .try_into()
-            .map_err(|_| a(format!("output_size must be 2 values, got {:?}", output_size.as_slice())))?;
+        let output = self.output_pair(name, output_size.as_slice())?;
         let s = &n.meta.shape;
         if s.len() != 3 && s.len() != 4 {
             return Err(a(format!("expected a 3-D or 4-D input, got {} dims", s.len())));
