@@ -476,6 +476,34 @@ fn transposed_convolution_and_bilinear_upsampling_match_the_full_batch() {
     }
 }
 
+/// The MLP of `mlp` on `n` samples, its loss written by the caller once over `TensorOps`
+/// (`eager` and `lazy` are that function at `Tensor` and `LazyTensor`): micro-batched
+/// gradients equal the full batch's at each of `micro`.
+fn check_mlp_loss(
+    seed: i64,
+    n: i64,
+    micro: &[usize],
+    eager: impl Fn(&Tensor, &Tensor, &nn::Linear, &nn::Linear) -> Tensor,
+    lazy_loss: impl Fn(&LazyTensor, &LazyTensor, &nn::Linear, &nn::Linear) -> LazyTensor,
+) {
+    tch::manual_seed(seed);
+    let mut vs = nn::VarStore::new(CPU);
+    let (l1, l2) = mlp(&vs);
+    vs.double();
+    let x = Tensor::randn([n, 8], (Kind::Double, CPU));
+    let y = Tensor::randint(4, [n], (Kind::Int64, CPU));
+    let (lx, ly) = lazy((&x, &y), 0);
+    for &m in micro {
+        check(
+            &vs,
+            &format!("micro-batches of {m}"),
+            &Options::new().micro_batch(m),
+            || eager(&x, &y, &l1, &l2),
+            || lazy_loss(&lx, &ly, &l1, &l2),
+        );
+    }
+}
+
 /// Sine, cosine, square, the clamps, erf, log-sigmoid, rsqrt, reciprocal and logsumexp: written
 /// once over `TensorOps`, micro-batched gradients equal the full batch's.
 #[test]
@@ -492,22 +520,7 @@ fn more_pointwise_ops_match_the_full_batch() {
         let h = h.sub(&h.logsumexp(-1, true));
         h.apply(l2).log_softmax(-1, None).nll_loss(y)
     }
-    tch::manual_seed(13);
-    let mut vs = nn::VarStore::new(CPU);
-    let (l1, l2) = mlp(&vs);
-    vs.double();
-    let x = Tensor::randn([11, 8], (Kind::Double, CPU));
-    let y = Tensor::randint(4, [11], (Kind::Int64, CPU));
-    let (lx, ly) = lazy((&x, &y), 0);
-    for micro in [2, 5] {
-        check(
-            &vs,
-            &format!("micro-batches of {micro}"),
-            &Options::new().micro_batch(micro),
-            || loss(&x, &y, &l1, &l2),
-            || loss(&lx, &ly, &l1, &l2),
-        );
-    }
+    check_mlp_loss(13, 11, &[2, 5], loss::<Tensor>, loss::<LazyTensor>);
 }
 
 /// `detach` cuts the gradient as tch's does: `h · stop(h)` has the gradient `stop(h)` only,
@@ -522,21 +535,9 @@ fn detach_cuts_the_gradient_like_tch() {
         let h = x.apply(l1);
         h.mul(&h.detach().tanh()).apply(l2).log_softmax(-1, None).nll_loss(y)
     }
-    tch::manual_seed(17);
-    let mut vs = nn::VarStore::new(CPU);
-    let (l1, l2) = mlp(&vs);
-    vs.double();
-    let x = Tensor::randn([10, 8], (Kind::Double, CPU));
-    let y = Tensor::randint(4, [10], (Kind::Int64, CPU));
-    let (lx, ly) = lazy((&x, &y), 0);
-    assert!(!lx.apply(&l1).detach().requires_grad());
-    for micro in [3, 10] {
-        check(
-            &vs,
-            &format!("micro-batches of {micro}"),
-            &Options::new().micro_batch(micro),
-            || loss(&x, &y, &l1, &l2),
-            || loss(&lx, &ly, &l1, &l2),
-        );
-    }
+    let vs = nn::VarStore::new(CPU);
+    let (l1, _) = mlp(&vs);
+    let x = Tensor::randn([10, 8], (Kind::Float, CPU));
+    assert!(!lazy(&x, 0).apply(&l1).detach().requires_grad());
+    check_mlp_loss(17, 10, &[3, 10], loss::<Tensor>, loss::<LazyTensor>);
 }
