@@ -130,26 +130,39 @@ fn an_alexnet_step_micro_batched_has_the_full_batchs_gradients() {
     assert_micro_batched_gradients(&vs, &net, &x, &y, 2);
 }
 
+/// `ours` against tch's `theirs` (built under `tch_vs` with the same seed's variables): the
+/// same names, outputs equal eagerly and lazily in micro-batches of `micro`, and a
+/// micro-batched step (eval-mode batch norm: per sample) with the full batch's gradients.
+fn like_tchs_own<M: ModuleT + toma::lazy::nn::LazyModuleT>(
+    name: &str,
+    mut vs: nn::VarStore,
+    ours: &M,
+    tch_vs: &nn::VarStore,
+    theirs: &impl ModuleT,
+    x: &Tensor,
+    micro: usize,
+) {
+    same_variables(&vs, tch_vs, name);
+    vs.copy(tch_vs).unwrap();
+    let expected = theirs.forward_t(x, false);
+    assert!(ours.forward_t(x, false).allclose(&expected, 1e-5, 1e-5, false), "{name}: eager outputs");
+    let planned = lazy(x, 0).apply_t(ours, false).to_tensor_with(&Options::new().micro_batch(micro)).unwrap();
+    assert!(planned.allclose(&expected, 1e-4, 1e-4, false), "{name}: lazy outputs");
+    vs.double();
+    let x = x.to_kind(Kind::Double);
+    let y = Tensor::randint(expected.size()[1], [x.size()[0]], (Kind::Int64, CPU));
+    assert_micro_batched_gradients(&vs, ours, &x, &y, micro);
+}
+
 #[test]
 fn mobilenet_v2_matches_tchs_own_and_splits_exactly() {
     tch::manual_seed(35);
     let tch_vs = nn::VarStore::new(CPU);
     let theirs = tch::vision::mobilenet::v2(&tch_vs.root(), 5);
-    let mut vs = nn::VarStore::new(CPU);
+    let vs = nn::VarStore::new(CPU);
     let ours = vision::mobilenet_v2(&vs.root(), 5);
-    same_variables(&vs, &tch_vs, "mobilenet_v2");
-    vs.copy(&tch_vs).unwrap();
     let x = Tensor::randn([4, 3, 64, 64], (Kind::Float, CPU));
-    let expected = theirs.forward_t(&x, false);
-    assert!(ours.forward_t(&x, false).allclose(&expected, 1e-5, 1e-5, false), "eager outputs");
-    let planned = lazy(&x, 0).apply_t(&ours, false).to_tensor_with(&Options::new().micro_batch(3)).unwrap();
-    assert!(planned.allclose(&expected, 1e-4, 1e-4, false), "lazy outputs");
-
-    // A micro-batched step (eval-mode batch norm: per sample) has the full batch's gradients.
-    vs.double();
-    let x = x.to_kind(Kind::Double);
-    let y = Tensor::randint(5, [4], (Kind::Int64, CPU));
-    assert_micro_batched_gradients(&vs, &ours, &x, &y, 3);
+    like_tchs_own("mobilenet_v2", vs, &ours, &tch_vs, &theirs, &x, 3);
 }
 
 #[test]
@@ -157,19 +170,9 @@ fn efficientnet_b0_matches_tchs_own_and_splits_exactly() {
     tch::manual_seed(36);
     let tch_vs = nn::VarStore::new(CPU);
     let theirs = tch::vision::efficientnet::b0(&tch_vs.root(), 5);
-    let mut vs = nn::VarStore::new(CPU);
+    let vs = nn::VarStore::new(CPU);
     let ours = vision::efficientnet_b0(&vs.root(), 5);
-    same_variables(&vs, &tch_vs, "efficientnet_b0");
-    vs.copy(&tch_vs).unwrap();
     // 67×67: odd sizes take "same" padding's uneven split.
     let x = Tensor::randn([3, 3, 67, 67], (Kind::Float, CPU));
-    let expected = theirs.forward_t(&x, false);
-    assert!(ours.forward_t(&x, false).allclose(&expected, 1e-5, 1e-5, false), "eager outputs");
-    let planned = lazy(&x, 0).apply_t(&ours, false).to_tensor_with(&Options::new().micro_batch(2)).unwrap();
-    assert!(planned.allclose(&expected, 1e-4, 1e-4, false), "lazy outputs");
-
-    vs.double();
-    let x = x.to_kind(Kind::Double);
-    let y = Tensor::randint(5, [3], (Kind::Int64, CPU));
-    assert_micro_batched_gradients(&vs, &ours, &x, &y, 2);
+    like_tchs_own("efficientnet_b0", vs, &ours, &tch_vs, &theirs, &x, 2);
 }
