@@ -281,25 +281,25 @@ impl Config {
         if var("TORCHELASTIC_RESTART_COUNT").is_some() {
             config.restart = parse(&var, "TORCHELASTIC_RESTART_COUNT")?;
         }
-        if var("TOMA_DIST_TIMEOUT").is_some() {
-            let seconds: f64 = parse(&var, "TOMA_DIST_TIMEOUT")?;
+        // A positive, finite number of seconds, when set.
+        let seconds = |name: &'static str| -> Result<Option<Duration>, DistError> {
+            if var(name).is_none() {
+                return Ok(None);
+            }
+            let seconds: f64 = parse(&var, name)?;
             if !(seconds > 0.0 && seconds.is_finite()) {
                 return Err(DistError::Env {
-                    var: "TOMA_DIST_TIMEOUT",
+                    var: name,
                     problem: format!("must be a positive number of seconds, got {seconds}"),
                 });
             }
-            config.timeout = Duration::from_secs_f64(seconds);
+            Ok(Some(Duration::from_secs_f64(seconds)))
+        };
+        if let Some(timeout) = seconds("TOMA_DIST_TIMEOUT")? {
+            config.timeout = timeout;
         }
-        if var("TOMA_DIST_JOIN_TIMEOUT").is_some() {
-            let seconds: f64 = parse(&var, "TOMA_DIST_JOIN_TIMEOUT")?;
-            if !(seconds > 0.0 && seconds.is_finite()) {
-                return Err(DistError::Env {
-                    var: "TOMA_DIST_JOIN_TIMEOUT",
-                    problem: format!("must be a positive number of seconds, got {seconds}"),
-                });
-            }
-            config.join_timeout = Some(Duration::from_secs_f64(seconds));
+        if let Some(timeout) = seconds("TOMA_DIST_JOIN_TIMEOUT")? {
+            config.join_timeout = Some(timeout);
         }
         Ok(config)
     }
