@@ -213,7 +213,7 @@ impl Window {
         let n = meta.batch().map_or(1, |bd| bd.size);
         let per_sample = shape::numel(&inputs[0].meta.shape) / n.max(1);
         if meta.kind == Kind::Float && batched && onednn(w, stride, dilation, groups, n, per_sample) {
-            return onednn_scratch(inputs, meta, requires(inputs, 0), stride, groups);
+            return onednn_scratch(inputs, meta, requires(inputs, 0), stride, padding, groups);
         }
         if one_by_one {
             return scratch;
@@ -271,15 +271,24 @@ fn channel_block() -> i64 {
 ///   in a full block; the weight gradient's reorder comes at another time (the peak when the
 ///   weight outweighs the activations). Its primitives take a scratchpad of their own (0–46
 ///   KiB measured, by channel counts);
-/// - a strided convolution makes its input gradient in a blocked layout as large as the input,
-///   with fixed buffers of 61–100 KiB;
+/// - a strided convolution's input gradient comes in phases of its own (`strided_input_grad`);
 /// - a strided 1×1 convolution copies its input at unit stride, one sample per thread;
 /// - a grouped (depthwise) convolution is blocked over all its input channels.
 ///
-/// Where two costs are never live together, the larger is taken (see `max`). Each rule below
+/// Where two costs are never live together, the larger is taken (see `chord`). Each rule below
 /// says what it was fitted on; `tests/lazy_peak.rs` holds the result on whole models.
-fn onednn_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, stride: &[i64], groups: i64) -> Scratch {
+fn onednn_scratch(
+    inputs: &[Rc<Node>],
+    meta: &Meta,
+    input_grad: bool,
+    stride: &[i64],
+    padding: &[i64],
+    groups: i64,
+) -> Scratch {
     let strided = stride.iter().any(|&s| s != 1);
+    if input_grad && strided && groups == 1 {
+        return strided_input_grad(inputs, meta, stride, padding);
+    }
     let block = channel_block();
     let weight = &inputs[1].meta.shape;
     // The input's channels: a grouped (depthwise) convolution is blocked over all of them.
@@ -291,15 +300,8 @@ fn onednn_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, stride: &[
     let add = |a: (u64, u64), b: (u64, u64)| (a.0 + b.0, a.1 + b.1);
     // The larger of two costs, as the chord of its (convex) graph between one sample and the
     // full batch: exact at both ends, above it in between, where micro-batches fall.
-    let n = meta.batch().map_or(1, |bd| bd.size.max(1)) as u64;
-    let max = |a: (u64, u64), b: (u64, u64)| {
-        let at = |k: u64| (a.0 * k + a.1).max(b.0 * k + b.1);
-        if n == 1 {
-            return (0, at(1));
-        }
-        let slope = (at(n) - at(1)).div_ceil(n - 1);
-        (slope, at(1).saturating_sub(slope))
-    };
+    let n = batch_of(meta);
+    let max = |a: (u64, u64), b: (u64, u64)| chord(n, |k| (a.0 * k + a.1).max(b.0 * k + b.1));
     let x = inputs[0].meta.numel_parts();
     // The input padded to a full block of channels.
     let full = |(a, c): (u64, u64)| (a * block as u64 / cin as u64, c * block as u64 / cin as u64);
@@ -363,8 +365,9 @@ fn onednn_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, stride: &[
     // outweighs the activations (small maps, wide layers).
     backward = max(backward, w);
     if input_grad && strided {
-        // A strided convolution's input gradient is made in a blocked layout as large as the
-        // input (measured: 0.45–0.91 of it from a block of channels on). With fewer channels:
+        // (Grouped only: see `strided_input_grad` for the others.) A strided convolution's input
+        // gradient is made in a blocked layout as large as the input (measured: 0.45–0.91 of it
+        // from a block of channels on). With fewer channels:
         // up to the input padded to a block, the output, the weight padded to a block of input
         // channels, and a copy of the weight per sample.
         backward = if cin >= block {
@@ -408,6 +411,63 @@ fn onednn_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, stride: &[
         backward = max(backward, floor);
     }
     Scratch { forward, backward, ..Scratch::default() }
+}
+
+/// The batch a cost is planned at (1 when the tensor has no batch dimension).
+fn batch_of(meta: &Meta) -> u64 {
+    meta.batch().map_or(1, |bd| bd.size.max(1)) as u64
+}
+
+/// A cost that is not linear in the micro-batch (`at(k)` at `k` samples, convex: the larger of
+/// linear costs), as the chord of its graph between one sample and the full batch `n`: exact at
+/// both ends, above it in between, where micro-batches fall.
+fn chord(n: u64, at: impl Fn(u64) -> u64) -> (u64, u64) {
+    if n <= 1 {
+        return (0, at(1));
+    }
+    let slope = at(n).saturating_sub(at(1)).div_ceil(n - 1);
+    (slope, at(1).saturating_sub(slope))
+}
+
+/// The backward of an ungrouped strided convolution with an input gradient, on the CPU: three
+/// phases, one after another, so its scratch is the largest of them (read from oneDNN's verbose
+/// log and the allocator's trace, libtorch 2.11 on AVX-512; 414 shapes over channels 1..64,
+/// kernels 1/3/5, maps 4..32, batches 2..32 within 3%):
+/// - the input gradient (oneDNN's `brgconv_strided`): the output gradient reordered to
+///   channels-last, the weight with its input channels padded (to a block, or two blocks from
+///   one on), and a scratchpad of fixed buffers plus, per thread, the output gradient of one
+///   sample over the padded input's grid rounded up to 16 KiB;
+/// - that gradient made plain: for a moment three copies of the input's size are live;
+/// - the weight gradient: as without an input gradient.
+fn strided_input_grad(inputs: &[Rc<Node>], meta: &Meta, stride: &[i64], padding: &[i64]) -> Scratch {
+    let weights = onednn_scratch(inputs, meta, false, stride, padding, 1);
+    let elem = meta.kind.elt_size_in_bytes().max(1) as u64;
+    let block = channel_block();
+    let input = &inputs[0].meta.shape;
+    let cin = input[1].max(1) as u64;
+    let w = shape::numel(&inputs[1].meta.shape).max(0) as u64;
+    let padded_cin = if cin <= block as u64 { block as u64 } else { cin.div_ceil(2 * block as u64) * 2 * block as u64 };
+    let (x, y) = (inputs[0].meta.numel_parts(), meta.numel_parts());
+    // The scratchpad, in bytes.
+    let grid: u64 = input[2..]
+        .iter()
+        .zip(stride.iter().zip(padding))
+        .map(|(&side, (&s, &p))| ((side + 2 * p).max(1) as u64).div_ceil(s.max(1) as u64))
+        .product();
+    let per_thread = (meta.shape[1].max(1) as u64 * grid * elem).div_ceil(16 << 10) * (16 << 10);
+    let threads = threads().max(1) as u64;
+    let uneven = input[2..].iter().zip(stride).any(|(&side, &s)| s > 1 && side % s != 0);
+    let pad_bytes =
+        (12 << 10) + threads * (8216 + per_thread) + if uneven { (4 << 10) + threads * (16 << 10) } else { 0 };
+    let fixed = w * padded_cin / cin - w + pad_bytes / elem;
+    let n = batch_of(meta);
+    let backward = chord(n, |k| {
+        let at = |(a, c): (u64, u64)| a * k + c;
+        let data = at(y) + fixed;
+        let copies = (2 * at(x)).saturating_sub(w);
+        at(weights.backward).max(data).max(copies)
+    });
+    Scratch { forward: weights.forward, backward, ..Scratch::default() }
 }
 
 /// A transposed convolution's scratch: libtorch runs it as the backward of a convolution
