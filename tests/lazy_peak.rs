@@ -31,9 +31,16 @@ const GENERATED_SCRATCHPAD_SLACK: u64 = 48 << 10;
 /// The plan's peak for forward and backward of the whole batch, and the peak the counter saw
 /// above what was live before (inputs, parameters).
 fn planned_and_measured(loss: &LazyTensor, batch: usize) -> (u64, u64) {
-    let options = Options::new().micro_batch(batch);
-    let plan = loss.plan(Mode::Backward, &options).expect("a plan");
+    let plan = loss.plan(Mode::Backward, &Options::new().micro_batch(batch)).expect("a plan");
     assert!(!plan.splits(), "the whole batch is planned: {plan}");
+    planned_and_measured_at(loss, batch)
+}
+
+/// The plan's peak for forward and backward in micro-batches of `micro`, and the peak the
+/// counter saw running them.
+fn planned_and_measured_at(loss: &LazyTensor, micro: usize) -> (u64, u64) {
+    let options = Options::new().micro_batch(micro);
+    let plan = loss.plan(Mode::Backward, &options).expect("a plan");
     let before = memory::cpu_allocator_stats().expect("tracking").allocated;
     assert!(memory::reset_cpu_peak());
     loss.backward_with(&options).expect("forward and backward");
@@ -283,6 +290,15 @@ fn planner_peak_matches_the_cpu_allocator() {
             planned_and_measured(&loss, n as usize)
         });
     }
+    // A micro-batch of one of a larger batch of that small input runs natively too (oneDNN
+    // runs the whole batch): planned at micro-batches of one, run at them.
+    measure("conv 1 of 8", 8, &|n| {
+        let vs = nn::VarStore::new(CPU);
+        let w = vs.root().randn("w", &[16, 16, 3, 3], 0.0, 0.1);
+        let x = Tensor::randn([n, 16, 32, 32], (Kind::Float, CPU));
+        let loss = toma::lazy::lazy(&x, 0).conv2d(&w, None::<&Tensor>, [1], [1], [1], 1).mean(None);
+        planned_and_measured_at(&loss, 1)
+    });
     // All rows are printed before any bound is checked.
     for (model, batch, planned, measured) in rows {
         let (p, m) = (planned as f64, measured as f64);

@@ -207,20 +207,28 @@ impl Window {
             && stride.iter().all(|&s| s == 1)
             && padding.iter().all(|&p| p == 0)
             && dilation.iter().all(|&d| d == 1);
-        // A batch of one of a small input runs natively (im2col below). A micro-batch of one of a
-        // larger batch does too, and is planned as oneDNN's: under by up to the columns of an
-        // input of at most 20480 elements (only when two samples do not fit).
+        // im2col: every input channel times every kernel position, per output position.
+        let positions = shape::numel(&out[out.len() - spatial..]) as u64;
+        let cols = if one_by_one { 0 } else { (w[1] * groups * shape::numel(kernel)) as u64 * positions };
+        // A batch of one of a small input runs natively (im2col below), and so does a micro-batch
+        // of one of a larger batch that oneDNN runs: its cost is the chord from the larger of
+        // the two at one sample to oneDNN's at the whole batch.
         let n = meta.batch().map_or(1, |bd| bd.size);
         let per_sample = shape::numel(&inputs[0].meta.shape) / n.max(1);
         if meta.kind == Kind::Float && batched && onednn(w, stride, dilation, groups, n, per_sample) {
-            return onednn_scratch(inputs, meta, requires(inputs, 0), stride, padding, groups);
+            let mut scratch = onednn_scratch(inputs, meta, requires(inputs, 0), stride, padding, groups);
+            if n > 1 && meta.batch().is_some() && !onednn(w, stride, dilation, groups, 1, per_sample) {
+                let n = n as u64;
+                for (a, c) in [&mut scratch.forward, &mut scratch.backward] {
+                    let at_n = *a * n + *c;
+                    (*a, *c) = chord(n, |k| if k == 1 { (*a + *c).max(cols) } else { at_n });
+                }
+            }
+            return scratch;
         }
         if one_by_one {
             return scratch;
         }
-        // im2col: every input channel times every kernel position, per output position.
-        let positions = shape::numel(&out[out.len() - spatial..]) as u64;
-        let cols = (w[1] * groups * shape::numel(kernel)) as u64 * positions;
         let work = match meta.batch() {
             Some(_) if batched => (cols, 0),
             _ => (0, cols * if batched { out[0] as u64 } else { 1 }),
