@@ -22,11 +22,10 @@ const MIB: u64 = 1 << 20;
 const UNDER_TOLERANCE: f64 = 0.10;
 const OVER_TOLERANCE: f64 = 0.10;
 /// Generated CNNs: beyond the 10% margin, a plan may be over by at most oneDNN's fixed
-/// convolution buffers, which the plan holds near their largest (the weight gradient's
-/// scratchpad, 0–30 KiB by how oneDNN splits the work among threads): it only shows on models
-/// whose whole step takes under 200 KiB (measured: at most 40 KiB over). Under by more than the
+/// convolution buffers where the plan cannot tell how oneDNN splits a weight gradient among
+/// threads (measured: at most 11 KiB over, on models of under 40 KiB). Under by more than the
 /// 10% margin is never allowed.
-const GENERATED_SCRATCHPAD_SLACK: u64 = 48 << 10;
+const GENERATED_SCRATCHPAD_SLACK: u64 = 16 << 10;
 
 /// The plan's peak for forward and backward of the whole batch, and the peak the counter saw
 /// above what was live before (inputs, parameters).
@@ -478,15 +477,15 @@ impl Arch {
 /// activation, max, avg, adaptive or no pooling, sum and mean losses, first and later steps):
 /// the plan's peak against the CPU allocator's. Never more than 10% under (what would run out
 /// of memory), over by no more than 10% or the fixed-buffer slack, and within 10% either way
-/// on at least 30 of 32 (measured: 32).
+/// on at least 31 of 32 (measured: 32).
 #[test]
 fn generated_models_peak_as_planned() {
     let _serial = support::serial();
     assert!(memory::track_cpu_allocations());
     tch::manual_seed(3);
     let mut rows = Vec::new();
-    // Another sample: `TOMA_PEAK_SEED=<n>` (the bounds below are this sample's; eight others
-    // measured 28 to 32 within 10%, none under by more than 8.6%, none over by more than 40 KiB
+    // Another sample: `TOMA_PEAK_SEED=<n>` (the bounds below are this sample's; nine others
+    // measured 31 or 32 within 10%, none under by more than 2.4%, none over by more than 11 KiB
     // beyond it).
     let seed = std::env::var("TOMA_PEAK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x7041);
     for arch in Arch::generate(32, seed) {
@@ -512,7 +511,7 @@ fn generated_models_peak_as_planned() {
         .collect();
     assert!(bad.is_empty(), "{} of {} models out of bounds:\n{}", bad.len(), rows.len(), bad.join("\n"));
     let close = rows.iter().filter(|(_, _, _, e)| e.abs() <= OVER_TOLERANCE).count();
-    assert!(close >= 30, "only {close} of {} models within 10%", rows.len());
+    assert!(close >= 31, "only {close} of {} models within 10%", rows.len());
 }
 
 /// A plan that was low is corrected by measurement: an op of the user's that takes a

@@ -109,17 +109,19 @@ impl Node {
     }
 }
 
-/// `per_sample * b + fixed` bytes.
+/// `per_sample * b + fixed` bytes (at least `one` at a micro-batch of one).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Bytes {
     pub(crate) per: u64,
     pub(crate) fixed: u64,
+    /// Bytes at one sample where a library runs a single sample another way (0: none).
+    pub(crate) one: u64,
 }
 
 impl Bytes {
     pub(crate) fn of(elements: (u64, u64), kind: Kind) -> Bytes {
         let e = kind.elt_size_in_bytes() as u64;
-        Bytes { per: elements.0 * e, fixed: elements.1 * e }
+        Bytes { per: elements.0 * e, fixed: elements.1 * e, one: 0 }
     }
 }
 

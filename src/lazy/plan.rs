@@ -72,7 +72,8 @@ impl At for Bytes {
     /// Bytes at micro-batch `b`, rounded to the allocator's block.
     #[inline]
     fn at(self, b: u64) -> u64 {
-        round_block(self.per * b + self.fixed)
+        let bytes = self.per * b + self.fixed;
+        round_block(if b == 1 { bytes.max(self.one) } else { bytes })
     }
 }
 
@@ -704,7 +705,8 @@ impl Choice {
 }
 
 /// The largest micro-batch that fits: the whole batch when it does, else the largest power of
-/// two whose peak fits (the peak never decreases with the micro-batch, so a binary search).
+/// two whose peak fits (from two samples on, the peak never decreases with the micro-batch, so
+/// a binary search; one sample, which may run another way, is tried last).
 pub(crate) fn choose(
     c: &Compiled,
     mode: Mode,

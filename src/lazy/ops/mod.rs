@@ -162,6 +162,9 @@ pub(crate) struct Scratch {
     /// Elements `(per sample, fixed)` in the input's kind, forward and backward.
     pub(crate) forward: (u64, u64),
     pub(crate) backward: (u64, u64),
+    /// Elements at a micro-batch of one, forward and backward, where a single sample runs
+    /// another way (libtorch's native convolution for one small sample, oneDNN's for more).
+    pub(crate) one: Option<(u64, u64)>,
     /// Staging buffers of CUDA reductions, each with whether it is taken in the backward.
     pub(crate) staged: Vec<(bool, ReduceStaging)>,
 }

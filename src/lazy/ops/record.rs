@@ -300,7 +300,11 @@ fn cost(op: &Op, inputs: &[Rc<Node>], meta: &Meta) -> Cost {
     };
     let in_kind = inputs.first().map_or(meta.kind, |x| x.meta.kind);
     let scratch = rules.scratch(inputs, meta);
-    let (work, back_work) = (Bytes::of(scratch.forward, in_kind), Bytes::of(scratch.backward, in_kind));
+    let (mut work, mut back_work) = (Bytes::of(scratch.forward, in_kind), Bytes::of(scratch.backward, in_kind));
+    if let Some((forward, backward)) = scratch.one {
+        let e = in_kind.elt_size_in_bytes() as u64;
+        (work.one, back_work.one) = (forward * e, backward * e);
+    }
     let staged = scratch.staged.into_boxed_slice();
     let (mut saved, mut grad_alias) = (0u64, 0u64);
     for k in 0..inputs.len().min(64) {

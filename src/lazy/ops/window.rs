@@ -211,18 +211,14 @@ impl Window {
         let positions = shape::numel(&out[out.len() - spatial..]) as u64;
         let cols = if one_by_one { 0 } else { (w[1] * groups * shape::numel(kernel)) as u64 * positions };
         // A batch of one of a small input runs natively (im2col below), and so does a micro-batch
-        // of one of a larger batch that oneDNN runs: its cost is the chord from the larger of
-        // the two at one sample to oneDNN's at the whole batch.
+        // of one of a larger batch that oneDNN runs: at one sample, the larger of the two.
         let n = meta.batch().map_or(1, |bd| bd.size);
         let per_sample = shape::numel(&inputs[0].meta.shape) / n.max(1);
         if meta.kind == Kind::Float && batched && onednn(w, stride, dilation, groups, n, per_sample) {
             let mut scratch = onednn_scratch(inputs, meta, requires(inputs, 0), stride, padding, groups);
             if n > 1 && meta.batch().is_some() && !onednn(w, stride, dilation, groups, 1, per_sample) {
-                let n = n as u64;
-                for (a, c) in [&mut scratch.forward, &mut scratch.backward] {
-                    let at_n = *a * n + *c;
-                    (*a, *c) = chord(n, |k| if k == 1 { (*a + *c).max(cols) } else { at_n });
-                }
+                let at_one = |(a, c): (u64, u64)| (a + c).max(cols);
+                scratch.one = Some((at_one(scratch.forward), at_one(scratch.backward)));
             }
             return scratch;
         }
@@ -266,10 +262,143 @@ fn channel_block() -> i64 {
     8
 }
 
-/// A oneDNN convolution's scratch on the CPU, measured with the CPU allocator (libtorch 2.11,
-/// x86-64, one convolution at a time over channels 1..64, kernels 1/3/5, strides 1/2;
-/// `tests/lazy_peak.rs` checks it on generated models). oneDNN works in channel-blocked
-/// layouts, and its reorders come one after another, so the peak is the larger of them:
+/// A oneDNN convolution's scratch on the CPU (libtorch 2.11, x86-64). Ungrouped convolutions
+/// are planned phase by phase, as oneDNN's verbose log and an allocation trace show them
+/// (`phased_scratch`, `strided_input_grad`); grouped ones by the rules fitted on measurements
+/// one convolution at a time (`grouped_scratch`).
+fn onednn_scratch(
+    inputs: &[Rc<Node>],
+    meta: &Meta,
+    input_grad: bool,
+    stride: &[i64],
+    padding: &[i64],
+    groups: i64,
+) -> Scratch {
+    if groups > 1 {
+        return grouped_scratch(inputs, meta, input_grad, stride, groups);
+    }
+    if input_grad && stride.iter().any(|&s| s != 1) {
+        return strided_input_grad(inputs, meta, stride, padding);
+    }
+    phased_scratch(inputs, meta, input_grad, stride)
+}
+
+/// The layouts of an ungrouped convolution's primitives, as oneDNN picks them on this CPU
+/// (read from its verbose log, libtorch 2.11 on AVX-512; `b` is the channel block):
+/// - forward: an input of fewer than a block of channels stays plain (a first layer), else it
+///   is padded to whole blocks; a 1×1 convolution (unless a stride leaves part of the input
+///   out) always pads it, and when strided copies it at unit stride, a sample per thread. The
+///   weight and the output are padded to whole blocks of output channels;
+/// - weight gradient: the output gradient and the input padded the same way, except that
+///   fewer than four input channels stay plain and fewer than a block use a half block;
+/// - input gradient (unstrided): output gradient, weight and input gradient padded to blocks.
+#[derive(Clone, Copy)]
+struct Layouts {
+    block: u64,
+    cin: u64,
+    cout: u64,
+    pointwise: bool,
+    /// A strided 1×1 convolution whose stride does not divide the input: the general kernel.
+    uneven: bool,
+    strided: bool,
+    /// Output positions of one sample.
+    positions: u64,
+}
+
+impl Layouts {
+    /// `n` elements over `c` channels, padded to whole blocks of `b`.
+    fn pad(n: u64, c: u64, b: u64) -> u64 {
+        n / c.max(1) * c.div_ceil(b) * b
+    }
+
+    /// The unit-stride copy of a strided 1×1 convolution's input, a sample per thread.
+    fn unit_stride_copy(&self) -> u64 {
+        if self.pointwise && self.strided && !self.uneven {
+            threads().max(1) as u64 * self.cin.div_ceil(self.block) * self.block * self.positions
+        } else {
+            0
+        }
+    }
+}
+
+/// An ungrouped convolution's scratch, unstrided or without an input gradient, phase by phase
+/// (see `Layouts`): each phase's live buffers beyond what the plan counts itself (the output,
+/// the gradients), the largest phase taken. Forward: the reordered operands with the blocked
+/// output, then the blocked output with its plain copy. Backward: the input gradient's
+/// primitive, then the weight gradient's (reorders, the blocked weight gradient and a
+/// scratchpad: a reduction copy of it per extra thread when the threads must split the
+/// batch, since the channel blocks do not divide among them), then the weight gradient made
+/// plain. Measured one convolution at a time (`tests/lazy_peak.rs::one_convolution_at_a_time`,
+/// 700 shapes over channels 1..64, kernels 1/3/5, strides 1/2, maps 2..32, batches 2..32):
+/// backward within 10% but 2 (both of tiny ones: under 40 KiB), forward within 5% but 22 (all
+/// under 5 KiB).
+fn phased_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, stride: &[i64]) -> Scratch {
+    let weight = &inputs[1].meta.shape;
+    let input = &inputs[0].meta.shape;
+    let elem = meta.kind.elt_size_in_bytes().max(1) as u64;
+    let pointwise = weight[2..].iter().all(|&k| k == 1);
+    let strided = stride.iter().any(|&s| s != 1);
+    let l = Layouts {
+        block: channel_block() as u64,
+        cin: weight[1].max(1) as u64,
+        cout: weight[0].max(1) as u64,
+        pointwise,
+        uneven: input[2..].iter().zip(stride).any(|(&side, &s)| s > 1 && side % s != 0),
+        strided,
+        positions: shape::numel(&meta.shape[2..]).max(0) as u64,
+    };
+    let (b, cin, cout) = (l.block, l.cin, l.cout);
+    let pad = Layouts::pad;
+    let w = shape::numel(weight).max(0) as u64;
+    let (xp, yp) = (inputs[0].meta.numel_parts(), meta.numel_parts());
+    let threads = threads().max(1) as u64;
+    let n = batch_of(meta);
+    let kib = |k: u64| (k << 10) / elem;
+
+    let one_by_one = pointwise && !l.uneven;
+    let forward = chord(n, |k| {
+        let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
+        let x_r = if one_by_one || cin >= b { pad(x, cin, b) } else { 0 };
+        let w_r = if one_by_one || cin >= b { pad(pad(w, cin, b), cout, b) } else { pad(w, cout, b) };
+        let y_blk = pad(y, cout, b);
+        (x_r + w_r + y_blk + l.unit_stride_copy()).saturating_sub(y).max(y_blk)
+    });
+
+    // The weight gradient's kernel: its channel blocks (input, output), and whether it reads
+    // the input plain.
+    let half = b == 16 && !one_by_one && (4..b).contains(&cin);
+    let kb = if half { b / 2 } else { b };
+    let plain_input = !one_by_one && cin < 4;
+    let backward = chord(n, |k| {
+        let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
+        let y_r = pad(y, cout, kb);
+        let x_r = if plain_input { 0 } else { pad(x, cin, kb) };
+        let w_blk = if plain_input { pad(w, cout, kb) } else { pad(pad(w, cin, kb), cout, kb) };
+        let (nb_in, nb_out) = (if plain_input { 1 } else { cin.div_ceil(kb) }, cout.div_ceil(kb));
+        let scratchpad = if threads > 1 && nb_out % threads != 0 && nb_in % threads != 0 {
+            // The batch split among threads: a reduction copy of the weight gradient per extra
+            // thread, and fixed buffers (21 KiB; 25 KiB for the half-block kernel).
+            (threads - 1) * w_blk + kib(if half { 25 } else { 21 })
+        } else if nb_in % threads == 0 && nb_out % threads != 0 {
+            ((x + y) / 10).clamp(kib(13), kib(48))
+        } else {
+            ((x + y) / 10).min(kib(48))
+        };
+        let weights = (y_r + x_r + w_blk + scratchpad + l.unit_stride_copy()).saturating_sub(w);
+        let data = if input_grad {
+            (pad(y, cout, b) + pad(pad(w, cin, b), cout, b) + pad(x, cin, b)).saturating_sub(x + w)
+        } else {
+            0
+        };
+        weights.max(w_blk).max(data)
+    });
+    Scratch { forward, backward, ..Scratch::default() }
+}
+
+/// A grouped oneDNN convolution's scratch on the CPU, measured with the CPU allocator (libtorch
+/// 2.11, x86-64, one convolution at a time; `tests/lazy_peak.rs` checks it on MobileNet-V2 and
+/// EfficientNet-B0). oneDNN works in channel-blocked layouts, and its reorders come one after
+/// another, so the peak is the larger of them:
 /// - an input with a full block of channels (or more) is reordered into one, and so is the
 ///   weight, or else the output is made in blocks (padded up to whole blocks) and reordered;
 /// - fewer input channels (a first layer) keep the input plain, except a 1×1 convolution, which
@@ -279,24 +408,15 @@ fn channel_block() -> i64 {
 ///   in a full block; the weight gradient's reorder comes at another time (the peak when the
 ///   weight outweighs the activations). Its primitives take a scratchpad of their own (0–46
 ///   KiB measured, by channel counts);
-/// - a strided convolution's input gradient comes in phases of its own (`strided_input_grad`);
+/// - a strided convolution makes its input gradient in a blocked layout as large as the input,
+///   with fixed buffers of 61–100 KiB;
 /// - a strided 1×1 convolution copies its input at unit stride, one sample per thread;
 /// - a grouped (depthwise) convolution is blocked over all its input channels.
 ///
 /// Where two costs are never live together, the larger is taken (see `chord`). Each rule below
 /// says what it was fitted on; `tests/lazy_peak.rs` holds the result on whole models.
-fn onednn_scratch(
-    inputs: &[Rc<Node>],
-    meta: &Meta,
-    input_grad: bool,
-    stride: &[i64],
-    padding: &[i64],
-    groups: i64,
-) -> Scratch {
+fn grouped_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, stride: &[i64], groups: i64) -> Scratch {
     let strided = stride.iter().any(|&s| s != 1);
-    if input_grad && strided && groups == 1 {
-        return strided_input_grad(inputs, meta, stride, padding);
-    }
     let block = channel_block();
     let weight = &inputs[1].meta.shape;
     // The input's channels: a grouped (depthwise) convolution is blocked over all of them.
@@ -373,9 +493,8 @@ fn onednn_scratch(
     // outweighs the activations (small maps, wide layers).
     backward = max(backward, w);
     if input_grad && strided {
-        // (Grouped only: see `strided_input_grad` for the others.) A strided convolution's input
-        // gradient is made in a blocked layout as large as the input (measured: 0.45–0.91 of it
-        // from a block of channels on). With fewer channels:
+        // A strided convolution's input gradient is made in a blocked layout as large as the
+        // input (measured: 0.45–0.91 of it from a block of channels on). With fewer channels:
         // up to the input padded to a block, the output, the weight padded to a block of input
         // channels, and a copy of the weight per sample.
         backward = if cin >= block {
@@ -439,8 +558,8 @@ fn chord(n: u64, at: impl Fn(u64) -> u64) -> (u64, u64) {
 
 /// The backward of an ungrouped strided convolution with an input gradient, on the CPU: three
 /// phases, one after another, so its scratch is the largest of them (read from oneDNN's verbose
-/// log and the allocator's trace, libtorch 2.11 on AVX-512; 414 shapes over channels 1..64,
-/// kernels 1/3/5, maps 4..32, batches 2..32 within 3%):
+/// log and the allocator's trace, libtorch 2.11 on AVX-512: the first two phases matched 414
+/// traced shapes over channels 1..64, kernels 1/3/5, maps 4..32, batches 2..32 within 3%):
 /// - the input gradient (oneDNN's `brgconv_strided`): the output gradient reordered to
 ///   channels-last, the weight with its input channels padded (to a block, or two blocks from
 ///   one on), and a scratchpad of fixed buffers plus, per thread, the output gradient of one
