@@ -289,6 +289,15 @@ fn planner_peak_matches_the_cpu_allocator() {
             planned_and_measured(&loss, n as usize)
         });
     }
+    // A map smaller than the kernel, with 4..15 input channels: oneDNN computes the weight
+    // gradient with its gemm, on plain layouts (several copies of the weight gradient).
+    measure("conv 2x2 map", 64, &|n| {
+        let vs = nn::VarStore::new(CPU);
+        let w = vs.root().randn("w", &[64, 8, 3, 3], 0.0, 0.1);
+        let x = Tensor::randn([n, 8, 2, 2], (Kind::Float, CPU));
+        let loss = toma::lazy::lazy(&x, 0).conv2d(&w, None::<&Tensor>, [1], [1], [1], 1).mean(None);
+        planned_and_measured(&loss, n as usize)
+    });
     // A micro-batch of one of a larger batch of that small input runs natively too (oneDNN
     // runs the whole batch): planned at micro-batches of one, run at them.
     measure("conv 1 of 8", 8, &|n| {

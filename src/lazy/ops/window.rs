@@ -369,8 +369,22 @@ fn phased_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, stride: &[
     let half = b == 16 && !one_by_one && (4..b).contains(&cin);
     let kb = if half { b / 2 } else { b };
     let plain_input = !one_by_one && cin < 4;
+    // The half-block kernel does not take an input side smaller than the kernel's: oneDNN's gemm
+    // computes that weight gradient on plain layouts, with its columns per thread and, measured
+    // on 2 threads, eight copies of the weight gradient and 256 bytes.
+    let kernel = &weight[2..];
+    let gemm = half && input[2..].iter().zip(kernel).any(|(&side, &k)| side < k);
+    let columns = cin * shape::numel(kernel).max(0) as u64 * l.positions;
     let backward = chord(n, |k| {
         let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
+        let data = if input_grad {
+            (pad(y, cout, b) + pad(pad(w, cin, b), cout, b) + pad(x, cin, b)).saturating_sub(x + w)
+        } else {
+            0
+        };
+        if gemm {
+            return (8 * w + threads * columns + 256 / elem).max(data);
+        }
         let y_r = pad(y, cout, kb);
         let x_r = if plain_input { 0 } else { pad(x, cin, kb) };
         let w_blk = if plain_input { pad(w, cout, kb) } else { pad(pad(w, cin, kb), cout, kb) };
@@ -385,11 +399,6 @@ fn phased_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, stride: &[
             ((x + y) / 10).min(kib(48))
         };
         let weights = (y_r + x_r + w_blk + scratchpad + l.unit_stride_copy()).saturating_sub(w);
-        let data = if input_grad {
-            (pad(y, cout, b) + pad(pad(w, cin, b), cout, b) + pad(x, cin, b)).saturating_sub(x + w)
-        } else {
-            0
-        };
         weights.max(w_blk).max(data)
     });
     Scratch { forward, backward, ..Scratch::default() }
