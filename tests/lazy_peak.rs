@@ -638,9 +638,10 @@ fn generated_transformers_peak_as_planned() {
 
 /// A tool, not a check: one convolution at a time, its forward and backward temporaries as the
 /// allocator sees them against what the planner charges (`LazyTensor::op_costs`). How the
-/// oneDNN rules in `src/lazy/ops/window.rs` were fitted. `TOMA_CONVS="cin,cout,size,k,stride,
+/// oneDNN rules in `src/lazy/ops/window.rs` were read: `TOMA_CONVS="cin,cout,size,k,stride,
 /// batch,input_grad;..." cargo test --all-features --test lazy_peak one_convolution_at_a_time
-/// -- --ignored --nocapture`.
+/// -- --ignored --nocapture`, with `ONEDNN_VERBOSE=1` (oneDNN's primitives and layouts) and
+/// `TOMA_TRACE_CPU_ALLOCATIONS=1` (every allocation, between `toma-mark` lines) on stderr.
 #[test]
 #[ignore]
 fn one_convolution_at_a_time() {
@@ -659,7 +660,14 @@ fn one_convolution_at_a_time() {
             let costs = toma::lazy::lazy(&x, 0).conv2d(&w, Some(&b), [s, s], [k / 2, k / 2], [1, 1], 1).op_costs();
             let before = memory::cpu_allocator_stats().unwrap().allocated as i64;
             memory::reset_cpu_peak();
+            let mark = |what: &str| {
+                if round == 1 && std::env::var_os("TOMA_TRACE_CPU_ALLOCATIONS").is_some() {
+                    eprintln!("toma-mark {what}");
+                }
+            };
+            mark("forward");
             let y = x.conv2d(&w, Some(&b), [s, s], [k / 2, k / 2], [1, 1], 1);
+            mark("forward end");
             let forward = memory::cpu_allocator_stats().unwrap().peak_allocated as i64 - before - bytes(&y);
             // A gradient arrives as a fresh tensor, as in a network; `g` outlives the backward,
             // so that freeing it does not lower the peak below the baseline.
@@ -667,7 +675,9 @@ fn one_convolution_at_a_time() {
             let loss = (&y * &g).sum(Kind::Float);
             let before = memory::cpu_allocator_stats().unwrap().allocated as i64;
             memory::reset_cpu_peak();
+            mark("backward");
             loss.backward();
+            mark("backward end");
             let grads = bytes(&y) + if input_grad { bytes(&x) } else { 0 } + bytes(&w) + bytes(&b);
             let backward = memory::cpu_allocator_stats().unwrap().peak_allocated as i64 - before - grads;
             if round == 1 {

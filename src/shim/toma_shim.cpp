@@ -8,6 +8,8 @@
 #include <c10/util/Exception.h>
 
 #include <atomic>
+#include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <mutex>
 #include <string>
@@ -90,7 +92,10 @@ int usable(int64_t device, c10::DeviceAllocator** allocator) {
 class CountingCpuAllocator final : public c10::Allocator {
  public:
   // `inner` must have a raw deleter (libtorch's default CPU allocator has).
-  explicit CountingCpuAllocator(c10::Allocator* inner) : inner_(inner), inner_delete_(inner->raw_deleter()) {}
+  explicit CountingCpuAllocator(c10::Allocator* inner)
+      : inner_(inner),
+        inner_delete_(inner->raw_deleter()),
+        trace_(std::getenv("TOMA_TRACE_CPU_ALLOCATIONS") != nullptr) {}
 
   c10::DataPtr allocate(size_t n) override {
     // A failure stays the inner allocator's own (DefaultCPUAllocator: can't allocate memory).
@@ -107,6 +112,9 @@ class CountingCpuAllocator final : public c10::Allocator {
         TORCH_CHECK_WITH(OutOfMemoryError, false, "DefaultCPUAllocator: can't allocate memory: toma's CPU counter could not record an allocation of ", n, " bytes");
       }
       allocations_.fetch_add(1, std::memory_order_relaxed);
+      if (trace_) {
+        std::fprintf(stderr, "toma-alloc +%zu\n", n);
+      }
       const int64_t now = allocated_.fetch_add(static_cast<int64_t>(n), std::memory_order_relaxed) + static_cast<int64_t>(n);
       int64_t peak = peak_.load(std::memory_order_relaxed);
       while (now > peak && !peak_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
@@ -154,6 +162,9 @@ class CountingCpuAllocator final : public c10::Allocator {
   static constexpr size_t kShards = 16;
   c10::Allocator* inner_;
   c10::DeleterFnPtr inner_delete_;
+  // A developer's trace of every allocation and release on stderr (how the planner's oneDNN
+  // rules were read), asked once when the counter is installed.
+  const bool trace_;
   Shard shards_[kShards];
   std::atomic<int64_t> allocated_{0};
   std::atomic<int64_t> peak_{0};
@@ -176,6 +187,9 @@ void CountingCpuAllocator::release(void* data) {
     }
   }
   self->allocated_.fetch_sub(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+  if (self->trace_) {
+    std::fprintf(stderr, "toma-alloc -%zu\n", bytes);
+  }
   self->inner_delete_(data);
 }
 
