@@ -101,6 +101,10 @@ pub struct CpuAllocatorStats {
 /// tool for measuring, not for hot loops of tiny tensors. `false` without feature `tch` or
 /// when libtorch fails (logged).
 ///
+/// With `TOMA_TRACE_CPU_ALLOCATIONS` set when it is first called, every counted allocation and
+/// release is also printed to stderr (`toma-alloc +bytes` / `toma-alloc -bytes`): a developer's
+/// tool for reading what a kernel allocates.
+///
 /// ```
 /// # #[cfg(feature = "tch")] {
 /// if toma::memory::track_cpu_allocations() {
