@@ -120,7 +120,8 @@ fn forward_chunk(c: &Compiled, chunk: &Chunk<'_>, mut trace: Option<&mut Vec<Tra
                 let bytes = if view {
                     0
                 } else {
-                    plan::round_block(out.numel() as u64 * out.kind().elt_size_in_bytes() as u64)
+                    let block = plan::block_of(out.device());
+                    (out.numel() as u64 * out.kind().elt_size_in_bytes() as u64).div_ceil(block) * block
                 };
                 t.push(TracedOp { node: i, name: node.op.name().into(), shape: actual, bytes, held: Vec::new() });
             }

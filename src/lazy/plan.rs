@@ -59,21 +59,32 @@ pub enum Phase {
 /// The allocation granularity of the CUDA caching allocator.
 pub const BLOCK: u64 = 512;
 
-/// Rounds up to the allocator's block size; 0 stays 0.
+/// Rounds up to the CUDA caching allocator's block size; 0 stays 0.
 pub fn round_block(bytes: u64) -> u64 {
     bytes.div_ceil(BLOCK) * BLOCK
 }
 
+/// The block a device's allocator counts in: CUDA's caching allocator rounds every allocation
+/// up to [`BLOCK`]; libtorch's CPU allocator, as toma counts it, takes bytes as asked.
+pub(crate) fn block_of(device: Device) -> u64 {
+    if device.is_cuda() {
+        BLOCK
+    } else {
+        1
+    }
+}
+
 trait At {
-    fn at(self, b: u64) -> u64;
+    fn at(self, b: u64, block: u64) -> u64;
 }
 
 impl At for Bytes {
     /// Bytes at micro-batch `b`, rounded to the allocator's block.
     #[inline]
-    fn at(self, b: u64) -> u64 {
+    fn at(self, b: u64, block: u64) -> u64 {
         let bytes = self.per * b + self.fixed;
-        round_block(if b == 1 { bytes.max(self.one) } else { bytes })
+        let bytes = if b == 1 { bytes.max(self.one) } else { bytes };
+        bytes.div_ceil(block) * block
     }
 }
 
@@ -104,6 +115,8 @@ pub(crate) struct Compiled {
     in_place: OnceCell<bool>,
     /// Full batch size (1 when nothing is batched).
     pub(crate) batch: i64,
+    /// The block its device's allocator counts in (see [`block_of`]).
+    block: u64,
     pub(crate) fingerprint: u64,
     /// Sum-flow nodes that feed the output linearly (combined over micro-batches).
     pub(crate) global: Vec<bool>,
@@ -143,10 +156,7 @@ impl Compiled {
 
     /// The device the computation runs on: the first input's, or the output's.
     pub(crate) fn device(&self) -> Device {
-        self.nodes
-            .iter()
-            .find(|n| matches!(n.op, Op::Source(Source::Input { .. })))
-            .map_or(self.output().meta.device, |n| n.meta.device)
+        device_of(&self.nodes)
     }
 
     /// The first op that mixes samples, if any.
@@ -165,7 +175,7 @@ impl Compiled {
                     Op::Source(Source::Leaf { tensor, param: Some(p) }) => !p.is_leaf || !tensor.grad().defined(),
                     _ => false,
                 })
-                .map(|node| node.cost.grad.at(1))
+                .map(|node| node.cost.grad.at(1, self.block))
                 .sum()
         })
     }
@@ -190,6 +200,15 @@ impl Compiled {
     fn schedule(&self, mode: Mode) -> &Schedule {
         self.schedules[mode as usize].get_or_init(|| Schedule::build(self, mode))
     }
+}
+
+/// The device a graph runs on: its first input's, or its output's.
+fn device_of(nodes: &[Rc<Node>]) -> Device {
+    let output = nodes.last().expect("a graph has its output");
+    nodes
+        .iter()
+        .find(|n| matches!(n.op, Op::Source(Source::Input { .. })))
+        .map_or(output.meta.device, |n| n.meta.device)
 }
 
 /// Where the planner found each node of one traversal (1-based; 0: not yet), by id. Ids are
@@ -332,7 +351,8 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
     }
     let reached_params: Vec<u32> =
         (0..n).filter(|&i| reach[i] && param[i] == Some(i as u32)).map(|i| i as u32).collect();
-    let param_grad_bytes = reached_params.iter().map(|&i| found[i as usize].cost.grad.at(1)).sum();
+    let block = block_of(device_of(&found));
+    let param_grad_bytes = reached_params.iter().map(|&i| found[i as usize].cost.grad.at(1, block)).sum();
     Ok(Compiled {
         nodes: found,
         offsets,
@@ -346,6 +366,7 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
         undefined_grad_bytes: OnceCell::new(),
         in_place: OnceCell::new(),
         batch: batch.unwrap_or(1),
+        block,
         fingerprint,
         global,
         schedules: [OnceCell::new(), OnceCell::new()],
@@ -398,6 +419,8 @@ struct Schedule {
     /// Node and phase of each step.
     steps: Vec<(u32, Phase)>,
     training: bool,
+    /// The block its device's allocator counts in.
+    block: u64,
 }
 
 impl Schedule {
@@ -480,7 +503,7 @@ impl Schedule {
             steps.push((i as u32, Phase::Forward));
         }
         if !training {
-            return Schedule { table, staged, events, steps, training };
+            return Schedule { table, staged, events, steps, training, block: c.block };
         }
         // ---- backward: gradients flow from the output in reverse order.
         let mut grad_of: Vec<Option<u32>> = vec![None; n];
@@ -552,7 +575,7 @@ impl Schedule {
             events.push(END);
             steps.push((i as u32, Phase::Backward));
         }
-        Schedule { table, staged, events, steps, training }
+        Schedule { table, staged, events, steps, training, block: c.block }
     }
 
     /// The peak at micro-batch `b` (the accumulation step aside); records the steps when asked.
@@ -566,17 +589,17 @@ impl Schedule {
             let bytes = table.get((event & !KIND) as usize).copied().unwrap_or_default();
             match event & KIND {
                 ADD => {
-                    let at = bytes.at(b);
+                    let at = bytes.at(b, self.block);
                     live += at;
                     per += bytes.per;
                     allocated += at;
                 }
                 FREE => {
-                    live -= bytes.at(b);
+                    live -= bytes.at(b, self.block);
                     per -= bytes.per;
                 }
                 TRANSIENT => {
-                    transient += bytes.at(b);
+                    transient += bytes.at(b, self.block);
                     transient_per += bytes.per;
                 }
                 STAGE => {
@@ -1134,7 +1157,7 @@ pub(crate) fn detail(mut c: Compiled, mode: Mode, choice: &Choice, budget: u64) 
             name,
             shape_start: start as u32,
             shape_len: node.meta.shape.len() as u32,
-            bytes: node.cost.out.at(b),
+            bytes: node.cost.out.at(b, c.block),
             base: root,
             batch_dim: batch.map(|bd| bd.dim as u32),
             kind: node.meta.kind,
