@@ -273,35 +273,31 @@ fn planner_peak_matches_the_cpu_allocator() {
             planned_and_measured(&logits.cross_entropy_for_logits(&ly), n as usize)
         });
     }
-    // A batch of one of a small input runs natively (im2col), not through oneDNN; of a larger
-    // one (over 20480 elements), through oneDNN.
-    for (model, channels, side) in [("conv b1 big", 32, 64), ("conv b1", 16, 32)] {
-        measure(model, 1, &|n| {
+    // One 3×3 convolution: (row, batch, output and input channels, side, micro-batch run).
+    let single = [
+        // A batch of one of a small input runs natively (im2col), not through oneDNN; of a
+        // larger one (over 20480 elements), through oneDNN.
+        ("conv b1 big", 1, 32, 32, 64, None),
+        ("conv b1", 1, 16, 16, 32, None),
+        // A map smaller than the kernel, with 4..15 input channels: oneDNN computes the weight
+        // gradient with its gemm, on plain layouts (several copies of the weight gradient).
+        ("conv 2x2 map", 64, 64, 8, 2, None),
+        // A micro-batch of one of a larger batch of a small input runs natively too (oneDNN
+        // runs the whole batch): planned at micro-batches of one, run at them.
+        ("conv 1 of 8", 8, 16, 16, 32, Some(1)),
+    ];
+    for (model, batch, cout, cin, side, micro) in single {
+        measure(model, batch, &|n| {
             let vs = nn::VarStore::new(CPU);
-            let w = vs.root().randn("w", &[channels, channels, 3, 3], 0.0, 0.1);
-            let x = Tensor::randn([n, channels, side, side], (Kind::Float, CPU));
+            let w = vs.root().randn("w", &[cout, cin, 3, 3], 0.0, 0.1);
+            let x = Tensor::randn([n, cin, side, side], (Kind::Float, CPU));
             let loss = toma::lazy::lazy(&x, 0).conv2d(&w, None::<&Tensor>, [1], [1], [1], 1).mean(None);
-            planned_and_measured(&loss, n as usize)
+            match micro {
+                Some(micro) => planned_and_measured_at(&loss, micro),
+                None => planned_and_measured(&loss, n as usize),
+            }
         });
     }
-    // A map smaller than the kernel, with 4..15 input channels: oneDNN computes the weight
-    // gradient with its gemm, on plain layouts (several copies of the weight gradient).
-    measure("conv 2x2 map", 64, &|n| {
-        let vs = nn::VarStore::new(CPU);
-        let w = vs.root().randn("w", &[64, 8, 3, 3], 0.0, 0.1);
-        let x = Tensor::randn([n, 8, 2, 2], (Kind::Float, CPU));
-        let loss = toma::lazy::lazy(&x, 0).conv2d(&w, None::<&Tensor>, [1], [1], [1], 1).mean(None);
-        planned_and_measured(&loss, n as usize)
-    });
-    // A micro-batch of one of a larger batch of that small input runs natively too (oneDNN
-    // runs the whole batch): planned at micro-batches of one, run at them.
-    measure("conv 1 of 8", 8, &|n| {
-        let vs = nn::VarStore::new(CPU);
-        let w = vs.root().randn("w", &[16, 16, 3, 3], 0.0, 0.1);
-        let x = Tensor::randn([n, 16, 32, 32], (Kind::Float, CPU));
-        let loss = toma::lazy::lazy(&x, 0).conv2d(&w, None::<&Tensor>, [1], [1], [1], 1).mean(None);
-        planned_and_measured_at(&loss, 1)
-    });
     // All rows are printed before any bound is checked.
     for (model, batch, planned, measured) in rows {
         let (p, m) = (planned as f64, measured as f64);
