@@ -273,25 +273,32 @@ fn planner_peak_matches_the_cpu_allocator() {
             planned_and_measured(&logits.cross_entropy_for_logits(&ly), n as usize)
         });
     }
-    // One 3×3 convolution: (row, batch, output and input channels, side, micro-batch run).
+    // One convolution: (row, batch, output and input channels, side, kernel, stride, padding,
+    // groups, micro-batch run).
     let single = [
         // A batch of one of a small input runs natively (im2col), not through oneDNN; of a
         // larger one (over 20480 elements), through oneDNN.
-        ("conv b1 big", 1, 32, 32, 64, None),
-        ("conv b1", 1, 16, 16, 32, None),
+        ("conv b1 big", 1, 32, 32, 64, 3, 1, 1, 1, None),
+        ("conv b1", 1, 16, 16, 32, 3, 1, 1, 1, None),
         // A map smaller than the kernel, with 4..15 input channels: oneDNN computes the weight
         // gradient with its gemm, on plain layouts (several copies of the weight gradient).
-        ("conv 2x2 map", 64, 64, 8, 2, None),
+        ("conv 2x2 map", 64, 64, 8, 2, 3, 1, 1, 1, None),
         // A micro-batch of one of a larger batch of a small input runs natively too (oneDNN
         // runs the whole batch): planned at micro-batches of one, run at them.
-        ("conv 1 of 8", 8, 16, 16, 32, Some(1)),
+        ("conv 1 of 8", 8, 16, 16, 32, 3, 1, 1, 1, Some(1)),
+        // A patch embedding (16×16, stride 16): the weight gradient through oneDNN's gemm.
+        ("patch embed", 8, 192, 3, 64, 16, 16, 0, 1, None),
+        // A depthwise 7×7 (ConvNeXt) and a grouped 3×3 of 4 channels a group (ResNeXt).
+        ("depthwise 7x7", 8, 96, 96, 16, 7, 1, 3, 96, None),
+        ("groups of 4", 8, 128, 128, 16, 3, 1, 1, 32, None),
     ];
-    for (model, batch, cout, cin, side, micro) in single {
+    for (model, batch, cout, cin, side, k, stride, pad, groups, micro) in single {
         measure(model, batch, &|n| {
             let vs = nn::VarStore::new(CPU);
-            let w = vs.root().randn("w", &[cout, cin, 3, 3], 0.0, 0.1);
+            let w = vs.root().randn("w", &[cout, cin / groups, k, k], 0.0, 0.1);
             let x = Tensor::randn([n, cin, side, side], (Kind::Float, CPU));
-            let loss = toma::lazy::lazy(&x, 0).conv2d(&w, None::<&Tensor>, [1], [1], [1], 1).mean(None);
+            let lx = toma::lazy::lazy(&x, 0);
+            let loss = lx.conv2d(&w, None::<&Tensor>, [stride], [pad], [1], groups).mean(None);
             match micro {
                 Some(micro) => planned_and_measured_at(&loss, micro),
                 None => planned_and_measured(&loss, n as usize),
@@ -627,7 +634,7 @@ fn generated_transformers_peak_as_planned() {
 /// A tool, not a check: one convolution at a time, its forward and backward temporaries as the
 /// allocator sees them against what the planner charges (`LazyTensor::op_costs`). How the
 /// oneDNN rules in `src/lazy/ops/window.rs` were read: `TOMA_CONVS="cin,cout,size,k,stride,
-/// batch,input_grad;..." cargo test --all-features --test lazy_peak one_convolution_at_a_time
+/// batch,input_grad[,dilation,groups,padding];..." cargo test --all-features --test lazy_peak one_convolution_at_a_time
 /// -- --ignored --nocapture`, with `ONEDNN_VERBOSE=1` (oneDNN's primitives and layouts) and
 /// `TOMA_TRACE_CPU_ALLOCATIONS=1` (every allocation, between `toma-mark` lines) on stderr.
 #[test]
@@ -639,13 +646,17 @@ fn one_convolution_at_a_time() {
     for item in spec.split(';') {
         let v: Vec<i64> = item.split(',').map(|x| x.trim().parse().expect("integers")).collect();
         let (cin, cout, size, k, s, n, input_grad) = (v[0], v[1], v[2], v[3], v[4], v[5], v[6] == 1);
+        // Optional: dilation, groups and padding (by default, what keeps the map's size at
+        // stride 1).
+        let (d, groups) = (v.get(7).copied().unwrap_or(1), v.get(8).copied().unwrap_or(1));
+        let p = v.get(9).copied().unwrap_or(d * (k / 2));
         let bytes = |t: &Tensor| t.numel() as i64 * 4;
         // The second round is reported: the first creates oneDNN's primitives.
         for round in 0..2 {
             let x = Tensor::randn([n, cin, size, size], (Kind::Float, CPU)).set_requires_grad(input_grad);
-            let w = Tensor::randn([cout, cin, k, k], (Kind::Float, CPU)).set_requires_grad(true);
+            let w = Tensor::randn([cout, cin / groups, k, k], (Kind::Float, CPU)).set_requires_grad(true);
             let b = Tensor::randn([cout], (Kind::Float, CPU)).set_requires_grad(true);
-            let costs = toma::lazy::lazy(&x, 0).conv2d(&w, Some(&b), [s, s], [k / 2, k / 2], [1, 1], 1).op_costs();
+            let costs = toma::lazy::lazy(&x, 0).conv2d(&w, Some(&b), [s, s], [p, p], [d, d], groups).op_costs();
             let before = memory::cpu_allocator_stats().unwrap().allocated as i64;
             memory::reset_cpu_peak();
             let mark = |what: &str| {
@@ -654,7 +665,7 @@ fn one_convolution_at_a_time() {
                 }
             };
             mark("forward");
-            let y = x.conv2d(&w, Some(&b), [s, s], [k / 2, k / 2], [1, 1], 1);
+            let y = x.conv2d(&w, Some(&b), [s, s], [p, p], [d, d], groups);
             mark("forward end");
             let forward = memory::cpu_allocator_stats().unwrap().peak_allocated as i64 - before - bytes(&y);
             // A gradient arrives as a fresh tensor, as in a network; `g` outlives the backward,
@@ -670,7 +681,7 @@ fn one_convolution_at_a_time() {
             let backward = memory::cpu_allocator_stats().unwrap().peak_allocated as i64 - before - grads;
             if round == 1 {
                 println!(
-                    "cin {cin:>3} cout {cout:>3} {size:>2}x{size:<2} k{k} s{s} n{n:>2} input grad {input_grad:<5} | forward: measured {forward:>9} planned {:>9} | backward: measured {backward:>9} planned {:>9}",
+                    "cin {cin:>3} cout {cout:>3} {size:>2}x{size:<2} k{k} s{s} n{n:>2} input grad {input_grad:<5} | forward: measured {forward:>9} planned {:>9} | backward: measured {backward:>9} planned {:>9} d{d} g{groups}",
                     costs.scratch, costs.backward_scratch
                 );
             }

@@ -369,16 +369,20 @@ fn phased_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, stride: &[
     let half = b == 16 && !one_by_one && (4..b).contains(&cin);
     let kb = if half { b / 2 } else { b };
     let plain_input = !one_by_one && cin < 4;
-    // The half-block kernel does not take an input side smaller than the kernel's: oneDNN's gemm
-    // computes that weight gradient on plain layouts, with its columns per thread and, measured
-    // on 2 threads, eight copies of the weight gradient and 256 bytes.
+    // No weight-gradient kernel takes a kernel side of 15 or more (a patch embedding's 16×16),
+    // and the half-block one no input side smaller than the kernel's: oneDNN's gemm computes
+    // those on plain layouts, with its columns per thread (at most: on large maps it takes them
+    // in pieces) and, measured on 2 threads, eight copies of the weight gradient and 256 bytes.
     let kernel = &weight[2..];
-    let gemm = half && input[2..].iter().zip(kernel).any(|(&side, &k)| side < k);
+    let gemm = kernel.iter().any(|&k| k >= 15) || (half && input[2..].iter().zip(kernel).any(|(&side, &k)| side < k));
     let columns = cin * shape::numel(kernel).max(0) as u64 * l.positions;
     let backward = chord(n, |k| {
         let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
+        // The input gradient's primitive, then its blocked result copied out plain (the output
+        // gradient's and the weight's reorders freed first).
         let data = if input_grad {
-            (pad(y, cout, b) + pad(pad(w, cin, b), cout, b) + pad(x, cin, b)).saturating_sub(x + w)
+            let dx = pad(x, cin, b);
+            (pad(y, cout, b) + pad(pad(w, cin, b), cout, b) + dx).saturating_sub(x + w).max(dx.saturating_sub(w))
         } else {
             0
         };
@@ -404,148 +408,68 @@ fn phased_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, stride: &[
     Scratch { forward, backward, ..Scratch::default() }
 }
 
-/// A grouped oneDNN convolution's scratch on the CPU, measured with the CPU allocator (libtorch
-/// 2.11, x86-64, one convolution at a time; `tests/lazy_peak.rs` checks it on MobileNet-V2 and
-/// EfficientNet-B0). oneDNN works in channel-blocked layouts, and its reorders come one after
-/// another, so the peak is the larger of them:
-/// - an input with a full block of channels (or more) is reordered into one, and so is the
-///   weight, or else the output is made in blocks (padded up to whole blocks) and reordered;
-/// - fewer input channels (a first layer) keep the input plain, except a 1×1 convolution, which
-///   pads the input up to a full block;
-/// - the backward reorders the output gradient (padded to whole blocks) and the input (from half
-///   a block of channels), and makes an input gradient of fewer than half a block of channels
-///   in a full block; the weight gradient's reorder comes at another time (the peak when the
-///   weight outweighs the activations). Its primitives take a scratchpad of their own (0–46
-///   KiB measured, by channel counts);
-/// - a strided convolution makes its input gradient in a blocked layout as large as the input,
-///   with fixed buffers of 61–100 KiB;
-/// - a strided 1×1 convolution copies its input at unit stride, one sample per thread;
-/// - a grouped (depthwise) convolution is blocked over all its input channels.
-///
-/// Where two costs are never live together, the larger is taken (see `chord`). Each rule below
-/// says what it was fitted on; `tests/lazy_peak.rs` holds the result on whole models.
+/// A grouped oneDNN convolution's scratch on the CPU, phase by phase as oneDNN's verbose log and
+/// an allocation trace show it (libtorch 2.11, AVX-512). Layouts pad channels to blocks of the
+/// group's width (16, 8 or 4 channels), a depthwise convolution's to blocks of 16 over all of
+/// them. Forward: the reordered input and weight with the blocked output, then the blocked
+/// output with its plain copy (a strided 1×1 convolution first copies its input at unit
+/// stride, a sample per thread). Backward: the input gradient's primitive, then its blocked
+/// result copied out plain; then the weight gradient's: a depthwise 3×3, and groups of a
+/// multiple of 8 channels, reorder the output gradient and the input the same way (no
+/// scratchpad: the threads split the groups); other kernels and group widths go to oneDNN's
+/// gemm on plain layouts (its columns per thread and, measured on 2 threads, eight copies of
+/// the weight gradient and 256 bytes). Measured on 23 shapes (depthwise 3×3 to 9×9, strides
+/// 1/2, groups of 4 to 32 channels): within 3%.
 fn grouped_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, stride: &[i64], groups: i64) -> Scratch {
     let strided = stride.iter().any(|&s| s != 1);
     let block = channel_block();
     let weight = &inputs[1].meta.shape;
-    // The input's channels: a grouped (depthwise) convolution is blocked over all of them.
+    let kernel = &weight[2..];
     let cin = (weight[1] * groups.max(1)).max(1);
-    let pointwise = weight[2..].iter().all(|&k| k == 1);
     let o = meta.shape[1].max(1);
-    let blocks = (o + block - 1) / block * block;
-    let padded = |(a, c): (u64, u64)| (a * blocks as u64 / o as u64, c * blocks as u64 / o as u64);
-    let add = |a: (u64, u64), b: (u64, u64)| (a.0 + b.0, a.1 + b.1);
-    // The larger of two costs, as the chord of its (convex) graph between one sample and the
-    // full batch: exact at both ends, above it in between, where micro-batches fall.
-    let n = batch_of(meta);
-    let max = |a: (u64, u64), b: (u64, u64)| chord(n, |k| (a.0 * k + a.1).max(b.0 * k + b.1));
-    let x = inputs[0].meta.numel_parts();
-    // The input padded to a full block of channels.
-    let full = |(a, c): (u64, u64)| (a * block as u64 / cin as u64, c * block as u64 / cin as u64);
-    let w = inputs[1].meta.numel_parts();
-    let plain_y = meta.numel_parts();
-    let y = padded(plain_y);
+    let (xp, yp) = (inputs[0].meta.numel_parts(), meta.numel_parts());
+    let w = shape::numel(weight).max(0) as u64;
     let elem = meta.kind.elt_size_in_bytes().max(1) as u64;
-    let (mut forward, mut backward) = if cin >= block {
-        let reordered = add(x, w);
-        if o % block == 0 {
-            (max(reordered, plain_y), add(y, x))
-        } else {
-            // Output channels padded up to a block: the weight is reordered padded, and its
-            // gradient is made padded too.
-            (add(add(x, padded(w)), y), add(add(y, x), padded(w)))
-        }
-    } else if groups > 1 {
-        // Grouped over fewer channels than a block: the input padded to a full one.
-        (add(full(x), plain_y), add(full(x), y))
-    } else if pointwise {
-        let padding = (y.0 - plain_y.0, y.1 - plain_y.1);
-        (max(add(full(x), padding), plain_y), add(full(x), y))
+    let n = batch_of(meta);
+    let (b, cin_u, o_u) = (block as u64, cin as u64, o as u64);
+    let copies = if kernel.iter().all(|&k| k == 1) && strided {
+        threads().max(1) as u64 * cin_u.div_ceil(b) * b * shape::numel(&meta.shape[2..]).max(0) as u64
     } else {
-        // Computing the weight's gradient alone, from a quarter block of input channels on, the
-        // backward reorders the input into a layout blocked by half a block, its channels
-        // padded up to it (measured: 4..7 input channels cost what 8 do, 12 what 16 do, with a
-        // 16-channel block). With the input's gradient too, the reorders below cover it.
-        let half = (block / 2).max(1);
-        let blocked = |(a, c): (u64, u64)| {
-            let padded = ((cin + half - 1) / half * half) as u64;
-            (a * padded / cin as u64, c * padded / cin as u64)
-        };
-        // Without an input gradient, the input's reorder and the output gradient's padding are
-        // not live together; with one they are.
-        let backward = if !input_grad && 4 * cin >= block {
-            max(y, add(plain_y, blocked(x)))
-        } else if 2 * cin >= block {
-            if input_grad {
-                add(y, x)
-            } else {
-                max(y, add(plain_y, x))
-            }
-        } else {
-            y
-        };
-        // Forward, the weight is reordered first: the larger of the two, or both when the
-        // output channels are padded to a block.
-        let forward = if o % block == 0 { max(y, w) } else { add(y, padded(w)) };
-        (forward, backward)
+        0
     };
-    // A strided 1×1 convolution first copies its input at unit stride, one sample per thread
-    // (its channels padded to whole blocks), forward and backward.
-    if pointwise && strided {
-        let out_positions = shape::numel(&meta.shape[2..]).max(0) as u64;
-        let channels = ((cin + block - 1) / block * block) as u64;
-        let copies = threads().max(1) as u64 * channels * out_positions;
-        forward.1 += copies;
-        backward.1 += copies;
-    }
-    // The weight gradient's reorder comes at another time: it is the peak when the weight
-    // outweighs the activations (small maps, wide layers).
-    backward = max(backward, w);
-    if input_grad && strided {
-        // A strided convolution's input gradient is made in a blocked layout as large as the
-        // input (measured: 0.45–0.91 of it from a block of channels on). With fewer channels:
-        // up to the input padded to a block, the output, the weight padded to a block of input
-        // channels, and a copy of the weight per sample.
-        backward = if cin >= block {
-            add(backward, x)
-        } else {
-            let per_sample_weight = (w.0 + w.1, 0);
-            add(add(add(backward, full(x)), plain_y), add(full(w), per_sample_weight))
-        };
-    } else if input_grad && 2 * cin < block {
-        // The input gradient of a few channels is made in a full block, about 13/16 of which is
-        // live at the peak (measured: 0.46–0.78 of it, 1 to 6 channels).
-        let (a, c) = full(x);
-        backward = add(backward, ((a * 13).div_ceil(16), (c * 13).div_ceil(16)));
-    }
-    // The backward primitives' own scratchpad (measured one convolution at a time): for a few
-    // output channels, about 24 KiB and the weight padded to a block, or 13 KiB from two
-    // blocks of input channels on; for more output channels, none on small maps and up to
-    // 45 KiB on large ones (bounded here by a tenth of input and output).
-    let scratchpad = if o <= block {
-        if cin < 2 * block {
-            let w = padded(w);
-            (w.0, w.1 + (24 << 10) / elem)
-        } else {
-            (0, (13 << 10) / elem)
-        }
+    // The channels each layout pads to: a depthwise convolution's to whole blocks over all of
+    // them, a grouped one's to blocks of its group's width (16, 8 or 4 channels).
+    let per_group = weight[1].max(1) as u64;
+    let depthwise = per_group == 1 && o == cin;
+    let group_block = [16, 8, 4].into_iter().find(|&g| per_group % g == 0).unwrap_or(1);
+    let (x_ch, y_ch) = if depthwise {
+        (cin_u.div_ceil(b) * b, o_u.div_ceil(b) * b)
     } else {
-        let whole = (x.0 + plain_y.0) * n + x.1 + plain_y.1;
-        (0, (whole / 10).min((48 << 10) / elem))
+        let g = groups.max(1) as u64;
+        (g * per_group.div_ceil(group_block) * group_block, g * (o_u / g).div_ceil(group_block) * group_block)
     };
-    let mut backward = add(backward, scratchpad);
-    if input_grad && strided {
-        // With an input gradient, a strided convolution's buffers take 61–69 KiB on small maps
-        // (98–100 KiB when the stride does not divide the input's sides). With input channels
-        // that do not fill whole blocks, the weight padded to them (and to whole blocks of
-        // output channels) comes on top; with whole blocks, it is the floor when it is larger.
-        let uneven = inputs[0].meta.shape[2..].iter().zip(stride).any(|(&side, &s)| s > 1 && side % s != 0);
-        let base = (0, (if uneven { 104u64 << 10 } else { 70 << 10 }) / elem);
-        let blocks = ((cin + block - 1) / block * block) as u64;
-        let w_in = (w.0 * blocks / cin as u64, w.1 * blocks / cin as u64);
-        let floor = if cin % block != 0 { add(base, padded(w_in)) } else { max(base, w_in) };
-        backward = max(backward, floor);
-    }
+    let positions_per_kernel = shape::numel(kernel).max(0) as u64;
+    let w_r = positions_per_kernel * if depthwise { y_ch } else { y_ch * x_ch / groups.max(1) as u64 };
+    // Forward: the reordered input and weight with the blocked output, then the blocked output
+    // with its plain copy.
+    let forward = chord(n, |k| {
+        let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
+        let (x_r, y_r) = (x / cin_u * x_ch, y / o_u * y_ch);
+        (x_r + w_r + y_r + copies).saturating_sub(y).max(y_r)
+    });
+    let gemm = if depthwise { kernel.iter().any(|&k| k != 3) } else { per_group % 8 != 0 };
+    let columns = per_group * positions_per_kernel * shape::numel(&meta.shape[2..]).max(0) as u64;
+    let threads = threads().max(1) as u64;
+    let backward = chord(n, |k| {
+        let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
+        let (x_r, y_r) = (x / cin_u * x_ch, y / o_u * y_ch);
+        // The input gradient's primitive, then its blocked result copied out plain (the output
+        // gradient's and the weight's reorders freed first).
+        let data = if input_grad { (y_r + w_r + x_r).saturating_sub(x + w).max(x_r.saturating_sub(w)) } else { 0 };
+        let weights =
+            if gemm { 8 * w + threads * columns + 256 / elem } else { (y_r + x_r + w_r).saturating_sub(w).max(w_r) };
+        data.max(weights)
+    });
     Scratch { forward, backward, ..Scratch::default() }
 }
 
