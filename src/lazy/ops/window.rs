@@ -280,7 +280,7 @@ fn onednn_scratch(
     if input_grad && stride.iter().any(|&s| s != 1) {
         return strided_input_grad(inputs, meta, stride, padding);
     }
-    phased_scratch(inputs, meta, input_grad, stride)
+    phased_scratch(inputs, meta, input_grad, stride, padding)
 }
 
 /// The layouts of an ungrouped convolution's primitives, as oneDNN picks them on this CPU
@@ -332,7 +332,7 @@ impl Layouts {
 /// 700 shapes over channels 1..64, kernels 1/3/5, strides 1/2, maps 2..32, batches 2..32):
 /// backward within 10% but 2 (both of tiny ones: under 40 KiB), forward within 5% but 22 (all
 /// under 5 KiB).
-fn phased_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, stride: &[i64]) -> Scratch {
+fn phased_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, stride: &[i64], padding: &[i64]) -> Scratch {
     let weight = &inputs[1].meta.shape;
     let input = &inputs[0].meta.shape;
     let elem = meta.kind.elt_size_in_bytes().max(1) as u64;
@@ -356,12 +356,21 @@ fn phased_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, stride: &[
     let kib = |k: u64| (k << 10) / elem;
 
     let one_by_one = pointwise && !l.uneven;
+    // A large padded kernel may be left to oneDNN's gemm (when the padding outgrows the jit
+    // kernel's unrolled output width, a rule not read here): then its columns, at most 64
+    // output positions per thread, are planned too.
+    let large_padded = weight[2..].iter().any(|&k| k >= 11) && padding.iter().any(|&p| p > 0);
+    let gemm_forward = if large_padded {
+        threads * cin * shape::numel(&weight[2..]).max(0) as u64 * l.positions.min(64) + 128 / elem
+    } else {
+        0
+    };
     let forward = chord(n, |k| {
         let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
         let x_r = if one_by_one || cin >= b { pad(x, cin, b) } else { 0 };
         let w_r = if one_by_one || cin >= b { pad(pad(w, cin, b), cout, b) } else { pad(w, cout, b) };
         let y_blk = pad(y, cout, b);
-        (x_r + w_r + y_blk + l.unit_stride_copy()).saturating_sub(y).max(y_blk)
+        (x_r + w_r + y_blk + l.unit_stride_copy()).saturating_sub(y).max(y_blk).max(gemm_forward)
     });
 
     // The weight gradient's kernel: its channel blocks (input, output), and whether it reads
