@@ -634,7 +634,7 @@ fn generated_transformers_peak_as_planned() {
 /// A tool, not a check: one convolution at a time, its forward and backward temporaries as the
 /// allocator sees them against what the planner charges (`LazyTensor::op_costs`). How the
 /// oneDNN rules in `src/lazy/ops/window.rs` were read: `TOMA_CONVS="cin,cout,size,k,stride,
-/// batch,input_grad[,dilation,groups,padding];..." cargo test --all-features --test lazy_peak one_convolution_at_a_time
+/// batch,input_grad[,dilation,groups,padding,transposed];..." cargo test --all-features --test lazy_peak one_convolution_at_a_time
 /// -- --ignored --nocapture`, with `ONEDNN_VERBOSE=1` (oneDNN's primitives and layouts) and
 /// `TOMA_TRACE_CPU_ALLOCATIONS=1` (every allocation, between `toma-mark` lines) on stderr.
 #[test]
@@ -650,13 +650,21 @@ fn one_convolution_at_a_time() {
         // stride 1).
         let (d, groups) = (v.get(7).copied().unwrap_or(1), v.get(8).copied().unwrap_or(1));
         let p = v.get(9).copied().unwrap_or(d * (k / 2));
+        // Optional: 1 for a transposed convolution (its weight is `[cin, cout / groups, k, k]`).
+        let transposed = v.get(10) == Some(&1);
         let bytes = |t: &Tensor| t.numel() as i64 * 4;
         // The second round is reported: the first creates oneDNN's primitives.
         for round in 0..2 {
             let x = Tensor::randn([n, cin, size, size], (Kind::Float, CPU)).set_requires_grad(input_grad);
-            let w = Tensor::randn([cout, cin / groups, k, k], (Kind::Float, CPU)).set_requires_grad(true);
+            let shape = if transposed { [cin, cout / groups, k, k] } else { [cout, cin / groups, k, k] };
+            let w = Tensor::randn(shape, (Kind::Float, CPU)).set_requires_grad(true);
             let b = Tensor::randn([cout], (Kind::Float, CPU)).set_requires_grad(true);
-            let costs = toma::lazy::lazy(&x, 0).conv2d(&w, Some(&b), [s, s], [p, p], [d, d], groups).op_costs();
+            let lx = toma::lazy::lazy(&x, 0);
+            let costs = if transposed {
+                lx.conv_transpose2d(&w, Some(&b), [s, s], [p, p], [0, 0], groups, [d, d]).op_costs()
+            } else {
+                lx.conv2d(&w, Some(&b), [s, s], [p, p], [d, d], groups).op_costs()
+            };
             let before = memory::cpu_allocator_stats().unwrap().allocated as i64;
             memory::reset_cpu_peak();
             let mark = |what: &str| {
@@ -665,7 +673,11 @@ fn one_convolution_at_a_time() {
                 }
             };
             mark("forward");
-            let y = x.conv2d(&w, Some(&b), [s, s], [p, p], [d, d], groups);
+            let y = if transposed {
+                x.conv_transpose2d(&w, Some(&b), [s, s], [p, p], [0, 0], groups, [d, d])
+            } else {
+                x.conv2d(&w, Some(&b), [s, s], [p, p], [d, d], groups)
+            };
             mark("forward end");
             let forward = memory::cpu_allocator_stats().unwrap().peak_allocated as i64 - before - bytes(&y);
             // A gradient arrives as a fresh tensor, as in a network; `g` outlives the backward,

@@ -161,8 +161,8 @@ impl Rules for Window {
     }
 
     fn scratch(&self, inputs: &[Rc<Node>], meta: &Meta) -> Scratch {
-        if matches!(self, Window::ConvTranspose2d { .. }) {
-            return transposed_scratch(inputs, meta);
+        if let Window::ConvTranspose2d { stride, padding, groups, .. } = self {
+            return transposed_scratch(inputs, meta, stride, padding, *groups);
         }
         let Some(settings) = self.convolution() else {
             return Scratch::default();
@@ -540,19 +540,77 @@ fn strided_input_grad(inputs: &[Rc<Node>], meta: &Meta, stride: &[i64], padding:
 }
 
 /// A transposed convolution's scratch: libtorch runs it as the backward of a convolution
-/// (oneDNN's deconvolution for batched `Float` on the CPU, cuDNN's on CUDA), reordering input,
-/// weight and output into blocked layouts as a convolution does, forward and backward.
-fn transposed_scratch(inputs: &[Rc<Node>], meta: &Meta) -> Scratch {
-    let add = |a: (u64, u64), b: (u64, u64)| (a.0 + b.0, a.1 + b.1);
-    let moved = add(add(inputs[0].meta.numel_parts(), inputs[1].meta.numel_parts()), meta.numel_parts());
+/// (oneDNN's deconvolution for batched `Float` on the CPU, cuDNN's on CUDA). On the CPU, an
+/// ungrouped one phase by phase, as oneDNN's verbose log and an allocation trace show it:
+/// forward, a strided one through `brgconv_strided` (channels-last input, the weight padded, a
+/// scratchpad sized as a strided convolution's input gradient, then its result made plain and
+/// contiguous: three copies of the output live at once), an unstrided one blocked (input,
+/// weight and output padded to channel blocks, and with a bias an output-sized buffer); backward, the
+/// weight gradient from the blocked output gradient and input (with a scratchpad of up to
+/// 48 KiB), the input gradient blocked and copied out plain, the weight gradient made plain.
+fn transposed_scratch(inputs: &[Rc<Node>], meta: &Meta, stride: &[i64], padding: &[i64], groups: i64) -> Scratch {
     let elem = meta.kind.elt_size_in_bytes().max(1) as u64;
-    let mut scratch = Scratch { forward: moved, backward: add(moved, (0, (32 << 10) / elem)), ..Scratch::default() };
-    if meta.device.is_cuda() {
-        let (forward, backward) = scratch::CONV_WORKSPACE_FIXED;
-        scratch.forward.1 += forward / elem;
-        scratch.backward.1 += backward / elem;
+    let batched = meta.shape.len() == 4 && meta.batch().is_some();
+    if meta.device.is_cuda() || meta.kind != Kind::Float || !batched || groups != 1 {
+        let add = |a: (u64, u64), b: (u64, u64)| (a.0 + b.0, a.1 + b.1);
+        let moved = add(add(inputs[0].meta.numel_parts(), inputs[1].meta.numel_parts()), meta.numel_parts());
+        let mut scratch =
+            Scratch { forward: moved, backward: add(moved, (0, (32 << 10) / elem)), ..Scratch::default() };
+        if meta.device.is_cuda() {
+            let (forward, backward) = scratch::CONV_WORKSPACE_FIXED;
+            scratch.forward.1 += forward / elem;
+            scratch.backward.1 += backward / elem;
+        }
+        return scratch;
     }
-    scratch
+    let b = channel_block() as u64;
+    let pad = Layouts::pad;
+    let weight = &inputs[1].meta.shape;
+    let (cin, cout) = (weight[0].max(1) as u64, meta.shape[1].max(1) as u64);
+    let w = shape::numel(weight).max(0) as u64;
+    let w_blk = pad(pad(w, cin, b), cout, b);
+    let (xp, yp) = (inputs[0].meta.numel_parts(), meta.numel_parts());
+    let n = batch_of(meta);
+    let strided = stride.iter().any(|&s| s != 1);
+    // The strided kernel's scratchpad, in bytes: as a strided convolution's input gradient, on
+    // the input's channels over the padded output's grid.
+    let out = &meta.shape[2..];
+    let grid: u64 = out
+        .iter()
+        .zip(stride.iter().zip(padding))
+        .map(|(&side, (&s, &p))| ((side + 2 * p).max(1) as u64).div_ceil(s.max(1) as u64))
+        .product();
+    let threads = threads().max(1) as u64;
+    let per_thread = (cin * grid * elem).div_ceil(16 << 10) * (16 << 10);
+    let uneven = out.iter().zip(stride).any(|(&side, &s)| s > 1 && side % s != 0);
+    let scratchpad =
+        ((12 << 10) + threads * (8216 + per_thread) + if uneven { (4 << 10) + threads * (16 << 10) } else { 0 }) / elem;
+    let forward = chord(n, |k| {
+        let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
+        if strided {
+            (scratchpad + x + pad(w, cout, 2 * b)).max(2 * y)
+        } else {
+            // With a bias, an output-sized buffer more (the unstrided kernel adds it apart).
+            let bias = if inputs.len() > 2 { pad(y, cout, b) + 128 / elem } else { 0 };
+            (pad(x, cin, b) + w_blk + pad(y, cout, b) + bias).saturating_sub(y)
+        }
+    });
+    let input_grad = requires(inputs, 0);
+    // The weight gradient is a convolution's, reading the output gradient as its input: fewer
+    // than 4 of its channels stay plain, fewer than a block take half blocks (as `Layouts`).
+    let plain = cout < 4;
+    let kb = if b == 16 && (4..b).contains(&cout) { b / 2 } else { b };
+    let w_weights = if plain { pad(w, cin, kb) } else { pad(pad(w, cin, kb), cout, kb) };
+    let backward = chord(n, |k| {
+        let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
+        let (y_w, x_w) = (if plain { 0 } else { pad(y, cout, kb) }, pad(x, cin, kb));
+        let weights = (y_w + x_w + w_weights + ((x + y) / 10).min((48 << 10) / elem)).saturating_sub(w);
+        // The input gradient (a convolution of the output gradient), blocked, then copied out.
+        let (x_r, y_r) = (pad(x, cin, b), pad(y, cout, b));
+        let data = if input_grad { (y_r + w_blk + x_r).saturating_sub(x + w).max(x_r.saturating_sub(w)) } else { 0 };
+        weights.max(data).max(w_weights)
+    });
+    Scratch { forward, backward, ..Scratch::default() }
 }
 
 impl LazyTensor {
