@@ -425,7 +425,8 @@ fn phased_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, stride: &[
 /// stride, a sample per thread). Backward: the input gradient's primitive, then its blocked
 /// result copied out plain; then the weight gradient's: a depthwise 3×3, and groups of a
 /// multiple of 8 channels, reorder the output gradient and the input the same way (no
-/// scratchpad: the threads split the groups); other kernels and group widths go to oneDNN's
+/// scratchpad: the threads split the groups); other kernels and group widths, and maps
+/// smaller than the kernel (but with groups of 16 channels), go to oneDNN's
 /// gemm on plain layouts (its columns per thread and, measured on 2 threads, eight copies of
 /// the weight gradient and 256 bytes). Measured on 23 shapes (depthwise 3×3 to 9×9, strides
 /// 1/2, groups of 4 to 32 channels): within 3%.
@@ -466,7 +467,11 @@ fn grouped_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, stride: &
         let (x_r, y_r) = (x / cin_u * x_ch, y / o_u * y_ch);
         (x_r + w_r + y_r + copies).saturating_sub(y).max(y_r)
     });
-    let gemm = if depthwise { kernel.iter().any(|&k| k != 3) } else { per_group % 8 != 0 };
+    // As ungrouped, the depthwise and the half-block (8 channels a group) kernels take no input
+    // side smaller than the kernel's.
+    let small_map = inputs[0].meta.shape[2..].iter().zip(kernel).any(|(&side, &k)| side < k);
+    let gemm = (small_map && (depthwise || per_group % 16 != 0))
+        || if depthwise { kernel.iter().any(|&k| k != 3) } else { per_group % 8 != 0 };
     let columns = per_group * positions_per_kernel * shape::numel(&meta.shape[2..]).max(0) as u64;
     let threads = threads().max(1) as u64;
     let backward = chord(n, |k| {
