@@ -70,11 +70,30 @@ pub(crate) enum Window {
 }
 
 /// A convolution's settings, as slices over its spatial dimensions.
+#[derive(Clone, Copy)]
 struct Settings<'a> {
     stride: &'a [i64],
     padding: &'a [i64],
     dilation: &'a [i64],
     groups: i64,
+}
+
+impl Settings<'_> {
+    fn strided(&self) -> bool {
+        self.stride.iter().any(|&s| s != 1)
+    }
+
+    fn dilated(&self) -> bool {
+        self.dilation.iter().any(|&d| d != 1)
+    }
+
+    /// Whether oneDNN's weight-gradient kernels leave a dilated convolution to its gemm: when
+    /// strided, or when the dilated kernel is wider than the input (measured).
+    fn dilated_gemm(&self, input: &[i64], kernel: &[i64]) -> bool {
+        self.dilated()
+            && (self.strided()
+                || input.iter().zip(kernel).zip(self.dilation).any(|((&side, &k), &d)| (k - 1) * d + 1 > side))
+    }
 }
 
 impl Window {
@@ -215,7 +234,7 @@ impl Window {
         let n = meta.batch().map_or(1, |bd| bd.size);
         let per_sample = shape::numel(&inputs[0].meta.shape) / n.max(1);
         if meta.kind == Kind::Float && batched && onednn(w, stride, dilation, groups, n, per_sample) {
-            let mut scratch = onednn_scratch(inputs, meta, requires(inputs, 0), stride, padding, groups);
+            let mut scratch = onednn_scratch(inputs, meta, requires(inputs, 0), settings);
             if n > 1 && meta.batch().is_some() && !onednn(w, stride, dilation, groups, 1, per_sample) {
                 let at_one = |(a, c): (u64, u64)| (a + c).max(cols);
                 scratch.one = Some((at_one(scratch.forward), at_one(scratch.backward)));
@@ -266,21 +285,15 @@ fn channel_block() -> i64 {
 /// are planned phase by phase, as oneDNN's verbose log and an allocation trace show them
 /// (`phased_scratch`, `strided_input_grad`); grouped ones by the rules fitted on measurements
 /// one convolution at a time (`grouped_scratch`).
-fn onednn_scratch(
-    inputs: &[Rc<Node>],
-    meta: &Meta,
-    input_grad: bool,
-    stride: &[i64],
-    padding: &[i64],
-    groups: i64,
-) -> Scratch {
-    if groups > 1 {
-        return grouped_scratch(inputs, meta, input_grad, stride, groups);
+fn onednn_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, settings: Settings<'_>) -> Scratch {
+    if settings.groups > 1 {
+        return grouped_scratch(inputs, meta, input_grad, settings);
     }
-    if input_grad && stride.iter().any(|&s| s != 1) {
-        return strided_input_grad(inputs, meta, stride, padding);
+    // `brgconv_strided` takes no dilation: a dilated strided input gradient is oneDNN's gemm's.
+    if input_grad && settings.strided() && !settings.dilated() {
+        return strided_input_grad(inputs, meta, settings);
     }
-    phased_scratch(inputs, meta, input_grad, stride, padding)
+    phased_scratch(inputs, meta, input_grad, settings)
 }
 
 /// The layouts of an ungrouped convolution's primitives, as oneDNN picks them on this CPU
@@ -328,11 +341,13 @@ impl Layouts {
 /// primitive, then the weight gradient's (reorders, the blocked weight gradient and a
 /// scratchpad: a reduction copy of it per extra thread when the threads must split the
 /// batch, since the channel blocks do not divide among them), then the weight gradient made
-/// plain. Measured one convolution at a time (`tests/lazy_peak.rs::one_convolution_at_a_time`,
-/// 700 shapes over channels 1..64, kernels 1/3/5, strides 1/2, maps 2..32, batches 2..32):
-/// backward within 10% but 2 (both of tiny ones: under 40 KiB), forward within 5% but 22 (all
-/// under 5 KiB).
-fn phased_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, stride: &[i64], padding: &[i64]) -> Scratch {
+/// plain. Where oneDNN's kernels decline (a kernel side of 15 or more, dilations, maps smaller
+/// than the kernel, padding wider than the output: see below), its gemm's columns instead.
+/// Measured one convolution at a time (`tests/lazy_peak.rs::one_convolution_at_a_time`, 700
+/// shapes over channels 1..64, kernels 1/3/5, strides 1/2, maps 2..32, batches 2..32): backward
+/// never under by more than 10%, forward within 5% but 22 (all under 5 KiB).
+fn phased_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, settings: Settings<'_>) -> Scratch {
+    let Settings { stride, padding, .. } = settings;
     let weight = &inputs[1].meta.shape;
     let input = &inputs[0].meta.shape;
     let elem = meta.kind.elt_size_in_bytes().max(1) as u64;
@@ -356,21 +371,26 @@ fn phased_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, stride: &[
     let kib = |k: u64| (k << 10) / elem;
 
     let one_by_one = pointwise && !l.uneven;
-    // A large padded kernel may be left to oneDNN's gemm (when the padding outgrows the jit
-    // kernel's unrolled output width, a rule not read here): then its columns, at most 64
-    // output positions per thread, are planned too.
+    // Padding wider than the output leaves the forward and the input gradient to oneDNN's gemm
+    // (plain layouts, its columns: at most 64 output positions per thread). A large padded
+    // kernel may be left to it too (by a rule not read here): its columns are then a floor.
+    let pad_beyond = padding.iter().zip(&meta.shape[2..]).any(|(&p, &o)| p > o);
     let large_padded = weight[2..].iter().any(|&k| k >= 11) && padding.iter().any(|&p| p > 0);
-    let gemm_forward = if large_padded {
-        threads * cin * shape::numel(&weight[2..]).max(0) as u64 * l.positions.min(64) + 128 / elem
-    } else {
-        0
-    };
+    let gemm_columns = threads * cin * shape::numel(&weight[2..]).max(0) as u64 * l.positions.min(64) + 128 / elem;
     let forward = chord(n, |k| {
         let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
+        if pad_beyond {
+            return gemm_columns;
+        }
         let x_r = if one_by_one || cin >= b { pad(x, cin, b) } else { 0 };
         let w_r = if one_by_one || cin >= b { pad(pad(w, cin, b), cout, b) } else { pad(w, cout, b) };
         let y_blk = pad(y, cout, b);
-        (x_r + w_r + y_blk + l.unit_stride_copy()).saturating_sub(y).max(y_blk).max(gemm_forward)
+        let jit = (x_r + w_r + y_blk + l.unit_stride_copy()).saturating_sub(y).max(y_blk);
+        if large_padded {
+            jit.max(gemm_columns)
+        } else {
+            jit
+        }
     });
 
     // The weight gradient's kernel: its channel blocks (input, output), and whether it reads
@@ -383,20 +403,29 @@ fn phased_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, stride: &[
     // those on plain layouts, with its columns per thread (at most: on large maps it takes them
     // in pieces) and, measured on 2 threads, eight copies of the weight gradient and 256 bytes.
     let kernel = &weight[2..];
-    let gemm = kernel.iter().any(|&k| k >= 15) || (half && input[2..].iter().zip(kernel).any(|(&side, &k)| side < k));
+    let gemm = kernel.iter().any(|&k| k >= 15)
+        || (half && (settings.dilated() || input[2..].iter().zip(kernel).any(|(&side, &k)| side < k)))
+        || settings.dilated_gemm(&input[2..], kernel);
+    // A dilated strided input gradient: the gemm's columns per thread, then copied out plain.
+    let data_gemm = input_grad && settings.strided() && settings.dilated();
+    let data_columns = threads * cin * shape::numel(kernel).max(0) as u64 * l.positions + 128 / elem;
     let columns = cin * shape::numel(kernel).max(0) as u64 * l.positions;
     let backward = chord(n, |k| {
         let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
         // The input gradient's primitive, then its blocked result copied out plain (the output
         // gradient's and the weight's reorders freed first).
-        let data = if input_grad {
+        let data = if data_gemm {
+            data_columns.max(x).saturating_sub(w)
+        } else if input_grad && pad_beyond {
+            gemm_columns.max(x).saturating_sub(w)
+        } else if input_grad {
             let dx = pad(x, cin, b);
             (pad(y, cout, b) + pad(pad(w, cin, b), cout, b) + dx).saturating_sub(x + w).max(dx.saturating_sub(w))
         } else {
             0
         };
         if gemm {
-            return (8 * w + threads * columns + 256 / elem).max(data);
+            return gemm_weight_grad(w, columns, l.positions, elem).max(data);
         }
         let y_r = pad(y, cout, kb);
         let x_r = if plain_input { 0 } else { pad(x, cin, kb) };
@@ -430,7 +459,8 @@ fn phased_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, stride: &[
 /// gemm on plain layouts (its columns per thread and, measured on 2 threads, eight copies of
 /// the weight gradient and 256 bytes). Measured on 23 shapes (depthwise 3×3 to 9×9, strides
 /// 1/2, groups of 4 to 32 channels): within 3%.
-fn grouped_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, stride: &[i64], groups: i64) -> Scratch {
+fn grouped_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, settings: Settings<'_>) -> Scratch {
+    let Settings { stride, groups, .. } = settings;
     let strided = stride.iter().any(|&s| s != 1);
     let block = channel_block();
     let weight = &inputs[1].meta.shape;
@@ -470,21 +500,34 @@ fn grouped_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, stride: &
     // As ungrouped, the depthwise and the half-block (8 channels a group) kernels take no input
     // side smaller than the kernel's.
     let small_map = inputs[0].meta.shape[2..].iter().zip(kernel).any(|(&side, &k)| side < k);
-    let gemm = (small_map && (depthwise || per_group % 16 != 0))
+    let gemm = ((small_map || settings.dilated()) && (depthwise || per_group % 16 != 0))
+        || settings.dilated_gemm(&inputs[0].meta.shape[2..], kernel)
         || if depthwise { kernel.iter().any(|&k| k != 3) } else { per_group % 8 != 0 };
-    let columns = per_group * positions_per_kernel * shape::numel(&meta.shape[2..]).max(0) as u64;
-    let threads = threads().max(1) as u64;
+    let positions = shape::numel(&meta.shape[2..]).max(0) as u64;
+    let columns = per_group * positions_per_kernel * positions;
     let backward = chord(n, |k| {
         let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
         let (x_r, y_r) = (x / cin_u * x_ch, y / o_u * y_ch);
         // The input gradient's primitive, then its blocked result copied out plain (the output
         // gradient's and the weight's reorders freed first).
         let data = if input_grad { (y_r + w_r + x_r).saturating_sub(x + w).max(x_r.saturating_sub(w)) } else { 0 };
-        let weights =
-            if gemm { 8 * w + threads * columns + 256 / elem } else { (y_r + x_r + w_r).saturating_sub(w).max(w_r) };
+        let weights = if gemm {
+            gemm_weight_grad(w, columns, positions, elem)
+        } else {
+            (y_r + x_r + w_r).saturating_sub(w).max(w_r)
+        };
         data.max(weights)
     });
     Scratch { forward, backward, ..Scratch::default() }
+}
+
+/// oneDNN's gemm weight gradient, in elements: eight copies of the weight gradient, 256 bytes,
+/// and the columns (`columns` elements for one sample) of each thread on maps of up to 256
+/// output positions; on larger maps the threads share one sample's columns in pieces
+/// (measured on 2 threads: 15/16 of them).
+fn gemm_weight_grad(w: u64, columns: u64, positions: u64, elem: u64) -> u64 {
+    let threads = if positions <= 256 { threads().max(1) as u64 } else { 1 };
+    8 * w + threads * columns + 256 / elem
 }
 
 /// The batch a cost is planned at (1 when the tensor has no batch dimension).
@@ -513,8 +556,9 @@ fn chord(n: u64, at: impl Fn(u64) -> u64) -> (u64, u64) {
 ///   sample over the padded input's grid rounded up to 16 KiB;
 /// - that gradient made plain: for a moment three copies of the input's size are live;
 /// - the weight gradient: as without an input gradient.
-fn strided_input_grad(inputs: &[Rc<Node>], meta: &Meta, stride: &[i64], padding: &[i64]) -> Scratch {
-    let weights = onednn_scratch(inputs, meta, false, stride, padding, 1);
+fn strided_input_grad(inputs: &[Rc<Node>], meta: &Meta, settings: Settings<'_>) -> Scratch {
+    let Settings { stride, padding, .. } = settings;
+    let weights = onednn_scratch(inputs, meta, false, settings);
     let elem = meta.kind.elt_size_in_bytes().max(1) as u64;
     let block = channel_block();
     let input = &inputs[0].meta.shape;
