@@ -281,10 +281,9 @@ fn channel_block() -> i64 {
     8
 }
 
-/// A oneDNN convolution's scratch on the CPU (libtorch 2.11, x86-64). Ungrouped convolutions
-/// are planned phase by phase, as oneDNN's verbose log and an allocation trace show them
-/// (`phased_scratch`, `strided_input_grad`); grouped ones by the rules fitted on measurements
-/// one convolution at a time (`grouped_scratch`).
+/// A oneDNN convolution's scratch on the CPU (libtorch 2.11, x86-64), planned phase by phase as
+/// oneDNN's verbose log and an allocation trace show them: ungrouped (`phased_scratch`, and
+/// `strided_input_grad` for a strided one's input gradient) or grouped (`grouped_scratch`).
 fn onednn_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, settings: Settings<'_>) -> Scratch {
     if settings.groups > 1 {
         return grouped_scratch(inputs, meta, input_grad, settings);
