@@ -399,8 +399,7 @@ fn phased_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, settings: 
     let plain_input = !one_by_one && cin < 4;
     // No weight-gradient kernel takes a kernel side of 15 or more (a patch embedding's 16×16),
     // and the half-block one no input side smaller than the kernel's: oneDNN's gemm computes
-    // those on plain layouts, with its columns per thread (at most: on large maps it takes them
-    // in pieces) and, measured on 2 threads, eight copies of the weight gradient and 256 bytes.
+    // those on plain layouts (`gemm_weight_grad`), and so it does dilated ones (see `Settings`).
     let kernel = &weight[2..];
     let gemm = kernel.iter().any(|&k| k >= 15)
         || (half && (settings.dilated() || input[2..].iter().zip(kernel).any(|(&side, &k)| side < k)))
@@ -455,8 +454,7 @@ fn phased_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, settings: 
 /// multiple of 8 channels, reorder the output gradient and the input the same way (no
 /// scratchpad: the threads split the groups); other kernels and group widths, and maps
 /// smaller than the kernel (but with groups of 16 channels), go to oneDNN's
-/// gemm on plain layouts (its columns per thread and, measured on 2 threads, eight copies of
-/// the weight gradient and 256 bytes). Measured on 23 shapes (depthwise 3×3 to 9×9, strides
+/// gemm on plain layouts (`gemm_weight_grad`). Measured on 23 shapes (depthwise 3×3 to 9×9, strides
 /// 1/2, groups of 4 to 32 channels): within 3%.
 fn grouped_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, settings: Settings<'_>) -> Scratch {
     let Settings { stride, groups, .. } = settings;
@@ -520,13 +518,14 @@ fn grouped_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, settings:
     Scratch { forward, backward, ..Scratch::default() }
 }
 
-/// oneDNN's gemm weight gradient, in elements: eight copies of the weight gradient, 256 bytes,
-/// and the columns (`columns` elements for one sample) of each thread on maps of up to 256
-/// output positions; on larger maps the threads share one sample's columns in pieces
-/// (measured on 2 threads: 15/16 of them).
+/// oneDNN's gemm weight gradient, in elements: four copies of the weight gradient per thread,
+/// 256 bytes, and the columns (`columns` elements for one sample) of each thread on maps of up
+/// to 256 output positions; on larger maps the threads share one sample's columns in pieces
+/// (measured on 2 threads: 15/16 of them). Measured on 1 and 2 threads.
 fn gemm_weight_grad(w: u64, columns: u64, positions: u64, elem: u64) -> u64 {
-    let threads = if positions <= 256 { threads().max(1) as u64 } else { 1 };
-    8 * w + threads * columns + 256 / elem
+    let threads = threads().max(1) as u64;
+    let column_threads = if positions <= 256 { threads } else { 1 };
+    4 * threads * w + column_threads * columns + 256 / elem
 }
 
 /// The batch a cost is planned at (1 when the tensor has no batch dimension).
