@@ -410,15 +410,12 @@ fn phased_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, settings: 
     let columns = cin * shape::numel(kernel).max(0) as u64 * l.positions;
     let backward = chord(n, |k| {
         let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
-        // The input gradient's primitive, then its blocked result copied out plain (the output
-        // gradient's and the weight's reorders freed first).
         let data = if data_gemm {
             data_columns.max(x).saturating_sub(w)
         } else if input_grad && pad_beyond {
             gemm_columns.max(x).saturating_sub(w)
         } else if input_grad {
-            let dx = pad(x, cin, b);
-            (pad(y, cout, b) + pad(pad(w, cin, b), cout, b) + dx).saturating_sub(x + w).max(dx.saturating_sub(w))
+            blocked_input_grad(pad(y, cout, b), pad(pad(w, cin, b), cout, b), pad(x, cin, b), x, w)
         } else {
             0
         };
@@ -505,9 +502,7 @@ fn grouped_scratch(inputs: &[Rc<Node>], meta: &Meta, input_grad: bool, settings:
     let backward = chord(n, |k| {
         let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
         let (x_r, y_r) = (x / cin_u * x_ch, y / o_u * y_ch);
-        // The input gradient's primitive, then its blocked result copied out plain (the output
-        // gradient's and the weight's reorders freed first).
-        let data = if input_grad { (y_r + w_r + x_r).saturating_sub(x + w).max(x_r.saturating_sub(w)) } else { 0 };
+        let data = if input_grad { blocked_input_grad(y_r, w_r, x_r, x, w) } else { 0 };
         let weights = if gemm {
             gemm_weight_grad(w, columns, positions, elem)
         } else {
@@ -564,18 +559,8 @@ fn strided_input_grad(inputs: &[Rc<Node>], meta: &Meta, settings: Settings<'_>) 
     let w = shape::numel(&inputs[1].meta.shape).max(0) as u64;
     let padded_cin = if cin <= block as u64 { block as u64 } else { cin.div_ceil(2 * block as u64) * 2 * block as u64 };
     let (x, y) = (inputs[0].meta.numel_parts(), meta.numel_parts());
-    // The scratchpad, in bytes.
-    let grid: u64 = input[2..]
-        .iter()
-        .zip(stride.iter().zip(padding))
-        .map(|(&side, (&s, &p))| ((side + 2 * p).max(1) as u64).div_ceil(s.max(1) as u64))
-        .product();
-    let per_thread = (meta.shape[1].max(1) as u64 * grid * elem).div_ceil(16 << 10) * (16 << 10);
-    let threads = threads().max(1) as u64;
-    let uneven = input[2..].iter().zip(stride).any(|(&side, &s)| s > 1 && side % s != 0);
-    let pad_bytes =
-        (12 << 10) + threads * (8216 + per_thread) + if uneven { (4 << 10) + threads * (16 << 10) } else { 0 };
-    let fixed = w * padded_cin / cin - w + pad_bytes / elem;
+    let scratchpad = brgconv_strided_scratchpad(meta.shape[1].max(1) as u64, &input[2..], stride, padding, elem);
+    let fixed = w * padded_cin / cin - w + scratchpad;
     let n = batch_of(meta);
     let backward = chord(n, |k| {
         let at = |(a, c): (u64, u64)| a * k + c;
@@ -584,6 +569,29 @@ fn strided_input_grad(inputs: &[Rc<Node>], meta: &Meta, settings: Settings<'_>) 
         at(weights.backward).max(data).max(copies)
     });
     Scratch { forward: weights.forward, backward, ..Scratch::default() }
+}
+
+/// `brgconv_strided`'s scratchpad, in elements of `elem` bytes (read on 1 and 2 threads): 12
+/// KiB, and per thread 8 KiB and `channels` of one sample over the grid of the padded `sides`
+/// divided by the stride, rounded up to 16 KiB; 4 KiB and 16 KiB per thread more when a stride
+/// does not divide its side.
+fn brgconv_strided_scratchpad(channels: u64, sides: &[i64], stride: &[i64], padding: &[i64], elem: u64) -> u64 {
+    let grid: u64 = sides
+        .iter()
+        .zip(stride.iter().zip(padding))
+        .map(|(&side, (&s, &p))| ((side + 2 * p).max(1) as u64).div_ceil(s.max(1) as u64))
+        .product();
+    let threads = threads().max(1) as u64;
+    let per_thread = (channels * grid * elem).div_ceil(16 << 10) * (16 << 10);
+    let uneven = sides.iter().zip(stride).any(|(&side, &s)| s > 1 && side % s != 0);
+    ((12 << 10) + threads * (8216 + per_thread) + if uneven { (4 << 10) + threads * (16 << 10) } else { 0 }) / elem
+}
+
+/// An input gradient made blocked (`x_r`, from the blocked output gradient `y_r` and weight
+/// `w_r`), then copied out plain once those two are freed: its scratch beyond the plain input
+/// gradient `x` and weight gradient `w` the plan counts itself.
+fn blocked_input_grad(y_r: u64, w_r: u64, x_r: u64, x: u64, w: u64) -> u64 {
+    (y_r + w_r + x_r).saturating_sub(x + w).max(x_r.saturating_sub(w))
 }
 
 /// A transposed convolution's scratch: libtorch runs it as the backward of a convolution
@@ -619,19 +627,9 @@ fn transposed_scratch(inputs: &[Rc<Node>], meta: &Meta, stride: &[i64], padding:
     let (xp, yp) = (inputs[0].meta.numel_parts(), meta.numel_parts());
     let n = batch_of(meta);
     let strided = stride.iter().any(|&s| s != 1);
-    // The strided kernel's scratchpad, in bytes: as a strided convolution's input gradient, on
-    // the input's channels over the padded output's grid.
-    let out = &meta.shape[2..];
-    let grid: u64 = out
-        .iter()
-        .zip(stride.iter().zip(padding))
-        .map(|(&side, (&s, &p))| ((side + 2 * p).max(1) as u64).div_ceil(s.max(1) as u64))
-        .product();
-    let threads = threads().max(1) as u64;
-    let per_thread = (cin * grid * elem).div_ceil(16 << 10) * (16 << 10);
-    let uneven = out.iter().zip(stride).any(|(&side, &s)| s > 1 && side % s != 0);
-    let scratchpad =
-        ((12 << 10) + threads * (8216 + per_thread) + if uneven { (4 << 10) + threads * (16 << 10) } else { 0 }) / elem;
+    // The strided kernel's scratchpad: as a strided convolution's input gradient, on the input's
+    // channels over the padded output's grid.
+    let scratchpad = brgconv_strided_scratchpad(cin, &meta.shape[2..], stride, padding, elem);
     let forward = chord(n, |k| {
         let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
         if strided {
@@ -654,7 +652,7 @@ fn transposed_scratch(inputs: &[Rc<Node>], meta: &Meta, stride: &[i64], padding:
         let weights = (y_w + x_w + w_weights + ((x + y) / 10).min((48 << 10) / elem)).saturating_sub(w);
         // The input gradient (a convolution of the output gradient), blocked, then copied out.
         let (x_r, y_r) = (pad(x, cin, b), pad(y, cout, b));
-        let data = if input_grad { (y_r + w_blk + x_r).saturating_sub(x + w).max(x_r.saturating_sub(w)) } else { 0 };
+        let data = if input_grad { blocked_input_grad(y_r, w_blk, x_r, x, w) } else { 0 };
         weights.max(data).max(w_weights)
     });
     Scratch { forward, backward, ..Scratch::default() }
