@@ -84,7 +84,9 @@ impl At for Bytes {
     fn at(self, b: u64, block: u64) -> u64 {
         let bytes = self.per * b + self.fixed;
         let bytes = if b == 1 { bytes.max(self.one) } else { bytes };
-        bytes.div_ceil(block) * block
+        // Blocks are powers of two (`block_of`): a mask, not a division, on this hot path.
+        debug_assert!(block.is_power_of_two());
+        (bytes + block - 1) & !(block - 1)
     }
 }
 
