@@ -741,3 +741,70 @@ fn one_convolution_at_a_time() {
         }
     }
 }
+
+/// A tool, not a check: plans (nothing runs) of random convolutions, plain, grouped, depthwise,
+/// dilated, transposed, f32 and f64, on contiguous and strided inputs, with and without an
+/// input gradient: with `TOMA_PLAN_SNAPSHOT=<file>` every schedule lands in the file, so that a
+/// refactor of the planner can be shown to leave plans byte-identical (DEVELOPERS.md).
+/// `TOMA_CORPUS=<count>` (default 1500) convolutions.
+#[test]
+#[ignore]
+fn convolution_plan_corpus() {
+    let _serial = support::serial();
+    let count: usize = std::env::var("TOMA_CORPUS").ok().and_then(|s| s.parse().ok()).unwrap_or(1500);
+    // Another sample with `TOMA_PEAK_SEED=<n>`.
+    let seed: u64 = std::env::var("TOMA_PEAK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
+    let mut state = 0x9e37_79b9_7f4a_7c15u64 ^ seed.wrapping_mul(0x2545_f491_4f6c_dd1d);
+    let mut next = |n: i64| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % n as u64) as i64
+    };
+    let mut planned = 0;
+    for _ in 0..count {
+        let kind = if next(4) == 0 { Kind::Double } else { Kind::Float };
+        let cin = [1, 2, 3, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128][next(13) as usize];
+        let cout = [1, 3, 4, 8, 16, 20, 32, 64, 128, 256][next(10) as usize];
+        let k = [1, 1, 2, 3, 3, 3, 5, 7, 11, 15, 16][next(11) as usize];
+        let size = [2, 3, 4, 7, 8, 14, 16, 17, 28, 32, 56][next(11) as usize];
+        let (s, d) = (1 + next(2) * (1 + next(2)), 1 + i64::from(next(5) == 0));
+        let groups = match next(6) {
+            0 if cin % 4 == 0 && cout % 4 == 0 => 4,
+            1 if cin == cout => cin,
+            2 if cin % 2 == 0 && cout % 2 == 0 => 2,
+            _ => 1,
+        };
+        let p = next(k + 1);
+        let n = [1, 2, 3, 4, 8, 16, 17, 32][next(8) as usize];
+        let input_grad = next(2) == 0;
+        let transposed = next(5) == 0;
+        let strided_input = next(6) == 0;
+        let bias = next(3) != 0;
+        let opts = (kind, CPU);
+        let x = if strided_input {
+            Tensor::zeros([n, cin, size, size], opts).transpose(2, 3)
+        } else {
+            Tensor::zeros([n, cin, size, size], opts)
+        }
+        .set_requires_grad(input_grad);
+        let w_shape = if transposed { [cin, cout / groups, k, k] } else { [cout, cin / groups, k, k] };
+        let w = Tensor::zeros(w_shape, opts).set_requires_grad(true);
+        let b = bias.then(|| Tensor::zeros([cout], opts).set_requires_grad(true));
+        let lx = toma::lazy::lazy(&x, 0);
+        let y = if transposed {
+            let op = if next(2) == 0 { 1 } else { 0 };
+            let output_padding = if op < s.max(d) { op } else { 0 };
+            lx.f_conv_transpose2d(&w, b.as_ref(), [s, s], [p, p], [output_padding, output_padding], groups, [d, d])
+        } else {
+            lx.f_conv2d(&w, b.as_ref(), [s, s], [p, p], [d, d], groups)
+        };
+        let Ok(y) = y else { continue };
+        let loss = y.relu().sum(None);
+        if loss.plan(Mode::Backward, &Options::new().budget(u64::MAX)).is_ok() {
+            planned += 1;
+        }
+    }
+    println!("planned {planned} of {count} convolutions");
+    assert!(planned > count / 2, "most draws are valid convolutions: {planned} of {count}");
+}

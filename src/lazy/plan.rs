@@ -355,7 +355,7 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
         (0..n).filter(|&i| reach[i] && param[i] == Some(i as u32)).map(|i| i as u32).collect();
     let block = block_of(device_of(&found));
     let param_grad_bytes = reached_params.iter().map(|&i| found[i as usize].cost.grad.at(1, block)).sum();
-    Ok(Compiled {
+    let compiled = Compiled {
         nodes: found,
         offsets,
         inputs,
@@ -372,7 +372,72 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
         fingerprint,
         global,
         schedules: [OnceCell::new(), OnceCell::new()],
-    })
+    };
+    snapshot::write(&compiled);
+    Ok(compiled)
+}
+
+/// `TOMA_PLAN_SNAPSHOT=<file>`: every compiled graph's schedules, appended to the file, to show
+/// that a change to the planner's code leaves its plans byte-identical (DEVELOPERS.md).
+mod snapshot {
+    use std::io::Write;
+    use std::sync::{Mutex, OnceLock};
+
+    use super::{Compiled, Mode, Step};
+
+    fn file() -> Option<&'static Mutex<std::fs::File>> {
+        static FILE: OnceLock<Option<Mutex<std::fs::File>>> = OnceLock::new();
+        FILE.get_or_init(|| {
+            let path = std::env::var_os("TOMA_PLAN_SNAPSHOT")?;
+            let file = std::fs::OpenOptions::new().create(true).append(true).open(path).ok()?;
+            Some(Mutex::new(file))
+        })
+        .as_ref()
+    }
+
+    /// One line per graph: its structure, then for both modes and several micro-batches the
+    /// resolved peak and every step's bytes.
+    pub(super) fn write(c: &Compiled) {
+        let Some(file) = file() else { return };
+        let mut line = String::new();
+        for (i, node) in c.nodes.iter().enumerate() {
+            let inputs: Vec<usize> = c.inputs(i).collect();
+            line.push_str(&format!(
+                "{}{:?}{:?}{:?}{:?}{:?};",
+                node.op.name(),
+                node.meta.shape,
+                node.meta.kind,
+                node.meta.device,
+                node.meta.flow,
+                inputs
+            ));
+        }
+        let structure = crate::hash::hash_bytes(0, line.as_bytes());
+        let n = c.batch.max(1) as u64;
+        let mut sizes: Vec<u64> =
+            [1, 2, 3, 4, 7, 8, 16, n / 2, n.saturating_sub(1), n].into_iter().filter(|&b| b >= 1 && b <= n).collect();
+        sizes.sort_unstable();
+        sizes.dedup();
+        let mut out = format!("{structure:016x} n={n} ops={}", c.len());
+        for mode in [Mode::Forward, Mode::Backward] {
+            for &b in &sizes {
+                let mut steps: Vec<Step> = Vec::new();
+                c.schedule(mode).eval(b, Some(&mut steps));
+                let peak = super::peak_at(c, mode, b);
+                let mut h = 0u64;
+                for s in &steps {
+                    h = crate::hash::mix(h ^ crate::hash::mix(s.node as u64 ^ (s.phase as u64) << 40));
+                    h = crate::hash::mix(h ^ s.bytes);
+                    h = crate::hash::mix(h ^ s.during);
+                    h = crate::hash::mix(h ^ s.live);
+                }
+                out.push_str(&format!(" {mode:?}@{b}={peak}/{h:016x}"));
+            }
+        }
+        out.push('\n');
+        let mut f = file.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = f.write_all(out.as_bytes());
+    }
 }
 
 /// One step of the schedule, as recorded for a plan's table.
