@@ -70,7 +70,7 @@ def strip(text):
     code = "".join(out)
     # Drop `#[cfg(test)] mod name { ... }` blocks.
     while True:
-        m = re.search(r"#\[cfg\(test\)\]\s*(pub(\([^)]*\))?\s+)?mod\s+\w+\s*\{", code)
+        m = re.search(r"#\[cfg\((all\()?test[^\]]*\)\]\s*(pub(\([^)]*\))?\s+)?mod\s+\w+\s*\{", code)
         if not m:
             break
         code = code[:m.start()] + code[block_end(code, m.end()):]

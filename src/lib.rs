@@ -95,9 +95,15 @@ pub use progress::Progress;
 #[cfg(feature = "tch")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
 pub use retry::Chunked;
+#[cfg(all(feature = "dist", feature = "tch"))]
+#[cfg_attr(docsrs, doc(cfg(all(feature = "dist", feature = "tch"))))]
+pub use retry::GroupedChunked;
 pub use retry::{
     quiet_caught_panics, share, Attempt, AutoReport, Batch, DeviceFit, MeasuredDevice, Objective, Range, Report,
 };
+#[cfg(feature = "dist")]
+#[cfg_attr(docsrs, doc(cfg(feature = "dist")))]
+pub use retry::{GroupedBatch, GroupedRange};
 
 /// Retries a function with a halved batch size on out-of-memory, remembering the size that
 /// worked.

@@ -3,7 +3,7 @@
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::time::Duration;
 
-use super::DistError;
+use super::error::DistError;
 
 /// A shim call that did not succeed: its code and c10d's message.
 #[derive(Debug)]

@@ -16,21 +16,26 @@
 //! - The CUDA driver's figures: [`cuda_memory`], [`cuda_device_count`].
 //! - libtorch's allocators: [`cuda_allocator_stats`], [`track_cpu_allocations`] and the rest.
 
-mod allocator;
 pub mod cpu;
+mod cpu_counter;
 mod cuda;
+mod cuda_allocator;
+mod peak;
 mod reading;
+mod shim;
 
-pub use allocator::{
-    cpu_allocator_stats, cuda_allocator_stats, cuda_current_device, cuda_usable_memory, empty_cuda_cache,
-    release_cached_blocks, reset_cpu_peak, reset_cuda_peak, track_cpu_allocations, try_cuda_allocator_stats,
-    AllocatorError, AllocatorStats, CpuAllocatorStats,
-};
-pub(crate) use allocator::{torch_device_count, work_device, PeakCounter};
+pub use cpu_counter::{cpu_allocator_stats, reset_cpu_peak, track_cpu_allocations, CpuAllocatorStats};
 #[cfg(feature = "tch")]
 pub(crate) use cuda::cuda_multiprocessors;
 pub use cuda::{cuda_device_count, cuda_memory, DeviceMemory};
+pub use cuda_allocator::{
+    cuda_allocator_stats, cuda_current_device, cuda_usable_memory, empty_cuda_cache, release_cached_blocks,
+    reset_cuda_peak, try_cuda_allocator_stats, AllocatorStats,
+};
+pub(crate) use cuda_allocator::{torch_device_count, work_device};
+pub(crate) use peak::PeakCounter;
 pub(crate) use reading::{free_memory_reading, free_memory_reading_for};
+pub use shim::AllocatorError;
 
 /// Bytes of CPU memory available to this process now; see
 /// [`available_cpu_memory`](cpu::available_cpu_memory).

@@ -5,8 +5,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use super::allocator::cuda_usable_memory;
 use super::cpu::{available_cpu_memory, cap_changes};
+use super::cuda_allocator::cuda_usable_memory;
 
 /// How old a free-memory reading used for cache keys may be.
 const SNAPSHOT_MAX_AGE: Duration = Duration::from_secs(1);

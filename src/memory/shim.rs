@@ -1,0 +1,219 @@
+//! The native shim's C interface (`src/shim/toma_shim.h`, feature `tch`), and why it could
+//! not answer: the one place `memory` calls into C++.
+
+/// Why libtorch's allocator figures could not be read.
+#[non_exhaustive]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AllocatorError {
+    /// toma was built without feature `tch`, or its libtorch shim failed to compile (the build
+    /// printed a `toma:` warning).
+    #[error("toma was built without its libtorch shim (feature `tch`; a failed compile prints a build warning)")]
+    NotBuilt,
+    /// The libtorch in use has no CUDA support loaded, or sees no CUDA device; the reason.
+    #[error("no CUDA in libtorch: {0}")]
+    NoCuda(String),
+    /// The ordinal is not one of libtorch's CUDA devices.
+    #[error("CUDA device {0} is not one of libtorch's devices")]
+    BadDevice(usize),
+    /// CPU figures were asked for before [`track_cpu_allocations`](super::track_cpu_allocations).
+    #[error("CPU allocations are not counted: call toma::memory::track_cpu_allocations first")]
+    NotTracking,
+    /// libtorch threw; its message.
+    #[error("libtorch failed: {0}")]
+    Torch(String),
+}
+
+impl AllocatorError {
+    /// Reports the error: expected absences at debug level, libtorch's failures as warnings.
+    pub(in crate::memory) fn log(self, doing: &str) {
+        match self {
+            AllocatorError::Torch(_) => tracing::warn!(error = %self, "toma: {doing}"),
+            _ => tracing::debug!(error = %self, "toma: {doing}"),
+        }
+    }
+}
+
+pub(super) use imp::*;
+
+/// Counts of the counting CPU allocator (`toma_shim_cpu_counts`).
+#[repr(C)]
+#[derive(Debug, Default)]
+pub(super) struct RawCpuStats {
+    pub(super) allocated: i64,
+    pub(super) peak_allocated: i64,
+    pub(super) allocations: i64,
+}
+
+/// Figures of the CUDA caching allocator (`toma_shim_allocator_stats`).
+#[repr(C)]
+#[derive(Debug, Default)]
+pub(super) struct RawStats {
+    pub(super) allocated: i64,
+    pub(super) reserved: i64,
+    pub(super) peak_allocated: i64,
+    pub(super) peak_reserved: i64,
+    pub(super) alloc_retries: i64,
+    pub(super) ooms: i64,
+    pub(super) initialized: i32,
+}
+
+/// Bytes from the shim's signed counts (negative: none).
+pub(super) fn bytes(value: i64) -> u64 {
+    u64::try_from(value).unwrap_or(0)
+}
+
+#[cfg(toma_shim)]
+mod imp {
+    use super::{AllocatorError, RawCpuStats, RawStats};
+    use std::ffi::{c_char, c_int, CStr};
+
+    const OK: c_int = 0;
+    const NO_CUDA: c_int = 1;
+    const BAD_DEVICE: c_int = 2;
+    const NOT_TRACKING: c_int = 4;
+
+    extern "C" {
+        fn toma_shim_cuda_device_count(count: *mut i64) -> c_int;
+        fn toma_shim_cuda_current_device(device: *mut i64) -> c_int;
+        fn toma_shim_cuda_allocator_stats(device: i64, stats: *mut RawStats) -> c_int;
+        fn toma_shim_cuda_reset_peak(device: i64) -> c_int;
+        fn toma_shim_cuda_empty_cache() -> c_int;
+        fn toma_shim_cpu_track() -> c_int;
+        fn toma_shim_cpu_stats(stats: *mut RawCpuStats) -> c_int;
+        fn toma_shim_cpu_reset_peak() -> c_int;
+        fn toma_shim_cpu_raise_peak(value: i64) -> c_int;
+        fn toma_shim_last_error() -> *const c_char;
+    }
+
+    fn check(code: c_int, device: usize) -> Result<(), AllocatorError> {
+        if code == OK {
+            return Ok(());
+        }
+        // SAFETY: the shim returns a NUL-terminated string owned by this thread, valid until
+        // its next call on this thread; it is copied out at once.
+        let message = unsafe { CStr::from_ptr(toma_shim_last_error()) }.to_string_lossy().into_owned();
+        Err(match code {
+            NO_CUDA => AllocatorError::NoCuda(message),
+            BAD_DEVICE => AllocatorError::BadDevice(device),
+            NOT_TRACKING => AllocatorError::NotTracking,
+            _ => AllocatorError::Torch(message),
+        })
+    }
+
+    /// libtorch's ordinal for `device`, or `BadDevice` when it cannot be one.
+    fn index(device: usize) -> Result<i64, AllocatorError> {
+        i64::try_from(device).map_err(|_| AllocatorError::BadDevice(device))
+    }
+
+    pub(in crate::memory) fn device_count() -> Result<usize, AllocatorError> {
+        let mut count = 0;
+        // SAFETY: the shim catches every C++ exception; the out-pointer is ours.
+        check(unsafe { toma_shim_cuda_device_count(&mut count) }, 0)?;
+        Ok(usize::try_from(count).unwrap_or(0))
+    }
+
+    pub(in crate::memory) fn current_device() -> Result<usize, AllocatorError> {
+        let mut device = -1;
+        // SAFETY: as above.
+        check(unsafe { toma_shim_cuda_current_device(&mut device) }, 0)?;
+        usize::try_from(device).map_err(|_| AllocatorError::NoCuda(format!("libtorch's current device is {device}")))
+    }
+
+    pub(in crate::memory) fn stats(device: usize) -> Result<RawStats, AllocatorError> {
+        let mut raw = RawStats::default();
+        // SAFETY: as above; `raw` has the C struct's layout.
+        check(unsafe { toma_shim_cuda_allocator_stats(index(device)?, &mut raw) }, device)?;
+        Ok(raw)
+    }
+
+    pub(in crate::memory) fn reset_peak(device: usize) -> Result<(), AllocatorError> {
+        // SAFETY: as above.
+        check(unsafe { toma_shim_cuda_reset_peak(index(device)?) }, device)
+    }
+
+    pub(in crate::memory) fn empty_cache() -> Result<(), AllocatorError> {
+        // SAFETY: as above.
+        check(unsafe { toma_shim_cuda_empty_cache() }, 0)
+    }
+
+    pub(in crate::memory) fn cpu_track() -> Result<(), AllocatorError> {
+        // SAFETY: as above; the shim installs the counter once, under a once-flag.
+        check(unsafe { toma_shim_cpu_track() }, 0)
+    }
+
+    pub(in crate::memory) fn cpu_stats() -> Result<RawCpuStats, AllocatorError> {
+        let mut raw = RawCpuStats::default();
+        // SAFETY: as above; `raw` has the C struct's layout.
+        check(unsafe { toma_shim_cpu_stats(&mut raw) }, 0)?;
+        Ok(raw)
+    }
+
+    pub(in crate::memory) fn cpu_reset_peak() -> Result<(), AllocatorError> {
+        // SAFETY: as above.
+        check(unsafe { toma_shim_cpu_reset_peak() }, 0)
+    }
+
+    pub(in crate::memory) fn cpu_raise_peak(value: u64) -> Result<(), AllocatorError> {
+        // SAFETY: as above.
+        check(unsafe { toma_shim_cpu_raise_peak(value as i64) }, 0)
+    }
+}
+
+/// No shim: built without feature `tch`, or its compile failed (a build warning said so).
+#[cfg(not(toma_shim))]
+mod imp {
+    use super::{AllocatorError, RawCpuStats, RawStats};
+
+    pub(in crate::memory) fn device_count() -> Result<usize, AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    pub(in crate::memory) fn current_device() -> Result<usize, AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    pub(in crate::memory) fn stats(_device: usize) -> Result<RawStats, AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    pub(in crate::memory) fn reset_peak(_device: usize) -> Result<(), AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    pub(in crate::memory) fn empty_cache() -> Result<(), AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    pub(in crate::memory) fn cpu_track() -> Result<(), AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    pub(in crate::memory) fn cpu_stats() -> Result<RawCpuStats, AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    pub(in crate::memory) fn cpu_reset_peak() -> Result<(), AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+
+    pub(in crate::memory) fn cpu_raise_peak(_value: u64) -> Result<(), AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+}
+
+#[cfg(all(test, feature = "tch"))]
+mod tests {
+    #[cfg(toma_shim)]
+    use super::*;
+    #[cfg(toma_shim)]
+    use crate::memory::try_cuda_allocator_stats;
+
+    #[test]
+    #[cfg(feature = "tch")]
+    fn shim_is_built_with_tch() {
+        #[cfg(not(toma_shim))]
+        panic!("build.rs did not compile src/shim/toma_shim.cpp: see its cargo warnings");
+        // Reaching libtorch through the shim links and answers, device or not.
+        #[cfg(toma_shim)]
+        {
+            assert!(device_count().is_ok());
+            assert!(matches!(
+                try_cuda_allocator_stats(usize::MAX),
+                Err(AllocatorError::BadDevice(_) | AllocatorError::NoCuda(_))
+            ));
+        }
+    }
+}
