@@ -4,11 +4,9 @@
 use tch::{Kind, TchError, Tensor};
 
 use super::error::LazyError;
-use super::graph::Flow;
-use super::ops::source::Source;
-use super::ops::{Op, RunCx, Share};
+use super::graph::{Flow, LazyTensor, RunCx, Share, Source};
+use super::options::Options;
 use super::plan::{self, Compiled, Mode};
-use super::{LazyTensor, Options};
 use crate::retry::Range;
 
 /// One micro-batch: where it starts, its size, and whether the batch is split at all.
@@ -58,7 +56,7 @@ fn shares_storage(out: &Tensor, input: &Tensor) -> bool {
 /// Runs node `i` on the micro-batch, weighting what a split sum needs weighted.
 fn run_node(c: &Compiled, i: usize, ins: &[&Tensor], chunk: &Chunk<'_>) -> Result<Tensor, LazyError> {
     let node = &c.nodes[i];
-    let rules = node.op.rules();
+    let rules = &node.op;
     let err = torch(i, rules.name());
     if let Some(Some(stand_in)) = chunk.stand_ins.get(i) {
         return Ok(stand_in.shallow_clone());
@@ -115,7 +113,7 @@ fn forward_chunk(c: &Compiled, chunk: &Chunk<'_>, mut trace: Option<&mut Vec<Tra
                 return Err(LazyError::ShapeRule { node: i, op: node.op.name().into(), expected, actual });
             }
             if let Some(t) = trace.as_deref_mut() {
-                let leaf = node.op.is_source();
+                let leaf = node.is_source();
                 let view = leaf || ins.first().is_some_and(|x| shares_storage(&out, x));
                 let bytes = if view {
                     0
@@ -178,7 +176,7 @@ fn denominators(c: &Compiled, split: bool, options: &Options) -> Result<Vec<Opti
         return Ok(dens);
     }
     for (i, node) in c.nodes.iter().enumerate() {
-        let Some(ignore) = node.op.rules().counted_targets() else {
+        let Some(ignore) = node.op.counted_targets() else {
             continue;
         };
         if !c.global[i] {
@@ -275,7 +273,7 @@ pub(crate) fn run_eagerly(output: &LazyTensor) -> Result<Tensor, LazyError> {
     let mut batch = None;
     while k < nodes.len() {
         let node = nodes[k];
-        if let Op::Source(Source::Input { .. }) = &node.op {
+        if let Some(Source::Input { .. }) = node.op.source() {
             batch = node.meta.batch().map(|bd| bd.size);
         }
         for input in &node.inputs {
@@ -298,7 +296,7 @@ pub(crate) fn run_eagerly(output: &LazyTensor) -> Result<Tensor, LazyError> {
     let mut values: HashMap<u64, Tensor> = HashMap::with_capacity(nodes.len());
     for (i, node) in nodes.iter().enumerate() {
         let ins: Vec<&Tensor> = node.inputs.iter().map(|x| &values[&x.id]).collect();
-        let rules = node.op.rules();
+        let rules = &node.op;
         let cx = RunCx { meta: &node.meta, start: 0, b };
         let out = rules.run(&ins, &cx).map_err(torch(i, rules.name()))?;
         for input in &node.inputs {
@@ -317,7 +315,7 @@ pub(crate) fn run_eagerly(output: &LazyTensor) -> Result<Tensor, LazyError> {
 pub(crate) fn evaluate(output: &LazyTensor, options: &Options) -> Result<Tensor, LazyError> {
     // An input or a constant is its own value: nothing to plan or run (the denominators of a
     // split loss ask for the targets this way).
-    if let Op::Source(Source::Input { tensor, .. } | Source::Leaf { tensor, .. }) = &output.node.op {
+    if let Some(Source::Input { tensor, .. } | Source::Leaf { tensor, .. }) = output.node.op.source() {
         return Ok(tensor.shallow_clone());
     }
     let span = tracing::info_span!("toma.lazy", mode = "forward", op = output.op_name());
@@ -396,7 +394,7 @@ pub(crate) fn backward(output: &LazyTensor, options: &Options) -> Result<f64, La
     for (i, first) in p.c.param.iter().enumerate() {
         let Some(first) = first.map(|f| f as usize) else { continue };
         if first == i {
-            let Op::Source(Source::Leaf { tensor, .. }) = &p.c.nodes[i].op else {
+            let Some(Source::Leaf { tensor, .. }) = p.c.nodes[i].op.source() else {
                 unreachable!("parameters are leaves")
             };
             slot[i] = Some(params.len());

@@ -5,9 +5,8 @@ use std::hash::{Hash, Hasher};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Kind, TchError, Tensor};
 
-use super::ops::Op;
 use super::scratch::ReduceStaging;
 use super::shape;
 
@@ -96,14 +95,14 @@ impl Meta {
 pub(crate) struct Node {
     /// Creation order: inputs always have smaller ids, so sorting by id is a topological order.
     pub(crate) id: u64,
-    pub(crate) op: Op,
+    pub(crate) op: Box<dyn Operation>,
     pub(crate) inputs: Vec<Rc<Node>>,
     pub(crate) meta: Meta,
     pub(crate) cost: Cost,
 }
 
 impl Node {
-    pub(crate) fn new(op: Op, inputs: Vec<Rc<Node>>, meta: Meta, cost: Cost) -> Rc<Node> {
+    pub(crate) fn new(op: Box<dyn Operation>, inputs: Vec<Rc<Node>>, meta: Meta, cost: Cost) -> Rc<Node> {
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         Rc::new(Node { id, op, inputs, meta, cost })
     }
@@ -196,6 +195,18 @@ pub(crate) struct Param {
     pub(crate) is_leaf: bool,
 }
 
+impl Node {
+    /// The op's name, as tch calls the method.
+    pub(crate) fn name(&self) -> &'static str {
+        self.op.name()
+    }
+
+    /// An input or a fixed leaf: already in memory.
+    pub(crate) fn is_source(&self) -> bool {
+        self.op.source().is_some()
+    }
+}
+
 impl Drop for Node {
     fn drop(&mut self) {
         // Iterative: a deep model's graph would overflow the stack if dropped recursively.
@@ -216,4 +227,142 @@ impl Drop for Node {
 #[derive(Clone)]
 pub struct LazyTensor {
     pub(crate) node: Rc<Node>,
+}
+
+/// Everything an op knows about itself. Defaults describe an op that saves nothing, allocates
+/// nothing but its output, and needs no rewrite in a split run.
+pub(crate) trait Operation {
+    /// The op's name, as tch calls the method.
+    fn name(&self) -> &'static str;
+
+    /// Runs the op on one micro-batch.
+    fn run(&self, ins: &[&Tensor], cx: &RunCx<'_>) -> Result<Tensor, TchError>;
+
+    /// Whether the op takes part in autograd at all.
+    fn differentiable(&self) -> bool {
+        true
+    }
+
+    /// Whether autograd keeps input `i` alive until this op's backward, given which inputs
+    /// require a gradient. Only asked when the output requires a gradient.
+    fn saves_input(&self, _i: usize, _inputs: &[Rc<Node>]) -> bool {
+        false
+    }
+
+    /// Whether autograd keeps the output alive until this op's backward.
+    fn saves_output(&self) -> bool {
+        false
+    }
+
+    /// Whether the gradient for input `i` is a view of the output's gradient (no allocation).
+    fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
+        false
+    }
+
+    /// A tensor the op allocates besides its output and autograd keeps for the backward (when
+    /// the output requires a gradient): `(elements per sample, fixed elements, kind)`.
+    fn saved_extra(&self, _inputs: &[Rc<Node>], _meta: &Meta) -> Option<(u64, u64, Kind)> {
+        None
+    }
+
+    /// Scratch space the op's kernels take while it runs, forward and backward.
+    fn scratch(&self, _inputs: &[Rc<Node>], _meta: &Meta) -> Scratch {
+        Scratch::default()
+    }
+
+    /// In a split run, when the op's value is summed over micro-batches: its share of the
+    /// full batch's value, or `None` to run it as is.
+    fn run_share(&self, _ins: &[&Tensor], _node: &Node, _share: &Share) -> Option<Result<Tensor, TchError>> {
+        None
+    }
+
+    /// Whether the op adds its operands, so that a fixed operand of a sum over micro-batches
+    /// must be weighted by each micro-batch's share.
+    fn adds_fixed(&self) -> bool {
+        false
+    }
+
+    /// For a mean over counted targets (input 1, weighted by input 2 when there is one): the
+    /// ignored index. A split run divides every share by the full batch's count.
+    fn counted_targets(&self) -> Option<i64> {
+        None
+    }
+
+    /// Where the value comes from, for inputs and fixed leaves (`None` for ops).
+    fn source(&self) -> Option<&Source> {
+        None
+    }
+}
+
+/// What a running op needs besides its inputs.
+pub(crate) struct RunCx<'a> {
+    /// The node's facts at the full batch.
+    pub(crate) meta: &'a Meta,
+    /// First sample of the micro-batch.
+    pub(crate) start: i64,
+    /// Samples in the micro-batch.
+    pub(crate) b: i64,
+}
+
+/// What a split run tells an op whose value is summed over micro-batches.
+pub(crate) struct Share<'a> {
+    pub(crate) cx: RunCx<'a>,
+    /// The micro-batch's fraction of the batch.
+    pub(crate) frac: f64,
+    /// The full batch's count, for ops with [`Operation::counted_targets`].
+    pub(crate) den: Option<f64>,
+    /// Whether an input is per-sample (the op reduces over the batch here).
+    pub(crate) reduces_batch: bool,
+}
+
+/// Scratch space of an op while it runs, besides inputs and outputs.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    /// Elements `(per sample, fixed)` in the input's kind, forward and backward.
+    pub(crate) forward: (u64, u64),
+    pub(crate) backward: (u64, u64),
+    /// Elements at a micro-batch of one, forward and backward, where a single sample runs
+    /// another way (libtorch's native convolution for one small sample, oneDNN's for more).
+    pub(crate) one: Option<(u64, u64)>,
+    /// Staging buffers of CUDA reductions, each with whether it is taken in the backward.
+    pub(crate) staged: Vec<(bool, ReduceStaging)>,
+}
+
+impl Scratch {
+    /// Adds a CUDA reduction of `of` (an output gradient in the backward) over the dimensions
+    /// in `mask`.
+    pub(crate) fn stage(&mut self, backward: bool, of: &Meta, mask: u64) {
+        if let Some(s) = ReduceStaging::new(&of.shape, of.batch(), mask, of.kind, of.device) {
+            self.staged.push((backward, s));
+        }
+    }
+}
+
+/// Where values come from: batched inputs, narrowed to each micro-batch, and fixed tensors
+/// (parameters and constants). Both are already in memory: they cost the plan nothing.
+pub(crate) enum Source {
+    /// A batched input, narrowed to each micro-batch along `dim`.
+    Input { tensor: Tensor, dim: usize },
+    /// A fixed tensor: a parameter (`param` when it requires a gradient) or a constant.
+    Leaf { tensor: Tensor, param: Option<Box<Param>> },
+}
+
+impl Operation for Source {
+    fn name(&self) -> &'static str {
+        match self {
+            Source::Input { .. } => "input",
+            Source::Leaf { .. } => "leaf",
+        }
+    }
+
+    fn run(&self, _ins: &[&Tensor], cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        match self {
+            Source::Input { tensor, dim } => tensor.f_narrow(*dim as i64, cx.start, cx.b),
+            Source::Leaf { tensor, .. } => Ok(tensor.shallow_clone()),
+        }
+    }
+
+    fn source(&self) -> Option<&Source> {
+        Some(self)
+    }
 }

@@ -30,11 +30,9 @@ use std::rc::Rc;
 use tch::{Device, Kind};
 
 use super::error::LazyError;
-use super::graph::{Bytes, Flow, Node, ParamKey};
-use super::ops::source::Source;
-use super::ops::Op;
+use super::graph::{Bytes, Flow, LazyTensor, Node, ParamKey, Source};
+use super::options::Options;
 use super::scratch::ReduceStaging;
-use super::{LazyTensor, Options};
 
 /// What a plan covers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -172,9 +170,9 @@ impl Compiled {
             self.reached_params
                 .iter()
                 .map(|&i| &self.nodes[i as usize])
-                .filter(|node| match &node.op {
+                .filter(|node| match node.op.source() {
                     // A non-leaf's gradient is summed in a buffer of toma's (see exec).
-                    Op::Source(Source::Leaf { tensor, param: Some(p) }) => !p.is_leaf || !tensor.grad().defined(),
+                    Some(Source::Leaf { tensor, param: Some(p) }) => !p.is_leaf || !tensor.grad().defined(),
                     _ => false,
                 })
                 .map(|node| node.cost.grad.at(1, self.block))
@@ -188,12 +186,12 @@ impl Compiled {
     /// gradient of its own. The executor does exactly this then, and the plan counts it so.
     pub(crate) fn accumulates_in_place(&self) -> bool {
         *self.in_place.get_or_init(|| {
-            self.nodes.iter().enumerate().all(|(i, node)| match &node.op {
-                Op::Source(Source::Leaf { tensor, param: Some(_) }) => {
+            self.nodes.iter().enumerate().all(|(i, node)| match node.op.source() {
+                Some(Source::Leaf { tensor, param: Some(_) }) => {
                     self.param[i].is_none_or(|first| first as usize != i)
                         || (tensor.is_leaf() && !tensor.grad().defined())
                 }
-                Op::Source(Source::Input { tensor, .. }) => !tensor.requires_grad(),
+                Some(Source::Input { tensor, .. }) => !tensor.requires_grad(),
                 _ => true,
             })
         })
@@ -209,7 +207,7 @@ fn device_of(nodes: &[Rc<Node>]) -> Device {
     let output = nodes.last().expect("a graph has its output");
     nodes
         .iter()
-        .find(|n| matches!(n.op, Op::Source(Source::Input { .. })))
+        .find(|n| matches!(n.op.source(), Some(Source::Input { .. })))
         .map_or(output.meta.device, |n| n.meta.device)
 }
 
@@ -296,14 +294,14 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
         flags.push(
             (u8::from(cost.out != Bytes::default()) * F_ALLOCATES)
                 | (u8::from(node.meta.requires_grad) * F_REQUIRES_GRAD)
-                | (u8::from(node.meta.requires_grad && node.op.rules().saves_output()) * F_SAVES_OUTPUT)
+                | (u8::from(node.meta.requires_grad && node.op.saves_output()) * F_SAVES_OUTPUT)
                 | (u8::from(node.inputs.is_empty()) * F_LEAF)
-                | (u8::from(node.op.rules().differentiable()) * F_DIFFERENTIABLE)
+                | (u8::from(node.op.differentiable()) * F_DIFFERENTIABLE)
                 | (u8::from(cost.alias_rest) * F_ALIAS_REST),
         );
         fingerprint = crate::hash::mix(fingerprint ^ node.cost.hash);
-        match &node.op {
-            Op::Source(Source::Input { .. }) => {
+        match node.op.source() {
+            Some(Source::Input { .. }) => {
                 let size = node.meta.batch().map_or(1, |bd| bd.size);
                 match batch {
                     None => batch = Some(size),
@@ -318,7 +316,7 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
                     _ => {}
                 }
             }
-            Op::Source(Source::Leaf { param: Some(p), .. }) => {
+            Some(Source::Leaf { param: Some(p), .. }) => {
                 param[i] = Some(*params_seen.entry(&p.key).or_insert(i as u32));
             }
             _ => {}

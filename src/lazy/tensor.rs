@@ -8,33 +8,13 @@ use std::fmt;
 use tch::{Device, Kind, Tensor};
 
 use super::error::LazyError;
-use super::exec;
+use super::exec::{self, TracedOp};
+use super::graph::LazyTensor;
 use super::ops::arg;
 use super::ops::record::leaf;
+use super::options::Options;
 use super::plan::{self, Mode, Plan};
 use super::shape;
-use super::LazyTensor;
-use super::Options;
-
-/// What an op takes as a tensor operand: a `&LazyTensor`, or a `&tch::Tensor`, recorded as a
-/// fixed operand (a parameter or a constant, without a batch dimension). References only, as
-/// tch's methods take them (`x.matmul(&w)`).
-pub trait IntoLazy {
-    /// The operand as a lazy tensor.
-    fn into_lazy(self) -> LazyTensor;
-}
-
-impl IntoLazy for &LazyTensor {
-    fn into_lazy(self) -> LazyTensor {
-        self.clone()
-    }
-}
-
-impl IntoLazy for &Tensor {
-    fn into_lazy(self) -> LazyTensor {
-        LazyTensor::fixed(self)
-    }
-}
 
 impl LazyTensor {
     // -----------------------------------------------------------------------------------------
@@ -102,7 +82,7 @@ impl LazyTensor {
 
     /// The name of the op that produces this value (`"relu"`, `"conv2d"`, ..).
     pub fn op_name(&self) -> &str {
-        self.node.op.name()
+        self.node.name()
     }
 
     /// What the planner charges the op that produced this value, at the recorded batch size,
@@ -132,7 +112,7 @@ impl LazyTensor {
                 .iter()
                 .map(|x| shape::numel(&x.meta.shape).max(0) as u64 * x.meta.kind.elt_size_in_bytes() as u64)
                 .collect(),
-            saves_output: meta.requires_grad && self.node.op.rules().saves_output(),
+            saves_output: meta.requires_grad && self.node.op.saves_output(),
             saved_inputs: (0..self.node.inputs.len().min(64)).filter(|k| cost.saved >> k & 1 == 1).collect(),
             saved_extra: total(&cost.extra),
             scratch: total(&cost.work),
@@ -477,4 +457,16 @@ pub enum Split {
     Fixed,
     /// Mixes samples: a split would change the result, so it is refused (the reason).
     Mixes(String),
+}
+
+impl LazyTensor {
+    /// Runs the first micro-batch of `micro_batch` samples and reports, per op, the value the
+    /// executor produced (shape, bytes allocated) and what it held afterwards: the facts the
+    /// plan predicts, for checking a plan or debugging one.
+    ///
+    /// # Errors
+    /// As [`to_tensor`](Self::to_tensor).
+    pub fn trace(&self, mode: Mode, micro_batch: usize) -> Result<Vec<TracedOp>, LazyError> {
+        exec::trace(self, mode, micro_batch)
+    }
 }

@@ -12,12 +12,12 @@ use std::rc::Rc;
 
 use tch::{Kind, TchError, Tensor};
 
+use super::record::IntoLazy;
 use super::record::{combine_flows, same_device, Linearity, Record};
-use super::{arg, floating, kind_err, same_kind, shape_err, Rules, RunCx, Scratch};
+use super::{arg, floating, kind_err, same_kind, shape_err};
 use crate::lazy::error::LazyError;
-use crate::lazy::graph::{Flow, Meta, Node};
+use crate::lazy::graph::{Flow, Meta, Node, Operation, RunCx, Scratch};
 use crate::lazy::shape;
-use crate::lazy::tensor::IntoLazy;
 use crate::lazy::LazyTensor;
 
 pub(crate) enum Attention {
@@ -52,7 +52,7 @@ fn like(out: &Meta, last: i64) -> (u64, u64) {
     (a / ev * last.max(0) as u64, c / ev * last.max(0) as u64)
 }
 
-impl Rules for Attention {
+impl Operation for Attention {
     fn name(&self) -> &'static str {
         "scaled_dot_product_attention"
     }

@@ -5,13 +5,13 @@ use std::rc::Rc;
 
 use tch::{Kind, TchError, Tensor};
 
+use super::record::IntoLazy;
 use super::record::{combine_flows, same_device, unary_flow, Linearity, Record};
-use super::{arg, kind_err, panicking, same_shape_flow, shape_err, Rules, RunCx, Scratch};
+use super::{arg, kind_err, panicking, same_shape_flow, shape_err};
 use crate::lazy::error::LazyError;
-use crate::lazy::graph::{BatchDim, Flow, Meta, Node};
+use crate::lazy::graph::{BatchDim, Flow, Meta, Node, Operation, RunCx, Scratch};
 use crate::lazy::int_list::IntList;
 use crate::lazy::shape;
-use crate::lazy::tensor::IntoLazy;
 use crate::lazy::LazyTensor;
 
 pub(crate) enum Layout {
@@ -70,7 +70,7 @@ pub(crate) enum Layout {
     },
 }
 
-impl Rules for Layout {
+impl Operation for Layout {
     fn name(&self) -> &'static str {
         match self {
             Layout::View => "view",

@@ -7,12 +7,12 @@ use std::rc::Rc;
 
 use tch::{Kind, Reduction, TchError, Tensor};
 
+use super::record::IntoLazy;
 use super::record::{broadcast_flows, combine_flows, same_device, Linearity, Record};
-use super::{arg, floating, kind_err, panicking, same_kind, shape_err, Rules, RunCx, Scratch, Share};
+use super::{arg, floating, kind_err, panicking, same_kind, shape_err};
 use crate::lazy::error::LazyError;
-use crate::lazy::graph::{Flow, Meta, Node};
+use crate::lazy::graph::{Flow, Meta, Node, Operation, RunCx, Scratch, Share};
 use crate::lazy::shape;
-use crate::lazy::tensor::IntoLazy;
 use crate::lazy::LazyTensor;
 
 pub(crate) enum Loss {
@@ -61,7 +61,7 @@ impl Loss {
     }
 }
 
-impl Rules for Loss {
+impl Operation for Loss {
     fn name(&self) -> &'static str {
         match self {
             Loss::CrossEntropy { .. } => "cross_entropy_for_logits",

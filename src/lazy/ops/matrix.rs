@@ -4,12 +4,12 @@ use std::rc::Rc;
 
 use tch::{Kind, TchError, Tensor};
 
+use super::record::IntoLazy;
 use super::record::{combine_flows, same_device, Linearity, Record};
-use super::{floating, kind_err, panicking, requires, same_kind, shape_err, Rules, RunCx, Scratch};
+use super::{floating, kind_err, panicking, requires, same_kind, shape_err};
 use crate::lazy::error::LazyError;
-use crate::lazy::graph::{Flow, Meta, Node};
+use crate::lazy::graph::{Flow, Meta, Node, Operation, RunCx, Scratch};
 use crate::lazy::shape;
-use crate::lazy::tensor::IntoLazy;
 use crate::lazy::LazyTensor;
 
 pub(crate) enum Matrix {
@@ -25,7 +25,7 @@ pub(crate) enum Matrix {
     Embedding { padding_idx: i64, scale_grad_by_freq: bool },
 }
 
-impl Rules for Matrix {
+impl Operation for Matrix {
     fn name(&self) -> &'static str {
         match self {
             Matrix::Matmul => "matmul",

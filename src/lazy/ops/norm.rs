@@ -4,13 +4,13 @@ use std::rc::Rc;
 
 use tch::{Kind, TchError, Tensor};
 
+use super::record::IntoLazy;
 use super::record::{combine_flows, same_device, Linearity, Record};
-use super::{arg, floating, panicking, same_kind, shape_err, Rules, RunCx};
+use super::{arg, floating, panicking, same_kind, shape_err};
 use crate::lazy::error::LazyError;
-use crate::lazy::graph::{Meta, Node};
+use crate::lazy::graph::{Meta, Node, Operation, RunCx, Scratch};
 use crate::lazy::int_list::IntList;
 use crate::lazy::shape;
-use crate::lazy::tensor::IntoLazy;
 use crate::lazy::LazyTensor;
 
 pub(crate) enum Norm {
@@ -48,9 +48,9 @@ impl Norm {
     }
 }
 
-impl Rules for Norm {
-    fn scratch(&self, inputs: &[Rc<Node>], _meta: &Meta) -> super::Scratch {
-        let mut scratch = super::Scratch::default();
+impl Operation for Norm {
+    fn scratch(&self, inputs: &[Rc<Node>], _meta: &Meta) -> Scratch {
+        let mut scratch = Scratch::default();
         // The composite rms_norm squares the input before its mean (forward), and its backward
         // builds input-sized terms of the gradient.
         if matches!(self, Norm::Rms { .. }) {

@@ -5,12 +5,12 @@ use std::rc::Rc;
 
 use tch::{Kind, TchError, Tensor};
 
+use super::record::IntoLazy;
 use super::record::{broadcast_flows, same_device, Linearity, Record};
-use super::{arg, floating, kind_err, panicking, requires, same_shape_flow, shape_err, Rules, RunCx, Scratch, Share};
+use super::{arg, floating, kind_err, panicking, requires, same_shape_flow, shape_err};
 use crate::lazy::error::LazyError;
-use crate::lazy::graph::{Meta, Node};
+use crate::lazy::graph::{Meta, Node, Operation, RunCx, Scratch, Share};
 use crate::lazy::shape;
-use crate::lazy::tensor::IntoLazy;
 use crate::lazy::LazyTensor;
 
 /// Unary elementwise ops.
@@ -129,7 +129,7 @@ pub(crate) enum Pointwise {
     },
 }
 
-impl Rules for Pointwise {
+impl Operation for Pointwise {
     fn name(&self) -> &'static str {
         match self {
             Pointwise::Unary(u) => match u {

@@ -5,12 +5,29 @@ use std::rc::Rc;
 
 use tch::{Device, Kind, Tensor};
 
-use super::source::Source;
-use super::Op;
 use crate::lazy::error::LazyError;
-use crate::lazy::graph::{BatchDim, Bytes, Cost, Flow, Meta, Node, Param, ParamKey};
+use crate::lazy::graph::{BatchDim, Bytes, Cost, Flow, LazyTensor, Meta, Node, Operation, Param, ParamKey, Source};
 use crate::lazy::shape;
-use crate::lazy::LazyTensor;
+
+/// What an op takes as a tensor operand: a `&LazyTensor`, or a `&tch::Tensor`, recorded as a
+/// fixed operand (a parameter or a constant, without a batch dimension). References only, as
+/// tch's methods take them (`x.matmul(&w)`).
+pub trait IntoLazy {
+    /// The operand as a lazy tensor.
+    fn into_lazy(self) -> LazyTensor;
+}
+
+impl IntoLazy for &LazyTensor {
+    fn into_lazy(self) -> LazyTensor {
+        self.clone()
+    }
+}
+
+impl IntoLazy for &Tensor {
+    fn into_lazy(self) -> LazyTensor {
+        leaf(self, None)
+    }
+}
 
 /// How an op treats values that were reduced over the batch ([`Flow::Sum`] and [`Flow::Max`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,7 +45,7 @@ pub(crate) enum Linearity {
 
 /// A node about to be created.
 pub(crate) struct Record {
-    pub(crate) op: Op,
+    pub(crate) op: Box<dyn Operation>,
     pub(crate) inputs: Vec<Rc<Node>>,
     pub(crate) shape: Vec<i64>,
     /// `None`: a fresh, contiguous output.
@@ -42,9 +59,15 @@ pub(crate) struct Record {
 }
 
 impl Record {
-    pub(crate) fn new(op: impl Into<Op>, inputs: Vec<Rc<Node>>, shape: Vec<i64>, kind: Kind, device: Device) -> Self {
+    pub(crate) fn new(
+        op: impl Operation + 'static,
+        inputs: Vec<Rc<Node>>,
+        shape: Vec<i64>,
+        kind: Kind,
+        device: Device,
+    ) -> Self {
         Record {
-            op: op.into(),
+            op: Box::new(op),
             inputs,
             shape,
             strides: None,
@@ -89,7 +112,7 @@ impl Record {
             mixes: self.mixes,
         };
         let op = self.op;
-        let cost = cost(&op, &self.inputs, &meta);
+        let cost = cost(&*op, &self.inputs, &meta);
         LazyTensor { node: Node::new(op, self.inputs, meta, cost) }
     }
 }
@@ -111,7 +134,7 @@ pub(crate) fn leaf(tensor: &Tensor, batch: Option<usize>) -> LazyTensor {
         mixes: None,
         shape,
     };
-    let op = Op::Source(match batch {
+    let op: Box<dyn Operation> = Box::new(match batch {
         Some(dim) => Source::Input { tensor: tensor.shallow_clone(), dim },
         None => {
             let param =
@@ -119,7 +142,7 @@ pub(crate) fn leaf(tensor: &Tensor, batch: Option<usize>) -> LazyTensor {
             Source::Leaf { tensor: tensor.shallow_clone(), param }
         }
     });
-    let cost = cost(&op, &[], &meta);
+    let cost = cost(&*op, &[], &meta);
     LazyTensor { node: Node::new(op, Vec::new(), meta, cost) }
 }
 
@@ -288,11 +311,11 @@ pub(crate) fn unary_flow(
 }
 
 /// What a node costs in memory, from its op's rules: worked out once, when it is recorded.
-fn cost(op: &Op, inputs: &[Rc<Node>], meta: &Meta) -> Cost {
+fn cost(op: &dyn Operation, inputs: &[Rc<Node>], meta: &Meta) -> Cost {
     let elements = meta.numel_parts();
     let grad = Bytes::of(elements, meta.kind);
-    let leaf = op.is_source();
-    let rules = op.rules();
+    let leaf = op.source().is_some();
+    let rules = op;
     let out = if leaf || meta.alias { Bytes::default() } else { grad };
     let extra = match rules.saved_extra(inputs, meta) {
         Some((a, c, kind)) if meta.requires_grad => Bytes::of((a, c), kind),
@@ -316,7 +339,8 @@ fn cost(op: &Op, inputs: &[Rc<Node>], meta: &Meta) -> Cost {
         }
     }
     let alias_rest = inputs.len() > 64 && rules.grad_aliases(64, inputs, meta);
-    let mut hash = crate::hash::mix(op.tag() ^ meta.kind as u64);
+    let tag = crate::hash::hash_bytes(0, op.name().as_bytes());
+    let mut hash = crate::hash::mix(tag ^ meta.kind as u64);
     for &s in &meta.shape {
         hash = crate::hash::mix(hash ^ s as u64);
     }

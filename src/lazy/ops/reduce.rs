@@ -6,9 +6,9 @@ use std::rc::Rc;
 use tch::{Kind, TchError, Tensor};
 
 use super::record::{Linearity, Record};
-use super::{arg, kind_err, panicking, same_shape_flow, Rules, RunCx, Scratch, Share};
+use super::{arg, kind_err, panicking, same_shape_flow};
 use crate::lazy::error::LazyError;
-use crate::lazy::graph::{BatchDim, Flow, Meta, Node};
+use crate::lazy::graph::{BatchDim, Flow, Meta, Node, Operation, RunCx, Scratch, Share};
 use crate::lazy::int_list::{IntList, IntListOption};
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
@@ -38,7 +38,7 @@ pub(crate) enum Reduce {
     },
 }
 
-impl Rules for Reduce {
+impl Operation for Reduce {
     fn name(&self) -> &'static str {
         match self {
             Reduce::Dims { op: ReduceOp::Sum, .. } => "sum",

@@ -5,14 +5,14 @@ use std::rc::Rc;
 
 use tch::{Kind, TchError, Tensor};
 
+use super::record::IntoLazy;
 use super::record::{combine_flows, same_device, unary_flow, Linearity, Record};
-use super::{arg, floating, panicking, requires, same_kind, shape_err, Rules, RunCx, Scratch};
+use super::{arg, floating, panicking, requires, same_kind, shape_err};
 use crate::lazy::error::LazyError;
-use crate::lazy::graph::{Flow, Meta, Node};
+use crate::lazy::graph::{Flow, Meta, Node, Operation, RunCx, Scratch};
 use crate::lazy::int_list::IntList;
 use crate::lazy::scratch;
 use crate::lazy::shape;
-use crate::lazy::tensor::IntoLazy;
 use crate::lazy::LazyTensor;
 
 pub(crate) enum Window {
@@ -111,7 +111,7 @@ impl Window {
     }
 }
 
-impl Rules for Window {
+impl Operation for Window {
     fn name(&self) -> &'static str {
         match self {
             Window::Conv1d { .. } => "conv1d",

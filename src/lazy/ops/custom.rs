@@ -7,11 +7,9 @@ use std::sync::Mutex;
 
 use tch::{Device, Kind, TchError, Tensor};
 
-use super::error::LazyError;
-use super::graph::{BatchDim, Flow, Node};
-use super::ops::record::{same_device, Record};
-use super::ops::{Op, Rules, RunCx};
-use super::LazyTensor;
+use super::record::{same_device, Record};
+use crate::lazy::error::LazyError;
+use crate::lazy::graph::{BatchDim, Flow, LazyTensor, Node, Operation, RunCx};
 
 /// What autograd keeps alive for a custom op's backward; the planner counts it until the
 /// backward of the op has run.
@@ -169,8 +167,7 @@ impl CustomOp {
             }
         }
         let (flow, mixes) = self.flow(&nodes, &out).map_err(argument)?;
-        let op = Op::Custom(Rc::new(self.clone()));
-        Ok(Record::new(op, nodes, out.shape, out.kind, device).flow((flow, mixes)).finish())
+        Ok(Record::new(self.clone(), nodes, out.shape, out.kind, device).flow((flow, mixes)).finish())
     }
 }
 
@@ -188,7 +185,7 @@ fn intern(name: String) -> &'static str {
     leaked
 }
 
-impl Rules for CustomOp {
+impl Operation for CustomOp {
     fn name(&self) -> &'static str {
         self.name
     }

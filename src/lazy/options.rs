@@ -1,0 +1,111 @@
+//! How to plan and run: the memory budget, splitting policy and cache.
+
+use crate::cache::CacheKind;
+use crate::ConfigError;
+
+/// How to plan and run: the memory budget, splitting policy and cache.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Options {
+    pub(crate) budget: Option<u64>,
+    pub(crate) margin: f64,
+    pub(crate) micro_batch: Option<usize>,
+    pub(crate) allow_batch_mixing: bool,
+    pub(crate) cache: Option<CacheKind>,
+    pub(crate) retry: bool,
+    #[cfg(feature = "dist")]
+    pub(crate) group: Option<crate::dist::Group>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            budget: None,
+            margin: 0.1,
+            micro_batch: None,
+            allow_batch_mixing: false,
+            cache: None,
+            retry: true,
+            #[cfg(feature = "dist")]
+            group: None,
+        }
+    }
+}
+
+impl Options {
+    /// The defaults: the budget is the free memory of the inputs' device less 10 %.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A budget in bytes, instead of the device's free memory.
+    pub fn budget(mut self, bytes: u64) -> Self {
+        self.budget = Some(bytes);
+        self
+    }
+
+    /// The fraction of free memory kept back when the budget is not given (0.1 unless told).
+    ///
+    /// # Panics
+    /// When `fraction` is not in `[0, 1)` (NaN included): [`ConfigError::OutOfRange`].
+    #[track_caller]
+    pub fn safety_margin(mut self, fraction: f64) -> Self {
+        if !(0.0..1.0).contains(&fraction) {
+            panic!("{}", ConfigError::OutOfRange { what: "safety margin", range: "[0, 1)", value: fraction });
+        }
+        self.margin = fraction;
+        self
+    }
+
+    /// Runs micro-batches of this size (at most the batch), whatever the plan says.
+    ///
+    /// # Panics
+    /// When `size` is 0: [`ConfigError::ZeroSize`].
+    #[track_caller]
+    pub fn micro_batch(mut self, size: usize) -> Self {
+        if size == 0 {
+            panic!("{}", ConfigError::ZeroSize { what: "micro-batch size" });
+        }
+        self.micro_batch = Some(size);
+        self
+    }
+
+    /// Splits even a computation that mixes samples (batch norm in training, batch
+    /// statistics): each micro-batch then uses statistics of its own samples.
+    pub fn allow_batch_mixing(mut self, allow: bool) -> Self {
+        self.allow_batch_mixing = allow;
+        self
+    }
+
+    /// The cache that remembers micro-batch sizes after an out-of-memory (the process default
+    /// unless told).
+    pub fn cache(mut self, kind: CacheKind) -> Self {
+        self.cache = Some(kind);
+        self
+    }
+
+    /// Whether a micro-batch that runs out of memory is halved and redone (on unless told).
+    pub fn retry(mut self, retry: bool) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// Trains as one rank of `group` (feature `dist`): [`backward_with`](LazyTensor::backward_with)
+    /// weighs every mean-reduced loss by the *global* count of samples (or counted targets),
+    /// summed over the ranks, then sums every parameter's `.grad()` across the ranks (c10d Gloo).
+    /// Each rank plans and splits its own batch under its own budget (ranks on different cards
+    /// use different micro-batches, and may hold different batch sizes); afterwards every
+    /// rank's `.grad()` equals one backward over the union of all ranks' batches, and every
+    /// rank gets the loss of that union.
+    ///
+    /// Every rank must call it for the same model (the same graph) in step. Zero the gradients
+    /// before each step (`opt.zero_grad()`): the sum covers the whole `.grad()`, so gradients
+    /// left from an earlier step would be summed again. Parameters that reach the graph only
+    /// through eager ops (a fixed operand computed from them) get their gradient through those
+    /// ops and are not summed; sum them with [`Group::all_reduce_sum`](crate::dist::Group::all_reduce_sum).
+    #[cfg(feature = "dist")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "dist")))]
+    pub fn group(mut self, group: &crate::dist::Group) -> Self {
+        self.group = Some(group.clone());
+        self
+    }
+}

@@ -1,0 +1,170 @@
+//! Wrapping inputs for recording: [`lazy`] and [`try_lazy`] over a tensor, or a tuple, array or
+//! `Vec` of them, all with one batch dimension.
+
+use tch::Tensor;
+
+use super::error::LazyError;
+use super::graph::LazyTensor;
+use super::shape;
+
+/// What [`lazy`] wraps: a tensor, or a tuple, array or `Vec` of them.
+pub trait Lazify {
+    /// The lazy counterpart: a [`LazyTensor`], or a tuple/array/`Vec` of them.
+    type Output;
+
+    /// Wraps with batch dimension `batch` (`None`: no batch dimension).
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] when a tensor has no such dimension, [`LazyError::Batch`] when
+    /// the tensors' batch sizes differ.
+    fn lazify(self, batch: Option<i64>) -> Result<Self::Output, LazyError>;
+
+    /// The batch sizes of what is wrapped, to check that they agree.
+    #[doc(hidden)]
+    fn batch_sizes(&self, batch: Option<i64>, sizes: &mut Vec<(Vec<i64>, i64)>);
+}
+
+impl Lazify for &Tensor {
+    type Output = LazyTensor;
+    fn lazify(self, batch: Option<i64>) -> Result<LazyTensor, LazyError> {
+        match batch {
+            Some(dim) => LazyTensor::batched(self, dim),
+            None => Ok(LazyTensor::fixed(self)),
+        }
+    }
+    fn batch_sizes(&self, batch: Option<i64>, sizes: &mut Vec<(Vec<i64>, i64)>) {
+        if let Some(dim) = batch {
+            let shape = self.size();
+            if let Ok(d) = shape::wrap_dim(dim, shape.len()) {
+                if let Some(&size) = shape.get(d) {
+                    sizes.push((shape, size));
+                }
+            }
+        }
+    }
+}
+
+macro_rules! lazify_tuple {
+    ($($name:ident),+) => {
+        impl<$($name: Lazify),+> Lazify for ($($name,)+) {
+            type Output = ($($name::Output,)+);
+            #[allow(non_snake_case)]
+            fn lazify(self, batch: Option<i64>) -> Result<Self::Output, LazyError> {
+                let ($($name,)+) = self;
+                Ok(($($name.lazify(batch)?,)+))
+            }
+            #[allow(non_snake_case)]
+            fn batch_sizes(&self, batch: Option<i64>, sizes: &mut Vec<(Vec<i64>, i64)>) {
+                let ($($name,)+) = self;
+                $($name.batch_sizes(batch, sizes);)+
+            }
+        }
+    };
+}
+
+lazify_tuple!(A);
+lazify_tuple!(A, B);
+lazify_tuple!(A, B, C);
+lazify_tuple!(A, B, C, D);
+lazify_tuple!(A, B, C, D, E);
+lazify_tuple!(A, B, C, D, E, F);
+
+impl<const K: usize> Lazify for &[Tensor; K] {
+    type Output = [LazyTensor; K];
+    fn lazify(self, batch: Option<i64>) -> Result<Self::Output, LazyError> {
+        let v = self.as_slice().lazify(batch)?;
+        Ok(v.try_into().unwrap_or_else(|_| unreachable!("K tensors give K lazy tensors")))
+    }
+    fn batch_sizes(&self, batch: Option<i64>, sizes: &mut Vec<(Vec<i64>, i64)>) {
+        self.as_slice().batch_sizes(batch, sizes)
+    }
+}
+
+impl Lazify for &[Tensor] {
+    type Output = Vec<LazyTensor>;
+    fn lazify(self, batch: Option<i64>) -> Result<Self::Output, LazyError> {
+        self.iter().map(|t| t.lazify(batch)).collect()
+    }
+    fn batch_sizes(&self, batch: Option<i64>, sizes: &mut Vec<(Vec<i64>, i64)>) {
+        for t in self.iter() {
+            t.batch_sizes(batch, sizes);
+        }
+    }
+}
+
+impl Lazify for &Vec<Tensor> {
+    type Output = Vec<LazyTensor>;
+    fn lazify(self, batch: Option<i64>) -> Result<Self::Output, LazyError> {
+        self.as_slice().lazify(batch)
+    }
+    fn batch_sizes(&self, batch: Option<i64>, sizes: &mut Vec<(Vec<i64>, i64)>) {
+        self.as_slice().batch_sizes(batch, sizes)
+    }
+}
+
+/// A batch dimension argument: `0`, `-1`, `Some(0)`, or `None` for no batch dimension.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchDimArg(pub Option<i64>);
+
+impl From<i32> for BatchDimArg {
+    fn from(d: i32) -> Self {
+        BatchDimArg(Some(i64::from(d)))
+    }
+}
+impl From<i64> for BatchDimArg {
+    fn from(d: i64) -> Self {
+        BatchDimArg(Some(d))
+    }
+}
+impl From<usize> for BatchDimArg {
+    fn from(d: usize) -> Self {
+        BatchDimArg(Some(d as i64))
+    }
+}
+impl From<Option<i64>> for BatchDimArg {
+    fn from(d: Option<i64>) -> Self {
+        BatchDimArg(d)
+    }
+}
+
+/// Wraps inputs for lazy recording, all with the same batch dimension: a tensor, or a tuple,
+/// array or `Vec` of them (`lazy((&input, &label), 0)`, as koila's `lazy(input, label,
+/// batch=0)`).
+///
+/// # Panics
+/// When a tensor has no such dimension, or the tensors' batch sizes differ; [`try_lazy`]
+/// reports these as errors.
+///
+/// ```
+/// use tch::{Device, Kind, Tensor};
+/// let input = Tensor::randn([8, 3, 4, 4], (Kind::Float, Device::Cpu));
+/// let label = Tensor::zeros([8], (Kind::Int64, Device::Cpu));
+/// let (x, y) = toma::lazy::lazy((&input, &label), 0);
+/// assert_eq!((x.batch_dim(), y.batch_size()), (Some(0), Some(8)));
+/// ```
+#[track_caller]
+pub fn lazy<L: Lazify>(inputs: L, batch: impl Into<BatchDimArg>) -> L::Output {
+    try_lazy(inputs, batch).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Like [`lazy`], with bad dimensions and mismatched batch sizes reported as errors.
+///
+/// # Errors
+/// [`LazyError::Argument`] for a dimension a tensor lacks, [`LazyError::Batch`] for batch
+/// sizes that differ.
+pub fn try_lazy<L: Lazify>(inputs: L, batch: impl Into<BatchDimArg>) -> Result<L::Output, LazyError> {
+    let batch = batch.into().0;
+    let mut sizes = Vec::new();
+    inputs.batch_sizes(batch, &mut sizes);
+    if let Some((first_shape, first)) = sizes.first() {
+        if let Some((shape, size)) = sizes.iter().find(|(_, s)| s != first) {
+            return Err(LazyError::Batch {
+                op: "lazy".into(),
+                lhs: first_shape.clone(),
+                rhs: shape.clone(),
+                reason: format!("batch sizes {first} and {size} differ along dimension {batch:?}"),
+            });
+        }
+    }
+    inputs.lazify(batch)
+}
