@@ -35,6 +35,10 @@ fn with_libtorch() {
         return;
     };
     let include = lib.parent().map_or_else(|| lib.join("include"), |root| root.join("include"));
+    // The planner's cost layer says which libtorch its rules were read on: pass the version on.
+    if let Some(version) = libtorch_version(&include) {
+        println!("cargo::rustc-env=TOMA_LIBTORCH_VERSION={version}");
+    }
 
     match compile_shim(&include) {
         Ok(()) => println!("cargo::rustc-cfg=toma_shim"),
@@ -47,6 +51,25 @@ fn with_libtorch() {
         compile_dist(&include);
     }
     link_torch_cuda(&lib);
+}
+
+/// `major.minor.patch` from libtorch's headers (`torch/headeronly/version.h` since 2.9,
+/// `torch/csrc/api/include/torch/version.h` before).
+#[cfg(feature = "tch")]
+fn libtorch_version(include: &Path) -> Option<String> {
+    let text = ["torch/headeronly/version.h", "torch/csrc/api/include/torch/version.h"]
+        .iter()
+        .find_map(|file| std::fs::read_to_string(include.join(file)).ok())?;
+    let number = |name: &str| {
+        text.lines()
+            .find_map(|line| line.trim().strip_prefix("#define ")?.strip_prefix(name)?.trim().parse::<u32>().ok())
+    };
+    Some(format!(
+        "{}.{}.{}",
+        number("TORCH_VERSION_MAJOR")?,
+        number("TORCH_VERSION_MINOR")?,
+        number("TORCH_VERSION_PATCH")?
+    ))
 }
 
 /// Feature `dist`: c10d's store and, with gloo's headers, its Gloo process group. Unlike the

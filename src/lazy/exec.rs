@@ -3,6 +3,7 @@
 
 use tch::{Kind, TchError, Tensor};
 
+use super::cost::CostModel;
 use super::error::LazyError;
 use super::graph::{Flow, LazyTensor, RunCx, Share, Source};
 use super::options::Options;
@@ -118,7 +119,7 @@ fn forward_chunk(c: &Compiled, chunk: &Chunk<'_>, mut trace: Option<&mut Vec<Tra
                 let bytes = if view {
                     0
                 } else {
-                    let block = plan::block_of(out.device());
+                    let block = CostModel::of(out.device()).block();
                     (out.numel() as u64 * out.kind().elt_size_in_bytes() as u64).div_ceil(block) * block
                 };
                 t.push(TracedOp { node: i, name: node.op.name().into(), shape: actual, bytes, held: Vec::new() });

@@ -7,7 +7,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use tch::{Device, Kind, TchError, Tensor};
 
-use super::scratch::ReduceStaging;
 use super::shape;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -108,36 +107,34 @@ impl Node {
     }
 }
 
-/// `per_sample * b + fixed` bytes (at least `one` at a micro-batch of one).
+/// `per * b + fixed` bytes at a micro-batch of `b` samples.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Bytes {
     pub(crate) per: u64,
     pub(crate) fixed: u64,
-    /// Bytes at one sample where a library runs a single sample another way (0: none).
-    pub(crate) one: u64,
 }
 
 impl Bytes {
     pub(crate) fn of(elements: (u64, u64), kind: Kind) -> Bytes {
         let e = kind.elt_size_in_bytes() as u64;
-        Bytes { per: elements.0 * e, fixed: elements.1 * e, one: 0 }
+        Bytes { per: elements.0 * e, fixed: elements.1 * e }
+    }
+
+    /// The bytes at the full batch `n`.
+    pub(crate) fn at(self, n: u64) -> u64 {
+        self.per * n + self.fixed
     }
 }
 
-/// What a node costs in memory, worked out when it is recorded so that planning only adds up.
+/// What a node costs in memory whatever the device, worked out when it is recorded: its
+/// output, its gradient, and what autograd saves. What its kernels take besides is the cost
+/// layer's to say, per plan (see [`KernelCall`]).
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Cost {
     /// Its output's new allocation (0 for views, inputs and parameters).
     pub(crate) out: Bytes,
     /// Its value as a fresh tensor: what its gradient costs.
     pub(crate) grad: Bytes,
-    /// What the op allocates besides its output and autograd keeps for its backward.
-    pub(crate) extra: Bytes,
-    /// Scratch space while it runs, and while its backward runs.
-    pub(crate) work: Bytes,
-    pub(crate) back_work: Bytes,
-    /// CUDA reductions' staging buffers, each with whether its backward takes it.
-    pub(crate) staged: Box<[(bool, ReduceStaging)]>,
     /// Inputs autograd keeps for the backward (bit k: input k; inputs past 64 are never saved).
     pub(crate) saved: u64,
     /// Inputs whose gradient is a view of the output's (bit k: input k; past 64: `alias_rest`).
@@ -259,16 +256,10 @@ pub(crate) trait Operation {
         false
     }
 
-    /// A tensor the op allocates besides its output and autograd keeps for the backward (when
-    /// the output requires a gradient): `(elements per sample, fixed elements, kind)`.
-    fn saved_extra(&self, _inputs: &[Rc<Node>], _meta: &Meta) -> Option<(u64, u64, Kind)> {
-        None
-    }
-
-    /// Scratch space the op's kernels take while it runs, forward and backward.
-    fn scratch(&self, _inputs: &[Rc<Node>], _meta: &Meta) -> Scratch {
-        Scratch::default()
-    }
+    /// What the op's kernels do besides computing the output, for the cost layer to price on
+    /// the device a plan is made for: buffers autograd keeps, temporaries, reductions,
+    /// convolutions.
+    fn kernels<'a>(&'a self, _inputs: &'a [Rc<Node>], _meta: &'a Meta, _calls: &mut Vec<KernelCall<'a>>) {}
 
     /// In a split run, when the op's value is summed over micro-batches: its share of the
     /// full batch's value, or `None` to run it as is.
@@ -315,26 +306,67 @@ pub(crate) struct Share<'a> {
     pub(crate) reduces_batch: bool,
 }
 
-/// Scratch space of an op while it runs, besides inputs and outputs.
-#[derive(Default)]
-pub(crate) struct Scratch {
-    /// Elements `(per sample, fixed)` in the input's kind, forward and backward.
-    pub(crate) forward: (u64, u64),
-    pub(crate) backward: (u64, u64),
-    /// Elements at a micro-batch of one, forward and backward, where a single sample runs
-    /// another way (libtorch's native convolution for one small sample, oneDNN's for more).
-    pub(crate) one: Option<(u64, u64)>,
-    /// Staging buffers of CUDA reductions, each with whether it is taken in the backward.
-    pub(crate) staged: Vec<(bool, ReduceStaging)>,
+/// A kernel call an op makes besides computing its output, as the cost layer needs to know it:
+/// what it computes, on which shapes, not what it costs (that depends on the device, its
+/// library and its threads: the cost layer's models).
+pub(crate) enum KernelCall<'a> {
+    /// Autograd keeps a tensor the op makes until the op's backward (max-pooling's indices, a
+    /// norm's statistics): `(per sample, fixed)` elements of `kind`. Only when the output
+    /// requires a gradient.
+    Keeps { elements: (u64, u64), kind: Kind },
+    /// Temporaries of a composite kernel, while the forward runs and while the backward runs:
+    /// `(per sample, fixed)` elements of the op's first input's kind. Composite kernels are
+    /// libtorch's formulas over other ops: as large on every device.
+    Temporaries { forward: (u64, u64), backward: (u64, u64) },
+    /// A reduction of a tensor shaped like `of` over the dimensions whose bit is set in `mask`,
+    /// in the forward, or in the backward (of the output's gradient).
+    Reduction { of: &'a Meta, mask: u64, backward: bool },
+    /// A convolution, plain or transposed.
+    Convolution(Convolution<'a>),
+    /// A dropout in training, which keeps its mask (`elements` of the input's `kind`: as large as
+    /// the input, or one per sample and channel for the feature forms).
+    DropoutMask { elements: (u64, u64), kind: Kind },
+    /// `log_sigmoid`, whose kernel may keep a buffer as large as its input (`elements` of `kind`).
+    LogSigmoid { elements: (u64, u64), kind: Kind },
+    /// `rms_norm` of `input` elements of `kind`, normalized over rows of `row` elements, with or
+    /// without a weight.
+    RmsNorm { input: (u64, u64), row: u64, weight: bool, kind: Kind },
 }
 
-impl Scratch {
-    /// Adds a CUDA reduction of `of` (an output gradient in the backward) over the dimensions
-    /// in `mask`.
-    pub(crate) fn stage(&mut self, backward: bool, of: &Meta, mask: u64) {
-        if let Some(s) = ReduceStaging::new(&of.shape, of.batch(), mask, of.kind, of.device) {
-            self.staged.push((backward, s));
-        }
+/// A convolution as a kernel call: its operands' facts and its settings over the spatial
+/// dimensions.
+pub(crate) struct Convolution<'a> {
+    pub(crate) input: &'a Meta,
+    /// The weight (`[O, C / groups, k..]`; transposed: `[C, O / groups, k..]`).
+    pub(crate) weight: &'a Meta,
+    pub(crate) output: &'a Meta,
+    pub(crate) stride: &'a [i64],
+    pub(crate) padding: &'a [i64],
+    pub(crate) dilation: &'a [i64],
+    pub(crate) groups: i64,
+    pub(crate) transposed: bool,
+    /// Whether it adds a bias, and whether the input requires a gradient.
+    pub(crate) bias: bool,
+    pub(crate) input_grad: bool,
+}
+
+impl Convolution<'_> {
+    pub(crate) fn strided(&self) -> bool {
+        self.stride.iter().any(|&s| s != 1)
+    }
+
+    pub(crate) fn dilated(&self) -> bool {
+        self.dilation.iter().any(|&d| d != 1)
+    }
+
+    /// The kernel's spatial sizes.
+    pub(crate) fn kernel(&self) -> &[i64] {
+        &self.weight.shape[2..]
+    }
+
+    /// Whether the input has a batch dimension (`[N, C, ..]`, not `[C, ..]`).
+    pub(crate) fn batched(&self) -> bool {
+        self.output.shape.len() == self.stride.len() + 2
     }
 }
 

@@ -55,6 +55,7 @@
 //! so nothing counts twice), and the size that worked is remembered in toma's cache, per graph
 //! shape. A `tracing` info event reports each plan (peak, budget, micro-batch, chunks).
 
+mod cost;
 mod error;
 mod exec;
 mod graph;
@@ -65,7 +66,6 @@ pub mod nn;
 mod ops;
 mod options;
 mod plan;
-mod scratch;
 mod shape;
 mod tch_compat;
 mod tensor;
@@ -73,15 +73,17 @@ mod tensor_ops;
 pub mod vision;
 mod wrap;
 
+pub use cost::cuda::{round_block, BLOCK};
 pub use error::LazyError;
 pub use exec::TracedOp;
 pub use graph::LazyTensor;
 pub use index::{LazyIndexer, TensorIndex};
 pub use int_list::{IntList, IntListOption};
+pub use nn::{Layer, LayerT};
 pub use ops::custom::{CustomOp, Saves, TensorMeta};
 pub use ops::record::IntoLazy;
 pub use options::Options;
-pub use plan::{round_block, Mode, Phase, Plan, PlanOp, Step, BLOCK};
+pub use plan::{Mode, Phase, Plan, PlanOp, Step};
 pub use tensor::{OpCosts, Split};
-pub use tensor_ops::{Layer, LayerT, TensorOps};
+pub use tensor_ops::TensorOps;
 pub use wrap::{lazy, try_lazy, BatchDimArg, Lazify};

@@ -21,8 +21,9 @@
 
 use tch::{nn, Kind, Tensor};
 
+use super::nn::Layer;
 use super::nn::{both_modules, LazyModuleT};
-use super::tensor_ops::{Layer, TensorOps};
+use super::tensor_ops::TensorOps;
 
 /// The sizes of a block.
 #[derive(Clone, Copy, Debug, PartialEq)]

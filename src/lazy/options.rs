@@ -89,7 +89,7 @@ impl Options {
         self
     }
 
-    /// Trains as one rank of `group` (feature `dist`): [`backward_with`](LazyTensor::backward_with)
+    /// Trains as one rank of `group` (feature `dist`): [`backward_with`](crate::lazy::LazyTensor::backward_with)
     /// weighs every mean-reduced loss by the *global* count of samples (or counted targets),
     /// summed over the ranks, then sums every parameter's `.grad()` across the ranks (c10d Gloo).
     /// Each rank plans and splits its own batch under its own budget (ranks on different cards

@@ -29,10 +29,11 @@ use std::rc::Rc;
 
 use tch::{Device, Kind};
 
+use super::cost::cuda::ReduceStaging;
+use super::cost::{CostModel, Price, Work};
 use super::error::LazyError;
 use super::graph::{Bytes, Flow, LazyTensor, Node, ParamKey, Source};
 use super::options::Options;
-use super::scratch::ReduceStaging;
 
 /// What a plan covers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -52,40 +53,6 @@ pub enum Phase {
     Backward,
     /// Adding the micro-batch's parameter gradients into `.grad()`.
     Accumulate,
-}
-
-/// The allocation granularity of the CUDA caching allocator.
-pub const BLOCK: u64 = 512;
-
-/// Rounds up to the CUDA caching allocator's block size; 0 stays 0.
-pub fn round_block(bytes: u64) -> u64 {
-    bytes.div_ceil(BLOCK) * BLOCK
-}
-
-/// The block a device's allocator counts in: CUDA's caching allocator rounds every allocation
-/// up to [`BLOCK`]; libtorch's CPU allocator, as toma counts it, takes bytes as asked.
-pub(crate) fn block_of(device: Device) -> u64 {
-    if device.is_cuda() {
-        BLOCK
-    } else {
-        1
-    }
-}
-
-trait At {
-    fn at(self, b: u64, block: u64) -> u64;
-}
-
-impl At for Bytes {
-    /// Bytes at micro-batch `b`, rounded to the allocator's block.
-    #[inline]
-    fn at(self, b: u64, block: u64) -> u64 {
-        let bytes = self.per * b + self.fixed;
-        let bytes = if b == 1 { bytes.max(self.one) } else { bytes };
-        // Blocks are powers of two (`block_of`): a mask, not a division, on this hot path.
-        debug_assert!(block.is_power_of_two());
-        (bytes + block - 1) & !(block - 1)
-    }
 }
 
 /// The graph of one output, compiled for planning and running: nodes in topological order
@@ -115,7 +82,8 @@ pub(crate) struct Compiled {
     in_place: OnceCell<bool>,
     /// Full batch size (1 when nothing is batched).
     pub(crate) batch: i64,
-    /// The block its device's allocator counts in (see [`block_of`]).
+    /// How the device prices kernel calls, and the block its allocator counts in.
+    model: CostModel,
     block: u64,
     pub(crate) fingerprint: u64,
     /// Sum-flow nodes that feed the output linearly (combined over micro-batches).
@@ -175,7 +143,7 @@ impl Compiled {
                     Some(Source::Leaf { tensor, param: Some(p) }) => !p.is_leaf || !tensor.grad().defined(),
                     _ => false,
                 })
-                .map(|node| node.cost.grad.at(1, self.block))
+                .map(|node| Work::from(node.cost.grad).at(1, self.block))
                 .sum()
         })
     }
@@ -351,8 +319,9 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
     }
     let reached_params: Vec<u32> =
         (0..n).filter(|&i| reach[i] && param[i] == Some(i as u32)).map(|i| i as u32).collect();
-    let block = block_of(device_of(&found));
-    let param_grad_bytes = reached_params.iter().map(|&i| found[i as usize].cost.grad.at(1, block)).sum();
+    let model = CostModel::of(device_of(&found));
+    let block = model.block();
+    let param_grad_bytes = reached_params.iter().map(|&i| Work::from(found[i as usize].cost.grad).at(1, block)).sum();
     let compiled = Compiled {
         nodes: found,
         offsets,
@@ -366,6 +335,7 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
         undefined_grad_bytes: OnceCell::new(),
         in_place: OnceCell::new(),
         batch: batch.unwrap_or(1),
+        model,
         block,
         fingerprint,
         global,
@@ -475,7 +445,7 @@ const KIND: u32 = 7 << 29;
 #[derive(Clone, Debug, Default)]
 struct Schedule {
     /// Bytes the events refer to.
-    table: Vec<Bytes>,
+    table: Vec<Work>,
     /// Staging buffers, whose bytes are not linear in the micro-batch.
     staged: Vec<ReduceStaging>,
     /// Events: `ADD | k` (table entry `k` is allocated), `FREE | k`, `TRANSIENT | k`,
@@ -496,17 +466,20 @@ impl Schedule {
         let training = mode == Mode::Backward;
         // The table: each value's bytes at `i` (its output's allocation, when it allocates, and
         // its gradient's), then extras and scratch space as they come.
-        let mut table: Vec<Bytes> = c.nodes.iter().map(|x| x.cost.grad).collect();
-        let add_entry = |table: &mut Vec<Bytes>, bytes: Bytes| {
-            (bytes != Bytes::default()).then(|| {
+        let mut table: Vec<Work> = c.nodes.iter().map(|x| x.cost.grad.into()).collect();
+        let add_entry = |table: &mut Vec<Work>, bytes: Work| {
+            (bytes != Work::default()).then(|| {
                 table.push(bytes);
                 (table.len() - 1) as u32
             })
         };
+        // What each node's kernel calls take on this device.
+        let mut calls = Vec::new();
+        let prices: Vec<Price> = c.nodes.iter().map(|node| c.model.price(node, &mut calls)).collect();
         let mut staged: Vec<ReduceStaging> = Vec::new();
         // The staging buffers node `i` takes in one pass, as transient events.
         let stage = |staged: &mut Vec<ReduceStaging>, events: &mut Vec<u32>, i: usize, backward: bool| {
-            for (_, s) in c.nodes[i].cost.staged.iter().filter(|(b, _)| *b == backward) {
+            for (_, s) in prices[i].staged.iter().filter(|(b, _)| *b == backward) {
                 staged.push(s.clone());
                 events.push(STAGE | (staged.len() - 1) as u32);
             }
@@ -533,12 +506,12 @@ impl Schedule {
                 events.push(ADD | i as u32);
             }
             if training {
-                if let Some(k) = add_entry(&mut table, c.nodes[i].cost.extra) {
+                if let Some(k) = add_entry(&mut table, prices[i].kept) {
                     extra_at[i] = Some(k);
                     events.push(ADD | k);
                 }
             }
-            if let Some(k) = add_entry(&mut table, c.nodes[i].cost.work) {
+            if let Some(k) = add_entry(&mut table, prices[i].forward) {
                 events.push(TRANSIENT | k);
             }
             stage(&mut staged, &mut events, i, false);
@@ -607,7 +580,7 @@ impl Schedule {
                     events.push(ADD | j as u32);
                 }
             }
-            if let Some(k) = add_entry(&mut table, c.nodes[i].cost.back_work) {
+            if let Some(k) = add_entry(&mut table, prices[i].backward) {
                 events.push(TRANSIENT | k);
             }
             stage(&mut staged, &mut events, i, true);
@@ -1222,7 +1195,7 @@ pub(crate) fn detail(mut c: Compiled, mode: Mode, choice: &Choice, budget: u64) 
             name,
             shape_start: start as u32,
             shape_len: node.meta.shape.len() as u32,
-            bytes: node.cost.out.at(b, c.block),
+            bytes: Work::from(node.cost.out).at(b, c.block),
             base: root,
             batch_dim: batch.map(|bd| bd.dim as u32),
             kind: node.meta.kind,

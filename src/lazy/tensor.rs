@@ -7,6 +7,7 @@ use std::fmt;
 
 use tch::{Device, Kind, Tensor};
 
+use super::cost::{CostModel, Work};
 use super::error::LazyError;
 use super::exec::{self, TracedOp};
 use super::graph::LazyTensor;
@@ -90,12 +91,14 @@ impl LazyTensor {
     pub fn op_costs(&self) -> OpCosts {
         use super::graph::Flow;
         let (meta, cost) = (&self.node.meta, &self.node.cost);
+        let price = CostModel::of(meta.device).price(&self.node, &mut Vec::new());
         // Costs are kept per sample and fixed; the batch is the graph's (1 without one).
         let batch = std::iter::once(&self.node)
             .chain(&self.node.inputs)
             .find_map(|n| n.meta.batch().map(|bd| bd.size as u64))
             .unwrap_or(1);
-        let total = |b: &super::graph::Bytes| b.per * batch + b.fixed;
+        let total = |b: &super::graph::Bytes| b.at(batch);
+        let priced = |w: &Work| w.per * batch + w.fixed;
         let split = match (&meta.mixes, meta.flow) {
             (Some(reason), _) => Split::Mixes(reason.clone()),
             (None, Flow::PerSample(_)) => Split::PerSample,
@@ -114,9 +117,9 @@ impl LazyTensor {
                 .collect(),
             saves_output: meta.requires_grad && self.node.op.saves_output(),
             saved_inputs: (0..self.node.inputs.len().min(64)).filter(|k| cost.saved >> k & 1 == 1).collect(),
-            saved_extra: total(&cost.extra),
-            scratch: total(&cost.work),
-            backward_scratch: total(&cost.back_work),
+            saved_extra: priced(&price.kept),
+            scratch: priced(&price.forward),
+            backward_scratch: priced(&price.backward),
             split,
         }
     }

@@ -30,56 +30,13 @@
 //! # Ok::<(), toma::lazy::LazyError>(())
 //! ```
 
-use tch::{nn, Device, Kind, Reduction, TchError, Tensor};
+use tch::{Device, Kind, Reduction, TchError, Tensor};
 
 use super::error::LazyError;
 use super::index::TensorIndex;
 use super::int_list::{IntList, IntListOption};
-use super::nn::{LazyModule, LazyModuleT};
+use super::nn::{Layer, LayerT};
 use super::LazyTensor;
-
-/// A layer as seen by a [`TensorOps`] type: tch's `Module` for `Tensor`, the lazy adapters for
-/// [`LazyTensor`] (`Linear`, `Conv1D`, `Conv2D`, `LayerNorm`, `Embedding`, the lazy
-/// `Sequential`, ..).
-pub trait Layer<T> {
-    /// The layer applied to `xs`.
-    fn forward(&self, xs: &T) -> T;
-}
-
-impl<M: nn::Module> Layer<Tensor> for M {
-    #[inline]
-    fn forward(&self, xs: &Tensor) -> Tensor {
-        nn::Module::forward(self, xs)
-    }
-}
-
-impl<M: LazyModule> Layer<LazyTensor> for M {
-    #[track_caller]
-    fn forward(&self, xs: &LazyTensor) -> LazyTensor {
-        xs.apply(self)
-    }
-}
-
-/// A layer that behaves differently in training ([`Layer`] with `train`): tch's `ModuleT` for
-/// `Tensor`, [`LazyModuleT`] for [`LazyTensor`].
-pub trait LayerT<T> {
-    /// The layer applied to `xs`.
-    fn forward_t(&self, xs: &T, train: bool) -> T;
-}
-
-impl<M: nn::ModuleT> LayerT<Tensor> for M {
-    #[inline]
-    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
-        nn::ModuleT::forward_t(self, xs, train)
-    }
-}
-
-impl<M: LazyModuleT> LayerT<LazyTensor> for M {
-    #[track_caller]
-    fn forward_t(&self, xs: &LazyTensor, train: bool) -> LazyTensor {
-        xs.apply_t(self, train)
-    }
-}
 
 /// Passes a trait argument on to tch: integer lists as slices, optional ones as `Option`s,
 /// anything else as it is.

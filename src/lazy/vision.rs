@@ -25,7 +25,8 @@
 use tch::nn;
 
 use super::nn::both_modules;
-use super::tensor_ops::{Layer, LayerT, TensorOps};
+use super::nn::{Layer, LayerT};
+use super::tensor_ops::TensorOps;
 
 fn conv(p: nn::Path, c_in: i64, c_out: i64, ksize: i64, padding: i64, stride: i64) -> nn::Conv2D {
     nn::conv2d(p, c_in, c_out, ksize, nn::ConvConfig { stride, padding, bias: false, ..Default::default() })

@@ -18,7 +18,7 @@ pub struct CpuAllocatorStats {
 }
 
 /// Starts counting libtorch's CPU allocations: wraps its CPU allocator in one that keeps
-/// bytes in use and their peak, for [`cpu_allocator_stats`] (what [`cuda_allocator_stats`]
+/// bytes in use and their peak, for [`cpu_allocator_stats`] (what [`cuda_allocator_stats`](super::cuda_allocator_stats)
 /// gives for CUDA). Once per process; later calls do nothing. Allocations made before the
 /// first call are not counted, and neither are their frees.
 ///

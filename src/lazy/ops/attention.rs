@@ -16,7 +16,7 @@ use super::record::IntoLazy;
 use super::record::{combine_flows, same_device, Linearity, Record};
 use super::{arg, floating, kind_err, same_kind, shape_err};
 use crate::lazy::error::LazyError;
-use crate::lazy::graph::{Flow, Meta, Node, Operation, RunCx, Scratch};
+use crate::lazy::graph::{Flow, KernelCall, Meta, Node, Operation, RunCx};
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
 
@@ -73,12 +73,12 @@ impl Operation for Attention {
         self.fused()
     }
 
-    fn saved_extra(&self, inputs: &[Rc<Node>], meta: &Meta) -> Option<(u64, u64, Kind)> {
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
         if self.fused() {
             // One log-sum-exp per query row, in the accumulation kind.
-            let (a, c) = like(meta, 1);
             let kind = if meta.kind == Kind::Double { Kind::Double } else { Kind::Float };
-            return Some((a, c, kind));
+            calls.push(KernelCall::Keeps { elements: like(meta, 1), kind });
+            return;
         }
         // Scaled query and key, and the attention weights after the softmax (and dropout,
         // whose mask is as large).
@@ -87,26 +87,18 @@ impl Operation for Attention {
         let Attention::Sdpa { dropout_p, .. } = self;
         let copies = if *dropout_p > 0.0 { 3 } else { 1 };
         let ((qa, qc), (ka, kc)) = (inputs[0].meta.numel_parts(), inputs[1].meta.numel_parts());
-        Some((qa + ka + copies * wa, qc + kc + copies * wc, meta.kind))
-    }
-
-    fn scratch(&self, inputs: &[Rc<Node>], meta: &Meta) -> Scratch {
-        let mut scratch = Scratch::default();
-        if !self.fused() {
-            // The scores before the softmax live beside it. In the backward, the weights'
-            // gradient and the softmax's gradient live together; measured with the CPU
-            // allocator, what the backward takes above what it keeps is within 11% over of
-            // the input gradients or `2 w`, whichever is larger.
-            let s = inputs[1].meta.shape[inputs[1].meta.shape.len() - 2];
-            let (wa, wc) = like(meta, s);
-            let (ga, gc) = inputs[..3].iter().fold((0, 0), |(a, c), n| {
-                let (na, nc) = n.meta.numel_parts();
-                (a + na, c + nc)
-            });
-            scratch.forward = (wa, wc);
-            scratch.backward = ((2 * wa).saturating_sub(ga), (2 * wc).saturating_sub(gc));
-        }
-        scratch
+        calls.push(KernelCall::Keeps { elements: (qa + ka + copies * wa, qc + kc + copies * wc), kind: meta.kind });
+        // The scores before the softmax live beside it. In the backward, the weights'
+        // gradient and the softmax's gradient live together: what the backward takes above
+        // what it keeps is the larger of the input gradients and `2 w` (measured: within 11%).
+        let (ga, gc) = inputs[..3].iter().fold((0, 0), |(a, c), n| {
+            let (na, nc) = n.meta.numel_parts();
+            (a + na, c + nc)
+        });
+        calls.push(KernelCall::Temporaries {
+            forward: (wa, wc),
+            backward: ((2 * wa).saturating_sub(ga), (2 * wc).saturating_sub(gc)),
+        });
     }
 }
 

@@ -9,7 +9,7 @@ use super::record::IntoLazy;
 use super::record::{combine_flows, same_device, unary_flow, Linearity, Record};
 use super::{arg, kind_err, panicking, same_shape_flow, shape_err};
 use crate::lazy::error::LazyError;
-use crate::lazy::graph::{BatchDim, Flow, Meta, Node, Operation, RunCx, Scratch};
+use crate::lazy::graph::{BatchDim, Flow, KernelCall, Meta, Node, Operation, RunCx};
 use crate::lazy::int_list::IntList;
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
@@ -143,8 +143,7 @@ impl Operation for Layout {
         matches!(self, Layout::IndexSelect { .. } | Layout::Gather { .. }) && i == 1
     }
 
-    fn scratch(&self, inputs: &[Rc<Node>], meta: &Meta) -> Scratch {
-        let mut scratch = Scratch::default();
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
         // The gradient of an expansion is summed over the expanded dimensions.
         if matches!(self, Layout::Expand) && meta.requires_grad {
             let input = &inputs[0].meta;
@@ -152,9 +151,8 @@ impl Operation for Layout {
             let mask = shape::dims_mask(
                 (0..meta.shape.len()).filter(|&d| d < offset || (input.shape[d - offset] == 1 && meta.shape[d] != 1)),
             );
-            scratch.stage(true, meta, mask);
+            calls.push(KernelCall::Reduction { of: meta, mask, backward: true });
         }
-        scratch
     }
 
     fn adds_fixed(&self) -> bool {

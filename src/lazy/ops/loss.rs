@@ -11,7 +11,7 @@ use super::record::IntoLazy;
 use super::record::{broadcast_flows, combine_flows, same_device, Linearity, Record};
 use super::{arg, floating, kind_err, panicking, same_kind, shape_err};
 use crate::lazy::error::LazyError;
-use crate::lazy::graph::{Flow, Meta, Node, Operation, RunCx, Scratch, Share};
+use crate::lazy::graph::{Flow, KernelCall, Meta, Node, Operation, RunCx, Share};
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
 
@@ -96,57 +96,38 @@ impl Operation for Loss {
         }
     }
 
-    fn scratch(&self, inputs: &[Rc<Node>], _meta: &Meta) -> Scratch {
-        let x = inputs[0].meta.numel_parts();
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], _meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        let input = &inputs[0].meta;
+        let x = input.numel_parts();
         let times = |k: u64| (k * x.0, k * x.1);
-        let mut scratch = Scratch::default();
+        let temporaries = |forward, backward| KernelCall::Temporaries { forward, backward };
         match self {
             // Composite kernels: `(1 - t) x + log(1 + e^-|x|) + max(-x, 0)` forward, and
             // `sigmoid(x) - t` scaled backward, each a few temporaries as large as the input.
-            Loss::BceWithLogits { .. } => {
-                scratch.forward = times(3);
-                scratch.backward = times(2);
-            }
+            Loss::BceWithLogits { .. } => calls.push(temporaries(times(3), times(2))),
             // The elementwise loss before its reduction.
             Loss::SmoothL1 { reduction, .. } | Loss::Huber { reduction, .. } | Loss::Mse { reduction }
                 if !matches!(reduction, Reduction::None) =>
             {
-                scratch.forward = times(1);
+                calls.push(temporaries(times(1), (0, 0)))
             }
-            // With label smoothing, the backward adds the uniform part's gradient, a tensor as
-            // large as the logits, to the targets' one.
-            Loss::CrossEntropy { label_smoothing, .. } if *label_smoothing > 0.0 => {
-                scratch.backward = times(1);
+            Loss::CrossEntropy { label_smoothing, .. } => {
+                // The log-probabilities between log_softmax and nll_loss.
+                calls.push(KernelCall::Keeps { elements: x, kind: input.kind });
+                // With label smoothing, the backward adds the uniform part's gradient, a tensor
+                // as large as the logits, to the targets' one.
+                if *label_smoothing > 0.0 {
+                    calls.push(temporaries((0, 0), times(1)));
+                }
             }
-            // `target · (log target − input)` (or `exp(target) · (target − input)`): the log
-            // and the loss before its reduction are temporaries (the difference is saved, see
-            // `saved_extra`); one temporary backward.
-            Loss::KlDiv { .. } => {
-                scratch.forward = times(1);
-                scratch.backward = times(1);
+            // `target · (log target − input)` (or `exp(target) · (target − input)`): autograd
+            // keeps the difference for the product (and `exp(target)` with a log target); the
+            // log and the loss before its reduction are temporaries, and one backward.
+            Loss::KlDiv { log_target, .. } => {
+                calls.push(KernelCall::Keeps { elements: times(if *log_target { 2 } else { 1 }), kind: input.kind });
+                calls.push(temporaries(times(1), times(1)));
             }
             _ => {}
-        }
-        scratch
-    }
-
-    fn saved_extra(&self, inputs: &[Rc<Node>], _meta: &Meta) -> Option<(u64, u64, Kind)> {
-        match self {
-            // The log-probabilities between log_softmax and nll_loss.
-            Loss::CrossEntropy { .. } => {
-                let input = &inputs.first()?.meta;
-                let (a, c) = input.numel_parts();
-                Some((a, c, input.kind))
-            }
-            // libtorch composes kl_div of primitive ops: autograd keeps `log target − input`
-            // for the product (and `exp(target)` with a log target).
-            Loss::KlDiv { log_target, .. } => {
-                let input = &inputs.first()?.meta;
-                let (a, c) = input.numel_parts();
-                let k = if *log_target { 2 } else { 1 };
-                Some((k * a, k * c, input.kind))
-            }
-            _ => None,
         }
     }
 

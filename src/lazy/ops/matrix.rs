@@ -8,7 +8,7 @@ use super::record::IntoLazy;
 use super::record::{combine_flows, same_device, Linearity, Record};
 use super::{floating, kind_err, panicking, requires, same_kind, shape_err};
 use crate::lazy::error::LazyError;
-use crate::lazy::graph::{Flow, Meta, Node, Operation, RunCx, Scratch};
+use crate::lazy::graph::{Flow, KernelCall, Meta, Node, Operation, RunCx};
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
 
@@ -79,8 +79,7 @@ impl Operation for Matrix {
         matches!(self, Matrix::Baddbmm { beta, .. } if i == 0 && *beta == 1.0 && inputs[0].meta.shape == meta.shape)
     }
 
-    fn scratch(&self, inputs: &[Rc<Node>], meta: &Meta) -> Scratch {
-        let mut scratch = Scratch::default();
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
         match self {
             Matrix::Matmul => {
                 // A broadcast operand is expanded into a real copy before the batched product.
@@ -100,20 +99,25 @@ impl Operation for Matrix {
                         }
                     }
                 }
-                scratch.forward = total;
-                scratch.backward = total;
+                if total != (0, 0) {
+                    calls.push(KernelCall::Temporaries { forward: total, backward: total });
+                }
             }
             // The bias gradient: the output gradient summed over every dimension but the last.
             Matrix::Linear if requires(inputs, 2) && meta.requires_grad && !meta.shape.is_empty() => {
-                scratch.stage(true, meta, shape::dims_mask(0..meta.shape.len() - 1));
+                calls.push(KernelCall::Reduction {
+                    of: meta,
+                    mask: shape::dims_mask(0..meta.shape.len() - 1),
+                    backward: true,
+                });
             }
             // A broadcast input's gradient: the output gradient summed to its shape.
             Matrix::Baddbmm { .. } if requires(inputs, 0) && inputs[0].meta.shape != meta.shape => {
-                scratch.stage(true, meta, shape::broadcast_mask(&inputs[0].meta.shape, &meta.shape));
+                let mask = shape::broadcast_mask(&inputs[0].meta.shape, &meta.shape);
+                calls.push(KernelCall::Reduction { of: meta, mask, backward: true });
             }
             _ => {}
         }
-        scratch
     }
 }
 

@@ -8,7 +8,7 @@ use super::record::IntoLazy;
 use super::record::{combine_flows, same_device, Linearity, Record};
 use super::{arg, floating, panicking, same_kind, shape_err};
 use crate::lazy::error::LazyError;
-use crate::lazy::graph::{Meta, Node, Operation, RunCx, Scratch};
+use crate::lazy::graph::{KernelCall, Meta, Node, Operation, RunCx};
 use crate::lazy::int_list::IntList;
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
@@ -49,18 +49,6 @@ impl Norm {
 }
 
 impl Operation for Norm {
-    fn scratch(&self, inputs: &[Rc<Node>], _meta: &Meta) -> Scratch {
-        let mut scratch = Scratch::default();
-        // The composite rms_norm squares the input before its mean (forward), and its backward
-        // builds input-sized terms of the gradient.
-        if matches!(self, Norm::Rms { .. }) {
-            let x = inputs[0].meta.numel_parts();
-            scratch.forward = x;
-            scratch.backward = x;
-        }
-        scratch
-    }
-
     fn name(&self) -> &'static str {
         match self {
             Norm::Batch { .. } => "batch_norm",
@@ -89,39 +77,32 @@ impl Operation for Norm {
         true
     }
 
-    fn saved_extra(&self, inputs: &[Rc<Node>], _meta: &Meta) -> Option<(u64, u64, Kind)> {
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], _meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        let Some(input) = inputs.first().map(|n| &n.meta) else { return };
+        let stat = if input.kind == Kind::Double { Kind::Double } else { Kind::Float };
         match self {
             // Mean and inverse standard deviation per normalized row (two of them).
             Norm::Layer { normalized_shape, .. } => {
-                let input = &inputs.first()?.meta;
                 let rows = shape::numel(normalized_shape).max(1) as u64;
                 let (a, c) = input.numel_parts();
-                let stat = if input.kind == Kind::Double { Kind::Double } else { Kind::Float };
-                Some((2 * a / rows, 2 * c / rows, stat))
+                calls.push(KernelCall::Keeps { elements: (2 * a / rows, 2 * c / rows), kind: stat });
             }
             // Mean and inverse standard deviation per sample and group.
             Norm::Group { num_groups, .. } => {
-                let input = &inputs.first()?.meta;
-                let stat = if input.kind == Kind::Double { Kind::Double } else { Kind::Float };
-                match input.batch() {
-                    Some(_) => Some((2 * *num_groups as u64, 0, stat)),
-                    None => Some((
-                        0,
-                        2 * *num_groups as u64 * input.shape.first().copied().unwrap_or(1).max(1) as u64,
-                        stat,
-                    )),
-                }
+                let groups = *num_groups as u64;
+                let elements = match input.batch() {
+                    Some(_) => (2 * groups, 0),
+                    None => (0, 2 * groups * input.shape.first().copied().unwrap_or(1).max(1) as u64),
+                };
+                calls.push(KernelCall::Keeps { elements, kind: stat });
             }
-            // libtorch's CPU rms_norm is composite: autograd keeps the inverse root mean square
-            // per row and, with a weight, the normalized input that the weight multiplies.
-            Norm::Rms { normalized_shape, weight, .. } => {
-                let input = &inputs.first()?.meta;
-                let rows = shape::numel(normalized_shape).max(1) as u64;
-                let (a, c) = input.numel_parts();
-                let (a, c) = if *weight { (a + a / rows, c + c / rows) } else { (a / rows, c / rows) };
-                Some((a, c, input.kind))
-            }
-            Norm::Batch { .. } => None,
+            Norm::Rms { normalized_shape, weight, .. } => calls.push(KernelCall::RmsNorm {
+                input: input.numel_parts(),
+                row: shape::numel(normalized_shape).max(1) as u64,
+                weight: *weight,
+                kind: input.kind,
+            }),
+            Norm::Batch { .. } => {}
         }
     }
 }

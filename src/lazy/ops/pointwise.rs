@@ -9,7 +9,7 @@ use super::record::IntoLazy;
 use super::record::{broadcast_flows, same_device, Linearity, Record};
 use super::{arg, floating, kind_err, panicking, requires, same_shape_flow, shape_err};
 use crate::lazy::error::LazyError;
-use crate::lazy::graph::{Meta, Node, Operation, RunCx, Scratch, Share};
+use crate::lazy::graph::{KernelCall, Meta, Node, Operation, RunCx, Share};
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
 
@@ -326,39 +326,38 @@ impl Operation for Pointwise {
         }
     }
 
-    fn saved_extra(&self, inputs: &[Rc<Node>], _meta: &Meta) -> Option<(u64, u64, Kind)> {
-        let input = &inputs.first()?.meta;
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        let Some(input) = inputs.first().map(|n| &n.meta) else { return };
         let (a, c) = input.numel_parts();
         match self {
-            // The scaled Bernoulli mask (CPU path): as large as the input, or one value per
-            // sample and channel for the feature forms.
+            // The mask: as large as the input, or one value per sample and channel for the
+            // feature forms.
             Pointwise::Dropout { p, train, kind } if *train && *p > 0.0 => {
                 let per = kind.mask_fraction(&input.shape);
-                Some((a / per, c / per, input.kind))
+                calls.push(KernelCall::DropoutMask { elements: (a / per, c / per), kind: input.kind });
             }
             // The reciprocal between `1 / x` and the multiplication.
-            Pointwise::Scalar { op: Binary::Div, reversed: true, .. } => Some((a, c, input.kind)),
-            // libtorch's CPU kernel keeps a buffer as large as the input for the backward.
-            Pointwise::Unary(Unary::LogSigmoid) => Some((a, c, input.kind)),
-            _ => None,
+            Pointwise::Scalar { op: Binary::Div, reversed: true, .. } => {
+                calls.push(KernelCall::Keeps { elements: (a, c), kind: input.kind })
+            }
+            Pointwise::Unary(Unary::LogSigmoid) => {
+                calls.push(KernelCall::LogSigmoid { elements: (a, c), kind: input.kind })
+            }
+            _ => {}
         }
-    }
-
-    fn scratch(&self, inputs: &[Rc<Node>], meta: &Meta) -> Scratch {
-        let mut scratch = Scratch::default();
+        let mut backward = (0, 0);
         // Backward formulas that are not one fused kernel: `grad * x.sgn()` and
         // `grad / (2 * result)` each make a temporary as large as the value.
         if matches!(self, Pointwise::Unary(Unary::Abs | Unary::Sqrt)) && meta.requires_grad {
-            scratch.backward = meta.numel_parts();
+            backward = meta.numel_parts();
         }
         // `grad * x.cos()`; `grad * -x.sin()`, `grad * 2x`, `-grad · y²` and `-grad · y³ / 2`
-        // (two temporaries each); a clamp's backward keeps one boolean mask per bound (measured with the CPU
-        // allocator).
+        // (two temporaries each); a clamp's backward keeps one boolean mask per bound.
         if let Pointwise::Unary(u) = self {
             if meta.requires_grad {
                 let (a, c) = meta.numel_parts();
                 let elem = meta.kind.elt_size_in_bytes().max(1) as u64;
-                scratch.backward = match u {
+                backward = match u {
                     Unary::Sin => (a, c),
                     Unary::Cos | Unary::Square | Unary::Reciprocal | Unary::Rsqrt => (2 * a, 2 * c),
                     // `grad * 2/√π · exp(-x²)`: four temporaries as large as the value.
@@ -367,7 +366,7 @@ impl Operation for Pointwise {
                         let masks = u64::from(min.is_some()) + u64::from(max.is_some());
                         ((masks * a).div_ceil(elem), (masks * c).div_ceil(elem))
                     }
-                    _ => scratch.backward,
+                    _ => backward,
                 };
             }
         }
@@ -375,9 +374,10 @@ impl Operation for Pointwise {
         if let Pointwise::Scalar { op: Binary::Pow, scalar, reversed: false } = self {
             if meta.requires_grad && *scalar != 0.0 {
                 let (a, c) = meta.numel_parts();
-                scratch.backward = (2 * a, 2 * c);
+                backward = (2 * a, 2 * c);
             }
         }
+        let mut forward = (0, 0);
         // Alpha dropout is `x · mask + b`: the product is a temporary as large as the input,
         // and `b` is as large as the mask.
         if let Pointwise::Dropout { p, train: true, kind: kind @ (DropoutKind::Alpha | DropoutKind::FeatureAlpha) } =
@@ -386,8 +386,11 @@ impl Operation for Pointwise {
             if *p > 0.0 {
                 let (a, c) = meta.numel_parts();
                 let per = kind.mask_fraction(&meta.shape);
-                scratch.forward = (a + a / per, c + c / per);
+                forward = (a + a / per, c + c / per);
             }
+        }
+        if forward != (0, 0) || backward != (0, 0) {
+            calls.push(KernelCall::Temporaries { forward, backward });
         }
         // A broadcast operand's gradient: the output gradient summed over the broadcast
         // dimensions.
@@ -395,12 +398,12 @@ impl Operation for Pointwise {
             if !op.is_comparison() && meta.requires_grad {
                 for (k, input) in inputs.iter().enumerate().take(2) {
                     if requires(inputs, k) && input.meta.shape != meta.shape {
-                        scratch.stage(true, meta, shape::broadcast_mask(&input.meta.shape, &meta.shape));
+                        let mask = shape::broadcast_mask(&input.meta.shape, &meta.shape);
+                        calls.push(KernelCall::Reduction { of: meta, mask, backward: true });
                     }
                 }
             }
         }
-        scratch
     }
 
     fn run_share(&self, ins: &[&Tensor], _node: &Node, share: &Share) -> Option<Result<Tensor, TchError>> {

@@ -310,25 +310,14 @@ pub(crate) fn unary_flow(
     combine_flows(op, &[input], &mapped, out_shape, linearity, false)
 }
 
-/// What a node costs in memory, from its op's rules: worked out once, when it is recorded.
+/// What a node costs in memory whatever the device, from its op's rules: worked out once, when
+/// it is recorded.
 fn cost(op: &dyn Operation, inputs: &[Rc<Node>], meta: &Meta) -> Cost {
     let elements = meta.numel_parts();
     let grad = Bytes::of(elements, meta.kind);
     let leaf = op.source().is_some();
     let rules = op;
     let out = if leaf || meta.alias { Bytes::default() } else { grad };
-    let extra = match rules.saved_extra(inputs, meta) {
-        Some((a, c, kind)) if meta.requires_grad => Bytes::of((a, c), kind),
-        _ => Bytes::default(),
-    };
-    let in_kind = inputs.first().map_or(meta.kind, |x| x.meta.kind);
-    let scratch = rules.scratch(inputs, meta);
-    let (mut work, mut back_work) = (Bytes::of(scratch.forward, in_kind), Bytes::of(scratch.backward, in_kind));
-    if let Some((forward, backward)) = scratch.one {
-        let e = in_kind.elt_size_in_bytes() as u64;
-        (work.one, back_work.one) = (forward * e, backward * e);
-    }
-    let staged = scratch.staged.into_boxed_slice();
     let (mut saved, mut grad_alias) = (0u64, 0u64);
     for k in 0..inputs.len().min(64) {
         if meta.requires_grad && rules.saves_input(k, inputs) {
@@ -344,5 +333,5 @@ fn cost(op: &dyn Operation, inputs: &[Rc<Node>], meta: &Meta) -> Cost {
     for &s in &meta.shape {
         hash = crate::hash::mix(hash ^ s as u64);
     }
-    Cost { out, grad, extra, work, back_work, staged, saved, grad_alias, alias_rest, hash }
+    Cost { out, grad, saved, grad_alias, alias_rest, hash }
 }

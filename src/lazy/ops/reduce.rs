@@ -8,7 +8,7 @@ use tch::{Kind, TchError, Tensor};
 use super::record::{Linearity, Record};
 use super::{arg, kind_err, panicking, same_shape_flow};
 use crate::lazy::error::LazyError;
-use crate::lazy::graph::{BatchDim, Flow, Meta, Node, Operation, RunCx, Scratch, Share};
+use crate::lazy::graph::{BatchDim, Flow, KernelCall, Meta, Node, Operation, RunCx, Share};
 use crate::lazy::int_list::{IntList, IntListOption};
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
@@ -72,14 +72,12 @@ impl Operation for Reduce {
         matches!(self, Reduce::Dims { op: ReduceOp::Sum, .. })
     }
 
-    fn scratch(&self, inputs: &[Rc<Node>], _meta: &Meta) -> Scratch {
-        let mut scratch = Scratch::default();
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], _meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
         if let Reduce::Dims { op: ReduceOp::LogSumExp, .. } = self {
             // `exp(x - max)` and the difference before it, forward; `exp(x - result)` and the
             // difference, backward: each as large as the input.
             let (a, c) = inputs[0].meta.numel_parts();
-            scratch.forward = (2 * a, 2 * c);
-            scratch.backward = (2 * a, 2 * c);
+            calls.push(KernelCall::Temporaries { forward: (2 * a, 2 * c), backward: (2 * a, 2 * c) });
         }
         if let Reduce::Dims { dims, .. } = self {
             let of = &inputs[0].meta;
@@ -89,9 +87,8 @@ impl Operation for Reduce {
                 None => shape::dims_mask(0..rank),
                 Some(dims) => shape::wrap_dims(dims, rank).map_or(0, shape::dims_mask),
             };
-            scratch.stage(false, of, mask);
+            calls.push(KernelCall::Reduction { of, mask, backward: false });
         }
-        scratch
     }
 
     fn run_share(&self, ins: &[&Tensor], node: &Node, share: &Share) -> Option<Result<Tensor, TchError>> {

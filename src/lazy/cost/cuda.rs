@@ -1,5 +1,6 @@
-//! Scratch space libtorch's CUDA kernels take while an op runs, besides its inputs and outputs:
-//! the staging buffer of ATen's reduction kernel and cuDNN's workspace for convolutions.
+//! The CUDA model: the caching allocator's blocks, and the scratch space libtorch's CUDA kernels
+//! take while an op runs, besides its inputs and outputs: the staging buffer of ATen's
+//! reduction kernel and cuDNN's workspace for convolutions.
 //!
 //! Both were found on an H100 (PyTorch 2.11.0+cu130, cuDNN 9.19; `benches/gpu_memory_probe.py`
 //! lists every block live at the peak of a training step, and `docs/gpu-runs/` keeps the logs):
@@ -20,13 +21,69 @@
 //!   the output (gradient), plus [`CONV_WORKSPACE_FIXED`]. It overestimates 1×1 convolutions
 //!   and stems with few channels, never underestimates what was seen.
 
-use tch::{Device, Kind};
+use super::cpu::im2col;
+use super::work::Scratch;
+use crate::lazy::graph::{BatchDim, Convolution, Meta};
 
-use super::graph::BatchDim;
+/// The allocation granularity of the CUDA caching allocator.
+pub const BLOCK: u64 = 512;
+
+/// Rounds up to the CUDA caching allocator's block size; 0 stays 0.
+pub fn round_block(bytes: u64) -> u64 {
+    bytes.div_ceil(BLOCK) * BLOCK
+}
 
 /// Multiprocessors and resident threads per multiprocessor assumed where the driver cannot be
 /// asked: more than any current card has, so the staging buffers are not underestimated.
 const UNKNOWN_GPU: (u32, u32) = (160, 2048);
+
+/// One CUDA device, as its kernels' launch configurations depend on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Cuda {
+    /// Multiprocessors, and resident threads per multiprocessor.
+    pub(crate) gpu: (u32, u32),
+}
+
+impl Cuda {
+    /// CUDA device `index` of this machine (as the driver reports it, or a card larger than
+    /// any current one when it cannot be asked).
+    pub(crate) fn of(index: usize) -> Cuda {
+        Cuda { gpu: crate::memory::cuda_multiprocessors(index).unwrap_or(UNKNOWN_GPU) }
+    }
+
+    /// The staging buffer of a reduction of a tensor shaped like `of` over the dimensions in
+    /// `mask`, if the kernel may stage.
+    pub(crate) fn reduction(&self, of: &Meta, mask: u64) -> Option<ReduceStaging> {
+        ReduceStaging::new(&of.shape, of.batch(), mask, of.kind.elt_size_in_bytes() as i64, self.gpu)
+    }
+
+    /// A convolution's scratch: cuDNN's bound for a batched one (both operands reordered, and
+    /// a fixed workspace), libtorch's native kernel for a single unbatched sample.
+    pub(crate) fn convolution(&self, c: &Convolution<'_>) -> Scratch {
+        let (x, y) = (c.input.numel_parts(), c.output.numel_parts());
+        let elem = c.output.kind.elt_size_in_bytes().max(1) as u64;
+        let (forward, backward) = CONV_WORKSPACE_FIXED;
+        if c.transposed {
+            // Run as a convolution's backward: input, weight and output moved, and the
+            // workspace.
+            let w = c.weight.numel_parts();
+            let moved = (x.0 + w.0 + y.0, x.1 + w.1 + y.1);
+            return Scratch {
+                forward: (moved.0, moved.1 + forward / elem),
+                backward: (moved.0, moved.1 + (32 << 10) / elem + backward / elem),
+                single: None,
+            };
+        }
+        if !c.batched() {
+            return im2col(c);
+        }
+        Scratch {
+            forward: (x.0 + y.0, x.1 + y.1 + forward / elem),
+            backward: (x.0 + y.0, x.1 + y.1 + backward / elem),
+            single: None,
+        }
+    }
+}
 /// Threads of one reduction block (ATen's `max_reduce_threads` for non-complex types).
 const MAX_THREADS: i64 = 512;
 const WARP: i64 = 32;
@@ -52,23 +109,21 @@ pub(crate) struct ReduceStaging {
 }
 
 impl ReduceStaging {
-    /// The reduction of a tensor of `shape` (with `batch`, on `device`, of `kind`) over the
-    /// dimensions whose bit is set in `reduced`. `None` off CUDA, or when nothing is reduced.
+    /// The reduction of a tensor of `shape` (with `batch`, of elements of `elem` bytes) over the
+    /// dimensions whose bit is set in `reduced`, on a device of `gpu` multiprocessors and
+    /// threads per multiprocessor. `None` when nothing is reduced.
     pub(crate) fn new(
         shape: &[i64],
         batch: Option<BatchDim>,
         reduced: u64,
-        kind: Kind,
-        device: Device,
+        elem: i64,
+        gpu: (u32, u32),
     ) -> Option<ReduceStaging> {
-        let Device::Cuda(index) = device else { return None };
         if reduced == 0 || shape.len() > 64 {
             return None;
         }
-        let elem = kind.elt_size_in_bytes() as i64;
         // ATen accumulates reduced floats of 16 bits in `float`, the rest in their own type.
         let acc = elem.max(4);
-        let gpu = crate::memory::cuda_multiprocessors(index).unwrap_or(UNKNOWN_GPU);
         Some(ReduceStaging { shape: shape.to_vec(), batch, reduced, elem, acc, gpu })
     }
 
@@ -170,7 +225,7 @@ impl ReduceStaging {
             staging *= width * output_vec;
         }
         let semaphores = 4 * grid;
-        super::plan::round_block(staging as u64) + super::plan::round_block(semaphores as u64)
+        round_block(staging as u64) + round_block(semaphores as u64)
     }
 }
 
@@ -262,8 +317,8 @@ mod tests {
     }
 
     #[test]
-    fn off_cuda_there_is_no_staging() {
-        assert_eq!(ReduceStaging::new(&[4096, 4096], None, 1, Kind::Float, Device::Cpu), None);
-        assert_eq!(ReduceStaging::new(&[4096, 4096], None, 0, Kind::Float, Device::Cuda(0)), None);
+    fn nothing_reduced_stages_nothing() {
+        assert!(ReduceStaging::new(&[4096, 4096], None, 1, 4, H100).is_some());
+        assert_eq!(ReduceStaging::new(&[4096, 4096], None, 0, 4, H100), None);
     }
 }

@@ -1,0 +1,214 @@
+//! The cost layer: what the kernels an op calls take besides its inputs and outputs, on one
+//! device.
+//!
+//! Ops name their kernel calls ([`KernelCall`]: a convolution with its shapes and settings, a
+//! reduction with its mask, a buffer autograd keeps). A [`CostModel`], chosen per plan from the
+//! device, prices them: how many bytes each takes while the op runs forward, while its backward
+//! runs, and until its backward. Device knowledge lives here and nowhere else:
+//!
+//! - [`cpu`]: libtorch's CPU kernels, and which convolutions it hands to oneDNN;
+//! - [`onednn`]: oneDNN's x86 convolutions, phase by phase, for a given library version,
+//!   vector width and thread count;
+//! - [`cuda`]: the CUDA caching allocator's blocks, ATen's reduction kernel and cuDNN.
+//!
+//! The models take the machine as explicit inputs ([`cpu::Cpu`], [`onednn::OneDnn`],
+//! [`cuda::Cuda`]), so a plan can be priced, and tested, for a machine other than this one.
+
+pub(crate) mod cpu;
+pub(crate) mod cuda;
+pub(crate) mod onednn;
+pub(crate) mod work;
+
+use std::rc::Rc;
+
+use tch::{Device, Kind};
+
+use super::graph::{Bytes, KernelCall, Meta, Node};
+use cuda::ReduceStaging;
+use work::Scratch;
+pub(crate) use work::Work;
+
+/// What one node's kernel calls take, priced by a [`CostModel`].
+#[derive(Debug, Default, PartialEq)]
+pub(crate) struct Price {
+    /// Kept by autograd from the forward until the node's backward (when it requires a
+    /// gradient).
+    pub(crate) kept: Work,
+    /// Scratch space while the node runs, and while its backward runs.
+    pub(crate) forward: Work,
+    pub(crate) backward: Work,
+    /// Staging buffers of CUDA reductions, each with whether the backward takes it.
+    pub(crate) staged: Vec<(bool, ReduceStaging)>,
+}
+
+/// How a plan prices kernel calls: by the device the graph runs on.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum CostModel {
+    Cpu(cpu::Cpu),
+    Cuda(cuda::Cuda),
+}
+
+impl CostModel {
+    /// The model of `device` on this machine: its library version, vector width and threads
+    /// (CPU), or its multiprocessors (CUDA), read once.
+    pub(crate) fn of(device: Device) -> CostModel {
+        match device {
+            Device::Cuda(index) => CostModel::Cuda(cuda::Cuda::of(index)),
+            _ => CostModel::Cpu(cpu::Cpu::host().clone()),
+        }
+    }
+
+    /// The block the device's allocator counts in: CUDA's caching allocator rounds every
+    /// allocation up to [`cuda::BLOCK`]; libtorch's CPU allocator, as toma counts it, takes
+    /// bytes as asked.
+    pub(crate) fn block(&self) -> u64 {
+        match self {
+            CostModel::Cpu(_) => 1,
+            CostModel::Cuda(_) => cuda::BLOCK,
+        }
+    }
+
+    /// What `node`'s kernel calls take on this device (`calls` is a buffer to reuse).
+    pub(crate) fn price<'a>(&self, node: &'a Node, calls: &mut Vec<KernelCall<'a>>) -> Price {
+        calls.clear();
+        node.op.kernels(&node.inputs, &node.meta, calls);
+        self.price_calls(&node.inputs, &node.meta, calls)
+    }
+
+    /// The price of `calls`, made by an op on `inputs` whose output is `meta`.
+    pub(crate) fn price_calls(&self, inputs: &[Rc<Node>], meta: &Meta, calls: &[KernelCall<'_>]) -> Price {
+        let mut price = Price::default();
+        if calls.is_empty() {
+            return price;
+        }
+        let mut scratch = Scratch::default();
+        let mut kept = Bytes::default();
+        let mut keep = |elements: (u64, u64), kind: Kind| {
+            if meta.requires_grad {
+                let b = Bytes::of(elements, kind);
+                kept = Bytes { per: kept.per + b.per, fixed: kept.fixed + b.fixed };
+            }
+        };
+        for call in calls {
+            match call {
+                KernelCall::Keeps { elements, kind } => keep(*elements, *kind),
+                KernelCall::Temporaries { forward, backward } => scratch.add(*forward, *backward),
+                KernelCall::Reduction { of, mask, backward } => {
+                    if let CostModel::Cuda(gpu) = self {
+                        if let Some(s) = gpu.reduction(of, *mask) {
+                            price.staged.push((*backward, s));
+                        }
+                    }
+                }
+                KernelCall::Convolution(c) => {
+                    let s = match self {
+                        CostModel::Cpu(cpu) => cpu.convolution(c),
+                        CostModel::Cuda(gpu) => gpu.convolution(c),
+                    };
+                    scratch.add(s.forward, s.backward);
+                    if s.single.is_some() {
+                        scratch.single = s.single;
+                    }
+                }
+                KernelCall::DropoutMask { elements, kind } => {
+                    // libtorch's composite dropout keeps a mask in the input's kind; CUDA's
+                    // fused one keeps booleans, but it is not read on a card yet: priced alike.
+                    keep(*elements, *kind)
+                }
+                KernelCall::LogSigmoid { elements, kind } => {
+                    // The CPU kernel keeps a buffer as large as its input (CUDA's is empty, not
+                    // read on a card yet: priced alike).
+                    keep(*elements, *kind)
+                }
+                KernelCall::RmsNorm { input: (a, c), row, weight, kind } => {
+                    // libtorch's CPU rms_norm is composite: autograd keeps the inverse root
+                    // mean square per row and, with a weight, the normalized input; it squares
+                    // the input before its mean, and its backward builds input-sized terms.
+                    // (Not read on a card: priced alike.)
+                    let (a, c, row) = (*a, *c, (*row).max(1));
+                    keep(if *weight { (a + a / row, c + c / row) } else { (a / row, c / row) }, *kind);
+                    scratch.add((a, c), (a, c));
+                }
+            }
+        }
+        price.kept = kept.into();
+        let in_kind = inputs.first().map_or(meta.kind, |x| x.meta.kind);
+        let (forward, backward) = (Bytes::of(scratch.forward, in_kind), Bytes::of(scratch.backward, in_kind));
+        price.forward = forward.into();
+        price.backward = backward.into();
+        if let Some((f, b)) = scratch.single {
+            let e = in_kind.elt_size_in_bytes() as u64;
+            (price.forward.single, price.backward.single) = (f * e, b * e);
+        }
+        price
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tch::{Device, Kind, Tensor};
+
+    use super::cpu::Cpu;
+    use super::cuda::{Cuda, BLOCK};
+    use super::onednn::READ_ON;
+    use super::*;
+    use crate::lazy::lazy;
+
+    const H100: (u32, u32) = (132, 2048);
+    const MIB: u64 = 1 << 20;
+
+    fn zeros(shape: &[i64]) -> Tensor {
+        Tensor::zeros(shape, (Kind::Float, Device::Cpu))
+    }
+
+    /// A convolution recorded on this machine, priced for others: the model takes the machine
+    /// as inputs, and what it reads of this one is only the default.
+    #[test]
+    fn a_convolution_is_priced_for_the_machine_asked() {
+        let x = zeros(&[8, 12, 16, 16]).set_requires_grad(true);
+        let w = zeros(&[20, 12, 3, 3]).set_requires_grad(true);
+        let y = lazy(&x, 0).conv2d(&w, None::<&Tensor>, 1, 1, 1, 1);
+        let price = |model: &CostModel| model.price(&y.node, &mut Vec::new());
+        let avx512 = |threads| CostModel::Cpu(Cpu::new(threads, 16, Some(READ_ON)));
+        let avx2 = CostModel::Cpu(Cpu::new(2, 8, Some(READ_ON)));
+        // Blocks of 16 pad 20 output channels to 32, blocks of 8 to 24.
+        assert!(price(&avx512(2)).forward.per > price(&avx2).forward.per);
+        // On 2 threads the weight gradient's scratchpad is held between 13 and 48 KiB (the
+        // input's blocks divide among them, the output's do not); on one it is at most 48 KiB.
+        assert_ne!(price(&avx512(1)).backward, price(&avx512(2)).backward);
+        // The host's model is one of these, read once.
+        assert_eq!(price(&CostModel::of(Device::Cpu)), price(&CostModel::Cpu(Cpu::host().clone())));
+        // cuDNN's bound: input and output reordered, and a fixed workspace (2 MiB forward,
+        // 16 MiB backward), the same whatever the CPU.
+        let cuda = price(&CostModel::Cuda(Cuda { gpu: H100 }));
+        let per_sample = (12 * 16 * 16 + 20 * 16 * 16) * 4;
+        assert_eq!(cuda.forward, Work { per: per_sample, fixed: 2 * MIB, single: 0 });
+        assert_eq!(cuda.backward, Work { per: per_sample, fixed: 16 * MIB, single: 0 });
+    }
+
+    /// A reduction stages partial sums on CUDA only: a linear layer's bias gradient at batch
+    /// 1024 over 4096 outputs, as the H100 showed (`cuda.rs`'s tests hold the rest).
+    #[test]
+    fn reductions_stage_on_cuda_only() {
+        let x = zeros(&[1024, 16]);
+        let (w, b) = (zeros(&[4096, 16]).set_requires_grad(true), zeros(&[4096]).set_requires_grad(true));
+        let y = lazy(&x, 0).linear(&w, Some(&b));
+        let cuda = CostModel::Cuda(Cuda { gpu: H100 }).price(&y.node, &mut Vec::new());
+        assert_eq!(cuda.staged.len(), 1);
+        let (backward, staging) = &cuda.staged[0];
+        assert!(*backward, "the bias gradient is summed in the backward");
+        assert_eq!(staging.at(1024), 32 * MIB + BLOCK);
+        let cpu = CostModel::Cpu(Cpu::host().clone()).price(&y.node, &mut Vec::new());
+        assert!(cpu.staged.is_empty());
+        assert_eq!((CostModel::Cuda(Cuda { gpu: H100 }).block(), CostModel::of(Device::Cpu).block()), (BLOCK, 1));
+    }
+
+    #[test]
+    fn work_rounds_to_the_block_and_prices_one_sample_apart() {
+        let w = Work { per: 100, fixed: 10, single: 700 };
+        assert_eq!(w.at(2, 1), 210);
+        assert_eq!(w.at(2, 512), 512);
+        assert_eq!(w.at(1, 1), 700, "one sample runs another kernel");
+        assert_eq!(Work { single: 0, ..w }.at(1, 1), 110);
+    }
+}
