@@ -17,6 +17,8 @@ step() { printf '\n==> [%ss] %s\n' "$((SECONDS - started))" "$*"; }
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
+step "layers: the import graph of src/ has no cycle"
+python3 scripts/layers.py
 step "cargo clippy (all targets, all features, -D warnings)"
 cargo clippy --workspace --all-targets --all-features -- -D warnings
 step "cargo clippy (all targets, no default features, -D warnings)"
