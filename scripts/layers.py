@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""The import graph of `src/`, one node per module file, and its cycles.
+"""The import graph of `src/`, one node per module file: its cycles and its layers.
 
 Reads every `use` tree and every inline `crate::`/`super::`/`self::` path, resolves re-exports
 (`pub use` in a parent module points at the module that defines the item) and ignores
 `#[cfg(test)]` modules, whose imports do not shape the layers. Exits 1 when modules import each
-other in a cycle, printing it.
+other in a cycle, or when a module imports from a layer above its own (`LAYERS`), printing
+what it found.
 
     scripts/layers.py              # check: no cycle
     scripts/layers.py --edges      # also print every edge, "from -> to"
@@ -15,6 +16,27 @@ import re
 import sys
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
+
+# The layers, lowest first (ARCHITECTURE.md): a module may import from its own layer and the
+# layers below, never from one above. A name covers the module and its submodules; the crate
+# root and `lazy`'s mod.rs are facades (declarations and re-exports) and stand outside.
+LAYERS = [
+    ["hash", "error", "policy", "svg", "progress"],
+    ["memory"],
+    ["oom"],
+    ["cache"],
+    ["dist"],
+    ["retry"],
+    ["execute"],
+    ["lazy::error", "lazy::shape", "lazy::int_list", "lazy::options", "lazy::tch_compat"],
+    ["lazy::graph"],
+    ["lazy::ops"],
+    ["lazy::cost"],
+    ["lazy::plan"],
+    ["lazy::exec"],
+    ["lazy::tensor", "lazy::nn", "lazy::index", "lazy::tensor_ops", "lazy::wrap"],
+    ["lazy::vision", "lazy::models"],
+]
 
 
 def module_files():
@@ -68,6 +90,8 @@ def strip(text):
             out.append(c)
             i += 1
     code = "".join(out)
+    # Visibility paths (`pub(in crate::memory)`) name no dependency.
+    code = re.sub(r"pub\(in [^)]*\)", "pub", code)
     # Drop `#[cfg(test)] mod name { ... }` blocks.
     while True:
         m = re.search(r"#\[cfg\((all\()?test[^\]]*\)\]\s*(pub(\([^)]*\))?\s+)?mod\s+\w+\s*\{", code)
@@ -257,6 +281,23 @@ def main():
         if v not in index:
             visit(v)
     total = sum(len(e) for e in edges.values())
+
+    def layer(m):
+        path = "::".join(m)
+        for k, names in enumerate(LAYERS):
+            if any(path == n or path.startswith(n + "::") for n in names):
+                return k
+        return None
+
+    upward = []
+    for m in sorted(edges):
+        for t in sorted(edges[m]):
+            lm, lt = layer(m), layer(t)
+            if lm is not None and lt is not None and lt > lm:
+                upward.append(f"  {name(m)} -> {name(t)} (layer {lm} imports layer {lt})")
+    if upward:
+        print("imports from a layer above (scripts/layers.py's LAYERS):", file=sys.stderr)
+        print("\n".join(upward), file=sys.stderr)
     if sccs:
         print(f"import cycles among {sum(map(len, sccs))} of {len(mods)} modules:", file=sys.stderr)
         for comp in sccs:
@@ -265,8 +306,9 @@ def main():
             for m in comp:
                 for t in sorted(edges[m] & members):
                     print(f"      {name(m)} -> {name(t)}", file=sys.stderr)
+    if sccs or upward:
         sys.exit(1)
-    print(f"layers: {len(mods)} modules, {total} imports, no cycle")
+    print(f"layers: {len(mods)} modules, {total} imports, no cycle, none upward")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ use super::cost::CostModel;
 use super::error::LazyError;
 use super::graph::{Flow, LazyTensor, RunCx, Share, Source};
 use super::options::Options;
-use super::plan::{self, Compiled, Mode};
+use super::plan::{self, Compiled, Corrections, Decision, Mode};
 use crate::retry::Range;
 
 /// One micro-batch: where it starts, its size, and whether the batch is split at all.
@@ -139,35 +139,29 @@ fn forward_chunk(c: &Compiled, chunk: &Chunk<'_>, mut trace: Option<&mut Vec<Tra
     Ok(values[n - 1].take().expect("the output is held"))
 }
 
-/// What planning decided for one run.
+/// A compiled graph, and what planning decided for one run of it.
 struct Prepared {
     c: Compiled,
-    mode: Mode,
-    micro_batch: usize,
-    /// The plan's peak at `micro_batch`.
-    peak: u64,
-    /// Whether a micro-batch that runs out of memory may be halved (the result allows it).
-    splittable: bool,
+    d: Decision,
 }
 
 fn prepare(output: &LazyTensor, mode: Mode, options: &Options) -> Result<Prepared, LazyError> {
     let c = plan::compile(output)?;
-    let (choice, budget) = plan::decide(&c, mode, options)?;
-    let splittable = plan::splittable(&c, mode, &choice, budget, options);
-    let chunks = (c.batch as usize).div_ceil(choice.micro_batch);
+    let d = plan::decide(&c, mode, options)?;
+    let chunks = (c.batch as usize).div_ceil(d.micro_batch);
     tracing::info!(
         mode = ?mode,
         op = c.output().op.name(),
         batch = c.batch,
-        micro_batch = choice.micro_batch,
+        micro_batch = d.micro_batch,
         chunks,
-        peak = choice.peak,
-        full_batch_peak = choice.full_peak,
-        budget,
+        peak = d.peak,
+        full_batch_peak = d.full_peak,
+        budget = d.budget,
         nodes = c.len(),
         "toma::lazy: plan"
     );
-    Ok(Prepared { micro_batch: choice.micro_batch, peak: choice.peak, splittable, mode, c })
+    Ok(Prepared { c, d })
 }
 
 /// Full-batch denominators of the mean-reduced class losses that a split must divide by.
@@ -225,8 +219,8 @@ fn run_chunks(
         result?;
         if let Some(peak) = peak {
             let measured = peak.saturating_sub(before);
-            let planned = if b as usize == p.micro_batch { p.peak } else { plan::peak_at(&p.c, p.mode, b as u64) };
-            if let Some(factor) = plan::verify(&p.c, p.mode, b as u64, planned, measured) {
+            let planned = p.d.peak_at(&p.c, b as u64);
+            if let Some(factor) = Corrections::process().record(&p.c, p.d.mode, b as u64, planned, measured) {
                 tracing::warn!(
                     micro_batch = b,
                     planned,
@@ -239,8 +233,8 @@ fn run_chunks(
         Ok(())
     };
     let n = p.c.batch.max(1) as usize;
-    if !p.splittable || !options.retry {
-        let step = if p.splittable { p.micro_batch } else { n };
+    if !p.d.splittable || !options.retry {
+        let step = if p.d.splittable { p.d.micro_batch } else { n };
         let mut start = 0;
         while start < n {
             let end = (start + step).min(n);
@@ -250,7 +244,7 @@ fn run_chunks(
         return Ok(());
     }
     // Keyed by the graph's shape: the size one graph's micro-batches settled on is its own.
-    let mut range = Range::new(0, n, p.micro_batch).identity(p.c.fingerprint, "toma::lazy").planned();
+    let mut range = Range::new(0, n, p.d.micro_batch).identity(p.c.fingerprint, "toma::lazy").planned();
     if let Some(kind) = options.cache {
         range = range.cache(kind);
     }

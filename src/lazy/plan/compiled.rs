@@ -1,0 +1,315 @@
+//! A graph compiled for planning and running: its nodes in topological order, and everything
+//! about them that does not depend on the micro-batch.
+
+use std::cell::OnceCell;
+use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
+use std::rc::Rc;
+
+use tch::Device;
+
+use crate::lazy::cost::{CostModel, Work};
+use crate::lazy::error::LazyError;
+use crate::lazy::graph::{Bytes, Flow, LazyTensor, Node, ParamKey, Source};
+
+/// The graph of one output, compiled for planning and running: nodes in topological order
+/// and everything about them that does not depend on the micro-batch size.
+pub(crate) struct Compiled {
+    pub(crate) nodes: Vec<Rc<Node>>,
+    /// `inputs[offsets[i]..offsets[i + 1]]` are node `i`'s inputs, as positions.
+    pub(super) offsets: Vec<u32>,
+    pub(super) inputs: Vec<u32>,
+    /// Position of each node's last consumer; `n` for the output (held to the end).
+    pub(crate) last_use: Vec<u32>,
+    /// Storage each node's value lives in (its own position, or its view base's).
+    pub(super) root: Vec<u32>,
+    /// Per-node facts the schedules read often: the `F_*` bits.
+    pub(super) flags: Vec<u8>,
+    /// For parameters that require a gradient: the position of the first leaf holding the
+    /// same tensor (so that one parameter used twice has one gradient).
+    pub(crate) param: Vec<Option<u32>>,
+    /// First leaves of the parameters that receive a gradient, and their gradients' bytes.
+    pub(super) reached_params: Vec<u32>,
+    pub(super) param_grad_bytes: u64,
+    /// Bytes of gradients that parameters without a `.grad()` will get: asking libtorch costs
+    /// ~0.5 µs a parameter, so it is asked only when the answer can change the plan.
+    pub(super) undefined_grad_bytes: OnceCell<u64>,
+    /// Whether a backward of the whole batch accumulates straight into `.grad`: see
+    /// [`Compiled::accumulates_in_place`].
+    pub(super) in_place: OnceCell<bool>,
+    /// Full batch size (1 when nothing is batched).
+    pub(crate) batch: i64,
+    /// How the device prices kernel calls, and the block its allocator counts in.
+    pub(super) model: CostModel,
+    pub(super) block: u64,
+    pub(crate) fingerprint: u64,
+    /// Sum-flow nodes that feed the output linearly (combined over micro-batches).
+    pub(crate) global: Vec<bool>,
+}
+
+/// The node requires a gradient.
+pub(super) const F_REQUIRES_GRAD: u8 = 1;
+/// Autograd keeps the node's output for its backward.
+pub(super) const F_SAVES_OUTPUT: u8 = 2;
+/// An input or a fixed leaf (already in memory).
+pub(super) const F_LEAF: u8 = 4;
+/// The op takes part in autograd.
+pub(super) const F_DIFFERENTIABLE: u8 = 8;
+/// Gradients of inputs past the 64th are views of the output's.
+pub(super) const F_ALIAS_REST: u8 = 16;
+/// The output is a new allocation (not a view, an input or a parameter).
+pub(super) const F_ALLOCATES: u8 = 32;
+
+impl Compiled {
+    pub(crate) fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    pub(crate) fn inputs(&self, i: usize) -> impl Iterator<Item = usize> + '_ {
+        self.inputs[self.offsets[i] as usize..self.offsets[i + 1] as usize].iter().map(|&j| j as usize)
+    }
+
+    pub(super) fn input_slice(&self, i: usize) -> &[u32] {
+        &self.inputs[self.offsets[i] as usize..self.offsets[i + 1] as usize]
+    }
+
+    pub(crate) fn output(&self) -> &Rc<Node> {
+        self.nodes.last().expect("a graph has its output")
+    }
+
+    /// The device the computation runs on: the first input's, or the output's.
+    pub(crate) fn device(&self) -> Device {
+        device_of(&self.nodes)
+    }
+
+    /// The first op that mixes samples, if any.
+    pub(crate) fn first_mixing(&self) -> Option<(usize, &Rc<Node>)> {
+        self.nodes.iter().enumerate().find(|(_, n)| n.meta.mixes.is_some())
+    }
+
+    /// Bytes of the gradients parameters without a `.grad()` will get (asked once).
+    pub(super) fn undefined_grad_bytes(&self) -> u64 {
+        *self.undefined_grad_bytes.get_or_init(|| {
+            self.reached_params
+                .iter()
+                .map(|&i| &self.nodes[i as usize])
+                .filter(|node| match node.op.source() {
+                    // A non-leaf's gradient is summed in a buffer of toma's (see exec).
+                    Some(Source::Leaf { tensor, param: Some(p) }) => !p.is_leaf || !tensor.grad().defined(),
+                    _ => false,
+                })
+                .map(|node| Work::from(node.cost.grad).at(1, self.block))
+                .sum()
+        })
+    }
+
+    /// Whether one micro-batch of the whole batch can let autograd accumulate straight into
+    /// `.grad`, with no second copy of the gradients: every parameter is a leaf without a
+    /// gradient yet (the first step, or after `opt.zero_grad()`), and no input requires a
+    /// gradient of its own. The executor does exactly this then, and the plan counts it so.
+    pub(crate) fn accumulates_in_place(&self) -> bool {
+        *self.in_place.get_or_init(|| {
+            self.nodes.iter().enumerate().all(|(i, node)| match node.op.source() {
+                Some(Source::Leaf { tensor, param: Some(_) }) => {
+                    self.param[i].is_none_or(|first| first as usize != i)
+                        || (tensor.is_leaf() && !tensor.grad().defined())
+                }
+                Some(Source::Input { tensor, .. }) => !tensor.requires_grad(),
+                _ => true,
+            })
+        })
+    }
+}
+
+/// The device a graph runs on: its first input's, or its output's.
+fn device_of(nodes: &[Rc<Node>]) -> Device {
+    let output = nodes.last().expect("a graph has its output");
+    nodes
+        .iter()
+        .find(|n| matches!(n.op.source(), Some(Source::Input { .. })))
+        .map_or(output.meta.device, |n| n.meta.device)
+}
+
+/// Where the planner found each node of one traversal (1-based; 0: not yet), by id. Ids are
+/// given in creation order, so a graph's ids mostly lie just below its output's: a dense table
+/// there, a map for the rare node far older (a constant recorded long before).
+struct Index {
+    top: u64,
+    near: Vec<u32>,
+    far: HashMap<u64, u32, BuildHasherDefault<crate::hash::PassThrough>>,
+}
+
+impl Index {
+    /// The dense table's largest span of ids (4 MiB of slots).
+    const NEAR: usize = 1 << 20;
+
+    fn new(top: u64) -> Self {
+        Index { top, near: Vec::with_capacity(4096), far: HashMap::default() }
+    }
+
+    fn slot(&mut self, id: u64) -> &mut u32 {
+        let offset = (self.top - id) as usize;
+        if offset < Self::NEAR {
+            if offset >= self.near.len() {
+                self.near.resize((offset + 1).next_power_of_two().min(Self::NEAR), 0);
+            }
+            &mut self.near[offset]
+        } else {
+            // Mixed: the map's hasher passes keys through.
+            self.far.entry(crate::hash::mix(id)).or_insert(0)
+        }
+    }
+}
+
+/// Collects the graph of `output` in topological order and precomputes what planning needs.
+pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
+    // Depth-first collection; ids give the order (inputs are always created first). The
+    // planner's own index says where each visited node was found.
+    let mut index = Index::new(output.node.id);
+    *index.slot(output.node.id) = 1;
+    let mut seen: Vec<(u64, &Rc<Node>)> = vec![(output.node.id, &output.node)];
+    let mut stack: Vec<&Rc<Node>> = vec![&output.node];
+    while let Some(node) = stack.pop() {
+        for input in &node.inputs {
+            let slot = index.slot(input.id);
+            if *slot == 0 {
+                seen.push((input.id, input));
+                *slot = seen.len() as u32;
+                stack.push(input);
+            }
+        }
+    }
+    // Sorting by id gives the order; `position[k]` is where the node found `k`-th lands.
+    let mut order: Vec<(u64, u32)> = seen.iter().enumerate().map(|(k, &(id, _))| (id, k as u32)).collect();
+    order.sort_unstable_by_key(|&(id, _)| id);
+    let mut position = vec![0u32; order.len()];
+    for (pos, &(_, k)) in order.iter().enumerate() {
+        position[k as usize] = pos as u32;
+    }
+    let mut pos = |node: &Node| position[*index.slot(node.id) as usize - 1];
+    let found: Vec<Rc<Node>> = order.iter().map(|&(_, k)| seen[k as usize].1.clone()).collect();
+    drop(seen);
+    let n = found.len();
+    let mut offsets = Vec::with_capacity(n + 1);
+    let mut inputs = Vec::with_capacity(2 * n);
+    let mut last_use = vec![0u32; n];
+    let mut root = Vec::with_capacity(n);
+    let mut flags = Vec::with_capacity(n);
+    let mut param = vec![None; n];
+    let mut batch: Option<i64> = None;
+    let mut fingerprint = 0x6c61_7a79u64;
+    let leaves = found.iter().filter(|x| x.inputs.is_empty()).count();
+    let mut params_seen: HashMap<&ParamKey, u32, BuildHasherDefault<crate::hash::PassThrough>> =
+        HashMap::with_capacity_and_hasher(leaves, BuildHasherDefault::default());
+    for (i, node) in found.iter().enumerate() {
+        offsets.push(inputs.len() as u32);
+        for input in &node.inputs {
+            let from = pos(input);
+            last_use[from as usize] = i as u32;
+            inputs.push(from);
+        }
+        root.push(if node.meta.alias { root[pos(&node.inputs[0]) as usize] } else { i as u32 });
+        let cost = &node.cost;
+        flags.push(
+            (u8::from(cost.out != Bytes::default()) * F_ALLOCATES)
+                | (u8::from(node.meta.requires_grad) * F_REQUIRES_GRAD)
+                | (u8::from(node.meta.requires_grad && node.op.saves_output()) * F_SAVES_OUTPUT)
+                | (u8::from(node.inputs.is_empty()) * F_LEAF)
+                | (u8::from(node.op.differentiable()) * F_DIFFERENTIABLE)
+                | (u8::from(cost.alias_rest) * F_ALIAS_REST),
+        );
+        fingerprint = crate::hash::mix(fingerprint ^ node.cost.hash);
+        match node.op.source() {
+            Some(Source::Input { .. }) => {
+                let size = node.meta.batch().map_or(1, |bd| bd.size);
+                match batch {
+                    None => batch = Some(size),
+                    Some(b) if b != size => {
+                        return Err(LazyError::Batch {
+                            op: "lazy".into(),
+                            lhs: vec![b],
+                            rhs: node.meta.shape.clone(),
+                            reason: format!("inputs with batch sizes {b} and {size} meet in one graph"),
+                        })
+                    }
+                    _ => {}
+                }
+            }
+            Some(Source::Leaf { param: Some(p), .. }) => {
+                param[i] = Some(*params_seen.entry(&p.key).or_insert(i as u32));
+            }
+            _ => {}
+        }
+    }
+    offsets.push(inputs.len() as u32);
+    last_use[n - 1] = n as u32;
+    let edges = |i: usize| &inputs[offsets[i] as usize..offsets[i + 1] as usize];
+    // Sum-flow nodes that reach the output only through linear ops are combined over
+    // micro-batches; others (only with allow_batch_mixing) are per-micro-batch statistics.
+    let mut global = vec![false; n];
+    let mut consumers_global = vec![true; n];
+    for i in (0..n).rev() {
+        global[i] = found[i].meta.flow == Flow::Sum && consumers_global[i];
+        for &j in edges(i) {
+            consumers_global[j as usize] &= global[i];
+        }
+    }
+    // Which parameters receive a gradient: the backward's reach, which the batch does not change.
+    let mut reach = vec![false; n];
+    reach[n - 1] = found[n - 1].meta.requires_grad;
+    for i in (0..n).rev() {
+        if !reach[i] || flags[i] & (F_LEAF | F_DIFFERENTIABLE) != F_DIFFERENTIABLE {
+            continue;
+        }
+        for &j in edges(i) {
+            let j = j as usize;
+            if flags[j] & F_REQUIRES_GRAD != 0 {
+                reach[param[j].map_or(j, |p| p as usize)] = true;
+            }
+        }
+    }
+    let reached_params: Vec<u32> =
+        (0..n).filter(|&i| reach[i] && param[i] == Some(i as u32)).map(|i| i as u32).collect();
+    let model = CostModel::of(device_of(&found));
+    let block = model.block();
+    let param_grad_bytes = reached_params.iter().map(|&i| Work::from(found[i as usize].cost.grad).at(1, block)).sum();
+    Ok(Compiled {
+        nodes: found,
+        offsets,
+        inputs,
+        last_use,
+        root,
+        flags,
+        param,
+        reached_params,
+        param_grad_bytes,
+        undefined_grad_bytes: OnceCell::new(),
+        in_place: OnceCell::new(),
+        batch: batch.unwrap_or(1),
+        model,
+        block,
+        fingerprint,
+        global,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Index;
+
+    #[test]
+    fn the_index_keeps_near_and_far_ids_apart() {
+        let top = 10 * Index::NEAR as u64;
+        let mut index = Index::new(top);
+        let ids = [top, top - 1, top - 4096, top - Index::NEAR as u64 + 1, top - Index::NEAR as u64, 3, 2];
+        for (k, &id) in ids.iter().enumerate() {
+            assert_eq!(*index.slot(id), 0, "id {id} starts unvisited");
+            *index.slot(id) = k as u32 + 1;
+        }
+        for (k, &id) in ids.iter().enumerate() {
+            assert_eq!(*index.slot(id), k as u32 + 1, "id {id}");
+        }
+        assert_eq!(index.far.len(), 3, "ids past the dense span go to the map");
+        assert!(index.near.len() <= Index::NEAR);
+    }
+}

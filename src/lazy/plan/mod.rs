@@ -1,0 +1,61 @@
+//! The planner: the peak memory of a schedule of the forward (and backward) pass at a given
+//! micro-batch, and the largest micro-batch whose peak fits the budget.
+//!
+//! # The memory model
+//!
+//! The schedule is the executor's: ops run in recording order (a topological order); the
+//! executor drops each value after its last use. Each tensor costs its bytes rounded up to
+//! 512 B (the CUDA caching allocator's block size); views cost nothing and keep their base
+//! alive. Inputs and parameters are already in memory and cost nothing.
+//!
+//! In a backward plan, a tensor that autograd saves for an op's backward (what each op saves
+//! is in [`ops`](super::ops)) lives until that op's backward has run, together with extras such
+//! as max-pooling indices and dropout masks. The backward runs in reverse order: each op's
+//! output gradient lives until its backward has run, and produces gradients for its inputs
+//! (views of the output gradient where autograd makes them views); parameter gradients live
+//! to the end, and parameters whose `.grad()` is not yet defined get one. Ops with scratch
+//! space (im2col of a convolution, broadcast copies of a batched product) count it while they
+//! run: what the cost layer ([`cost`](super::cost)) prices each op's kernel calls at on the
+//! graph's device (on CUDA, the reduction kernel's staging buffers, not linear in the
+//! micro-batch, and cuDNN's workspace).
+//!
+//! The peak is the largest sum over this schedule, not the sum of all tensors.
+//!
+//! The planner's parts, one way: [`compiled`] collects the graph; [`schedule`] simulates the
+//! executor's schedule at a micro-batch; [`search`] holds it to the budget and picks the
+//! micro-batch, with what [`correction`] learned from measured runs; [`report`] is the plan as
+//! users see it.
+
+mod compiled;
+mod correction;
+mod report;
+mod schedule;
+mod search;
+mod snapshot;
+
+pub(crate) use compiled::Compiled;
+pub(crate) use correction::Corrections;
+pub use report::{Plan, PlanOp};
+pub use schedule::{Mode, Phase, Step};
+pub(crate) use search::{decide, Decision};
+
+use super::error::LazyError;
+use super::graph::LazyTensor;
+use super::options::Options;
+
+/// Collects the graph of `output` for planning and running.
+pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
+    let c = compiled::compile(output)?;
+    snapshot::write(&c);
+    Ok(c)
+}
+
+/// Plans `output` in `mode` under `options`.
+pub(crate) fn plan(output: &LazyTensor, mode: Mode, options: &Options) -> Result<Plan, LazyError> {
+    let c = compile(output)?;
+    if mode == Mode::Backward && !output.node.meta.shape.is_empty() && output.numel() != 1 {
+        return Err(LazyError::NotScalar { op: output.op_name().into(), shape: output.size() });
+    }
+    let decision = decide(&c, mode, options)?;
+    Ok(report::detail(c, decision))
+}

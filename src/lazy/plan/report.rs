@@ -1,0 +1,381 @@
+//! A plan as users see it: the chosen micro-batch, the peak, the per-op table and the schedule
+//! step by step, printed as a table or drawn as an SVG.
+
+use std::borrow::Cow;
+use std::cell::OnceCell;
+use std::fmt;
+
+use tch::Kind;
+
+use super::compiled::Compiled;
+use super::schedule::{Mode, Phase, Schedule, Step};
+use super::search::Decision;
+use crate::lazy::cost::Work;
+
+/// One op of a plan, at the micro-batch size.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlanOp {
+    /// The op's name.
+    pub name: Cow<'static, str>,
+    /// Its output shape at the micro-batch size.
+    pub shape: Vec<i64>,
+    /// Its output kind.
+    pub kind: Kind,
+    /// Where the batch dimension is, if the value is per-sample.
+    pub batch_dim: Option<usize>,
+    /// Bytes its output allocates at the micro-batch size (0 for views, inputs, parameters).
+    pub bytes: u64,
+    /// Whether the output is a view of its first input.
+    pub view: bool,
+    /// Position of the op whose allocation the value lives in (its own, or a view's base).
+    pub base: usize,
+}
+
+/// A memory plan: the micro-batch chosen for one output, the schedule's peak, and the
+/// per-op table. Displays as a readable table.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    mode: Mode,
+    batch_size: usize,
+    micro_batch: usize,
+    budget: u64,
+    peak: u64,
+    peak_step: usize,
+    full_batch_peak: u64,
+    per_sample_at_peak: u64,
+    facts: Vec<OpFacts>,
+    shapes: Vec<i64>,
+    ops: OnceCell<Vec<PlanOp>>,
+    /// The schedule, evaluated into steps when they are asked for.
+    schedule: Schedule,
+    new_grads: u64,
+    steps: OnceCell<Vec<Step>>,
+    last_use: Vec<u32>,
+    /// Bytes per sample earlier runs of this graph measured above their plans (0: none did).
+    correction: f64,
+}
+
+impl Plan {
+    /// Forward only, or forward and backward.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+    /// The full batch size N.
+    pub fn batch_size(&self) -> usize {
+        self.batch_size
+    }
+    /// The micro-batch size: N when the whole batch fits, else a power of two.
+    pub fn micro_batch(&self) -> usize {
+        self.micro_batch
+    }
+    /// How many micro-batches cover the batch.
+    pub fn chunks(&self) -> usize {
+        self.batch_size.div_ceil(self.micro_batch.max(1))
+    }
+    /// Whether the batch is split.
+    pub fn splits(&self) -> bool {
+        self.micro_batch < self.batch_size
+    }
+    /// The memory budget in bytes.
+    pub fn budget(&self) -> u64 {
+        self.budget
+    }
+    /// Bytes per sample an earlier run of this graph measured above its plan (on CUDA, or on
+    /// the CPU with [`track_cpu_allocations`](crate::memory::track_cpu_allocations)): the
+    /// micro-batch is chosen with that much more per sample held in reserve. 0 when no run
+    /// measured more than planned.
+    pub fn correction_bytes_per_sample(&self) -> u64 {
+        self.correction.ceil() as u64
+    }
+    /// Peak bytes of the schedule at the micro-batch size.
+    pub fn peak_bytes(&self) -> u64 {
+        self.peak
+    }
+    /// Peak bytes the whole batch would need.
+    pub fn full_batch_peak_bytes(&self) -> u64 {
+        self.full_batch_peak
+    }
+    /// Bytes live at the peak that scale with the batch: per sample (the peak is about
+    /// `per_sample_bytes() * micro_batch() + fixed_bytes()`).
+    pub fn per_sample_bytes(&self) -> u64 {
+        self.per_sample_at_peak
+    }
+    /// Bytes live at the peak that do not scale with the batch (parameter gradients,
+    /// activations of fixed operands, rounding).
+    pub fn fixed_bytes(&self) -> u64 {
+        self.peak.saturating_sub(self.per_sample_at_peak * self.micro_batch as u64)
+    }
+    /// The step at the peak.
+    pub fn peak_step(&self) -> &Step {
+        &self.steps()[self.peak_step]
+    }
+    /// The op at the peak: its position, name and phase.
+    pub fn peak_op(&self) -> (usize, &str, Phase) {
+        let s = self.peak_step();
+        (s.node, &self.ops()[s.node].name, s.phase)
+    }
+    /// The ops, in the order they run.
+    pub fn ops(&self) -> &[PlanOp] {
+        self.ops.get_or_init(|| {
+            self.facts
+                .iter()
+                .map(|f| {
+                    let name = Cow::Borrowed(f.name);
+                    let start = f.shape_start as usize;
+                    PlanOp {
+                        name,
+                        shape: self.shapes[start..start + f.shape_len as usize].to_vec(),
+                        kind: f.kind,
+                        batch_dim: f.batch_dim.map(|d| d as usize),
+                        bytes: f.bytes,
+                        view: f.view,
+                        base: f.base as usize,
+                    }
+                })
+                .collect()
+        })
+    }
+    /// The schedule at the micro-batch size: forward steps (one per op), then backward steps
+    /// and the gradient accumulation in a backward plan.
+    pub fn steps(&self) -> &[Step] {
+        self.steps.get_or_init(|| {
+            let mut steps = Vec::with_capacity(self.schedule.steps.len() + 1);
+            let raw = self.schedule.eval(self.micro_batch as u64, Some(&mut steps));
+            if let Some((live, _, _)) = raw.accumulate {
+                // Counted for all parameters that get a gradient unless that could change the
+                // peak: then for those without a `.grad()` only.
+                let during = live + self.new_grads;
+                let node = self.facts.len() - 1;
+                steps.push(Step {
+                    node,
+                    phase: Phase::Accumulate,
+                    bytes: self.new_grads,
+                    during,
+                    live: self.new_grads,
+                });
+            }
+            steps
+        })
+    }
+    /// The plan as a picture: a self-contained SVG (no scripts, inline styles) of the bytes
+    /// live during each step of the schedule at the chosen micro-batch, beside the same
+    /// schedule at the whole batch (dashed) when the batch is split; the forward and backward
+    /// passes shaded; the peak marked with its op; and the budget when it is within the
+    /// picture's scale (else it is named in the title).
+    ///
+    /// Each series is a `<g data-series="..">`: `forward`, `backward`, `micro-batch`,
+    /// `whole batch` (when split), `peak`, `budget` (when drawn).
+    ///
+    /// ```
+    /// use tch::{Device, Kind, Tensor};
+    /// use toma::lazy::{lazy, Mode, Options};
+    ///
+    /// let w = Tensor::randn([64, 32], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    /// let x = Tensor::randn([256, 64], (Kind::Float, Device::Cpu));
+    /// let loss = lazy(&x, 0).matmul(&w).relu().sum(None);
+    /// let plan = loss.plan(Mode::Backward, &Options::new().budget(64 << 10))?;
+    /// let svg = plan.to_svg();
+    /// assert!(svg.starts_with("<svg") && svg.contains("data-series=\"peak\""));
+    /// // std::fs::write("plan.svg", svg)?;
+    /// # Ok::<(), toma::lazy::LazyError>(())
+    /// ```
+    pub fn to_svg(&self) -> String {
+        use crate::svg::{bytes, Chart, Unit};
+        let steps = self.steps();
+        let curve = |steps: &[Step]| -> Vec<(f64, f64)> {
+            steps.iter().enumerate().map(|(k, s)| (k as f64, s.during as f64)).collect()
+        };
+        let micro = curve(steps);
+        let whole = self.splits().then(|| {
+            let mut full = Vec::with_capacity(self.schedule.steps.len());
+            self.schedule.eval(self.batch_size as u64, Some(&mut full));
+            curve(&full)
+        });
+        let top = micro.iter().chain(whole.iter().flatten()).fold(0.0f64, |m, &(_, y)| m.max(y));
+        let budget_drawn = (self.budget as f64) <= 2.0 * top.max(1.0);
+        let y_max = if budget_drawn { top.max(self.budget as f64) } else { top };
+        let mode = match self.mode {
+            Mode::Forward => "forward",
+            Mode::Backward => "forward + backward",
+        };
+        let mut title = format!(
+            "toma::lazy plan ({mode}): batch {} in {} micro-batch(es) of {}; peak {}",
+            self.batch_size,
+            self.chunks(),
+            self.micro_batch,
+            bytes(self.peak as f64)
+        );
+        if !budget_drawn {
+            title.push_str(&format!(", budget {} (off scale)", bytes(self.budget as f64)));
+        }
+        let mut chart =
+            Chart::new(&title, "schedule step (ops in the order they run)", micro.len() as f64, y_max, Unit::Bytes);
+        let backward_from = steps.iter().position(|s| s.phase != Phase::Forward).unwrap_or(steps.len());
+        chart.band("forward", 0.0, backward_from as f64, "#2a6fdb", "forward");
+        if backward_from < steps.len() {
+            chart.band("backward", backward_from as f64, steps.len() as f64, "#d9822b", "backward");
+        }
+        if let Some(whole) = &whole {
+            let label = format!("whole batch of {} (peak {})", self.batch_size, bytes(self.full_batch_peak as f64));
+            chart.steps("whole batch", &label, whole, "#888", true);
+        }
+        let label = format!("micro-batch of {}", self.micro_batch);
+        chart.steps("micro-batch", &label, &micro, "#1f5fbf", false);
+        if budget_drawn {
+            chart.hline("budget", &format!("budget {}", bytes(self.budget as f64)), self.budget as f64, "#c0392b");
+        }
+        let peak = &steps[self.peak_step.min(steps.len().saturating_sub(1))];
+        let phase = match peak.phase {
+            Phase::Forward => "forward",
+            Phase::Backward => "backward",
+            Phase::Accumulate => "accumulate",
+        };
+        let op = &self.ops()[peak.node].name;
+        let label = format!("peak {} at #{} {op} ({phase})", bytes(self.peak as f64), peak.node);
+        chart.marker("peak", self.peak_step as f64, peak.during as f64, &label, "#c0392b");
+        chart.finish()
+    }
+
+    /// Positions of the values the executor holds after forward step `op` (its output, and
+    /// earlier values still to be used), as the plan schedules them.
+    pub fn held_after(&self, op: usize) -> Vec<usize> {
+        (0..=op.min(self.facts.len().saturating_sub(1))).filter(|&j| self.last_use[j] as usize > op).collect()
+    }
+}
+
+/// The full plan (table included) for a decision.
+pub(crate) fn detail(c: Compiled, decision: Decision) -> Plan {
+    let b = decision.micro_batch as u64;
+    let (outcome, new_grads) = decision.outcome;
+    // The per-op table is materialized only when asked for: planning copies flat facts.
+    let mut shapes = Vec::with_capacity(2 * c.len());
+    let mut facts = Vec::with_capacity(c.len());
+    for (node, &root) in c.nodes.iter().zip(&c.root) {
+        let start = shapes.len();
+        shapes.extend_from_slice(&node.meta.shape);
+        let batch = node.meta.batch();
+        if let Some(bd) = batch {
+            shapes[start + bd.dim] = b as i64 * bd.factor;
+        }
+        let name = node.op.name();
+        facts.push(OpFacts {
+            name,
+            shape_start: start as u32,
+            shape_len: node.meta.shape.len() as u32,
+            bytes: Work::from(node.cost.out).at(b, c.block),
+            base: root,
+            batch_dim: batch.map(|bd| bd.dim as u32),
+            kind: node.meta.kind,
+            view: node.meta.alias,
+        });
+    }
+    Plan {
+        mode: decision.mode,
+        batch_size: c.batch as usize,
+        micro_batch: decision.micro_batch,
+        budget: decision.budget,
+        peak: outcome.peak,
+        peak_step: outcome.peak_step,
+        full_batch_peak: decision.full_peak,
+        per_sample_at_peak: outcome.peak_per_sample,
+        facts,
+        shapes,
+        ops: OnceCell::new(),
+        schedule: decision.schedule,
+        new_grads,
+        steps: OnceCell::new(),
+        last_use: c.last_use,
+        correction: decision.correction,
+    }
+}
+
+/// What a plan keeps of each op until its table is asked for (compact: a large graph's plan
+/// is built often and read rarely).
+#[derive(Clone, Debug)]
+struct OpFacts {
+    /// The op's name (custom ops' names are interned: static too).
+    name: &'static str,
+    shape_start: u32,
+    shape_len: u32,
+    bytes: u64,
+    base: u32,
+    batch_dim: Option<u32>,
+    kind: Kind,
+    view: bool,
+}
+
+impl fmt::Display for Plan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (peak_node, peak_name, peak_phase) = self.peak_op();
+        let mode = match self.mode {
+            Mode::Forward => "forward",
+            Mode::Backward => "forward + backward",
+        };
+        writeln!(
+            f,
+            "toma::lazy plan ({mode}): batch {} -> micro-batch {} x {} chunk(s); peak {} at #{peak_node} {peak_name} ({}); \
+             budget {}; whole batch would peak at {}",
+            self.batch_size,
+            self.micro_batch,
+            self.chunks(),
+            crate::svg::bytes(self.peak as f64),
+            match peak_phase {
+                Phase::Forward => "forward",
+                Phase::Backward => "backward",
+                Phase::Accumulate => "gradient accumulation",
+            },
+            crate::svg::bytes(self.budget as f64),
+            crate::svg::bytes(self.full_batch_peak as f64),
+        )?;
+        if self.correction > 0.0 {
+            writeln!(
+                f,
+                "verified: an earlier run of this graph measured {} per sample above its plan; held in reserve: {}",
+                crate::svg::bytes(self.correction.ceil()),
+                crate::svg::bytes((self.correction * self.micro_batch as f64).ceil())
+            )?;
+        }
+        writeln!(
+            f,
+            "peak = {} per sample x {} + {} fixed",
+            crate::svg::bytes(self.per_sample_at_peak as f64),
+            self.micro_batch,
+            crate::svg::bytes(self.fixed_bytes() as f64)
+        )?;
+        writeln!(
+            f,
+            "{:>5}  {:<9} {:<26} {:<24} {:>10} {:>10} {:>10}",
+            "#", "phase", "op", "shape", "bytes", "peak", "live"
+        )?;
+        for (k, s) in self.steps().iter().enumerate() {
+            let op = &self.ops()[s.node];
+            let phase = match s.phase {
+                Phase::Forward => "fwd",
+                Phase::Backward => "bwd",
+                Phase::Accumulate => "acc",
+            };
+            let mut name = op.name.to_string();
+            if op.view {
+                name.push_str(" (view)");
+            }
+            if let Some(d) = op.batch_dim {
+                name.push_str(&format!(" [b@{d}]"));
+            }
+            let marker = if k == self.peak_step { "  <- peak" } else { "" };
+            let shape = format!("{:?}", op.shape);
+            let (node, name) = if s.phase == Phase::Accumulate {
+                (String::new(), "grad += micro-batch".to_string())
+            } else {
+                (s.node.to_string(), name)
+            };
+            writeln!(
+                f,
+                "{node:>5}  {phase:<9} {name:<26} {shape:<24} {:>10} {:>10} {:>10}{marker}",
+                crate::svg::bytes(s.bytes as f64),
+                crate::svg::bytes(s.during as f64),
+                crate::svg::bytes(s.live as f64)
+            )?;
+        }
+        Ok(())
+    }
+}
