@@ -20,7 +20,7 @@ fn generic<T: TensorOps>(x: &T, l1: &nn::Linear, l2: &nn::Linear) -> T
 where
     nn::Linear: Layer<T>,
 {
-    TensorOps::sum(&TensorOps::apply(x, l1).relu().apply(l2).gelu("none"), Some(Kind::Float))
+    TensorOps::apply(x, l1).relu().apply(l2).gelu("none").sum(Some(Kind::Float))
 }
 
 /// The best of `rounds` timings of `calls` calls each, for `a` and for `b`, interleaved so that

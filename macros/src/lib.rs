@@ -14,6 +14,16 @@ use syn::punctuated::Punctuated;
 use syn::spanned::Spanned;
 use syn::{Expr, ExprLit, FnArg, ItemFn, Lit, MetaNameValue, Pat, PatType, ReturnType, Token, Type};
 
+mod tensor_methods;
+
+/// Internal to toma (its lazy op families): generates the panicking twins and the family's
+/// tensor-method trait from an `impl LazyTensor` block. See `tensor_methods.rs`.
+#[doc(hidden)]
+#[proc_macro_attribute]
+pub fn tensor_methods(args: TokenStream, item: TokenStream) -> TokenStream {
+    tensor_methods::expand(args.into(), item.into()).unwrap_or_else(syn::Error::into_compile_error).into()
+}
+
 /// Retries the function with a halved batch size on out-of-memory. See `toma::batch`.
 #[proc_macro_attribute]
 pub fn batch(args: TokenStream, item: TokenStream) -> TokenStream {

@@ -82,6 +82,7 @@ pub use int_list::{IntList, IntListOption};
 pub use nn::{Layer, LayerT};
 pub use ops::custom::{CustomOp, Saves, TensorMeta};
 pub use ops::record::IntoLazy;
+pub use ops::{Fallible, LayoutOps, LossOps, MatrixOps, NormOps, PointwiseOps, ReduceOps, WindowOps};
 pub use options::Options;
 pub use plan::{Mode, Phase, Plan, PlanOp, Step};
 pub use tensor::{OpCosts, Split};

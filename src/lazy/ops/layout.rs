@@ -7,7 +7,7 @@ use tch::{Kind, TchError, Tensor};
 
 use super::record::IntoLazy;
 use super::record::{combine_flows, same_device, unary_flow, Linearity, Record};
-use super::{arg, kind_err, panicking, same_shape_flow, shape_err};
+use super::{arg, kind_err, same_shape_flow, shape_err};
 use crate::lazy::error::LazyError;
 use crate::lazy::graph::{BatchDim, Flow, KernelCall, Meta, Node, Operation, RunCx};
 use crate::lazy::int_list::IntList;
@@ -161,6 +161,7 @@ impl Operation for Layout {
     }
 }
 
+#[toma_macros::tensor_methods(LayoutOps, "Views, copies and selections: shapes, dimensions, indexing, padding, kinds (a family of [`TensorOps`](crate::lazy::TensorOps)).")]
 impl LazyTensor {
     fn view_flow(&self, new_shape: &[i64]) -> (Flow, Option<String>) {
         let m = self.meta();
@@ -379,6 +380,8 @@ impl LazyTensor {
     ///
     /// # Errors
     /// [`LazyError::Argument`] for `chunks` < 1 or a bad dimension.
+    #[lazy_only]
+    #[no_twin]
     pub fn f_chunk(&self, chunks: i64, dim: i64) -> Result<Vec<LazyTensor>, LazyError> {
         let shape = &self.node.meta.shape;
         if chunks < 1 {
@@ -395,6 +398,8 @@ impl LazyTensor {
     /// # Errors
     /// [`LazyError::Argument`] for `split_size` < 1 (unless the dimension is empty) or a bad
     /// dimension.
+    #[lazy_only]
+    #[no_twin]
     pub fn f_split(&self, split_size: i64, dim: i64) -> Result<Vec<LazyTensor>, LazyError> {
         let shape = &self.node.meta.shape;
         let d = shape::wrap_dim(dim, shape.len()).map_err(|r| arg("split", shape, r))?;
@@ -695,6 +700,7 @@ impl LazyTensor {
     ///
     /// # Errors
     /// As [`f_view`](Self::f_view); [`LazyError::Argument`] for a 0-dim tensor.
+    #[lazy_only]
     pub fn f_flat_view(&self) -> Result<LazyTensor, LazyError> {
         let s = &self.node.meta.shape;
         let Some(&first) = s.first() else {
@@ -796,6 +802,8 @@ impl LazyTensor {
     /// # Errors
     /// [`LazyError::Shape`] when the other sizes differ, [`LazyError::Argument`] for an empty
     /// list or a bad dimension, [`LazyError::Device`].
+    #[lazy_only]
+    #[no_twin]
     pub fn f_cat<T: std::borrow::Borrow<LazyTensor>>(tensors: &[T], dim: i64) -> Result<LazyTensor, LazyError> {
         let lazies: Vec<LazyTensor> = tensors.iter().map(|t| t.borrow().clone()).collect();
         let Some(first) = lazies.first() else {
@@ -828,31 +836,7 @@ impl LazyTensor {
         let inputs = nodes.into_iter().cloned().collect();
         Ok(Record::new(Layout::Cat { dim: d as i64 }, inputs, out, kind, device).flow((flow, mixes)).finish())
     }
-}
 
-panicking! {
-    view => f_view(shape: impl tch::Shape);
-    reshape => f_reshape(shape: impl IntList);
-    flatten => f_flatten(start_dim: i64, end_dim: i64);
-    transpose => f_transpose(dim0: i64, dim1: i64);
-    permute => f_permute(dims: impl IntList);
-    unsqueeze => f_unsqueeze(dim: i64);
-    squeeze => f_squeeze();
-    squeeze_dim => f_squeeze_dim(dim: i64);
-    narrow => f_narrow(dim: i64, start: i64, length: i64);
-    to_kind => f_to_kind(kind: Kind);
-    contiguous => f_contiguous();
-    detach => f_detach();
-    expand => f_expand(size: impl IntList, implicit: bool);
-    repeat => f_repeat(repeats: impl IntList);
-    index_select => f_index_select(dim: i64, index: impl IntoLazy);
-    gather => f_gather(dim: i64, index: impl IntoLazy, sparse_grad: bool);
-    select => f_select(dim: i64, index: i64);
-    pad => f_pad(pad: impl IntList, mode: &str, value: impl Into<Option<f64>>);
-    flat_view => f_flat_view();
-}
-
-impl LazyTensor {
     /// Like [`f_chunk`](Self::f_chunk), panicking with its error.
     ///
     /// # Panics

@@ -9,7 +9,7 @@ use tch::{Kind, Reduction, TchError, Tensor};
 
 use super::record::IntoLazy;
 use super::record::{broadcast_flows, combine_flows, same_device, Linearity, Record};
-use super::{arg, floating, kind_err, panicking, same_kind, shape_err};
+use super::{arg, floating, kind_err, same_kind, shape_err};
 use crate::lazy::error::LazyError;
 use crate::lazy::graph::{Flow, KernelCall, Meta, Node, Operation, RunCx, Share};
 use crate::lazy::shape;
@@ -178,6 +178,7 @@ fn cross_entropy(
     x.f_cross_entropy_loss(target, None::<&Tensor>, reduction, ignore_index, label_smoothing)
 }
 
+#[toma_macros::tensor_methods(LossOps, "Losses (a family of [`TensorOps`](crate::lazy::TensorOps)).")]
 impl LazyTensor {
     /// Flow of a loss over `[N, C]` inputs and `[N]` targets (batch on dimension 0 of both).
     fn class_loss_flow(
@@ -245,6 +246,7 @@ impl LazyTensor {
     /// # Errors
     /// [`LazyError::Shape`] for other shapes, [`LazyError::Kind`] for non-floating logits or
     /// non-`Int64` targets.
+    #[lazy_only]
     pub fn f_cross_entropy_for_logits(&self, targets: impl IntoLazy) -> Result<LazyTensor, LazyError> {
         let t = targets.into_lazy();
         let name = "cross_entropy_for_logits";
@@ -269,7 +271,7 @@ impl LazyTensor {
     pub fn f_cross_entropy_loss(
         &self,
         targets: impl IntoLazy,
-        weight: Option<impl IntoLazy>,
+        #[fixed] weight: Option<impl IntoLazy>,
         reduction: Reduction,
         ignore_index: i64,
         label_smoothing: f64,
@@ -329,10 +331,12 @@ impl LazyTensor {
     /// # Errors
     /// As [`f_cross_entropy_for_logits`](Self::f_cross_entropy_for_logits); a weight that is not
     /// `[C]`; [`Reduction::Other`].
+    #[lazy_only]
+    #[twin(g_nll_loss)]
     pub fn f_nll_loss(
         &self,
         targets: impl IntoLazy,
-        weight: Option<impl IntoLazy>,
+        #[fixed] weight: Option<impl IntoLazy>,
         reduction: Reduction,
         ignore_index: i64,
     ) -> Result<LazyTensor, LazyError> {
@@ -387,8 +391,8 @@ impl LazyTensor {
     pub fn f_binary_cross_entropy_with_logits(
         &self,
         target: impl IntoLazy,
-        weight: Option<impl IntoLazy>,
-        pos_weight: Option<impl IntoLazy>,
+        #[fixed] weight: Option<impl IntoLazy>,
+        #[fixed] pos_weight: Option<impl IntoLazy>,
         reduction: Reduction,
     ) -> Result<LazyTensor, LazyError> {
         if weight.is_some() || pos_weight.is_some() {
@@ -473,20 +477,7 @@ impl LazyTensor {
         };
         Ok(Record::new(op, vec![x.clone(), tn.clone()], out, x.meta.kind, device).flow((flow, mixes)).finish())
     }
-}
 
-panicking! {
-    cross_entropy_for_logits => f_cross_entropy_for_logits(targets: impl IntoLazy);
-    g_nll_loss => f_nll_loss(targets: impl IntoLazy, weight: Option<impl IntoLazy>, reduction: Reduction, ignore_index: i64);
-    mse_loss => f_mse_loss(target: impl IntoLazy, reduction: Reduction);
-    binary_cross_entropy_with_logits => f_binary_cross_entropy_with_logits(target: impl IntoLazy, weight: Option<impl IntoLazy>, pos_weight: Option<impl IntoLazy>, reduction: Reduction);
-    smooth_l1_loss => f_smooth_l1_loss(target: impl IntoLazy, reduction: Reduction, beta: f64);
-    huber_loss => f_huber_loss(target: impl IntoLazy, reduction: Reduction, delta: f64);
-    cross_entropy_loss => f_cross_entropy_loss(targets: impl IntoLazy, weight: Option<impl IntoLazy>, reduction: Reduction, ignore_index: i64, label_smoothing: f64);
-    kl_div => f_kl_div(target: impl IntoLazy, reduction: Reduction, log_target: bool);
-}
-
-impl LazyTensor {
     /// Negative log-likelihood of log-probabilities against class indices, averaged over the
     /// targets that are not -100 (tch's `nll_loss`, which has no fallible form: see
     /// [`f_nll_loss`](Self::f_nll_loss)).

@@ -6,7 +6,7 @@ use tch::{Kind, TchError, Tensor};
 
 use super::record::IntoLazy;
 use super::record::{combine_flows, same_device, Linearity, Record};
-use super::{floating, kind_err, panicking, requires, same_kind, shape_err};
+use super::{floating, kind_err, requires, same_kind, shape_err};
 use crate::lazy::error::LazyError;
 use crate::lazy::graph::{Flow, KernelCall, Meta, Node, Operation, RunCx};
 use crate::lazy::shape;
@@ -121,6 +121,10 @@ impl Operation for Matrix {
     }
 }
 
+#[toma_macros::tensor_methods(
+    MatrixOps,
+    "Matrix products and linear layers (a family of [`TensorOps`](crate::lazy::TensorOps))."
+)]
 impl LazyTensor {
     /// Matrix product with `torch.matmul`'s rules: 1-D operands, batched and broadcast
     /// leading dimensions.
@@ -251,7 +255,11 @@ impl LazyTensor {
     ///
     /// # Errors
     /// [`LazyError::Shape`] when the sizes do not match, [`LazyError::Kind`], [`LazyError::Device`].
-    pub fn f_linear(&self, weight: impl IntoLazy, bias: Option<impl IntoLazy>) -> Result<LazyTensor, LazyError> {
+    pub fn f_linear(
+        &self,
+        #[fixed] weight: impl IntoLazy,
+        #[fixed] bias: Option<impl IntoLazy>,
+    ) -> Result<LazyTensor, LazyError> {
         let (w, b) = (weight.into_lazy(), bias.map(IntoLazy::into_lazy));
         let x = &self.node;
         let name = "linear";
@@ -340,8 +348,10 @@ impl LazyTensor {
     /// [`LazyError::Shape`] for a weight that is not 2-D, [`LazyError::Kind`] for non-integer
     /// indices, [`LazyError::Device`]; [`LazyError::Unsupported`] for `sparse` gradients (not
     /// planned: use dense ones).
+    #[lazy_only]
+    #[no_twin]
     pub fn f_embedding(
-        weight: impl IntoLazy,
+        #[fixed] weight: impl IntoLazy,
         indices: impl IntoLazy,
         padding_idx: i64,
         scale_grad_by_freq: bool,
@@ -373,16 +383,7 @@ impl LazyTensor {
         let op = Matrix::Embedding { padding_idx, scale_grad_by_freq };
         Ok(Record::new(op, vec![wn.clone(), inn.clone()], out, wn.meta.kind, device).flow((flow, mixes)).finish())
     }
-}
 
-panicking! {
-    matmul => f_matmul(other: impl IntoLazy);
-    bmm => f_bmm(other: impl IntoLazy);
-    linear => f_linear(weight: impl IntoLazy, bias: Option<impl IntoLazy>);
-    baddbmm => f_baddbmm(batch1: impl IntoLazy, batch2: impl IntoLazy, beta: f64, alpha: f64);
-}
-
-impl LazyTensor {
     /// Like [`f_embedding`](Self::f_embedding), panicking with its error.
     ///
     /// # Panics

@@ -32,6 +32,30 @@ pub(crate) mod record;
 pub(crate) mod reduce;
 pub(crate) mod window;
 
+pub use layout::LayoutOps;
+pub use loss::LossOps;
+pub use matrix::MatrixOps;
+pub use norm::NormOps;
+pub use pointwise::PointwiseOps;
+pub use reduce::ReduceOps;
+pub use window::WindowOps;
+
+/// What a tensor type's methods fail with: [`TchError`](tch::TchError) for tch's `Tensor`,
+/// [`LazyError`] for a [`LazyTensor`](crate::lazy::LazyTensor). Every family of tensor methods
+/// ([`TensorOps`](crate::lazy::TensorOps) and the traits it is made of) builds on it.
+pub trait Fallible: Sized {
+    /// The error of a failing op.
+    type Error: std::error::Error;
+}
+
+impl Fallible for tch::Tensor {
+    type Error = tch::TchError;
+}
+
+impl Fallible for crate::lazy::LazyTensor {
+    type Error = LazyError;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Helpers the families record with.
 
@@ -81,23 +105,3 @@ pub(crate) fn same_shape_flow(
 pub(crate) fn requires(inputs: &[Rc<Node>], j: usize) -> bool {
     inputs.get(j).is_some_and(|n| n.meta.requires_grad)
 }
-
-/// Generates the panicking twin of each fallible method, as tch pairs `op` with `f_op`.
-macro_rules! panicking {
-    ($( $name:ident => $f:ident ( $($arg:ident : $ty:ty),* ) ; )*) => {
-        impl $crate::lazy::LazyTensor {
-            $(
-                #[doc = concat!("Like [`", stringify!($f), "`](Self::", stringify!($f), "), panicking with its error.")]
-                ///
-                /// # Panics
-                /// When the op cannot be recorded (the error's message says why), as tch's method does.
-                #[track_caller]
-                #[allow(clippy::too_many_arguments)]
-                pub fn $name(&self, $($arg: $ty),*) -> $crate::lazy::LazyTensor {
-                    self.$f($($arg),*).unwrap_or_else(|e| panic!("{e}"))
-                }
-            )*
-        }
-    };
-}
-pub(crate) use panicking;

@@ -6,7 +6,7 @@ use tch::{Kind, TchError, Tensor};
 
 use super::record::IntoLazy;
 use super::record::{combine_flows, same_device, Linearity, Record};
-use super::{arg, floating, panicking, same_kind, shape_err};
+use super::{arg, floating, same_kind, shape_err};
 use crate::lazy::error::LazyError;
 use crate::lazy::graph::{KernelCall, Meta, Node, Operation, RunCx};
 use crate::lazy::int_list::IntList;
@@ -107,6 +107,7 @@ impl Operation for Norm {
     }
 }
 
+#[toma_macros::tensor_methods(NormOps, "Normalizations (a family of [`TensorOps`](crate::lazy::TensorOps)).")]
 impl LazyTensor {
     /// Batch normalization, as tch's `Tensor::batch_norm` (`cudnn_enabled` on). In training mode
     /// it normalizes with statistics over the batch: splitting the batch is refused unless
@@ -117,12 +118,13 @@ impl LazyTensor {
     /// [`LazyError::Shape`] when weight, bias or statistics are not `[C]`, [`LazyError::Kind`],
     /// [`LazyError::Device`].
     #[allow(clippy::too_many_arguments)]
+    #[lazy_only]
     pub fn f_batch_norm(
         &self,
-        weight: Option<impl IntoLazy>,
-        bias: Option<impl IntoLazy>,
-        running_mean: impl IntoLazy,
-        running_var: impl IntoLazy,
+        #[fixed] weight: Option<impl IntoLazy>,
+        #[fixed] bias: Option<impl IntoLazy>,
+        #[fixed] running_mean: impl IntoLazy,
+        #[fixed] running_var: impl IntoLazy,
         training: bool,
         momentum: f64,
         eps: f64,
@@ -177,8 +179,8 @@ impl LazyTensor {
     pub fn f_layer_norm(
         &self,
         normalized_shape: impl IntList,
-        weight: Option<impl IntoLazy>,
-        bias: Option<impl IntoLazy>,
+        #[fixed] weight: Option<impl IntoLazy>,
+        #[fixed] bias: Option<impl IntoLazy>,
         eps: f64,
         cudnn_enable: bool,
     ) -> Result<LazyTensor, LazyError> {
@@ -228,9 +230,7 @@ impl LazyTensor {
         let inputs = nodes.into_iter().cloned().collect();
         Ok(Record::new(op, inputs, s.clone(), x.meta.kind, device).flow((flow, mixes)).finish())
     }
-}
 
-impl LazyTensor {
     /// Group normalization, as tch's `group_norm`: `self` is `[N, C, ..]`, normalized per sample
     /// over `num_groups` groups of `C / num_groups` channels; `weight` and `bias` are `[C]`.
     /// Samples stay apart: it splits freely. libtorch ignores `cudnn_enabled` here, and so
@@ -242,8 +242,8 @@ impl LazyTensor {
     pub fn f_group_norm(
         &self,
         num_groups: i64,
-        weight: Option<impl IntoLazy>,
-        bias: Option<impl IntoLazy>,
+        #[fixed] weight: Option<impl IntoLazy>,
+        #[fixed] bias: Option<impl IntoLazy>,
         eps: f64,
         cudnn_enabled: bool,
     ) -> Result<LazyTensor, LazyError> {
@@ -285,9 +285,7 @@ impl LazyTensor {
         let inputs = nodes.into_iter().cloned().collect();
         Ok(Record::new(op, inputs, s.clone(), x.meta.kind, device).flow((flow, mixes)).finish())
     }
-}
 
-impl LazyTensor {
     /// Root-mean-square normalization over the trailing `normalized_shape`, as tch's
     /// `rms_norm`: `x / sqrt(mean(x²) + eps) · weight` (`eps`: the kind's epsilon when `None`).
     /// Each sample is normalized alone unless the batch dimension is among the normalized ones.
@@ -298,7 +296,7 @@ impl LazyTensor {
     pub fn f_rms_norm(
         &self,
         normalized_shape: impl IntList,
-        weight: Option<impl IntoLazy>,
+        #[fixed] weight: Option<impl IntoLazy>,
         eps: impl Into<Option<f64>>,
     ) -> Result<LazyTensor, LazyError> {
         let norm = normalized_shape.as_slice().to_vec();
@@ -306,11 +304,4 @@ impl LazyTensor {
         let op = Norm::Rms { normalized_shape: norm.clone(), eps: eps.into(), weight: params[0].is_some() };
         self.trailing_norm("rms_norm", norm, &params, op)
     }
-}
-
-panicking! {
-    rms_norm => f_rms_norm(normalized_shape: impl IntList, weight: Option<impl IntoLazy>, eps: impl Into<Option<f64>>);
-    group_norm => f_group_norm(num_groups: i64, weight: Option<impl IntoLazy>, bias: Option<impl IntoLazy>, eps: f64, cudnn_enabled: bool);
-    batch_norm => f_batch_norm(weight: Option<impl IntoLazy>, bias: Option<impl IntoLazy>, running_mean: impl IntoLazy, running_var: impl IntoLazy, training: bool, momentum: f64, eps: f64);
-    layer_norm => f_layer_norm(normalized_shape: impl IntList, weight: Option<impl IntoLazy>, bias: Option<impl IntoLazy>, eps: f64, cudnn_enable: bool);
 }

@@ -7,7 +7,7 @@ use tch::{Kind, TchError, Tensor};
 
 use super::record::IntoLazy;
 use super::record::{broadcast_flows, same_device, Linearity, Record};
-use super::{arg, floating, kind_err, panicking, requires, same_shape_flow, shape_err};
+use super::{arg, floating, kind_err, requires, same_shape_flow, shape_err};
 use crate::lazy::error::LazyError;
 use crate::lazy::graph::{KernelCall, Meta, Node, Operation, RunCx, Share};
 use crate::lazy::shape;
@@ -441,6 +441,7 @@ fn scalar_op(a: &Tensor, op: Binary, s: f64, reversed: bool) -> Result<Tensor, T
     }
 }
 
+#[toma_macros::tensor_methods(PointwiseOps, "Elementwise ops: activations, arithmetic and comparisons, dropout (a family of [`TensorOps`](crate::lazy::TensorOps)).")]
 impl LazyTensor {
     fn f_unary(&self, u: Unary) -> Result<LazyTensor, LazyError> {
         let op = Pointwise::Unary(u);
@@ -947,6 +948,7 @@ impl LazyTensor {
     ///
     /// # Errors
     /// None in practice.
+    #[lazy_only]
     pub fn f_rdiv_scalar(&self, s: f64) -> Result<LazyTensor, LazyError> {
         self.f_scalar(Binary::Div, s, true)
     }
@@ -1095,68 +1097,4 @@ impl DropoutKind {
             _ => 1,
         }
     }
-}
-
-panicking! {
-    feature_dropout => f_feature_dropout(p: f64, train: bool);
-    alpha_dropout => f_alpha_dropout(p: f64, train: bool);
-    feature_alpha_dropout => f_feature_alpha_dropout(p: f64, train: bool);
-    relu => f_relu();
-    sigmoid => f_sigmoid();
-    tanh => f_tanh();
-    exp => f_exp();
-    log => f_log();
-    neg => f_neg();
-    sqrt => f_sqrt();
-    abs => f_abs();
-    gelu => f_gelu(approximate: &str);
-    silu => f_silu();
-    softplus => f_softplus();
-    leaky_relu => f_leaky_relu();
-    elu => f_elu();
-    hardswish => f_hardswish();
-    hardsigmoid => f_hardsigmoid();
-    relu6 => f_relu6();
-    sin => f_sin();
-    cos => f_cos();
-    square => f_square();
-    clamp => f_clamp(min: f64, max: f64);
-    clamp_min => f_clamp_min(min: f64);
-    clamp_max => f_clamp_max(max: f64);
-    rsqrt => f_rsqrt();
-    reciprocal => f_reciprocal();
-    erf => f_erf();
-    log_sigmoid => f_log_sigmoid();
-    mish => f_mish();
-    masked_fill => f_masked_fill(mask: impl IntoLazy, value: f64);
-    where_self => f_where_self(condition: impl IntoLazy, other: impl IntoLazy);
-    tril => f_tril(diagonal: i64);
-    triu => f_triu(diagonal: i64);
-    add => f_add(other: impl IntoLazy);
-    sub => f_sub(other: impl IntoLazy);
-    mul => f_mul(other: impl IntoLazy);
-    div => f_div(other: impl IntoLazy);
-    pow => f_pow(other: impl IntoLazy);
-    maximum => f_maximum(other: impl IntoLazy);
-    minimum => f_minimum(other: impl IntoLazy);
-    eq_tensor => f_eq_tensor(other: impl IntoLazy);
-    ne_tensor => f_ne_tensor(other: impl IntoLazy);
-    lt_tensor => f_lt_tensor(other: impl IntoLazy);
-    le_tensor => f_le_tensor(other: impl IntoLazy);
-    gt_tensor => f_gt_tensor(other: impl IntoLazy);
-    ge_tensor => f_ge_tensor(other: impl IntoLazy);
-    add_scalar => f_add_scalar(s: f64);
-    sub_scalar => f_sub_scalar(s: f64);
-    rsub_scalar => f_rsub_scalar(s: f64);
-    mul_scalar => f_mul_scalar(s: f64);
-    div_scalar => f_div_scalar(s: f64);
-    rdiv_scalar => f_rdiv_scalar(s: f64);
-    pow_tensor_scalar => f_pow_tensor_scalar(s: f64);
-    eq => f_eq(s: f64);
-    ne => f_ne(s: f64);
-    lt => f_lt(s: f64);
-    le => f_le(s: f64);
-    gt => f_gt(s: f64);
-    ge => f_ge(s: f64);
-    dropout => f_dropout(p: f64, train: bool);
 }

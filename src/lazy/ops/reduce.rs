@@ -6,7 +6,7 @@ use std::rc::Rc;
 use tch::{Kind, TchError, Tensor};
 
 use super::record::{Linearity, Record};
-use super::{arg, kind_err, panicking, same_shape_flow};
+use super::{arg, kind_err, same_shape_flow};
 use crate::lazy::error::LazyError;
 use crate::lazy::graph::{BatchDim, Flow, KernelCall, Meta, Node, Operation, RunCx, Share};
 use crate::lazy::int_list::{IntList, IntListOption};
@@ -127,6 +127,7 @@ fn reduce(
     }
 }
 
+#[toma_macros::tensor_methods(ReduceOps, "Reductions and softmax (a family of [`TensorOps`](crate::lazy::TensorOps)).")]
 impl LazyTensor {
     /// `None` reduces every dimension; kept, each stays as a 1 (as tch's `sum_dim_intlist`).
     fn dims_or_all(&self, dims: Option<&[i64]>, keepdim: bool) -> Option<Vec<i64>> {
@@ -318,16 +319,4 @@ impl LazyTensor {
     pub fn f_max(&self) -> Result<LazyTensor, LazyError> {
         self.f_reduce(ReduceOp::Amax, None, false, None)
     }
-}
-
-panicking! {
-    softmax => f_softmax(dim: i64, kind: impl Into<Option<Kind>>);
-    log_softmax => f_log_softmax(dim: i64, kind: impl Into<Option<Kind>>);
-    sum => f_sum(kind: impl Into<Option<Kind>>);
-    sum_dim_intlist => f_sum_dim_intlist(dims: impl IntListOption, keepdim: bool, kind: impl Into<Option<Kind>>);
-    mean => f_mean(kind: impl Into<Option<Kind>>);
-    mean_dim => f_mean_dim(dims: impl IntListOption, keepdim: bool, kind: impl Into<Option<Kind>>);
-    amax => f_amax(dims: impl IntList, keepdim: bool);
-    logsumexp => f_logsumexp(dims: impl IntList, keepdim: bool);
-    max => f_max();
 }

@@ -7,7 +7,7 @@ use tch::{Kind, TchError, Tensor};
 
 use super::record::IntoLazy;
 use super::record::{combine_flows, same_device, unary_flow, Linearity, Record};
-use super::{arg, floating, panicking, requires, same_kind, shape_err};
+use super::{arg, floating, requires, same_kind, shape_err};
 use crate::lazy::error::LazyError;
 use crate::lazy::graph::{Convolution, Flow, KernelCall, Meta, Node, Operation, RunCx};
 use crate::lazy::int_list::IntList;
@@ -173,6 +173,7 @@ impl Window {
     }
 }
 
+#[toma_macros::tensor_methods(WindowOps, "Windows over spatial dimensions: convolutions, pooling, upsampling (a family of [`TensorOps`](crate::lazy::TensorOps)).")]
 impl LazyTensor {
     /// 2-D transposed convolution, as tch's `conv_transpose2d`: `self` is `[N, C_in, H, W]` (or
     /// `[C_in, H, W]`), `weight` `[C_in, C_out / groups, kh, kw]`, `bias` `[C_out]`; `stride`,
@@ -186,8 +187,8 @@ impl LazyTensor {
     #[allow(clippy::too_many_arguments)]
     pub fn f_conv_transpose2d(
         &self,
-        weight: impl IntoLazy,
-        bias: Option<impl IntoLazy>,
+        #[fixed] weight: impl IntoLazy,
+        #[fixed] bias: Option<impl IntoLazy>,
         stride: impl IntList,
         padding: impl IntList,
         output_padding: impl IntList,
@@ -284,8 +285,8 @@ impl LazyTensor {
     #[allow(clippy::too_many_arguments)]
     pub fn f_conv2d(
         &self,
-        weight: impl IntoLazy,
-        bias: Option<impl IntoLazy>,
+        #[fixed] weight: impl IntoLazy,
+        #[fixed] bias: Option<impl IntoLazy>,
         stride: impl IntList,
         padding: impl IntList,
         dilation: impl IntList,
@@ -309,8 +310,8 @@ impl LazyTensor {
     #[allow(clippy::too_many_arguments)]
     pub fn f_conv1d(
         &self,
-        weight: impl IntoLazy,
-        bias: Option<impl IntoLazy>,
+        #[fixed] weight: impl IntoLazy,
+        #[fixed] bias: Option<impl IntoLazy>,
         stride: impl IntList,
         padding: impl IntList,
         dilation: impl IntList,
@@ -520,15 +521,4 @@ impl LazyTensor {
             .flow(flow)
             .finish())
     }
-}
-
-panicking! {
-    conv1d => f_conv1d(weight: impl IntoLazy, bias: Option<impl IntoLazy>, stride: impl IntList, padding: impl IntList, dilation: impl IntList, groups: i64);
-    conv2d => f_conv2d(weight: impl IntoLazy, bias: Option<impl IntoLazy>, stride: impl IntList, padding: impl IntList, dilation: impl IntList, groups: i64);
-    max_pool2d => f_max_pool2d(kernel: impl IntList, stride: impl IntList, padding: impl IntList, dilation: impl IntList, ceil_mode: bool);
-    avg_pool2d => f_avg_pool2d(kernel: impl IntList, stride: impl IntList, padding: impl IntList, ceil_mode: bool, count_include_pad: bool, divisor_override: impl Into<Option<i64>>);
-    adaptive_avg_pool2d => f_adaptive_avg_pool2d(output_size: impl IntList);
-    upsample_nearest2d => f_upsample_nearest2d(output_size: impl IntList, scales_h: impl Into<Option<f64>>, scales_w: impl Into<Option<f64>>);
-    upsample_bilinear2d => f_upsample_bilinear2d(output_size: impl IntList, align_corners: bool, scales_h: impl Into<Option<f64>>, scales_w: impl Into<Option<f64>>);
-    conv_transpose2d => f_conv_transpose2d(weight: impl IntoLazy, bias: Option<impl IntoLazy>, stride: impl IntList, padding: impl IntList, output_padding: impl IntList, groups: i64, dilation: impl IntList);
 }
