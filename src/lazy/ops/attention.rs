@@ -20,16 +20,19 @@ use crate::lazy::graph::{Flow, KernelCall, Meta, Node, Operation, RunCx};
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
 
-pub(crate) enum Attention {
-    /// Operands: query, key, value, optional mask. `fused`: libtorch's fused kernel runs
-    /// (decided by the shapes, when recorded).
-    Sdpa { dropout_p: f64, is_causal: bool, scale: Option<f64>, enable_gqa: bool, fused: bool },
+/// Scaled dot-product attention. Operands: query, key, value, optional mask. `fused`:
+/// libtorch's fused kernel runs (decided by the shapes, when recorded).
+pub(crate) struct Attention {
+    dropout_p: f64,
+    is_causal: bool,
+    scale: Option<f64>,
+    enable_gqa: bool,
+    fused: bool,
 }
 
 impl Attention {
     fn fused(&self) -> bool {
-        let Attention::Sdpa { fused, .. } = self;
-        *fused
+        self.fused
     }
 }
 
@@ -58,7 +61,7 @@ impl Operation for Attention {
     }
 
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        let Attention::Sdpa { dropout_p, is_causal, scale, enable_gqa, .. } = self;
+        let Attention { dropout_p, is_causal, scale, enable_gqa, .. } = self;
         let (query, key, value, mask) = (ins[0], ins[1], ins[2], ins.get(3).copied());
         Tensor::f_scaled_dot_product_attention(query, key, value, mask, *dropout_p, *is_causal, *scale, *enable_gqa)
     }
@@ -84,7 +87,7 @@ impl Operation for Attention {
         // whose mask is as large).
         let s = inputs[1].meta.shape[inputs[1].meta.shape.len() - 2];
         let (wa, wc) = like(meta, s);
-        let Attention::Sdpa { dropout_p, .. } = self;
+        let Attention { dropout_p, .. } = self;
         let copies = if *dropout_p > 0.0 { 3 } else { 1 };
         let ((qa, qc), (ka, kc)) = (inputs[0].meta.numel_parts(), inputs[1].meta.numel_parts());
         calls.push(KernelCall::Keeps { elements: (qa + ka + copies * wa, qc + kc + copies * wc), kind: meta.kind });
@@ -241,7 +244,7 @@ impl LazyTensor {
             mixes = Some("with is_causal masks by position along the batch dimension".into());
         }
         let fused = fused(sq, sk, sv, dropout_p, enable_gqa);
-        let op = Attention::Sdpa { dropout_p, is_causal, scale: scale.into(), enable_gqa, fused };
+        let op = Attention { dropout_p, is_causal, scale: scale.into(), enable_gqa, fused };
         let inputs = nodes.into_iter().cloned().collect();
         Ok(Record::new(op, inputs, out, q.node.meta.kind, device).flow((flow, mixes)).finish())
     }

@@ -14,138 +14,221 @@ use crate::lazy::int_list::IntList;
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
 
-pub(crate) enum Layout {
-    /// A view to the node's shape (no copy).
-    View,
-    /// A reshape that copies (the input's strides allow no view).
-    Reshape,
-    Transpose {
-        dim0: i64,
-        dim1: i64,
-    },
-    Permute {
-        dims: Vec<i64>,
-    },
-    Unsqueeze {
-        dim: i64,
-    },
-    Squeeze {
-        dims: Vec<i64>,
-    },
-    Narrow {
-        dim: i64,
-        start: i64,
-        length: i64,
-    },
-    ToKind {
-        kind: Kind,
-    },
-    Contiguous,
-    /// The same storage, cut from autograd.
-    Detach,
-    /// Operands: the tensors, in order.
-    Cat {
-        dim: i64,
-    },
-    /// A view broadcast to the node's shape (no copy).
-    Expand,
-    /// Copies repeated `repeats` times along each dimension.
-    Repeat {
-        repeats: Vec<i64>,
-    },
-    /// Operands: x, index (1-D integers).
-    IndexSelect {
-        dim: i64,
-    },
-    /// Operands: x, index (integers, x's rank; the output's shape).
-    Gather {
-        dim: i64,
-        sparse_grad: bool,
-    },
-    /// Padding of the trailing dimensions, as tch's `pad`.
-    Pad {
-        pad: Vec<i64>,
-        mode: &'static str,
-        value: Option<f64>,
-    },
-}
+/// A view to the node's shape (no copy); its input's gradient is the output's, viewed.
+pub(crate) struct View;
 
-impl Operation for Layout {
+impl Operation for View {
     fn name(&self) -> &'static str {
-        match self {
-            Layout::View => "view",
-            Layout::Reshape => "reshape",
-            Layout::Transpose { .. } => "transpose",
-            Layout::Permute { .. } => "permute",
-            Layout::Unsqueeze { .. } => "unsqueeze",
-            Layout::Squeeze { .. } => "squeeze",
-            Layout::Narrow { .. } => "narrow",
-            Layout::ToKind { .. } => "to_kind",
-            Layout::Contiguous => "contiguous",
-            Layout::Detach => "detach",
-            Layout::Cat { .. } => "cat",
-            Layout::Expand => "expand",
-            Layout::Repeat { .. } => "repeat",
-            Layout::IndexSelect { .. } => "index_select",
-            Layout::Gather { .. } => "gather",
-            Layout::Pad { .. } => "pad",
-        }
+        "view"
     }
 
     fn run(&self, ins: &[&Tensor], cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        let x = ins[0];
-        match self {
-            Layout::View => x.f_view(cx.meta.shape_at(cx.b).as_slice()),
-            // Recorded as a copy (the full batch's strides allowed no view), so later views were
-            // recorded against a contiguous result: a micro-batch's strides can let libtorch
-            // return a strided view instead, which those views cannot take.
-            Layout::Reshape => x.f_reshape(cx.meta.shape_at(cx.b).as_slice())?.f_contiguous(),
-            Layout::Transpose { dim0, dim1 } => x.f_transpose(*dim0, *dim1),
-            Layout::Permute { dims } => x.f_permute(dims.as_slice()),
-            Layout::Unsqueeze { dim } => x.f_unsqueeze(*dim),
-            Layout::Squeeze { dims } => x.f_squeeze_dims(dims.as_slice()),
-            Layout::Narrow { dim, start, length } => x.f_narrow(*dim, *start, *length),
-            Layout::ToKind { kind } => x.f_to_kind(*kind),
-            Layout::Contiguous => x.f_contiguous(),
-            Layout::Detach => x.f_detach(),
-            Layout::Cat { dim } => Tensor::f_cat(ins, *dim),
-            Layout::Expand => x.f_expand(cx.meta.shape_at(cx.b).as_slice(), false),
-            Layout::Repeat { repeats } => x.f_repeat(repeats.as_slice()),
-            Layout::IndexSelect { dim } => x.f_index_select(*dim, ins[1]),
-            Layout::Gather { dim, sparse_grad } => x.f_gather(*dim, ins[1], *sparse_grad),
-            Layout::Pad { pad, mode, value } => x.f_pad(pad.as_slice(), mode, *value),
-        }
+        ins[0].f_view(cx.meta.shape_at(cx.b).as_slice())
+    }
+
+    fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
+        true
+    }
+}
+
+/// A reshape that copies (the input's strides allow no view).
+pub(crate) struct Reshape;
+
+impl Operation for Reshape {
+    fn name(&self) -> &'static str {
+        "reshape"
+    }
+
+    fn run(&self, ins: &[&Tensor], cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        // Recorded as a copy (the full batch's strides allowed no view), so later views were
+        // recorded against a contiguous result: a micro-batch's strides can let libtorch
+        // return a strided view instead, which those views cannot take.
+        ins[0].f_reshape(cx.meta.shape_at(cx.b).as_slice())?.f_contiguous()
+    }
+}
+
+/// Two dimensions swapped (a view).
+pub(crate) struct Transpose {
+    dim0: i64,
+    dim1: i64,
+}
+
+impl Operation for Transpose {
+    fn name(&self) -> &'static str {
+        "transpose"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_transpose(self.dim0, self.dim1)
+    }
+
+    fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
+        true
+    }
+}
+
+/// The dimensions reordered (a view).
+pub(crate) struct Permute {
+    dims: Vec<i64>,
+}
+
+impl Operation for Permute {
+    fn name(&self) -> &'static str {
+        "permute"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_permute(self.dims.as_slice())
+    }
+
+    fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
+        true
+    }
+}
+
+/// A dimension of size 1 inserted (a view).
+pub(crate) struct Unsqueeze {
+    dim: i64,
+}
+
+impl Operation for Unsqueeze {
+    fn name(&self) -> &'static str {
+        "unsqueeze"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_unsqueeze(self.dim)
+    }
+
+    fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
+        true
+    }
+}
+
+/// Dimensions of size 1 removed (a view).
+pub(crate) struct Squeeze {
+    dims: Vec<i64>,
+}
+
+impl Operation for Squeeze {
+    fn name(&self) -> &'static str {
+        "squeeze"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_squeeze_dims(self.dims.as_slice())
+    }
+
+    fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
+        true
+    }
+}
+
+/// `length` entries of `dim` from `start` (a view; its gradient is a new tensor).
+pub(crate) struct Narrow {
+    dim: i64,
+    start: i64,
+    length: i64,
+}
+
+impl Operation for Narrow {
+    fn name(&self) -> &'static str {
+        "narrow"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_narrow(self.dim, self.start, self.length)
+    }
+}
+
+/// The value in another kind (the value itself when the kind is its own).
+pub(crate) struct ToKind {
+    kind: Kind,
+}
+
+impl Operation for ToKind {
+    fn name(&self) -> &'static str {
+        "to_kind"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_to_kind(self.kind)
     }
 
     fn grad_aliases(&self, _i: usize, inputs: &[Rc<Node>], _meta: &Meta) -> bool {
-        match self {
-            Layout::View
-            | Layout::Transpose { .. }
-            | Layout::Permute { .. }
-            | Layout::Unsqueeze { .. }
-            | Layout::Squeeze { .. }
-            | Layout::Cat { .. }
-            | Layout::Contiguous => true,
-            Layout::ToKind { kind } => inputs[0].meta.kind == *kind,
-            Layout::Detach
-            | Layout::Reshape
-            | Layout::Narrow { .. }
-            | Layout::Expand
-            | Layout::Repeat { .. }
-            | Layout::IndexSelect { .. }
-            | Layout::Gather { .. }
-            | Layout::Pad { .. } => false,
-        }
+        inputs[0].meta.kind == self.kind
+    }
+}
+
+/// A contiguous copy (or the value itself).
+pub(crate) struct Contiguous;
+
+impl Operation for Contiguous {
+    fn name(&self) -> &'static str {
+        "contiguous"
     }
 
-    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
-        // The index, to send the gradient back to the entries it picked.
-        matches!(self, Layout::IndexSelect { .. } | Layout::Gather { .. }) && i == 1
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_contiguous()
+    }
+
+    fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
+        true
+    }
+}
+
+/// The same storage, cut from autograd.
+pub(crate) struct Detach;
+
+impl Operation for Detach {
+    fn name(&self) -> &'static str {
+        "detach"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_detach()
+    }
+}
+
+/// Operands concatenated along `dim`, in order. Each operand's gradient is a view of the
+/// output's; concatenating sums adds them (each along its own range).
+pub(crate) struct Cat {
+    dim: i64,
+}
+
+impl Operation for Cat {
+    fn name(&self) -> &'static str {
+        "cat"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        Tensor::f_cat(ins, self.dim)
+    }
+
+    fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
+        true
+    }
+
+    fn adds_fixed(&self) -> bool {
+        true
+    }
+}
+
+/// A view broadcast to the node's shape (no copy); its gradient is summed over the expanded
+/// dimensions.
+pub(crate) struct Expand;
+
+impl Operation for Expand {
+    fn name(&self) -> &'static str {
+        "expand"
+    }
+
+    fn run(&self, ins: &[&Tensor], cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_expand(cx.meta.shape_at(cx.b).as_slice(), false)
     }
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
-        // The gradient of an expansion is summed over the expanded dimensions.
-        if matches!(self, Layout::Expand) && meta.requires_grad {
+        if meta.requires_grad {
             let input = &inputs[0].meta;
             let offset = meta.shape.len() - input.shape.len();
             let mask = shape::dims_mask(
@@ -154,10 +237,78 @@ impl Operation for Layout {
             calls.push(KernelCall::Reduction { of: meta, mask, backward: true });
         }
     }
+}
 
-    fn adds_fixed(&self) -> bool {
-        // Concatenating sums adds them (each along its own range).
-        matches!(self, Layout::Cat { .. })
+/// Copies repeated `repeats` times along each dimension.
+pub(crate) struct Repeat {
+    repeats: Vec<i64>,
+}
+
+impl Operation for Repeat {
+    fn name(&self) -> &'static str {
+        "repeat"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_repeat(self.repeats.as_slice())
+    }
+}
+
+/// Entries of `dim` at the positions in an index. Operands: x, index (1-D integers), kept to
+/// send the gradient back to the entries it picked.
+pub(crate) struct IndexSelect {
+    dim: i64,
+}
+
+impl Operation for IndexSelect {
+    fn name(&self) -> &'static str {
+        "index_select"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_index_select(self.dim, ins[1])
+    }
+
+    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
+        i == 1
+    }
+}
+
+/// Entries along `dim` at an index. Operands: x, index (integers, x's rank; the output's
+/// shape), kept to send the gradient back.
+pub(crate) struct Gather {
+    dim: i64,
+    sparse_grad: bool,
+}
+
+impl Operation for Gather {
+    fn name(&self) -> &'static str {
+        "gather"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_gather(self.dim, ins[1], self.sparse_grad)
+    }
+
+    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
+        i == 1
+    }
+}
+
+/// Padding of the trailing dimensions, as tch's `pad`.
+pub(crate) struct Pad {
+    pad: Vec<i64>,
+    mode: &'static str,
+    value: Option<f64>,
+}
+
+impl Operation for Pad {
+    fn name(&self) -> &'static str {
+        "pad"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_pad(self.pad.as_slice(), self.mode, self.value)
     }
 }
 
@@ -186,10 +337,9 @@ impl LazyTensor {
         let new_shape = shape::infer_size(shape, total).map_err(|r| shape_err(name, &m.shape, shape, r))?;
         let flow = self.view_flow(&new_shape);
         match shape::view_strides(&m.shape, &m.strides, &new_shape) {
-            Some(strides) => Ok(Record::new(Layout::View, vec![n.clone()], new_shape, m.kind, m.device)
-                .flow(flow)
-                .view(strides)
-                .finish()),
+            Some(strides) => {
+                Ok(Record::new(View, vec![n.clone()], new_shape, m.kind, m.device).flow(flow).view(strides).finish())
+            }
             None if must_view => Err(shape_err(
                 name,
                 &m.shape,
@@ -197,7 +347,7 @@ impl LazyTensor {
                 "view size is not compatible with input tensor's size and stride (at least one dimension spans across \
                  two contiguous subspaces); use reshape instead",
             )),
-            None => Ok(Record::new(Layout::Reshape, vec![n.clone()], new_shape, m.kind, m.device).flow(flow).finish()),
+            None => Ok(Record::new(Reshape, vec![n.clone()], new_shape, m.kind, m.device).flow(flow).finish()),
         }
     }
 
@@ -267,10 +417,7 @@ impl LazyTensor {
             })
         };
         let flow = unary_flow("transpose", n, &s, map, Linearity::Structural)?;
-        Ok(Record::new(Layout::Transpose { dim0, dim1 }, vec![n.clone()], s, m.kind, m.device)
-            .flow(flow)
-            .view(st)
-            .finish())
+        Ok(Record::new(Transpose { dim0, dim1 }, vec![n.clone()], s, m.kind, m.device).flow(flow).view(st).finish())
     }
 
     /// Reorders the dimensions (a view).
@@ -293,7 +440,7 @@ impl LazyTensor {
         let s: Vec<i64> = wrapped.iter().map(|&d| m.shape[d]).collect();
         let st: Vec<i64> = wrapped.iter().map(|&d| m.strides[d]).collect();
         let flow = unary_flow("permute", n, &s, |d| wrapped.iter().position(|&w| w == d), Linearity::Structural)?;
-        Ok(Record::new(Layout::Permute { dims }, vec![n.clone()], s, m.kind, m.device).flow(flow).view(st).finish())
+        Ok(Record::new(Permute { dims }, vec![n.clone()], s, m.kind, m.device).flow(flow).view(st).finish())
     }
 
     /// Inserts a dimension of size 1 at `dim` (a view).
@@ -309,7 +456,7 @@ impl LazyTensor {
         s.insert(u, 1);
         st.insert(u, stride);
         let flow = unary_flow("unsqueeze", n, &s, |d| Some(if u <= d { d + 1 } else { d }), Linearity::Structural)?;
-        Ok(Record::new(Layout::Unsqueeze { dim }, vec![n.clone()], s, m.kind, m.device).flow(flow).view(st).finish())
+        Ok(Record::new(Unsqueeze { dim }, vec![n.clone()], s, m.kind, m.device).flow(flow).view(st).finish())
     }
 
     fn f_squeeze_impl(&self, dims: Vec<usize>) -> Result<LazyTensor, LazyError> {
@@ -326,7 +473,7 @@ impl LazyTensor {
             unary_flow("squeeze", n, &s, |d| keep.iter().position(|&k| k == d), Linearity::Structural)?
         };
         let dims: Vec<i64> = gone.iter().map(|&d| d as i64).collect();
-        Ok(Record::new(Layout::Squeeze { dims }, vec![n.clone()], s, m.kind, m.device).flow(flow).view(st).finish())
+        Ok(Record::new(Squeeze { dims }, vec![n.clone()], s, m.kind, m.device).flow(flow).view(st).finish())
     }
 
     /// Removes every dimension of size 1 (a view), as recorded: a micro-batch of one sample
@@ -371,7 +518,7 @@ impl LazyTensor {
         } else {
             unary_flow("narrow", n, &s, Some, Linearity::Structural)?
         };
-        let op = Layout::Narrow { dim: d as i64, start, length };
+        let op = Narrow { dim: d as i64, start, length };
         Ok(Record::new(op, vec![n.clone()], s, m.kind, m.device).flow((flow, mixes)).view(m.strides.clone()).finish())
     }
 
@@ -487,10 +634,7 @@ impl LazyTensor {
             }
             _ => unary_flow(name, n, &out, |d| Some(d + offset), Linearity::Nonlinear)?,
         };
-        Ok(Record::new(Layout::Expand, vec![n.clone()], out, m.kind, m.device)
-            .flow((flow, mixes))
-            .view(strides)
-            .finish())
+        Ok(Record::new(Expand, vec![n.clone()], out, m.kind, m.device).flow((flow, mixes)).view(strides).finish())
     }
 
     /// A copy repeated `repeats[i]` times along each dimension (tch's `repeat`; extra leading
@@ -517,7 +661,7 @@ impl LazyTensor {
             }
             _ => unary_flow("repeat", n, &out, |d| Some(d + offset), Linearity::Structural)?,
         };
-        Ok(Record::new(Layout::Repeat { repeats }, vec![n.clone()], out, m.kind, m.device).flow((flow, mixes)).finish())
+        Ok(Record::new(Repeat { repeats }, vec![n.clone()], out, m.kind, m.device).flow((flow, mixes)).finish())
     }
 
     /// The entries of `index` (1-D, integers) along `dim`, as tch's `index_select`. Selecting
@@ -548,7 +692,7 @@ impl LazyTensor {
         } else {
             unary_flow(name, x, &out, Some, Linearity::Structural)?
         };
-        let op = Layout::IndexSelect { dim: d as i64 };
+        let op = IndexSelect { dim: d as i64 };
         Ok(Record::new(op, vec![x.clone(), i.clone()], out, x.meta.kind, device).flow((flow, mixes)).finish())
     }
 
@@ -591,7 +735,7 @@ impl LazyTensor {
             mixes = Some("`gather` picks samples along the batch dimension, or with an index not split with it".into());
         }
         let flow = if mixes.is_some() && matches!(flow, Flow::PerSample(_)) { Flow::Opaque } else { flow };
-        let op = Layout::Gather { dim: d as i64, sparse_grad };
+        let op = Gather { dim: d as i64, sparse_grad };
         Ok(Record::new(op, vec![x.clone(), i.clone()], is.clone(), x.meta.kind, device).flow((flow, mixes)).finish())
     }
 
@@ -691,9 +835,7 @@ impl LazyTensor {
             unary_flow("pad", n, &out, Some, Linearity::Nonlinear)?
         };
         let value = if mode == "constant" { value } else { None };
-        Ok(Record::new(Layout::Pad { pad, mode, value }, vec![n.clone()], out, m.kind, m.device)
-            .flow((flow, mixes))
-            .finish())
+        Ok(Record::new(Pad { pad, mode, value }, vec![n.clone()], out, m.kind, m.device).flow((flow, mixes)).finish())
     }
 
     /// The value flattened per leading entry: `view([size[0], -1])`, as tch's `flat_view`.
@@ -762,7 +904,7 @@ impl LazyTensor {
         let m = &n.meta;
         let linearity = if shape::is_floating(kind) { Linearity::Structural } else { Linearity::Nonlinear };
         let flow = same_shape_flow("to_kind", n, linearity)?;
-        let record = Record::new(Layout::ToKind { kind }, vec![n.clone()], m.shape.clone(), kind, m.device).flow(flow);
+        let record = Record::new(ToKind { kind }, vec![n.clone()], m.shape.clone(), kind, m.device).flow(flow);
         // A conversion keeps the layout of a dense input (memory_format = preserve).
         let record = if kind == m.kind {
             record.view(m.strides.clone())
@@ -781,7 +923,7 @@ impl LazyTensor {
         let n = &self.node;
         let m = &n.meta;
         let flow = same_shape_flow("detach", n, Linearity::Structural)?;
-        let record = Record::new(Layout::Detach, vec![n.clone()], m.shape.clone(), m.kind, m.device).flow(flow);
+        let record = Record::new(Detach, vec![n.clone()], m.shape.clone(), m.kind, m.device).flow(flow);
         Ok(record.view(m.strides.clone()).not_differentiable().finish())
     }
 
@@ -793,7 +935,7 @@ impl LazyTensor {
         let n = &self.node;
         let m = &n.meta;
         let flow = same_shape_flow("contiguous", n, Linearity::Structural)?;
-        let record = Record::new(Layout::Contiguous, vec![n.clone()], m.shape.clone(), m.kind, m.device).flow(flow);
+        let record = Record::new(Contiguous, vec![n.clone()], m.shape.clone(), m.kind, m.device).flow(flow);
         Ok(if shape::is_contiguous(&m.shape, &m.strides) { record.view(m.strides.clone()) } else { record }.finish())
     }
 
@@ -834,7 +976,7 @@ impl LazyTensor {
             combine_flows("cat", &nodes, &mapped, &out, Linearity::Additive, true)?
         };
         let inputs = nodes.into_iter().cloned().collect();
-        Ok(Record::new(Layout::Cat { dim: d as i64 }, inputs, out, kind, device).flow((flow, mixes)).finish())
+        Ok(Record::new(Cat { dim: d as i64 }, inputs, out, kind, device).flow((flow, mixes)).finish())
     }
 
     /// Like [`f_chunk`](Self::f_chunk), panicking with its error.

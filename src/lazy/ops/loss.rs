@@ -15,151 +15,187 @@ use crate::lazy::graph::{Flow, KernelCall, Meta, Node, Operation, RunCx, Share};
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
 
-pub(crate) enum Loss {
-    /// Operands: logits, targets. A mean is over the non-ignored targets; `label_smoothing`
-    /// mixes in the uniform distribution over the classes, as libtorch does.
-    CrossEntropy { ignore_index: i64, label_smoothing: f64, reduction: Reduction },
-    /// Operands: log-probabilities, targets, optional class weights.
-    Nll { reduction: Reduction, ignore_index: i64 },
-    /// Operands: input, target.
-    Mse { reduction: Reduction },
-    /// Operands: logits, target (same shape).
-    BceWithLogits { reduction: Reduction },
-    /// Operands: input, target.
-    SmoothL1 { reduction: Reduction, beta: f64 },
-    /// Operands: input, target.
-    Huber { reduction: Reduction, delta: f64 },
-    /// Operands: input (log-probabilities), target (probabilities, or log-probabilities with
-    /// `log_target`).
-    KlDiv { reduction: Reduction, log_target: bool },
+/// Cross-entropy of logits against class indices. Operands: logits, targets. A mean is over
+/// the non-ignored targets; `label_smoothing` mixes in the uniform distribution over the
+/// classes, as libtorch does.
+pub(crate) struct CrossEntropy {
+    ignore_index: i64,
+    label_smoothing: f64,
+    reduction: Reduction,
 }
 
-impl Loss {
-    /// An elementwise loss and its reduction: run whole, or as a sum for a share of a mean.
-    fn elementwise(&self, x: &Tensor, target: &Tensor, reduction: Reduction) -> Result<Tensor, TchError> {
+impl Operation for CrossEntropy {
+    fn name(&self) -> &'static str {
+        "cross_entropy_for_logits"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        cross_entropy(ins[0], ins[1], self.reduction, self.ignore_index, self.label_smoothing)
+    }
+
+    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
+        // The targets; the log-probabilities are kept apart.
+        i == 1
+    }
+
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], _meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        let input = &inputs[0].meta;
+        let x = input.numel_parts();
+        // The log-probabilities between log_softmax and nll_loss.
+        calls.push(KernelCall::Keeps { elements: x, kind: input.kind });
+        // With label smoothing, the backward adds the uniform part's gradient, a tensor as
+        // large as the logits, to the targets' one.
+        if self.label_smoothing > 0.0 {
+            calls.push(KernelCall::Temporaries { forward: (0, 0), backward: x });
+        }
+    }
+
+    fn run_share(&self, ins: &[&Tensor], _node: &Node, share: &Share) -> Option<Result<Tensor, TchError>> {
+        if !share.reduces_batch || !matches!(self.reduction, Reduction::Mean) {
+            return None;
+        }
+        let den = share.den.expect("denominator computed before splitting");
+        Some(
+            cross_entropy(ins[0], ins[1], Reduction::Sum, self.ignore_index, self.label_smoothing)
+                .and_then(|s| s.f_div_scalar(den)),
+        )
+    }
+
+    fn counted_targets(&self) -> Option<i64> {
+        matches!(self.reduction, Reduction::Mean).then_some(self.ignore_index)
+    }
+}
+
+/// Negative log-likelihood of log-probabilities against class indices. Operands:
+/// log-probabilities, targets, optional class weights.
+pub(crate) struct Nll {
+    reduction: Reduction,
+    ignore_index: i64,
+}
+
+impl Operation for Nll {
+    fn name(&self) -> &'static str {
+        "nll_loss"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_nll_loss(ins[1], ins.get(2).copied(), self.reduction, self.ignore_index)
+    }
+
+    fn saves_input(&self, _i: usize, _inputs: &[Rc<Node>]) -> bool {
+        true
+    }
+
+    fn run_share(&self, ins: &[&Tensor], _node: &Node, share: &Share) -> Option<Result<Tensor, TchError>> {
+        if !share.reduces_batch || !matches!(self.reduction, Reduction::Mean) {
+            return None;
+        }
+        let den = share.den.expect("denominator computed before splitting");
+        Some(
+            ins[0]
+                .f_nll_loss(ins[1], ins.get(2).copied(), Reduction::Sum, self.ignore_index)
+                .and_then(|s| s.f_div_scalar(den)),
+        )
+    }
+
+    fn counted_targets(&self) -> Option<i64> {
+        matches!(self.reduction, Reduction::Mean).then_some(self.ignore_index)
+    }
+}
+
+/// What an elementwise loss computes before its reduction.
+#[derive(Clone, Copy)]
+pub(crate) enum Elementwise {
+    /// Squared error.
+    Mse,
+    /// Binary cross-entropy of logits (a target of the input's shape).
+    BceWithLogits,
+    SmoothL1 {
+        beta: f64,
+    },
+    Huber {
+        delta: f64,
+    },
+    /// Kullback-Leibler divergence: the input holds log-probabilities, the target
+    /// probabilities (log-probabilities with `log_target`).
+    KlDiv {
+        log_target: bool,
+    },
+}
+
+impl Elementwise {
+    /// The loss and its reduction.
+    fn compute(self, x: &Tensor, target: &Tensor, reduction: Reduction) -> Result<Tensor, TchError> {
         match self {
-            Loss::Mse { .. } => x.f_mse_loss(target, reduction),
-            Loss::BceWithLogits { .. } => {
+            Elementwise::Mse => x.f_mse_loss(target, reduction),
+            Elementwise::BceWithLogits => {
                 x.f_binary_cross_entropy_with_logits(target, None::<&Tensor>, None::<&Tensor>, reduction)
             }
-            Loss::SmoothL1 { beta, .. } => x.f_smooth_l1_loss(target, reduction, *beta),
-            Loss::Huber { delta, .. } => x.f_huber_loss(target, reduction, *delta),
-            Loss::KlDiv { log_target, .. } => x.f_kl_div(target, reduction, *log_target),
-            Loss::CrossEntropy { .. } | Loss::Nll { .. } => unreachable!("class losses are not elementwise"),
-        }
-    }
-
-    fn reduction(&self) -> Option<Reduction> {
-        match self {
-            Loss::Mse { reduction }
-            | Loss::BceWithLogits { reduction }
-            | Loss::SmoothL1 { reduction, .. }
-            | Loss::Huber { reduction, .. }
-            | Loss::KlDiv { reduction, .. } => Some(*reduction),
-            _ => None,
+            Elementwise::SmoothL1 { beta } => x.f_smooth_l1_loss(target, reduction, beta),
+            Elementwise::Huber { delta } => x.f_huber_loss(target, reduction, delta),
+            Elementwise::KlDiv { log_target } => x.f_kl_div(target, reduction, log_target),
         }
     }
 }
 
-impl Operation for Loss {
+/// An elementwise loss of input and target, reduced. Autograd keeps both.
+pub(crate) struct ElementwiseLoss {
+    loss: Elementwise,
+    reduction: Reduction,
+}
+
+impl Operation for ElementwiseLoss {
     fn name(&self) -> &'static str {
-        match self {
-            Loss::CrossEntropy { .. } => "cross_entropy_for_logits",
-            Loss::Nll { .. } => "nll_loss",
-            Loss::Mse { .. } => "mse_loss",
-            Loss::BceWithLogits { .. } => "binary_cross_entropy_with_logits",
-            Loss::SmoothL1 { .. } => "smooth_l1_loss",
-            Loss::Huber { .. } => "huber_loss",
-            Loss::KlDiv { .. } => "kl_div",
+        match self.loss {
+            Elementwise::Mse => "mse_loss",
+            Elementwise::BceWithLogits => "binary_cross_entropy_with_logits",
+            Elementwise::SmoothL1 { .. } => "smooth_l1_loss",
+            Elementwise::Huber { .. } => "huber_loss",
+            Elementwise::KlDiv { .. } => "kl_div",
         }
     }
 
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        let (x, target) = (ins[0], ins[1]);
-        match self {
-            Loss::CrossEntropy { ignore_index, label_smoothing, reduction } => {
-                cross_entropy(x, target, *reduction, *ignore_index, *label_smoothing)
-            }
-            Loss::Nll { reduction, ignore_index } => {
-                let weight = ins.get(2).copied();
-                x.f_nll_loss(target, weight, *reduction, *ignore_index)
-            }
-            elementwise => elementwise.elementwise(x, target, elementwise.reduction().expect("elementwise")),
-        }
+        self.loss.compute(ins[0], ins[1], self.reduction)
     }
 
-    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
-        match self {
-            // The targets; the log-probabilities are an extra.
-            Loss::CrossEntropy { .. } => i == 1,
-            _ => true,
-        }
+    fn saves_input(&self, _i: usize, _inputs: &[Rc<Node>]) -> bool {
+        true
     }
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], _meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
         let input = &inputs[0].meta;
         let x = input.numel_parts();
         let times = |k: u64| (k * x.0, k * x.1);
-        let temporaries = |forward, backward| KernelCall::Temporaries { forward, backward };
-        match self {
+        let reduced = !matches!(self.reduction, Reduction::None);
+        let (forward, backward) = match self.loss {
             // Composite kernels: `(1 - t) x + log(1 + e^-|x|) + max(-x, 0)` forward, and
             // `sigmoid(x) - t` scaled backward, each a few temporaries as large as the input.
-            Loss::BceWithLogits { .. } => calls.push(temporaries(times(3), times(2))),
+            Elementwise::BceWithLogits => (times(3), times(2)),
             // The elementwise loss before its reduction.
-            Loss::SmoothL1 { reduction, .. } | Loss::Huber { reduction, .. } | Loss::Mse { reduction }
-                if !matches!(reduction, Reduction::None) =>
-            {
-                calls.push(temporaries(times(1), (0, 0)))
-            }
-            Loss::CrossEntropy { label_smoothing, .. } => {
-                // The log-probabilities between log_softmax and nll_loss.
-                calls.push(KernelCall::Keeps { elements: x, kind: input.kind });
-                // With label smoothing, the backward adds the uniform part's gradient, a tensor
-                // as large as the logits, to the targets' one.
-                if *label_smoothing > 0.0 {
-                    calls.push(temporaries((0, 0), times(1)));
-                }
+            Elementwise::Mse | Elementwise::SmoothL1 { .. } | Elementwise::Huber { .. } if reduced => {
+                (times(1), (0, 0))
             }
             // `target · (log target − input)` (or `exp(target) · (target − input)`): autograd
             // keeps the difference for the product (and `exp(target)` with a log target); the
             // log and the loss before its reduction are temporaries, and one backward.
-            Loss::KlDiv { log_target, .. } => {
-                calls.push(KernelCall::Keeps { elements: times(if *log_target { 2 } else { 1 }), kind: input.kind });
-                calls.push(temporaries(times(1), times(1)));
+            Elementwise::KlDiv { log_target } => {
+                calls.push(KernelCall::Keeps { elements: times(if log_target { 2 } else { 1 }), kind: input.kind });
+                (times(1), times(1))
             }
-            _ => {}
-        }
+            _ => return,
+        };
+        calls.push(KernelCall::Temporaries { forward, backward });
     }
 
     fn run_share(&self, ins: &[&Tensor], node: &Node, share: &Share) -> Option<Result<Tensor, TchError>> {
-        if !share.reduces_batch {
+        if !share.reduces_batch || !matches!(self.reduction, Reduction::Mean) {
             return None;
         }
-        let (x, target) = (ins[0], ins[1]);
-        let den = || share.den.expect("denominator computed before splitting");
-        Some(match self {
-            Loss::CrossEntropy { ignore_index, label_smoothing, reduction: Reduction::Mean } => {
-                cross_entropy(x, target, Reduction::Sum, *ignore_index, *label_smoothing)
-                    .and_then(|s| s.f_div_scalar(den()))
-            }
-            Loss::Nll { reduction: Reduction::Mean, ignore_index } => x
-                .f_nll_loss(target, ins.get(2).copied(), Reduction::Sum, *ignore_index)
-                .and_then(|s| s.f_div_scalar(den())),
-            elementwise if matches!(elementwise.reduction(), Some(Reduction::Mean)) => {
-                let per = shape::broadcast(&node.inputs[0].meta.shape, &node.inputs[1].meta.shape).unwrap_or_default();
-                let count = shape::numel(&per) as f64;
-                elementwise.elementwise(x, target, Reduction::Sum).and_then(|s| s.f_div_scalar(count))
-            }
-            _ => return None,
-        })
-    }
-
-    fn counted_targets(&self) -> Option<i64> {
-        match self {
-            Loss::CrossEntropy { ignore_index, reduction: Reduction::Mean, .. }
-            | Loss::Nll { reduction: Reduction::Mean, ignore_index } => Some(*ignore_index),
-            _ => None,
-        }
+        // The full batch's count of elements: the broadcast shape of input and target.
+        let per = shape::broadcast(&node.inputs[0].meta.shape, &node.inputs[1].meta.shape).unwrap_or_default();
+        let count = shape::numel(&per) as f64;
+        Some(self.loss.compute(ins[0], ins[1], Reduction::Sum).and_then(|s| s.f_div_scalar(count)))
     }
 }
 
@@ -254,7 +290,7 @@ impl LazyTensor {
         let device = same_device(name, &[x, tn])?;
         Self::check_class_loss(name, x, tn)?;
         let flow = Self::class_loss_flow(name, x, tn, Reduction::Mean)?;
-        let op = Loss::CrossEntropy { ignore_index: -100, label_smoothing: 0.0, reduction: Reduction::Mean };
+        let op = CrossEntropy { ignore_index: -100, label_smoothing: 0.0, reduction: Reduction::Mean };
         Ok(Record::new(op, vec![x.clone(), tn.clone()], vec![], x.meta.kind, device).flow(flow).finish())
     }
 
@@ -304,7 +340,7 @@ impl LazyTensor {
         }
         let flow = Self::class_loss_flow(name, x, tn, reduction)?;
         let out = if reduction == Reduction::None { x.meta.shape[..x.meta.shape.len() - 1].to_vec() } else { vec![] };
-        let op = Loss::CrossEntropy { ignore_index, label_smoothing, reduction };
+        let op = CrossEntropy { ignore_index, label_smoothing, reduction };
         Ok(Record::new(op, vec![x.clone(), tn.clone()], out, x.meta.kind, device).flow(flow).finish())
     }
 
@@ -321,7 +357,7 @@ impl LazyTensor {
         reduction: Reduction,
         log_target: bool,
     ) -> Result<LazyTensor, LazyError> {
-        self.f_elementwise_loss(target, Loss::KlDiv { reduction, log_target })
+        self.f_elementwise_loss(target, Elementwise::KlDiv { log_target }, reduction)
     }
 
     /// Negative log-likelihood of log-probabilities `[N, C]` against class indices `[N]`, with
@@ -367,7 +403,7 @@ impl LazyTensor {
         }
         let flow = Self::class_loss_flow(name, x, tn, reduction)?;
         let out = if reduction == Reduction::None { x.meta.shape[..x.meta.shape.len() - 1].to_vec() } else { vec![] };
-        let op = Loss::Nll { reduction, ignore_index };
+        let op = Nll { reduction, ignore_index };
         let inputs = nodes.into_iter().cloned().collect();
         Ok(Record::new(op, inputs, out, x.meta.kind, device).flow(flow).finish())
     }
@@ -378,7 +414,7 @@ impl LazyTensor {
     /// [`LazyError::Shape`] when the shapes do not broadcast, [`LazyError::Kind`],
     /// [`LazyError::Device`]; [`Reduction::Other`].
     pub fn f_mse_loss(&self, target: impl IntoLazy, reduction: Reduction) -> Result<LazyTensor, LazyError> {
-        self.f_elementwise_loss(target, Loss::Mse { reduction })
+        self.f_elementwise_loss(target, Elementwise::Mse, reduction)
     }
 
     /// Binary cross-entropy of logits against targets of the same shape, as tch's
@@ -412,7 +448,7 @@ impl LazyTensor {
                 "the target must have the input's size",
             ));
         }
-        self.f_elementwise_loss(&t, Loss::BceWithLogits { reduction })
+        self.f_elementwise_loss(&t, Elementwise::BceWithLogits, reduction)
     }
 
     /// Smooth L1 loss (quadratic below `beta`), as tch's `smooth_l1_loss`.
@@ -432,7 +468,7 @@ impl LazyTensor {
                 "smooth_l1_loss does not support negative values for beta.",
             ));
         }
-        self.f_elementwise_loss(target, Loss::SmoothL1 { reduction, beta })
+        self.f_elementwise_loss(target, Elementwise::SmoothL1 { beta }, reduction)
     }
 
     /// Huber loss (quadratic below `delta`), as tch's `huber_loss`.
@@ -452,13 +488,18 @@ impl LazyTensor {
                 "huber_loss does not support non-positive values for delta.",
             ));
         }
-        self.f_elementwise_loss(target, Loss::Huber { reduction, delta })
+        self.f_elementwise_loss(target, Elementwise::Huber { delta }, reduction)
     }
 
     /// An elementwise loss against a broadcast target, reduced by `op`'s reduction.
-    fn f_elementwise_loss(&self, target: impl IntoLazy, op: Loss) -> Result<LazyTensor, LazyError> {
+    fn f_elementwise_loss(
+        &self,
+        target: impl IntoLazy,
+        loss: Elementwise,
+        reduction: Reduction,
+    ) -> Result<LazyTensor, LazyError> {
         let t = target.into_lazy();
-        let reduction = op.reduction().expect("an elementwise loss");
+        let op = ElementwiseLoss { loss, reduction };
         let name = op.name();
         let (x, tn) = (&self.node, &t.node);
         let device = same_device(name, &[x, tn])?;

@@ -12,112 +12,143 @@ use crate::lazy::graph::{Flow, KernelCall, Meta, Node, Operation, RunCx};
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
 
-pub(crate) enum Matrix {
-    /// Operands: a, b.
-    Matmul,
-    /// `[B, n, m] @ [B, m, p]`. Operands: a, b.
-    Bmm,
-    /// Operands: x, weight, optional bias.
-    Linear,
-    /// `beta * input + alpha * (batch1 @ batch2)`. Operands: input, batch1, batch2.
-    Baddbmm { beta: f64, alpha: f64 },
-    /// Operands: weight, indices.
-    Embedding { padding_idx: i64, scale_grad_by_freq: bool },
+/// Each of two factors is kept for the other's gradient.
+fn factors_saved(i: usize, a: usize, b: usize, inputs: &[Rc<Node>]) -> bool {
+    (i == a && requires(inputs, b)) || (i == b && requires(inputs, a))
 }
 
-impl Operation for Matrix {
+/// A matrix product with `torch.matmul`'s rules, or `bmm` (`[B, n, m] @ [B, m, p]`).
+/// Operands: a, b.
+pub(crate) struct Matmul {
+    batched_only: bool,
+}
+
+impl Operation for Matmul {
     fn name(&self) -> &'static str {
-        match self {
-            Matrix::Matmul => "matmul",
-            Matrix::Bmm => "bmm",
-            Matrix::Linear => "linear",
-            Matrix::Baddbmm { .. } => "baddbmm",
-            Matrix::Embedding { .. } => "embedding",
+        if self.batched_only {
+            "bmm"
+        } else {
+            "matmul"
         }
     }
 
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        match self {
-            Matrix::Matmul => ins[0].f_matmul(ins[1]),
-            Matrix::Bmm => ins[0].f_bmm(ins[1]),
-            Matrix::Linear => {
-                let (x, weight, bias) = (ins[0], ins[1], ins.get(2).copied());
-                x.f_linear(weight, bias)
-            }
-            Matrix::Baddbmm { beta, alpha } => {
-                let (input, batch1, batch2) = (ins[0], ins[1], ins[2]);
-                input.f_baddbmm(batch1, batch2, *beta, *alpha)
-            }
-            Matrix::Embedding { padding_idx, scale_grad_by_freq } => {
-                let (weight, indices) = (ins[0], ins[1]);
-                Tensor::f_embedding(weight, indices, *padding_idx, *scale_grad_by_freq, false)
-            }
+        if self.batched_only {
+            ins[0].f_bmm(ins[1])
+        } else {
+            ins[0].f_matmul(ins[1])
         }
     }
 
     fn saves_input(&self, i: usize, inputs: &[Rc<Node>]) -> bool {
-        match self {
-            // Each factor is kept for the other's gradient.
-            Matrix::Matmul | Matrix::Bmm => requires(inputs, 1 - i),
-            Matrix::Linear => match i {
-                0 => requires(inputs, 1),
-                1 => requires(inputs, 0),
-                _ => false,
-            },
-            Matrix::Baddbmm { .. } => match i {
-                1 => requires(inputs, 2),
-                2 => requires(inputs, 1),
-                _ => false,
-            },
-            // The indices, to scatter the gradient back.
-            Matrix::Embedding { .. } => i == 1,
+        factors_saved(i, 0, 1, inputs)
+    }
+
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        if self.batched_only {
+            return;
         }
+        // A broadcast operand is expanded into a real copy before the batched product.
+        let (oa, oc) = meta.numel_parts();
+        let mut total = (0, 0);
+        for input in inputs {
+            let m = &input.meta;
+            if m.shape.len() >= 2 && meta.shape.len() > 2 {
+                let own = shape::numel(&m.shape[m.shape.len().saturating_sub(2)..]) as u64;
+                let out_batch = shape::numel(&meta.shape[..meta.shape.len() - 2]).max(1) as u64;
+                let own_batch = shape::numel(&m.shape[..m.shape.len() - 2]).max(1) as u64;
+                if own_batch < out_batch {
+                    let scale = own.max(1);
+                    let rows = shape::numel(&meta.shape[meta.shape.len() - 2..]).max(1) as u64;
+                    total.0 += oa / rows * scale;
+                    total.1 += oc / rows * scale;
+                }
+            }
+        }
+        if total != (0, 0) {
+            calls.push(KernelCall::Temporaries { forward: total, backward: total });
+        }
+    }
+}
+
+/// `x @ weightᵀ + bias`. Operands: x, weight, optional bias.
+pub(crate) struct Linear;
+
+impl Operation for Linear {
+    fn name(&self) -> &'static str {
+        "linear"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_linear(ins[1], ins.get(2).copied())
+    }
+
+    fn saves_input(&self, i: usize, inputs: &[Rc<Node>]) -> bool {
+        factors_saved(i, 0, 1, inputs)
+    }
+
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        // The bias gradient: the output gradient summed over every dimension but the last.
+        if requires(inputs, 2) && meta.requires_grad && !meta.shape.is_empty() {
+            let mask = shape::dims_mask(0..meta.shape.len() - 1);
+            calls.push(KernelCall::Reduction { of: meta, mask, backward: true });
+        }
+    }
+}
+
+/// `beta * input + alpha * (batch1 @ batch2)`. Operands: input, batch1, batch2.
+pub(crate) struct Baddbmm {
+    beta: f64,
+    alpha: f64,
+}
+
+impl Operation for Baddbmm {
+    fn name(&self) -> &'static str {
+        "baddbmm"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let (input, batch1, batch2) = (ins[0], ins[1], ins[2]);
+        input.f_baddbmm(batch1, batch2, self.beta, self.alpha)
+    }
+
+    fn saves_input(&self, i: usize, inputs: &[Rc<Node>]) -> bool {
+        factors_saved(i, 1, 2, inputs)
     }
 
     fn grad_aliases(&self, i: usize, inputs: &[Rc<Node>], meta: &Meta) -> bool {
         // autograd hands `input` the output's gradient itself when it is not scaled or summed.
-        matches!(self, Matrix::Baddbmm { beta, .. } if i == 0 && *beta == 1.0 && inputs[0].meta.shape == meta.shape)
+        i == 0 && self.beta == 1.0 && inputs[0].meta.shape == meta.shape
     }
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
-        match self {
-            Matrix::Matmul => {
-                // A broadcast operand is expanded into a real copy before the batched product.
-                let (oa, oc) = meta.numel_parts();
-                let mut total = (0, 0);
-                for input in inputs {
-                    let m = &input.meta;
-                    if m.shape.len() >= 2 && meta.shape.len() > 2 {
-                        let own = shape::numel(&m.shape[m.shape.len().saturating_sub(2)..]) as u64;
-                        let out_batch = shape::numel(&meta.shape[..meta.shape.len() - 2]).max(1) as u64;
-                        let own_batch = shape::numel(&m.shape[..m.shape.len() - 2]).max(1) as u64;
-                        if own_batch < out_batch {
-                            let scale = own.max(1);
-                            let rows = shape::numel(&meta.shape[meta.shape.len() - 2..]).max(1) as u64;
-                            total.0 += oa / rows * scale;
-                            total.1 += oc / rows * scale;
-                        }
-                    }
-                }
-                if total != (0, 0) {
-                    calls.push(KernelCall::Temporaries { forward: total, backward: total });
-                }
-            }
-            // The bias gradient: the output gradient summed over every dimension but the last.
-            Matrix::Linear if requires(inputs, 2) && meta.requires_grad && !meta.shape.is_empty() => {
-                calls.push(KernelCall::Reduction {
-                    of: meta,
-                    mask: shape::dims_mask(0..meta.shape.len() - 1),
-                    backward: true,
-                });
-            }
-            // A broadcast input's gradient: the output gradient summed to its shape.
-            Matrix::Baddbmm { .. } if requires(inputs, 0) && inputs[0].meta.shape != meta.shape => {
-                let mask = shape::broadcast_mask(&inputs[0].meta.shape, &meta.shape);
-                calls.push(KernelCall::Reduction { of: meta, mask, backward: true });
-            }
-            _ => {}
+        // A broadcast input's gradient: the output gradient summed to its shape.
+        if requires(inputs, 0) && inputs[0].meta.shape != meta.shape {
+            let mask = shape::broadcast_mask(&inputs[0].meta.shape, &meta.shape);
+            calls.push(KernelCall::Reduction { of: meta, mask, backward: true });
         }
+    }
+}
+
+/// Rows of a weight picked by indices (a one-hot product). Operands: weight, indices.
+pub(crate) struct Embedding {
+    padding_idx: i64,
+    scale_grad_by_freq: bool,
+}
+
+impl Operation for Embedding {
+    fn name(&self) -> &'static str {
+        "embedding"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let (weight, indices) = (ins[0], ins[1]);
+        Tensor::f_embedding(weight, indices, self.padding_idx, self.scale_grad_by_freq, false)
+    }
+
+    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
+        // The indices, to scatter the gradient back.
+        i == 1
     }
 }
 
@@ -221,7 +252,9 @@ impl LazyTensor {
             }
             flow
         };
-        Ok(Record::new(Matrix::Matmul, vec![a.clone(), b.clone()], out, a.meta.kind, device).flow(flow).finish())
+        Ok(Record::new(Matmul { batched_only: false }, vec![a.clone(), b.clone()], out, a.meta.kind, device)
+            .flow(flow)
+            .finish())
     }
 
     /// Batched matrix product, as tch's `bmm`: `self` `[B, n, m]` by `other` `[B, m, p]`. The
@@ -247,7 +280,9 @@ impl LazyTensor {
         ];
         let along_b = mapped.iter().flatten().any(|&d| d == 0);
         let flow = combine_flows(name, &[a, b], &mapped, &out, Linearity::Nonlinear, along_b)?;
-        Ok(Record::new(Matrix::Bmm, vec![a.clone(), b.clone()], out, a.meta.kind, device).flow(flow).finish())
+        Ok(Record::new(Matmul { batched_only: true }, vec![a.clone(), b.clone()], out, a.meta.kind, device)
+            .flow(flow)
+            .finish())
     }
 
     /// `self @ weightᵀ + bias`, as tch's `linear`: `self` is `[.., in]`, `weight` `[out, in]`,
@@ -289,7 +324,7 @@ impl LazyTensor {
             .collect();
         let flow = combine_flows(name, &nodes, &mapped, &out, Linearity::Nonlinear, false)?;
         let inputs = nodes.into_iter().cloned().collect();
-        Ok(Record::new(Matrix::Linear, inputs, out, x.meta.kind, device).flow(flow).finish())
+        Ok(Record::new(Linear, inputs, out, x.meta.kind, device).flow(flow).finish())
     }
 
     /// `beta * self + alpha * (batch1 @ batch2)`, as tch's `baddbmm`: `batch1` is `[B, n, m]`,
@@ -337,7 +372,7 @@ impl LazyTensor {
         let along_b = mapped.iter().flatten().any(|&d| d == 0);
         let flow = combine_flows(name, &nodes, &mapped, &out, Linearity::Nonlinear, along_b)?;
         let inputs = nodes.into_iter().cloned().collect();
-        Ok(Record::new(Matrix::Baddbmm { beta, alpha }, inputs, out, m1.meta.kind, device).flow(flow).finish())
+        Ok(Record::new(Baddbmm { beta, alpha }, inputs, out, m1.meta.kind, device).flow(flow).finish())
     }
 
     /// Rows of `weight` (`[V, D]`) picked by the integer `indices` (`self`'s role in tch is the
@@ -380,7 +415,7 @@ impl LazyTensor {
         if scale_grad_by_freq && inn.meta.batch().is_some() {
             mixes = Some("with scale_grad_by_freq scales gradients by counts over the batch".into());
         }
-        let op = Matrix::Embedding { padding_idx, scale_grad_by_freq };
+        let op = Embedding { padding_idx, scale_grad_by_freq };
         Ok(Record::new(op, vec![wn.clone(), inn.clone()], out, wn.meta.kind, device).flow((flow, mixes)).finish())
     }
 

@@ -1,16 +1,20 @@
-//! The ops a graph can hold, one file per family. Each op keeps all of its rules in its
-//! family's file:
+//! The ops a graph can hold, one file per family (`pointwise`, `matrix`, `window`, `norm`,
+//! `layout`, `reduce`, `loss`, `attention`, and `custom` for users' own). Everything about an
+//! op sits in its family's file:
 //!
-//! - **recording**: the public `f_op` method on [`LazyTensor`] with its checks, the output's
-//!   shape, kind and batch flow, and the panicking twin `op`;
-//! - **running** on one micro-batch ([`Rules::run`]);
-//! - **memory facts** for the planner: what autograd saves, which input gradients are views,
-//!   extras kept for the backward, scratch space;
-//! - **the micro-batch rewrite**: how a split run computes the op's share of a value summed
-//!   over the batch ([`Rules::run_share`], [`Rules::adds_fixed`], [`Rules::counted_targets`]).
+//! - **its rules**, in one type per op (or one row per op, for the many unary and binary
+//!   elementwise ops) implementing [`Operation`](crate::lazy::graph::Operation): how it runs on
+//!   a micro-batch, what autograd keeps, which input gradients are views, the kernel calls it
+//!   makes (for the cost layer to price on the plan's device), and how a split run computes
+//!   its share of a value summed over the batch;
+//! - **its recording**: the public `f_op` method on [`LazyTensor`](crate::lazy::LazyTensor),
+//!   with its checks, the output's shape, kind and batch flow, in the family's
+//!   `#[toma_macros::tensor_methods(..)]` block, which writes the panicking twin `op` and the
+//!   family's trait ([`PointwiseOps`], ..) from that one signature.
 //!
-//! Adding an op touches only its family's file: a variant, a method, and the arms of the
-//! family's [`Rules`].
+//! Adding an op touches only its family's file: a type with its `Operation` impl, and its
+//! `f_op` method. `record` turns a recorded op into a node (batch flow, device-independent
+//! costs).
 
 use std::rc::Rc;
 

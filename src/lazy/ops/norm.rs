@@ -13,64 +13,71 @@ use crate::lazy::int_list::IntList;
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
 
-pub(crate) enum Norm {
-    /// Operands: x, [weight], [bias], running mean, running var.
-    Batch { training: bool, momentum: f64, eps: f64, weight: bool, bias: bool },
-    /// Operands: x, [weight], [bias].
-    Layer { normalized_shape: Vec<i64>, eps: f64, weight: bool, bias: bool },
-    /// Operands: x, [weight], [bias]. Statistics per sample and group.
-    Group { num_groups: i64, eps: f64, weight: bool, bias: bool },
-    /// Operands: x, [weight]. Root mean square over the trailing `normalized_shape`.
-    Rms { normalized_shape: Vec<i64>, eps: Option<f64>, weight: bool },
+/// Which optional operands a normalization has after its input (`x, [weight], [bias], ..`).
+#[derive(Clone, Copy)]
+struct Affine {
+    weight: bool,
+    bias: bool,
 }
 
-/// A normalization's operands by name.
-struct Operands<'a> {
-    x: &'a Tensor,
-    weight: Option<&'a Tensor>,
-    bias: Option<&'a Tensor>,
-    /// The running statistics (batch norm only).
-    running: [Option<&'a Tensor>; 2],
-}
-
-impl Norm {
-    fn operands<'a>(&self, ins: &[&'a Tensor]) -> Operands<'a> {
-        let (weight, bias) = match self {
-            Norm::Batch { weight, bias, .. } | Norm::Layer { weight, bias, .. } | Norm::Group { weight, bias, .. } => {
-                (*weight, *bias)
-            }
-            Norm::Rms { weight, .. } => (*weight, false),
-        };
+impl Affine {
+    /// The weight, the bias, and the operands after them.
+    fn split<'a>(self, ins: &[&'a Tensor]) -> (Option<&'a Tensor>, Option<&'a Tensor>, Vec<&'a Tensor>) {
         let mut rest = ins[1..].iter().copied();
-        let weight = if weight { rest.next() } else { None };
-        let bias = if bias { rest.next() } else { None };
-        Operands { x: ins[0], weight, bias, running: [rest.next(), rest.next()] }
+        let weight = if self.weight { rest.next() } else { None };
+        let bias = if self.bias { rest.next() } else { None };
+        (weight, bias, rest.collect())
     }
 }
 
-impl Operation for Norm {
+/// The kind libtorch keeps a norm's statistics in.
+fn stat_kind(input: &Meta) -> Kind {
+    if input.kind == Kind::Double {
+        Kind::Double
+    } else {
+        Kind::Float
+    }
+}
+
+/// Batch normalization. Operands: x, [weight], [bias], running mean, running var.
+pub(crate) struct BatchNorm {
+    training: bool,
+    momentum: f64,
+    eps: f64,
+    affine: Affine,
+}
+
+impl Operation for BatchNorm {
     fn name(&self) -> &'static str {
-        match self {
-            Norm::Batch { .. } => "batch_norm",
-            Norm::Layer { .. } => "layer_norm",
-            Norm::Group { .. } => "group_norm",
-            Norm::Rms { .. } => "rms_norm",
-        }
+        "batch_norm"
     }
 
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        let o = self.operands(ins);
-        match self {
-            Norm::Batch { training, momentum, eps, .. } => {
-                let [mean, var] = o.running;
-                Tensor::f_batch_norm(o.x, o.weight, o.bias, mean, var, *training, *momentum, *eps, true)
-            }
-            Norm::Layer { normalized_shape, eps, .. } => {
-                Tensor::f_layer_norm(o.x, normalized_shape.as_slice(), o.weight, o.bias, *eps, true)
-            }
-            Norm::Group { num_groups, eps, .. } => o.x.f_group_norm(*num_groups, o.weight, o.bias, *eps, true),
-            Norm::Rms { normalized_shape, eps, .. } => o.x.f_rms_norm(normalized_shape.as_slice(), o.weight, *eps),
-        }
+        let (weight, bias, running) = self.affine.split(ins);
+        let (mean, var) = (running.first().copied(), running.get(1).copied());
+        Tensor::f_batch_norm(ins[0], weight, bias, mean, var, self.training, self.momentum, self.eps, true)
+    }
+
+    fn saves_input(&self, _i: usize, _inputs: &[Rc<Node>]) -> bool {
+        true
+    }
+}
+
+/// Layer normalization over the trailing `normalized_shape`. Operands: x, [weight], [bias].
+pub(crate) struct LayerNorm {
+    normalized_shape: Vec<i64>,
+    eps: f64,
+    affine: Affine,
+}
+
+impl Operation for LayerNorm {
+    fn name(&self) -> &'static str {
+        "layer_norm"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let (weight, bias, _) = self.affine.split(ins);
+        Tensor::f_layer_norm(ins[0], self.normalized_shape.as_slice(), weight, bias, self.eps, true)
     }
 
     fn saves_input(&self, _i: usize, _inputs: &[Rc<Node>]) -> bool {
@@ -78,32 +85,76 @@ impl Operation for Norm {
     }
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], _meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
-        let Some(input) = inputs.first().map(|n| &n.meta) else { return };
-        let stat = if input.kind == Kind::Double { Kind::Double } else { Kind::Float };
-        match self {
-            // Mean and inverse standard deviation per normalized row (two of them).
-            Norm::Layer { normalized_shape, .. } => {
-                let rows = shape::numel(normalized_shape).max(1) as u64;
-                let (a, c) = input.numel_parts();
-                calls.push(KernelCall::Keeps { elements: (2 * a / rows, 2 * c / rows), kind: stat });
-            }
-            // Mean and inverse standard deviation per sample and group.
-            Norm::Group { num_groups, .. } => {
-                let groups = *num_groups as u64;
-                let elements = match input.batch() {
-                    Some(_) => (2 * groups, 0),
-                    None => (0, 2 * groups * input.shape.first().copied().unwrap_or(1).max(1) as u64),
-                };
-                calls.push(KernelCall::Keeps { elements, kind: stat });
-            }
-            Norm::Rms { normalized_shape, weight, .. } => calls.push(KernelCall::RmsNorm {
-                input: input.numel_parts(),
-                row: shape::numel(normalized_shape).max(1) as u64,
-                weight: *weight,
-                kind: input.kind,
-            }),
-            Norm::Batch { .. } => {}
-        }
+        // Mean and inverse standard deviation per normalized row (two of them).
+        let input = &inputs[0].meta;
+        let rows = shape::numel(&self.normalized_shape).max(1) as u64;
+        let (a, c) = input.numel_parts();
+        calls.push(KernelCall::Keeps { elements: (2 * a / rows, 2 * c / rows), kind: stat_kind(input) });
+    }
+}
+
+/// Group normalization: statistics per sample and group. Operands: x, [weight], [bias].
+pub(crate) struct GroupNorm {
+    num_groups: i64,
+    eps: f64,
+    affine: Affine,
+}
+
+impl Operation for GroupNorm {
+    fn name(&self) -> &'static str {
+        "group_norm"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let (weight, bias, _) = self.affine.split(ins);
+        ins[0].f_group_norm(self.num_groups, weight, bias, self.eps, true)
+    }
+
+    fn saves_input(&self, _i: usize, _inputs: &[Rc<Node>]) -> bool {
+        true
+    }
+
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], _meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        // Mean and inverse standard deviation per sample and group.
+        let input = &inputs[0].meta;
+        let groups = self.num_groups as u64;
+        let elements = match input.batch() {
+            Some(_) => (2 * groups, 0),
+            None => (0, 2 * groups * input.shape.first().copied().unwrap_or(1).max(1) as u64),
+        };
+        calls.push(KernelCall::Keeps { elements, kind: stat_kind(input) });
+    }
+}
+
+/// Root-mean-square normalization over the trailing `normalized_shape`. Operands: x, [weight].
+pub(crate) struct RmsNorm {
+    normalized_shape: Vec<i64>,
+    eps: Option<f64>,
+    weight: bool,
+}
+
+impl Operation for RmsNorm {
+    fn name(&self) -> &'static str {
+        "rms_norm"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let weight = if self.weight { ins.get(1).copied() } else { None };
+        ins[0].f_rms_norm(self.normalized_shape.as_slice(), weight, self.eps)
+    }
+
+    fn saves_input(&self, _i: usize, _inputs: &[Rc<Node>]) -> bool {
+        true
+    }
+
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], _meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        let input = &inputs[0].meta;
+        calls.push(KernelCall::RmsNorm {
+            input: input.numel_parts(),
+            row: shape::numel(&self.normalized_shape).max(1) as u64,
+            weight: self.weight,
+            kind: input.kind,
+        });
     }
 }
 
@@ -164,7 +215,7 @@ impl LazyTensor {
         if training && x.meta.batch().is_some() {
             mixes = Some("in training mode normalizes with statistics over the batch".into());
         }
-        let op = Norm::Batch { training, momentum, eps, weight: w.is_some(), bias: b.is_some() };
+        let op = BatchNorm { training, momentum, eps, affine: Affine { weight: w.is_some(), bias: b.is_some() } };
         let inputs = nodes.into_iter().cloned().collect();
         Ok(Record::new(op, inputs, s.clone(), x.meta.kind, device).flow((flow, mixes)).finish())
     }
@@ -192,7 +243,7 @@ impl LazyTensor {
             "layer_norm",
             norm.clone(),
             &params,
-            Norm::Layer { normalized_shape: norm, eps, weight, bias },
+            LayerNorm { normalized_shape: norm, eps, affine: Affine { weight, bias } },
         )
     }
 
@@ -203,7 +254,7 @@ impl LazyTensor {
         name: &str,
         norm: Vec<i64>,
         params: &[Option<LazyTensor>],
-        op: Norm,
+        op: impl Operation + 'static,
     ) -> Result<LazyTensor, LazyError> {
         let x = &self.node;
         let s = &x.meta.shape;
@@ -281,7 +332,7 @@ impl LazyTensor {
         if x.meta.batch().is_some_and(|bd| bd.dim != 0) {
             mixes = Some("normalizes over the batch dimension (it is not the first)".into());
         }
-        let op = Norm::Group { num_groups, eps, weight: w.is_some(), bias: b.is_some() };
+        let op = GroupNorm { num_groups, eps, affine: Affine { weight: w.is_some(), bias: b.is_some() } };
         let inputs = nodes.into_iter().cloned().collect();
         Ok(Record::new(op, inputs, s.clone(), x.meta.kind, device).flow((flow, mixes)).finish())
     }
@@ -301,7 +352,7 @@ impl LazyTensor {
     ) -> Result<LazyTensor, LazyError> {
         let norm = normalized_shape.as_slice().to_vec();
         let params = [weight.map(IntoLazy::into_lazy)];
-        let op = Norm::Rms { normalized_shape: norm.clone(), eps: eps.into(), weight: params[0].is_some() };
+        let op = RmsNorm { normalized_shape: norm.clone(), eps: eps.into(), weight: params[0].is_some() };
         self.trailing_norm("rms_norm", norm, &params, op)
     }
 }

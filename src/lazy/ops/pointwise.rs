@@ -101,323 +101,409 @@ impl Binary {
     }
 }
 
-pub(crate) enum Pointwise {
-    Unary(Unary),
-    /// Operands: a, b.
-    Binary(Binary),
-    /// `x op scalar`, or `scalar op x` when `reversed`.
-    Scalar {
-        op: Binary,
-        scalar: f64,
-        reversed: bool,
-    },
-    Dropout {
-        p: f64,
-        train: bool,
-        kind: DropoutKind,
-    },
-    /// Operands: x, mask (Bool, broadcast to x).
-    MaskedFill {
-        value: f64,
-    },
-    /// `condition ? x : y`. Operands: condition, x, y (broadcast together).
-    Where,
-    /// The lower (`tril`) or upper (`triu`) triangle of the last two dimensions.
-    Triangle {
-        upper: bool,
-        diagonal: i64,
-    },
+/// What autograd keeps of an elementwise op for its backward.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Keeps {
+    Nothing,
+    Input,
+    Output,
 }
 
-impl Operation for Pointwise {
-    fn name(&self) -> &'static str {
+/// Which kinds a unary op takes, and what it gives.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kinds {
+    /// Any kind, kept (integers too).
+    Same,
+    /// Floating kinds only: libtorch has no integer kernel.
+    Floating,
+    /// Floats from integers, other kinds kept.
+    Promoted,
+}
+
+/// A unary op's rules, one row per op ([`Unary::rules`]).
+struct UnaryRules {
+    name: &'static str,
+    kinds: Kinds,
+    keeps: Keeps,
+    /// Temporaries of its backward, in values as large as the output: the backward formulas
+    /// that are not one fused kernel (`grad * x.sgn()`, `grad / (2 * result)`, `grad * x.cos()`
+    /// and the like).
+    backward: u64,
+}
+
+impl Unary {
+    fn rules(&self) -> UnaryRules {
+        use {Keeps::*, Kinds::*};
+        let row = |name, kinds, keeps, backward| UnaryRules { name, kinds, keeps, backward };
         match self {
-            Pointwise::Unary(u) => match u {
-                Unary::Relu => "relu",
-                Unary::Sigmoid => "sigmoid",
-                Unary::Tanh => "tanh",
-                Unary::Exp => "exp",
-                Unary::Log => "log",
-                Unary::Neg => "neg",
-                Unary::Sqrt => "sqrt",
-                Unary::Abs => "abs",
-                Unary::Gelu(_) => "gelu",
-                Unary::Silu => "silu",
-                Unary::Softplus => "softplus",
-                Unary::LeakyRelu => "leaky_relu",
-                Unary::Elu => "elu",
-                Unary::Hardswish => "hardswish",
-                Unary::Hardsigmoid => "hardsigmoid",
-                Unary::Relu6 => "relu6",
-                Unary::Mish => "mish",
-                Unary::Sin => "sin",
-                Unary::Cos => "cos",
-                Unary::Square => "square",
-                Unary::Clamp { min: Some(_), max: Some(_) } => "clamp",
-                Unary::Clamp { min: Some(_), max: None } => "clamp_min",
-                Unary::Clamp { min: None, .. } => "clamp_max",
-                Unary::Rsqrt => "rsqrt",
-                Unary::Reciprocal => "reciprocal",
-                Unary::Erf => "erf",
-                Unary::LogSigmoid => "log_sigmoid",
-            },
-            Pointwise::Binary(b) => b.name(),
-            Pointwise::Scalar { op, reversed, .. } => match (op, reversed) {
-                (Binary::Add, _) => "add_scalar",
-                (Binary::Sub, false) => "sub_scalar",
-                (Binary::Sub, true) => "rsub_scalar",
-                (Binary::Mul, _) => "mul_scalar",
-                (Binary::Div, false) => "div_scalar",
-                (Binary::Div, true) => "rdiv_scalar",
-                (Binary::Pow, _) => "pow_scalar",
-                (other, _) => other.name(),
-            },
-            Pointwise::Dropout { kind, .. } => kind.name(),
-            Pointwise::MaskedFill { .. } => "masked_fill",
-            Pointwise::Where => "where_self",
-            Pointwise::Triangle { upper: false, .. } => "tril",
-            Pointwise::Triangle { upper: true, .. } => "triu",
+            Unary::Relu => row("relu", Same, Output, 0),
+            Unary::Sigmoid => row("sigmoid", Promoted, Output, 0),
+            Unary::Tanh => row("tanh", Promoted, Output, 0),
+            Unary::Exp => row("exp", Promoted, Output, 0),
+            Unary::Log => row("log", Promoted, Input, 0),
+            Unary::Neg => row("neg", Same, Nothing, 0),
+            Unary::Sqrt => row("sqrt", Promoted, Output, 1),
+            Unary::Abs => row("abs", Same, Input, 1),
+            Unary::Gelu(_) => row("gelu", Floating, Input, 0),
+            Unary::Silu => row("silu", Floating, Input, 0),
+            Unary::Softplus => row("softplus", Floating, Input, 0),
+            Unary::LeakyRelu => row("leaky_relu", Floating, Input, 0),
+            Unary::Elu => row("elu", Floating, Input, 0),
+            Unary::Hardswish => row("hardswish", Floating, Input, 0),
+            Unary::Hardsigmoid => row("hardsigmoid", Floating, Input, 0),
+            Unary::Relu6 => row("relu6", Floating, Input, 0),
+            Unary::Mish => row("mish", Floating, Input, 0),
+            Unary::Sin => row("sin", Promoted, Input, 1),
+            Unary::Cos => row("cos", Promoted, Input, 2),
+            Unary::Square => row("square", Same, Input, 2),
+            // A boolean mask per bound (see `kernels`); an `f64` bound on integers gives floats.
+            Unary::Clamp { min: Some(_), max: Some(_) } => row("clamp", Promoted, Input, 0),
+            Unary::Clamp { min: Some(_), max: None } => row("clamp_min", Promoted, Input, 0),
+            Unary::Clamp { min: None, .. } => row("clamp_max", Promoted, Input, 0),
+            Unary::Rsqrt => row("rsqrt", Promoted, Output, 2),
+            Unary::Reciprocal => row("reciprocal", Promoted, Output, 2),
+            // `grad * 2/√π · exp(-x²)`.
+            Unary::Erf => row("erf", Promoted, Input, 4),
+            // Its kernel's buffer is the cost layer's (`KernelCall::LogSigmoid`).
+            Unary::LogSigmoid => row("log_sigmoid", Floating, Input, 0),
         }
+    }
+
+    fn run(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        match self {
+            Unary::Relu => x.f_relu(),
+            Unary::Sigmoid => x.f_sigmoid(),
+            Unary::Tanh => x.f_tanh(),
+            Unary::Exp => x.f_exp(),
+            Unary::Log => x.f_log(),
+            Unary::Neg => x.f_neg(),
+            Unary::Sqrt => x.f_sqrt(),
+            Unary::Abs => x.f_abs(),
+            Unary::Gelu(approximate) => x.f_gelu(approximate),
+            Unary::Silu => x.f_silu(),
+            Unary::Softplus => x.f_softplus(),
+            Unary::LeakyRelu => x.f_leaky_relu(),
+            Unary::Elu => x.f_elu(),
+            Unary::Hardswish => x.f_hardswish(),
+            Unary::Hardsigmoid => x.f_hardsigmoid(),
+            Unary::Relu6 => x.f_relu6(),
+            Unary::Mish => x.f_mish(),
+            Unary::Sin => x.f_sin(),
+            Unary::Cos => x.f_cos(),
+            Unary::Square => x.f_square(),
+            Unary::Clamp { min: Some(lo), max: Some(hi) } => x.f_clamp(*lo, *hi),
+            Unary::Clamp { min: Some(lo), max: None } => x.f_clamp_min(*lo),
+            Unary::Clamp { min: None, max: Some(hi) } => x.f_clamp_max(*hi),
+            Unary::Clamp { min: None, max: None } => Ok(x.shallow_clone()),
+            Unary::Rsqrt => x.f_rsqrt(),
+            Unary::Reciprocal => x.f_reciprocal(),
+            Unary::Erf => x.f_erf(),
+            Unary::LogSigmoid => x.f_log_sigmoid(),
+        }
+    }
+}
+
+impl Operation for Unary {
+    fn name(&self) -> &'static str {
+        self.rules().name
     }
 
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        match self {
-            Pointwise::Unary(u) => {
-                let x = ins[0];
-                match u {
-                    Unary::Relu => x.f_relu(),
-                    Unary::Sigmoid => x.f_sigmoid(),
-                    Unary::Tanh => x.f_tanh(),
-                    Unary::Exp => x.f_exp(),
-                    Unary::Log => x.f_log(),
-                    Unary::Neg => x.f_neg(),
-                    Unary::Sqrt => x.f_sqrt(),
-                    Unary::Abs => x.f_abs(),
-                    Unary::Gelu(approximate) => x.f_gelu(approximate),
-                    Unary::Silu => x.f_silu(),
-                    Unary::Softplus => x.f_softplus(),
-                    Unary::LeakyRelu => x.f_leaky_relu(),
-                    Unary::Elu => x.f_elu(),
-                    Unary::Hardswish => x.f_hardswish(),
-                    Unary::Hardsigmoid => x.f_hardsigmoid(),
-                    Unary::Relu6 => x.f_relu6(),
-                    Unary::Mish => x.f_mish(),
-                    Unary::Sin => x.f_sin(),
-                    Unary::Cos => x.f_cos(),
-                    Unary::Square => x.f_square(),
-                    Unary::Clamp { min: Some(lo), max: Some(hi) } => x.f_clamp(*lo, *hi),
-                    Unary::Clamp { min: Some(lo), max: None } => x.f_clamp_min(*lo),
-                    Unary::Clamp { min: None, max: Some(hi) } => x.f_clamp_max(*hi),
-                    Unary::Clamp { min: None, max: None } => Ok(x.shallow_clone()),
-                    Unary::Rsqrt => x.f_rsqrt(),
-                    Unary::Reciprocal => x.f_reciprocal(),
-                    Unary::Erf => x.f_erf(),
-                    Unary::LogSigmoid => x.f_log_sigmoid(),
-                }
-            }
-            Pointwise::Binary(op) => {
-                let (a, b) = (ins[0], ins[1]);
-                match op {
-                    Binary::Add => a.f_add(b),
-                    Binary::Sub => a.f_sub(b),
-                    Binary::Mul => a.f_mul(b),
-                    Binary::Div => a.f_div(b),
-                    Binary::Pow => a.f_pow(b),
-                    Binary::Maximum => a.f_maximum(b),
-                    Binary::Minimum => a.f_minimum(b),
-                    Binary::Eq => a.f_eq_tensor(b),
-                    Binary::Ne => a.f_ne_tensor(b),
-                    Binary::Lt => a.f_lt_tensor(b),
-                    Binary::Le => a.f_le_tensor(b),
-                    Binary::Gt => a.f_gt_tensor(b),
-                    Binary::Ge => a.f_ge_tensor(b),
-                }
-            }
-            Pointwise::Scalar { op, scalar, reversed } => scalar_op(ins[0], *op, *scalar, *reversed),
-            Pointwise::Dropout { p, train, kind } => match kind {
-                DropoutKind::Plain => ins[0].f_dropout(*p, *train),
-                DropoutKind::Feature => ins[0].f_feature_dropout(*p, *train),
-                DropoutKind::Alpha => ins[0].f_alpha_dropout(*p, *train),
-                DropoutKind::FeatureAlpha => ins[0].f_feature_alpha_dropout(*p, *train),
-            },
-            Pointwise::MaskedFill { value } => {
-                let (x, mask) = (ins[0], ins[1]);
-                x.f_masked_fill(mask, *value)
-            }
-            Pointwise::Where => {
-                let (condition, x, y) = (ins[0], ins[1], ins[2]);
-                x.f_where_self(condition, y)
-            }
-            Pointwise::Triangle { upper: false, diagonal } => ins[0].f_tril(*diagonal),
-            Pointwise::Triangle { upper: true, diagonal } => ins[0].f_triu(*diagonal),
-        }
+        Unary::run(self, ins[0])
     }
 
-    fn differentiable(&self) -> bool {
-        !matches!(self, Pointwise::Binary(b) | Pointwise::Scalar { op: b, .. } if b.is_comparison())
-    }
-
-    fn saves_input(&self, i: usize, inputs: &[Rc<Node>]) -> bool {
-        let other_requires = |j: usize| requires(inputs, j);
-        match self {
-            Pointwise::Unary(u) => {
-                i == 0
-                    && matches!(
-                        u,
-                        Unary::Log
-                            | Unary::Abs
-                            | Unary::Gelu(_)
-                            | Unary::Silu
-                            | Unary::Softplus
-                            | Unary::LeakyRelu
-                            | Unary::Elu
-                            | Unary::Hardswish
-                            | Unary::Hardsigmoid
-                            | Unary::Relu6
-                            | Unary::Mish
-                            | Unary::Sin
-                            | Unary::Cos
-                            | Unary::Square
-                            | Unary::Clamp { .. }
-                            | Unary::Erf
-                            | Unary::LogSigmoid
-                    )
-            }
-            Pointwise::Binary(op) => match op {
-                Binary::Add | Binary::Sub => false,
-                Binary::Mul => other_requires(1 - i),
-                Binary::Div => (i == 1 && (other_requires(0) || other_requires(1))) || (i == 0 && other_requires(1)),
-                Binary::Pow | Binary::Maximum | Binary::Minimum => true,
-                _ => false,
-            },
-            Pointwise::Scalar { op: Binary::Pow, .. } => i == 0,
-            // The mask, and the condition: where the gradient goes.
-            Pointwise::MaskedFill { .. } => i == 1,
-            Pointwise::Where => i == 0,
-            _ => false,
-        }
+    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
+        i == 0 && self.rules().keeps == Keeps::Input
     }
 
     fn saves_output(&self) -> bool {
+        self.rules().keeps == Keeps::Output
+    }
+
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        if let Unary::LogSigmoid = self {
+            let input = &inputs[0].meta;
+            calls.push(KernelCall::LogSigmoid { elements: input.numel_parts(), kind: input.kind });
+        }
+        if !meta.requires_grad {
+            return;
+        }
+        let (a, c) = meta.numel_parts();
+        let backward = match self {
+            Unary::Clamp { min, max } => {
+                let masks = u64::from(min.is_some()) + u64::from(max.is_some());
+                let elem = meta.kind.elt_size_in_bytes().max(1) as u64;
+                ((masks * a).div_ceil(elem), (masks * c).div_ceil(elem))
+            }
+            _ => {
+                let k = self.rules().backward;
+                (k * a, k * c)
+            }
+        };
+        if backward != (0, 0) {
+            calls.push(KernelCall::Temporaries { forward: (0, 0), backward });
+        }
+    }
+}
+
+/// What a binary op keeps for its backward, one row per op, given which operands require a
+/// gradient (`requires(j)`).
+impl Binary {
+    fn saves(self, i: usize, requires: impl Fn(usize) -> bool) -> bool {
         match self {
-            Pointwise::Unary(u) => matches!(
-                u,
-                Unary::Relu
-                    | Unary::Sigmoid
-                    | Unary::Tanh
-                    | Unary::Exp
-                    | Unary::Sqrt
-                    | Unary::Rsqrt
-                    | Unary::Reciprocal
-            ),
-            Pointwise::Binary(Binary::Pow) => true,
-            _ => false,
+            Binary::Add | Binary::Sub => false,
+            // Each factor for the other's gradient.
+            Binary::Mul => requires(1 - i),
+            // The divisor for both gradients, the dividend for the divisor's.
+            Binary::Div => (i == 1 && (requires(0) || requires(1))) || (i == 0 && requires(1)),
+            Binary::Pow | Binary::Maximum | Binary::Minimum => true,
+            Binary::Eq | Binary::Ne | Binary::Lt | Binary::Le | Binary::Gt | Binary::Ge => false,
         }
     }
 
-    fn grad_aliases(&self, i: usize, inputs: &[Rc<Node>], meta: &Meta) -> bool {
-        let same_shape = |j: usize| inputs.get(j).is_some_and(|n| n.meta.shape == meta.shape);
+    fn run(self, a: &Tensor, b: &Tensor) -> Result<Tensor, TchError> {
         match self {
-            Pointwise::Binary(Binary::Add) => same_shape(i),
-            Pointwise::Binary(Binary::Sub) => i == 0 && same_shape(0),
-            Pointwise::Scalar { op: Binary::Add | Binary::Sub, reversed: false, .. } => true,
-            Pointwise::Dropout { p, train, .. } => !*train || *p == 0.0,
+            Binary::Add => a.f_add(b),
+            Binary::Sub => a.f_sub(b),
+            Binary::Mul => a.f_mul(b),
+            Binary::Div => a.f_div(b),
+            Binary::Pow => a.f_pow(b),
+            Binary::Maximum => a.f_maximum(b),
+            Binary::Minimum => a.f_minimum(b),
+            Binary::Eq => a.f_eq_tensor(b),
+            Binary::Ne => a.f_ne_tensor(b),
+            Binary::Lt => a.f_lt_tensor(b),
+            Binary::Le => a.f_le_tensor(b),
+            Binary::Gt => a.f_gt_tensor(b),
+            Binary::Ge => a.f_ge_tensor(b),
+        }
+    }
+}
+
+/// A binary op of two tensors, broadcasting. Operands: a, b.
+pub(crate) struct TensorBinary {
+    op: Binary,
+}
+
+impl Operation for TensorBinary {
+    fn name(&self) -> &'static str {
+        self.op.name()
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        self.op.run(ins[0], ins[1])
+    }
+
+    fn differentiable(&self) -> bool {
+        !self.op.is_comparison()
+    }
+
+    fn saves_input(&self, i: usize, inputs: &[Rc<Node>]) -> bool {
+        self.op.saves(i, |j| requires(inputs, j))
+    }
+
+    fn saves_output(&self) -> bool {
+        self.op == Binary::Pow
+    }
+
+    fn grad_aliases(&self, i: usize, inputs: &[Rc<Node>], meta: &Meta) -> bool {
+        // The output's gradient itself, where no broadcast must be summed away (and no sign
+        // flipped).
+        let same_shape = |j: usize| inputs.get(j).is_some_and(|n| n.meta.shape == meta.shape);
+        match self.op {
+            Binary::Add => same_shape(i),
+            Binary::Sub => i == 0 && same_shape(0),
             _ => false,
         }
     }
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
-        let Some(input) = inputs.first().map(|n| &n.meta) else { return };
-        let (a, c) = input.numel_parts();
-        match self {
-            // The mask: as large as the input, or one value per sample and channel for the
-            // feature forms.
-            Pointwise::Dropout { p, train, kind } if *train && *p > 0.0 => {
-                let per = kind.mask_fraction(&input.shape);
-                calls.push(KernelCall::DropoutMask { elements: (a / per, c / per), kind: input.kind });
-            }
-            // The reciprocal between `1 / x` and the multiplication.
-            Pointwise::Scalar { op: Binary::Div, reversed: true, .. } => {
-                calls.push(KernelCall::Keeps { elements: (a, c), kind: input.kind })
-            }
-            Pointwise::Unary(Unary::LogSigmoid) => {
-                calls.push(KernelCall::LogSigmoid { elements: (a, c), kind: input.kind })
-            }
-            _ => {}
-        }
-        let mut backward = (0, 0);
-        // Backward formulas that are not one fused kernel: `grad * x.sgn()` and
-        // `grad / (2 * result)` each make a temporary as large as the value.
-        if matches!(self, Pointwise::Unary(Unary::Abs | Unary::Sqrt)) && meta.requires_grad {
-            backward = meta.numel_parts();
-        }
-        // `grad * x.cos()`; `grad * -x.sin()`, `grad * 2x`, `-grad · y²` and `-grad · y³ / 2`
-        // (two temporaries each); a clamp's backward keeps one boolean mask per bound.
-        if let Pointwise::Unary(u) = self {
-            if meta.requires_grad {
-                let (a, c) = meta.numel_parts();
-                let elem = meta.kind.elt_size_in_bytes().max(1) as u64;
-                backward = match u {
-                    Unary::Sin => (a, c),
-                    Unary::Cos | Unary::Square | Unary::Reciprocal | Unary::Rsqrt => (2 * a, 2 * c),
-                    // `grad * 2/√π · exp(-x²)`: four temporaries as large as the value.
-                    Unary::Erf => (4 * a, 4 * c),
-                    Unary::Clamp { min, max } => {
-                        let masks = u64::from(min.is_some()) + u64::from(max.is_some());
-                        ((masks * a).div_ceil(elem), (masks * c).div_ceil(elem))
-                    }
-                    _ => backward,
-                };
-            }
-        }
-        // `grad * (e * x.pow(e - 1))`: the power and its scaled copy, both as large as the value.
-        if let Pointwise::Scalar { op: Binary::Pow, scalar, reversed: false } = self {
-            if meta.requires_grad && *scalar != 0.0 {
-                let (a, c) = meta.numel_parts();
-                backward = (2 * a, 2 * c);
-            }
-        }
-        let mut forward = (0, 0);
-        // Alpha dropout is `x · mask + b`: the product is a temporary as large as the input,
-        // and `b` is as large as the mask.
-        if let Pointwise::Dropout { p, train: true, kind: kind @ (DropoutKind::Alpha | DropoutKind::FeatureAlpha) } =
-            self
-        {
-            if *p > 0.0 {
-                let (a, c) = meta.numel_parts();
-                let per = kind.mask_fraction(&meta.shape);
-                forward = (a + a / per, c + c / per);
-            }
-        }
-        if forward != (0, 0) || backward != (0, 0) {
-            calls.push(KernelCall::Temporaries { forward, backward });
-        }
         // A broadcast operand's gradient: the output gradient summed over the broadcast
         // dimensions.
-        if let Pointwise::Binary(op) = self {
-            if !op.is_comparison() && meta.requires_grad {
-                for (k, input) in inputs.iter().enumerate().take(2) {
-                    if requires(inputs, k) && input.meta.shape != meta.shape {
-                        let mask = shape::broadcast_mask(&input.meta.shape, &meta.shape);
-                        calls.push(KernelCall::Reduction { of: meta, mask, backward: true });
-                    }
-                }
-            }
+        if self.op.is_comparison() || !meta.requires_grad {
+            return;
         }
-    }
-
-    fn run_share(&self, ins: &[&Tensor], _node: &Node, share: &Share) -> Option<Result<Tensor, TchError>> {
-        match self {
-            // `sum + s`: the scalar must count once over all micro-batches.
-            Pointwise::Scalar { op: op @ (Binary::Add | Binary::Sub), scalar, reversed } => {
-                Some(scalar_op(ins[0], *op, scalar * share.frac, *reversed))
+        for (k, input) in inputs.iter().enumerate().take(2) {
+            if requires(inputs, k) && input.meta.shape != meta.shape {
+                let mask = shape::broadcast_mask(&input.meta.shape, &meta.shape);
+                calls.push(KernelCall::Reduction { of: meta, mask, backward: true });
             }
-            _ => None,
         }
     }
 
     fn adds_fixed(&self) -> bool {
-        matches!(self, Pointwise::Binary(Binary::Add | Binary::Sub))
+        matches!(self.op, Binary::Add | Binary::Sub)
+    }
+}
+
+/// `x op scalar`, or `scalar op x` when `reversed`.
+pub(crate) struct Scalar {
+    op: Binary,
+    scalar: f64,
+    reversed: bool,
+}
+
+impl Operation for Scalar {
+    fn name(&self) -> &'static str {
+        match (self.op, self.reversed) {
+            (Binary::Add, _) => "add_scalar",
+            (Binary::Sub, false) => "sub_scalar",
+            (Binary::Sub, true) => "rsub_scalar",
+            (Binary::Mul, _) => "mul_scalar",
+            (Binary::Div, false) => "div_scalar",
+            (Binary::Div, true) => "rdiv_scalar",
+            (Binary::Pow, _) => "pow_scalar",
+            (other, _) => other.name(),
+        }
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        scalar_op(ins[0], self.op, self.scalar, self.reversed)
+    }
+
+    fn differentiable(&self) -> bool {
+        !self.op.is_comparison()
+    }
+
+    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
+        self.op == Binary::Pow && i == 0
+    }
+
+    fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
+        matches!(self.op, Binary::Add | Binary::Sub) && !self.reversed
+    }
+
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        match (self.op, self.reversed) {
+            // The reciprocal between `1 / x` and the multiplication.
+            (Binary::Div, true) => {
+                let input = &inputs[0].meta;
+                calls.push(KernelCall::Keeps { elements: input.numel_parts(), kind: input.kind });
+            }
+            // `grad * (e * x.pow(e - 1))`: the power and its scaled copy, both as large as the
+            // value.
+            (Binary::Pow, false) if meta.requires_grad && self.scalar != 0.0 => {
+                let (a, c) = meta.numel_parts();
+                calls.push(KernelCall::Temporaries { forward: (0, 0), backward: (2 * a, 2 * c) });
+            }
+            _ => {}
+        }
+    }
+
+    fn run_share(&self, ins: &[&Tensor], _node: &Node, share: &Share) -> Option<Result<Tensor, TchError>> {
+        // `sum + s`: the scalar must count once over all micro-batches.
+        matches!(self.op, Binary::Add | Binary::Sub)
+            .then(|| scalar_op(ins[0], self.op, self.scalar * share.frac, self.reversed))
+    }
+}
+
+/// Dropout in its four forms; the identity (a view) when not training or with `p = 0`.
+pub(crate) struct Dropout {
+    p: f64,
+    train: bool,
+    kind: DropoutKind,
+}
+
+impl Operation for Dropout {
+    fn name(&self) -> &'static str {
+        self.kind.name()
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let (x, p, train) = (ins[0], self.p, self.train);
+        match self.kind {
+            DropoutKind::Plain => x.f_dropout(p, train),
+            DropoutKind::Feature => x.f_feature_dropout(p, train),
+            DropoutKind::Alpha => x.f_alpha_dropout(p, train),
+            DropoutKind::FeatureAlpha => x.f_feature_alpha_dropout(p, train),
+        }
+    }
+
+    fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
+        !self.train || self.p == 0.0
+    }
+
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        if !self.train || self.p <= 0.0 {
+            return;
+        }
+        // The mask: as large as the input, or one value per sample and channel for the
+        // feature forms.
+        let input = &inputs[0].meta;
+        let (a, c) = input.numel_parts();
+        let per = self.kind.mask_fraction(&input.shape);
+        calls.push(KernelCall::DropoutMask { elements: (a / per, c / per), kind: input.kind });
+        // Alpha dropout is `x · mask + b`: the product is a temporary as large as the input,
+        // and `b` is as large as the mask.
+        if matches!(self.kind, DropoutKind::Alpha | DropoutKind::FeatureAlpha) {
+            let (a, c) = meta.numel_parts();
+            let per = self.kind.mask_fraction(&meta.shape);
+            calls.push(KernelCall::Temporaries { forward: (a + a / per, c + c / per), backward: (0, 0) });
+        }
+    }
+}
+
+/// `value` where a mask is true. Operands: x, mask (Bool, broadcast to x), kept for the
+/// backward (where the gradient goes).
+pub(crate) struct MaskedFill {
+    value: f64,
+}
+
+impl Operation for MaskedFill {
+    fn name(&self) -> &'static str {
+        "masked_fill"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let (x, mask) = (ins[0], ins[1]);
+        x.f_masked_fill(mask, self.value)
+    }
+
+    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
+        i == 1
+    }
+}
+
+/// `condition ? x : y`. Operands: condition (kept: where the gradient goes), x, y, broadcast
+/// together.
+pub(crate) struct Where;
+
+impl Operation for Where {
+    fn name(&self) -> &'static str {
+        "where_self"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let (condition, x, y) = (ins[0], ins[1], ins[2]);
+        x.f_where_self(condition, y)
+    }
+
+    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
+        i == 0
+    }
+}
+
+/// The lower (`tril`) or upper (`triu`) triangle of the last two dimensions.
+pub(crate) struct Triangle {
+    upper: bool,
+    diagonal: i64,
+}
+
+impl Operation for Triangle {
+    fn name(&self) -> &'static str {
+        if self.upper {
+            "triu"
+        } else {
+            "tril"
+        }
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        if self.upper {
+            ins[0].f_triu(self.diagonal)
+        } else {
+            ins[0].f_tril(self.diagonal)
+        }
     }
 }
 
@@ -444,45 +530,30 @@ fn scalar_op(a: &Tensor, op: Binary, s: f64, reversed: bool) -> Result<Tensor, T
 #[toma_macros::tensor_methods(PointwiseOps, "Elementwise ops: activations, arithmetic and comparisons, dropout (a family of [`TensorOps`](crate::lazy::TensorOps)).")]
 impl LazyTensor {
     fn f_unary(&self, u: Unary) -> Result<LazyTensor, LazyError> {
-        let op = Pointwise::Unary(u);
-        let name = op.name();
+        let rules = u.rules();
+        let name = rules.name;
         let n = &self.node;
-        let kind = match op {
-            Pointwise::Unary(Unary::Relu | Unary::Neg | Unary::Abs | Unary::Square) => n.meta.kind,
-            Pointwise::Unary(Unary::Gelu(ref approximate)) => {
-                floating(name, n)?;
-                if approximate != "none" && approximate != "tanh" {
-                    return Err(arg(
-                        name,
-                        &n.meta.shape,
-                        format!("approximate must be \"none\" or \"tanh\", got {approximate:?}"),
-                    ));
-                }
-                n.meta.kind
+        if let Unary::Gelu(approximate) = &u {
+            floating(name, n)?;
+            if approximate != "none" && approximate != "tanh" {
+                return Err(arg(
+                    name,
+                    &n.meta.shape,
+                    format!("approximate must be \"none\" or \"tanh\", got {approximate:?}"),
+                ));
             }
-            // libtorch has no integer kernels for these.
-            Pointwise::Unary(
-                Unary::Silu
-                | Unary::Softplus
-                | Unary::LeakyRelu
-                | Unary::Elu
-                | Unary::Hardswish
-                | Unary::Hardsigmoid
-                | Unary::Relu6
-                | Unary::Mish
-                | Unary::LogSigmoid,
-            ) => {
+        }
+        let kind = match rules.kinds {
+            Kinds::Same => n.meta.kind,
+            Kinds::Floating => {
                 floating(name, n)?;
                 n.meta.kind
             }
-            // Floats from integers (for `clamp`: an `f64` bound on an integer tensor gives floats,
-            // as in libtorch).
-            _ => shape::scalar_result_kind(n.meta.kind),
+            Kinds::Promoted => shape::scalar_result_kind(n.meta.kind),
         };
-        let linearity =
-            if matches!(op, Pointwise::Unary(Unary::Neg)) { Linearity::Additive } else { Linearity::Nonlinear };
+        let linearity = if matches!(u, Unary::Neg) { Linearity::Additive } else { Linearity::Nonlinear };
         let flow = same_shape_flow(name, n, linearity)?;
-        Ok(Record::new(op, vec![n.clone()], n.meta.shape.clone(), kind, n.meta.device).flow(flow).finish())
+        Ok(Record::new(u, vec![n.clone()], n.meta.shape.clone(), kind, n.meta.device).flow(flow).finish())
     }
 
     /// `max(x, 0)`.
@@ -702,7 +773,7 @@ impl LazyTensor {
             _ => return Err(shape_err(name, &x.meta.shape, &m.meta.shape, "the mask must broadcast to the tensor")),
         }
         let flow = broadcast_flows(name, &[x, m], &x.meta.shape, Linearity::Nonlinear)?;
-        let op = Pointwise::MaskedFill { value };
+        let op = MaskedFill { value };
         Ok(Record::new(op, vec![x.clone(), m.clone()], x.meta.shape.clone(), x.meta.kind, device).flow(flow).finish())
     }
 
@@ -725,12 +796,12 @@ impl LazyTensor {
             .map_err(|r| shape_err(name, &x.meta.shape, &y.meta.shape, r))?;
         let kind = shape::result_kind(x.meta.kind, x.meta.shape.len(), y.meta.kind, y.meta.shape.len());
         let flow = broadcast_flows(name, &[c, x, y], &out, Linearity::Nonlinear)?;
-        Ok(Record::new(Pointwise::Where, vec![c.clone(), x.clone(), y.clone()], out, kind, device).flow(flow).finish())
+        Ok(Record::new(Where, vec![c.clone(), x.clone(), y.clone()], out, kind, device).flow(flow).finish())
     }
 
     fn f_triangle(&self, upper: bool, diagonal: i64) -> Result<LazyTensor, LazyError> {
         let n = &self.node;
-        let op = Pointwise::Triangle { upper, diagonal };
+        let op = Triangle { upper, diagonal };
         let name = op.name();
         let rank = n.meta.shape.len();
         if rank < 2 {
@@ -780,7 +851,7 @@ impl LazyTensor {
             _ => Linearity::Nonlinear,
         };
         let flow = broadcast_flows(name, &[a, b], &out, linearity)?;
-        let mut record = Record::new(Pointwise::Binary(op), vec![a.clone(), b.clone()], out, kind, device).flow(flow);
+        let mut record = Record::new(TensorBinary { op }, vec![a.clone(), b.clone()], out, kind, device).flow(flow);
         if op.is_comparison() {
             record = record.not_differentiable();
         }
@@ -806,7 +877,7 @@ impl LazyTensor {
             Binary::Div if !reversed => Linearity::Structural,
             _ => Linearity::Nonlinear,
         };
-        let record_op = Pointwise::Scalar { op, scalar, reversed };
+        let record_op = Scalar { op, scalar, reversed };
         let flow = same_shape_flow(record_op.name(), n, linearity)?;
         let mut record = Record::new(record_op, vec![n.clone()], n.meta.shape.clone(), kind, n.meta.device).flow(flow);
         if op.is_comparison() {
@@ -1056,14 +1127,9 @@ impl LazyTensor {
         let identity = !train || p == 0.0;
         let linearity = if identity { Linearity::Structural } else { Linearity::Nonlinear };
         let flow = same_shape_flow(name, n, linearity)?;
-        let record = Record::new(
-            Pointwise::Dropout { p, train, kind },
-            vec![n.clone()],
-            n.meta.shape.clone(),
-            n.meta.kind,
-            n.meta.device,
-        )
-        .flow(flow);
+        let record =
+            Record::new(Dropout { p, train, kind }, vec![n.clone()], n.meta.shape.clone(), n.meta.kind, n.meta.device)
+                .flow(flow);
         Ok(if identity { record.view(n.meta.strides.clone()) } else { record }.finish())
     }
 }

@@ -23,87 +23,125 @@ pub(crate) enum ReduceOp {
     LogSumExp,
 }
 
-pub(crate) enum Reduce {
-    /// Over `dims` (all when `None`).
-    Dims {
-        op: ReduceOp,
-        dims: Option<Vec<i64>>,
-        keepdim: bool,
-        kind: Option<Kind>,
-    },
-    Softmax {
-        dim: i64,
-        kind: Option<Kind>,
-        log: bool,
-    },
+/// How autograd treats a reduction, one row per [`ReduceOp`].
+struct ReduceRules {
+    name: &'static str,
+    /// Whether autograd keeps the input and the output for the backward.
+    keeps_input: bool,
+    keeps_output: bool,
+    /// Whether the input's gradient is the output's, expanded (a view).
+    expands_grad: bool,
+    /// Temporaries as large as the input, forward and backward.
+    temporaries: u64,
 }
 
-impl Operation for Reduce {
-    fn name(&self) -> &'static str {
+impl ReduceOp {
+    fn rules(self) -> ReduceRules {
+        let rules = |name, keeps, expands_grad, temporaries| ReduceRules {
+            name,
+            keeps_input: keeps,
+            keeps_output: keeps,
+            expands_grad,
+            temporaries,
+        };
         match self {
-            Reduce::Dims { op: ReduceOp::Sum, .. } => "sum",
-            Reduce::Dims { op: ReduceOp::Mean, .. } => "mean",
-            Reduce::Dims { op: ReduceOp::Amax, .. } => "amax",
-            Reduce::Dims { op: ReduceOp::LogSumExp, .. } => "logsumexp",
-            Reduce::Softmax { log: false, .. } => "softmax",
-            Reduce::Softmax { log: true, .. } => "log_softmax",
+            ReduceOp::Sum => rules("sum", false, true, 0),
+            ReduceOp::Mean => rules("mean", false, false, 0),
+            // Where the maxima are: the input compared with the output.
+            ReduceOp::Amax => rules("amax", true, false, 0),
+            // `exp(x - max)` and the difference before it, forward; `exp(x - result)` and the
+            // difference, backward.
+            ReduceOp::LogSumExp => rules("logsumexp", true, false, 2),
+        }
+    }
+}
+
+/// A reduction over `dims` (all when `None`).
+pub(crate) struct Reduction {
+    op: ReduceOp,
+    dims: Option<Vec<i64>>,
+    keepdim: bool,
+    kind: Option<Kind>,
+}
+
+impl Operation for Reduction {
+    fn name(&self) -> &'static str {
+        self.op.rules().name
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        reduce(ins[0], self.op, self.dims.as_deref(), self.keepdim, self.kind)
+    }
+
+    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
+        i == 0 && self.op.rules().keeps_input
+    }
+
+    fn saves_output(&self) -> bool {
+        self.op.rules().keeps_output
+    }
+
+    fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
+        self.op.rules().expands_grad
+    }
+
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], _meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        let of = &inputs[0].meta;
+        let k = self.op.rules().temporaries;
+        if k > 0 {
+            let (a, c) = of.numel_parts();
+            calls.push(KernelCall::Temporaries { forward: (k * a, k * c), backward: (k * a, k * c) });
+        }
+        let rank = of.shape.len();
+        // Checked when recorded: a wrapping error cannot happen here.
+        let mask = match &self.dims {
+            None => shape::dims_mask(0..rank),
+            Some(dims) => shape::wrap_dims(dims, rank).map_or(0, shape::dims_mask),
+        };
+        calls.push(KernelCall::Reduction { of, mask, backward: false });
+    }
+
+    fn run_share(&self, ins: &[&Tensor], node: &Node, share: &Share) -> Option<Result<Tensor, TchError>> {
+        // A mean over the batch: each micro-batch adds its share, so it divides by the full
+        // batch's count, not the micro-batch's.
+        if self.op != ReduceOp::Mean || !share.reduces_batch {
+            return None;
+        }
+        let full_count = |m: &Meta| shape::numel(&m.shape) as f64;
+        let count = full_count(&node.inputs[0].meta) / full_count(&node.meta).max(1.0);
+        Some(
+            reduce(ins[0], ReduceOp::Sum, self.dims.as_deref(), self.keepdim, self.kind)
+                .and_then(|s| s.f_div_scalar(count)),
+        )
+    }
+}
+
+/// `softmax` or `log_softmax` along `dim`; autograd keeps the output.
+pub(crate) struct Softmax {
+    dim: i64,
+    kind: Option<Kind>,
+    log: bool,
+}
+
+impl Operation for Softmax {
+    fn name(&self) -> &'static str {
+        if self.log {
+            "log_softmax"
+        } else {
+            "softmax"
         }
     }
 
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        let x = ins[0];
-        match self {
-            Reduce::Dims { op, dims, keepdim, kind } => reduce(x, *op, dims.as_deref(), *keepdim, *kind),
-            Reduce::Softmax { dim, kind, log: false } => x.f_softmax(*dim, *kind),
-            Reduce::Softmax { dim, kind, log: true } => x.f_log_softmax(*dim, *kind),
+        if self.log {
+            ins[0].f_log_softmax(self.dim, self.kind)
+        } else {
+            ins[0].f_softmax(self.dim, self.kind)
         }
-    }
-
-    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
-        matches!(self, Reduce::Dims { op: ReduceOp::Amax | ReduceOp::LogSumExp, .. }) && i == 0
     }
 
     fn saves_output(&self) -> bool {
-        matches!(self, Reduce::Softmax { .. } | Reduce::Dims { op: ReduceOp::Amax | ReduceOp::LogSumExp, .. })
-    }
-
-    fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
-        // The gradient of a sum is the output's, expanded.
-        matches!(self, Reduce::Dims { op: ReduceOp::Sum, .. })
-    }
-
-    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], _meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
-        if let Reduce::Dims { op: ReduceOp::LogSumExp, .. } = self {
-            // `exp(x - max)` and the difference before it, forward; `exp(x - result)` and the
-            // difference, backward: each as large as the input.
-            let (a, c) = inputs[0].meta.numel_parts();
-            calls.push(KernelCall::Temporaries { forward: (2 * a, 2 * c), backward: (2 * a, 2 * c) });
-        }
-        if let Reduce::Dims { dims, .. } = self {
-            let of = &inputs[0].meta;
-            let rank = of.shape.len();
-            // Checked when recorded: a wrapping error cannot happen here.
-            let mask = match dims {
-                None => shape::dims_mask(0..rank),
-                Some(dims) => shape::wrap_dims(dims, rank).map_or(0, shape::dims_mask),
-            };
-            calls.push(KernelCall::Reduction { of, mask, backward: false });
-        }
-    }
-
-    fn run_share(&self, ins: &[&Tensor], node: &Node, share: &Share) -> Option<Result<Tensor, TchError>> {
-        match self {
-            // A mean over the batch: each micro-batch adds its share, so it divides by the full
-            // batch's count, not the micro-batch's.
-            Reduce::Dims { op: ReduceOp::Mean, dims, keepdim, kind } if share.reduces_batch => {
-                let full_count = |m: &Meta| shape::numel(&m.shape) as f64;
-                let count = full_count(&node.inputs[0].meta) / full_count(&node.meta).max(1.0);
-                Some(
-                    reduce(ins[0], ReduceOp::Sum, dims.as_deref(), *keepdim, *kind).and_then(|s| s.f_div_scalar(count)),
-                )
-            }
-            _ => None,
-        }
+        true
     }
 }
 
@@ -140,7 +178,7 @@ impl LazyTensor {
 
     fn f_softmax_impl(&self, dim: i64, kind: Option<Kind>, log: bool) -> Result<LazyTensor, LazyError> {
         let n = &self.node;
-        let op = Reduce::Softmax { dim, kind, log };
+        let op = Softmax { dim, kind, log };
         let name = op.name();
         let d = shape::wrap_dim(dim, n.meta.shape.len()).map_err(|r| arg(name, &n.meta.shape, r))?;
         let out_kind = kind.unwrap_or(n.meta.kind);
@@ -182,7 +220,7 @@ impl LazyTensor {
     ) -> Result<LazyTensor, LazyError> {
         let n = &self.node;
         let m = &n.meta;
-        let name = Reduce::Dims { op, dims: None, keepdim, kind }.name();
+        let name = op.rules().name;
         let a = |r: String| arg(name, &m.shape, r);
         let (reduced, dims) = match dims {
             Some(list) if !list.is_empty() => {
@@ -247,7 +285,7 @@ impl LazyTensor {
             Flow::Max if op != ReduceOp::Amax => (Flow::Opaque, Some("sums a maximum over the batch".to_string())),
             other => (other, None),
         };
-        let record_op = Reduce::Dims { op, dims, keepdim, kind };
+        let record_op = Reduction { op, dims, keepdim, kind };
         Ok(Record::new(record_op, vec![n.clone()], out, out_kind, m.device).flow(flow).finish())
     }
 

@@ -14,162 +14,213 @@ use crate::lazy::int_list::IntList;
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
 
-pub(crate) enum Window {
-    /// Operands: x, weight, optional bias.
-    Conv1d {
-        stride: [i64; 1],
-        padding: [i64; 1],
-        dilation: [i64; 1],
-        groups: i64,
-    },
-    /// Operands: x, weight, optional bias.
-    Conv2d {
-        stride: [i64; 2],
-        padding: [i64; 2],
-        dilation: [i64; 2],
-        groups: i64,
-    },
-    MaxPool2d {
-        kernel: [i64; 2],
-        stride: [i64; 2],
-        padding: [i64; 2],
-        dilation: [i64; 2],
-        ceil_mode: bool,
-    },
-    AvgPool2d {
-        kernel: [i64; 2],
-        stride: [i64; 2],
-        padding: [i64; 2],
-        ceil_mode: bool,
-        count_include_pad: bool,
-        divisor_override: Option<i64>,
-    },
-    AdaptiveAvgPool2d {
-        output: [i64; 2],
-    },
-    UpsampleNearest2d {
-        output: [i64; 2],
-        /// `scales_h`, `scales_w` as given (libtorch's source step when set).
-        scales: [Option<f64>; 2],
-    },
-    /// Scales, when given, change how output positions map onto the input (as in libtorch).
-    UpsampleBilinear2d {
-        output: [i64; 2],
-        align_corners: bool,
-        scales: [Option<f64>; 2],
-    },
-    /// Operands: x, weight (`[C_in, C_out / groups, kh, kw]`), optional bias.
-    ConvTranspose2d {
-        stride: [i64; 2],
-        padding: [i64; 2],
-        output_padding: [i64; 2],
-        dilation: [i64; 2],
-        groups: i64,
-    },
+/// A convolution over `D` spatial dimensions (`conv1d`, `conv2d`). Operands: x, weight,
+/// optional bias.
+pub(crate) struct Conv<const D: usize> {
+    stride: [i64; D],
+    padding: [i64; D],
+    dilation: [i64; D],
+    groups: i64,
 }
 
-impl Operation for Window {
+/// A convolution's (or a transposed one's) kernel call on its operands.
+fn convolution<'a>(
+    inputs: &'a [Rc<Node>],
+    output: &'a Meta,
+    [stride, padding, dilation]: [&'a [i64]; 3],
+    groups: i64,
+    transposed: bool,
+) -> KernelCall<'a> {
+    KernelCall::Convolution(Convolution {
+        input: &inputs[0].meta,
+        weight: &inputs[1].meta,
+        output,
+        stride,
+        padding,
+        dilation,
+        groups,
+        transposed,
+        bias: inputs.len() > 2,
+        input_grad: requires(inputs, 0),
+    })
+}
+
+/// Input and weight, each kept for the other's gradient.
+fn conv_saves(i: usize, inputs: &[Rc<Node>]) -> bool {
+    match i {
+        0 => requires(inputs, 1),
+        1 => requires(inputs, 0),
+        _ => false,
+    }
+}
+
+impl<const D: usize> Operation for Conv<D> {
     fn name(&self) -> &'static str {
-        match self {
-            Window::Conv1d { .. } => "conv1d",
-            Window::Conv2d { .. } => "conv2d",
-            Window::MaxPool2d { .. } => "max_pool2d",
-            Window::AvgPool2d { .. } => "avg_pool2d",
-            Window::AdaptiveAvgPool2d { .. } => "adaptive_avg_pool2d",
-            Window::UpsampleNearest2d { .. } => "upsample_nearest2d",
-            Window::UpsampleBilinear2d { .. } => "upsample_bilinear2d",
-            Window::ConvTranspose2d { .. } => "conv_transpose2d",
+        if D == 1 {
+            "conv1d"
+        } else {
+            "conv2d"
         }
     }
 
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        let x = ins[0];
-        match self {
-            Window::Conv1d { stride, padding, dilation, groups } => {
-                let (weight, bias) = (ins[1], ins.get(2).copied());
-                x.f_conv1d(weight, bias, stride, padding, dilation, *groups)
-            }
-            Window::Conv2d { stride, padding, dilation, groups } => {
-                let (weight, bias) = (ins[1], ins.get(2).copied());
-                x.f_conv2d(weight, bias, stride, padding, dilation, *groups)
-            }
-            Window::MaxPool2d { kernel, stride, padding, dilation, ceil_mode } => {
-                x.f_max_pool2d(kernel, stride, padding, dilation, *ceil_mode)
-            }
-            Window::AvgPool2d { kernel, stride, padding, ceil_mode, count_include_pad, divisor_override } => {
-                x.f_avg_pool2d(kernel, stride, padding, *ceil_mode, *count_include_pad, *divisor_override)
-            }
-            Window::AdaptiveAvgPool2d { output } => x.f_adaptive_avg_pool2d(output),
-            Window::UpsampleNearest2d { output, scales } => x.f_upsample_nearest2d(output, scales[0], scales[1]),
-            Window::UpsampleBilinear2d { output, align_corners, scales: [h, w] } => {
-                x.f_upsample_bilinear2d(output, *align_corners, *h, *w)
-            }
-            Window::ConvTranspose2d { stride, padding, output_padding, dilation, groups } => {
-                let (weight, bias) = (ins[1], ins.get(2).copied());
-                x.f_conv_transpose2d(weight, bias, stride, padding, output_padding, *groups, dilation)
-            }
+        let (x, weight, bias) = (ins[0], ins[1], ins.get(2).copied());
+        let (stride, padding, dilation) = (&self.stride[..], &self.padding[..], &self.dilation[..]);
+        if D == 1 {
+            x.f_conv1d(weight, bias, stride, padding, dilation, self.groups)
+        } else {
+            x.f_conv2d(weight, bias, stride, padding, dilation, self.groups)
         }
     }
 
     fn saves_input(&self, i: usize, inputs: &[Rc<Node>]) -> bool {
-        match self {
-            // Input and weight, each for the other's gradient.
-            Window::Conv1d { .. } | Window::Conv2d { .. } | Window::ConvTranspose2d { .. } => match i {
-                0 => requires(inputs, 1),
-                1 => requires(inputs, 0),
-                _ => false,
-            },
-            // Upsampling needs only the sizes for its backward.
-            Window::UpsampleNearest2d { .. } | Window::UpsampleBilinear2d { .. } => false,
-            _ => i == 0,
-        }
+        conv_saves(i, inputs)
     }
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
-        let convolution =
-            |stride: &'a [i64], padding: &'a [i64], dilation: &'a [i64], groups: i64, transposed| Convolution {
-                input: &inputs[0].meta,
-                weight: &inputs[1].meta,
-                output: meta,
-                stride,
-                padding,
-                dilation,
-                groups,
-                transposed,
-                bias: inputs.len() > 2,
-                input_grad: requires(inputs, 0),
-            };
-        match self {
-            // Indices of the maxima, one int64 per output element.
-            Window::MaxPool2d { .. } => {
-                calls.push(KernelCall::Keeps { elements: meta.numel_parts(), kind: Kind::Int64 })
-            }
-            Window::Conv1d { stride, padding, dilation, groups } => {
-                calls.push(KernelCall::Convolution(convolution(stride, padding, dilation, *groups, false)));
-                self.bias_gradient(inputs, meta, calls);
-            }
-            Window::Conv2d { stride, padding, dilation, groups } => {
-                calls.push(KernelCall::Convolution(convolution(stride, padding, dilation, *groups, false)));
-                self.bias_gradient(inputs, meta, calls);
-            }
-            Window::ConvTranspose2d { stride, padding, dilation, groups, .. } => {
-                calls.push(KernelCall::Convolution(convolution(stride, padding, dilation, *groups, true)));
-            }
-            _ => {}
+        calls.push(convolution(inputs, meta, [&self.stride, &self.padding, &self.dilation], self.groups, false));
+        // A batched one's bias gradient: the output gradient summed over every dimension but
+        // the channels.
+        if meta.shape.len() == D + 2 && requires(inputs, 2) && meta.requires_grad {
+            let mask = shape::dims_mask((0..meta.shape.len()).filter(|&d| d != 1));
+            calls.push(KernelCall::Reduction { of: meta, mask, backward: true });
         }
     }
 }
 
-impl Window {
-    /// A batched convolution's bias gradient: the output gradient summed over every dimension
-    /// but the channels.
-    fn bias_gradient<'a>(&self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
-        let batched = matches!(self, Window::Conv1d { .. }) && meta.shape.len() == 3
-            || matches!(self, Window::Conv2d { .. }) && meta.shape.len() == 4;
-        if batched && requires(inputs, 2) && meta.requires_grad {
-            let mask = shape::dims_mask((0..meta.shape.len()).filter(|&d| d != 1));
-            calls.push(KernelCall::Reduction { of: meta, mask, backward: true });
-        }
+/// A 2-D transposed convolution. Operands: x, weight (`[C_in, C_out / groups, kh, kw]`),
+/// optional bias.
+pub(crate) struct ConvTranspose2d {
+    stride: [i64; 2],
+    padding: [i64; 2],
+    output_padding: [i64; 2],
+    dilation: [i64; 2],
+    groups: i64,
+}
+
+impl Operation for ConvTranspose2d {
+    fn name(&self) -> &'static str {
+        "conv_transpose2d"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let (x, weight, bias) = (ins[0], ins[1], ins.get(2).copied());
+        x.f_conv_transpose2d(weight, bias, self.stride, self.padding, self.output_padding, self.groups, self.dilation)
+    }
+
+    fn saves_input(&self, i: usize, inputs: &[Rc<Node>]) -> bool {
+        conv_saves(i, inputs)
+    }
+
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        calls.push(convolution(inputs, meta, [&self.stride, &self.padding, &self.dilation], self.groups, true));
+    }
+}
+
+/// 2-D max pooling; keeps the indices of the maxima for its backward.
+pub(crate) struct MaxPool2d {
+    kernel: [i64; 2],
+    stride: [i64; 2],
+    padding: [i64; 2],
+    dilation: [i64; 2],
+    ceil_mode: bool,
+}
+
+impl Operation for MaxPool2d {
+    fn name(&self) -> &'static str {
+        "max_pool2d"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_max_pool2d(self.kernel, self.stride, self.padding, self.dilation, self.ceil_mode)
+    }
+
+    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
+        i == 0
+    }
+
+    fn kernels<'a>(&'a self, _inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        // One int64 index per output element.
+        calls.push(KernelCall::Keeps { elements: meta.numel_parts(), kind: Kind::Int64 });
+    }
+}
+
+/// 2-D average pooling.
+pub(crate) struct AvgPool2d {
+    kernel: [i64; 2],
+    stride: [i64; 2],
+    padding: [i64; 2],
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: Option<i64>,
+}
+
+impl Operation for AvgPool2d {
+    fn name(&self) -> &'static str {
+        "avg_pool2d"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let AvgPool2d { kernel, stride, padding, ceil_mode, count_include_pad, divisor_override } = self;
+        ins[0].f_avg_pool2d(kernel, stride, padding, *ceil_mode, *count_include_pad, *divisor_override)
+    }
+
+    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
+        i == 0
+    }
+}
+
+/// 2-D adaptive average pooling to `output` (`[h, w]`).
+pub(crate) struct AdaptiveAvgPool2d {
+    output: [i64; 2],
+}
+
+impl Operation for AdaptiveAvgPool2d {
+    fn name(&self) -> &'static str {
+        "adaptive_avg_pool2d"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_adaptive_avg_pool2d(self.output)
+    }
+
+    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
+        i == 0
+    }
+}
+
+/// Nearest-neighbour upsampling to `output`; its backward needs only the sizes.
+pub(crate) struct UpsampleNearest2d {
+    output: [i64; 2],
+    /// `scales_h`, `scales_w` as given (libtorch's source step when set).
+    scales: [Option<f64>; 2],
+}
+
+impl Operation for UpsampleNearest2d {
+    fn name(&self) -> &'static str {
+        "upsample_nearest2d"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_upsample_nearest2d(self.output, self.scales[0], self.scales[1])
+    }
+}
+
+/// Bilinear upsampling to `output`; scales, when given, change how output positions map onto
+/// the input (as in libtorch). Its backward needs only the sizes.
+pub(crate) struct UpsampleBilinear2d {
+    output: [i64; 2],
+    align_corners: bool,
+    scales: [Option<f64>; 2],
+}
+
+impl Operation for UpsampleBilinear2d {
+    fn name(&self) -> &'static str {
+        "upsample_bilinear2d"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_upsample_bilinear2d(self.output, self.align_corners, self.scales[0], self.scales[1])
     }
 }
 
@@ -248,7 +299,7 @@ impl LazyTensor {
         }
         let out =
             if batched { vec![sx[0], c_out, spatial[0], spatial[1]] } else { vec![c_out, spatial[0], spatial[1]] };
-        let op = Window::ConvTranspose2d { stride, padding, output_padding, dilation, groups };
+        let op = ConvTranspose2d { stride, padding, output_padding, dilation, groups };
         self.record_convolution(name, &w, b.as_ref(), out, 2, op)
     }
 
@@ -272,7 +323,7 @@ impl LazyTensor {
         let (output, out) = self.upsampled(name, output_size.as_slice(), scales)?;
         floating(name, n)?;
         let flow = self.pool_flow(name, &out)?;
-        let op = Window::UpsampleBilinear2d { output, align_corners, scales };
+        let op = UpsampleBilinear2d { output, align_corners, scales };
         Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
     }
 
@@ -294,12 +345,7 @@ impl LazyTensor {
     ) -> Result<LazyTensor, LazyError> {
         let (w, b) = (weight.into_lazy(), bias.map(IntoLazy::into_lazy));
         let (stride, padding, dilation) = (stride.as_slice(), padding.as_slice(), dilation.as_slice());
-        self.convolution::<2>("conv2d", &w, b.as_ref(), [stride, padding, dilation], groups, |s, p, d| Window::Conv2d {
-            stride: s,
-            padding: p,
-            dilation: d,
-            groups,
-        })
+        self.convolution::<2>("conv2d", &w, b.as_ref(), [stride, padding, dilation], groups)
     }
 
     /// 1-D convolution, as tch's `conv1d`: `self` is `[N, C, L]` (or `[C, L]`), `weight`
@@ -319,12 +365,7 @@ impl LazyTensor {
     ) -> Result<LazyTensor, LazyError> {
         let (w, b) = (weight.into_lazy(), bias.map(IntoLazy::into_lazy));
         let (stride, padding, dilation) = (stride.as_slice(), padding.as_slice(), dilation.as_slice());
-        self.convolution::<1>("conv1d", &w, b.as_ref(), [stride, padding, dilation], groups, |s, p, d| Window::Conv1d {
-            stride: s,
-            padding: p,
-            dilation: d,
-            groups,
-        })
+        self.convolution::<1>("conv1d", &w, b.as_ref(), [stride, padding, dilation], groups)
     }
 
     /// Records a convolution over `D` spatial dimensions.
@@ -335,7 +376,6 @@ impl LazyTensor {
         b: Option<&LazyTensor>,
         [stride, padding, dilation]: [&[i64]; 3],
         groups: i64,
-        op: impl FnOnce([i64; D], [i64; D], [i64; D]) -> Window,
     ) -> Result<LazyTensor, LazyError> {
         let sx = &self.node.meta.shape;
         let a = |r: String| arg(name, sx, r);
@@ -345,7 +385,7 @@ impl LazyTensor {
         let sw = &w.node.meta.shape;
         let out = shape::conv(sx, sw, b.map(|b| b.node.meta.shape.as_slice()), stride, padding, dilation, groups)
             .map_err(|r| shape_err(name, sx, sw, r))?;
-        self.record_convolution(name, w, b, out, D, op(stride, padding, dilation))
+        self.record_convolution(name, w, b, out, D, Conv::<D> { stride, padding, dilation, groups })
     }
 
     /// Records a convolution (plain or transposed) over `spatial` dimensions whose output shape
@@ -358,7 +398,7 @@ impl LazyTensor {
         b: Option<&LazyTensor>,
         out: Vec<i64>,
         spatial: usize,
-        op: Window,
+        op: impl Operation + 'static,
     ) -> Result<LazyTensor, LazyError> {
         let x = &self.node;
         let mut nodes = vec![x, &w.node];
@@ -399,7 +439,7 @@ impl LazyTensor {
         let name = "upsample_nearest2d";
         let (output, out) = self.upsampled(name, output_size.as_slice(), scales)?;
         let flow = self.pool_flow(name, &out)?;
-        let op = Window::UpsampleNearest2d { output, scales };
+        let op = UpsampleNearest2d { output, scales };
         Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
     }
 
@@ -460,7 +500,7 @@ impl LazyTensor {
         let dilation = shape::pair(dilation.as_slice(), "dilation").map_err(a)?;
         let out = shape::pool2d(&n.meta.shape, kernel, stride, padding, dilation, ceil_mode).map_err(a)?;
         let flow = self.pool_flow(name, &out)?;
-        let op = Window::MaxPool2d { kernel, stride, padding, dilation, ceil_mode };
+        let op = MaxPool2d { kernel, stride, padding, dilation, ceil_mode };
         Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
     }
 
@@ -492,7 +532,7 @@ impl LazyTensor {
         floating(name, n)?;
         let out = shape::pool2d(&n.meta.shape, kernel, stride, padding, [1, 1], ceil_mode).map_err(a)?;
         let flow = self.pool_flow(name, &out)?;
-        let op = Window::AvgPool2d { kernel, stride, padding, ceil_mode, count_include_pad, divisor_override };
+        let op = AvgPool2d { kernel, stride, padding, ceil_mode, count_include_pad, divisor_override };
         Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
     }
 
@@ -517,7 +557,7 @@ impl LazyTensor {
         let nd = out.len();
         out[nd - 2..].copy_from_slice(&output);
         let flow = self.pool_flow(name, &out)?;
-        Ok(Record::new(Window::AdaptiveAvgPool2d { output }, vec![n.clone()], out, n.meta.kind, n.meta.device)
+        Ok(Record::new(AdaptiveAvgPool2d { output }, vec![n.clone()], out, n.meta.kind, n.meta.device)
             .flow(flow)
             .finish())
     }
