@@ -2,9 +2,9 @@
 //! take while an op runs, besides its inputs and outputs: the staging buffer of ATen's
 //! reduction kernel and cuDNN's workspace for convolutions.
 //!
-//! Both were found on an H100 (PyTorch 2.11.0+cu130, cuDNN 9.19; `benches/gpu_memory_probe.py`
-//! lists every block live at the peak of a training step, and `docs/gpu-runs/` keeps the logs):
-//! they are what made the planner miss by up to 33% under and 46% over before these rules.
+//! Both were read on an H100 (PyTorch 2.11.0+cu130, cuDNN 9.19): `benches/gpu_memory_probe.py`
+//! lists every block live at the peak of a training step; `docs/gpu-runs/` keeps the logs and
+//! the misses these rules fixed.
 //!
 //! - **Reductions.** A sum over many rows (the bias gradient of every `linear`, the gradient
 //!   of a broadcast operand, `sum`/`mean` over dimensions) splits each output's rows across
@@ -15,11 +15,10 @@
 //!   multiprocessor (132 MiB on an H100). [`ReduceStaging::bytes`] follows that configuration.
 //! - **Convolutions.** cuDNN's engines for NCHW tensors may reorder their operands into
 //!   a workspace. Which engine its heuristics pick, and so the workspace, changes with the
-//!   channels, the kernel and the stride: of 12 convolutions probed, the forward took nothing,
-//!   the input, or the input and the output; the backward nothing, a few MiB, or the input and
-//!   the output gradient and up to 9.8 MiB more. The planner counts the bound: the input plus
-//!   the output (gradient), plus [`CONV_WORKSPACE_FIXED`]. It overestimates 1×1 convolutions
-//!   and stems with few channels, never underestimates what was seen.
+//!   channels, the kernel and the stride (from nothing to both operands and several MiB). The
+//!   planner counts the bound: the input plus the output (gradient), plus
+//!   [`CONV_WORKSPACE_FIXED`]: over for 1×1 convolutions and thin stems, never under what was
+//!   seen.
 
 use super::cpu::im2col;
 use super::work::Scratch;
