@@ -65,7 +65,7 @@ mod unwind {
     const URC_NO_REASON: c_int = 0;
     const URC_NORMAL_STOP: c_int = 4;
 
-    extern "C" {
+    unsafe extern "C" {
         // From the unwinder every Rust program on these targets already links (libgcc_s or
         // libunwind): the one that implements panics.
         fn _Unwind_Backtrace(

@@ -132,7 +132,7 @@ fn fastest_settles_near_the_best_throughput() {
     for &n in &chunks[..chunks.len() - 1] {
         *counts.entry(n).or_insert(0) += 1;
     }
-    let (&settled, _) = counts.iter().max_by_key(|(_, &c)| c).unwrap();
+    let (&settled, _) = counts.iter().max_by_key(|&(_, &c)| c).unwrap();
     assert!((38..=102).contains(&settled), "settled on {settled}, want 0.6-1.6x of 64: {chunks:?} {auto:?}");
 }
 

@@ -38,7 +38,7 @@ mod ffi {
 
     pub(super) type Sink = extern "C" fn(ctx: *mut c_void, index: usize, data: *const u8, len: usize);
 
-    extern "C" {
+    unsafe extern "C" {
         pub(super) fn toma_dist_store_connect(
             host: *const c_char,
             port: u16,

@@ -477,7 +477,7 @@ pub(crate) fn backward(output: &LazyTensor, options: &Options) -> Result<f64, La
     #[cfg(feature = "dist")]
     if let Some(group) = options.group.as_ref().filter(|g| g.world_size() > 1) {
         // Every rank's share is in its own `.grad`: their sum is the union's gradient.
-        let grads: Vec<Tensor> = params.iter().zip(&leaf).filter(|(_, &l)| l).map(|(p, _)| p.grad()).collect();
+        let grads: Vec<Tensor> = params.iter().zip(&leaf).filter(|&(_, &l)| l).map(|(p, _)| p.grad()).collect();
         let defined: Vec<&Tensor> = grads.iter().filter(|g| g.defined()).collect();
         group.all_reduce_sum(&defined)?;
         total = group.all_reduce_f64("toma.lazy/loss", crate::dist::Reduce::Sum, &[total])?[0];
@@ -522,7 +522,7 @@ fn accumulate(
         .iter()
         .zip(grads)
         .zip(leaf)
-        .filter(|((p, g), &is_leaf)| is_leaf && g.defined() && !p.grad().defined())
+        .filter(|((p, g), is_leaf)| **is_leaf && g.defined() && !p.grad().defined())
         .map(|((p, _), _)| p)
         .collect();
     if !undefined.is_empty() {

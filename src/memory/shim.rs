@@ -72,7 +72,7 @@ mod imp {
     const BAD_DEVICE: c_int = 2;
     const NOT_TRACKING: c_int = 4;
 
-    extern "C" {
+    unsafe extern "C" {
         fn toma_shim_cuda_device_count(count: *mut i64) -> c_int;
         fn toma_shim_cuda_current_device(device: *mut i64) -> c_int;
         fn toma_shim_cuda_allocator_stats(device: i64, stats: *mut RawStats) -> c_int;
