@@ -144,7 +144,7 @@ def probe(model_name, build, batch, make_inputs):
 
 def conv_workspace():
     """cuDNN's extra bytes for one convolution, forward and backward (input and weight), beside
-    the bound the planner counts (src/lazy/scratch.rs): the input plus the output (gradient),
+    the bound the planner counts (src/lazy/cost/cuda.rs): the input plus the output (gradient),
     plus 2 MiB forward and 16 MiB backward. `within` says whether the bound held."""
     cases = [  # cin, cout, size, kernel, stride, batch, dtype
         (3, 32, 64, 3, 1, 64, torch.float32),

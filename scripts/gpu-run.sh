@@ -105,7 +105,7 @@ else
 fi
 
 # What libtorch's kernels allocate, seen through PyTorch's own allocator history: the evidence
-# for the planner's CUDA rules (src/lazy/scratch.rs). Diagnostic: its lines go to the log only.
+# for the planner's CUDA rules (src/lazy/cost/cuda.rs). Diagnostic: its lines go to the log only.
 probe="$work/python/gpu_memory_probe.py"
 if [ -f "$probe" ]; then
   echo "== memory probe" | tee -a "$log"

@@ -614,7 +614,7 @@ fn plans_hold_on_a_filled_card() {
     assert!(failures.is_empty(), "plans that did not hold: {failures:#?}");
 }
 
-/// The staging buffer of CUDA's reduction kernel (src/lazy/scratch.rs) against the allocator:
+/// The staging buffer of CUDA's reduction kernel (src/lazy/cost/cuda.rs) against the allocator:
 /// a lazy `sum` over dimensions, planned forward, then run.
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu-run.sh runs it with TOMA_CUDA_TESTS=1"]

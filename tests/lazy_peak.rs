@@ -674,7 +674,7 @@ fn generated_transformers_peak_as_planned() {
 
 /// A tool, not a check: one convolution at a time, its forward and backward temporaries as the
 /// allocator sees them against what the planner charges (`LazyTensor::op_costs`). How the
-/// oneDNN rules in `src/lazy/ops/window.rs` were read: `TOMA_CONVS="cin,cout,size,k,stride,
+/// oneDNN rules in `src/lazy/cost/onednn.rs` were read: `TOMA_CONVS="cin,cout,size,k,stride,
 /// batch,input_grad[,dilation,groups,padding,transposed];..." cargo test --all-features --test lazy_peak one_convolution_at_a_time
 /// -- --ignored --nocapture`, with `ONEDNN_VERBOSE=1` (oneDNN's primitives and layouts) and
 /// `TOMA_TRACE_CPU_ALLOCATIONS=1` (every allocation, between `toma-mark` lines) on stderr.
