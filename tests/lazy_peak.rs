@@ -248,6 +248,22 @@ fn planner_peak_matches_the_cpu_allocator() {
             planned_and_measured(&h.sum(None), n as usize)
         });
     }
+    // Cosine similarity (with one operand a fixed direction, or both per-sample) and flip.
+    for op in ["cosine fixed", "cosine both", "cosine along 1", "flip"] {
+        measure(op, 64, &|n| {
+            let vs = nn::VarStore::new(CPU);
+            let scale = vs.root().randn("scale", &[4096], 1.0, 0.1);
+            let x = Tensor::randn([n, 4096], (Kind::Float, CPU));
+            let h = toma::lazy::lazy(&x, 0) * &scale;
+            let h = match op {
+                "cosine fixed" => h.cosine_similarity(&Tensor::randn([4096], (Kind::Float, CPU)), -1, 1e-8),
+                "cosine both" => h.cosine_similarity(&h.tanh(), -1, 1e-8),
+                "cosine along 1" => h.view([-1, 64, 64]).cosine_similarity(&h.view([-1, 64, 64]).sigmoid(), 1, 1e-8),
+                _ => h.flip([-1]).tanh(),
+            };
+            planned_and_measured(&h.sum(None), n as usize)
+        });
+    }
     // A MobileNet-style block: a depthwise 3×3 (strided), then a pointwise expansion.
     measure("depthwise", 16, &|n| {
         let vs = nn::VarStore::new(CPU);

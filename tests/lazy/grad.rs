@@ -541,3 +541,22 @@ fn detach_cuts_the_gradient_like_tch() {
     assert!(!lazy(&x, 0).apply(&l1).detach().requires_grad());
     check_mlp_loss(17, 10, &[3, 10], loss::<Tensor>, loss::<LazyTensor>);
 }
+
+/// `cosine_similarity` (each sample's features against a learned direction and against their
+/// own flipped order) and `flip`: written once over `TensorOps`, micro-batched gradients equal
+/// the full batch's.
+#[test]
+fn cosine_similarity_and_flip_match_the_full_batch() {
+    use toma::lazy::TensorOps;
+    fn loss<T: TensorOps>(x: &T, y: &T, l1: &nn::Linear, l2: &nn::Linear) -> T
+    where
+        nn::Linear: toma::lazy::Layer<T>,
+    {
+        let h = x.apply(l1);
+        let mirrored = h.flip([-1]);
+        // [N, 16] against [N, 16] along the features: one similarity per sample, [N, 1].
+        let similarity = h.cosine_similarity(&mirrored, -1, 1e-8).unsqueeze(-1);
+        h.mul(&similarity).apply(l2).log_softmax(-1, None).nll_loss(y)
+    }
+    check_mlp_loss(13, 11, &[2, 5], loss::<Tensor>, loss::<LazyTensor>);
+}

@@ -766,6 +766,39 @@ proptest! {
     }
 
     #[test]
+    fn cosine_similarity_broadcasting_along_any_dim(
+        (a, b) in shape(4, 4).prop_flat_map(|a| broadcast_partner(a, true)),
+        both in any::<bool>(),
+        dim in -4i64..4,
+        eps in prop::sample::select(vec![1e-8, 1e-3, 1.0]),
+        micro in 1usize..5,
+    ) {
+        let (ta, tb) = (randn(&a), randn(&b));
+        let tb = if both && b.len() == a.len() { randn(&[&a[..1], &b[1..]].concat()) } else { tb };
+        let la = lazy(&ta, 0);
+        let lb = if both && tb.dim() == ta.dim() { lazy(&tb, 0) } else { LazyTensor::fixed(&tb) };
+        // Along the batch dimension (0 of the broadcast shape) it mixes samples.
+        let rank = a.len().max(b.len()) as i64;
+        let split = if dim.rem_euclid(rank) == 0 && dim >= -rank && dim < rank { Split::Refused } else { Split::Exact };
+        agree(
+            &format!("cosine_similarity {a:?} {b:?} dim {dim} eps {eps}"),
+            Tensor::f_cosine_similarity(&ta, &tb, dim, eps),
+            la.f_cosine_similarity(&lb, dim, eps),
+            micro,
+            split,
+        )?;
+    }
+
+    #[test]
+    fn flip_any_dims(a in shape(4, 4), dims in prop::collection::vec(-4i64..4, 0..3), micro in 1usize..5) {
+        let t = randn(&a);
+        let rank = a.len() as i64;
+        let over_batch = dims.iter().any(|&d| d.rem_euclid(rank) == 0 && d >= -rank && d < rank);
+        let split = if over_batch { Split::Refused } else { Split::Exact };
+        agree(&format!("flip {a:?} dims {dims:?}"), t.f_flip(dims.as_slice()), lazy(&t, 0).f_flip(&dims), micro, split)?;
+    }
+
+    #[test]
     fn losses_every_reduction(n in 1i64..7, c in 1i64..5, micro in 1usize..7, reduction in 0usize..3, ignore in any::<bool>()) {
         let x = randn(&[n, c]);
         let y = Tensor::randint(c, [n], (Kind::Int64, CPU));

@@ -239,6 +239,22 @@ impl Operation for Expand {
     }
 }
 
+/// A copy with the order of the entries along `dims` reversed; its gradient is the output's,
+/// flipped back (a new tensor).
+pub(crate) struct Flip {
+    dims: Vec<i64>,
+}
+
+impl Operation for Flip {
+    fn name(&self) -> &'static str {
+        "flip"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_flip(self.dims.as_slice())
+    }
+}
+
 /// Copies repeated `repeats` times along each dimension.
 pub(crate) struct Repeat {
     repeats: Vec<i64>,
@@ -635,6 +651,24 @@ impl LazyTensor {
             _ => unary_flow(name, n, &out, |d| Some(d + offset), Linearity::Nonlinear)?,
         };
         Ok(Record::new(Expand, vec![n.clone()], out, m.kind, m.device).flow((flow, mixes)).view(strides).finish())
+    }
+
+    /// A copy with the order of the entries along `dims` reversed, as tch's `flip`. Flipping the
+    /// batch dimension mixes samples (a micro-batch's rows come from another's).
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for a dimension out of range or given twice.
+    pub fn f_flip(&self, dims: impl IntList) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let m = &n.meta;
+        let name = "flip";
+        let dims = dims.as_slice().to_vec();
+        let wrapped = shape::wrap_dims(&dims, m.shape.len()).map_err(|r| arg(name, &m.shape, r))?;
+        let (flow, mut mixes) = same_shape_flow(name, n, Linearity::Nonlinear)?;
+        if let Some(bd) = m.batch().filter(|bd| wrapped.contains(&bd.dim)) {
+            mixes = Some(format!("reverses the order of samples along the batch dimension {}", bd.dim));
+        }
+        Ok(Record::new(Flip { dims }, vec![n.clone()], m.shape.clone(), m.kind, m.device).flow((flow, mixes)).finish())
     }
 
     /// A copy repeated `repeats[i]` times along each dimension (tch's `repeat`; extra leading

@@ -5,8 +5,8 @@ use std::rc::Rc;
 
 use tch::{Kind, TchError, Tensor};
 
-use super::record::{Linearity, Record};
-use super::{arg, kind_err, same_shape_flow};
+use super::record::{broadcast_flows, combine_flows, same_device, IntoLazy, Linearity, Record};
+use super::{arg, floating, kind_err, requires, same_kind, same_shape_flow, shape_err};
 use crate::lazy::error::LazyError;
 use crate::lazy::graph::{BatchDim, Flow, KernelCall, Meta, Node, Operation, RunCx, Share};
 use crate::lazy::int_list::{IntList, IntListOption};
@@ -145,6 +145,48 @@ impl Operation for Softmax {
     }
 }
 
+/// The cosine similarity of two operands along `dim` of their broadcast shape (the dimension
+/// removed). Operands: x1, x2.
+///
+/// libtorch's kernel is composite: it divides each operand by its norm along `dim` (clamped at
+/// `sqrt(eps)`), multiplies the two and sums. Autograd keeps each operand that requires a
+/// gradient (the division's numerator) with two norms (output-sized), and each normalized
+/// operand the other one's gradient needs; the normalized operands it does not keep and the
+/// product are temporaries; the backward builds operand-sized terms (read from the CPU
+/// allocator: `tests/lazy_peak.rs`).
+pub(crate) struct CosineSimilarity {
+    dim: i64,
+    eps: f64,
+}
+
+impl Operation for CosineSimilarity {
+    fn name(&self) -> &'static str {
+        "cosine_similarity"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        Tensor::f_cosine_similarity(ins[0], ins[1], self.dim, self.eps)
+    }
+
+    fn saves_input(&self, i: usize, inputs: &[Rc<Node>]) -> bool {
+        requires(inputs, i)
+    }
+
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        // Elements of the broadcast operands: the output's, times the reduced dimension's size.
+        let shapes = (&inputs[0].meta.shape, &inputs[1].meta.shape);
+        let full = shape::broadcast(shapes.0, shapes.1).unwrap_or_default();
+        let along = shape::wrap_dim(self.dim, full.len()).map_or(1, |d| full[d].max(0) as u64);
+        let out = meta.numel_parts();
+        let operand = (out.0 * along, out.1 * along);
+        let with_grad = (0..2).filter(|&k| requires(inputs, k)).count() as u64;
+        let times = |x: u64, y: u64| (x * operand.0 + y * out.0, x * operand.1 + y * out.1);
+        calls.push(KernelCall::Keeps { elements: times(with_grad, 2 * with_grad), kind: meta.kind });
+        let backward = if with_grad > 0 { times(4 - with_grad, 0) } else { (0, 0) };
+        calls.push(KernelCall::Temporaries { forward: times(3 - with_grad, 4 - 2 * with_grad), backward });
+    }
+}
+
 /// A reduction as tch runs it.
 fn reduce(
     x: &Tensor,
@@ -206,6 +248,41 @@ impl LazyTensor {
     /// As [`f_softmax`](Self::f_softmax).
     pub fn f_log_softmax(&self, dim: i64, kind: impl Into<Option<Kind>>) -> Result<LazyTensor, LazyError> {
         self.f_softmax_impl(dim, kind.into(), true)
+    }
+
+    /// Cosine similarity of `self` and `x2` along `dim` of their broadcast shape, as tch's
+    /// `cosine_similarity`: `x1 · x2 / max(‖x1‖ ‖x2‖, eps)`, the dimension removed (each norm
+    /// clamped at `sqrt(eps)`, as libtorch computes it). Along the batch dimension it mixes
+    /// samples.
+    ///
+    /// # Errors
+    /// [`LazyError::Shape`] for operands that do not broadcast, [`LazyError::Argument`] for a
+    /// bad dimension, [`LazyError::Kind`] for integers or two kinds, [`LazyError::Device`].
+    pub fn f_cosine_similarity(&self, x2: impl IntoLazy, dim: i64, eps: f64) -> Result<LazyTensor, LazyError> {
+        let name = "cosine_similarity";
+        let other = x2.into_lazy();
+        let (a, b) = (&self.node, &other.node);
+        let device = same_device(name, &[a, b])?;
+        floating(name, a)?;
+        same_kind(name, a, b)?;
+        let full = shape::broadcast(&a.meta.shape, &b.meta.shape)
+            .map_err(|r| shape_err(name, &a.meta.shape, &b.meta.shape, r))?;
+        let d = shape::wrap_dim(dim, full.len()).map_err(|r| arg(name, &full, r))?;
+        let mut out = full.clone();
+        out.remove(d);
+        // Operands align in the broadcast shape (a fixed one of the batch's size there is an
+        // error); each batch dimension then moves down past the removed one, or is consumed.
+        broadcast_flows(name, &[a, b], &full, Linearity::Nonlinear)?;
+        let mapped: Vec<Option<usize>> = [a, b]
+            .iter()
+            .map(|n| {
+                let at = n.meta.batch()?.dim + full.len() - n.meta.shape.len();
+                (at != d).then(|| if at > d { at - 1 } else { at })
+            })
+            .collect();
+        let flow = combine_flows(name, &[a, b], &mapped, &out, Linearity::Nonlinear, false)?;
+        let op = CosineSimilarity { dim, eps };
+        Ok(Record::new(op, vec![a.clone(), b.clone()], out, a.meta.kind, device).flow(flow).finish())
     }
 
     // -----------------------------------------------------------------------------------------
