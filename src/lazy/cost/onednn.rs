@@ -123,7 +123,7 @@ impl OneDnn {
             strided: c.strided(),
             positions: shape::numel(&c.output.shape[2..]).max(0) as u64,
         };
-        let (b, cin, cout) = (l.block, l.cin, l.cout);
+        let (cb, cin, cout) = (l.block, l.cin, l.cout);
         let pad = Layouts::pad;
         let w = shape::numel(weight).max(0) as u64;
         let (xp, yp) = (c.input.numel_parts(), c.output.numel_parts());
@@ -145,9 +145,9 @@ impl OneDnn {
             if pad_beyond {
                 return gemm_columns;
             }
-            let x_r = if one_by_one || cin >= b { pad(x, cin, b) } else { 0 };
-            let w_r = if one_by_one || cin >= b { pad(pad(w, cin, b), cout, b) } else { pad(w, cout, b) };
-            let y_blk = pad(y, cout, b);
+            let x_r = if one_by_one || cin >= cb { pad(x, cin, cb) } else { 0 };
+            let w_r = if one_by_one || cin >= cb { pad(pad(w, cin, cb), cout, cb) } else { pad(w, cout, cb) };
+            let y_blk = pad(y, cout, cb);
             let jit = (x_r + w_r + y_blk + l.unit_stride_copy()).saturating_sub(y).max(y_blk);
             if large_padded {
                 jit.max(gemm_columns)
@@ -158,8 +158,8 @@ impl OneDnn {
 
         // The weight gradient's kernel: its channel blocks (input, output), and whether it
         // reads the input plain.
-        let half = b == 16 && !one_by_one && (PLAIN_INPUT_CHANNELS..b).contains(&cin);
-        let kb = if half { b / 2 } else { b };
+        let half = cb == 16 && !one_by_one && (PLAIN_INPUT_CHANNELS..cb).contains(&cin);
+        let kb = if half { cb / 2 } else { cb };
         let plain_input = !one_by_one && cin < PLAIN_INPUT_CHANNELS;
         // No weight-gradient kernel takes a kernel side of 15 or more, and the half-block one
         // no input side smaller than the kernel's: oneDNN's gemm computes those on plain
@@ -179,7 +179,7 @@ impl OneDnn {
             } else if input_grad && pad_beyond {
                 gemm_columns.max(x).saturating_sub(w)
             } else if input_grad {
-                blocked_input_grad(pad(y, cout, b), pad(pad(w, cin, b), cout, b), pad(x, cin, b), x, w)
+                blocked_input_grad(pad(y, cout, cb), pad(pad(w, cin, cb), cout, cb), pad(x, cin, cb), x, w)
             } else {
                 0
             };
@@ -227,9 +227,9 @@ impl OneDnn {
         let w = shape::numel(weight).max(0) as u64;
         let elem = c.output.kind.elt_size_in_bytes().max(1) as u64;
         let n = batch_of(c.output);
-        let (b, cin_u, o_u) = (block as u64, cin as u64, o as u64);
+        let (cb, cin_u, o_u) = (block as u64, cin as u64, o as u64);
         let copies = if kernel.iter().all(|&k| k == 1) && c.strided() {
-            self.threads * cin_u.div_ceil(b) * b * shape::numel(&c.output.shape[2..]).max(0) as u64
+            self.threads * cin_u.div_ceil(cb) * cb * shape::numel(&c.output.shape[2..]).max(0) as u64
         } else {
             0
         };
@@ -239,7 +239,7 @@ impl OneDnn {
         let depthwise = per_group == 1 && o == cin;
         let group_block = [16, 8, 4].into_iter().find(|&g| per_group % g == 0).unwrap_or(1);
         let (x_ch, y_ch) = if depthwise {
-            (cin_u.div_ceil(b) * b, o_u.div_ceil(b) * b)
+            (cin_u.div_ceil(cb) * cb, o_u.div_ceil(cb) * cb)
         } else {
             let g = groups.max(1) as u64;
             (g * per_group.div_ceil(group_block) * group_block, g * (o_u / g).div_ceil(group_block) * group_block)
@@ -343,12 +343,12 @@ impl OneDnn {
     /// plain, the weight gradient made plain.
     pub(crate) fn transposed(&self, c: &Convolution<'_>) -> Scratch {
         let elem = c.output.kind.elt_size_in_bytes().max(1) as u64;
-        let b = self.block;
+        let cb = self.block;
         let pad = Layouts::pad;
         let weight = &c.weight.shape;
         let (cin, cout) = (weight[0].max(1) as u64, c.output.shape[1].max(1) as u64);
         let w = shape::numel(weight).max(0) as u64;
-        let w_blk = pad(pad(w, cin, b), cout, b);
+        let w_blk = pad(pad(w, cin, cb), cout, cb);
         let (xp, yp) = (c.input.numel_parts(), c.output.numel_parts());
         let n = batch_of(c.output);
         let strided = c.strided();
@@ -358,17 +358,17 @@ impl OneDnn {
         let forward = chord(n, |k| {
             let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
             if strided {
-                (scratchpad + x + pad(w, cout, 2 * b)).max(2 * y)
+                (scratchpad + x + pad(w, cout, 2 * cb)).max(2 * y)
             } else {
                 // With a bias, an output-sized buffer more (the unstrided kernel adds it apart).
-                let bias = if c.bias { pad(y, cout, b) + GEMM_FIXED_BYTES / elem } else { 0 };
-                (pad(x, cin, b) + w_blk + pad(y, cout, b) + bias).saturating_sub(y)
+                let bias = if c.bias { pad(y, cout, cb) + GEMM_FIXED_BYTES / elem } else { 0 };
+                (pad(x, cin, cb) + w_blk + pad(y, cout, cb) + bias).saturating_sub(y)
             }
         });
         // The weight gradient is a convolution's, reading the output gradient as its input:
         // fewer than 4 of its channels stay plain, fewer than a block take half blocks.
         let plain = cout < PLAIN_INPUT_CHANNELS;
-        let kb = if b == 16 && (PLAIN_INPUT_CHANNELS..b).contains(&cout) { b / 2 } else { b };
+        let kb = if cb == 16 && (PLAIN_INPUT_CHANNELS..cb).contains(&cout) { cb / 2 } else { cb };
         let w_weights = if plain { pad(w, cin, kb) } else { pad(pad(w, cin, kb), cout, kb) };
         let backward = chord(n, |k| {
             let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
@@ -376,7 +376,7 @@ impl OneDnn {
             let scratchpad = ((x + y) / 10).min(Self::kib(WEIGHT_GRAD_SCRATCHPAD_MAX_KIB, elem));
             let weights = (y_w + x_w + w_weights + scratchpad).saturating_sub(w);
             // The input gradient (a convolution of the output gradient), blocked, then copied out.
-            let (x_r, y_r) = (pad(x, cin, b), pad(y, cout, b));
+            let (x_r, y_r) = (pad(x, cin, cb), pad(y, cout, cb));
             let data = if c.input_grad { blocked_input_grad(y_r, w_blk, x_r, x, w) } else { 0 };
             weights.max(data).max(w_weights)
         });
@@ -408,9 +408,9 @@ struct Layouts {
 }
 
 impl Layouts {
-    /// `n` elements over `c` channels, padded to whole blocks of `b`.
-    fn pad(n: u64, c: u64, b: u64) -> u64 {
-        n / c.max(1) * c.div_ceil(b) * b
+    /// `n` elements over `c` channels, padded to whole blocks of `cb` channels.
+    fn pad(n: u64, c: u64, cb: u64) -> u64 {
+        n / c.max(1) * c.div_ceil(cb) * cb
     }
 
     /// The unit-stride copy of a strided 1×1 convolution's input, a sample per thread.
