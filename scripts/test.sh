@@ -24,7 +24,10 @@ cargo clippy --workspace --all-targets --all-features -- -D warnings
 step "cargo clippy (all targets, no default features, -D warnings)"
 cargo clippy --workspace --all-targets --no-default-features -- -D warnings
 step "cargo test (all features)"
-cargo test --workspace --all-features
+# Tests and doctests, not the examples: clippy above type-checks them, and linking each against
+# libtorch here would run nothing.
+cargo test --workspace --all-features --lib --bins --tests
+cargo test --workspace --all-features --doc
 step "cargo test (no default features: no libtorch, no CUDA, no macros)"
 cargo test --workspace --no-default-features
 step "compile-error UI tests (macros without libtorch: trybuild builds its own copy)"

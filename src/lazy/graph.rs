@@ -140,6 +140,9 @@ pub(crate) struct Cost {
     /// Inputs whose gradient is a view of the output's (bit k: input k; past 64: `alias_rest`).
     pub(crate) grad_alias: u64,
     pub(crate) alias_rest: bool,
+    /// Whether the op names any kernel call ([`Operation::kernels`]): the others need no
+    /// pricing when a plan is made.
+    pub(crate) kernel_calls: bool,
     /// Hash of op, shape and kind, for graph fingerprints.
     pub(crate) hash: u64,
 }

@@ -328,10 +328,13 @@ fn cost(op: &dyn Operation, inputs: &[Rc<Node>], meta: &Meta) -> Cost {
         }
     }
     let alias_rest = inputs.len() > 64 && rules.grad_aliases(64, inputs, meta);
+    let mut calls = Vec::new();
+    op.kernels(inputs, meta, &mut calls);
+    let kernel_calls = !calls.is_empty();
     let tag = crate::hash::hash_bytes(0, op.name().as_bytes());
     let mut hash = crate::hash::mix(tag ^ meta.kind as u64);
     for &s in &meta.shape {
         hash = crate::hash::mix(hash ^ s as u64);
     }
-    Cost { out, grad, saved, grad_alias, alias_rest, hash }
+    Cost { out, grad, saved, grad_alias, alias_rest, kernel_calls, hash }
 }

@@ -56,6 +56,9 @@ const END: u32 = 4 << 29;
 const STAGE: u32 = 5 << 29;
 const KIND: u32 = 7 << 29;
 
+/// A node whose op names no kernel call: nothing to price.
+const NOT_PRICED: u32 = u32::MAX;
+
 /// The schedule of one mode: which tensors are allocated and freed at each step. It does not
 /// depend on the micro-batch size — only the bytes do — so it is built once and then
 /// evaluated for each candidate size by a tight loop.
@@ -90,13 +93,27 @@ impl Schedule {
                 (table.len() - 1) as u32
             })
         };
-        // What each node's kernel calls take on this device.
+        // What each node's kernel calls take on this device, for the nodes that make any (most
+        // ops make none: they are not asked).
         let mut calls = Vec::new();
-        let prices: Vec<Price> = c.nodes.iter().map(|node| c.model.price(node, &mut calls)).collect();
+        let mut priced: Vec<Price> = Vec::new();
+        let slot: Vec<u32> = c
+            .nodes
+            .iter()
+            .map(|node| {
+                if !node.cost.kernel_calls {
+                    return NOT_PRICED;
+                }
+                priced.push(c.model.price(node, &mut calls));
+                (priced.len() - 1) as u32
+            })
+            .collect();
+        let none = Price::default();
+        let price = |i: usize| priced.get(slot[i] as usize).unwrap_or(&none);
         let mut staged: Vec<ReduceStaging> = Vec::new();
         // The staging buffers node `i` takes in one pass, as transient events.
         let stage = |staged: &mut Vec<ReduceStaging>, events: &mut Vec<u32>, i: usize, backward: bool| {
-            for (_, s) in prices[i].staged.iter().filter(|(b, _)| *b == backward) {
+            for (_, s) in price(i).staged.iter().filter(|(b, _)| *b == backward) {
                 staged.push(s.clone());
                 events.push(STAGE | (staged.len() - 1) as u32);
             }
@@ -123,12 +140,12 @@ impl Schedule {
                 events.push(ADD | i as u32);
             }
             if training {
-                if let Some(k) = add_entry(&mut table, prices[i].kept) {
+                if let Some(k) = add_entry(&mut table, price(i).kept) {
                     extra_at[i] = Some(k);
                     events.push(ADD | k);
                 }
             }
-            if let Some(k) = add_entry(&mut table, prices[i].forward) {
+            if let Some(k) = add_entry(&mut table, price(i).forward) {
                 events.push(TRANSIENT | k);
             }
             stage(&mut staged, &mut events, i, false);
@@ -197,7 +214,7 @@ impl Schedule {
                     events.push(ADD | j as u32);
                 }
             }
-            if let Some(k) = add_entry(&mut table, prices[i].backward) {
+            if let Some(k) = add_entry(&mut table, price(i).backward) {
                 events.push(TRANSIENT | k);
             }
             stage(&mut staged, &mut events, i, true);
