@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 use tch::Kind;
 
 use super::onednn::OneDnn;
-use super::work::Scratch;
+use super::work::{batch_of, chord, Scratch};
 use crate::lazy::graph::Convolution;
 use crate::lazy::shape;
 
@@ -68,6 +68,10 @@ impl Cpu {
         if !shape::is_contiguous(&x.shape, &x.strides) {
             let parts = x.numel_parts();
             scratch.add(parts, parts);
+            if let Some((f, b)) = &mut scratch.single {
+                let one = parts.0 + parts.1;
+                (*f, *b) = (*f + one, *b + one);
+            }
         }
         scratch
     }
@@ -78,13 +82,20 @@ impl Cpu {
         let per_sample = shape::numel(&c.input.shape) / n.max(1);
         if c.output.kind == Kind::Float && c.batched() && self.uses_onednn(c, n, per_sample) {
             let mut scratch = self.onednn.convolution(c);
-            // A micro-batch of one that libtorch runs natively: the larger of the two there.
+            // A micro-batch of one that libtorch runs natively: im2col's columns there.
             if n > 1 && c.output.batch().is_some() && !self.uses_onednn(c, 1, per_sample) {
                 let cols = columns(c);
-                let at_one = |(a, c): (u64, u64)| (a + c).max(cols);
-                scratch.single = Some((at_one(scratch.forward), at_one(scratch.backward)));
+                scratch.single = Some((cols, cols));
             }
             return scratch;
+        }
+        if c.groups > 1 && c.batched() {
+            return native_grouped(c);
+        }
+        if c.dilated() {
+            // libtorch's dilated kernel fills one sample's columns at a time.
+            let cols = columns(c);
+            return Scratch { forward: (0, cols), backward: (0, cols), single: None };
         }
         im2col(c)
     }
@@ -106,6 +117,9 @@ impl Cpu {
         let batched = c.output.shape.len() == 4 && c.output.batch().is_some();
         if c.output.kind == Kind::Float && batched && c.groups == 1 {
             return self.onednn.transposed(c);
+        }
+        if c.output.kind != Kind::Float {
+            return native_transposed(c);
         }
         let elem = c.output.kind.elt_size_in_bytes().max(1) as u64;
         let (x, w, y) = (c.input.numel_parts(), c.weight.numel_parts(), c.output.numel_parts());
@@ -142,6 +156,69 @@ pub(crate) fn im2col(c: &Convolution<'_>) -> Scratch {
         _ => (0, cols * if batched { c.output.shape[0] as u64 } else { 1 }),
     };
     Scratch { forward: work, backward: work, single: None }
+}
+
+/// libtorch's native transposed convolution (`slow_conv_transpose2d`, for the kinds oneDNN
+/// does not take): its columns are the output's channels (of a group) times the kernel, over the
+/// input's positions; the forward fills them for the whole micro-batch, the backward one sample
+/// at a time. Grouped, one group at a time: the forward copies the group's input slice, the
+/// backward keeps the output gradient's and the input's slices beside the columns with an input
+/// gradient, else the input gradient's finished groups (read from the CPU allocator's trace on
+/// `Double`, libtorch 2.11: exact on four shapes).
+fn native_transposed(c: &Convolution<'_>) -> Scratch {
+    let groups = c.groups.max(1) as u64;
+    let out = &c.output.shape;
+    let spatial = c.stride.len();
+    let input_positions = shape::numel(&c.input.shape[c.input.shape.len() - spatial..]).max(0) as u64;
+    let channels = out[out.len() - spatial - 1].max(0) as u64 / groups;
+    let columns = channels * shape::numel(c.kernel()).max(0) as u64 * input_positions;
+    let (xp, yp) = (c.input.numel_parts(), c.output.numel_parts());
+    let n = batch_of(c.output);
+    if groups == 1 {
+        let per_sample = if c.output.batch().is_some() { (columns, 0) } else { (0, columns * n) };
+        return Scratch { forward: per_sample, backward: (0, columns), single: None };
+    }
+    // A group's channels of one sample are contiguous already: slices are copied from two on.
+    let slice = |elements: u64, k: u64| if k > 1 { elements / groups } else { 0 };
+    let forward = chord(n, |k| slice(xp.0 * k + xp.1, k) + columns * k);
+    let backward = chord(n, |k| {
+        let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
+        if c.input_grad {
+            columns + slice(y, k) + slice(x, k)
+        } else {
+            columns + slice(x, k) * (groups - 1)
+        }
+    });
+    Scratch::of(forward, backward)
+}
+
+/// libtorch's native grouped convolution (kinds oneDNN does not take, `Double` among them): one
+/// group at a time, over the whole micro-batch (one sample's columns at a time when dilated). Forward: each group's input copied contiguous
+/// and its columns, its output kept until the groups' outputs are concatenated. Backward, per
+/// group: the output gradient's and the input's slices copied, the columns; with an input
+/// gradient, the groups' pieces of it are kept until concatenated (read from the CPU
+/// allocator's trace, libtorch 2.11).
+fn native_grouped(c: &Convolution<'_>) -> Scratch {
+    let groups = c.groups.max(1) as u64;
+    let (xp, yp) = (c.input.numel_parts(), c.output.numel_parts());
+    let w = shape::numel(&c.weight.shape).max(0) as u64;
+    let columns = columns(c) / groups;
+    let n = batch_of(c.output);
+    // The columns of the micro-batch, or of one sample (dilated).
+    let cols = |k: u64| if c.dilated() { columns } else { columns * k };
+    // A group's channels of one sample are contiguous already: slices are copied from two on.
+    let slice = |elements: u64, k: u64| if k > 1 { elements / groups } else { 0 };
+    let forward = chord(n, |k| {
+        let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
+        y.max(slice(x, k) + cols(k))
+    });
+    let backward = chord(n, |k| {
+        let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
+        let group = slice(y, k) + slice(x, k) + cols(k);
+        let pieces = if c.input_grad { x + w } else { w };
+        group.max(pieces)
+    });
+    Scratch::of(forward, backward)
 }
 
 /// oneDNN's channel block on this CPU: 16 with AVX-512, else 8.

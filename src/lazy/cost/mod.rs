@@ -82,6 +82,8 @@ impl CostModel {
             return price;
         }
         let mut scratch = Scratch::default();
+        // A convolution's value at one sample, and its line's there.
+        let mut conv_at_one: Option<((u64, u64), (u64, u64))> = None;
         let mut kept = Bytes::default();
         let mut keep = |elements: (u64, u64), kind: Kind| {
             if meta.requires_grad {
@@ -106,8 +108,9 @@ impl CostModel {
                         CostModel::Cuda(gpu) => gpu.convolution(c),
                     };
                     scratch.add(s.forward, s.backward);
-                    if s.single.is_some() {
-                        scratch.single = s.single;
+                    if let Some(one) = s.single {
+                        let line = (s.forward.0 + s.forward.1, s.backward.0 + s.backward.1);
+                        conv_at_one = Some((one, line));
                     }
                 }
                 KernelCall::DropoutMask { elements, kind } => {
@@ -136,9 +139,12 @@ impl CostModel {
         let (forward, backward) = (Bytes::of(scratch.forward, in_kind), Bytes::of(scratch.backward, in_kind));
         price.forward = forward.into();
         price.backward = backward.into();
-        if let Some((f, b)) = scratch.single {
+        // At one sample: the other calls' lines there, and the convolution's own value.
+        if let Some(((f, b), (f_line, b_line))) = conv_at_one {
             let e = in_kind.elt_size_in_bytes() as u64;
-            (price.forward.single, price.backward.single) = (f * e, b * e);
+            let at_one = |(per, fixed): (u64, u64), line: u64, own: u64| (per + fixed).saturating_sub(line) + own;
+            price.forward.single = at_one(scratch.forward, f_line, f) * e;
+            price.backward.single = at_one(scratch.backward, b_line, b) * e;
         }
         price
     }
@@ -209,6 +215,7 @@ mod tests {
         assert_eq!(w.at(2, 1), 210);
         assert_eq!(w.at(2, 512), 512);
         assert_eq!(w.at(1, 1), 700, "one sample runs another kernel");
+        assert_eq!(Work { single: 50, ..w }.at(1, 1), 50, "or takes less than the line says");
         assert_eq!(Work { single: 0, ..w }.at(1, 1), 110);
     }
 }

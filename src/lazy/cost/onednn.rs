@@ -137,20 +137,22 @@ impl OneDnn {
         // too (by a rule not read here): its columns are then a floor.
         let pad_beyond = padding.iter().zip(&c.output.shape[2..]).any(|(&p, &o)| p > o);
         let large_padded = weight[2..].iter().any(|&k| k >= LARGE_PADDED_KERNEL_SIDE) && padding.iter().any(|&p| p > 0);
-        let gemm_columns =
-            threads * cin * shape::numel(&weight[2..]).max(0) as u64 * l.positions.min(GEMM_FORWARD_POSITIONS)
-                + GEMM_FIXED_BYTES / elem;
+        // The gemm's threads split the micro-batch: fewer samples than threads leave some idle.
+        let gemm_columns = |k: u64| {
+            threads.min(k) * cin * shape::numel(&weight[2..]).max(0) as u64 * l.positions.min(GEMM_FORWARD_POSITIONS)
+                + GEMM_FIXED_BYTES / elem
+        };
         let forward = chord(n, |k| {
             let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
             if pad_beyond {
-                return gemm_columns;
+                return gemm_columns(k);
             }
             let x_r = if one_by_one || cin >= cb { pad(x, cin, cb) } else { 0 };
             let w_r = if one_by_one || cin >= cb { pad(pad(w, cin, cb), cout, cb) } else { pad(w, cout, cb) };
             let y_blk = pad(y, cout, cb);
             let jit = (x_r + w_r + y_blk + l.unit_stride_copy()).saturating_sub(y).max(y_blk);
             if large_padded {
-                jit.max(gemm_columns)
+                jit.max(gemm_columns(k))
             } else {
                 jit
             }
@@ -170,21 +172,22 @@ impl OneDnn {
             || Self::dilated_gemm(c);
         // A dilated strided input gradient: the gemm's columns per thread, then copied out plain.
         let data_gemm = input_grad && c.strided() && c.dilated();
-        let data_columns = threads * cin * shape::numel(kernel).max(0) as u64 * l.positions + GEMM_FIXED_BYTES / elem;
+        let data_columns =
+            |k: u64| threads.min(k) * cin * shape::numel(kernel).max(0) as u64 * l.positions + GEMM_FIXED_BYTES / elem;
         let columns = cin * shape::numel(kernel).max(0) as u64 * l.positions;
         let backward = chord(n, |k| {
             let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
             let data = if data_gemm {
-                data_columns.max(x).saturating_sub(w)
+                data_columns(k).max(x).saturating_sub(w)
             } else if input_grad && pad_beyond {
-                gemm_columns.max(x).saturating_sub(w)
+                gemm_columns(k).max(x).saturating_sub(w)
             } else if input_grad {
                 blocked_input_grad(pad(y, cout, cb), pad(pad(w, cin, cb), cout, cb), pad(x, cin, cb), x, w)
             } else {
                 0
             };
             if gemm {
-                return self.gemm_weight_grad(w, columns, l.positions, elem).max(data);
+                return self.gemm_weight_grad(w, columns, l.positions, elem, threads.min(k)).max(data);
             }
             let y_r = pad(y, cout, kb);
             let x_r = if plain_input { 0 } else { pad(x, cin, kb) };
@@ -203,7 +206,7 @@ impl OneDnn {
             let weights = (y_r + x_r + w_blk + scratchpad + l.unit_stride_copy()).saturating_sub(w);
             weights.max(w_blk).max(data)
         });
-        Scratch { forward, backward, single: None }
+        Scratch::of(forward, backward)
     }
 
     /// A grouped convolution's scratch, phase by phase. Layouts pad channels to blocks of the
@@ -264,21 +267,24 @@ impl OneDnn {
             let (x_r, y_r) = (x / cin_u * x_ch, y / o_u * y_ch);
             let data = if input_grad { blocked_input_grad(y_r, w_r, x_r, x, w) } else { 0 };
             let weights = if gemm {
-                self.gemm_weight_grad(w, columns, positions, elem)
+                // The threads split the groups, whatever the samples.
+                self.gemm_weight_grad(w, columns, positions, elem, self.threads)
             } else {
                 (y_r + x_r + w_r).saturating_sub(w).max(w_r)
             };
             data.max(weights)
         });
-        Scratch { forward, backward, single: None }
+        Scratch::of(forward, backward)
     }
 
-    /// oneDNN's gemm weight gradient, in elements: copies of the weight gradient per thread,
-    /// fixed bytes, and the columns (`columns` elements for one sample) of each thread on small
-    /// maps; on larger maps the threads share one sample's columns in pieces.
-    fn gemm_weight_grad(&self, w: u64, columns: u64, positions: u64, elem: u64) -> u64 {
-        let column_threads = if positions <= GEMM_COLUMNS_PER_THREAD_UP_TO { self.threads } else { 1 };
-        GEMM_WEIGHT_GRAD_COPIES * self.threads * w + column_threads * columns + GEMM_WEIGHT_GRAD_FIXED_BYTES / elem
+    /// oneDNN's gemm weight gradient on `threads` threads at work (an ungrouped one's split the
+    /// samples, so fewer samples leave some idle), in elements: copies of the weight gradient
+    /// per thread, fixed bytes, and the columns (`columns` elements for one sample) of each
+    /// thread on small maps; on larger maps the threads share one sample's columns in pieces.
+    fn gemm_weight_grad(&self, w: u64, columns: u64, positions: u64, elem: u64, threads: u64) -> u64 {
+        let threads = threads.max(1);
+        let column_threads = if positions <= GEMM_COLUMNS_PER_THREAD_UP_TO { threads } else { 1 };
+        GEMM_WEIGHT_GRAD_COPIES * threads * w + column_threads * columns + GEMM_WEIGHT_GRAD_FIXED_BYTES / elem
     }
 
     /// The backward of an ungrouped strided convolution with an input gradient: three phases,
@@ -307,7 +313,8 @@ impl OneDnn {
             let copies = (2 * at(x)).saturating_sub(w);
             at(weights.backward).max(data).max(copies)
         });
-        Scratch { forward: weights.forward, backward, single: None }
+        let forward_one = weights.single.map_or(weights.forward.0 + weights.forward.1, |(f, _)| f);
+        Scratch::of((weights.forward, forward_one), backward)
     }
 
     /// `brgconv_strided`'s scratchpad, in elements of `elem` bytes: fixed buffers, and per
@@ -380,7 +387,7 @@ impl OneDnn {
             let data = if c.input_grad { blocked_input_grad(y_r, w_blk, x_r, x, w) } else { 0 };
             weights.max(data).max(w_weights)
         });
-        Scratch { forward, backward, single: None }
+        Scratch::of(forward, backward)
     }
 }
 

@@ -3,9 +3,9 @@
 
 use crate::lazy::graph::{Bytes, Meta};
 
-/// Bytes a kernel takes at a micro-batch of `b` samples: `per * b + fixed`, and at least
-/// `single` at one sample, where a library runs a single sample with another kernel
-/// (libtorch's native convolution where oneDNN runs a batch).
+/// Bytes a kernel takes at a micro-batch of `b` samples: `per * b + fixed`, except at one
+/// sample when `single` is set (not 0): a single sample may run with another kernel (libtorch's
+/// native convolution where oneDNN runs a batch), or split among threads otherwise.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Work {
     pub(crate) per: u64,
@@ -17,8 +17,7 @@ impl Work {
     /// Bytes at micro-batch `b`, rounded up to the allocator's `block` (a power of two).
     #[inline]
     pub(crate) fn at(self, b: u64, block: u64) -> u64 {
-        let bytes = self.per * b + self.fixed;
-        let bytes = if b == 1 { bytes.max(self.single) } else { bytes };
+        let bytes = if b == 1 && self.single != 0 { self.single } else { self.per * b + self.fixed };
         // A mask, not a division: the planner's inner loop.
         debug_assert!(block.is_power_of_two());
         (bytes + block - 1) & !(block - 1)
@@ -32,8 +31,9 @@ impl From<Bytes> for Work {
 }
 
 /// Scratch space in elements of the node's input kind, `(per sample, fixed)`, forward and
-/// backward, and at one sample where a single sample runs another way: what the convolution
-/// models compute (their rules are in elements; bytes come last, as the allocator sees them).
+/// backward, and what it is at one sample when the line does not say (a single sample runs
+/// another way): what the convolution models compute (their rules are in elements; bytes come last, as
+/// the allocator sees them).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Scratch {
     pub(crate) forward: (u64, u64),
@@ -42,6 +42,11 @@ pub(crate) struct Scratch {
 }
 
 impl Scratch {
+    /// Scratch of two chords ([`chord`]), forward and backward.
+    pub(crate) fn of(forward: ((u64, u64), u64), backward: ((u64, u64), u64)) -> Scratch {
+        Scratch { forward: forward.0, backward: backward.0, single: Some((forward.1, backward.1)) }
+    }
+
     /// `(per, fixed)` elements added to both passes.
     pub(crate) fn add(&mut self, forward: (u64, u64), backward: (u64, u64)) {
         self.forward = (self.forward.0 + forward.0, self.forward.1 + forward.1);
@@ -49,15 +54,20 @@ impl Scratch {
     }
 }
 
-/// A cost that is not linear in the micro-batch (`at(k)` at `k` samples, convex: the larger of
-/// linear costs), as the chord of its graph between one sample and the full batch `n`: exact at
-/// both ends, above it in between, where micro-batches fall. `(per sample, fixed)`.
-pub(crate) fn chord(n: u64, at: impl Fn(u64) -> u64) -> (u64, u64) {
-    if n <= 1 {
-        return (0, at(1));
+/// A cost that is not linear in the micro-batch (`at(k)` at `k` samples: the larger of linear
+/// costs, convex from two samples on), as the chord of its graph between two samples and the
+/// full batch `n`, exact at both ends and above it in between, where micro-batches fall, and its
+/// value at one sample apart (a single sample may take more than the chord says: threads split
+/// one sample otherwise). `((per sample, fixed), at one sample)`.
+pub(crate) fn chord(n: u64, at: impl Fn(u64) -> u64) -> ((u64, u64), u64) {
+    let one = at(1);
+    if n <= 2 {
+        let slope = if n == 2 { at(2).saturating_sub(one) } else { 0 };
+        return ((slope, one.saturating_sub(slope)), one);
     }
-    let slope = at(n).saturating_sub(at(1)).div_ceil(n - 1);
-    (slope, at(1).saturating_sub(slope))
+    let two = at(2);
+    let slope = at(n).saturating_sub(two).div_ceil(n - 2);
+    ((slope, two.saturating_sub(2 * slope)), one)
 }
 
 /// The batch a cost is planned at (1 when the value has no batch dimension).

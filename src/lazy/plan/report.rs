@@ -335,6 +335,14 @@ impl fmt::Display for Plan {
                 crate::svg::bytes((self.correction * self.micro_batch as f64).ceil())
             )?;
         }
+        if self.mode == Mode::Backward && self.splits() && self.new_grads > 0 {
+            writeln!(
+                f,
+                "the first micro-batch creates {} of .grad that does not exist yet (opt.zero_grad() sets it to none); \
+                 every later micro-batch runs with it, each step below that much higher: in the peak",
+                crate::svg::bytes(self.new_grads as f64)
+            )?;
+        }
         writeln!(
             f,
             "peak = {} per sample x {} + {} fixed",

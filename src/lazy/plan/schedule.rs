@@ -322,9 +322,13 @@ pub(crate) struct Outcome {
 }
 
 impl Outcome {
-    /// Peak, step and per-sample bytes when the accumulation allocates `new_grads` bytes.
-    pub(crate) fn with(self, new_grads: u64) -> Outcome {
+    /// Peak, step and per-sample bytes when the accumulation allocates `new_grads` bytes of
+    /// `.grad` that did not exist (tch's `zero_grad()` sets them to none). The first
+    /// micro-batch creates them at its accumulation; when the batch is split (`!whole`), every
+    /// later micro-batch runs with them live, its whole schedule that much higher.
+    pub(crate) fn with(self, new_grads: u64, whole: bool) -> Outcome {
         match self.accumulate {
+            Some(_) if !whole && new_grads > 0 => Outcome { peak: self.peak + new_grads, ..self },
             Some((live, per, step)) if live + new_grads > self.peak => {
                 Outcome { peak: live + new_grads, peak_step: step, peak_per_sample: per, ..self }
             }
@@ -336,31 +340,31 @@ impl Outcome {
     /// `whole`: the micro-batch is the whole batch (see [`Compiled::accumulates_in_place`]).
     pub(crate) fn resolve(self, c: &Compiled, whole: bool) -> (Outcome, u64) {
         if whole && c.accumulates_in_place() {
-            return (self.with(0), 0);
+            return (self.with(0, whole), 0);
         }
-        let (low, high) = (self.with(0), self.with(c.param_grad_bytes));
+        let (low, high) = (self.with(0, whole), self.with(c.param_grad_bytes, whole));
         if low.peak == high.peak {
             return (high, c.param_grad_bytes);
         }
         let exact = c.undefined_grad_bytes();
-        (self.with(exact), exact)
+        (self.with(exact, whole), exact)
     }
 
     /// Whether the peak fits `budget`, asking which gradients exist only when needed.
     pub(crate) fn fits(self, c: &Compiled, budget: u64, whole: bool) -> (bool, Outcome) {
         if whole && c.accumulates_in_place() {
-            let in_place = self.with(0);
+            let in_place = self.with(0, whole);
             return (in_place.peak <= budget, in_place);
         }
-        let high = self.with(c.param_grad_bytes);
+        let high = self.with(c.param_grad_bytes, whole);
         if high.peak <= budget {
             return (true, high);
         }
-        let low = self.with(0);
+        let low = self.with(0, whole);
         if low.peak > budget {
             return (false, low);
         }
-        let exact = self.with(c.undefined_grad_bytes());
+        let exact = self.with(c.undefined_grad_bytes(), whole);
         (exact.peak <= budget, exact)
     }
 }
