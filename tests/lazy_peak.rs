@@ -944,3 +944,93 @@ fn convolution_plan_corpus() {
     println!("planned {planned} of {count} convolutions");
     assert!(planned > count / 2, "most draws are valid convolutions: {planned} of {count}");
 }
+
+/// Inference as users run it: a forward pass under `no_grad`, evaluated whole or in
+/// micro-batches, its output the full logits, the last position of each sequence (a view:
+/// copied before it is held, so its base goes), or reduced per sample. Each plan within 10%
+/// of the measured peak: the outputs of earlier micro-batches are held while later ones run,
+/// and their concatenation takes the whole output twice (84% under before).
+#[test]
+fn forward_only_plans_hold_what_is_concatenated() {
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    let vs = nn::VarStore::new(CPU);
+    let emb = nn::embedding(vs.root() / "emb", 50, 64, Default::default());
+    let l1 = nn::linear(vs.root() / "l1", 64, 256, Default::default());
+    let head = nn::linear(vs.root() / "head", 256, 1000, Default::default());
+    let tokens = Tensor::randint(50, [256, 16], (Kind::Int64, CPU));
+    let mut rows = Vec::new();
+    for output in ["logits", "last position", "summed per sample"] {
+        for micro in [256usize, 64, 32] {
+            let _no_grad = tch::no_grad_guard();
+            let logits = toma::lazy::lazy(&tokens, 0).apply(&emb).apply(&l1).gelu("none").apply(&head);
+            let out = match output {
+                "logits" => logits,
+                "last position" => logits.i((.., -1, ..)),
+                _ => logits.sum_dim_intlist(-1, false, None),
+            };
+            let options = Options::new().micro_batch(micro);
+            let planned = out.plan(Mode::Forward, &options).expect("a plan").peak_bytes();
+            let before = memory::cpu_allocator_stats().expect("tracking").allocated;
+            assert!(memory::reset_cpu_peak());
+            let value = out.to_tensor_with(&options).expect("a value");
+            let measured = memory::cpu_allocator_stats().expect("tracking").peak_allocated - before;
+            assert_eq!(value.size()[0], 256);
+            let error = (planned as f64 - measured as f64) / measured as f64;
+            println!(
+                "{output:<18} micro {micro:>3}: planned {planned:>10} measured {measured:>10} error {:+.1}%",
+                100.0 * error
+            );
+            rows.push((output, micro, planned, measured, error));
+        }
+    }
+    for (output, micro, planned, measured, error) in rows {
+        assert!(error.abs() <= 0.10, "{output} in micro-batches of {micro}: planned {planned}, measured {measured}");
+    }
+}
+
+/// A tool, not a check: one `matmul` at a time, its forward and backward temporaries as the
+/// allocator sees them against what the planner charges. `TOMA_MATMULS="2x3x4*4x5:ab;.."`:
+/// the operands' shapes (`x`-separated), then which of them (`a`, `b`) is per-sample (the
+/// batch is the first operand's dimension 0, or the second's when only it is) and requires a
+/// gradient. `cargo test --all-features --test lazy_peak one_matmul_at_a_time -- --ignored
+/// --nocapture`, with `TOMA_TRACE_CPU_ALLOCATIONS=1` for every allocation.
+#[test]
+#[ignore]
+fn one_matmul_at_a_time() {
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    let spec = std::env::var("TOMA_MATMULS").unwrap_or_else(|_| "16x64x256*256x512:a".into());
+    for item in spec.split(';') {
+        let (shapes, flags) = item.split_once(':').unwrap_or((item, "a"));
+        let (sa, sb) = shapes.split_once('*').expect("two operands");
+        let dims = |s: &str| s.split('x').map(|v| v.parse::<i64>().expect("sizes")).collect::<Vec<i64>>();
+        let (da, db) = (dims(sa), dims(sb));
+        let (batched_a, batched_b) = (flags.contains('a'), flags.contains('b'));
+        let bytes = |t: &Tensor| t.numel() as i64 * 4;
+        for round in 0..2 {
+            let a = Tensor::randn(da.as_slice(), (Kind::Float, CPU)).set_requires_grad(true);
+            let b = Tensor::randn(db.as_slice(), (Kind::Float, CPU)).set_requires_grad(true);
+            let la = if batched_a { toma::lazy::lazy(&a, 0) } else { LazyTensor::fixed(&a) };
+            let lb = if batched_b { toma::lazy::lazy(&b, 0) } else { LazyTensor::fixed(&b) };
+            let costs = la.matmul(&lb).op_costs();
+            let before = memory::cpu_allocator_stats().unwrap().allocated as i64;
+            memory::reset_cpu_peak();
+            let y = a.matmul(&b);
+            let forward = memory::cpu_allocator_stats().unwrap().peak_allocated as i64 - before - bytes(&y);
+            let g = Tensor::randn(y.size(), (Kind::Float, CPU));
+            let loss = (&y * &g).sum(Kind::Float);
+            let before = memory::cpu_allocator_stats().unwrap().allocated as i64;
+            memory::reset_cpu_peak();
+            loss.backward();
+            let grads = bytes(&y) + bytes(&a) + bytes(&b);
+            let backward = memory::cpu_allocator_stats().unwrap().peak_allocated as i64 - before - grads;
+            if round == 1 {
+                println!(
+                    "{sa:>14} * {sb:<12} {flags:2} | forward: measured {forward:>9} planned {:>9} | backward: measured {backward:>9} planned {:>9}",
+                    costs.scratch, costs.backward_scratch
+                );
+            }
+        }
+    }
+}

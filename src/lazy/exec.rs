@@ -340,6 +340,13 @@ pub(crate) fn evaluate(output: &LazyTensor, options: &Options) -> Result<Tensor,
         };
         let value = forward_chunk(&p.c, &chunk, None)?;
         match flow {
+            // A view (the last position of each sequence, say) would hold its whole base until
+            // the parts are concatenated: a copy lets the base go now (the plan counts it so).
+            Flow::PerSample(_) if split && p.c.output().meta.alias => {
+                let mut own = Tensor::f_empty_like(&value).map_err(&err)?;
+                own.f_copy_(&value).map_err(&err)?;
+                parts.push(own)
+            }
             Flow::PerSample(_) if split => parts.push(value),
             Flow::Sum if split => {
                 acc = Some(match acc.take() {

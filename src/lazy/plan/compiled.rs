@@ -103,6 +103,20 @@ impl Compiled {
         })
     }
 
+    /// A per-sample output evaluated in micro-batches of `b`: the bytes of earlier micro-batches'
+    /// outputs a later one runs with (and, for a view, its copy), and the concatenation's peak
+    /// (the parts and the whole output). `None` unsplit, or for a value that is not per-sample.
+    pub(crate) fn output_parts(&self, b: u64) -> Option<(u64, u64)> {
+        let n = self.batch.max(1) as u64;
+        let out = self.output();
+        if b >= n || out.meta.batch().is_none() {
+            return None;
+        }
+        let bytes = Work::from(out.cost.grad);
+        let held = bytes.per * (n - b) + if out.meta.alias { bytes.at(b, self.block) } else { 0 };
+        Some((held, 2 * bytes.at(n, self.block)))
+    }
+
     /// Whether one micro-batch of the whole batch can let autograd accumulate straight into
     /// `.grad`, with no second copy of the gradients: every parameter is a leaf without a
     /// gradient yet (the first step, or after `opt.zero_grad()`), and no input requires a

@@ -336,36 +336,53 @@ impl Outcome {
         }
     }
 
-    /// The exact outcome, asking which gradients exist only when the answer changes the peak.
-    /// `whole`: the micro-batch is the whole batch (see [`Compiled::accumulates_in_place`]).
-    pub(crate) fn resolve(self, c: &Compiled, whole: bool) -> (Outcome, u64) {
-        if whole && c.accumulates_in_place() {
-            return (self.with(0, whole), 0);
-        }
-        let (low, high) = (self.with(0, whole), self.with(c.param_grad_bytes, whole));
-        if low.peak == high.peak {
-            return (high, c.param_grad_bytes);
-        }
-        let exact = c.undefined_grad_bytes();
-        (self.with(exact, whole), exact)
+    /// The exact outcome at micro-batch `b`, asking which gradients exist only when the answer
+    /// changes the peak. At the whole batch, see [`Compiled::accumulates_in_place`].
+    pub(crate) fn resolve(self, c: &Compiled, b: u64) -> (Outcome, u64) {
+        let whole = b >= c.batch.max(1) as u64;
+        let (outcome, new_grads) = if whole && c.accumulates_in_place() {
+            (self.with(0, whole), 0)
+        } else {
+            let (low, high) = (self.with(0, whole), self.with(c.param_grad_bytes, whole));
+            if low.peak == high.peak {
+                (high, c.param_grad_bytes)
+            } else {
+                let exact = c.undefined_grad_bytes();
+                (self.with(exact, whole), exact)
+            }
+        };
+        (outcome.holding_outputs(c, b), new_grads)
     }
 
-    /// Whether the peak fits `budget`, asking which gradients exist only when needed.
-    pub(crate) fn fits(self, c: &Compiled, budget: u64, whole: bool) -> (bool, Outcome) {
-        if whole && c.accumulates_in_place() {
-            let in_place = self.with(0, whole);
-            return (in_place.peak <= budget, in_place);
+    /// Whether the peak at micro-batch `b` fits `budget`, asking which gradients exist only
+    /// when needed.
+    pub(crate) fn fits(self, c: &Compiled, budget: u64, b: u64) -> (bool, Outcome) {
+        let whole = b >= c.batch.max(1) as u64;
+        let outcome = if whole && c.accumulates_in_place() {
+            self.with(0, whole)
+        } else {
+            let high = self.with(c.param_grad_bytes, whole).holding_outputs(c, b);
+            if high.peak <= budget {
+                return (true, high);
+            }
+            let low = self.with(0, whole).holding_outputs(c, b);
+            if low.peak > budget {
+                return (false, low);
+            }
+            self.with(c.undefined_grad_bytes(), whole)
+        };
+        let outcome = outcome.holding_outputs(c, b);
+        (outcome.peak <= budget, outcome)
+    }
+
+    /// A value evaluated in micro-batches of `b` (a per-sample output): each micro-batch runs
+    /// with the outputs of the earlier ones held (a view's copied first, so that its base is
+    /// freed), and their concatenation takes the whole output twice.
+    fn holding_outputs(self, c: &Compiled, b: u64) -> Outcome {
+        match c.output_parts(b) {
+            Some((during, concatenation)) => Outcome { peak: (self.peak + during).max(concatenation), ..self },
+            None => self,
         }
-        let high = self.with(c.param_grad_bytes, whole);
-        if high.peak <= budget {
-            return (true, high);
-        }
-        let low = self.with(0, whole);
-        if low.peak > budget {
-            return (false, low);
-        }
-        let exact = self.with(c.undefined_grad_bytes(), whole);
-        (exact.peak <= budget, exact)
     }
 }
 
@@ -378,8 +395,7 @@ impl Schedule {
     /// The peak at micro-batch `b` of a graph of `c`, the accumulation step included, as the
     /// search computes it.
     pub(crate) fn peak_at(&self, c: &Compiled, b: u64) -> u64 {
-        let n = c.batch.max(1) as u64;
-        self.simulate(b).resolve(c, b == n).0.peak
+        self.simulate(b).resolve(c, b).0.peak
     }
 
     /// The node and phase of a step number.

@@ -51,7 +51,7 @@ pub(crate) fn decide(c: &Compiled, mode: Mode, options: &Options) -> Result<Deci
     check_split(c, mode, &choice, budget, options)?;
     let splittable = splittable(c, mode, &choice, budget, options);
     let b = choice.micro_batch as u64;
-    let outcome = choice.outcome.unwrap_or_else(|| schedule.simulate(b).resolve(c, b == c.batch.max(1) as u64));
+    let outcome = choice.outcome.unwrap_or_else(|| schedule.simulate(b).resolve(c, b));
     Ok(Decision {
         mode,
         budget,
@@ -108,14 +108,14 @@ fn choose(
     // The budget the schedule at `b` is held to, less what measurement found the plan misses.
     let held = |b: u64| budget.saturating_sub((correction * b as f64).ceil() as u64);
     let full = schedule.simulate(n);
-    let full_resolved = full.resolve(c, true);
+    let full_resolved = full.resolve(c, n);
     let full_peak = full_resolved.0.peak;
     if let Some(forced) = options.micro_batch {
         let b = (forced.max(1) as u64).min(n);
-        let resolved = schedule.simulate(b).resolve(c, b == n);
+        let resolved = schedule.simulate(b).resolve(c, b);
         return Ok(Choice { micro_batch: b as usize, peak: resolved.0.peak, full_peak, outcome: Some(resolved) });
     }
-    if full.fits(c, held(n), true).0 {
+    if full.fits(c, held(n), n).0 {
         return Ok(Choice { micro_batch: n as usize, peak: full_peak, full_peak, outcome: Some(full_resolved) });
     }
     // Exponents e with 2^e < n: find the largest that fits (1 is checked last, if at all).
@@ -124,7 +124,7 @@ fn choose(
     while lo < hi {
         let mid = (lo + hi).div_ceil(2);
         let outcome = schedule.simulate(1 << mid);
-        if outcome.fits(c, held(1 << mid), false).0 {
+        if outcome.fits(c, held(1 << mid), 1 << mid).0 {
             lo = mid;
             best = Some(outcome);
         } else {
@@ -135,7 +135,7 @@ fn choose(
         Some(outcome) => outcome,
         None => {
             let at_one = schedule.simulate(1);
-            let (fits, seen) = at_one.fits(c, held(1), n == 1);
+            let (fits, seen) = at_one.fits(c, held(1), 1);
             if !fits {
                 let (node, _) = schedule.step_node(c, seen.peak_step);
                 return Err(LazyError::DoesNotFit {
@@ -149,7 +149,7 @@ fn choose(
             at_one
         }
     };
-    let resolved = best.resolve(c, (1u64 << lo) == n);
+    let resolved = best.resolve(c, 1u64 << lo);
     Ok(Choice { micro_batch: 1 << lo, peak: resolved.0.peak, full_peak, outcome: Some(resolved) })
 }
 
