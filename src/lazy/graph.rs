@@ -259,6 +259,13 @@ pub(crate) trait Operation {
         false
     }
 
+    /// The shape the backward reshapes the output's gradient to before its kernels run
+    /// (`None`: it takes the gradient as it comes). A gradient that arrives permuted (through a
+    /// transpose downstream) cannot always be viewed so: libtorch copies it.
+    fn grad_reshape(&self, _inputs: &[Rc<Node>], _meta: &Meta) -> Option<Vec<i64>> {
+        None
+    }
+
     /// What the op's kernels do besides computing the output, for the cost layer to price on
     /// the device a plan is made for: buffers autograd keeps, temporaries, reductions,
     /// convolutions.
@@ -317,6 +324,10 @@ pub(crate) enum KernelCall<'a> {
     /// norm's statistics): `(per sample, fixed)` elements of `kind`. Only when the output
     /// requires a gradient.
     Keeps { elements: (u64, u64), kind: Kind },
+    /// A copy of an operand the op makes for its kernel and autograd saves for the op's
+    /// backward (`matmul`'s operand folded or batched by a copy): kept until the backward when
+    /// the output requires a gradient, freed as the op returns in a run without autograd.
+    SavedCopy { elements: (u64, u64), kind: Kind },
     /// Temporaries of a composite kernel, while the forward runs and while the backward runs:
     /// `(per sample, fixed)` elements of the op's first input's kind. Composite kernels are
     /// libtorch's formulas over other ops: as large on every device.

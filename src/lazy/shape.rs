@@ -157,6 +157,25 @@ pub(crate) fn infer_size(size: &[i64], total: i64) -> Result<Vec<i64>, String> {
     Ok(out)
 }
 
+/// For a view of (`from`, `from_strides`) as (`to`, `to_strides`) that only reorders the
+/// dimensions (a transpose, a permute): which dimension of `from` each of `to`'s is. `None`
+/// for any other view.
+pub(crate) fn permutation(from: &[i64], from_strides: &[i64], to: &[i64], to_strides: &[i64]) -> Option<Vec<usize>> {
+    if from.len() != to.len() {
+        return None;
+    }
+    let mut used = vec![false; from.len()];
+    to.iter()
+        .zip(to_strides)
+        .map(|(&size, &stride)| {
+            let d =
+                (0..from.len()).find(|&d| !used[d] && from[d] == size && (size == 1 || from_strides[d] == stride))?;
+            used[d] = true;
+            Some(d)
+        })
+        .collect()
+}
+
 /// The strides a view of (`old_shape`, `old_strides`) as `new_shape` would have, or `None` when
 /// no view is possible and `reshape` must copy (a port of c10's `computeStride`).
 pub(crate) fn view_strides(old_shape: &[i64], old_strides: &[i64], new_shape: &[i64]) -> Option<Vec<i64>> {
@@ -408,6 +427,15 @@ mod tests {
         assert_eq!(broadcast(&[3, 1, 5], &[4, 1]).unwrap(), [3, 4, 5]);
         assert_eq!(broadcast(&[], &[2, 3]).unwrap(), [2, 3]);
         assert!(broadcast(&[3], &[4]).is_err());
+    }
+
+    #[test]
+    fn permutations_of_views() {
+        // [2, 3, 4] transposed (1, 2): each dimension keeps its stride.
+        assert_eq!(permutation(&[2, 3, 4], &[12, 4, 1], &[2, 4, 3], &[12, 1, 4]), Some(vec![0, 2, 1]));
+        // A view that merges or splits dimensions is not a permutation.
+        assert_eq!(permutation(&[4, 8], &[8, 1], &[8, 4], &[4, 1]), None);
+        assert_eq!(permutation(&[2, 3, 4], &[12, 4, 1], &[6, 4], &[4, 1]), None);
     }
 
     #[test]

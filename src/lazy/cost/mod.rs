@@ -34,6 +34,8 @@ pub(crate) struct Price {
     /// Kept by autograd from the forward until the node's backward (when it requires a
     /// gradient).
     pub(crate) kept: Work,
+    /// What of `kept` a run without autograd still makes, freed as the node returns.
+    pub(crate) unsaved: Work,
     /// Scratch space while the node runs, and while its backward runs.
     pub(crate) forward: Work,
     pub(crate) backward: Work,
@@ -85,6 +87,7 @@ impl CostModel {
         // A convolution's value at one sample, and its line's there.
         let mut conv_at_one: Option<((u64, u64), (u64, u64))> = None;
         let mut kept = Bytes::default();
+        let mut unsaved = Bytes::default();
         let mut keep = |elements: (u64, u64), kind: Kind| {
             if meta.requires_grad {
                 let b = Bytes::of(elements, kind);
@@ -94,6 +97,11 @@ impl CostModel {
         for call in calls {
             match call {
                 KernelCall::Keeps { elements, kind } => keep(*elements, *kind),
+                KernelCall::SavedCopy { elements, kind } => {
+                    keep(*elements, *kind);
+                    let b = Bytes::of(*elements, *kind);
+                    unsaved = Bytes { per: unsaved.per + b.per, fixed: unsaved.fixed + b.fixed };
+                }
                 KernelCall::Temporaries { forward, backward } => scratch.add(*forward, *backward),
                 KernelCall::Reduction { of, mask, backward } => {
                     if let CostModel::Cuda(gpu) = self {
@@ -135,6 +143,7 @@ impl CostModel {
             }
         }
         price.kept = kept.into();
+        price.unsaved = unsaved.into();
         let in_kind = inputs.first().map_or(meta.kind, |x| x.meta.kind);
         let (forward, backward) = (Bytes::of(scratch.forward, in_kind), Bytes::of(scratch.backward, in_kind));
         price.forward = forward.into();

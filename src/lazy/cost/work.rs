@@ -14,6 +14,12 @@ pub(crate) struct Work {
 }
 
 impl Work {
+    /// Both taken at once.
+    pub(crate) fn plus(self, other: Work) -> Work {
+        let single = if self.single == 0 && other.single == 0 { 0 } else { self.at(1, 1) + other.at(1, 1) };
+        Work { per: self.per + other.per, fixed: self.fixed + other.fixed, single }
+    }
+
     /// Bytes at micro-batch `b`, rounded up to the allocator's `block` (a power of two).
     #[inline]
     pub(crate) fn at(self, b: u64, block: u64) -> u64 {

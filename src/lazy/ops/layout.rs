@@ -29,6 +29,10 @@ impl Operation for View {
     fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
         true
     }
+
+    fn grad_reshape(&self, inputs: &[Rc<Node>], _meta: &Meta) -> Option<Vec<i64>> {
+        Some(inputs[0].meta.shape.clone())
+    }
 }
 
 /// A reshape that copies (the input's strides allow no view).

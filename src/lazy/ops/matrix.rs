@@ -41,33 +41,237 @@ impl Operation for Matmul {
     }
 
     fn saves_input(&self, i: usize, inputs: &[Rc<Node>]) -> bool {
-        factors_saved(i, 0, 1, inputs)
+        // An operand copied for the kernel is saved as its copy (see `kernels`), not itself.
+        factors_saved(i, 0, 1, inputs) && (self.batched_only || !MatmulPath::of(inputs).copies(i))
+    }
+
+    fn grad_reshape(&self, inputs: &[Rc<Node>], meta: &Meta) -> Option<Vec<i64>> {
+        if self.batched_only {
+            return None;
+        }
+        // `bmm`'s or `mm`'s result was viewed as the output: its gradient is viewed back.
+        let (a, b) = (&inputs[0].meta.shape, &inputs[1].meta.shape);
+        let (out, p) = (&meta.shape, *meta.shape.last()?);
+        match MatmulPath::of(inputs) {
+            MatmulPath::Fold { transposed: false, squeezed, .. } if b.len() - usize::from(squeezed == Some(1)) == 2 => {
+                Some(vec![shape::numel(out) / p.max(1), p])
+            }
+            MatmulPath::Batched { .. } if a.len() >= 2 && b.len() >= 2 => {
+                let n = out[out.len() - 2];
+                Some(vec![shape::numel(&out[..out.len() - 2]), n, p])
+            }
+            _ => None,
+        }
     }
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
         if self.batched_only {
             return;
         }
-        // A broadcast operand is expanded into a real copy before the batched product.
-        let (oa, oc) = meta.numel_parts();
-        let mut total = (0, 0);
-        for input in inputs {
-            let m = &input.meta;
-            if m.shape.len() >= 2 && meta.shape.len() > 2 {
-                let own = shape::numel(&m.shape[m.shape.len().saturating_sub(2)..]) as u64;
-                let out_batch = shape::numel(&meta.shape[..meta.shape.len() - 2]).max(1) as u64;
-                let own_batch = shape::numel(&m.shape[..m.shape.len() - 2]).max(1) as u64;
-                if own_batch < out_batch {
-                    let scale = own.max(1);
-                    let rows = shape::numel(&meta.shape[meta.shape.len() - 2..]).max(1) as u64;
-                    total.0 += oa / rows * scale;
-                    total.1 += oc / rows * scale;
+        let path = MatmulPath::of(inputs);
+        if path == MatmulPath::Direct {
+            return;
+        }
+        // Elements at one and two samples give the line (every count is a product of sizes,
+        // at most one of them the batch's).
+        let at = |b: i64| {
+            let a = inputs[0].meta.shape_at(b);
+            let o = inputs[1].meta.shape_at(b);
+            path.elements(&a, &o)
+        };
+        let (one, two) = (at(1), at(2));
+        let line = |f: &dyn Fn(&MatmulElements) -> u64| {
+            let per = f(&two).saturating_sub(f(&one));
+            (per, f(&one).saturating_sub(per))
+        };
+        let grads = [requires(inputs, 0), requires(inputs, 1)];
+        // A copy is what `bmm` or `mm` saves for the other operand's gradient.
+        for i in 0..2 {
+            let elements = line(&|e| e.copy[i]);
+            if elements == (0, 0) {
+                continue;
+            }
+            if grads[1 - i] && meta.requires_grad {
+                calls.push(KernelCall::SavedCopy { elements, kind: meta.kind });
+            } else {
+                calls.push(KernelCall::Temporaries { forward: elements, backward: (0, 0) });
+            }
+        }
+        let forward = line(&|e| e.forward);
+        let backward = line(&|e| (0..2).filter(|&i| grads[i]).map(|i| e.expanded[i]).sum::<u64>());
+        if forward != (0, 0) || backward != (0, 0) {
+            calls.push(KernelCall::Temporaries { forward, backward });
+        }
+    }
+}
+
+/// Which of `torch.matmul`'s paths libtorch takes on two operands (its `_matmul_impl`), as far
+/// as memory goes: which operand it copies, and which gradient it sums from a broadcast.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum MatmulPath {
+    /// `dot`, `mv` or `mm` on the operands as they are.
+    Direct,
+    /// The operand of more dimensions (`folded`) folded into a matrix for one `mm` (`copy`: its
+    /// strides allow no view). `transposed`: a matrix times a batch, run as `(bᵀ aᵀ)ᵀ` on
+    /// `b.mT()`, the result copied back contiguous. `squeezed`: an operand's leading 1 dropped
+    /// first.
+    Fold { copy: bool, folded: usize, transposed: bool, squeezed: Option<usize> },
+    /// Both operands expanded to the broadcast batch and reshaped to `[E, n, m]` for `bmm`:
+    /// which reshapes copy, and which operands are broadcast (their gradients are the whole
+    /// `[E, n, m]` summed back).
+    Batched { copy: [bool; 2], broadcast: [bool; 2] },
+}
+
+/// What a [`MatmulPath`] takes, in elements: each operand's copy, the forward's other
+/// temporaries, and each operand's expanded gradient beyond its own (when it is broadcast).
+#[derive(Default)]
+struct MatmulElements {
+    copy: [u64; 2],
+    forward: u64,
+    expanded: [u64; 2],
+}
+
+/// Operands as `_matmul_impl` sees them: shape, strides, whether it requires a gradient.
+type Operand<'a> = (&'a [i64], &'a [i64], bool);
+
+impl MatmulPath {
+    fn of(inputs: &[Rc<Node>]) -> MatmulPath {
+        let (a, b) = (&inputs[0].meta, &inputs[1].meta);
+        Self::choose((&a.shape, &a.strides, a.requires_grad), (&b.shape, &b.strides, b.requires_grad), None)
+    }
+
+    fn choose(a: Operand<'_>, b: Operand<'_>, squeezed: Option<usize>) -> MatmulPath {
+        let (da, db) = (a.0.len(), b.0.len());
+        if da <= 2 && db <= 2 {
+            return MatmulPath::Direct;
+        }
+        if let Some(transposed) = Self::folds(a, b) {
+            let (t1_shape, t1_strides) = if transposed {
+                let (mut sh, mut st) = (b.0.to_vec(), b.1.to_vec());
+                sh.swap(db - 2, db - 1);
+                st.swap(db - 2, db - 1);
+                (sh, st)
+            } else {
+                (a.0.to_vec(), a.1.to_vec())
+            };
+            let rows = shape::numel(&t1_shape[..t1_shape.len() - 1]);
+            let last = t1_shape[t1_shape.len() - 1];
+            let copy = shape::view_strides(&t1_shape, &t1_strides, &[rows, last]).is_none();
+            let folded = usize::from(transposed);
+            return MatmulPath::Fold { copy, folded, transposed: transposed && da == 2, squeezed };
+        }
+        // Two batches of three dimensions that differ, one of them 1 and requiring a gradient:
+        // that one is squeezed first.
+        if squeezed.is_none() && da == 3 && db == 3 && a.0[0] != b.0[0] {
+            if a.0[0] == 1 && a.2 {
+                return Self::choose((&a.0[1..], &a.1[1..], a.2), b, Some(0));
+            }
+            if b.0[0] == 1 && b.2 {
+                return Self::choose(a, (&b.0[1..], &b.1[1..], b.2), Some(1));
+            }
+        }
+        let lead = |s: &[i64]| s[..s.len().saturating_sub(2)].to_vec();
+        let Ok(batch) = shape::broadcast(&lead(a.0), &lead(b.0)) else {
+            return MatmulPath::Direct;
+        };
+        let mut copy = [false; 2];
+        let mut broadcast = [false; 2];
+        for (i, (sh, st, _)) in [a, b].into_iter().enumerate() {
+            // The operand expanded to the batch (its matrix, or a vector's length, kept).
+            let own = if sh.len() >= 2 { 2 } else { 1 };
+            let (own_shape, own_strides) = (&sh[sh.len() - own..], &st[st.len() - own..]);
+            let lead_shape = &sh[..sh.len() - own];
+            let lead_strides = &st[..st.len() - own];
+            let offset = batch.len() - lead_shape.len();
+            let strides: Vec<i64> = (0..batch.len())
+                .map(|d| match d.checked_sub(offset) {
+                    Some(k) if lead_shape[k] == batch[d] => lead_strides[k],
+                    _ => 0,
+                })
+                .chain(own_strides.iter().copied())
+                .collect();
+            let expanded: Vec<i64> = batch.iter().chain(own_shape).copied().collect();
+            let mut folded = vec![shape::numel(&batch)];
+            folded.extend_from_slice(own_shape);
+            copy[i] = shape::view_strides(&expanded, &strides, &folded).is_none();
+            broadcast[i] = shape::numel(lead_shape) < shape::numel(&batch);
+        }
+        MatmulPath::Batched { copy, broadcast }
+    }
+
+    /// `Some(transposed)` when libtorch folds the operand of more dimensions into a matrix:
+    /// it has three or more and the other two or fewer, and the other requires a gradient (a
+    /// fold spares it a batch-sized gradient) or the fold is a view.
+    fn folds(a: Operand<'_>, b: Operand<'_>) -> Option<bool> {
+        let a_larger = a.0.len() >= b.0.len();
+        let (t1, t2) = if a_larger { (a, b) } else { (b, a) };
+        if t1.0.len() < 3 || t2.0.len() > 2 {
+            return None;
+        }
+        if t2.2 {
+            return Some(!a_larger);
+        }
+        if a.0.len() == 2 {
+            return None;
+        }
+        let (mut sh, mut st) = (t1.0.to_vec(), t1.1.to_vec());
+        if !a_larger {
+            let d = sh.len();
+            sh.swap(d - 2, d - 1);
+            st.swap(d - 2, d - 1);
+        }
+        if shape::numel(&sh) == 0 {
+            return Some(!a_larger);
+        }
+        (0..sh.len() - 2).all(|i| st[i] == st[i + 1] * sh[i + 1]).then_some(!a_larger)
+    }
+
+    /// Whether operand `i` is copied (and so saved as its copy).
+    fn copies(self, i: usize) -> bool {
+        match self {
+            MatmulPath::Direct => false,
+            MatmulPath::Fold { copy, folded, .. } => copy && i == folded,
+            MatmulPath::Batched { copy, .. } => copy[i],
+        }
+    }
+
+    /// What the path takes on operands of these shapes.
+    fn elements(self, a: &[i64], b: &[i64]) -> MatmulElements {
+        let mut e = MatmulElements::default();
+        let n = |s: &[i64]| shape::numel(s).max(0) as u64;
+        match self {
+            MatmulPath::Direct => {}
+            MatmulPath::Fold { copy, folded, transposed, squeezed } => {
+                let (a, b) = match squeezed {
+                    Some(0) if a.first() == Some(&1) => (&a[1..], b),
+                    Some(1) if b.first() == Some(&1) => (a, &b[1..]),
+                    _ => (a, b),
+                };
+                if copy {
+                    e.copy[folded] = n([a, b][folded]);
+                }
+                if transposed {
+                    // `mm`'s result, before its transposed copy (the output).
+                    e.forward = shape::matmul(a, b).map_or(0, |o| n(&o));
+                }
+            }
+            MatmulPath::Batched { copy, broadcast } => {
+                let lead = |s: &[i64]| s[..s.len().saturating_sub(2)].to_vec();
+                let batch = shape::broadcast(&lead(a), &lead(b)).unwrap_or_default();
+                for (i, s) in [a, b].into_iter().enumerate() {
+                    let own = if s.len() >= 2 { n(&s[s.len() - 2..]) } else { n(s) };
+                    let expanded = n(&batch) * own;
+                    if copy[i] {
+                        e.copy[i] = expanded;
+                    }
+                    // Its gradient is summed out of the expanded one: beside the sum, the rest.
+                    if broadcast[i] {
+                        e.expanded[i] = expanded.saturating_sub(n(s));
+                    }
                 }
             }
         }
-        if total != (0, 0) {
-            calls.push(KernelCall::Temporaries { forward: total, backward: total });
-        }
+        e
     }
 }
 
@@ -85,6 +289,13 @@ impl Operation for Linear {
 
     fn saves_input(&self, i: usize, inputs: &[Rc<Node>]) -> bool {
         factors_saved(i, 0, 1, inputs)
+    }
+
+    fn grad_reshape(&self, inputs: &[Rc<Node>], meta: &Meta) -> Option<Vec<i64>> {
+        // Inputs of three or more dimensions are folded into a matrix for one product, whose
+        // result is viewed as the output.
+        let p = *meta.shape.last()?;
+        (inputs[0].meta.shape.len() >= 3).then(|| vec![shape::numel(&meta.shape) / p.max(1), p])
     }
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
@@ -432,5 +643,53 @@ impl LazyTensor {
         sparse: bool,
     ) -> LazyTensor {
         Self::f_embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::MatmulPath;
+    use crate::lazy::shape::contiguous_strides;
+
+    fn path(a: &[i64], b: &[i64], grads: (bool, bool)) -> MatmulPath {
+        let (sa, sb) = (contiguous_strides(a), contiguous_strides(b));
+        MatmulPath::choose((a, &sa, grads.0), (b, &sb, grads.1), None)
+    }
+
+    /// The paths libtorch's `_matmul_impl` takes, each checked against the allocator by
+    /// `tests/lazy_peak.rs::one_matmul_at_a_time`.
+    #[test]
+    fn matmul_takes_libtorchs_paths() {
+        assert_eq!(path(&[8, 16], &[16, 4], (true, true)), MatmulPath::Direct);
+        // A batch times a weight: one `mm` on a view.
+        let fold = MatmulPath::Fold { copy: false, folded: 0, transposed: false, squeezed: None };
+        assert_eq!(path(&[8, 32, 16], &[16, 4], (true, true)), fold);
+        // A matrix times a batch whose matrix requires a gradient: `(bᵀ aᵀ)ᵀ`, `b.mT()` copied.
+        let transposed = MatmulPath::Fold { copy: true, folded: 1, transposed: true, squeezed: None };
+        assert_eq!(path(&[32, 16], &[8, 16, 4], (true, true)), transposed);
+        // ... and without: a batched product on a broadcast view.
+        let batched = MatmulPath::Batched { copy: [false, false], broadcast: [true, false] };
+        assert_eq!(path(&[32, 16], &[8, 16, 4], (false, true)), batched);
+        // A leading 1 that requires a gradient is squeezed, then folded.
+        let squeezed = MatmulPath::Fold { copy: false, folded: 0, transposed: false, squeezed: Some(1) };
+        assert_eq!(path(&[8, 32, 16], &[1, 16, 4], (true, true)), squeezed);
+        // Broadcast over two leading dimensions: the operand without them is copied; one
+        // broadcast along its own size-1 dimensions is a view (its strides are 0).
+        let copied = MatmulPath::Batched { copy: [true, false], broadcast: [true, false] };
+        assert_eq!(path(&[1, 4, 8, 8], &[16, 4, 8, 2], (true, true)), copied);
+        let viewed = MatmulPath::Batched { copy: [false, false], broadcast: [false, true] };
+        assert_eq!(path(&[16, 4, 8, 8], &[1, 1, 8, 2], (true, true)), viewed);
+    }
+
+    /// Attention's heads, split by a transpose, cannot be viewed as a batch of matrices.
+    #[test]
+    fn transposed_heads_are_copied() {
+        let (q, q_strides) = (vec![8i64, 4, 32, 16], vec![2048i64, 16, 64, 1]);
+        let (k, k_strides) = (vec![8i64, 4, 16, 32], vec![2048i64, 16, 1, 64]);
+        let p = MatmulPath::choose((&q, &q_strides, true), (&k, &k_strides, true), None);
+        assert_eq!(p, MatmulPath::Batched { copy: [true, true], broadcast: [false, false] });
+        assert!(p.copies(0) && p.copies(1));
+        let e = p.elements(&q, &k);
+        assert_eq!(e.copy, [8 * 4 * 32 * 16, 8 * 4 * 16 * 32]);
     }
 }

@@ -11,6 +11,7 @@ use tch::Device;
 use crate::lazy::cost::{CostModel, Work};
 use crate::lazy::error::LazyError;
 use crate::lazy::graph::{Bytes, Flow, LazyTensor, Node, ParamKey, Source};
+use crate::lazy::shape;
 
 /// The graph of one output, compiled for planning and running: nodes in topological order
 /// and everything about them that does not depend on the micro-batch size.
@@ -59,6 +60,9 @@ pub(super) const F_DIFFERENTIABLE: u8 = 8;
 pub(super) const F_ALIAS_REST: u8 = 16;
 /// The output is a new allocation (not a view, an input or a parameter).
 pub(super) const F_ALLOCATES: u8 = 32;
+/// The backward copies the output's gradient: it arrives permuted (through a transpose
+/// downstream) and the op views it in a shape those strides do not allow.
+pub(super) const F_GRAD_COPY: u8 = 64;
 
 impl Compiled {
     pub(crate) fn len(&self) -> usize {
@@ -258,6 +262,7 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
     offsets.push(inputs.len() as u32);
     last_use[n - 1] = n as u32;
     let edges = |i: usize| &inputs[offsets[i] as usize..offsets[i + 1] as usize];
+    grad_copies(&found, &inputs, &offsets, &mut flags);
     // Sum-flow nodes that reach the output only through linear ops are combined over
     // micro-batches; others (only with allow_batch_mixing) are per-micro-batch statistics.
     let mut global = vec![false; n];
@@ -305,6 +310,66 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
         fingerprint,
         global,
     })
+}
+
+/// Marks the nodes whose backward copies its output's gradient ([`F_GRAD_COPY`]). A value
+/// used once gets its gradient as its consumer makes it: a transpose or permute hands on its
+/// own gradient reordered, a view its own viewed (when the strides allow), a pass-through op
+/// (an addition) its own; every other op makes a new, contiguous one. So gradients arrive
+/// permuted where attention's heads were split by a transpose, and an op that views its
+/// gradient as a batch of matrices (`matmul`, `linear`, `view`) must copy it first.
+fn grad_copies(found: &[Rc<Node>], inputs: &[u32], offsets: &[u32], flags: &mut [u8]) {
+    let n = found.len();
+    let mut uses = vec![0u32; n];
+    for &j in inputs {
+        uses[j as usize] += 1;
+    }
+    // The strides of each gradient that does not arrive contiguous.
+    let mut strides: Vec<Option<Vec<i64>>> = vec![None; n];
+    for k in (0..n).rev() {
+        if flags[k] & F_REQUIRES_GRAD == 0 {
+            continue;
+        }
+        let node = &found[k];
+        let out = &node.meta;
+        let mut copied = false;
+        if let Some(g) = &strides[k] {
+            if let Some(target) = node.op.grad_reshape(&node.inputs, out) {
+                copied = shape::view_strides(&out.shape, g, &target).is_none();
+                if copied {
+                    flags[k] |= F_GRAD_COPY;
+                }
+            }
+        }
+        for (e, &j) in inputs[offsets[k] as usize..offsets[k + 1] as usize].iter().enumerate() {
+            let j = j as usize;
+            if uses[j] != 1 || flags[j] & F_REQUIRES_GRAD == 0 || copied {
+                continue;
+            }
+            let input = &node.inputs[e].meta;
+            let passes = e < 64 && node.cost.grad_alias & (1 << e) != 0;
+            let handed = if out.alias && e == 0 {
+                let g = strides[k].clone().unwrap_or_else(|| shape::contiguous_strides(&out.shape));
+                if let Some(p) = shape::permutation(&input.shape, &input.strides, &out.shape, &out.strides) {
+                    let mut own = vec![0; g.len()];
+                    for (o, &d) in p.iter().enumerate() {
+                        own[d] = g[o];
+                    }
+                    Some(own)
+                } else if node.op.grad_reshape(&node.inputs, out).as_deref() == Some(&input.shape[..]) {
+                    shape::view_strides(&out.shape, &g, &input.shape)
+                } else {
+                    None
+                }
+            } else if passes && input.shape == out.shape {
+                strides[k].clone()
+            } else {
+                None
+            };
+            // Contiguous strides are the common case: not kept.
+            strides[j] = handed.filter(|g| !shape::is_contiguous(&input.shape, g));
+        }
+    }
 }
 
 #[cfg(test)]

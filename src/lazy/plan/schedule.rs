@@ -1,7 +1,9 @@
 //! The schedule of one mode: which tensors are allocated and freed at each step, as the
 //! executor runs them, and its evaluation at a micro-batch size.
 
-use super::compiled::{Compiled, F_ALIAS_REST, F_ALLOCATES, F_DIFFERENTIABLE, F_LEAF, F_REQUIRES_GRAD, F_SAVES_OUTPUT};
+use super::compiled::{
+    Compiled, F_ALIAS_REST, F_ALLOCATES, F_DIFFERENTIABLE, F_GRAD_COPY, F_LEAF, F_REQUIRES_GRAD, F_SAVES_OUTPUT,
+};
 use crate::lazy::cost::cuda::ReduceStaging;
 use crate::lazy::cost::{Price, Work};
 
@@ -145,7 +147,9 @@ impl Schedule {
                     events.push(ADD | k);
                 }
             }
-            if let Some(k) = add_entry(&mut table, price(i).forward) {
+            // Without autograd, what it would keep is freed as the op returns.
+            let forward = if training { price(i).forward } else { price(i).forward.plus(price(i).unsaved) };
+            if let Some(k) = add_entry(&mut table, forward) {
                 events.push(TRANSIENT | k);
             }
             stage(&mut staged, &mut events, i, false);
@@ -191,6 +195,12 @@ impl Schedule {
             };
             if c.flags[i] & F_LEAF != 0 {
                 continue;
+            }
+            // A permuted gradient copied to be viewed as the op needs, before its kernels run
+            // (in a view's backward of its own): the copy replaces the gradient.
+            if c.flags[i] & F_GRAD_COPY != 0 {
+                events.push(TRANSIENT | i as u32);
+                events.push(RUN);
             }
             let alias_mask = c.nodes[i].cost.grad_alias;
             let differentiable = c.flags[i] & F_DIFFERENTIABLE != 0;
@@ -281,7 +291,8 @@ impl Schedule {
                     transient_per += at / b.max(1);
                 }
                 RUN => {
-                    during = live + transient;
+                    // A step may run twice (a gradient's copy, then the op): its larger.
+                    during = during.max(live + transient);
                     if during > best.peak {
                         best.peak = during;
                         best.peak_step = step;
@@ -296,6 +307,7 @@ impl Schedule {
                         steps.push(Step { node: node as usize, phase, bytes: allocated, during, live });
                     }
                     allocated = 0;
+                    during = 0;
                     step += 1;
                 }
             }
