@@ -991,8 +991,8 @@ fn forward_only_plans_hold_what_is_concatenated() {
 
 /// Attention as tch-rs's min-gpt example writes it: heads split by `view` and
 /// `transpose(1, 2)` (not contiguous), `q.matmul(&k.transpose(-2, -1))`, a causal mask,
-/// softmax, `att.matmul(&v)`; and a learned relative bias `[1, H, T, T]` and a fixed matrix
-/// broadcast against the batch. libtorch copies non-contiguous operands into batches for `bmm`
+/// softmax, `att.matmul(&v)`; a learned relative bias `[1, H, T, T]`, a matrix `[1, C, C]`
+/// broadcast against the batch, and a projection written `xs.matmul(&w.tr())`. libtorch copies non-contiguous operands into batches for `bmm`
 /// and saves the copies, folds a batch times a matrix into one `mm` with no copy, and sums a
 /// broadcast operand's gradient out of the expanded one. Trained as users train: `zero_grad()`,
 /// three steps, whole and in micro-batches; f32 and f64.
@@ -1016,6 +1016,7 @@ fn handwritten_attention_peaks_as_planned() {
             );
             let bias = root.zeros("rel", &[1, heads, t, t]);
             let mix = root.randn("mix", &[1, c, c], 0.0, 0.02);
+            let proj = root.randn("proj", &[c, c], 0.0, 0.02);
             let mask = Tensor::ones([t, t], (Kind::Float, CPU)).tril(0).view([1, 1, t, t]);
             let mut vs = vs;
             vs.set_kind(kind);
@@ -1027,7 +1028,9 @@ fn handwritten_attention_peaks_as_planned() {
             let att = q.matmul(&k.transpose(-2, -1)) * (1.0 / ((c / heads) as f64).sqrt()) + &bias;
             let att = att.masked_fill(&mask.i((.., .., ..t, ..t)).eq(0.), f64::NEG_INFINITY).softmax(-1, kind);
             let ys = att.matmul(&v).transpose(1, 2).contiguous().view([n, t, c]);
-            let loss = ys.matmul(&mix).mse_loss(&toma::lazy::lazy(&target, 0), tch::Reduction::Mean);
+            // minGPT's linear layers: `xs.matmul(&w.tr())`, one `mm` on the transposed weight.
+            let ys = ys.matmul(&mix).matmul(&proj.tr());
+            let loss = ys.mse_loss(&toma::lazy::lazy(&target, 0), tch::Reduction::Mean);
             let options = Options::new().micro_batch(micro);
             let mut opt = nn::Adam::default().build(&vs, 1e-3).unwrap();
             for step in 0..3 {
@@ -1105,7 +1108,7 @@ fn elementwise_losses_peak_as_planned() {
 /// A tool, not a check: one `matmul` at a time, its forward and backward temporaries as the
 /// allocator sees them against what the planner charges. `TOMA_MATMULS="2x3x4*4x5:ab;.."`:
 /// the operands' shapes (`x`-separated; a trailing `t`: made with dimensions 1 and 2 swapped,
-/// then transposed back, as attention's heads are), then which of them (`a`, `b`) is
+/// then transposed back, as attention's heads are; a matrix's 0 and 1, as `w.tr()`), then which of them (`a`, `b`) is
 /// per-sample (the batch is the first operand's dimension 0, or the second's when only it is);
 /// `x`, `y`: the first, the second requires no gradient. The forward counts what autograd
 /// keeps. `cargo test --all-features --test lazy_peak one_matmul_at_a_time -- --ignored
@@ -1122,9 +1125,11 @@ fn one_matmul_at_a_time() {
         let make = |s: &str, grad: bool| {
             let (s, swapped) = s.strip_suffix('t').map_or((s, false), |s| (s, true));
             let mut dims = s.split('x').map(|v| v.parse::<i64>().expect("sizes")).collect::<Vec<i64>>();
+            // A matrix transposed as `w.tr()`; a batch's dimensions 1 and 2.
+            let (d0, d1) = if dims.len() == 2 { (0, 1) } else { (1, 2) };
             let t = if swapped {
-                dims.swap(1, 2);
-                Tensor::randn(dims.as_slice(), (Kind::Float, CPU)).transpose(1, 2)
+                dims.swap(d0, d1);
+                Tensor::randn(dims.as_slice(), (Kind::Float, CPU)).transpose(d0 as i64, d1 as i64)
             } else {
                 Tensor::randn(dims.as_slice(), (Kind::Float, CPU))
             };
