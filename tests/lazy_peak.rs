@@ -732,13 +732,64 @@ fn a_plan_that_was_low_is_corrected_for_later_steps() {
     let shown = second.to_string();
     // The scratch is 8 KiB a sample; the plan's own peak (in the backward) covers part of it.
     assert!(second.correction_bytes_per_sample() >= 1 << 10, "{shown}");
-    assert!(shown.contains("verified: an earlier run of this graph measured"), "{shown}");
+    assert!(shown.contains("verified: an earlier run of this graph measured more than its plan"), "{shown}");
     assert!(second.splits(), "the corrected plan splits: {shown}");
     let before = memory::cpu_allocator_stats().unwrap().allocated;
     assert!(memory::reset_cpu_peak());
     step().backward_with(&options).unwrap();
     let measured = memory::cpu_allocator_stats().unwrap().peak_allocated - before;
     assert!(measured <= budget, "the corrected step fits: measured {measured}, budget {budget}\n{shown}");
+}
+
+/// A fixed excess (a workspace the planner cannot see, as large at any micro-batch) is held
+/// whole when the corrected plan goes smaller: spread per sample, as corrections were before,
+/// it shrank with the micro-batch and the later plans stayed under.
+#[test]
+fn a_fixed_excess_is_held_whole_at_smaller_micro_batches() {
+    use toma::lazy::{CustomOp, Saves};
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    const WORKSPACE: i64 = 4 << 20;
+    let hidden = CustomOp::new(
+        "fixed_workspace",
+        |ins| Ok(ins[0].clone()),
+        |xs| {
+            let workspace = Tensor::f_zeros([WORKSPACE / 4], (Kind::Float, xs[0].device()))?;
+            let doubled = xs[0].f_mul_scalar(2.0)?;
+            drop(workspace);
+            Ok(doubled)
+        },
+    )
+    .saves(Saves::Nothing);
+    let vs = nn::VarStore::new(CPU);
+    let fc = nn::linear(vs.root() / "fc", 512, 512, Default::default());
+    let x = Tensor::randn([256, 512], (Kind::Float, CPU));
+    let step = || {
+        let h = toma::lazy::lazy(&x, 0).apply(&fc);
+        hidden.apply(&[&h]).unwrap().relu().sum(None)
+    };
+    // A first run, unconstrained, measures the excess.
+    let unconstrained = Options::new().budget(u64::MAX / 4);
+    let whole = step().plan(Mode::Backward, &unconstrained).unwrap();
+    let before = memory::cpu_allocator_stats().unwrap().allocated;
+    assert!(memory::reset_cpu_peak());
+    step().backward_with(&unconstrained).unwrap();
+    let excess = memory::cpu_allocator_stats().unwrap().peak_allocated - before - whole.peak_bytes();
+    assert!(excess > WORKSPACE as u64 / 2, "the workspace breaks the plan: {excess}");
+    // It fits beside half the batch, not beside the whole: the plan splits, and holds all of it.
+    let one = step().plan(Mode::Backward, &Options::new().micro_batch(1)).unwrap();
+    let budget = excess + (whole.peak_bytes() + one.peak_bytes()) / 2;
+    let options = Options::new().budget(budget);
+    let second = step().plan(Mode::Backward, &options).unwrap();
+    let shown = second.to_string();
+    assert!(second.splits(), "{shown}");
+    assert!(second.correction_bytes() >= excess, "the excess is held whole: {shown}");
+    let before = memory::cpu_allocator_stats().unwrap().allocated;
+    assert!(memory::reset_cpu_peak());
+    step().backward_with(&options).unwrap();
+    let measured = memory::cpu_allocator_stats().unwrap().peak_allocated - before;
+    assert!(measured <= budget, "the corrected step fits: measured {measured}, budget {budget}\n{shown}");
+    println!("{shown}");
 }
 
 /// Transformer blocks from a seeded generator (width, heads, sequence, depth, dropout, training,

@@ -107,7 +107,10 @@ pub enum LazyError {
         reason: String,
     },
     /// Even a micro-batch of one sample needs more memory than the budget.
-    #[error("toma::lazy: {op}: even a micro-batch of 1 needs {peak} B at its peak (op #{peak_node} `{peak_op}`), over the budget of {budget} B")]
+    #[error(
+        "toma::lazy: {op}: even a micro-batch of 1 needs {peak} B at its peak (op #{peak_node} `{peak_op}`){}, over the budget of {budget} B",
+        reserve_note(*.reserved)
+    )]
     DoesNotFit {
         /// The output op.
         op: String,
@@ -119,6 +122,9 @@ pub enum LazyError {
         peak_op: String,
         /// The memory budget in bytes.
         budget: u64,
+        /// Bytes held in reserve beside the plan: what earlier runs of this graph measured
+        /// above their plans (0 when none did).
+        reserved: u64,
     },
     /// `backward` on a value that is not a scalar.
     #[error("toma::lazy: backward needs a scalar loss, `{op}` has shape {shape:?}")]
@@ -182,5 +188,14 @@ fn split_cause(batch: usize, requested: Option<usize>, peak: u64, budget: u64) -
             format!("the batch of {batch} was asked to run in micro-batches of {micro} (Options::micro_batch), but")
         }
         None => format!("the batch of {batch} does not fit (peak {peak} B at the full batch, budget {budget} B) and"),
+    }
+}
+
+/// The reserve's part of [`LazyError::DoesNotFit`]'s message.
+fn reserve_note(reserved: u64) -> String {
+    if reserved == 0 {
+        String::new()
+    } else {
+        format!(" and {reserved} B held in reserve for what earlier runs of this graph measured above their plans")
     }
 }

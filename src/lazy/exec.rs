@@ -220,12 +220,12 @@ fn run_chunks(
         if let Some(peak) = peak {
             let measured = peak.saturating_sub(before);
             let planned = p.d.peak_at(&p.c, b as u64);
-            if let Some(factor) = Corrections::process().record(&p.c, p.d.mode, b as u64, planned, measured) {
+            if let Some(reserve) = Corrections::process().record(&p.c, p.d.mode, b as u64, planned, measured) {
                 tracing::warn!(
                     micro_batch = b,
                     planned,
                     measured,
-                    per_sample = factor,
+                    reserve,
                     "toma::lazy: a micro-batch peaked above its plan; later plans of this graph hold the excess in reserve"
                 );
             }

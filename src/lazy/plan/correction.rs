@@ -14,12 +14,74 @@ use super::schedule::Mode;
 const TOLERANCE: f64 = 1.02;
 /// Graphs remembered at most: starting over costs one more measurement each.
 const CAPACITY: usize = 4096;
+/// Micro-batch sizes remembered per graph (each a bound; the oldest goes first).
+const POINTS: usize = 8;
 
-/// The corrections of the process, by graph (its fingerprint), mode and device: the most bytes
-/// per sample a micro-batch measured above its plan. The one owner of that state: plans read
-/// it ([`of`](Self::of)), the executor records into it ([`record`](Self::record)).
+/// What earlier runs of one graph measured above their plans: the largest excess seen at each
+/// micro-batch size. An excess is some fixed bytes (gradient buffers, a workspace) plus some per
+/// sample (a hidden temporary), in unknown parts; each measurement bounds it at every size —
+/// no more than itself at fewer samples, no more than in proportion at more — and the reserve
+/// is the tightest of those bounds. A fixed excess is held whole when the search goes smaller,
+/// a per-sample one grows with the micro-batch, and two sizes tell them apart.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(crate) struct Reserve {
+    /// `(micro-batch, bytes above the plan)`.
+    points: Vec<(u64, u64)>,
+}
+
+impl Reserve {
+    /// The bytes to hold in reserve at micro-batch `b` (0 until a run measured more than
+    /// planned).
+    pub(crate) fn at(&self, b: u64) -> u64 {
+        self.points
+            .iter()
+            .map(
+                |&(seen, excess)| {
+                    if b <= seen {
+                        excess
+                    } else {
+                        (excess as u128 * b as u128).div_ceil(seen.max(1) as u128) as u64
+                    }
+                },
+            )
+            .min()
+            .unwrap_or(0)
+    }
+
+    /// The bytes at micro-batch `b` were every excess per-sample: the least a reserve can be,
+    /// tried where the bound of [`at`](Self::at) leaves nothing that fits.
+    pub(crate) fn proportional(&self, b: u64) -> u64 {
+        self.points
+            .iter()
+            .map(|&(seen, excess)| (excess as u128 * b as u128).div_ceil(seen.max(1) as u128) as u64)
+            .min()
+            .unwrap_or(0)
+    }
+
+    /// Records `excess` at `b`; whether the reserve changed.
+    fn add(&mut self, b: u64, excess: u64) -> bool {
+        match self.points.iter_mut().find(|(seen, _)| *seen == b) {
+            Some((_, e)) if *e >= excess => false,
+            Some((_, e)) => {
+                *e = excess;
+                true
+            }
+            None => {
+                if self.points.len() >= POINTS {
+                    self.points.remove(0);
+                }
+                self.points.push((b, excess));
+                true
+            }
+        }
+    }
+}
+
+/// The corrections of the process, by graph (its fingerprint), mode and device. The one owner
+/// of that state: plans read it ([`of`](Self::of)), the executor records into it
+/// ([`record`](Self::record)).
 pub(crate) struct Corrections {
-    by_graph: Mutex<HashMap<u64, f64>>,
+    by_graph: Mutex<HashMap<u64, Reserve>>,
 }
 
 impl Corrections {
@@ -37,30 +99,60 @@ impl Corrections {
         crate::hash::mix(c.fingerprint ^ crate::hash::mix(device << 1 | mode as u64))
     }
 
-    /// The bytes per sample this graph's plans add (0 until a run measured more than planned).
-    pub(crate) fn of(&self, c: &Compiled, mode: Mode) -> f64 {
+    /// What this graph's plans hold in reserve.
+    pub(crate) fn of(&self, c: &Compiled, mode: Mode) -> Reserve {
         let map = self.by_graph.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        map.get(&Self::key(c, mode)).copied().unwrap_or(0.0)
+        map.get(&Self::key(c, mode)).cloned().unwrap_or_default()
     }
 
     /// After a micro-batch of `b` samples: the allocator measured `measured` bytes above what
     /// was in use when it started, where the plan said `planned`. A measurement more than 2%
-    /// over the plan raises the graph's correction to the excess per sample (what a hidden
-    /// temporary of a per-sample op costs), so that later plans of the graph hold; returns the
-    /// new correction when it changed.
-    pub(crate) fn record(&self, c: &Compiled, mode: Mode, b: u64, planned: u64, measured: u64) -> Option<f64> {
+    /// over the plan is remembered, so that later plans of the graph hold; returns the reserve
+    /// at `b` when it changed.
+    pub(crate) fn record(&self, c: &Compiled, mode: Mode, b: u64, planned: u64, measured: u64) -> Option<u64> {
         if (measured as f64) <= planned as f64 * TOLERANCE {
             return None;
         }
-        let per_sample = (measured - planned) as f64 / b.max(1) as f64;
         let mut map = self.by_graph.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if map.len() >= CAPACITY {
             map.clear();
         }
-        let slot = map.entry(Self::key(c, mode)).or_insert(0.0);
-        (per_sample > *slot).then(|| {
-            *slot = per_sample;
-            per_sample
-        })
+        let reserve = map.entry(Self::key(c, mode)).or_default();
+        reserve.add(b.max(1), measured - planned).then(|| reserve.at(b.max(1)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Reserve;
+
+    fn reserve(points: &[(u64, u64)]) -> Reserve {
+        let mut r = Reserve::default();
+        for &(b, e) in points {
+            r.add(b, e);
+        }
+        r
+    }
+
+    /// One measurement bounds the excess at every size; two tell fixed from per-sample.
+    #[test]
+    fn a_reserve_never_falls_below_what_was_measured() {
+        assert_eq!(Reserve::default().at(64), 0);
+        let one = reserve(&[(8, 800)]);
+        // Fewer samples: the excess may be fixed, so all of it is held.
+        assert_eq!((one.at(1), one.at(8)), (800, 800));
+        // More: at most in proportion.
+        assert_eq!(one.at(16), 1600);
+        // A fixed excess seen at two sizes is held whole at both and between.
+        let fixed = reserve(&[(8, 800), (2, 800)]);
+        assert_eq!((fixed.at(2), fixed.at(4), fixed.at(8), fixed.at(16)), (800, 800, 800, 1600));
+        // A per-sample one shrinks with the micro-batch.
+        let per_sample = reserve(&[(8, 800), (2, 200)]);
+        assert_eq!((per_sample.at(1), per_sample.at(2), per_sample.at(4), per_sample.at(16)), (200, 200, 400, 1600));
+        // A smaller excess at a size already seen changes nothing.
+        let mut r = reserve(&[(8, 800)]);
+        assert!(!r.add(8, 500));
+        assert!(r.add(8, 900));
+        assert_eq!(r.at(8), 900);
     }
 }

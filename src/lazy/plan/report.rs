@@ -51,8 +51,9 @@ pub struct Plan {
     new_grads: u64,
     steps: OnceCell<Vec<Step>>,
     last_use: Vec<u32>,
-    /// Bytes per sample earlier runs of this graph measured above their plans (0: none did).
-    correction: f64,
+    /// Bytes earlier runs of this graph measured above their plans, held in reserve at the
+    /// micro-batch (0: none did).
+    correction: u64,
 }
 
 impl Plan {
@@ -80,12 +81,18 @@ impl Plan {
     pub fn budget(&self) -> u64 {
         self.budget
     }
-    /// Bytes per sample an earlier run of this graph measured above its plan (on CUDA, or on
-    /// the CPU with [`track_cpu_allocations`](crate::memory::track_cpu_allocations)): the
-    /// micro-batch is chosen with that much more per sample held in reserve. 0 when no run
-    /// measured more than planned.
+    /// Bytes held in reserve at the micro-batch because earlier runs of this graph measured
+    /// more than their plans (on CUDA, or on the CPU with
+    /// [`track_cpu_allocations`](crate::memory::track_cpu_allocations)); the micro-batch is
+    /// chosen with them held. Each measurement bounds the excess at every size (at most itself
+    /// at fewer samples, at most in proportion at more), so a fixed excess is held whole and a
+    /// per-sample one scales once two sizes were measured. 0 when no run measured more.
+    pub fn correction_bytes(&self) -> u64 {
+        self.correction
+    }
+    /// [`correction_bytes`](Self::correction_bytes) per sample of the micro-batch.
     pub fn correction_bytes_per_sample(&self) -> u64 {
-        self.correction.ceil() as u64
+        self.correction.div_ceil(self.micro_batch.max(1) as u64)
     }
     /// Peak bytes of the schedule at the micro-batch size.
     pub fn peak_bytes(&self) -> u64 {
@@ -285,7 +292,7 @@ pub(crate) fn detail(c: Compiled, decision: Decision) -> Plan {
         new_grads,
         steps: OnceCell::new(),
         last_use: c.last_use,
-        correction: decision.correction,
+        correction: decision.reserved,
     }
 }
 
@@ -327,12 +334,13 @@ impl fmt::Display for Plan {
             crate::svg::bytes(self.budget as f64),
             crate::svg::bytes(self.full_batch_peak as f64),
         )?;
-        if self.correction > 0.0 {
+        if self.correction > 0 {
             writeln!(
                 f,
-                "verified: an earlier run of this graph measured {} per sample above its plan; held in reserve: {}",
-                crate::svg::bytes(self.correction.ceil()),
-                crate::svg::bytes((self.correction * self.micro_batch as f64).ceil())
+                "verified: an earlier run of this graph measured more than its plan; held in reserve at micro-batch {}: {} ({} per sample)",
+                self.micro_batch,
+                crate::svg::bytes(self.correction as f64),
+                crate::svg::bytes(self.correction_bytes_per_sample() as f64)
             )?;
         }
         if self.mode == Mode::Backward && self.splits() && self.new_grads > 0 {

@@ -22,9 +22,9 @@ pub(crate) struct Decision {
     pub(crate) full_peak: u64,
     /// Whether a micro-batch that runs out of memory may be halved (the result allows it).
     pub(crate) splittable: bool,
-    /// Bytes per sample held in reserve: what earlier runs of the graph measured above their
-    /// plans ([`Corrections`]).
-    pub(crate) correction: f64,
+    /// Bytes held in reserve at `micro_batch`: what earlier runs of the graph measured above
+    /// their plans ([`Corrections`]).
+    pub(crate) reserved: u64,
     /// The simulation at `micro_batch`, and the gradient bytes its accumulation step counts.
     pub(crate) outcome: (Outcome, u64),
     pub(crate) schedule: Schedule,
@@ -47,7 +47,20 @@ pub(crate) fn decide(c: &Compiled, mode: Mode, options: &Options) -> Result<Deci
     let schedule = Schedule::build(c, mode);
     let budget = budget(options, c.device());
     let correction = Corrections::process().of(c, mode);
-    let choice = choose(c, &schedule, budget, correction, options)?;
+    // Held whole at fewer samples (an excess may be fixed); where nothing fits so, the excess
+    // is taken as per-sample, and the run measures which it was.
+    let (choice, reserved) = match choose(c, &schedule, budget, &|b| correction.at(b), options) {
+        Err(LazyError::DoesNotFit { .. }) if correction.at(1) > 0 => {
+            let choice = choose(c, &schedule, budget, &|b| correction.proportional(b), options)?;
+            let reserved = correction.proportional(choice.micro_batch as u64);
+            (choice, reserved)
+        }
+        chosen => {
+            let choice = chosen?;
+            let reserved = correction.at(choice.micro_batch as u64);
+            (choice, reserved)
+        }
+    };
     check_split(c, mode, &choice, budget, options)?;
     let splittable = splittable(c, mode, &choice, budget, options);
     let b = choice.micro_batch as u64;
@@ -59,7 +72,7 @@ pub(crate) fn decide(c: &Compiled, mode: Mode, options: &Options) -> Result<Deci
         peak: choice.peak,
         full_peak: choice.full_peak,
         splittable,
-        correction,
+        reserved,
         outcome,
         schedule,
     })
@@ -101,12 +114,12 @@ fn choose(
     c: &Compiled,
     schedule: &Schedule,
     budget: u64,
-    correction: f64,
+    reserve: &dyn Fn(u64) -> u64,
     options: &Options,
 ) -> Result<Choice, LazyError> {
     let n = c.batch.max(1) as u64;
     // The budget the schedule at `b` is held to, less what measurement found the plan misses.
-    let held = |b: u64| budget.saturating_sub((correction * b as f64).ceil() as u64);
+    let held = |b: u64| budget.saturating_sub(reserve(b));
     let full = schedule.simulate(n);
     let full_resolved = full.resolve(c, n);
     let full_peak = full_resolved.0.peak;
@@ -144,6 +157,7 @@ fn choose(
                     peak_node: node,
                     peak_op: c.nodes[node].op.name().into(),
                     budget,
+                    reserved: reserve(1),
                 });
             }
             at_one
