@@ -1,9 +1,10 @@
 //! The tax of `toma::lazy` when no split is needed: one training step plain in tch against the
 //! same step through `toma::lazy` whose plan runs the whole batch as one micro-batch, side by
 //! side, in time and in peak CPU memory (the counting allocator), on a small CNN (conv, relu,
-//! max-pool, linear, cross-entropy; batch 64 of 3×32×32) and on an MLP whose parameters
-//! dominate its memory (1024 → 4096 → 4096 → 10, 84 MB of weights; batch 64). Goal (issue 17):
-//! within 5% of plain tch in both.
+//! max-pool, linear, cross-entropy; batch 64 of 3×32×32), on an MLP whose parameters
+//! dominate its memory (1024 → 4096 → 4096 → 10, 84 MB of weights; batch 64), and on a
+//! minGPT-style model (two GPT-2 decoder blocks, width 128, 4 heads, 64 positions, dropout, a
+//! head over 256 tokens; batch 64). Goal (issues 17, 27): within 5% of plain tch in each.
 //!
 //! `cargo bench --bench lazy_tax`.
 
@@ -13,6 +14,7 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, Criterion};
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
+use toma::lazy::models::{BlockConfig, DecoderBlock};
 use toma::lazy::{lazy, Options};
 
 struct Cnn {
@@ -71,6 +73,39 @@ fn mlp_plain(m: &Mlp, x: &Tensor, y: &Tensor) -> f64 {
 fn mlp_lazily(m: &Mlp, x: &Tensor, y: &Tensor) -> f64 {
     let (x, y) = lazy((x, y), 0);
     let loss = x.apply(&m.l1).relu().apply(&m.l2).relu().apply(&m.l3).cross_entropy_for_logits(&y);
+    loss.backward_with(&Options::new()).unwrap()
+}
+
+/// A minGPT-style model: two GPT-2 decoder blocks of `toma::lazy::models` (written once over
+/// `TensorOps`: the same code runs eagerly and lazily), a head over 256 tokens, cross-entropy
+/// over every position.
+struct Gpt {
+    blocks: Vec<DecoderBlock>,
+    head: nn::Linear,
+}
+
+const GPT_WIDTH: i64 = 128;
+const GPT_VOCAB: i64 = 256;
+
+fn gpt(vs: &nn::VarStore) -> Gpt {
+    let p = vs.root();
+    Gpt {
+        blocks: (0..2).map(|i| DecoderBlock::new(&p / "h" / i, BlockConfig::gpt2(GPT_WIDTH, 4))).collect(),
+        head: nn::linear(&p / "head", GPT_WIDTH, GPT_VOCAB, Default::default()),
+    }
+}
+
+fn gpt_plain(m: &Gpt, x: &Tensor, y: &Tensor) -> f64 {
+    let h = m.blocks.iter().fold(x.shallow_clone(), |h, b| b.forward_t(&h, true));
+    let loss = h.apply(&m.head).view([-1, GPT_VOCAB]).cross_entropy_for_logits(&y.view([-1]));
+    loss.backward();
+    loss.double_value(&[])
+}
+
+fn gpt_lazily(m: &Gpt, x: &Tensor, y: &Tensor) -> f64 {
+    let (x, y) = lazy((x, y), 0);
+    let h = m.blocks.iter().fold(x, |h, b| b.forward_t(&h, true));
+    let loss = h.apply(&m.head).view([-1, GPT_VOCAB]).cross_entropy_for_logits(&y.view([-1]));
     loss.backward_with(&Options::new()).unwrap()
 }
 
@@ -157,6 +192,9 @@ fn tax(c: &mut Criterion) {
     split(&x, &y);
     let x = Tensor::randn([64, 1024], (Kind::Float, Device::Cpu));
     compare(c, "mlp", mlp, &x, &y, mlp_plain, mlp_lazily);
+    let x = Tensor::randn([64, 64, GPT_WIDTH], (Kind::Float, Device::Cpu));
+    let y = Tensor::randint(GPT_VOCAB, [64, 64], (Kind::Int64, Device::Cpu));
+    compare(c, "gpt", gpt, &x, &y, gpt_plain, gpt_lazily);
 }
 
 /// When the plan splits: the CNN step in 4 micro-batches of 16 through `toma::lazy`, against
