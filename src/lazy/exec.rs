@@ -60,7 +60,10 @@ fn run_node(c: &Compiled, i: usize, ins: &[&Tensor], chunk: &Chunk<'_>) -> Resul
     let rules = &node.op;
     let err = torch(i, rules.name());
     if let Some(Some(stand_in)) = chunk.stand_ins.get(i) {
-        return Ok(stand_in.shallow_clone());
+        return match node.op.source() {
+            Some(Source::Input { dim, .. }) => stand_in.f_narrow(*dim as i64, chunk.start, chunk.b).map_err(err),
+            _ => Ok(stand_in.shallow_clone()),
+        };
     }
     let cx = RunCx { meta: &node.meta, start: chunk.start, b: chunk.b };
     if chunk.split && c.global[i] {
@@ -412,6 +415,25 @@ pub(crate) fn backward(output: &LazyTensor, options: &Options) -> Result<f64, La
             stand_ins[i] = Some(params[k].shallow_clone());
         }
     }
+    // Inputs that require a gradient: an input of the user's own (`x.requires_grad`), or one
+    // computed from parameters (a learned token expanded to the batch, wrapped with `lazy`).
+    // Their gradients are asked for with the parameters': a leaf's into its `.grad`; another's
+    // through a detached stand-in, sent back through its own graph at the end.
+    let n_params = params.len();
+    for (i, node) in p.c.nodes.iter().enumerate() {
+        if let Some(Source::Input { tensor, .. }) = node.op.source() {
+            if tensor.requires_grad() {
+                if tensor.is_leaf() {
+                    params.push(tensor.shallow_clone());
+                } else {
+                    let stand_in = tensor.detach().set_requires_grad(true);
+                    stand_ins[i] = Some(stand_in.shallow_clone());
+                    params.push(stand_in);
+                }
+                originals.push(tensor.shallow_clone());
+            }
+        }
+    }
     let leaf: Vec<bool> = originals.iter().map(Tensor::is_leaf).collect();
     // One micro-batch of the whole batch needs no second copy of the gradients: autograd
     // accumulates straight into `.grad`, as plain tch does (the plan counts it so). A backward
@@ -484,7 +506,9 @@ pub(crate) fn backward(output: &LazyTensor, options: &Options) -> Result<f64, La
     #[cfg(feature = "dist")]
     if let Some(group) = options.group.as_ref().filter(|g| g.world_size() > 1) {
         // Every rank's share is in its own `.grad`: their sum is the union's gradient.
-        let grads: Vec<Tensor> = params.iter().zip(&leaf).filter(|&(_, &l)| l).map(|(p, _)| p.grad()).collect();
+        // Parameters only: an input's gradient is the rank's own.
+        let grads: Vec<Tensor> =
+            params.iter().zip(&leaf).take(n_params).filter(|&(_, &l)| l).map(|(p, _)| p.grad()).collect();
         let defined: Vec<&Tensor> = grads.iter().filter(|g| g.defined()).collect();
         group.all_reduce_sum(&defined)?;
         total = group.all_reduce_f64("toma.lazy/loss", crate::dist::Reduce::Sum, &[total])?[0];

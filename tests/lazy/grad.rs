@@ -380,6 +380,62 @@ fn gradients_accumulate_on_top_of_existing_ones_like_tch() {
     }
 }
 
+/// A ViT-style learned token, expanded to the batch and wrapped with `lazy` (as the error for
+/// a fixed operand of the batch's size asks), and an input of the user's that requires a
+/// gradient: both get the full batch's gradients, in micro-batches and whole (before, both were
+/// silently dropped: the parameters' gradients were the only ones asked for).
+#[test]
+fn inputs_that_require_gradients_get_them() {
+    tch::manual_seed(9);
+    let mut vs = nn::VarStore::new(CPU);
+    let (n, t, d) = (10i64, 4i64, 8i64);
+    let embed = nn::linear(vs.root() / "embed", d, d, Default::default());
+    let head = nn::linear(vs.root() / "head", d, 3, Default::default());
+    let cls = vs.root().randn("cls", &[1, 1, d], 0.0, 1.0);
+    vs.double();
+    let x = Tensor::randn([n, t, d], (Kind::Double, CPU));
+    let y = Tensor::randint(3, [n], (Kind::Int64, CPU));
+    // The token's row of each sequence, after one mixing layer over the positions.
+    let eager = || {
+        let tokens = Tensor::cat(&[cls.expand([n, 1, d], false), embed.forward(&x)], 1);
+        let mixed = tokens.softmax(1, None) * &tokens;
+        // (tch's `cross_entropy_for_logits` computes in f32.)
+        head.forward(&mixed.select(1, 0).tanh()).log_softmax(-1, None).nll_loss(&y)
+    };
+    let lazily = || {
+        let (lx, ly) = lazy((&x, &y), 0);
+        let token = lazy(&cls.expand([n, 1, d], false), 0);
+        let tokens = LazyTensor::cat(&[token, lx.apply(&embed)], 1);
+        let mixed = tokens.softmax(1, None) * &tokens;
+        mixed.select(1, 0).tanh().apply(&head).cross_entropy_for_logits(&ly)
+    };
+    for micro in [3usize, 10] {
+        check(
+            &vs,
+            &format!("learned token, micro-batches of {micro}"),
+            &Options::new().micro_batch(micro),
+            eager,
+            lazily,
+        );
+    }
+    // An input that requires a gradient of its own: its `.grad` is the full batch's.
+    let xg = x.detach().set_requires_grad(true);
+    let eager_grad = {
+        let loss = head.forward(&embed.forward(&xg).relu().mean_dim(1, false, None)).log_softmax(-1, None).nll_loss(&y);
+        loss.backward();
+        xg.grad().copy()
+    };
+    for micro in [3usize, 10] {
+        let mut g = xg.grad();
+        let _ = g.zero_();
+        let (lx, ly) = lazy((&xg, &y), 0);
+        let loss = lx.apply(&embed).relu().mean_dim(1, false, None).apply(&head).cross_entropy_for_logits(&ly);
+        loss.backward_with(&Options::new().micro_batch(micro)).unwrap();
+        let err = relative_error(&xg.grad(), &eager_grad);
+        assert!(err <= 1e-10, "the input's gradient in micro-batches of {micro} differs by {err:e}");
+    }
+}
+
 /// The ops added with the op families (conv1d, silu, causal attention, baddbmm, softplus) in
 /// one sequence model: micro-batched gradients are the full batch's.
 #[test]
