@@ -18,14 +18,47 @@ fn factors_saved(i: usize, a: usize, b: usize, inputs: &[Rc<Node>]) -> bool {
 }
 
 /// A matrix product with `torch.matmul`'s rules, or `bmm` (`[B, n, m] @ [B, m, p]`).
-/// Operands: a, b.
+/// Operands: a, b. The path libtorch takes, and what it takes, depend only on the operands'
+/// shapes, strides and gradients: worked out once, when the op is recorded.
 pub(crate) struct Matmul {
-    batched_only: bool,
+    bmm: bool,
+    path: MatmulPath,
+    /// Each operand's copy, and the other temporaries forward and backward: `(per sample,
+    /// fixed)` elements.
+    copies: [(u64, u64); 2],
+    forward: (u64, u64),
+    backward: (u64, u64),
+}
+
+impl Matmul {
+    fn bmm() -> Matmul {
+        Matmul { bmm: true, path: MatmulPath::Direct, copies: [(0, 0); 2], forward: (0, 0), backward: (0, 0) }
+    }
+
+    fn product(a: &Meta, b: &Meta) -> Matmul {
+        let path =
+            MatmulPath::choose((&a.shape, &a.strides, a.requires_grad), (&b.shape, &b.strides, b.requires_grad), None);
+        // Elements at one and two samples give the line (every count is a product of sizes,
+        // at most one of them the batch's).
+        let (one, two) = (path.elements(&a.shape_at(1), &b.shape_at(1)), path.elements(&a.shape_at(2), &b.shape_at(2)));
+        let line = |f: &dyn Fn(&MatmulElements) -> u64| {
+            let per = f(&two).saturating_sub(f(&one));
+            (per, f(&one).saturating_sub(per))
+        };
+        let grads = [a.requires_grad, b.requires_grad];
+        Matmul {
+            bmm: false,
+            path,
+            copies: [line(&|e| e.copy[0]), line(&|e| e.copy[1])],
+            forward: line(&|e| e.forward),
+            backward: line(&|e| (0..2).filter(|&i| grads[i]).map(|i| e.expanded[i]).sum::<u64>()),
+        }
+    }
 }
 
 impl Operation for Matmul {
     fn name(&self) -> &'static str {
-        if self.batched_only {
+        if self.bmm {
             "bmm"
         } else {
             "matmul"
@@ -33,7 +66,7 @@ impl Operation for Matmul {
     }
 
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        if self.batched_only {
+        if self.bmm {
             ins[0].f_bmm(ins[1])
         } else {
             ins[0].f_matmul(ins[1])
@@ -42,17 +75,14 @@ impl Operation for Matmul {
 
     fn saves_input(&self, i: usize, inputs: &[Rc<Node>]) -> bool {
         // An operand copied for the kernel is saved as its copy (see `kernels`), not itself.
-        factors_saved(i, 0, 1, inputs) && (self.batched_only || !MatmulPath::of(inputs).copies(i))
+        factors_saved(i, 0, 1, inputs) && !self.path.copies(i)
     }
 
     fn grad_reshape(&self, inputs: &[Rc<Node>], meta: &Meta) -> Option<Vec<i64>> {
-        if self.batched_only {
-            return None;
-        }
         // `bmm`'s or `mm`'s result was viewed as the output: its gradient is viewed back.
         let (a, b) = (&inputs[0].meta.shape, &inputs[1].meta.shape);
         let (out, p) = (&meta.shape, *meta.shape.last()?);
-        match MatmulPath::of(inputs) {
+        match self.path {
             MatmulPath::Fold { transposed: false, squeezed, .. } if b.len() - usize::from(squeezed == Some(1)) == 2 => {
                 Some(vec![shape::numel(out) / p.max(1), p])
             }
@@ -65,42 +95,16 @@ impl Operation for Matmul {
     }
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
-        if self.batched_only {
-            return;
-        }
-        let path = MatmulPath::of(inputs);
-        if path == MatmulPath::Direct {
-            return;
-        }
-        // Elements at one and two samples give the line (every count is a product of sizes,
-        // at most one of them the batch's).
-        let at = |b: i64| {
-            let a = inputs[0].meta.shape_at(b);
-            let o = inputs[1].meta.shape_at(b);
-            path.elements(&a, &o)
-        };
-        let (one, two) = (at(1), at(2));
-        let line = |f: &dyn Fn(&MatmulElements) -> u64| {
-            let per = f(&two).saturating_sub(f(&one));
-            (per, f(&one).saturating_sub(per))
-        };
-        let grads = [requires(inputs, 0), requires(inputs, 1)];
         // A copy is what `bmm` or `mm` saves for the other operand's gradient.
-        for i in 0..2 {
-            let elements = line(&|e| e.copy[i]);
-            if elements == (0, 0) {
-                continue;
-            }
-            if grads[1 - i] && meta.requires_grad {
+        for (i, &elements) in self.copies.iter().enumerate().filter(|(_, e)| **e != (0, 0)) {
+            if requires(inputs, 1 - i) && meta.requires_grad {
                 calls.push(KernelCall::SavedCopy { elements, kind: meta.kind });
             } else {
                 calls.push(KernelCall::Temporaries { forward: elements, backward: (0, 0) });
             }
         }
-        let forward = line(&|e| e.forward);
-        let backward = line(&|e| (0..2).filter(|&i| grads[i]).map(|i| e.expanded[i]).sum::<u64>());
-        if forward != (0, 0) || backward != (0, 0) {
-            calls.push(KernelCall::Temporaries { forward, backward });
+        if self.forward != (0, 0) || self.backward != (0, 0) {
+            calls.push(KernelCall::Temporaries { forward: self.forward, backward: self.backward });
         }
     }
 }
@@ -134,26 +138,28 @@ struct MatmulElements {
 /// Operands as `_matmul_impl` sees them: shape, strides, whether it requires a gradient.
 type Operand<'a> = (&'a [i64], &'a [i64], bool);
 
-impl MatmulPath {
-    fn of(inputs: &[Rc<Node>]) -> MatmulPath {
-        let (a, b) = (&inputs[0].meta, &inputs[1].meta);
-        Self::choose((&a.shape, &a.strides, a.requires_grad), (&b.shape, &b.strides, b.requires_grad), None)
-    }
+/// An operand's shape and strides with its last two dimensions swapped, as `mT()`.
+fn mt((shape, strides, _): Operand<'_>) -> (Vec<i64>, Vec<i64>) {
+    let (mut sh, mut st) = (shape.to_vec(), strides.to_vec());
+    let d = sh.len();
+    sh.swap(d - 2, d - 1);
+    st.swap(d - 2, d - 1);
+    (sh, st)
+}
 
+/// The dimensions before an operand's matrix (none for a vector).
+fn leading(shape: &[i64]) -> &[i64] {
+    &shape[..shape.len().saturating_sub(2)]
+}
+
+impl MatmulPath {
     fn choose(a: Operand<'_>, b: Operand<'_>, squeezed: Option<usize>) -> MatmulPath {
         let (da, db) = (a.0.len(), b.0.len());
         if da <= 2 && db <= 2 {
             return MatmulPath::Direct;
         }
         if let Some(transposed) = Self::folds(a, b) {
-            let (t1_shape, t1_strides) = if transposed {
-                let (mut sh, mut st) = (b.0.to_vec(), b.1.to_vec());
-                sh.swap(db - 2, db - 1);
-                st.swap(db - 2, db - 1);
-                (sh, st)
-            } else {
-                (a.0.to_vec(), a.1.to_vec())
-            };
+            let (t1_shape, t1_strides) = if transposed { mt(b) } else { (a.0.to_vec(), a.1.to_vec()) };
             let rows = shape::numel(&t1_shape[..t1_shape.len() - 1]);
             let last = t1_shape[t1_shape.len() - 1];
             let copy = shape::view_strides(&t1_shape, &t1_strides, &[rows, last]).is_none();
@@ -170,8 +176,7 @@ impl MatmulPath {
                 return Self::choose(a, (&b.0[1..], &b.1[1..], b.2), Some(1));
             }
         }
-        let lead = |s: &[i64]| s[..s.len().saturating_sub(2)].to_vec();
-        let Ok(batch) = shape::broadcast(&lead(a.0), &lead(b.0)) else {
+        let Ok(batch) = shape::broadcast(leading(a.0), leading(b.0)) else {
             return MatmulPath::Direct;
         };
         let mut copy = [false; 2];
@@ -214,12 +219,7 @@ impl MatmulPath {
         if a.0.len() == 2 {
             return None;
         }
-        let (mut sh, mut st) = (t1.0.to_vec(), t1.1.to_vec());
-        if !a_larger {
-            let d = sh.len();
-            sh.swap(d - 2, d - 1);
-            st.swap(d - 2, d - 1);
-        }
+        let (sh, st) = if a_larger { (t1.0.to_vec(), t1.1.to_vec()) } else { mt(t1) };
         if shape::numel(&sh) == 0 {
             return Some(!a_larger);
         }
@@ -256,8 +256,7 @@ impl MatmulPath {
                 }
             }
             MatmulPath::Batched { copy, broadcast } => {
-                let lead = |s: &[i64]| s[..s.len().saturating_sub(2)].to_vec();
-                let batch = shape::broadcast(&lead(a), &lead(b)).unwrap_or_default();
+                let batch = shape::broadcast(leading(a), leading(b)).unwrap_or_default();
                 for (i, s) in [a, b].into_iter().enumerate() {
                     let own = if s.len() >= 2 { n(&s[s.len() - 2..]) } else { n(s) };
                     let expanded = n(&batch) * own;
@@ -463,7 +462,7 @@ impl LazyTensor {
             }
             flow
         };
-        Ok(Record::new(Matmul { batched_only: false }, vec![a.clone(), b.clone()], out, a.meta.kind, device)
+        Ok(Record::new(Matmul::product(&a.meta, &b.meta), vec![a.clone(), b.clone()], out, a.meta.kind, device)
             .flow(flow)
             .finish())
     }
@@ -491,9 +490,7 @@ impl LazyTensor {
         ];
         let along_b = mapped.iter().flatten().any(|&d| d == 0);
         let flow = combine_flows(name, &[a, b], &mapped, &out, Linearity::Nonlinear, along_b)?;
-        Ok(Record::new(Matmul { batched_only: true }, vec![a.clone(), b.clone()], out, a.meta.kind, device)
-            .flow(flow)
-            .finish())
+        Ok(Record::new(Matmul::bmm(), vec![a.clone(), b.clone()], out, a.meta.kind, device).flow(flow).finish())
     }
 
     /// `self @ weightᵀ + bias`, as tch's `linear`: `self` is `[.., in]`, `weight` `[out, in]`,

@@ -33,29 +33,18 @@ impl Reserve {
     /// The bytes to hold in reserve at micro-batch `b` (0 until a run measured more than
     /// planned).
     pub(crate) fn at(&self, b: u64) -> u64 {
-        self.points
-            .iter()
-            .map(
-                |&(seen, excess)| {
-                    if b <= seen {
-                        excess
-                    } else {
-                        (excess as u128 * b as u128).div_ceil(seen.max(1) as u128) as u64
-                    }
-                },
-            )
-            .min()
-            .unwrap_or(0)
+        self.tightest(|seen, excess| if b <= seen { excess } else { scaled(excess, b, seen) })
     }
 
     /// The bytes at micro-batch `b` were every excess per-sample: the least a reserve can be,
     /// tried where the bound of [`at`](Self::at) leaves nothing that fits.
     pub(crate) fn proportional(&self, b: u64) -> u64 {
-        self.points
-            .iter()
-            .map(|&(seen, excess)| (excess as u128 * b as u128).div_ceil(seen.max(1) as u128) as u64)
-            .min()
-            .unwrap_or(0)
+        self.tightest(|seen, excess| scaled(excess, b, seen))
+    }
+
+    /// The least of `bound(micro-batch, excess)` over the measurements (0 without any).
+    fn tightest(&self, bound: impl Fn(u64, u64) -> u64) -> u64 {
+        self.points.iter().map(|&(seen, excess)| bound(seen, excess)).min().unwrap_or(0)
     }
 
     /// Records `excess` at `b`; whether the reserve changed.
@@ -75,6 +64,11 @@ impl Reserve {
             }
         }
     }
+}
+
+/// `excess` measured at `seen` samples, in proportion at `b` (rounded up).
+fn scaled(excess: u64, b: u64, seen: u64) -> u64 {
+    (excess as u128 * b as u128).div_ceil(seen.max(1) as u128) as u64
 }
 
 /// The corrections of the process, by graph (its fingerprint), mode and device. The one owner
