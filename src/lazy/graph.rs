@@ -140,6 +140,9 @@ pub(crate) struct Cost {
     /// Inputs whose gradient is a view of the output's (bit k: input k; past 64: `alias_rest`).
     pub(crate) grad_alias: u64,
     pub(crate) alias_rest: bool,
+    /// The output is a view of input 0 with its dimensions reordered (a transpose, a permute):
+    /// its backward hands the gradient on permuted.
+    pub(crate) permutes: bool,
     /// Whether the op names any kernel call ([`Operation::kernels`]): the others need no
     /// pricing when a plan is made.
     pub(crate) kernel_calls: bool,

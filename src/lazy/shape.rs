@@ -161,19 +161,45 @@ pub(crate) fn infer_size(size: &[i64], total: i64) -> Result<Vec<i64>, String> {
 /// dimensions (a transpose, a permute): which dimension of `from` each of `to`'s is. `None`
 /// for any other view.
 pub(crate) fn permutation(from: &[i64], from_strides: &[i64], to: &[i64], to_strides: &[i64]) -> Option<Vec<usize>> {
-    if from.len() != to.len() {
-        return None;
+    let mut order = Vec::with_capacity(to.len());
+    reorders(from, from_strides, to, to_strides, |_, d| order.push(d)).then_some(order)
+}
+
+/// Whether such a view reorders dimensions other than ones of size 1 (it is not the identity).
+pub(crate) fn permutes(from: &[i64], from_strides: &[i64], to: &[i64], to_strides: &[i64]) -> bool {
+    // Dimensions of size 1 may land anywhere; the others must keep their order.
+    let (mut moved, mut last) = (false, None);
+    reorders(from, from_strides, to, to_strides, |o, d| {
+        if to[o] != 1 {
+            moved |= last.is_some_and(|l| d < l);
+            last = Some(d);
+        }
+    }) && moved
+}
+
+/// Matches each of `to`'s dimensions with one of `from`'s of its size and stride (any stride
+/// at size 1), calling `found(to's, from's)`; whether every one matched.
+fn reorders(
+    from: &[i64],
+    from_strides: &[i64],
+    to: &[i64],
+    to_strides: &[i64],
+    mut found: impl FnMut(usize, usize),
+) -> bool {
+    if from.len() != to.len() || from.len() > 64 || from_strides.len() != from.len() || to_strides.len() != to.len() {
+        return false;
     }
-    let mut used = vec![false; from.len()];
-    to.iter()
-        .zip(to_strides)
-        .map(|(&size, &stride)| {
-            let d =
-                (0..from.len()).find(|&d| !used[d] && from[d] == size && (size == 1 || from_strides[d] == stride))?;
-            used[d] = true;
-            Some(d)
-        })
-        .collect()
+    let mut used = 0u64;
+    for (o, (&size, &stride)) in to.iter().zip(to_strides).enumerate() {
+        let Some(d) = (0..from.len())
+            .find(|&d| used & (1 << d) == 0 && from[d] == size && (size == 1 || from_strides[d] == stride))
+        else {
+            return false;
+        };
+        used |= 1 << d;
+        found(o, d);
+    }
+    true
 }
 
 /// The strides a view of (`old_shape`, `old_strides`) as `new_shape` would have, or `None` when
@@ -436,6 +462,10 @@ mod tests {
         // A view that merges or splits dimensions is not a permutation.
         assert_eq!(permutation(&[4, 8], &[8, 1], &[8, 4], &[4, 1]), None);
         assert_eq!(permutation(&[2, 3, 4], &[12, 4, 1], &[6, 4], &[4, 1]), None);
+        assert!(permutes(&[2, 3, 4], &[12, 4, 1], &[2, 4, 3], &[12, 1, 4]));
+        // The same view, or one moving only a dimension of size 1, reorders nothing.
+        assert!(!permutes(&[2, 3, 4], &[12, 4, 1], &[2, 3, 4], &[12, 4, 1]));
+        assert!(!permutes(&[2, 1, 4], &[4, 4, 1], &[1, 2, 4], &[4, 4, 1]));
     }
 
     #[test]

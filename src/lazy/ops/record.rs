@@ -336,5 +336,7 @@ fn cost(op: &dyn Operation, inputs: &[Rc<Node>], meta: &Meta) -> Cost {
     for &s in &meta.shape {
         hash = crate::hash::mix(hash ^ s as u64);
     }
-    Cost { out, grad, saved, grad_alias, alias_rest, kernel_calls, hash }
+    let permutes = meta.alias
+        && inputs.first().is_some_and(|x| shape::permutes(&x.meta.shape, &x.meta.strides, &meta.shape, &meta.strides));
+    Cost { out, grad, saved, grad_alias, alias_rest, permutes, kernel_calls, hash }
 }

@@ -213,6 +213,7 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
     let mut last_use = vec![0u32; n];
     let mut root = Vec::with_capacity(n);
     let mut flags = Vec::with_capacity(n);
+    let mut permuting = Vec::new();
     let mut param = vec![None; n];
     let mut batch: Option<i64> = None;
     let mut fingerprint = 0x6c61_7a79u64;
@@ -236,6 +237,9 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
                 | (u8::from(node.op.differentiable()) * F_DIFFERENTIABLE)
                 | (u8::from(cost.alias_rest) * F_ALIAS_REST),
         );
+        if cost.permutes {
+            permuting.push(i as u32);
+        }
         fingerprint = crate::hash::mix(fingerprint ^ node.cost.hash);
         match node.op.source() {
             Some(Source::Input { .. }) => {
@@ -262,7 +266,7 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
     offsets.push(inputs.len() as u32);
     last_use[n - 1] = n as u32;
     let edges = |i: usize| &inputs[offsets[i] as usize..offsets[i + 1] as usize];
-    grad_copies(&found, &inputs, &offsets, &mut flags);
+    grad_copies(&found, &inputs, &offsets, &mut flags, &permuting);
     // Sum-flow nodes that reach the output only through linear ops are combined over
     // micro-batches; others (only with allow_batch_mixing) are per-micro-batch statistics.
     let mut global = vec![false; n];
@@ -318,56 +322,72 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
 /// (an addition) its own; every other op makes a new, contiguous one. So gradients arrive
 /// permuted where attention's heads were split by a transpose, and an op that views its
 /// gradient as a batch of matrices (`matmul`, `linear`, `view`) must copy it first.
-fn grad_copies(found: &[Rc<Node>], inputs: &[u32], offsets: &[u32], flags: &mut [u8]) {
+fn grad_copies(found: &[Rc<Node>], inputs: &[u32], offsets: &[u32], flags: &mut [u8], permuting: &[u32]) {
+    if permuting.is_empty() {
+        return;
+    }
     let n = found.len();
     let mut uses = vec![0u32; n];
     for &j in inputs {
         uses[j as usize] += 1;
     }
-    // The strides of each gradient that does not arrive contiguous.
-    let mut strides: Vec<Option<Vec<i64>>> = vec![None; n];
-    for k in (0..n).rev() {
-        if flags[k] & F_REQUIRES_GRAD == 0 {
-            continue;
-        }
-        let node = &found[k];
-        let out = &node.meta;
-        let mut copied = false;
-        if let Some(g) = &strides[k] {
-            if let Some(target) = node.op.grad_reshape(&node.inputs, out) {
-                copied = shape::view_strides(&out.shape, g, &target).is_none();
-                if copied {
-                    flags[k] |= F_GRAD_COPY;
-                }
-            }
-        }
-        for (e, &j) in inputs[offsets[k] as usize..offsets[k + 1] as usize].iter().enumerate() {
-            let j = j as usize;
-            if uses[j] != 1 || flags[j] & F_REQUIRES_GRAD == 0 || copied {
+    // Only what a transpose or permute reaches, consumer before producer: the strides of each
+    // gradient that does not arrive contiguous (the rest do).
+    let mut strides: HashMap<usize, Vec<i64>> = HashMap::new();
+    let mut visited = vec![false; n];
+    let mut work = Vec::new();
+    for &start in permuting.iter().rev() {
+        work.push(start as usize);
+        while let Some(k) = work.pop() {
+            if std::mem::replace(&mut visited[k], true) || flags[k] & F_REQUIRES_GRAD == 0 {
                 continue;
             }
-            let input = &node.inputs[e].meta;
-            let passes = e < 64 && node.cost.grad_alias & (1 << e) != 0;
-            let handed = if out.alias && e == 0 {
-                let g = strides[k].clone().unwrap_or_else(|| shape::contiguous_strides(&out.shape));
-                if let Some(p) = shape::permutation(&input.shape, &input.strides, &out.shape, &out.strides) {
-                    let mut own = vec![0; g.len()];
-                    for (o, &d) in p.iter().enumerate() {
-                        own[d] = g[o];
+            let node = &found[k];
+            let out = &node.meta;
+            // Its gradient's strides, read once (every consumer of them is this node).
+            let own = strides.remove(&k);
+            let viewed = |g: &[i64]| {
+                node.op
+                    .grad_reshape(&node.inputs, out)
+                    .is_none_or(|to| shape::view_strides(&out.shape, g, &to).is_some())
+            };
+            if own.as_deref().is_some_and(|g| !viewed(g)) {
+                // The copy is contiguous: nothing permuted is handed on.
+                flags[k] |= F_GRAD_COPY;
+                continue;
+            }
+            for (e, &j) in inputs[offsets[k] as usize..offsets[k + 1] as usize].iter().enumerate() {
+                let j = j as usize;
+                if uses[j] != 1 || flags[j] & F_REQUIRES_GRAD == 0 {
+                    continue;
+                }
+                let input = &node.inputs[e].meta;
+                let passes = e < 64 && node.cost.grad_alias & (1 << e) != 0;
+                let handed = if node.cost.permutes && e == 0 {
+                    shape::permutation(&input.shape, &input.strides, &out.shape, &out.strides).map(|p| {
+                        let g = own.clone().unwrap_or_else(|| shape::contiguous_strides(&out.shape));
+                        let mut handed = vec![0; g.len()];
+                        for (o, &d) in p.iter().enumerate() {
+                            handed[d] = g[o];
+                        }
+                        handed
+                    })
+                } else if let Some(g) = &own {
+                    if out.alias && e == 0 {
+                        // A view's backward views the gradient as its input's shape.
+                        let view = node.op.grad_reshape(&node.inputs, out).as_deref() == Some(&input.shape[..]);
+                        view.then(|| shape::view_strides(&out.shape, g, &input.shape)).flatten()
+                    } else {
+                        (passes && input.shape == out.shape).then(|| g.clone())
                     }
-                    Some(own)
-                } else if node.op.grad_reshape(&node.inputs, out).as_deref() == Some(&input.shape[..]) {
-                    shape::view_strides(&out.shape, &g, &input.shape)
                 } else {
                     None
+                };
+                if let Some(g) = handed.filter(|g| !shape::is_contiguous(&input.shape, g)) {
+                    strides.insert(j, g);
+                    work.push(j);
                 }
-            } else if passes && input.shape == out.shape {
-                strides[k].clone()
-            } else {
-                None
-            };
-            // Contiguous strides are the common case: not kept.
-            strides[j] = handed.filter(|g| !shape::is_contiguous(&input.shape, g));
+            }
         }
     }
 }

@@ -88,7 +88,10 @@ impl Schedule {
         let training = mode == Mode::Backward;
         // The table: each value's bytes at `i` (its output's allocation, when it allocates, and
         // its gradient's), then extras and scratch space as they come.
-        let mut table: Vec<Work> = c.nodes.iter().map(|x| x.cost.grad.into()).collect();
+        // Capacities are sized up front: a vector doubled and freed at the top of the heap makes
+        // the allocator hand pages back and fault them in again on every plan.
+        let mut table: Vec<Work> = Vec::with_capacity(n + n / 4 + 16);
+        table.extend(c.nodes.iter().map(|x| Work::from(x.cost.grad)));
         let add_entry = |table: &mut Vec<Work>, bytes: Work| {
             (bytes != Work::default()).then(|| {
                 table.push(bytes);
@@ -98,7 +101,7 @@ impl Schedule {
         // What each node's kernel calls take on this device, for the nodes that make any (most
         // ops make none: they are not asked).
         let mut calls = Vec::new();
-        let mut priced: Vec<Price> = Vec::new();
+        let mut priced: Vec<Price> = Vec::with_capacity(c.nodes.iter().filter(|x| x.cost.kernel_calls).count());
         let slot: Vec<u32> = c
             .nodes
             .iter()
@@ -121,7 +124,7 @@ impl Schedule {
             }
         };
         let mut extra_at: Vec<Option<u32>> = vec![None; if training { n } else { 0 }];
-        let mut events = Vec::with_capacity(6 * n);
+        let mut events = Vec::with_capacity(if training { 6 * n } else { 3 * n });
         let mut steps = Vec::with_capacity(if training { 2 * n } else { n });
         let requires = |i: usize| c.flags[i] & F_REQUIRES_GRAD != 0;
         let saves_output = |i: usize| training && c.flags[i] & F_SAVES_OUTPUT != 0;
