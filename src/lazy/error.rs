@@ -165,6 +165,16 @@ pub enum LazyError {
         #[source]
         source: TchError,
     },
+    /// The inputs wrapped with [`lazy`](super::lazy) have no sample along their batch
+    /// dimension: there is nothing to plan or run. Skip the step for an empty batch (tch would
+    /// return an empty output, or a NaN mean loss).
+    #[error("toma::lazy: the batch is empty (input of shape {shape:?} has size 0 along its batch dimension {dim}); skip the step for an empty batch")]
+    EmptyBatch {
+        /// The shape of the first input found empty.
+        shape: Vec<i64>,
+        /// Its batch dimension.
+        dim: usize,
+    },
     /// The ranks of [`Options::group`](super::Options::group) could not agree, or the gradient
     /// all-reduce failed.
     #[cfg(feature = "dist")]

@@ -37,6 +37,13 @@
 
 use tch::{nn, Tensor};
 
+/// Everything of tch's `nn` (`VarStore`, `linear`, `Adam`, ..), so that `use toma::lazy::nn;`
+/// in place of `use tch::nn;` is the one changed import; the names defined here (`func`,
+/// `func_t`, `seq`, `seq_t`, `Module`, `ModuleT`, ..) take the place of tch's.
+pub use tch::nn::*;
+
+pub use super::optim::{Optimizer, OptimizerConfig};
+
 use super::error::LazyError;
 use super::tch_compat;
 use super::LazyTensor;
@@ -464,6 +471,117 @@ impl nn::ModuleT for SequentialT {
     #[track_caller]
     fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
         self.steps.run(xs, train).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// tch's closures as layers, and the traits an `impl ModuleT` return names.
+
+/// A layer that runs on tensors and records on lazy tensors: what `-> impl Module` names when
+/// this module is imported as `nn` in place of `tch::nn`. Every type that is both tch's
+/// `Module` and a [`LazyModule`] is one ([`func`], [`seq`], tch's layers).
+pub trait Module: nn::Module + LazyModule {}
+
+impl<M: nn::Module + LazyModule + ?Sized> Module for M {}
+
+/// [`Module`] for layers that know training from evaluation: what `-> impl ModuleT` names
+/// ([`func_t`], [`seq_t`], `nn::BatchNorm`, anything that is a [`Module`]).
+pub trait ModuleT: nn::ModuleT + LazyModuleT {}
+
+impl<M: nn::ModuleT + LazyModuleT + ?Sized> ModuleT for M {}
+
+/// A closure as a layer, as tch's `nn::Func`, for both kinds of tensor: the closure takes a
+/// `&LazyTensor` (tch's tensor methods are there by the same names), is recorded as written
+/// on a lazy tensor, and on a `Tensor` is recorded and run at once (eagerly, with autograd).
+pub struct Func<'a> {
+    f: Box<dyn 'a + Fn(&LazyTensor) -> LazyTensor + Send>,
+}
+
+/// A closure of a tensor and the training flag.
+type Forward<'a> = Box<dyn 'a + Fn(&LazyTensor, bool) -> LazyTensor + Send>;
+
+/// [`Func`] with the training flag, as tch's `nn::FuncT`.
+pub struct FuncT<'a> {
+    f: Forward<'a>,
+}
+
+impl std::fmt::Debug for Func<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("func")
+    }
+}
+
+impl std::fmt::Debug for FuncT<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("func_t")
+    }
+}
+
+/// A layer from a closure, as tch's `nn::func`: `nn::func(|xs| xs.relu() * 2.0)`.
+///
+/// ```
+/// use tch::{Device, Kind, Tensor};
+/// use toma::lazy::{lazy, nn};
+///
+/// fn gelu_block<'a>(p: nn::Path<'a>) -> impl nn::Module + 'a {
+///     let up = nn::linear(&p / "up", 4, 16, Default::default());
+///     let down = nn::linear(&p / "down", 16, 4, Default::default());
+///     nn::func(move |xs| xs.apply(&up).gelu("none").apply(&down))
+/// }
+///
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// let block = gelu_block(vs.root());
+/// let x = Tensor::randn([6, 4], (Kind::Float, Device::Cpu));
+/// let eager = x.apply(&block);
+/// let lazily = lazy(&x, 0).apply(&block).to_tensor()?;
+/// assert!(eager.allclose(&lazily, 1e-6, 1e-6, false));
+/// # Ok::<(), toma::lazy::LazyError>(())
+/// ```
+pub fn func<'a, F: 'a + Fn(&LazyTensor) -> LazyTensor + Send>(f: F) -> Func<'a> {
+    Func { f: Box::new(f) }
+}
+
+/// A layer from a closure of the training flag, as tch's `nn::func_t`:
+/// `nn::func_t(|xs, train| xs.dropout(0.1, train))`.
+pub fn func_t<'a, F: 'a + Fn(&LazyTensor, bool) -> LazyTensor + Send>(f: F) -> FuncT<'a> {
+    FuncT { f: Box::new(f) }
+}
+
+/// Runs a recording on a tensor: its ops recorded on `xs` as a fixed operand and run at once.
+#[track_caller]
+fn record_and_run(xs: &Tensor, record: impl FnOnce(&LazyTensor) -> LazyTensor) -> Tensor {
+    super::exec::run_eagerly(&record(&LazyTensor::fixed(xs))).unwrap_or_else(|e| panic!("{e}"))
+}
+
+impl LazyModule for Func<'_> {
+    fn lazy_forward(&self, xs: &LazyTensor) -> Result<LazyTensor, LazyError> {
+        Ok((self.f)(xs))
+    }
+}
+
+impl nn::Module for Func<'_> {
+    /// The closure recorded on `xs` and run at once.
+    ///
+    /// # Panics
+    /// When an op of the closure fails, as tch's ops panic.
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        record_and_run(xs, |x| (self.f)(x))
+    }
+}
+
+impl LazyModuleT for FuncT<'_> {
+    fn lazy_forward_t(&self, xs: &LazyTensor, train: bool) -> Result<LazyTensor, LazyError> {
+        Ok((self.f)(xs, train))
+    }
+}
+
+impl nn::ModuleT for FuncT<'_> {
+    /// The closure recorded on `xs` and run at once.
+    ///
+    /// # Panics
+    /// When an op of the closure fails, as tch's ops panic.
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        record_and_run(xs, |x| (self.f)(x, train))
     }
 }
 

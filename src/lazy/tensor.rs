@@ -304,6 +304,49 @@ macro_rules! binary_operators {
                 self.$f(rhs).unwrap_or_else(|e| panic!("{e}"))
             }
         }
+        impl std::ops::$trait<Tensor> for &LazyTensor {
+            type Output = LazyTensor;
+            #[track_caller]
+            fn $method(self, rhs: Tensor) -> LazyTensor {
+                self.$f(&rhs).unwrap_or_else(|e| panic!("{e}"))
+            }
+        }
+        impl std::ops::$trait<Tensor> for LazyTensor {
+            type Output = LazyTensor;
+            #[track_caller]
+            fn $method(self, rhs: Tensor) -> LazyTensor {
+                self.$f(&rhs).unwrap_or_else(|e| panic!("{e}"))
+            }
+        }
+        // A tensor on the left (`pos_emb + tok_emb`) is a fixed operand, as on the right.
+        impl std::ops::$trait<&LazyTensor> for &Tensor {
+            type Output = LazyTensor;
+            #[track_caller]
+            fn $method(self, rhs: &LazyTensor) -> LazyTensor {
+                LazyTensor::fixed(self).$f(rhs).unwrap_or_else(|e| panic!("{e}"))
+            }
+        }
+        impl std::ops::$trait<LazyTensor> for &Tensor {
+            type Output = LazyTensor;
+            #[track_caller]
+            fn $method(self, rhs: LazyTensor) -> LazyTensor {
+                LazyTensor::fixed(self).$f(&rhs).unwrap_or_else(|e| panic!("{e}"))
+            }
+        }
+        impl std::ops::$trait<&LazyTensor> for Tensor {
+            type Output = LazyTensor;
+            #[track_caller]
+            fn $method(self, rhs: &LazyTensor) -> LazyTensor {
+                LazyTensor::fixed(&self).$f(rhs).unwrap_or_else(|e| panic!("{e}"))
+            }
+        }
+        impl std::ops::$trait<LazyTensor> for Tensor {
+            type Output = LazyTensor;
+            #[track_caller]
+            fn $method(self, rhs: LazyTensor) -> LazyTensor {
+                LazyTensor::fixed(&self).$f(&rhs).unwrap_or_else(|e| panic!("{e}"))
+            }
+        }
         impl std::ops::$trait<f64> for &LazyTensor {
             type Output = LazyTensor;
             #[track_caller]

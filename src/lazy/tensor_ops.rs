@@ -30,6 +30,8 @@
 //! # Ok::<(), toma::lazy::LazyError>(())
 //! ```
 
+use std::ops::{Add, Div, Mul, Neg, Sub};
+
 use tch::{Device, Kind, Reduction, TchError, Tensor};
 
 use super::error::LazyError;
@@ -37,6 +39,88 @@ use super::index::TensorIndex;
 use super::nn::{Layer, LayerT};
 use super::ops::{Fallible, LayoutOps, LossOps, MatrixOps, NormOps, PointwiseOps, ReduceOps, WindowOps};
 use super::LazyTensor;
+
+/// tch's operators in generic code: with `T: TensorOps + Operators`, `h + a`, `h * &self.gamma`
+/// (a parameter, no [`TensorOps::constant`] needed), `h * 0.125` and `-h` work for `h: T`.
+///
+/// A separate bound, not part of [`TensorOps`]: with it, `h.add(&y)` on an owned `h` finds
+/// std's `Add::add`, which takes `h` by value, so code written against `TensorOps` alone keeps
+/// compiling. Rust cannot carry a bound on `&T` in a trait, so in generic code the left operand
+/// is owned (`xs.shallow_clone() + ..` for a borrowed one) or the method is called
+/// (`xs.add(&y)`). On `LazyTensor` itself every combination tch has works: `&` or owned,
+/// `Tensor` and `f64` on either side.
+///
+/// ```
+/// use tch::{nn, Device, Kind, Tensor};
+/// use toma::lazy::{lazy, Layer, Operators, TensorOps};
+///
+/// fn scaled<T: TensorOps + Operators>(x: &T, gamma: &Tensor, linear: &nn::Linear) -> T
+/// where
+///     nn::Linear: Layer<T>,
+/// {
+///     let h = x.apply(linear);
+///     (h * gamma) * 0.5 + 1.0
+/// }
+///
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// let linear = nn::linear(vs.root(), 4, 4, Default::default());
+/// let gamma = vs.root().ones("gamma", &[4]);
+/// let x = Tensor::randn([8, 4], (Kind::Float, Device::Cpu));
+/// let eager = scaled(&x, &gamma, &linear);
+/// let lazily = scaled(&lazy(&x, 0), &gamma, &linear).to_tensor()?;
+/// assert!(eager.allclose(&lazily, 1e-6, 1e-6, false));
+/// # Ok::<(), toma::lazy::LazyError>(())
+/// ```
+pub trait Operators:
+    Sized
+    + Add<Self, Output = Self>
+    + for<'a> Add<&'a Self, Output = Self>
+    + for<'a> Add<&'a Tensor, Output = Self>
+    + Add<Tensor, Output = Self>
+    + Add<f64, Output = Self>
+    + Sub<Self, Output = Self>
+    + for<'a> Sub<&'a Self, Output = Self>
+    + for<'a> Sub<&'a Tensor, Output = Self>
+    + Sub<Tensor, Output = Self>
+    + Sub<f64, Output = Self>
+    + Mul<Self, Output = Self>
+    + for<'a> Mul<&'a Self, Output = Self>
+    + for<'a> Mul<&'a Tensor, Output = Self>
+    + Mul<Tensor, Output = Self>
+    + Mul<f64, Output = Self>
+    + Div<Self, Output = Self>
+    + for<'a> Div<&'a Self, Output = Self>
+    + for<'a> Div<&'a Tensor, Output = Self>
+    + Div<Tensor, Output = Self>
+    + Div<f64, Output = Self>
+    + Neg<Output = Self>
+{
+}
+
+impl<T> Operators for T where
+    T: Add<T, Output = T>
+        + for<'a> Add<&'a T, Output = T>
+        + for<'a> Add<&'a Tensor, Output = T>
+        + Add<Tensor, Output = T>
+        + Add<f64, Output = T>
+        + Sub<T, Output = T>
+        + for<'a> Sub<&'a T, Output = T>
+        + for<'a> Sub<&'a Tensor, Output = T>
+        + Sub<Tensor, Output = T>
+        + Sub<f64, Output = T>
+        + Mul<T, Output = T>
+        + for<'a> Mul<&'a T, Output = T>
+        + for<'a> Mul<&'a Tensor, Output = T>
+        + Mul<Tensor, Output = T>
+        + Mul<f64, Output = T>
+        + Div<T, Output = T>
+        + for<'a> Div<&'a T, Output = T>
+        + for<'a> Div<&'a Tensor, Output = T>
+        + Div<Tensor, Output = T>
+        + Div<f64, Output = T>
+        + Neg<Output = T>
+{
+}
 
 /// tch's tensor methods, for models written once for tensors and lazy tensors. Each
 /// comes as in tch, with tch's arguments: `f_op` returns the error, `op` panics with it.
@@ -104,6 +188,16 @@ pub trait TensorOps:
     }
     /// The same value, sharing its storage (tch's `shallow_clone`; a lazy tensor's clone).
     fn shallow_clone(&self) -> Self;
+    /// tch's `max_pool2d_default`: `ksize × ksize` windows, stride `ksize`, no padding.
+    #[track_caller]
+    fn max_pool2d_default(&self, ksize: i64) -> Self {
+        self.max_pool2d([ksize, ksize], [ksize, ksize], [0, 0], [1, 1], false)
+    }
+    /// tch's `avg_pool2d_default`, which divides by 1 (a divisor override): each window's sum.
+    #[track_caller]
+    fn avg_pool2d_default(&self, ksize: i64) -> Self {
+        self.avg_pool2d([ksize, ksize], [ksize, ksize], [0, 0], false, true, 1)
+    }
     /// `layer` applied to `self` in training or not (tch's `apply_t`).
     #[track_caller]
     fn apply_t<L: LayerT<Self> + ?Sized>(&self, layer: &L, train: bool) -> Self {

@@ -5,6 +5,7 @@ mod support;
 
 mod api;
 mod grad;
+mod idioms;
 mod models;
 mod op_table;
 mod ops;

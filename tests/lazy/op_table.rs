@@ -144,6 +144,8 @@ fn sample(name: &str) -> Option<LazyTensor> {
         "conv1d" => seq().conv1d(&param(&[4, 8, 3]), Some(&param(&[4])), [1], [1], [1], 1),
         "conv_transpose2d" => img().conv_transpose2d(&param(&[8, 4, 3, 3]), Some(&param(&[4])), [2], [1], [0], 1, [1]),
         "max_pool2d" => img().max_pool2d([2, 2], [2, 2], [0, 0], [1, 1], false),
+        "max_pool2d_default" => img().max_pool2d_default(2),
+        "avg_pool2d_default" => img().avg_pool2d_default(2),
         "avg_pool2d" => img().avg_pool2d([2, 2], [2, 2], [0, 0], false, true, None),
         "adaptive_avg_pool2d" => img().adaptive_avg_pool2d([1, 1]),
         "upsample_nearest2d" => img().upsample_nearest2d([12, 12], None, None),

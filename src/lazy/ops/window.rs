@@ -477,6 +477,26 @@ impl LazyTensor {
         unary_flow(name, &self.node, out, |d| (d + 2 < nd).then_some(d), Linearity::Nonlinear)
     }
 
+    /// 2-D max pooling over `ksize × ksize` windows, stride `ksize`, no padding, as tch's
+    /// `max_pool2d_default`.
+    ///
+    /// # Errors
+    /// As [`f_max_pool2d`](Self::f_max_pool2d).
+    #[lazy_only]
+    pub fn f_max_pool2d_default(&self, ksize: i64) -> Result<LazyTensor, LazyError> {
+        self.f_max_pool2d([ksize, ksize], [ksize, ksize], [0, 0], [1, 1], false)
+    }
+
+    /// 2-D pooling over `ksize × ksize` windows, stride `ksize`, no padding, exactly as tch's
+    /// `avg_pool2d_default`, which passes a divisor override of 1: each window's *sum*.
+    ///
+    /// # Errors
+    /// As [`f_avg_pool2d`](Self::f_avg_pool2d).
+    #[lazy_only]
+    pub fn f_avg_pool2d_default(&self, ksize: i64) -> Result<LazyTensor, LazyError> {
+        self.f_avg_pool2d([ksize, ksize], [ksize, ksize], [0, 0], false, true, 1)
+    }
+
     /// 2-D max pooling, as tch's `max_pool2d` (an empty `stride` means the kernel size).
     ///
     /// # Errors

@@ -244,6 +244,10 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
         match node.op.source() {
             Some(Source::Input { .. }) => {
                 let size = node.meta.batch().map_or(1, |bd| bd.size);
+                if size == 0 {
+                    let dim = node.meta.batch().map_or(0, |bd| bd.dim);
+                    return Err(LazyError::EmptyBatch { shape: node.meta.shape.clone(), dim });
+                }
                 match batch {
                     None => batch = Some(size),
                     Some(b) if b != size => {

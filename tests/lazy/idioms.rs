@@ -1,0 +1,156 @@
+//! tch's own idioms, run lazily with the import changed (`use toma::lazy::nn;` for
+//! `use tch::nn;`) and the inputs wrapped: `nn::func_t` blocks behind `-> impl nn::ModuleT`,
+//! operators with owned tensors on either side, `_default` pooling, and the optimizer's
+//! `backward_step_clip` on a lazy loss, against the same code run eagerly.
+
+use tch::{Device, IndexOp, Kind, Tensor};
+use toma::lazy::nn::{self, ModuleT, OptimizerConfig};
+use toma::lazy::{lazy, LazyError, LazyTensor, Options};
+
+const VOCAB: i64 = 11;
+const EMBD: i64 = 8;
+const HEADS: i64 = 2;
+const BLOCK: i64 = 6;
+
+/// A minGPT-style attention block, written as tch's example writes it: a `func_t` closure
+/// returned as `impl ModuleT`, a causal mask as a constant, `att * scalar`, owned sums.
+fn attention(p: nn::Path) -> impl ModuleT + use<> {
+    let key = nn::linear(&p / "key", EMBD, EMBD, Default::default());
+    let query = nn::linear(&p / "query", EMBD, EMBD, Default::default());
+    let value = nn::linear(&p / "value", EMBD, EMBD, Default::default());
+    let proj = nn::linear(&p / "proj", EMBD, EMBD, Default::default());
+    let mask = Tensor::ones([BLOCK, BLOCK], (Kind::Int64, p.device())).tril(0).view([1, 1, BLOCK, BLOCK]);
+    nn::func_t(move |xs, train| {
+        let (b, t, c) = xs.size3().unwrap();
+        let split = |x: LazyTensor| x.view((b, t, HEADS, c / HEADS)).transpose(1, 2);
+        let k = split(xs.apply(&key));
+        let q = split(xs.apply(&query));
+        let v = split(xs.apply(&value));
+        let att = q.matmul(&k.transpose(-2, -1)) * (1.0 / ((c / HEADS) as f64).sqrt());
+        let att = att.masked_fill(&mask.i((.., .., ..t, ..t)).eq(0.), f64::NEG_INFINITY);
+        let att = att.softmax(-1, None).dropout(0.0, train);
+        let ys = att.matmul(&v).transpose(1, 2).contiguous().view((b, t, c));
+        ys.apply(&proj)
+    })
+}
+
+fn block(p: nn::Path) -> impl ModuleT + use<> {
+    let ln1 = nn::layer_norm(&p / "ln1", vec![EMBD], Default::default());
+    let ln2 = nn::layer_norm(&p / "ln2", vec![EMBD], Default::default());
+    let attn = attention(&p / "attn");
+    let up = nn::linear(&p / "up", EMBD, 4 * EMBD, Default::default());
+    let down = nn::linear(&p / "down", 4 * EMBD, EMBD, Default::default());
+    nn::func_t(move |xs, train| {
+        let xs = xs + xs.apply(&ln1).apply_t(&attn, train);
+        let ys = xs.apply(&ln2).apply(&up).gelu("none").apply(&down);
+        xs + ys
+    })
+}
+
+fn gpt(p: nn::Path) -> impl ModuleT + use<> {
+    let tok_emb = nn::embedding(&p / "tok_emb", VOCAB, EMBD, Default::default());
+    let pos_emb = p.zeros("pos_emb", &[1, BLOCK, EMBD]);
+    let blocks = nn::seq_t().add(block(&p / "b0")).add(block(&p / "b1"));
+    let head = nn::linear(&p / "head", EMBD, VOCAB, Default::default());
+    nn::func_t(move |xs, train| {
+        let (_, t) = xs.size2().unwrap();
+        // An owned parameter slice on the right of `+`, as minGPT adds its positions.
+        let h = xs.apply(&tok_emb) + pos_emb.i((.., ..t, ..));
+        h.apply_t(&blocks, train).apply(&head)
+    })
+}
+
+#[test]
+fn a_func_t_model_behind_impl_module_t_trains_in_micro_batches_as_eagerly() {
+    // The same model twice (copied: other tests draw from the global generator meanwhile),
+    // one run eagerly, one lazily.
+    let mut eager_vs = nn::VarStore::new(Device::Cpu);
+    let eager_model = gpt(eager_vs.root());
+    eager_vs.double();
+    let mut lazy_vs = nn::VarStore::new(Device::Cpu);
+    let lazy_model = gpt(lazy_vs.root());
+    lazy_vs.double();
+    lazy_vs.copy(&eager_vs).unwrap();
+    // tch's optimizer config, built through toma's trait: the same AdamW, a step for both kinds.
+    let mut eager_opt = nn::AdamW::default().build(&eager_vs, 1e-2).unwrap();
+    let mut lazy_opt = nn::AdamW::default().build(&lazy_vs, 1e-2).unwrap();
+    let tokens = Tensor::randint(VOCAB, [12, BLOCK], (Kind::Int64, Device::Cpu));
+    let next = Tensor::randint(VOCAB, [12, BLOCK], (Kind::Int64, Device::Cpu));
+    for step in 0..3 {
+        // Eagerly: the func_t closures recorded and run at once, on tensors, through tch's traits.
+        let logits = tokens.apply_t(&eager_model, true);
+        let loss = logits.view([-1, VOCAB]).log_softmax(-1, None).nll_loss(&next.view([-1]));
+        let eager_value = loss.double_value(&[]);
+        eager_opt.backward_step_clip(&loss, 0.05);
+        // Lazily, in micro-batches of 4 (3 per step).
+        let (lx, ly) = lazy((&tokens, &next), 0);
+        let loss = lx.apply_t(&lazy_model, true).view([-1, VOCAB]).log_softmax(-1, None).nll_loss(&ly.view([-1]));
+        let value = lazy_opt.f_backward_step_clip_with(&loss, 0.05, &Options::new().micro_batch(4)).unwrap();
+        assert!((value - eager_value).abs() < 1e-9, "step {step}: loss {value} lazily, {eager_value} eagerly");
+        for (name, e) in eager_vs.variables() {
+            let l = &lazy_vs.variables()[&name];
+            let diff = (&e - l).abs().max().double_value(&[]);
+            assert!(diff < 1e-9, "step {step}: {name} differs by {diff}");
+        }
+    }
+}
+
+#[test]
+fn operators_take_tensors_owned_or_borrowed_on_either_side() {
+    let a = Tensor::randn([4, 3], (Kind::Double, Device::Cpu));
+    let w = Tensor::randn([3], (Kind::Double, Device::Cpu));
+    let la = lazy(&a, 0);
+    let cases: Vec<(LazyTensor, Tensor)> = vec![
+        (&la + w.shallow_clone(), &a + &w),
+        (la.clone() - w.shallow_clone(), &a - &w),
+        (&w * &la, &w * &a),
+        (w.shallow_clone() / la.clone(), &w / &a),
+        (&w - la.clone(), &w - &a),
+        (w.shallow_clone() + &la, &w + &a),
+        (2.0 / &la, 2.0 / &a),
+        (-(&la * 0.5), -(&a * 0.5)),
+    ];
+    for (k, (lazily, eagerly)) in cases.into_iter().enumerate() {
+        let lazily = lazily.to_tensor().unwrap();
+        assert!(lazily.allclose(&eagerly, 1e-12, 1e-12, false), "case {k}");
+    }
+}
+
+#[test]
+fn default_pooling_is_tchs() {
+    let x = Tensor::randn([3, 2, 8, 8], (Kind::Float, Device::Cpu));
+    let lx = lazy(&x, 0);
+    let max = lx.max_pool2d_default(2).to_tensor().unwrap();
+    assert!(max.allclose(&x.max_pool2d_default(2), 1e-6, 1e-6, false));
+    let avg = lx.avg_pool2d_default(4).to_tensor().unwrap();
+    assert_eq!(avg.size(), [3, 2, 2, 2]);
+    assert!(avg.allclose(&x.avg_pool2d_default(4), 1e-5, 1e-5, false));
+}
+
+#[test]
+fn a_func_on_tensors_keeps_autograd() {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let l = nn::linear(vs.root(), 3, 2, Default::default());
+    let f = nn::func(move |xs| xs.apply(&l).tanh() * 2.0);
+    let x = Tensor::randn([5, 3], (Kind::Float, Device::Cpu));
+    let out = x.apply(&f);
+    assert!(out.requires_grad());
+    out.sum(Kind::Float).backward();
+    for (name, v) in vs.variables() {
+        assert!(v.grad().defined(), "{name} got no gradient");
+    }
+}
+
+#[test]
+fn an_empty_batch_is_a_clear_error() {
+    let x = Tensor::zeros([0, 3], (Kind::Float, Device::Cpu));
+    let vs = nn::VarStore::new(Device::Cpu);
+    let l = nn::linear(vs.root(), 3, 2, Default::default());
+    let loss = lazy(&x, 0).apply(&l).sum(None);
+    match loss.backward() {
+        Err(LazyError::EmptyBatch { shape, dim }) => {
+            assert_eq!((shape, dim), (vec![0, 3], 0));
+        }
+        other => panic!("expected EmptyBatch, got {other:?}"),
+    }
+}
