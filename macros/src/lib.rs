@@ -14,6 +14,7 @@ use syn::punctuated::Punctuated;
 use syn::spanned::Spanned;
 use syn::{Expr, ExprLit, FnArg, ItemFn, Lit, MetaNameValue, Pat, PatType, ReturnType, Token, Type};
 
+mod module;
 mod tensor_methods;
 
 /// Internal to toma (its lazy op families): generates the panicking twins and the family's
@@ -22,6 +23,13 @@ mod tensor_methods;
 #[proc_macro_attribute]
 pub fn tensor_methods(args: TokenStream, item: TokenStream) -> TokenStream {
     tensor_methods::expand(args.into(), item.into()).unwrap_or_else(syn::Error::into_compile_error).into()
+}
+
+/// `#[toma::lazy::module]`: one `forward` (or `forward_t`) body for tch's `Module` (`ModuleT`)
+/// and toma's lazy one. Documented at its re-export, `toma::lazy::module`.
+#[proc_macro_attribute]
+pub fn module(args: TokenStream, item: TokenStream) -> TokenStream {
+    module::expand(args.into(), item.into()).unwrap_or_else(syn::Error::into_compile_error).into()
 }
 
 /// Retries the function with a halved batch size on out-of-memory. See `toma::batch`.

@@ -90,3 +90,35 @@ pub use plan::{Mode, Phase, Plan, PlanOp, Step};
 pub use tensor::{OpCosts, Split};
 pub use tensor_ops::{Operators, TensorOps};
 pub use wrap::{lazy, try_lazy, BatchDimArg, Lazify};
+
+/// One body for a custom layer, eagerly and lazily: on `impl Module for X` with `fn forward(&self,
+/// xs: &Tensor) -> Tensor`, or `impl ModuleT for X` with `fn forward_t(&self, xs: &Tensor,
+/// train: bool) -> Tensor`, it implements tch's trait with the body as written and
+/// [`nn::LazyModule`] (or [`nn::LazyModuleT`]) with the same body over `xs: &LazyTensor`: tch's
+/// tensor methods and operators have the same names there. A `Tensor` named inside the body's
+/// own type annotations does not type-check lazily; the compiler points at it.
+///
+/// ```
+/// use tch::{Device, Kind, Tensor};
+/// use toma::lazy::{lazy, nn, nn::Module};
+///
+/// // minGPT's linear layer, as tch's example writes it, plus the one attribute.
+/// #[derive(Debug)]
+/// struct Linear { ws: Tensor, bs: Tensor }
+///
+/// #[toma::lazy::module]
+/// impl Module for Linear {
+///     fn forward(&self, xs: &Tensor) -> Tensor {
+///         xs.matmul(&self.ws.tr()) + &self.bs
+///     }
+/// }
+///
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// let l = Linear { ws: vs.root().randn("w", &[3, 4], 0.0, 1.0), bs: vs.root().zeros("b", &[3]) };
+/// let x = Tensor::randn([8, 4], (Kind::Float, Device::Cpu));
+/// let eager = x.apply(&l);
+/// let lazily = lazy(&x, 0).apply(&l).to_tensor()?;
+/// assert!(eager.allclose(&lazily, 1e-6, 1e-6, false));
+/// # Ok::<(), toma::lazy::LazyError>(())
+/// ```
+pub use toma_macros::module;

@@ -154,3 +154,56 @@ fn an_empty_batch_is_a_clear_error() {
         other => panic!("expected EmptyBatch, got {other:?}"),
     }
 }
+
+/// minGPT's own linear layer: weights transposed eagerly inside the body, a bias added.
+#[derive(Debug)]
+struct CustomLinear {
+    ws: Tensor,
+    bs: Tensor,
+}
+
+#[toma::lazy::module]
+impl nn::Module for CustomLinear {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        xs.matmul(&self.ws.tr()) + &self.bs
+    }
+}
+
+/// A custom `ModuleT`, also written once.
+#[derive(Debug)]
+struct Scaled {
+    gamma: Tensor,
+}
+
+#[toma::lazy::module]
+impl ModuleT for Scaled {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        let ys = xs.dropout(0.0, train) * &self.gamma;
+        ys.tanh()
+    }
+}
+
+#[test]
+fn a_custom_module_written_once_has_the_full_batchs_gradients() {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let l = CustomLinear { ws: vs.root().randn("w", &[5, 4], 0.0, 1.0), bs: vs.root().randn("b", &[5], 0.0, 1.0) };
+    let s = Scaled { gamma: vs.root().randn("gamma", &[5], 0.0, 1.0) };
+    let x = Tensor::randn([9, 4], (Kind::Float, Device::Cpu));
+    let eager = x.apply(&l).apply_t(&s, true).sum(Kind::Float);
+    eager.backward();
+    let grads = |vs: &nn::VarStore| -> Vec<(String, Tensor)> {
+        let mut v: Vec<_> = vs.variables().into_iter().map(|(n, t)| (n, t.grad().copy())).collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    };
+    let want = grads(&vs);
+    for (_, t) in vs.variables() {
+        let _ = t.grad().zero_();
+    }
+    let value =
+        lazy(&x, 0).apply(&l).apply_t(&s, true).sum(None).backward_with(&Options::new().micro_batch(2)).unwrap();
+    assert!((value - eager.double_value(&[])).abs() < 1e-4);
+    for ((name, w), (_, g)) in want.iter().zip(grads(&vs)) {
+        assert!(w.allclose(&g, 1e-5, 1e-5, false), "{name}: {w} eagerly, {g} in micro-batches");
+    }
+}
