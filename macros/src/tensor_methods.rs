@@ -216,7 +216,7 @@ fn twin_method(
         #[track_caller]
         #[allow(clippy::too_many_arguments)]
         pub fn #twin #generics (#inputs) -> #ok {
-            #call.unwrap_or_else(|e| panic!("{e}"))
+            crate::lazy::error::OrPanic::or_panic(#call)
         }
     }
 }
@@ -283,7 +283,7 @@ fn trait_method(
         #[track_caller]
         #[allow(clippy::too_many_arguments)]
         fn #twin(&self, #(#trait_params),*) -> Self {
-            self.#f_name(#(#names),*).unwrap_or_else(|e| panic!("{e}"))
+            crate::lazy::error::OrPanic::or_panic(self.#f_name(#(#names),*))
         }
     };
     let tch_impl = quote! {

@@ -182,6 +182,25 @@ pub enum LazyError {
     Dist(#[from] crate::dist::DistError),
 }
 
+/// A recording or running error turned into a panic at the user's line, as tch's panicking
+/// methods do: `#[track_caller]` reaches through this (a closure passed to `unwrap_or_else`
+/// would report its own line inside toma instead).
+pub(crate) trait OrPanic<T> {
+    /// The value, or a panic with the error's message at the caller's location.
+    fn or_panic(self) -> T;
+}
+
+impl<T, E: std::fmt::Display> OrPanic<T> for Result<T, E> {
+    #[track_caller]
+    #[inline]
+    fn or_panic(self) -> T {
+        match self {
+            Ok(v) => v,
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
 impl OutOfMemory for LazyError {
     fn is_out_of_memory(&self) -> bool {
         match self {

@@ -20,6 +20,7 @@ use tch::{Kind, NewAxis, TchError, Tensor, TensorIndexer};
 
 use super::error::LazyError;
 use super::LazyTensor;
+use crate::lazy::error::OrPanic;
 
 /// What `i(..)` takes: one index ([`LazyIndexer`]) or a tuple of up to six, as tch's
 /// `IndexOp`. Both tensor kinds index with it: a `Tensor` through tch's own `IndexOp`, a
@@ -54,7 +55,7 @@ impl LazyTensor {
     /// When the index does not apply.
     #[track_caller]
     pub fn i(&self, index: impl TensorIndex) -> LazyTensor {
-        self.f_i(index).unwrap_or_else(|e| panic!("{e}"))
+        self.f_i(index).or_panic()
     }
 }
 

@@ -47,6 +47,7 @@ pub use super::optim::{Optimizer, OptimizerConfig};
 use super::error::LazyError;
 use super::tch_compat;
 use super::LazyTensor;
+use crate::lazy::error::OrPanic;
 
 /// A layer as seen by a [`TensorOps`](super::TensorOps) type: tch's `Module` for `Tensor`, the lazy adapters for
 /// [`LazyTensor`] (`Linear`, `Conv1D`, `Conv2D`, `LayerNorm`, `Embedding`, the lazy
@@ -459,7 +460,7 @@ impl nn::Module for Sequential {
     /// When a function's ops cannot be recorded or run, as tch's layers panic.
     #[track_caller]
     fn forward(&self, xs: &Tensor) -> Tensor {
-        self.steps.run(xs, false).unwrap_or_else(|e| panic!("{e}"))
+        self.steps.run(xs, false).or_panic()
     }
 }
 
@@ -470,7 +471,7 @@ impl nn::ModuleT for SequentialT {
     /// When a function's ops cannot be recorded or run, as tch's layers panic.
     #[track_caller]
     fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
-        self.steps.run(xs, train).unwrap_or_else(|e| panic!("{e}"))
+        self.steps.run(xs, train).or_panic()
     }
 }
 
@@ -550,7 +551,7 @@ pub fn func_t<'a, F: 'a + Fn(&LazyTensor, bool) -> LazyTensor + Send>(f: F) -> F
 /// Runs a recording on a tensor: its ops recorded on `xs` as a fixed operand and run at once.
 #[track_caller]
 fn record_and_run(xs: &Tensor, record: impl FnOnce(&LazyTensor) -> LazyTensor) -> Tensor {
-    super::exec::run_eagerly(&record(&LazyTensor::fixed(xs))).unwrap_or_else(|e| panic!("{e}"))
+    super::exec::run_eagerly(&record(&LazyTensor::fixed(xs))).or_panic()
 }
 
 impl LazyModule for Func<'_> {

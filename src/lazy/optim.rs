@@ -32,6 +32,7 @@ use tch::{nn, TchError, Tensor};
 use super::error::LazyError;
 use super::graph::LazyTensor;
 use super::options::Options;
+use crate::lazy::error::OrPanic;
 
 /// tch's `OptimizerConfig` (`nn::Adam::default()`, `nn::AdamW`, `nn::Sgd`, ..), building an
 /// [`Optimizer`] that steps lazy losses too. Implemented for every tch optimizer config.
@@ -125,7 +126,7 @@ macro_rules! steps {
         /// tch's methods panic on a failing backward.
         #[track_caller]
         pub fn $name<L: Loss + ?Sized>(&mut self, loss: &L $(, $max: f64)?) -> L::Value {
-            loss.step(&mut self.0, ClipSetting($clip), None).unwrap_or_else(|e| panic!("{e}"))
+            loss.step(&mut self.0, ClipSetting($clip), None).or_panic()
         }
 
         $(#[$doc])*

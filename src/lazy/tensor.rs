@@ -16,6 +16,7 @@ use super::ops::record::leaf;
 use super::options::Options;
 use super::plan::{self, Mode, Plan};
 use super::shape;
+use crate::lazy::error::OrPanic;
 
 impl LazyTensor {
     // -----------------------------------------------------------------------------------------
@@ -195,7 +196,7 @@ impl LazyTensor {
     /// Like [`f_double_value`](Self::f_double_value), panicking on error.
     #[track_caller]
     pub fn double_value(&self, index: &[i64]) -> f64 {
-        self.f_double_value(index).unwrap_or_else(|e| panic!("{e}"))
+        self.f_double_value(index).or_panic()
     }
 
     /// An element's value as `i64`, computed (tch's `int64_value`).
@@ -210,7 +211,7 @@ impl LazyTensor {
     /// Like [`f_int64_value`](Self::f_int64_value), panicking on error.
     #[track_caller]
     pub fn int64_value(&self, index: &[i64]) -> i64 {
-        self.f_int64_value(index).unwrap_or_else(|e| panic!("{e}"))
+        self.f_int64_value(index).or_panic()
     }
 
     // -----------------------------------------------------------------------------------------
@@ -244,7 +245,7 @@ impl LazyTensor {
     /// When the layer cannot be recorded.
     #[track_caller]
     pub fn apply<M: super::nn::LazyModule + ?Sized>(&self, module: &M) -> LazyTensor {
-        self.f_apply(module).unwrap_or_else(|e| panic!("{e}"))
+        self.f_apply(module).or_panic()
     }
 
     /// Like [`f_apply_t`](Self::f_apply_t), panicking with its error.
@@ -253,7 +254,7 @@ impl LazyTensor {
     /// When the layer cannot be recorded.
     #[track_caller]
     pub fn apply_t<M: super::nn::LazyModuleT + ?Sized>(&self, module: &M, train: bool) -> LazyTensor {
-        self.f_apply_t(module, train).unwrap_or_else(|e| panic!("{e}"))
+        self.f_apply_t(module, train).or_panic()
     }
 }
 
@@ -266,56 +267,56 @@ macro_rules! binary_operators {
             type Output = LazyTensor;
             #[track_caller]
             fn $method(self, rhs: &LazyTensor) -> LazyTensor {
-                self.$f(rhs).unwrap_or_else(|e| panic!("{e}"))
+                self.$f(rhs).or_panic()
             }
         }
         impl std::ops::$trait<LazyTensor> for &LazyTensor {
             type Output = LazyTensor;
             #[track_caller]
             fn $method(self, rhs: LazyTensor) -> LazyTensor {
-                self.$f(&rhs).unwrap_or_else(|e| panic!("{e}"))
+                self.$f(&rhs).or_panic()
             }
         }
         impl std::ops::$trait<&LazyTensor> for LazyTensor {
             type Output = LazyTensor;
             #[track_caller]
             fn $method(self, rhs: &LazyTensor) -> LazyTensor {
-                self.$f(rhs).unwrap_or_else(|e| panic!("{e}"))
+                self.$f(rhs).or_panic()
             }
         }
         impl std::ops::$trait<LazyTensor> for LazyTensor {
             type Output = LazyTensor;
             #[track_caller]
             fn $method(self, rhs: LazyTensor) -> LazyTensor {
-                self.$f(&rhs).unwrap_or_else(|e| panic!("{e}"))
+                self.$f(&rhs).or_panic()
             }
         }
         impl std::ops::$trait<&Tensor> for &LazyTensor {
             type Output = LazyTensor;
             #[track_caller]
             fn $method(self, rhs: &Tensor) -> LazyTensor {
-                self.$f(rhs).unwrap_or_else(|e| panic!("{e}"))
+                self.$f(rhs).or_panic()
             }
         }
         impl std::ops::$trait<&Tensor> for LazyTensor {
             type Output = LazyTensor;
             #[track_caller]
             fn $method(self, rhs: &Tensor) -> LazyTensor {
-                self.$f(rhs).unwrap_or_else(|e| panic!("{e}"))
+                self.$f(rhs).or_panic()
             }
         }
         impl std::ops::$trait<Tensor> for &LazyTensor {
             type Output = LazyTensor;
             #[track_caller]
             fn $method(self, rhs: Tensor) -> LazyTensor {
-                self.$f(&rhs).unwrap_or_else(|e| panic!("{e}"))
+                self.$f(&rhs).or_panic()
             }
         }
         impl std::ops::$trait<Tensor> for LazyTensor {
             type Output = LazyTensor;
             #[track_caller]
             fn $method(self, rhs: Tensor) -> LazyTensor {
-                self.$f(&rhs).unwrap_or_else(|e| panic!("{e}"))
+                self.$f(&rhs).or_panic()
             }
         }
         // A tensor on the left (`pos_emb + tok_emb`) is a fixed operand, as on the right.
@@ -323,56 +324,56 @@ macro_rules! binary_operators {
             type Output = LazyTensor;
             #[track_caller]
             fn $method(self, rhs: &LazyTensor) -> LazyTensor {
-                LazyTensor::fixed(self).$f(rhs).unwrap_or_else(|e| panic!("{e}"))
+                LazyTensor::fixed(self).$f(rhs).or_panic()
             }
         }
         impl std::ops::$trait<LazyTensor> for &Tensor {
             type Output = LazyTensor;
             #[track_caller]
             fn $method(self, rhs: LazyTensor) -> LazyTensor {
-                LazyTensor::fixed(self).$f(&rhs).unwrap_or_else(|e| panic!("{e}"))
+                LazyTensor::fixed(self).$f(&rhs).or_panic()
             }
         }
         impl std::ops::$trait<&LazyTensor> for Tensor {
             type Output = LazyTensor;
             #[track_caller]
             fn $method(self, rhs: &LazyTensor) -> LazyTensor {
-                LazyTensor::fixed(&self).$f(rhs).unwrap_or_else(|e| panic!("{e}"))
+                LazyTensor::fixed(&self).$f(rhs).or_panic()
             }
         }
         impl std::ops::$trait<LazyTensor> for Tensor {
             type Output = LazyTensor;
             #[track_caller]
             fn $method(self, rhs: LazyTensor) -> LazyTensor {
-                LazyTensor::fixed(&self).$f(&rhs).unwrap_or_else(|e| panic!("{e}"))
+                LazyTensor::fixed(&self).$f(&rhs).or_panic()
             }
         }
         impl std::ops::$trait<f64> for &LazyTensor {
             type Output = LazyTensor;
             #[track_caller]
             fn $method(self, rhs: f64) -> LazyTensor {
-                self.$fs(rhs).unwrap_or_else(|e| panic!("{e}"))
+                self.$fs(rhs).or_panic()
             }
         }
         impl std::ops::$trait<f64> for LazyTensor {
             type Output = LazyTensor;
             #[track_caller]
             fn $method(self, rhs: f64) -> LazyTensor {
-                self.$fs(rhs).unwrap_or_else(|e| panic!("{e}"))
+                self.$fs(rhs).or_panic()
             }
         }
         impl std::ops::$trait<&LazyTensor> for f64 {
             type Output = LazyTensor;
             #[track_caller]
             fn $method(self, rhs: &LazyTensor) -> LazyTensor {
-                rhs.$rev(self).unwrap_or_else(|e| panic!("{e}"))
+                rhs.$rev(self).or_panic()
             }
         }
         impl std::ops::$trait<LazyTensor> for f64 {
             type Output = LazyTensor;
             #[track_caller]
             fn $method(self, rhs: LazyTensor) -> LazyTensor {
-                rhs.$rev(self).unwrap_or_else(|e| panic!("{e}"))
+                rhs.$rev(self).or_panic()
             }
         }
     )*};

@@ -39,6 +39,7 @@ use super::index::TensorIndex;
 use super::nn::{Layer, LayerT};
 use super::ops::{Fallible, LayoutOps, LossOps, MatrixOps, NormOps, PointwiseOps, ReduceOps, WindowOps};
 use super::LazyTensor;
+use crate::lazy::error::OrPanic;
 
 /// tch's operators in generic code: with `T: TensorOps + Operators`, `h + a`, `h * &self.gamma`
 /// (a parameter, no [`TensorOps::constant`] needed), `h * 0.125` and `-h` work for `h: T`.
@@ -211,7 +212,7 @@ pub trait TensorOps:
     /// Like [`f_i`](Self::f_i), panicking with its error (tch's `IndexOp::i`).
     #[track_caller]
     fn i(&self, index: impl TensorIndex) -> Self {
-        self.f_i(index).unwrap_or_else(|e| panic!("{e}"))
+        self.f_i(index).or_panic()
     }
     /// A `[N, -1]` view (tch's `flat_view`, which has no fallible form).
     fn flat_view(&self) -> Self;
@@ -223,7 +224,7 @@ pub trait TensorOps:
     /// Like [`f_chunk`](Self::f_chunk), panicking with its error.
     #[track_caller]
     fn chunk(&self, chunks: i64, dim: i64) -> Vec<Self> {
-        self.f_chunk(chunks, dim).unwrap_or_else(|e| panic!("{e}"))
+        self.f_chunk(chunks, dim).or_panic()
     }
     /// Splits into pieces of `split_size` along `dim` (tch's `split`).
     ///
@@ -233,7 +234,7 @@ pub trait TensorOps:
     /// Like [`f_split`](Self::f_split), panicking with its error.
     #[track_caller]
     fn split(&self, split_size: i64, dim: i64) -> Vec<Self> {
-        self.f_split(split_size, dim).unwrap_or_else(|e| panic!("{e}"))
+        self.f_split(split_size, dim).or_panic()
     }
     /// Concatenates along `dim` (tch's `Tensor::cat`).
     ///
@@ -243,7 +244,7 @@ pub trait TensorOps:
     /// Like [`f_cat`](Self::f_cat), panicking with its error.
     #[track_caller]
     fn cat(tensors: &[&Self], dim: i64) -> Self {
-        Self::f_cat(tensors, dim).unwrap_or_else(|e| panic!("{e}"))
+        Self::f_cat(tensors, dim).or_panic()
     }
     /// Rows of `weight` picked by `indices` (tch's `Tensor::embedding`).
     ///
@@ -259,7 +260,7 @@ pub trait TensorOps:
     /// Like [`f_embedding`](Self::f_embedding), panicking with its error.
     #[track_caller]
     fn embedding(weight: &Tensor, indices: &Self, padding_idx: i64, scale_grad_by_freq: bool, sparse: bool) -> Self {
-        Self::f_embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse).unwrap_or_else(|e| panic!("{e}"))
+        Self::f_embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse).or_panic()
     }
     /// Attention of `query` over `key`/`value` (tch's
     /// `Tensor::scaled_dot_product_attention`): an optional mask (boolean, or added to
@@ -293,7 +294,7 @@ pub trait TensorOps:
         enable_gqa: bool,
     ) -> Self {
         Self::f_scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-            .unwrap_or_else(|e| panic!("{e}"))
+            .or_panic()
     }
     /// Batch normalization (tch's `batch_norm`): with batch statistics in training (a
     /// lazy split is refused unless allowed), with the running ones otherwise.
@@ -326,8 +327,7 @@ pub trait TensorOps:
         eps: f64,
         cudnn_enabled: bool,
     ) -> Self {
-        self.f_batch_norm(weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled)
-            .unwrap_or_else(|e| panic!("{e}"))
+        self.f_batch_norm(weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled).or_panic()
     }
     /// Cross-entropy of logits against class indices, averaged (tch has no fallible form).
     fn cross_entropy_for_logits(&self, targets: &Self) -> Self;
@@ -348,7 +348,7 @@ pub trait TensorOps:
     /// Like [`f_nll_loss`](Self::f_nll_loss), panicking with its error (tch's `g_nll_loss`).
     #[track_caller]
     fn g_nll_loss(&self, target: &Self, weight: Option<&Tensor>, reduction: Reduction, ignore_index: i64) -> Self {
-        self.f_nll_loss(target, weight, reduction, ignore_index).unwrap_or_else(|e| panic!("{e}"))
+        self.f_nll_loss(target, weight, reduction, ignore_index).or_panic()
     }
 }
 

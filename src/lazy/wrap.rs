@@ -6,6 +6,7 @@ use tch::Tensor;
 use super::error::LazyError;
 use super::graph::LazyTensor;
 use super::shape;
+use crate::lazy::error::OrPanic;
 
 /// What [`lazy`] wraps: a tensor, or a tuple, array or `Vec` of them.
 pub trait Lazify {
@@ -144,7 +145,7 @@ impl From<Option<i64>> for BatchDimArg {
 /// ```
 #[track_caller]
 pub fn lazy<L: Lazify>(inputs: L, batch: impl Into<BatchDimArg>) -> L::Output {
-    try_lazy(inputs, batch).unwrap_or_else(|e| panic!("{e}"))
+    try_lazy(inputs, batch).or_panic()
 }
 
 /// Like [`lazy`], with bad dimensions and mismatched batch sizes reported as errors.

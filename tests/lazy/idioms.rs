@@ -207,3 +207,91 @@ fn a_custom_module_written_once_has_the_full_batchs_gradients() {
         assert!(w.allclose(&g, 1e-5, 1e-5, false), "{name}: {w} eagerly, {g} in micro-batches");
     }
 }
+
+/// A ViT's CLS token written tch's way: a parameter expanded to the batch and concatenated
+/// with the patch tokens, plus a learned position table added to every sample.
+fn vit_loss<T: toma::lazy::TensorOps + toma::lazy::Operators>(
+    x: &T,
+    y: &T,
+    cls: &Tensor,
+    pos: &Tensor,
+    head: &nn::Linear,
+) -> T
+where
+    nn::Linear: toma::lazy::Layer<T>,
+{
+    let b = x.size()[0];
+    let cls = T::constant(cls).expand([b, -1, -1], false);
+    let tokens = T::cat(&[&cls, x], 1);
+    let h = tokens + pos;
+    h.i((.., 0, ..)).apply(head).log_softmax(-1, None).nll_loss(y)
+}
+
+#[test]
+fn a_cls_token_expanded_to_the_batch_records_and_splits() {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let cls = vs.root().randn("cls", &[1, 1, 6], 0.0, 1.0);
+    let pos = vs.root().randn("pos", &[1, 5, 6], 0.0, 1.0);
+    let head = nn::linear(vs.root() / "head", 6, 3, Default::default());
+    let x = Tensor::randn([10, 4, 6], (Kind::Float, Device::Cpu));
+    let y = Tensor::randint(3, [10], (Kind::Int64, Device::Cpu));
+    let eager = vit_loss(&x, &y, &cls, &pos, &head);
+    eager.backward();
+    let want: Vec<Tensor> = [&cls, &pos].iter().map(|t| t.grad().copy()).collect();
+    for (_, t) in vs.variables() {
+        let _ = t.grad().zero_();
+    }
+    let (lx, ly) = lazy((&x, &y), 0);
+    let loss = vit_loss(&lx, &ly, &cls, &pos, &head);
+    let plan = loss.plan(toma::lazy::Mode::Backward, &Options::new().micro_batch(3)).unwrap();
+    assert!(plan.splits(), "{plan}");
+    let value = loss.backward_with(&Options::new().micro_batch(3)).unwrap();
+    assert!((value - eager.double_value(&[])).abs() < 1e-5);
+    for (w, t) in want.iter().zip([&cls, &pos]) {
+        assert!(w.allclose(&t.grad(), 1e-5, 1e-5, false), "{w} eagerly, {} in micro-batches", t.grad());
+    }
+}
+
+std::thread_local! {
+    static PANICKED_AT: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Where `f` panicked: the file and line the panic reports.
+fn panic_location(f: impl FnOnce()) -> String {
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let at = info.location().map(|l| format!("{}:{}", l.file(), l.line()));
+            if PANICKED_AT.with(|p| p.borrow().as_deref() == Some("armed")) {
+                PANICKED_AT.with(|p| *p.borrow_mut() = at);
+            } else {
+                default(info);
+            }
+        }));
+    });
+    PANICKED_AT.with(|p| *p.borrow_mut() = Some("armed".into()));
+    assert!(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err(), "expected a panic");
+    PANICKED_AT.with(|p| p.borrow_mut().take()).unwrap_or_default()
+}
+
+fn softmax_then_matmul<T: toma::lazy::TensorOps>(x: &T, w: &T) -> T {
+    x.softmax(-1, Kind::Float).matmul(w)
+}
+
+#[test]
+fn a_panicking_op_points_at_the_users_line() {
+    // A hard-coded `Kind::Float` in an f64 model: tch refuses the matmul too; the panic must
+    // name this file, not toma's.
+    let x = Tensor::randn([4, 3], (Kind::Double, Device::Cpu));
+    let w = Tensor::randn([3, 3], (Kind::Double, Device::Cpu));
+    let lx = lazy(&x, 0);
+    let here = file!();
+    for at in [
+        panic_location(|| drop(lx.softmax(-1, Kind::Float).matmul(&w))),
+        panic_location(|| drop(softmax_then_matmul(&lx, &LazyTensor::fixed(&w)))),
+        panic_location(|| drop(lx.softmax(-1, Kind::Float) * &w.i(0..2))),
+    ] {
+        assert!(at.starts_with(here), "panicked at {at}, not in {here}");
+    }
+}

@@ -16,6 +16,7 @@ use super::record::IntoLazy;
 use super::record::{combine_flows, same_device, Linearity, Record};
 use super::{arg, floating, kind_err, same_kind, shape_err};
 use crate::lazy::error::LazyError;
+use crate::lazy::error::OrPanic;
 use crate::lazy::graph::{Flow, KernelCall, Meta, Node, Operation, RunCx};
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
@@ -269,6 +270,6 @@ impl LazyTensor {
         enable_gqa: bool,
     ) -> LazyTensor {
         Self::f_scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-            .unwrap_or_else(|e| panic!("{e}"))
+            .or_panic()
     }
 }

@@ -9,6 +9,7 @@ use super::record::IntoLazy;
 use super::record::{combine_flows, same_device, unary_flow, Linearity, Record};
 use super::{arg, kind_err, same_shape_flow, shape_err};
 use crate::lazy::error::LazyError;
+use crate::lazy::error::OrPanic;
 use crate::lazy::graph::{BatchDim, Flow, KernelCall, Meta, Node, Operation, RunCx};
 use crate::lazy::int_list::IntList;
 use crate::lazy::shape;
@@ -240,6 +241,45 @@ impl Operation for Expand {
             );
             calls.push(KernelCall::Reduction { of: meta, mask, backward: true });
         }
+    }
+}
+
+/// Fixed operands that `expand` broadcast to the batch's size along the batch dimension (a
+/// learned CLS token, `T::constant(&cls).expand([b, -1, -1])`), re-recorded as per-sample
+/// broadcasts: the same expand, batched, which each micro-batch runs at its own size. `nodes`
+/// meet in an op whose output has `out_len` dimensions; `right_aligned` when broadcasting aligns
+/// them from the right (elementwise ops), else they share their dimensions (`cat`). Anything
+/// else is left as it is, for the op's own checks.
+pub(crate) fn adopt_batch_broadcasts(nodes: &mut [Rc<Node>], out_len: usize, right_aligned: bool) {
+    let at_out = |n: &Node, d: usize| if right_aligned { d + out_len - n.meta.shape.len() } else { d };
+    let Some((dim, bd)) = nodes.iter().find_map(|n| n.meta.batch().map(|bd| (at_out(n, bd.dim), bd))) else {
+        return;
+    };
+    if bd.factor != 1 || bd.size <= 1 {
+        return;
+    }
+    for node in nodes.iter_mut() {
+        let m = &node.meta;
+        if m.flow != Flow::Fixed || node.op.name() != "expand" {
+            continue;
+        }
+        let offset = out_len as i64 - m.shape.len() as i64;
+        let at = if right_aligned { dim as i64 - offset } else { dim as i64 };
+        if at < 0 || m.shape.get(at as usize) != Some(&bd.size) {
+            continue;
+        }
+        // Broadcast there, from size 1 or from a dimension the expand added.
+        let src = &node.inputs[0];
+        let src_at = at - (m.shape.len() - src.meta.shape.len()) as i64;
+        if src_at >= 0 && src.meta.shape[src_at as usize] != 1 {
+            continue;
+        }
+        let batched = BatchDim { dim: at as usize, size: bd.size, factor: 1 };
+        let lazy = Record::new(Expand, vec![src.clone()], m.shape.clone(), m.kind, m.device)
+            .flow((Flow::PerSample(batched), None))
+            .view(m.strides.clone())
+            .finish();
+        *node = lazy.node;
     }
 }
 
@@ -989,7 +1029,9 @@ impl LazyTensor {
         let Some(first) = lazies.first() else {
             return Err(arg("cat", &[], "expected a non-empty list of tensors"));
         };
-        let nodes: Vec<&Rc<Node>> = lazies.iter().map(|t| &t.node).collect();
+        let mut owned: Vec<Rc<Node>> = lazies.iter().map(|t| t.node.clone()).collect();
+        adopt_batch_broadcasts(&mut owned, first.node.meta.shape.len(), false);
+        let nodes: Vec<&Rc<Node>> = owned.iter().collect();
         let device = same_device("cat", &nodes)?;
         let s0 = &first.node.meta.shape;
         let d = shape::wrap_dim(dim, s0.len()).map_err(|r| arg("cat", s0, r))?;
@@ -1023,7 +1065,7 @@ impl LazyTensor {
     /// When the op cannot be recorded.
     #[track_caller]
     pub fn chunk(&self, chunks: i64, dim: i64) -> Vec<LazyTensor> {
-        self.f_chunk(chunks, dim).unwrap_or_else(|e| panic!("{e}"))
+        self.f_chunk(chunks, dim).or_panic()
     }
 
     /// Like [`f_split`](Self::f_split), panicking with its error.
@@ -1032,7 +1074,7 @@ impl LazyTensor {
     /// When the op cannot be recorded.
     #[track_caller]
     pub fn split(&self, split_size: i64, dim: i64) -> Vec<LazyTensor> {
-        self.f_split(split_size, dim).unwrap_or_else(|e| panic!("{e}"))
+        self.f_split(split_size, dim).or_panic()
     }
 
     /// Like [`f_cat`](Self::f_cat), panicking with its error.
@@ -1041,6 +1083,6 @@ impl LazyTensor {
     /// When the op cannot be recorded.
     #[track_caller]
     pub fn cat<T: std::borrow::Borrow<LazyTensor>>(tensors: &[T], dim: i64) -> LazyTensor {
-        Self::f_cat(tensors, dim).unwrap_or_else(|e| panic!("{e}"))
+        Self::f_cat(tensors, dim).or_panic()
     }
 }

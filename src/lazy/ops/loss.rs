@@ -11,6 +11,7 @@ use super::record::IntoLazy;
 use super::record::{broadcast_flows, combine_flows, same_device, Linearity, Record};
 use super::{arg, floating, kind_err, same_kind, shape_err};
 use crate::lazy::error::LazyError;
+use crate::lazy::error::OrPanic;
 use crate::lazy::graph::{Flow, KernelCall, Meta, Node, Operation, RunCx, Share};
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
@@ -533,6 +534,6 @@ impl LazyTensor {
     /// When the op cannot be recorded.
     #[track_caller]
     pub fn nll_loss(&self, targets: impl IntoLazy) -> LazyTensor {
-        self.f_nll_loss(targets, None::<&LazyTensor>, Reduction::Mean, -100).unwrap_or_else(|e| panic!("{e}"))
+        self.f_nll_loss(targets, None::<&LazyTensor>, Reduction::Mean, -100).or_panic()
     }
 }

@@ -8,6 +8,7 @@ use super::record::IntoLazy;
 use super::record::{combine_flows, same_device, Linearity, Record};
 use super::{floating, kind_err, requires, same_kind, shape_err};
 use crate::lazy::error::LazyError;
+use crate::lazy::error::OrPanic;
 use crate::lazy::graph::{Flow, KernelCall, Meta, Node, Operation, RunCx};
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
@@ -639,7 +640,7 @@ impl LazyTensor {
         scale_grad_by_freq: bool,
         sparse: bool,
     ) -> LazyTensor {
-        Self::f_embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse).unwrap_or_else(|e| panic!("{e}"))
+        Self::f_embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse).or_panic()
     }
 }
 

@@ -5,6 +5,7 @@ use std::rc::Rc;
 
 use tch::{Kind, TchError, Tensor};
 
+use super::layout::adopt_batch_broadcasts;
 use super::record::IntoLazy;
 use super::record::{broadcast_flows, same_device, Linearity, Record};
 use super::{arg, floating, kind_err, requires, same_shape_flow, shape_err};
@@ -833,11 +834,13 @@ impl LazyTensor {
 
     fn f_binary(&self, op: Binary, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
         let other = other.into_lazy();
-        let (a, b) = (&self.node, &other.node);
         let name = op.name();
+        let out = shape::broadcast(&self.node.meta.shape, &other.node.meta.shape)
+            .map_err(|r| shape_err(name, &self.node.meta.shape, &other.node.meta.shape, r))?;
+        let mut pair = [self.node.clone(), other.node.clone()];
+        adopt_batch_broadcasts(&mut pair, out.len(), true);
+        let [a, b] = &pair;
         let device = same_device(name, &[a, b])?;
-        let out = shape::broadcast(&a.meta.shape, &b.meta.shape)
-            .map_err(|r| shape_err(name, &a.meta.shape, &b.meta.shape, r))?;
         let promoted = shape::result_kind(a.meta.kind, a.meta.shape.len(), b.meta.kind, b.meta.shape.len());
         let kind = match op {
             _ if op.is_comparison() => Kind::Bool,
