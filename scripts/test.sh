@@ -19,6 +19,8 @@ step "cargo fmt --check"
 cargo fmt --all -- --check
 step "layers: the import graph of src/ has no cycle"
 python3 scripts/layers.py
+step "tch-methods: docs/tch-example-methods.csv says which of tch's example methods run lazily"
+python3 scripts/tch-methods.py
 step "cargo clippy (all targets, all features, -D warnings)"
 cargo clippy --workspace --all-targets --all-features -- -D warnings
 step "cargo clippy (all targets, no default features, -D warnings)"

@@ -155,7 +155,7 @@ pub enum LazyError {
         actual: Vec<i64>,
     },
     /// libtorch failed while running an op (an out-of-memory among others).
-    #[error("toma::lazy: {}`{op}` failed: {source}", node.map(|n| format!("op #{n} ")).unwrap_or_default())]
+    #[error("toma::lazy: {}`{op}` failed: {}", node.map(|n| format!("op #{n} ")).unwrap_or_default(), without_frames(source))]
     Torch {
         /// Position of the op in the plan (`None`: reading a value outside the graph).
         node: Option<usize>,
@@ -180,6 +180,18 @@ pub enum LazyError {
     #[cfg(feature = "dist")]
     #[error("toma::lazy: {0}")]
     Dist(#[from] crate::dist::DistError),
+}
+
+/// libtorch's message without the C++ frames it appends ("Exception raised from .. frame #0:
+/// .."): they point into libtorch, never at the user's code. The full text stays in the
+/// error's `source()`.
+fn without_frames(error: &TchError) -> String {
+    let text = error.to_string();
+    let cut = ["\nException raised from", "\nframe #"].iter().filter_map(|m| text.find(m)).min();
+    match cut {
+        Some(at) => text[..at].trim_end().to_string(),
+        None => text,
+    }
 }
 
 /// A recording or running error turned into a panic at the user's line, as tch's panicking
@@ -226,5 +238,27 @@ fn reserve_note(reserved: u64) -> String {
         String::new()
     } else {
         format!(" and {reserved} B held in reserve for what earlier runs of this graph measured above their plans")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn libtorch_frames_are_dropped_from_the_message() {
+        let source = TchError::Torch(
+            "mat1 and mat2 shapes cannot be multiplied (4x3 and 2x3)\nException raised from meta at \
+             /pytorch/aten/src/ATen/native/LinearAlgebra.cpp:197 (most recent call first):\nframe #0: \
+             c10::Error::Error(c10::SourceLocation, std::string) + 0x96"
+                .into(),
+        );
+        let e = LazyError::Torch { node: Some(3), op: "mm".into(), source };
+        let text = e.to_string();
+        assert!(text.ends_with("mat1 and mat2 shapes cannot be multiplied (4x3 and 2x3)"), "{text}");
+        assert!(text.starts_with("toma::lazy: op #3 `mm` failed: "), "{text}");
+        // The whole text is still there for whoever walks the chain.
+        let inner = std::error::Error::source(&e).map(ToString::to_string).unwrap_or_default();
+        assert!(inner.contains("frame #0"), "{inner}");
     }
 }

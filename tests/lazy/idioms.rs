@@ -295,3 +295,25 @@ fn a_panicking_op_points_at_the_users_line() {
         assert!(at.starts_with(here), "panicked at {at}, not in {here}");
     }
 }
+
+#[test]
+fn methods_of_tchs_examples_are_tchs() {
+    let x = Tensor::randn([4, 6, 5], (Kind::Double, Device::Cpu));
+    let w = Tensor::randn([5, 3], (Kind::Double, Device::Cpu));
+    let lx = lazy(&x, 0);
+    let same = |l: LazyTensor, t: Tensor| {
+        let l = l.to_tensor().unwrap();
+        assert_eq!(l.size(), t.size());
+        assert!(l.allclose(&t, 1e-12, 1e-12, false));
+    };
+    same(lx.slice(1, 1, -1, 1), x.slice(1, 1, -1, 1));
+    same(lx.slice(2, None, 3, 1), x.slice(2, None, 3, 1));
+    same(lx.slice(1, -2, None, 1), x.slice(1, -2, None, 1));
+    same(lx.slice(1, 2, 100, 1), x.slice(1, 2, 100, 1));
+    same(lx.i((.., 0, ..)).tr().tr(), x.i((.., 0, ..)).tr().tr());
+    same(lx.i((.., 0, ..)).mm(&w), x.i((.., 0, ..)).mm(&w));
+    same(lx.copy(), x.copy());
+    assert!(matches!(lx.f_slice(1, 0, 4, 2), Err(LazyError::Unsupported { .. })));
+    assert!(lx.f_mm(&w).is_err(), "mm takes matrices only, as tch");
+    assert!(x.f_mm(&w).is_err());
+}

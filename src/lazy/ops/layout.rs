@@ -554,6 +554,58 @@ impl LazyTensor {
         self.f_squeeze_impl(if self.dim() == 0 { vec![] } else { vec![d] })
     }
 
+    /// Entries `start..end` of `dim`, as tch's `slice` (Python's rules: negative bounds count
+    /// from the end, bounds past the end are clamped, `None` is the whole side). A view, as
+    /// [`f_narrow`](Self::f_narrow).
+    ///
+    /// # Errors
+    /// As [`f_narrow`](Self::f_narrow); [`LazyError::Unsupported`] for a `step` other than 1
+    /// (index with `index_select` instead).
+    pub fn f_slice(
+        &self,
+        dim: i64,
+        start: impl Into<Option<i64>>,
+        end: impl Into<Option<i64>>,
+        step: i64,
+    ) -> Result<LazyTensor, LazyError> {
+        let s = &self.node.meta.shape;
+        let d = shape::wrap_dim(dim, s.len()).map_err(|r| arg("slice", s, r))?;
+        if step != 1 {
+            return Err(LazyError::Unsupported {
+                op: "slice".into(),
+                reason: format!("a step of {step} is not recorded; take the entries with index_select instead"),
+            });
+        }
+        let size = s[d];
+        let bound = |v: i64| (if v < 0 { v + size } else { v }).clamp(0, size);
+        let start = bound(start.into().unwrap_or(0));
+        let end = bound(end.into().unwrap_or(size)).max(start);
+        self.f_narrow(d as i64, start, end - start)
+    }
+
+    /// The transpose of a matrix (dimensions 0 and 1; a 0-D or 1-D value as it is), as tch's
+    /// `tr` (libtorch's `t`).
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for more than 2 dimensions.
+    pub fn f_tr(&self) -> Result<LazyTensor, LazyError> {
+        match self.dim() {
+            0 | 1 => Ok(self.clone()),
+            2 => self.f_transpose(0, 1),
+            _ => Err(arg("tr", &self.size(), "expects a tensor of at most 2 dimensions (use transpose)")),
+        }
+    }
+
+    /// The same values, as tch's `copy`. A lazy value is never changed in place, so the copy
+    /// shares the recorded node: no storage is copied.
+    ///
+    /// # Errors
+    /// None today; fallible as tch's family is.
+    #[lazy_only]
+    pub fn f_copy(&self) -> Result<LazyTensor, LazyError> {
+        Ok(self.clone())
+    }
+
     /// `length` entries of `dim` from `start` (a view). Not along the batch dimension.
     ///
     /// # Errors

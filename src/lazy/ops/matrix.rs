@@ -368,6 +368,24 @@ impl Operation for Embedding {
     "Matrix products and linear layers (a family of [`TensorOps`](crate::lazy::TensorOps))."
 )]
 impl LazyTensor {
+    /// The product of two matrices, as tch's `mm`: both operands 2-D.
+    ///
+    /// # Errors
+    /// [`LazyError::Shape`] unless both are 2-D and fit; as [`f_matmul`](Self::f_matmul).
+    pub fn f_mm(&self, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        let other = other.into_lazy();
+        let (a, b) = (&self.node.meta.shape, &other.node.meta.shape);
+        if a.len() != 2 || b.len() != 2 {
+            return Err(LazyError::Shape {
+                op: "mm".into(),
+                lhs: a.clone(),
+                rhs: b.clone(),
+                reason: "both operands must be matrices (2-D); use matmul for others".into(),
+            });
+        }
+        self.f_matmul(&other)
+    }
+
     /// Matrix product with `torch.matmul`'s rules: 1-D operands, batched and broadcast
     /// leading dimensions.
     ///
