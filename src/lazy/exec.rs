@@ -236,6 +236,93 @@ fn run_chunks(
         Ok(())
     };
     let n = p.c.batch.max(1) as usize;
+    let mut updated = Updated::of(p);
+    let result = run_chunk_loop(p, options, n, |start: i64, b: i64| -> Result<(), LazyError> {
+        updated.restore();
+        body(start, b)?;
+        updated.add(b as f64 / n as f64);
+        Ok(())
+    });
+    // A failed step leaves them as they were.
+    if result.is_ok() {
+        updated.apply();
+    } else {
+        updated.restore();
+    }
+    result
+}
+
+/// Tensors the graph's ops update in place (batch norm's running statistics), kept so that a
+/// split step updates them once: each micro-batch starts from the values before the step, and
+/// the micro-batches' updates are summed by share. A micro-batch that fails and is retried
+/// leaves nothing behind. One micro-batch of the whole batch is the plain update.
+struct Updated {
+    /// Each tensor, its value before the step, and the weighted sum of the updates so far.
+    tensors: Vec<(Tensor, Tensor, Option<Tensor>)>,
+    /// Whether the last micro-batch was the whole batch: its update is the step's, as is.
+    whole: bool,
+}
+
+impl Updated {
+    fn of(p: &Prepared) -> Updated {
+        let _guard = tch::no_grad_guard();
+        let mut tensors = Vec::new();
+        for node in &p.c.nodes {
+            for k in node.op.updated_inputs(node.inputs.len()) {
+                if let Some(Source::Leaf { tensor, .. }) = node.inputs[k].op.source() {
+                    tensors.push((tensor.shallow_clone(), tensor.copy(), None));
+                }
+            }
+        }
+        Updated { tensors, whole: false }
+    }
+
+    fn restore(&mut self) {
+        if self.tensors.is_empty() {
+            return;
+        }
+        let _guard = tch::no_grad_guard();
+        for (t, before, _) in &mut self.tensors {
+            t.copy_(before);
+        }
+    }
+
+    fn add(&mut self, share: f64) {
+        self.whole = share >= 1.0;
+        if self.whole || self.tensors.is_empty() {
+            return;
+        }
+        let _guard = tch::no_grad_guard();
+        for (t, before, sum) in &mut self.tensors {
+            let update = (&*t - &*before) * share;
+            *sum = Some(match sum.take() {
+                Some(s) => s + update,
+                None => update,
+            });
+        }
+    }
+
+    fn apply(&mut self) {
+        if self.whole {
+            return;
+        }
+        let _guard = tch::no_grad_guard();
+        for (t, before, sum) in &mut self.tensors {
+            match sum {
+                Some(s) => t.copy_(&(&*before + &*s)),
+                None => t.copy_(before),
+            }
+        }
+    }
+}
+
+/// [`run_chunks`]'s loop: fixed micro-batches, or the retry engine's.
+fn run_chunk_loop(
+    p: &Prepared,
+    options: &Options,
+    n: usize,
+    mut body: impl FnMut(i64, i64) -> Result<(), LazyError>,
+) -> Result<(), LazyError> {
     if !p.d.splittable || !options.retry {
         let step = if p.d.splittable { p.d.micro_batch } else { n };
         let mut start = 0;

@@ -241,6 +241,14 @@ pub(crate) trait Operation {
     /// Runs the op on one micro-batch.
     fn run(&self, ins: &[&Tensor], cx: &RunCx<'_>) -> Result<Tensor, TchError>;
 
+    /// The inputs the op updates in place when it runs (batch norm's running statistics in
+    /// training), of the op's `n_inputs`. In a split step the executor restores them before
+    /// each micro-batch and applies the micro-batches' updates once, weighted by their shares,
+    /// as one step over the whole batch does.
+    fn updated_inputs(&self, n_inputs: usize) -> std::ops::Range<usize> {
+        n_inputs..n_inputs
+    }
+
     /// Whether the op takes part in autograd at all.
     fn differentiable(&self) -> bool {
         true

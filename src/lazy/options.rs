@@ -70,7 +70,10 @@ impl Options {
     }
 
     /// Splits even a computation that mixes samples (batch norm in training, batch
-    /// statistics): each micro-batch then uses statistics of its own samples.
+    /// statistics): each micro-batch then uses statistics of its own samples. Batch norm's
+    /// running statistics still move once per step: each micro-batch starts from the values
+    /// before the step, and their updates are averaged by share (for equal micro-batches,
+    /// `(1 - momentum) · old + momentum · mean of the micro-batches' statistics`).
     pub fn allow_batch_mixing(mut self, allow: bool) -> Self {
         self.allow_batch_mixing = allow;
         self

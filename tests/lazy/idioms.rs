@@ -317,3 +317,46 @@ fn methods_of_tchs_examples_are_tchs() {
     assert!(lx.f_mm(&w).is_err(), "mm takes matrices only, as tch");
     assert!(x.f_mm(&w).is_err());
 }
+
+/// Batch norm in training, split under `allow_batch_mixing(true)`: its running statistics move
+/// once per step, by the micro-batches' mean update, not once per micro-batch.
+#[test]
+fn running_statistics_move_once_per_split_step() {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let bn = nn::batch_norm1d(vs.root() / "bn", 3, Default::default());
+    let x = Tensor::randn([16, 3], (Kind::Float, Device::Cpu)) * 2.0 + 1.0;
+    let (mean0, var0) = (bn.running_mean.copy(), bn.running_var.copy());
+    // Expected: each quarter's update from the same starting point, averaged.
+    let mut want_mean = Tensor::zeros([3], (Kind::Float, Device::Cpu));
+    let mut want_var = Tensor::zeros([3], (Kind::Float, Device::Cpu));
+    for q in 0..4 {
+        let rm = mean0.copy();
+        let rv = var0.copy();
+        let _ = x.narrow(0, 4 * q, 4).batch_norm(
+            bn.ws.as_ref(),
+            bn.bs.as_ref(),
+            Some(&rm),
+            Some(&rv),
+            true,
+            0.1,
+            1e-5,
+            false,
+        );
+        want_mean += rm / 4.0;
+        want_var += rv / 4.0;
+    }
+    let options = Options::new().allow_batch_mixing(true).micro_batch(4);
+    let loss = lazy(&x, 0).apply_t(&bn, true).square().sum(None);
+    let plan = loss.plan(toma::lazy::Mode::Backward, &options).unwrap();
+    assert_eq!(plan.chunks(), 4, "{plan}");
+    loss.backward_with(&options).unwrap();
+    assert!(bn.running_mean.allclose(&want_mean, 1e-6, 1e-6, false), "{} vs {want_mean}", bn.running_mean);
+    assert!(bn.running_var.allclose(&want_var, 1e-6, 1e-6, false), "{} vs {want_var}", bn.running_var);
+    // Unsplit, the one update is the full batch's, exactly.
+    let mut bn_vs = nn::VarStore::new(Device::Cpu);
+    let whole = nn::batch_norm1d(bn_vs.root() / "bn", 3, Default::default());
+    bn_vs.copy(&vs).unwrap();
+    let _ = x.apply_t(&whole, true);
+    let _ = lazy(&x, 0).apply_t(&bn, true).square().sum(None).backward().unwrap();
+    assert_eq!(bn.running_mean, whole.running_mean);
+}

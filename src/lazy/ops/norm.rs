@@ -58,6 +58,16 @@ impl Operation for BatchNorm {
         Tensor::f_batch_norm(ins[0], weight, bias, mean, var, self.training, self.momentum, self.eps, true)
     }
 
+    fn updated_inputs(&self, n_inputs: usize) -> std::ops::Range<usize> {
+        // The running mean and variance come last, when there are any; evaluation reads them.
+        let first = 1 + usize::from(self.affine.weight) + usize::from(self.affine.bias);
+        if self.training && n_inputs >= first + 2 {
+            first..first + 2
+        } else {
+            n_inputs..n_inputs
+        }
+    }
+
     fn saves_input(&self, _i: usize, _inputs: &[Rc<Node>]) -> bool {
         true
     }
