@@ -405,6 +405,13 @@ impl Sequential {
 }
 
 impl SequentialT {
+    /// The accuracy of the logits on `xs` against `ys`, in batches of `batch_size` on
+    /// device `d`, in evaluation mode: tch's `ModuleT::batch_accuracy_for_logits`, here so that
+    /// it is found with this module's `ModuleT` imported instead of tch's.
+    pub fn batch_accuracy_for_logits(&self, xs: &Tensor, ys: &Tensor, d: tch::Device, batch_size: i64) -> f64 {
+        nn::ModuleT::batch_accuracy_for_logits(self, xs, ys, d, batch_size)
+    }
+
     /// Appends a layer (`nn::Linear`, `nn::BatchNorm`, another sequence, ..), as tch's `add`.
     // Named as tch's `SequentialT::add`, on purpose.
     #[allow(clippy::should_implement_trait)]

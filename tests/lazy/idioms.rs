@@ -360,3 +360,78 @@ fn running_statistics_move_once_per_split_step() {
     let _ = lazy(&x, 0).apply_t(&bn, true).square().sum(None).backward().unwrap();
     assert_eq!(bn.running_mean, whole.running_mean);
 }
+
+// The fast ResNet of tch's CIFAR example, in its idioms (smaller channels): `SequentialT`,
+// `FuncT`, batch norm in training, `max_pool2d_default`, `flat_view`, `x * 0.125`.
+mod fast_resnet {
+    use tch::{Device, Kind, Tensor};
+    use toma::lazy::lazy;
+    use toma::lazy::nn::{self, FuncT, OptimizerConfig, SequentialT};
+
+    fn conv_bn(vs: &nn::Path, c_in: i64, c_out: i64) -> SequentialT {
+        let conv2d_cfg = nn::ConvConfig { padding: 1, bias: false, ..Default::default() };
+        nn::seq_t()
+            .add(nn::conv2d(vs, c_in, c_out, 3, conv2d_cfg))
+            .add(nn::batch_norm2d(vs, c_out, Default::default()))
+            .add_fn(|x| x.relu())
+    }
+
+    fn layer<'a>(vs: &nn::Path, c_in: i64, c_out: i64) -> FuncT<'a> {
+        let pre = conv_bn(&vs.sub("pre"), c_in, c_out);
+        let block1 = conv_bn(&vs.sub("b1"), c_out, c_out);
+        let block2 = conv_bn(&vs.sub("b2"), c_out, c_out);
+        nn::func_t(move |xs, train| {
+            let pre = xs.apply_t(&pre, train).max_pool2d_default(2);
+            let ys = pre.apply_t(&block1, train).apply_t(&block2, train);
+            pre + ys
+        })
+    }
+
+    fn fast_resnet(vs: &nn::Path) -> SequentialT {
+        nn::seq_t()
+            .add(conv_bn(&vs.sub("pre"), 3, 4))
+            .add(layer(&vs.sub("layer1"), 4, 8))
+            .add(conv_bn(&vs.sub("inter"), 8, 8))
+            .add_fn(|x| x.max_pool2d_default(2))
+            .add(layer(&vs.sub("layer2"), 8, 8))
+            .add_fn(|x| x.max_pool2d_default(2).flat_view())
+            .add(nn::linear(vs.sub("linear"), 8, 10, Default::default()))
+            .add_fn(|x| x * 0.125)
+    }
+
+    #[test]
+    fn trains_lazily_as_eagerly() {
+        let mut eager_vs = nn::VarStore::new(Device::Cpu);
+        let eager_net = fast_resnet(&eager_vs.root());
+        eager_vs.double();
+        let mut lazy_vs = nn::VarStore::new(Device::Cpu);
+        let lazy_net = fast_resnet(&lazy_vs.root());
+        lazy_vs.double();
+        lazy_vs.copy(&eager_vs).unwrap();
+        let sgd = || nn::Sgd { momentum: 0.9, dampening: 0., wd: 5e-4, nesterov: true };
+        let mut eager_opt = sgd().build(&eager_vs, 0.1).unwrap();
+        let mut lazy_opt = sgd().build(&lazy_vs, 0.1).unwrap();
+        let images = Tensor::randn([6, 3, 16, 16], (Kind::Double, Device::Cpu));
+        let labels = Tensor::randint(10, [6], (Kind::Int64, Device::Cpu));
+        for step in 0..2 {
+            let loss = eager_net.forward_t(&images, true).cross_entropy_for_logits(&labels);
+            let eager_value = f64::try_from(&loss).unwrap();
+            eager_opt.backward_step(&loss);
+            // The one changed line: the batch wrapped. Batch norm in training mixes samples,
+            // so the step runs whole (issue 25 splits it by recomputing).
+            let (images, labels) = lazy((&images, &labels), 0);
+            let loss = lazy_net.forward_t(&images, true).cross_entropy_for_logits(&labels);
+            let value = lazy_opt.backward_step(&loss);
+            // tch's `cross_entropy_for_logits` takes its log-softmax in f32 even for f64 logits;
+            // the lazy one stays in the logits' kind: they agree to f32's precision.
+            assert!((value - eager_value).abs() < 1e-6, "step {step}: {value} vs {eager_value}");
+            for (name, e) in eager_vs.variables() {
+                let l = &lazy_vs.variables()[&name];
+                let diff = (&e - l).abs().max().double_value(&[]);
+                assert!(diff < 1e-6, "step {step}: {name} differs by {diff}");
+            }
+        }
+        let accuracy = lazy_net.batch_accuracy_for_logits(&images, &labels, Device::Cpu, 4);
+        assert!((0.0..=1.0).contains(&accuracy));
+    }
+}
