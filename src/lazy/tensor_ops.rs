@@ -246,6 +246,16 @@ pub trait TensorOps:
     fn cat(tensors: &[&Self], dim: i64) -> Self {
         Self::f_cat(tensors, dim).or_panic()
     }
+    /// Joins along a new dimension `dim` (tch's `Tensor::stack`).
+    ///
+    /// # Errors
+    /// The op's error.
+    fn f_stack(tensors: &[&Self], dim: i64) -> Result<Self, Self::Error>;
+    /// Like [`f_stack`](Self::f_stack), panicking with its error.
+    #[track_caller]
+    fn stack(tensors: &[&Self], dim: i64) -> Self {
+        Self::f_stack(tensors, dim).or_panic()
+    }
     /// Rows of `weight` picked by `indices` (tch's `Tensor::embedding`).
     ///
     /// # Errors
@@ -414,6 +424,10 @@ impl TensorOps for Tensor {
         Tensor::f_cat(tensors, dim)
     }
     #[inline]
+    fn f_stack(tensors: &[&Tensor], dim: i64) -> Result<Tensor, TchError> {
+        Tensor::f_stack(tensors, dim)
+    }
+    #[inline]
     fn f_embedding(
         weight: &Tensor,
         indices: &Tensor,
@@ -516,6 +530,9 @@ impl TensorOps for LazyTensor {
     }
     fn f_cat(tensors: &[&LazyTensor], dim: i64) -> Result<LazyTensor, LazyError> {
         LazyTensor::f_cat(tensors, dim)
+    }
+    fn f_stack(tensors: &[&LazyTensor], dim: i64) -> Result<LazyTensor, LazyError> {
+        LazyTensor::f_stack(tensors, dim)
     }
     fn f_embedding(
         weight: &Tensor,

@@ -790,6 +790,29 @@ proptest! {
     }
 
     #[test]
+    fn stack_at_any_dim(a in shape(3, 4), k in 1usize..4, dim in -4i64..4, fixed in any::<bool>(), micro in 1usize..5) {
+        let ts: Vec<Tensor> = (0..k).map(|_| randn(&a)).collect();
+        let rank = a.len() as i64 + 1;
+        let lz: Vec<LazyTensor> = ts.iter().enumerate().map(|(i, t)| if fixed && i > 0 { LazyTensor::fixed(t) } else { lazy(t, 0) }).collect();
+        // Stacked at 0 the batch moves to dimension 1: still per sample. A fixed operand with the
+        // batch's size along it is refused, as for `cat`.
+        let eager = Tensor::f_stack(&ts, dim);
+        let lazily = LazyTensor::f_stack(&lz, dim);
+        if fixed && k > 1 && a[0] > 1 {
+            prop_assert!(lazily.is_err() || dim < -rank || dim >= rank, "stack {a:?} x{k} at {dim}: a fixed operand with the batch's size must be refused");
+        } else {
+            agree(&format!("stack {a:?} x{k} at {dim}"), eager, lazily, micro, Split::Exact)?;
+        }
+    }
+
+    #[test]
+    fn outer_of_vectors(n in 1i64..6, m in 1i64..6, micro in 1usize..5) {
+        // A batch of scalars times a fixed vector: row `i` is sample `i`'s.
+        let (a, b) = (randn(&[n]), randn(&[m]));
+        agree(&format!("outer {n} {m}"), a.f_outer(&b), lazy(&a, 0).f_outer(&b), micro, Split::Exact)?;
+    }
+
+    #[test]
     fn flip_any_dims(a in shape(4, 4), dims in prop::collection::vec(-4i64..4, 0..3), micro in 1usize..5) {
         let t = randn(&a);
         let rank = a.len() as i64;

@@ -1069,7 +1069,34 @@ impl LazyTensor {
         Ok(if shape::is_contiguous(&m.shape, &m.strides) { record.view(m.strides.clone()) } else { record }.finish())
     }
 
-    /// Concatenates along `dim` (not the batch dimension). A static method, as in tch.
+    /// Joins equal-shaped values along a new dimension `dim`, as tch's `Tensor::stack` (a
+    /// static method, as in tch). Stacking at or before the batch dimension keeps samples per
+    /// sample; a fixed operand expanded to the batch is broadcast per sample, as in `cat`.
+    ///
+    /// # Errors
+    /// [`LazyError::Shape`] when the shapes differ, [`LazyError::Argument`] for an empty list or
+    /// a bad dimension, [`LazyError::Device`].
+    #[lazy_only]
+    #[no_twin]
+    pub fn f_stack<T: std::borrow::Borrow<LazyTensor>>(tensors: &[T], dim: i64) -> Result<LazyTensor, LazyError> {
+        // libtorch's `stack` is this composite too: each operand unsqueezed (a view), then `cat`.
+        let Some(first) = tensors.first() else {
+            return Err(arg("stack", &[], "expected a non-empty list of tensors"));
+        };
+        let s0 = first.borrow().size();
+        for t in tensors {
+            let s = t.borrow().size();
+            if s != s0 {
+                return Err(shape_err("stack", &s0, &s, "stack expects each tensor to be equal size"));
+            }
+        }
+        let d = shape::wrap_insert_dim(dim, s0.len()).map_err(|r| arg("stack", &s0, r))?;
+        let parts = tensors.iter().map(|t| t.borrow().f_unsqueeze(d as i64)).collect::<Result<Vec<_>, _>>()?;
+        Self::f_cat(&parts, d as i64)
+    }
+
+    /// Concatenates along `dim` (not the batch dimension). A static method, as in tch. A fixed
+    /// operand expanded to the batch (a CLS token) is broadcast per sample.
     ///
     /// # Errors
     /// [`LazyError::Shape`] when the other sizes differ, [`LazyError::Argument`] for an empty
@@ -1136,5 +1163,14 @@ impl LazyTensor {
     #[track_caller]
     pub fn cat<T: std::borrow::Borrow<LazyTensor>>(tensors: &[T], dim: i64) -> LazyTensor {
         Self::f_cat(tensors, dim).or_panic()
+    }
+
+    /// Like [`f_stack`](Self::f_stack), panicking with its error.
+    ///
+    /// # Panics
+    /// When the op cannot be recorded.
+    #[track_caller]
+    pub fn stack<T: std::borrow::Borrow<LazyTensor>>(tensors: &[T], dim: i64) -> LazyTensor {
+        Self::f_stack(tensors, dim).or_panic()
     }
 }

@@ -368,6 +368,25 @@ impl Operation for Embedding {
     "Matrix products and linear layers (a family of [`TensorOps`](crate::lazy::TensorOps))."
 )]
 impl LazyTensor {
+    /// The outer product of two vectors, as tch's `outer`: `self[i] * other[j]` (libtorch's
+    /// composite: `self` as a column, times `other`).
+    ///
+    /// # Errors
+    /// [`LazyError::Shape`] unless both are 1-D.
+    pub fn f_outer(&self, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        let other = other.into_lazy();
+        let (a, b) = (&self.node.meta.shape, &other.node.meta.shape);
+        if a.len() != 1 || b.len() != 1 {
+            return Err(LazyError::Shape {
+                op: "outer".into(),
+                lhs: a.clone(),
+                rhs: b.clone(),
+                reason: "both operands must be vectors (1-D)".into(),
+            });
+        }
+        self.f_unsqueeze(1)?.f_mul(&other)
+    }
+
     /// The product of two matrices, as tch's `mm`: both operands 2-D.
     ///
     /// # Errors
