@@ -435,3 +435,23 @@ mod fast_resnet {
         assert!((0.0..=1.0).contains(&accuracy));
     }
 }
+
+#[test]
+fn argmax_stops_the_gradient_and_accuracy_is_a_mean() {
+    let x = Tensor::randn([10, 5], (Kind::Double, Device::Cpu)).set_requires_grad(true);
+    let y = Tensor::randint(5, [10], (Kind::Int64, Device::Cpu));
+    // The largest logit picked by its position: the gradient flows through gather only.
+    let eager = x.gather(-1, &x.argmax(-1, true), false).sum(Kind::Double);
+    eager.backward();
+    let want = x.grad().copy();
+    let _ = x.grad().zero_();
+    let lx = lazy(&x, 0);
+    let value =
+        lx.gather(-1, &lx.argmax(-1, true), false).sum(None).backward_with(&Options::new().micro_batch(3)).unwrap();
+    assert!((value - eager.double_value(&[])).abs() < 1e-9);
+    assert!(x.grad().allclose(&want, 1e-12, 1e-12, false));
+    let (lx, ly) = lazy((&x.detach(), &y), 0);
+    let accuracy = lx.accuracy_for_logits(&ly);
+    let split = accuracy.to_tensor_with(&Options::new().micro_batch(3)).unwrap().double_value(&[]);
+    assert!((split - x.accuracy_for_logits(&y).double_value(&[])).abs() < 1e-6);
+}

@@ -806,6 +806,23 @@ proptest! {
     }
 
     #[test]
+    fn argmax_and_argmin(a in shape(4, 4), dim in prop::option::of(-4i64..4), keepdim in any::<bool>(), max in any::<bool>(), micro in 1usize..5) {
+        let t = randn(&a);
+        let rank = a.len() as i64;
+        // Per sample unless it compares along the batch dimension (0) or over everything.
+        let split = match dim {
+            Some(d) if d >= -rank && d < rank && d.rem_euclid(rank) != 0 => Split::Exact,
+            _ => Split::Refused,
+        };
+        let (eager, lazily) = if max {
+            (t.f_argmax(dim, keepdim), lazy(&t, 0).f_argmax(dim, keepdim))
+        } else {
+            (t.f_argmin(dim, keepdim), lazy(&t, 0).f_argmin(dim, keepdim))
+        };
+        agree(&format!("arg{} {a:?} dim {dim:?} keepdim {keepdim}", if max { "max" } else { "min" }), eager, lazily, micro, split)?;
+    }
+
+    #[test]
     fn outer_of_vectors(n in 1i64..6, m in 1i64..6, micro in 1usize..5) {
         // A batch of scalars times a fixed vector: row `i` is sample `i`'s.
         let (a, b) = (randn(&[n]), randn(&[m]));

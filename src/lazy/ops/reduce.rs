@@ -56,6 +56,36 @@ impl ReduceOp {
     }
 }
 
+/// Where the largest (`max`) or smallest entry is along `dim`, or in the value flattened
+/// (`None`): integer positions, which carry no gradient.
+pub(crate) struct ArgExtreme {
+    max: bool,
+    dim: Option<i64>,
+    keepdim: bool,
+}
+
+impl Operation for ArgExtreme {
+    fn name(&self) -> &'static str {
+        if self.max {
+            "argmax"
+        } else {
+            "argmin"
+        }
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        if self.max {
+            ins[0].f_argmax(self.dim, self.keepdim)
+        } else {
+            ins[0].f_argmin(self.dim, self.keepdim)
+        }
+    }
+
+    fn differentiable(&self) -> bool {
+        false
+    }
+}
+
 /// A reduction over `dims` (all when `None`).
 pub(crate) struct Reduction {
     op: ReduceOp,
@@ -364,6 +394,83 @@ impl LazyTensor {
         };
         let record_op = Reduction { op, dims, keepdim, kind };
         Ok(Record::new(record_op, vec![n.clone()], out, out_kind, m.device).flow(flow).finish())
+    }
+
+    /// The position of the largest entry along `dim` (of the value flattened when `None`), as
+    /// tch's `argmax`: `Int64`, no gradient. Along the batch dimension, or flattened, it
+    /// compares samples (refused for a split).
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for a bad dimension or an empty one.
+    pub fn f_argmax(&self, dim: impl Into<Option<i64>>, keepdim: bool) -> Result<LazyTensor, LazyError> {
+        self.f_arg_extreme(true, dim.into(), keepdim)
+    }
+
+    /// The position of the smallest entry, as [`f_argmax`](Self::f_argmax) and tch's `argmin`.
+    ///
+    /// # Errors
+    /// As [`f_argmax`](Self::f_argmax).
+    pub fn f_argmin(&self, dim: impl Into<Option<i64>>, keepdim: bool) -> Result<LazyTensor, LazyError> {
+        self.f_arg_extreme(false, dim.into(), keepdim)
+    }
+
+    /// The share of rows whose largest logit is at the target, as tch's `accuracy_for_logits`
+    /// (`argmax(-1) == targets`, as `Float`, averaged). No gradient; over the batch it is a
+    /// mean, combined exactly across micro-batches.
+    ///
+    /// # Errors
+    /// As [`f_argmax`](Self::f_argmax) and `eq_tensor` for targets that do not fit.
+    #[lazy_only]
+    pub fn f_accuracy_for_logits(&self, targets: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        self.f_argmax(-1, false)?.f_eq_tensor(targets)?.f_to_kind(Kind::Float)?.f_mean(Kind::Float)
+    }
+
+    fn f_arg_extreme(&self, max: bool, dim: Option<i64>, keepdim: bool) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let m = &n.meta;
+        let op = ArgExtreme { max, dim, keepdim };
+        let name = op.name();
+        let a = |r: String| arg(name, &m.shape, r);
+        let (out, reduced) = match dim {
+            None => {
+                if m.shape.contains(&0) {
+                    return Err(a("cannot take it of an empty tensor".into()));
+                }
+                (if keepdim { vec![1; m.shape.len()] } else { Vec::new() }, None)
+            }
+            Some(dim) => {
+                let d = if m.shape.is_empty() {
+                    shape::wrap_dim(dim, 1).map_err(a)?
+                } else {
+                    shape::wrap_dim(dim, m.shape.len()).map_err(a)?
+                };
+                if m.shape.get(d) == Some(&0) {
+                    return Err(a(format!("dimension {d} is empty")));
+                }
+                let mut out = m.shape.clone();
+                if !out.is_empty() {
+                    if keepdim {
+                        out[d] = 1;
+                    } else {
+                        out.remove(d);
+                    }
+                }
+                (out, Some(d))
+            }
+        };
+        let flow = match (m.flow, reduced) {
+            (Flow::PerSample(bd), Some(d)) if d != bd.dim => {
+                let dim = if keepdim || d > bd.dim { bd.dim } else { bd.dim - 1 };
+                (Flow::PerSample(BatchDim { dim, ..bd }), None)
+            }
+            (Flow::PerSample(bd), _) => (
+                Flow::Opaque,
+                Some(format!("`{name}` compares entries across samples (the batch dimension {})", bd.dim)),
+            ),
+            (Flow::Fixed, _) => (Flow::Fixed, None),
+            (_, _) => (Flow::Opaque, Some(format!("`{name}` of a value combined over the batch"))),
+        };
+        Ok(Record::new(op, vec![n.clone()], out, Kind::Int64, m.device).flow(flow).not_differentiable().finish())
     }
 
     /// The sum of all elements (optionally in `kind`). Over the batch, micro-batch sums add up.
