@@ -118,6 +118,8 @@ fn sample(name: &str) -> Option<LazyTensor> {
         "outer" => x().i((.., 0, 0)).outer(&param(&[7])),
         "argmax" => x().argmax(-1, false),
         "argmin" => x().argmin(-1, false),
+        "min" => x().min(),
+        "amin" => x().amin(-1, false),
         "accuracy_for_logits" => x().i((.., 0, ..)).accuracy_for_logits(&ints(5, &[])),
         "bmm" => x().bmm(&act(&[5, 3])),
         "linear" => x().linear(&param(&[7, 5]), Some(&param(&[7]))),

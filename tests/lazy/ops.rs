@@ -823,6 +823,17 @@ proptest! {
     }
 
     #[test]
+    fn min_and_amin(a in shape(4, 4), dims in prop::collection::vec(-4i64..4, 1..3), keepdim in any::<bool>(), micro in 1usize..5) {
+        let t = randn(&a);
+        // Over the batch it compares samples: a split is refused.
+        agree(&format!("min {a:?}"), t.f_min(), lazy(&t, 0).f_min(), micro, Split::Refused)?;
+        let rank = a.len() as i64;
+        let over_batch = dims.iter().any(|&d| d >= -rank && d < rank && d.rem_euclid(rank) == 0);
+        let split = if over_batch { Split::Refused } else { Split::Exact };
+        agree(&format!("amin {a:?} {dims:?} {keepdim}"), t.f_amin(dims.as_slice(), keepdim), lazy(&t, 0).f_amin(&dims, keepdim), micro, split)?;
+    }
+
+    #[test]
     fn outer_of_vectors(n in 1i64..6, m in 1i64..6, micro in 1usize..5) {
         // A batch of scalars times a fixed vector: row `i` is sample `i`'s.
         let (a, b) = (randn(&[n]), randn(&[m]));

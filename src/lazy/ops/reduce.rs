@@ -541,4 +541,22 @@ impl LazyTensor {
     pub fn f_max(&self) -> Result<LazyTensor, LazyError> {
         self.f_reduce(ReduceOp::Amax, None, false, None)
     }
+
+    /// The minimum of all elements (tch's `min`), recorded as `-max(-x)`: the same values and
+    /// gradient (shared evenly among ties); the negated copy is planned with it. Over the batch
+    /// it compares samples: a split is refused.
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for an empty tensor; [`LazyError::Kind`] for a boolean one.
+    pub fn f_min(&self) -> Result<LazyTensor, LazyError> {
+        self.f_neg()?.f_max()?.f_neg()
+    }
+
+    /// The minimum over `dims` (tch's `amin`), as [`f_min`](Self::f_min) is recorded.
+    ///
+    /// # Errors
+    /// As [`f_amax`](Self::f_amax).
+    pub fn f_amin(&self, dims: impl IntList, keepdim: bool) -> Result<LazyTensor, LazyError> {
+        self.f_neg()?.f_amax(dims, keepdim)?.f_neg()
+    }
 }
