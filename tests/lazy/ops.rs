@@ -834,6 +834,13 @@ proptest! {
     }
 
     #[test]
+    fn one_hot_rows(a in shape(3, 4), classes in 1i64..6, micro in 1usize..5) {
+        let t = Tensor::randint(classes, a.as_slice(), (Kind::Int64, Device::Cpu));
+        agree(&format!("one_hot {a:?} {classes}"), t.f_one_hot(classes), lazy(&t, 0).f_one_hot(classes), micro, Split::Exact)?;
+        agree(&format!("onehot {a:?} {classes}"), Ok(t.onehot(classes)), lazy(&t, 0).f_onehot(classes), micro, Split::Exact)?;
+    }
+
+    #[test]
     fn outer_of_vectors(n in 1i64..6, m in 1i64..6, micro in 1usize..5) {
         // A batch of scalars times a fixed vector: row `i` is sample `i`'s.
         let (a, b) = (randn(&[n]), randn(&[m]));

@@ -283,6 +283,26 @@ pub(crate) fn adopt_batch_broadcasts(nodes: &mut [Rc<Node>], out_len: usize, rig
     }
 }
 
+/// Class indices as one-hot rows along a new last dimension of `classes` entries (`Int64`,
+/// no gradient), as libtorch's `one_hot`.
+pub(crate) struct OneHot {
+    classes: i64,
+}
+
+impl Operation for OneHot {
+    fn name(&self) -> &'static str {
+        "one_hot"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_one_hot(self.classes)
+    }
+
+    fn differentiable(&self) -> bool {
+        false
+    }
+}
+
 /// A copy with the order of the entries along `dims` reversed; its gradient is the output's,
 /// flipped back (a new tensor).
 pub(crate) struct Flip {
@@ -747,6 +767,45 @@ impl LazyTensor {
             _ => unary_flow(name, n, &out, |d| Some(d + offset), Linearity::Nonlinear)?,
         };
         Ok(Record::new(Expand, vec![n.clone()], out, m.kind, m.device).flow((flow, mixes)).view(strides).finish())
+    }
+
+    /// Class indices (`Int64`) as one-hot rows along a new last dimension of `num_classes`
+    /// entries, as tch's `one_hot`: `Int64`, no gradient, per sample. `num_classes` of -1
+    /// (the largest index plus one) depends on the data: pass the count.
+    ///
+    /// # Errors
+    /// [`LazyError::Kind`] for indices that are not `Int64`; [`LazyError::Unsupported`] for
+    /// `num_classes` below 1.
+    pub fn f_one_hot(&self, num_classes: i64) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let m = &n.meta;
+        if m.kind != Kind::Int64 {
+            return Err(kind_err("one_hot", m.kind, &m.shape, "one_hot takes Int64 class indices"));
+        }
+        if num_classes < 1 {
+            return Err(LazyError::Unsupported {
+                op: "one_hot".into(),
+                reason: format!(
+                    "num_classes {num_classes}: the count would be read from the data; pass the number of classes"
+                ),
+            });
+        }
+        let mut out = m.shape.clone();
+        out.push(num_classes);
+        let flow = unary_flow("one_hot", n, &out, Some, Linearity::Nonlinear)?;
+        Ok(Record::new(OneHot { classes: num_classes }, vec![n.clone()], out, Kind::Int64, m.device)
+            .flow(flow)
+            .not_differentiable()
+            .finish())
+    }
+
+    /// tch's `onehot`: [`f_one_hot`](Self::f_one_hot) as `Float` rows.
+    ///
+    /// # Errors
+    /// As [`f_one_hot`](Self::f_one_hot), for indices of any integer kind.
+    #[lazy_only]
+    pub fn f_onehot(&self, labels: i64) -> Result<LazyTensor, LazyError> {
+        self.f_to_kind(Kind::Int64)?.f_one_hot(labels)?.f_to_kind(Kind::Float)
     }
 
     /// A copy with the order of the entries along `dims` reversed, as tch's `flip`. Flipping the
