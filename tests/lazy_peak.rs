@@ -1203,3 +1203,31 @@ fn one_matmul_at_a_time() {
         }
     }
 }
+
+/// Inputs that require their gradient (a saliency map, an adversarial step): the full batch's
+/// `.grad` of the input is created by the first micro-batch and held through the later ones,
+/// as the parameters' are.
+#[test]
+fn inputs_that_require_gradients_peak_as_planned() {
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    let (n, d, h) = (64i64, 256i64, 128i64);
+    let mut rows = Rows::default();
+    for micro in [64usize, 16, 4] {
+        let vs = nn::VarStore::new(CPU);
+        let l1 = nn::linear(vs.root() / "l1", d, h, Default::default());
+        let l2 = nn::linear(vs.root() / "l2", h, 10, Default::default());
+        let x = Tensor::randn([n, d], (Kind::Float, CPU)).set_requires_grad(true);
+        let y = Tensor::randint(10, [n], (Kind::Int64, CPU));
+        // Step 0 creates the input's `.grad`; step 1 accumulates into it (as a second
+        // adversarial step on the same batch would).
+        for step in 0..2 {
+            let (lx, ly) = toma::lazy::lazy((&x, &y), 0);
+            let loss = lx.apply(&l1).relu().apply(&l2).cross_entropy_for_logits(&ly);
+            let (planned, measured) = planned_and_measured_at(&loss, micro);
+            assert!(x.grad().defined());
+            rows.push(format!("input requires grad, micro {micro} step {step}"), planned, measured);
+        }
+    }
+    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "input-gradient steps");
+}

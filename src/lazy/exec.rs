@@ -61,7 +61,11 @@ fn run_node(c: &Compiled, i: usize, ins: &[&Tensor], chunk: &Chunk<'_>) -> Resul
     let err = torch(i, rules.name());
     if let Some(Some(stand_in)) = chunk.stand_ins.get(i) {
         return match node.op.source() {
-            Some(Source::Input { dim, .. }) => stand_in.f_narrow(*dim as i64, chunk.start, chunk.b).map_err(err),
+            // A whole input's stand-in is narrowed; a micro-batch's own slice already is.
+            Some(Source::Input { dim, .. }) if stand_in.size().get(*dim) != Some(&chunk.b) => {
+                stand_in.f_narrow(*dim as i64, chunk.start, chunk.b).map_err(err)
+            }
+            Some(Source::Input { .. }) => Ok(stand_in.shallow_clone()),
             _ => Ok(stand_in.shallow_clone()),
         };
     }
@@ -506,17 +510,16 @@ pub(crate) fn backward(output: &LazyTensor, options: &Options) -> Result<f64, La
     // computed from parameters (a learned token expanded to the batch, wrapped with `lazy`).
     // Their gradients are asked for with the parameters': a leaf's into its `.grad`; another's
     // through a detached stand-in, sent back through its own graph at the end.
+    // Each micro-batch asks for the gradient of its own slice of the input (a detached leaf
+    // in the input's place), not of the whole input: a gradient of the whole would be the
+    // batch's size, mostly zeros, for every micro-batch.
     let n_params = params.len();
+    let mut inputs: Vec<(usize, i64)> = Vec::new();
     for (i, node) in p.c.nodes.iter().enumerate() {
-        if let Some(Source::Input { tensor, .. }) = node.op.source() {
+        if let Some(Source::Input { tensor, dim }) = node.op.source() {
             if tensor.requires_grad() {
-                if tensor.is_leaf() {
-                    params.push(tensor.shallow_clone());
-                } else {
-                    let stand_in = tensor.detach().set_requires_grad(true);
-                    stand_ins[i] = Some(stand_in.shallow_clone());
-                    params.push(stand_in);
-                }
+                inputs.push((i, *dim as i64));
+                params.push(tensor.shallow_clone());
                 originals.push(tensor.shallow_clone());
             }
         }
@@ -545,14 +548,29 @@ pub(crate) fn backward(output: &LazyTensor, options: &Options) -> Result<f64, La
         }
         let dens = dens.as_deref().unwrap_or(&unsplit);
         let split = b < n_all;
-        let chunk = Chunk { start, b, split, frac: b as f64 / n_all as f64, dens, stand_ins: &stand_ins };
+        let mut chunk_stand_ins;
+        let mut chunk_params;
+        let (stand_ins, params) = if inputs.is_empty() {
+            (&stand_ins, &params)
+        } else {
+            chunk_stand_ins = stand_ins.iter().map(|t| t.as_ref().map(Tensor::shallow_clone)).collect::<Vec<_>>();
+            chunk_params = params.iter().map(Tensor::shallow_clone).collect::<Vec<_>>();
+            for (j, &(i, dim)) in inputs.iter().enumerate() {
+                let slice =
+                    originals[n_params + j].f_narrow(dim, start, b).map_err(&err)?.detach().set_requires_grad(true);
+                chunk_stand_ins[i] = Some(slice.shallow_clone());
+                chunk_params[n_params + j] = slice;
+            }
+            (&chunk_stand_ins, &chunk_params)
+        };
+        let chunk = Chunk { start, b, split, frac: b as f64 / n_all as f64, dens, stand_ins };
         let (value, grads) = tch::with_grad(|| -> Result<(f64, Vec<Tensor>), LazyError> {
             let loss = forward_chunk(&p.c, &chunk, None)?;
             let value = loss.f_sum(Kind::Double).and_then(|v| v.f_double_value(&[])).map_err(&err)?;
             if direct && b == n && !params.is_empty() && loss.requires_grad() {
                 if let Err(e) = loss.f_backward() {
                     let _no_grad = tch::no_grad_guard();
-                    for param in &params {
+                    for param in params.iter() {
                         let mut grad = param.grad();
                         if grad.defined() {
                             let _ = grad.f_zero_();
@@ -565,11 +583,17 @@ pub(crate) fn backward(output: &LazyTensor, options: &Options) -> Result<f64, La
             let grads = if params.is_empty() || !loss.requires_grad() {
                 Vec::new()
             } else {
-                Tensor::f_run_backward(&[&loss], &params, false, false).map_err(&err)?
+                Tensor::f_run_backward(&[&loss], params, false, false).map_err(&err)?
             };
             Ok((value, grads))
         })?;
-        accumulate(&params, &leaf, &grads, &mut through).map_err(&err)?;
+        let k = n_params.min(grads.len());
+        accumulate(&params[..k], &leaf[..k], &grads[..k], &mut through[..k]).map_err(&err)?;
+        if grads.len() > n_params {
+            let slices =
+                inputs.iter().zip(&grads[n_params..]).zip(&originals[n_params..]).zip(&mut through[n_params..]);
+            accumulate_slices(slices, start, b).map_err(&err)?;
+        }
         total += value;
         Ok(())
     })?;
@@ -625,6 +649,33 @@ fn group_weights(c: &Compiled, options: &Options) -> Result<Option<Global>, Lazy
 #[cfg(not(feature = "dist"))]
 fn group_weights(_: &Compiled, _: &Options) -> Result<Option<Global>, LazyError> {
     Ok(None)
+}
+
+/// Adds each input's micro-batch gradient (its slice's) into rows `start..start + b` of the
+/// input's `.grad()` (a leaf without one first gets a zero gradient of the batch's size) or of
+/// a buffer sent back through a non-leaf input's own graph at the end.
+fn accumulate_slices<'a>(
+    slices: impl Iterator<Item = (((&'a (usize, i64), &'a Tensor), &'a Tensor), &'a mut Option<Tensor>)>,
+    start: i64,
+    b: i64,
+) -> Result<(), TchError> {
+    for (((&(_, dim), g), original), through) in slices {
+        if !g.defined() {
+            continue;
+        }
+        let _no_grad = tch::no_grad_guard();
+        let whole = if original.is_leaf() {
+            if !original.grad().defined() {
+                // As for parameters: autograd allocates `.grad` for a backward of `0 * sum(x)`.
+                tch::with_grad(|| original.f_sum(None)?.f_mul_scalar(0.0)?.f_backward())?;
+            }
+            original.grad()
+        } else {
+            through.get_or_insert_with(|| original.zeros_like()).shallow_clone()
+        };
+        let _ = whole.f_narrow(dim, start, b)?.f_add_(g)?;
+    }
+    Ok(())
 }
 
 /// Adds a micro-batch's gradients into `.grad()` (leaves; a parameter without one first gets a

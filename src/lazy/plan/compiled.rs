@@ -94,7 +94,9 @@ impl Compiled {
     /// Bytes of the gradients parameters without a `.grad()` will get (asked once).
     pub(super) fn undefined_grad_bytes(&self) -> u64 {
         *self.undefined_grad_bytes.get_or_init(|| {
-            self.reached_params
+            let whole = self.batch.max(1) as u64;
+            let params: u64 = self
+                .reached_params
                 .iter()
                 .map(|&i| &self.nodes[i as usize])
                 .filter(|node| match node.op.source() {
@@ -103,7 +105,15 @@ impl Compiled {
                     _ => false,
                 })
                 .map(|node| Work::from(node.cost.grad).at(1, self.block))
-                .sum()
+                .sum();
+            let inputs: u64 = input_grads(&self.nodes)
+                .filter(|node| match node.op.source() {
+                    Some(Source::Input { tensor, .. }) => !tensor.is_leaf() || !tensor.grad().defined(),
+                    _ => false,
+                })
+                .map(|node| Work::from(node.cost.grad).at(whole, self.block))
+                .sum();
+            params + inputs
         })
     }
 
@@ -180,6 +190,11 @@ impl Index {
 }
 
 /// Collects the graph of `output` in topological order and precomputes what planning needs.
+/// The inputs that require their own gradient (the executor fills theirs, see exec).
+fn input_grads(nodes: &[Rc<Node>]) -> impl Iterator<Item = &Rc<Node>> {
+    nodes.iter().filter(|node| matches!(node.op.source(), Some(Source::Input { tensor, .. }) if tensor.requires_grad()))
+}
+
 pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
     // Depth-first collection; ids give the order (inputs are always created first). The
     // planner's own index says where each visited node was found.
@@ -299,7 +314,12 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
         (0..n).filter(|&i| reach[i] && param[i] == Some(i as u32)).map(|i| i as u32).collect();
     let model = CostModel::of(device_of(&found));
     let block = model.block();
-    let param_grad_bytes = reached_params.iter().map(|&i| Work::from(found[i as usize].cost.grad).at(1, block)).sum();
+    // An input that requires its gradient gets one of the whole batch's size, created by the
+    // first micro-batch and held through the others, as a parameter's is.
+    let whole = batch.unwrap_or(1).max(1) as u64;
+    let param_grad_bytes =
+        reached_params.iter().map(|&i| Work::from(found[i as usize].cost.grad).at(1, block)).sum::<u64>()
+            + input_grads(&found).map(|node| Work::from(node.cost.grad).at(whole, block)).sum::<u64>();
     Ok(Compiled {
         nodes: found,
         offsets,
