@@ -841,6 +841,20 @@ proptest! {
     }
 
     #[test]
+    fn pooling_in_one_dimension(n in 1i64..4, c in 1i64..3, l in 1i64..12, k in 1i64..4, st in 0i64..3, p in 0i64..2, ceil in any::<bool>(), micro in 1usize..5) {
+        let t = randn(&[n, c, l]);
+        let stride: Vec<i64> = if st == 0 { vec![] } else { vec![st] };
+        agree(&format!("max_pool1d {l} k {k} s {stride:?} p {p} ceil {ceil}"),
+            t.f_max_pool1d([k], stride.as_slice(), [p], [1], ceil),
+            lazy(&t, 0).f_max_pool1d([k], stride.as_slice(), [p], [1], ceil), micro, Split::Exact)?;
+        agree(&format!("avg_pool1d {l} k {k} s {stride:?} p {p} ceil {ceil}"),
+            t.f_avg_pool1d([k], stride.as_slice(), [p], ceil, true),
+            lazy(&t, 0).f_avg_pool1d([k], stride.as_slice(), [p], ceil, true), micro, Split::Exact)?;
+        agree(&format!("adaptive_avg_pool1d {l} to {k}"),
+            t.f_adaptive_avg_pool1d([k]), lazy(&t, 0).f_adaptive_avg_pool1d([k]), micro, Split::Exact)?;
+    }
+
+    #[test]
     fn outer_of_vectors(n in 1i64..6, m in 1i64..6, micro in 1usize..5) {
         // A batch of scalars times a fixed vector: row `i` is sample `i`'s.
         let (a, b) = (randn(&[n]), randn(&[m]));

@@ -224,6 +224,16 @@ impl Operation for UpsampleBilinear2d {
     }
 }
 
+/// The one value of a 1-D window setting (`[k]` or `k`); `default` for an empty list (a
+/// stride that means the kernel size).
+fn one_of(op: &str, shape: &[i64], values: &[i64], what: &str, default: Option<i64>) -> Result<i64, LazyError> {
+    match (values, default) {
+        ([v], _) => Ok(*v),
+        ([], Some(d)) => Ok(d),
+        _ => Err(arg(op, shape, format!("{what} must be a single value, got {values:?}"))),
+    }
+}
+
 #[toma_macros::tensor_methods(WindowOps, "Windows over spatial dimensions: convolutions, pooling, upsampling (a family of [`TensorOps`](crate::lazy::TensorOps)).")]
 impl LazyTensor {
     /// 2-D transposed convolution, as tch's `conv_transpose2d`: `self` is `[N, C_in, H, W]` (or
@@ -475,6 +485,70 @@ impl LazyTensor {
     fn pool_flow(&self, name: &str, out: &[i64]) -> Result<(Flow, Option<String>), LazyError> {
         let nd = self.node.meta.shape.len();
         unary_flow(name, &self.node, out, |d| (d + 2 < nd).then_some(d), Linearity::Nonlinear)
+    }
+
+    /// 1-D max pooling over the last dimension of `[C, L]` or `[N, C, L]`, as tch's
+    /// `max_pool1d` (an empty `stride` means the kernel size). Recorded as libtorch computes
+    /// it with a gradient: a 2-D pooling of the `[.., 1, L]` view.
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for a list that is not one value, or what `max_pool2d` refuses.
+    pub fn f_max_pool1d(
+        &self,
+        kernel: impl IntList,
+        stride: impl IntList,
+        padding: impl IntList,
+        dilation: impl IntList,
+        ceil_mode: bool,
+    ) -> Result<LazyTensor, LazyError> {
+        let name = "max_pool1d";
+        let k = one_of(name, &self.node.meta.shape, kernel.as_slice(), "kernel_size", None)?;
+        let st = one_of(name, &self.node.meta.shape, stride.as_slice(), "stride", Some(k))?;
+        let p = one_of(name, &self.node.meta.shape, padding.as_slice(), "padding", None)?;
+        let d = one_of(name, &self.node.meta.shape, dilation.as_slice(), "dilation", None)?;
+        self.pooled_1d(name)?.f_max_pool2d([1, k], [1, st], [0, p], [1, d], ceil_mode)?.f_squeeze_dim(-2)
+    }
+
+    /// 1-D average pooling over the last dimension, as tch's `avg_pool1d` (libtorch's own
+    /// composite: a 2-D pooling of the `[.., 1, L]` view).
+    ///
+    /// # Errors
+    /// As [`f_max_pool1d`](Self::f_max_pool1d).
+    pub fn f_avg_pool1d(
+        &self,
+        kernel: impl IntList,
+        stride: impl IntList,
+        padding: impl IntList,
+        ceil_mode: bool,
+        count_include_pad: bool,
+    ) -> Result<LazyTensor, LazyError> {
+        let name = "avg_pool1d";
+        let k = one_of(name, &self.node.meta.shape, kernel.as_slice(), "kernel_size", None)?;
+        let st = one_of(name, &self.node.meta.shape, stride.as_slice(), "stride", Some(k))?;
+        let p = one_of(name, &self.node.meta.shape, padding.as_slice(), "padding", None)?;
+        self.pooled_1d(name)?
+            .f_avg_pool2d([1, k], [1, st], [0, p], ceil_mode, count_include_pad, None)?
+            .f_squeeze_dim(-2)
+    }
+
+    /// 1-D adaptive average pooling to `output_size` entries, as tch's `adaptive_avg_pool1d`
+    /// (libtorch's composite over the `[.., 1, L]` view).
+    ///
+    /// # Errors
+    /// As [`f_max_pool1d`](Self::f_max_pool1d).
+    pub fn f_adaptive_avg_pool1d(&self, output_size: impl IntList) -> Result<LazyTensor, LazyError> {
+        let name = "adaptive_avg_pool1d";
+        let o = one_of(name, &self.node.meta.shape, output_size.as_slice(), "output_size", None)?;
+        self.pooled_1d(name)?.f_adaptive_avg_pool2d([1, o])?.f_squeeze_dim(-2)
+    }
+
+    /// The `[.., 1, L]` view a 1-D pooling runs on, for a 2-D or 3-D input.
+    fn pooled_1d(&self, name: &str) -> Result<LazyTensor, LazyError> {
+        let s = &self.node.meta.shape;
+        if s.len() != 2 && s.len() != 3 {
+            return Err(arg(name, s, format!("expected a 2-D or 3-D input, got {} dims", s.len())));
+        }
+        self.f_unsqueeze(-2)
     }
 
     /// 2-D max pooling over `ksize × ksize` windows, stride `ksize`, no padding, as tch's
