@@ -1231,3 +1231,32 @@ fn inputs_that_require_gradients_peak_as_planned() {
     }
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "input-gradient steps");
 }
+
+/// `cumsum` in a model: its backward's reversed cumulative sum (two temporaries as large as the
+/// gradient) against the allocator, whole and in micro-batches, f32 and f64.
+#[test]
+fn cumsum_peaks_as_planned() {
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    let (n, t, d) = (16i64, 32i64, 64i64);
+    let mut rows = Rows::default();
+    for kind in [Kind::Float, Kind::Double] {
+        for micro in [16usize, 4] {
+            let mut vs = nn::VarStore::new(CPU);
+            let l1 = nn::linear(vs.root() / "l1", d, d, Default::default());
+            let l2 = nn::linear(vs.root() / "l2", d, 10, Default::default());
+            if kind == Kind::Double {
+                vs.double();
+            }
+            let x = Tensor::randn([n, t, d], (kind, CPU));
+            let y = Tensor::randint(10, [n, t], (Kind::Int64, CPU));
+            let (lx, ly) = toma::lazy::lazy((&x, &y), 0);
+            // A running sum over time, as a causal average pools.
+            let h = lx.apply(&l1).tanh().cumsum(1, None::<Kind>).apply(&l2);
+            let loss = h.view([-1, 10]).log_softmax(-1, None).nll_loss(&ly.view([-1]));
+            let (planned, measured) = planned_and_measured_at(&loss, micro);
+            rows.push(format!("cumsum {kind:?} micro {micro}"), planned, measured);
+        }
+    }
+    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "cumsum models");
+}

@@ -855,6 +855,14 @@ proptest! {
     }
 
     #[test]
+    fn cumsum_along_any_dim(a in shape(4, 4), dim in -4i64..4, micro in 1usize..5) {
+        let t = randn(&a);
+        let rank = a.len() as i64;
+        let split = if dim >= -rank && dim < rank && dim.rem_euclid(rank) == 0 { Split::Refused } else { Split::Exact };
+        agree(&format!("cumsum {a:?} dim {dim}"), t.f_cumsum(dim, None::<Kind>), lazy(&t, 0).f_cumsum(dim, None::<Kind>), micro, split)?;
+    }
+
+    #[test]
     fn outer_of_vectors(n in 1i64..6, m in 1i64..6, micro in 1usize..5) {
         // A batch of scalars times a fixed vector: row `i` is sample `i`'s.
         let (a, b) = (randn(&[n]), randn(&[m]));

@@ -56,6 +56,31 @@ impl ReduceOp {
     }
 }
 
+/// Running sums along `dim`. Its backward is libtorch's reversed cumulative sum of the output's
+/// gradient (`flip`, `cumsum`, `flip`): two temporaries as large as the gradient besides it.
+pub(crate) struct Cumsum {
+    dim: i64,
+    kind: Option<Kind>,
+}
+
+impl Operation for Cumsum {
+    fn name(&self) -> &'static str {
+        "cumsum"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_cumsum(self.dim, self.kind)
+    }
+
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        let trivial = meta.shape.is_empty() || meta.shape.iter().product::<i64>() <= 1;
+        if meta.requires_grad && !trivial && inputs[0].meta.shape.get(self.dim as usize) != Some(&1) {
+            let (a, c) = meta.numel_parts();
+            calls.push(KernelCall::Temporaries { forward: (0, 0), backward: (2 * a, 2 * c) });
+        }
+    }
+}
+
 /// Where the largest (`max`) or smallest entry is along `dim`, or in the value flattened
 /// (`None`): integer positions, which carry no gradient.
 pub(crate) struct ArgExtreme {
@@ -394,6 +419,25 @@ impl LazyTensor {
         };
         let record_op = Reduction { op, dims, keepdim, kind };
         Ok(Record::new(record_op, vec![n.clone()], out, out_kind, m.device).flow(flow).finish())
+    }
+
+    /// Running sums along `dim`, as tch's `cumsum` (in `kind` when given; integers sum as
+    /// `Int64`). Along the batch dimension it adds up earlier samples (refused for a split).
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for a bad dimension.
+    pub fn f_cumsum(&self, dim: i64, kind: impl Into<Option<Kind>>) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let m = &n.meta;
+        let kind = kind.into();
+        let d = shape::wrap_dim(dim, m.shape.len().max(1)).map_err(|r| arg("cumsum", &m.shape, r))?;
+        let out_kind = kind.unwrap_or(if shape::is_integral(m.kind) { Kind::Int64 } else { m.kind });
+        let (flow, mut mixes) = same_shape_flow("cumsum", n, Linearity::Nonlinear)?;
+        if let Some(bd) = m.batch().filter(|bd| bd.dim == d) {
+            mixes = Some(format!("sums earlier samples into later ones along the batch dimension {}", bd.dim));
+        }
+        let op = Cumsum { dim: d as i64, kind };
+        Ok(Record::new(op, vec![n.clone()], m.shape.clone(), out_kind, m.device).flow((flow, mixes)).finish())
     }
 
     /// The position of the largest entry along `dim` (of the value flattened when `None`), as
