@@ -119,6 +119,7 @@ fn sample(name: &str) -> Option<LazyTensor> {
         "argmax" => x().argmax(-1, false),
         "argmin" => x().argmin(-1, false),
         "cumsum" => x().cumsum(-1, None::<Kind>),
+        "roll" => x().roll([1], [2]),
         "one_hot" => ints(5, &[3]).one_hot(5),
         "onehot" => ints(5, &[3]).onehot(5),
         "min" => x().min(),

@@ -863,6 +863,16 @@ proptest! {
     }
 
     #[test]
+    fn roll_any_dims(a in shape(4, 4), pairs in prop::collection::vec((-5i64..5, -4i64..4), 0..3), micro in 1usize..5) {
+        let t = randn(&a);
+        let rank = a.len() as i64;
+        let (shifts, dims): (Vec<i64>, Vec<i64>) = if pairs.is_empty() { (vec![2], vec![]) } else { pairs.into_iter().unzip() };
+        let over_batch = dims.is_empty() || dims.iter().any(|&d| d >= -rank && d < rank && d.rem_euclid(rank) == 0);
+        let split = if over_batch { Split::Refused } else { Split::Exact };
+        agree(&format!("roll {a:?} {shifts:?} {dims:?}"), t.f_roll(shifts.as_slice(), dims.as_slice()), lazy(&t, 0).f_roll(&shifts, &dims), micro, split)?;
+    }
+
+    #[test]
     fn outer_of_vectors(n in 1i64..6, m in 1i64..6, micro in 1usize..5) {
         // A batch of scalars times a fixed vector: row `i` is sample `i`'s.
         let (a, b) = (randn(&[n]), randn(&[m]));

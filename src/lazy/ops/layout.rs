@@ -283,6 +283,23 @@ pub(crate) fn adopt_batch_broadcasts(nodes: &mut [Rc<Node>], out_len: usize, rig
     }
 }
 
+/// Entries shifted circularly by `shifts` along `dims` (the value flattened when `dims` is
+/// empty); its gradient is the output's rolled back (a new tensor).
+pub(crate) struct Roll {
+    shifts: Vec<i64>,
+    dims: Vec<i64>,
+}
+
+impl Operation for Roll {
+    fn name(&self) -> &'static str {
+        "roll"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_roll(self.shifts.as_slice(), self.dims.as_slice())
+    }
+}
+
 /// Class indices as one-hot rows along a new last dimension of `classes` entries (`Int64`,
 /// no gradient), as libtorch's `one_hot`.
 pub(crate) struct OneHot {
@@ -806,6 +823,37 @@ impl LazyTensor {
     #[lazy_only]
     pub fn f_onehot(&self, labels: i64) -> Result<LazyTensor, LazyError> {
         self.f_to_kind(Kind::Int64)?.f_one_hot(labels)?.f_to_kind(Kind::Float)
+    }
+
+    /// Entries shifted circularly by `shifts[i]` along `dims[i]` (the value flattened and
+    /// shifted when `dims` is empty), as tch's `roll`. Rolling the batch dimension, or the
+    /// flattened value, moves entries between samples (refused for a split).
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for a bad dimension or `shifts` and `dims` of different lengths.
+    pub fn f_roll(&self, shifts: impl IntList, dims: impl IntList) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let m = &n.meta;
+        let name = "roll";
+        let (shifts, dims) = (shifts.as_slice().to_vec(), dims.as_slice().to_vec());
+        // A dimension may come more than once: each shift applies in turn.
+        let wrapped = dims
+            .iter()
+            .map(|&d| shape::wrap_dim(d, m.shape.len()).map_err(|r| arg(name, &m.shape, r)))
+            .collect::<Result<Vec<usize>, _>>()?;
+        let valid = if dims.is_empty() { shifts.len() == 1 } else { shifts.len() == dims.len() };
+        if !valid {
+            return Err(arg(name, &m.shape, format!("shifts {shifts:?} and dims {dims:?} do not pair up")));
+        }
+        let (flow, mut mixes) = same_shape_flow(name, n, Linearity::Nonlinear)?;
+        if let Some(bd) = m.batch() {
+            if dims.is_empty() || wrapped.contains(&bd.dim) {
+                mixes = Some(format!("moves entries between samples (the batch dimension {})", bd.dim));
+            }
+        }
+        Ok(Record::new(Roll { shifts, dims }, vec![n.clone()], m.shape.clone(), m.kind, m.device)
+            .flow((flow, mixes))
+            .finish())
     }
 
     /// A copy with the order of the entries along `dims` reversed, as tch's `flip`. Flipping the
