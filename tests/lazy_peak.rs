@@ -1232,10 +1232,11 @@ fn inputs_that_require_gradients_peak_as_planned() {
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "input-gradient steps");
 }
 
-/// `cumsum` in a model: its backward's reversed cumulative sum (two temporaries as large as the
-/// gradient) against the allocator, whole and in micro-batches, f32 and f64.
+/// `cumsum` and `topk` in a model: cumsum's backward (two temporaries as large as the
+/// gradient), topk's kept positions, against the allocator, whole and in micro-batches, f32 and
+/// f64.
 #[test]
-fn cumsum_peaks_as_planned() {
+fn cumsum_and_topk_peak_as_planned() {
     let _serial = support::serial();
     assert!(memory::track_cpu_allocations());
     let (n, t, d) = (16i64, 32i64, 64i64);
@@ -1251,12 +1252,14 @@ fn cumsum_peaks_as_planned() {
             let x = Tensor::randn([n, t, d], (kind, CPU));
             let y = Tensor::randint(10, [n, t], (Kind::Int64, CPU));
             let (lx, ly) = toma::lazy::lazy((&x, &y), 0);
-            // A running sum over time, as a causal average pools.
-            let h = lx.apply(&l1).tanh().cumsum(1, None::<Kind>).apply(&l2);
+            // A running sum over time, as a causal average pools; then the 16 strongest
+            // features of each step.
+            let h = lx.apply(&l1).tanh().cumsum(1, None::<Kind>).topk(16, -1, true, true).0;
+            let h = h.matmul(&Tensor::randn([16, d], (kind, CPU))).apply(&l2);
             let loss = h.view([-1, 10]).log_softmax(-1, None).nll_loss(&ly.view([-1]));
             let (planned, measured) = planned_and_measured_at(&loss, micro);
-            rows.push(format!("cumsum {kind:?} micro {micro}"), planned, measured);
+            rows.push(format!("cumsum, topk {kind:?} micro {micro}"), planned, measured);
         }
     }
-    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "cumsum models");
+    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "cumsum and topk models");
 }

@@ -455,3 +455,20 @@ fn argmax_stops_the_gradient_and_accuracy_is_a_mean() {
     let split = accuracy.to_tensor_with(&Options::new().micro_batch(3)).unwrap().double_value(&[]);
     assert!((split - x.accuracy_for_logits(&y).double_value(&[])).abs() < 1e-6);
 }
+
+#[test]
+fn gradients_through_topk_cumsum_and_roll_match_the_full_batch() {
+    let x = Tensor::randn([9, 6, 5], (Kind::Double, Device::Cpu)).set_requires_grad(true);
+    let w = Tensor::randn([3, 5], (Kind::Double, Device::Cpu));
+    let eager =
+        x.cumsum(1, None::<Kind>).roll([1], [2]).topk(3, 1, true, true).0.matmul(&w.tr()).square().mean(None::<Kind>);
+    eager.backward();
+    let want = x.grad().copy();
+    let _ = x.grad().zero_();
+    let lx = lazy(&x, 0);
+    let loss =
+        lx.cumsum(1, None::<Kind>).roll([1], [2]).topk(3, 1, true, true).0.matmul(&w.tr()).square().mean(None::<Kind>);
+    let value = loss.backward_with(&Options::new().micro_batch(4)).unwrap();
+    assert!((value - eager.double_value(&[])).abs() < 1e-12);
+    assert!(x.grad().allclose(&want, 1e-12, 1e-12, false));
+}

@@ -120,6 +120,7 @@ fn sample(name: &str) -> Option<LazyTensor> {
         "argmin" => x().argmin(-1, false),
         "cumsum" => x().cumsum(-1, None::<Kind>),
         "roll" => x().roll([1], [2]),
+        "topk" => x().topk(2, -1, true, true).0,
         "one_hot" => ints(5, &[3]).one_hot(5),
         "onehot" => ints(5, &[3]).onehot(5),
         "min" => x().min(),

@@ -873,6 +873,24 @@ proptest! {
     }
 
     #[test]
+    fn topk_values_and_positions(a in shape(4, 5), dim in -4i64..4, k in 0i64..4, largest in any::<bool>(), micro in 1usize..5) {
+        let t = randn(&a);
+        let rank = a.len() as i64;
+        let split = if dim >= -rank && dim < rank && dim.rem_euclid(rank) == 0 { Split::Refused } else { Split::Exact };
+        let eager = t.f_topk(k, dim, largest, true);
+        let lazily = lazy(&t, 0).f_topk(k, dim, largest, true);
+        let what = format!("topk {a:?} k {k} dim {dim} largest {largest}");
+        match (eager, lazily) {
+            (Ok((ev, ei)), Ok((lv, li))) => {
+                agree(&what, Ok(ev), Ok(lv), micro, split)?;
+                agree(&format!("{what} positions"), Ok(ei), Ok(li), micro, split)?;
+            }
+            (Err(_), Err(_)) => {}
+            (e, l) => prop_assert!(false, "{what}: tch {:?}, lazy {:?}", e.is_ok(), l.is_ok()),
+        }
+    }
+
+    #[test]
     fn outer_of_vectors(n in 1i64..6, m in 1i64..6, micro in 1usize..5) {
         // A batch of scalars times a fixed vector: row `i` is sample `i`'s.
         let (a, b) = (randn(&[n]), randn(&[m]));

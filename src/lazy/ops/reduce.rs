@@ -5,9 +5,10 @@ use std::rc::Rc;
 
 use tch::{Kind, TchError, Tensor};
 
-use super::record::{broadcast_flows, combine_flows, same_device, IntoLazy, Linearity, Record};
+use super::record::{broadcast_flows, combine_flows, same_device, unary_flow, IntoLazy, Linearity, Record};
 use super::{arg, floating, kind_err, requires, same_kind, same_shape_flow, shape_err};
 use crate::lazy::error::LazyError;
+use crate::lazy::error::OrPanic;
 use crate::lazy::graph::{BatchDim, Flow, KernelCall, Meta, Node, Operation, RunCx, Share};
 use crate::lazy::int_list::{IntList, IntListOption};
 use crate::lazy::shape;
@@ -77,6 +78,44 @@ impl Operation for Cumsum {
         if meta.requires_grad && !trivial && inputs[0].meta.shape.get(self.dim as usize) != Some(&1) {
             let (a, c) = meta.numel_parts();
             calls.push(KernelCall::Temporaries { forward: (0, 0), backward: (2 * a, 2 * c) });
+        }
+    }
+}
+
+/// The `k` largest (or smallest) entries along `dim`: their values (differentiable; autograd
+/// keeps the positions to send the gradient back) or their positions (`Int64`). Each is its own
+/// node; a graph that uses both runs libtorch's `topk` twice.
+pub(crate) struct TopK {
+    k: i64,
+    dim: i64,
+    largest: bool,
+    sorted: bool,
+    values: bool,
+}
+
+impl Operation for TopK {
+    fn name(&self) -> &'static str {
+        if self.values {
+            "topk"
+        } else {
+            "topk_indices"
+        }
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let (values, indices) = ins[0].f_topk(self.k, self.dim, self.largest, self.sorted)?;
+        Ok(if self.values { values } else { indices })
+    }
+
+    fn differentiable(&self) -> bool {
+        self.values
+    }
+
+    fn kernels<'a>(&'a self, _inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        // The positions, made beside the values: kept for the backward, else freed at once.
+        let positions = meta.numel_parts();
+        if self.values && meta.requires_grad {
+            calls.push(KernelCall::Keeps { elements: positions, kind: Kind::Int64 });
         }
     }
 }
@@ -419,6 +458,45 @@ impl LazyTensor {
         };
         let record_op = Reduction { op, dims, keepdim, kind };
         Ok(Record::new(record_op, vec![n.clone()], out, out_kind, m.device).flow(flow).finish())
+    }
+
+    /// The `k` largest (`largest`) or smallest entries along `dim` and their positions, as
+    /// tch's `topk`. Along the batch dimension it compares samples (refused for a split).
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for a bad dimension or a `k` larger than the dimension.
+    #[lazy_only]
+    pub fn f_topk(&self, k: i64, dim: i64, largest: bool, sorted: bool) -> Result<(LazyTensor, LazyTensor), LazyError> {
+        let n = &self.node;
+        let m = &n.meta;
+        let d = shape::wrap_dim(dim, m.shape.len().max(1)).map_err(|r| arg("topk", &m.shape, r))?;
+        let size = m.shape.get(d).copied().unwrap_or(1);
+        if k < 0 || k > size {
+            return Err(arg("topk", &m.shape, format!("k ({k}) is out of range for dimension {d} of size {size}")));
+        }
+        let mut out = m.shape.clone();
+        if !out.is_empty() {
+            out[d] = k;
+        }
+        let (flow, mut mixes) = unary_flow("topk", n, &out, Some, Linearity::Nonlinear)?;
+        if let Some(bd) = m.batch().filter(|bd| bd.dim == d) {
+            mixes = Some(format!("compares samples along the batch dimension {}", bd.dim));
+        }
+        let record = |values: bool, kind: Kind| {
+            let op = TopK { k, dim: d as i64, largest, sorted, values };
+            let r = Record::new(op, vec![n.clone()], out.clone(), kind, m.device).flow((flow, mixes.clone()));
+            if values { r } else { r.not_differentiable() }.finish()
+        };
+        Ok((record(true, m.kind), record(false, Kind::Int64)))
+    }
+
+    /// Like [`f_topk`](Self::f_topk), panicking with its error.
+    ///
+    /// # Panics
+    /// When the op cannot be recorded.
+    #[track_caller]
+    pub fn topk(&self, k: i64, dim: i64, largest: bool, sorted: bool) -> (LazyTensor, LazyTensor) {
+        self.f_topk(k, dim, largest, sorted).or_panic()
     }
 
     /// Running sums along `dim`, as tch's `cumsum` (in `kind` when given; integers sum as
