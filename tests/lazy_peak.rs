@@ -1263,3 +1263,29 @@ fn cumsum_and_topk_peak_as_planned() {
     }
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "cumsum and topk models");
 }
+
+/// Normalized features (`F.normalize`, 2- and 1-norm) and a norm penalty, against the allocator.
+#[test]
+fn norms_peak_as_planned() {
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    let (n, d) = (64i64, 128i64);
+    let mut rows = Rows::default();
+    for p in [2.0, 1.0] {
+        for micro in [64usize, 8] {
+            let vs = nn::VarStore::new(CPU);
+            let l1 = nn::linear(vs.root() / "l1", d, d, Default::default());
+            let l2 = nn::linear(vs.root() / "l2", d, 10, Default::default());
+            let x = Tensor::randn([n, d], (Kind::Float, CPU));
+            let y = Tensor::randint(10, [n], (Kind::Int64, CPU));
+            let (lx, ly) = toma::lazy::lazy((&x, &y), 0);
+            let h = lx.apply(&l1);
+            let z = h.normalize(p, -1, 1e-12);
+            let penalty = h.norm_scalaropt_dim(p, [-1], false).mean(None::<Kind>) * 0.01;
+            let loss = z.apply(&l2).cross_entropy_for_logits(&ly) + penalty;
+            let (planned, measured) = planned_and_measured_at(&loss, micro);
+            rows.push(format!("normalize p {p} micro {micro}"), planned, measured);
+        }
+    }
+    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "norm models");
+}

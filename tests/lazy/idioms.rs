@@ -472,3 +472,24 @@ fn gradients_through_topk_cumsum_and_roll_match_the_full_batch() {
     assert!((value - eager.double_value(&[])).abs() < 1e-12);
     assert!(x.grad().allclose(&want, 1e-12, 1e-12, false));
 }
+
+#[test]
+fn normalized_rows_have_the_full_batchs_gradients_even_at_zero() {
+    // A zero row: the norm's gradient there is libtorch's 0, not a NaN.
+    let x = Tensor::randn([8, 5], (Kind::Double, Device::Cpu));
+    let _ = x.narrow(0, 3, 1).zero_();
+    let x = x.set_requires_grad(true);
+    let w = Tensor::randn([5], (Kind::Double, Device::Cpu));
+    let eager = (x.norm_scalaropt_dim(2.0, [1], true).clamp_min(1e-12).expand_as(&x).reciprocal() * &x * &w)
+        .sum(Kind::Double)
+        + x.norm_scalaropt_dim(2.0, [1], false).sum(Kind::Double);
+    eager.backward();
+    let want = x.grad().copy();
+    let _ = x.grad().zero_();
+    let lx = lazy(&x, 0);
+    let loss = (lx.normalize(2.0, 1, 1e-12) * &w).sum(None) + lx.norm_scalaropt_dim(2.0, [1], false).sum(None);
+    let value = loss.backward_with(&Options::new().micro_batch(3)).unwrap();
+    assert!((value - eager.double_value(&[])).abs() < 1e-10);
+    assert!(!bool::try_from(x.grad().isnan().any()).unwrap());
+    assert!(x.grad().allclose(&want, 1e-10, 1e-10, false), "{} vs {want}", x.grad());
+}

@@ -891,6 +891,21 @@ proptest! {
     }
 
     #[test]
+    fn norms_and_normalize(a in shape(4, 4), d in 0i64..4, negative in any::<bool>(), keepdim in any::<bool>(), two in any::<bool>(), micro in 1usize..5) {
+        let t = randn(&a);
+        let p = if two { 2.0 } else { 1.0 };
+        let rank = a.len() as i64;
+        // tch panics (in its scalar conversion) on a dimension out of range: only valid ones.
+        let dim = d % rank - if negative { rank } else { 0 };
+        let over_batch = dim.rem_euclid(rank) == 0;
+        let split = if over_batch { Split::Refused } else { Split::Exact };
+        agree(&format!("norm {a:?}"), t.f_norm(), lazy(&t, 0).f_norm(), micro, Split::Refused)?;
+        agree(&format!("norm p {p} {a:?} dim {dim} keepdim {keepdim}"), t.f_norm_scalaropt_dim(p, [dim], keepdim), lazy(&t, 0).f_norm_scalaropt_dim(p, [dim], keepdim), micro, split)?;
+        let eager = t.f_norm_scalaropt_dim(p, [dim], true).and_then(|n| n.f_clamp_min(1e-12)).and_then(|n| t.f_div(&n.expand_as(&t)));
+        agree(&format!("normalize p {p} {a:?} dim {dim}"), eager, lazy(&t, 0).f_normalize(p, dim, 1e-12), micro, split)?;
+    }
+
+    #[test]
     fn outer_of_vectors(n in 1i64..6, m in 1i64..6, micro in 1usize..5) {
         // A batch of scalars times a fixed vector: row `i` is sample `i`'s.
         let (a, b) = (randn(&[n]), randn(&[m]));

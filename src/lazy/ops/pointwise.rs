@@ -324,11 +324,28 @@ impl Operation for TensorBinary {
         if self.op.is_comparison() || !meta.requires_grad {
             return;
         }
+        let mut full = 0;
         for (k, input) in inputs.iter().enumerate().take(2) {
-            if requires(inputs, k) && input.meta.shape != meta.shape {
+            if !requires(inputs, k) {
+                continue;
+            }
+            let broadcast = input.meta.shape != meta.shape;
+            if broadcast {
                 let mask = shape::broadcast_mask(&input.meta.shape, &meta.shape);
                 calls.push(KernelCall::Reduction { of: meta, mask, backward: true });
             }
+            // Output-sized temporaries of the operand's gradient formula, beyond the gradient:
+            // a divisor's is `-grad * ((a / b) / b)` (two besides the product); a broadcast
+            // operand's product is output-sized before it is summed down to the operand.
+            full += match (self.op, k) {
+                (Binary::Div, 1) => 2 + u64::from(broadcast),
+                (Binary::Mul | Binary::Div, _) => u64::from(broadcast),
+                _ => 0,
+            };
+        }
+        if full > 0 {
+            let (a, c) = meta.numel_parts();
+            calls.push(KernelCall::Temporaries { forward: (0, 0), backward: (full * a, full * c) });
         }
     }
 

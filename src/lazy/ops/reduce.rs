@@ -57,6 +57,42 @@ impl ReduceOp {
     }
 }
 
+/// The `p`-norm (1 or 2) over `dims` (all when `None`). Autograd keeps the input and the
+/// norm; the 1-norm's backward makes the input's signs (a temporary as large as it).
+pub(crate) struct Norm {
+    p: f64,
+    dims: Option<Vec<i64>>,
+    keepdim: bool,
+}
+
+impl Operation for Norm {
+    fn name(&self) -> &'static str {
+        "norm"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        match &self.dims {
+            None if self.p == 2.0 => ins[0].f_norm(),
+            None => ins[0].f_norm_scalaropt_dim(self.p, (0..ins[0].dim() as i64).collect::<Vec<_>>(), false),
+            Some(dims) => ins[0].f_norm_scalaropt_dim(self.p, dims.as_slice(), self.keepdim),
+        }
+    }
+
+    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
+        i == 0
+    }
+
+    fn saves_output(&self) -> bool {
+        true
+    }
+
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        if meta.requires_grad && self.p == 1.0 {
+            calls.push(KernelCall::Temporaries { forward: (0, 0), backward: inputs[0].meta.numel_parts() });
+        }
+    }
+}
+
 /// Running sums along `dim`. Its backward is libtorch's reversed cumulative sum of the output's
 /// gradient (`flip`, `cumsum`, `flip`): two temporaries as large as the gradient besides it.
 pub(crate) struct Cumsum {
@@ -458,6 +494,59 @@ impl LazyTensor {
         };
         let record_op = Reduction { op, dims, keepdim, kind };
         Ok(Record::new(record_op, vec![n.clone()], out, out_kind, m.device).flow(flow).finish())
+    }
+
+    /// The 2-norm of all entries, as tch's `norm`. Over the batch it combines samples (refused
+    /// for a split).
+    ///
+    /// # Errors
+    /// [`LazyError::Kind`] for an integer tensor.
+    pub fn f_norm(&self) -> Result<LazyTensor, LazyError> {
+        self.f_norm_impl(2.0, None, false)
+    }
+
+    /// The `p`-norm over `dims`, as tch's `norm_scalaropt_dim` (`p` 1 or 2).
+    ///
+    /// # Errors
+    /// [`LazyError::Unsupported`] for another `p`; [`LazyError::Argument`] for bad dimensions;
+    /// [`LazyError::Kind`] for an integer tensor.
+    pub fn f_norm_scalaropt_dim(&self, p: f64, dim: impl IntList, keepdim: bool) -> Result<LazyTensor, LazyError> {
+        self.f_norm_impl(p, Some(dim.as_slice().to_vec()), keepdim)
+    }
+
+    /// `x / max(‖x‖_p over dim, eps)`, as PyTorch's `F.normalize` (`p` 1 or 2; per sample unless
+    /// `dim` is the batch dimension).
+    ///
+    /// # Errors
+    /// As [`f_norm_scalaropt_dim`](Self::f_norm_scalaropt_dim).
+    #[lazy_only]
+    pub fn f_normalize(&self, p: f64, dim: i64, eps: f64) -> Result<LazyTensor, LazyError> {
+        let norm = self.f_norm_scalaropt_dim(p, [dim], true)?.f_clamp_min(eps)?;
+        self.f_div(&norm)
+    }
+
+    fn f_norm_impl(&self, p: f64, dims: Option<Vec<i64>>, keepdim: bool) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let m = &n.meta;
+        if p != 1.0 && p != 2.0 {
+            return Err(LazyError::Unsupported {
+                op: "norm".into(),
+                reason: format!("p = {p}: only the 1- and 2-norms are planned; compose others (abs, pow, sum)"),
+            });
+        }
+        if !shape::is_floating(m.kind) {
+            return Err(kind_err("norm", m.kind, &m.shape, "norm needs a floating-point tensor"));
+        }
+        // The shape and the batch's fate are a sum's over the same dimensions.
+        let like =
+            self.f_reduce(ReduceOp::Sum, Some(dims.as_deref().unwrap_or(&[])), keepdim && dims.is_some(), None)?;
+        let like = &like.node.meta;
+        let (flow, mixes) = match like.flow {
+            Flow::Sum => (Flow::Opaque, Some("takes a norm over the batch dimension".to_string())),
+            other => (other, None),
+        };
+        let op = Norm { p, dims, keepdim };
+        Ok(Record::new(op, vec![n.clone()], like.shape.clone(), m.kind, m.device).flow((flow, mixes)).finish())
     }
 
     /// The `k` largest (`largest`) or smallest entries along `dim` and their positions, as
