@@ -12,6 +12,7 @@ use super::error::LazyError;
 use super::exec::{self, TracedOp};
 use super::graph::LazyTensor;
 use super::ops::arg;
+use super::ops::pointwise::Binary;
 use super::ops::record::leaf;
 use super::options::Options;
 use super::plan::{self, Mode, Plan};
@@ -262,7 +263,35 @@ impl LazyTensor {
 // Operators: panic on shape errors, as tch's operators do.
 
 macro_rules! binary_operators {
-    ($($trait:ident $method:ident $f:ident $fs:ident $rev:ident;)*) => {$(
+    ($($trait:ident $method:ident $f:ident $fs:ident $rev:ident $op:ident $reversed:literal;)*) => {$(
+        impl std::ops::$trait<i64> for &LazyTensor {
+            type Output = LazyTensor;
+            #[track_caller]
+            fn $method(self, rhs: i64) -> LazyTensor {
+                self.f_int_scalar(Binary::$op, rhs, false).or_panic()
+            }
+        }
+        impl std::ops::$trait<i64> for LazyTensor {
+            type Output = LazyTensor;
+            #[track_caller]
+            fn $method(self, rhs: i64) -> LazyTensor {
+                self.f_int_scalar(Binary::$op, rhs, false).or_panic()
+            }
+        }
+        impl std::ops::$trait<&LazyTensor> for i64 {
+            type Output = LazyTensor;
+            #[track_caller]
+            fn $method(self, rhs: &LazyTensor) -> LazyTensor {
+                rhs.f_int_scalar(Binary::$op, self, $reversed).or_panic()
+            }
+        }
+        impl std::ops::$trait<LazyTensor> for i64 {
+            type Output = LazyTensor;
+            #[track_caller]
+            fn $method(self, rhs: LazyTensor) -> LazyTensor {
+                rhs.f_int_scalar(Binary::$op, self, $reversed).or_panic()
+            }
+        }
         impl std::ops::$trait<&LazyTensor> for &LazyTensor {
             type Output = LazyTensor;
             #[track_caller]
@@ -380,10 +409,10 @@ macro_rules! binary_operators {
 }
 
 binary_operators! {
-    Add add f_add f_add_scalar f_add_scalar;
-    Sub sub f_sub f_sub_scalar f_rsub_scalar;
-    Mul mul f_mul f_mul_scalar f_mul_scalar;
-    Div div f_div f_div_scalar f_rdiv_scalar;
+    Add add f_add f_add_scalar f_add_scalar Add false;
+    Sub sub f_sub f_sub_scalar f_rsub_scalar Sub true;
+    Mul mul f_mul f_mul_scalar f_mul_scalar Mul false;
+    Div div f_div f_div_scalar f_rdiv_scalar Div true;
 }
 
 impl std::ops::Neg for &LazyTensor {

@@ -114,6 +114,25 @@ fn operators_take_tensors_owned_or_borrowed_on_either_side() {
         let lazily = lazily.to_tensor().unwrap();
         assert!(lazily.allclose(&eagerly, 1e-12, 1e-12, false), "case {k}");
     }
+    // Integer scalars, as tch takes them: an integer tensor keeps its kind (true division aside).
+    let ids = Tensor::randint(10, [4, 3], (Kind::Int64, Device::Cpu));
+    let lids = lazy(&ids, 0);
+    let int_cases: Vec<(LazyTensor, Tensor)> = vec![
+        (&lids + 1, &ids + 1),
+        (2 * &lids, 2 * &ids),
+        (lids.clone() - 3, &ids - 3),
+        (5 - &lids, 5 - &ids),
+        (&lids / 2, &ids / 2),
+        (&la * 2, &a * 2),
+        (1 - la.clone(), 1 - &a),
+        (3 / &la, 3 / &a),
+    ];
+    for (k, (lazily, eagerly)) in int_cases.into_iter().enumerate() {
+        let lazily = lazily.to_tensor().unwrap();
+        assert_eq!(lazily.kind(), eagerly.kind(), "integer case {k}");
+        let (l, e) = (lazily.to_kind(Kind::Double), eagerly.to_kind(Kind::Double));
+        assert!(l.allclose(&e, 1e-12, 1e-12, false), "integer case {k}: {l} vs {e}");
+    }
 }
 
 #[test]

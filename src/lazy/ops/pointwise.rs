@@ -359,6 +359,8 @@ pub(crate) struct Scalar {
     op: Binary,
     scalar: f64,
     reversed: bool,
+    /// An integer scalar (`x + 1`): on an integer tensor the result keeps its kind.
+    integral: bool,
 }
 
 impl Operation for Scalar {
@@ -376,7 +378,7 @@ impl Operation for Scalar {
     }
 
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        scalar_op(ins[0], self.op, self.scalar, self.reversed)
+        scalar_op(ins[0], self.op, self.scalar, self.reversed, self.integral)
     }
 
     fn differentiable(&self) -> bool {
@@ -411,7 +413,7 @@ impl Operation for Scalar {
     fn run_share(&self, ins: &[&Tensor], _node: &Node, share: &Share) -> Option<Result<Tensor, TchError>> {
         // `sum + s`: the scalar must count once over all micro-batches.
         matches!(self.op, Binary::Add | Binary::Sub)
-            .then(|| scalar_op(ins[0], self.op, self.scalar * share.frac, self.reversed))
+            .then(|| scalar_op(ins[0], self.op, self.scalar * share.frac, self.reversed, false))
     }
 }
 
@@ -525,7 +527,20 @@ impl Operation for Triangle {
     }
 }
 
-fn scalar_op(a: &Tensor, op: Binary, s: f64, reversed: bool) -> Result<Tensor, TchError> {
+fn scalar_op(a: &Tensor, op: Binary, s: f64, reversed: bool, integral: bool) -> Result<Tensor, TchError> {
+    if integral {
+        // libtorch's own promotion for an integer scalar (the value is a recorded i64).
+        let i = s as i64;
+        return match (op, reversed) {
+            (Binary::Add, _) => a.f_add_scalar(i),
+            (Binary::Sub, false) => a.f_sub_scalar(i),
+            (Binary::Sub, true) => a.f_rsub_scalar(i),
+            (Binary::Mul, _) => a.f_mul_scalar(i),
+            (Binary::Div, false) => a.f_div_scalar(i),
+            (Binary::Div, true) => a.f_reciprocal()?.f_mul_scalar(i),
+            _ => scalar_op(a, op, s, reversed, false),
+        };
+    }
     match (op, reversed) {
         (Binary::Add, _) => a.f_add_scalar(s),
         (Binary::Sub, false) => a.f_sub_scalar(s),
@@ -879,8 +894,30 @@ impl LazyTensor {
     }
 
     fn f_scalar(&self, op: Binary, scalar: f64, reversed: bool) -> Result<LazyTensor, LazyError> {
+        self.f_scalar_of(op, scalar, reversed, false)
+    }
+
+    /// `self op s` for an integer `s` (the operators' `x + 1`): an integer tensor keeps its kind
+    /// (true division aside), as in libtorch; a floating one is as with `s as f64`.
+    pub(crate) fn f_int_scalar(&self, op: Binary, s: i64, reversed: bool) -> Result<LazyTensor, LazyError> {
+        let integral = shape::is_integral(self.node.meta.kind);
+        if integral && matches!(op, Binary::Add | Binary::Sub) && self.node.meta.flow == crate::lazy::graph::Flow::Sum {
+            return Err(LazyError::Unsupported {
+                op: op.name().into(),
+                reason: "an integer added to an integer value summed over the batch cannot be split exactly; \
+                         convert the value to a floating kind first"
+                    .into(),
+            });
+        }
+        self.f_scalar_of(op, s as f64, reversed, integral)
+    }
+
+    fn f_scalar_of(&self, op: Binary, scalar: f64, reversed: bool, integral: bool) -> Result<LazyTensor, LazyError> {
         let n = &self.node;
         let kind = match op {
+            _ if op.is_comparison() => Kind::Bool,
+            Binary::Div if integral => Kind::Float,
+            _ if integral => n.meta.kind,
             _ if op.is_comparison() => Kind::Bool,
             Binary::Div => {
                 if shape::is_integral(n.meta.kind) {
@@ -897,7 +934,7 @@ impl LazyTensor {
             Binary::Div if !reversed => Linearity::Structural,
             _ => Linearity::Nonlinear,
         };
-        let record_op = Scalar { op, scalar, reversed };
+        let record_op = Scalar { op, scalar, reversed, integral };
         let flow = same_shape_flow(record_op.name(), n, linearity)?;
         let mut record = Record::new(record_op, vec![n.clone()], n.meta.shape.clone(), kind, n.meta.device).flow(flow);
         if op.is_comparison() {
