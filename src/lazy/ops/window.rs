@@ -502,9 +502,7 @@ impl LazyTensor {
         ceil_mode: bool,
     ) -> Result<LazyTensor, LazyError> {
         let name = "max_pool1d";
-        let k = one_of(name, &self.node.meta.shape, kernel.as_slice(), "kernel_size", None)?;
-        let st = one_of(name, &self.node.meta.shape, stride.as_slice(), "stride", Some(k))?;
-        let p = one_of(name, &self.node.meta.shape, padding.as_slice(), "padding", None)?;
+        let (k, st, p) = self.window_1d(name, kernel.as_slice(), stride.as_slice(), padding.as_slice())?;
         let d = one_of(name, &self.node.meta.shape, dilation.as_slice(), "dilation", None)?;
         self.pooled_1d(name)?.f_max_pool2d([1, k], [1, st], [0, p], [1, d], ceil_mode)?.f_squeeze_dim(-2)
     }
@@ -523,9 +521,7 @@ impl LazyTensor {
         count_include_pad: bool,
     ) -> Result<LazyTensor, LazyError> {
         let name = "avg_pool1d";
-        let k = one_of(name, &self.node.meta.shape, kernel.as_slice(), "kernel_size", None)?;
-        let st = one_of(name, &self.node.meta.shape, stride.as_slice(), "stride", Some(k))?;
-        let p = one_of(name, &self.node.meta.shape, padding.as_slice(), "padding", None)?;
+        let (k, st, p) = self.window_1d(name, kernel.as_slice(), stride.as_slice(), padding.as_slice())?;
         self.pooled_1d(name)?
             .f_avg_pool2d([1, k], [1, st], [0, p], ceil_mode, count_include_pad, None)?
             .f_squeeze_dim(-2)
@@ -540,6 +536,19 @@ impl LazyTensor {
         let name = "adaptive_avg_pool1d";
         let o = one_of(name, &self.node.meta.shape, output_size.as_slice(), "output_size", None)?;
         self.pooled_1d(name)?.f_adaptive_avg_pool2d([1, o])?.f_squeeze_dim(-2)
+    }
+
+    /// A 1-D window's kernel, stride (the kernel's when empty) and padding, one value each.
+    fn window_1d(
+        &self,
+        name: &str,
+        kernel: &[i64],
+        stride: &[i64],
+        padding: &[i64],
+    ) -> Result<(i64, i64, i64), LazyError> {
+        let shape = &self.node.meta.shape;
+        let k = one_of(name, shape, kernel, "kernel_size", None)?;
+        Ok((k, one_of(name, shape, stride, "stride", Some(k))?, one_of(name, shape, padding, "padding", None)?))
     }
 
     /// The `[.., 1, L]` view a 1-D pooling runs on, for a 2-D or 3-D input.
