@@ -146,7 +146,7 @@ pub(crate) struct Cost {
     /// Whether the op names any kernel call ([`Operation::kernels`]): the others need no
     /// pricing when a plan is made.
     pub(crate) kernel_calls: bool,
-    /// Hash of op, shape and kind, for graph fingerprints.
+    /// Hash of op, kind, shape, strides and whether a gradient flows, for graph fingerprints.
     pub(crate) hash: u64,
 }
 

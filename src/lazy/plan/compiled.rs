@@ -418,7 +418,25 @@ fn grad_copies(found: &[Rc<Node>], inputs: &[u32], offsets: &[u32], flags: &mut 
 
 #[cfg(test)]
 mod tests {
-    use super::Index;
+    use super::{compile, Index};
+    use crate::lazy::LazyTensor;
+    use tch::{Device, Kind, Tensor};
+
+    /// Graphs that plan differently never share a fingerprint (the key of corrections and of
+    /// the remembered micro-batch): a transposed weight of the same shape, a frozen one.
+    #[test]
+    fn fingerprints_tell_layouts_and_frozen_weights_apart() {
+        let x = Tensor::randn([8, 16], (Kind::Float, Device::Cpu));
+        let w = Tensor::randn([16, 16], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let wt = Tensor::randn([16, 16], (Kind::Float, Device::Cpu)).set_requires_grad(true).tr();
+        let frozen = w.detach();
+        let loss = |w: &Tensor| crate::lazy::lazy(&x, 0).matmul(w).sum(None);
+        let print = |l: &LazyTensor| compile(l).expect("compiles").fingerprint;
+        let (a, b, c) = (print(&loss(&w)), print(&loss(&wt)), print(&loss(&frozen)));
+        assert_eq!(a, print(&loss(&w)), "the same graph, the same fingerprint");
+        assert_ne!(a, b, "a transposed weight");
+        assert_ne!(a, c, "a frozen weight");
+    }
 
     #[test]
     fn the_index_keeps_near_and_far_ids_apart() {
