@@ -88,7 +88,7 @@ pub use optim::Loss;
 pub use options::Options;
 pub use plan::{Mode, Phase, Plan, PlanOp, Step};
 pub use tensor::{OpCosts, Split};
-pub use tensor_ops::{Operators, TensorOps};
+pub use tensor_ops::{Arithmetic, Operators, TensorOps};
 pub use wrap::{lazy, try_lazy, BatchDimArg, Lazify};
 
 /// One body for a custom layer, eagerly and lazily: on `impl Module for X` with `fn forward(&self,

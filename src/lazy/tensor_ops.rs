@@ -74,54 +74,33 @@ use crate::lazy::error::OrPanic;
 /// ```
 pub trait Operators:
     Sized
-    + Add<Self, Output = Self>
-    + for<'a> Add<&'a Self, Output = Self>
-    + for<'a> Add<&'a Tensor, Output = Self>
-    + Add<Tensor, Output = Self>
-    + Add<f64, Output = Self>
-    + Sub<Self, Output = Self>
-    + for<'a> Sub<&'a Self, Output = Self>
-    + for<'a> Sub<&'a Tensor, Output = Self>
-    + Sub<Tensor, Output = Self>
-    + Sub<f64, Output = Self>
-    + Mul<Self, Output = Self>
-    + for<'a> Mul<&'a Self, Output = Self>
-    + for<'a> Mul<&'a Tensor, Output = Self>
-    + Mul<Tensor, Output = Self>
-    + Mul<f64, Output = Self>
-    + Div<Self, Output = Self>
-    + for<'a> Div<&'a Self, Output = Self>
-    + for<'a> Div<&'a Tensor, Output = Self>
-    + Div<Tensor, Output = Self>
-    + Div<f64, Output = Self>
+    + Arithmetic<Self>
+    + for<'a> Arithmetic<&'a Self>
+    + for<'a> Arithmetic<&'a Tensor>
+    + Arithmetic<Tensor>
+    + Arithmetic<f64>
     + Neg<Output = Self>
 {
 }
 
 impl<T> Operators for T where
-    T: Add<T, Output = T>
-        + for<'a> Add<&'a T, Output = T>
-        + for<'a> Add<&'a Tensor, Output = T>
-        + Add<Tensor, Output = T>
-        + Add<f64, Output = T>
-        + Sub<T, Output = T>
-        + for<'a> Sub<&'a T, Output = T>
-        + for<'a> Sub<&'a Tensor, Output = T>
-        + Sub<Tensor, Output = T>
-        + Sub<f64, Output = T>
-        + Mul<T, Output = T>
-        + for<'a> Mul<&'a T, Output = T>
-        + for<'a> Mul<&'a Tensor, Output = T>
-        + Mul<Tensor, Output = T>
-        + Mul<f64, Output = T>
-        + Div<T, Output = T>
-        + for<'a> Div<&'a T, Output = T>
-        + for<'a> Div<&'a Tensor, Output = T>
-        + Div<Tensor, Output = T>
-        + Div<f64, Output = T>
+    T: Arithmetic<T>
+        + for<'a> Arithmetic<&'a T>
+        + for<'a> Arithmetic<&'a Tensor>
+        + Arithmetic<Tensor>
+        + Arithmetic<f64>
         + Neg<Output = T>
 {
 }
+
+/// `+ - * /` with a right operand of type `R`, each giving `Self`: the rows of [`Operators`].
+pub trait Arithmetic<R>:
+    Sized + Add<R, Output = Self> + Sub<R, Output = Self> + Mul<R, Output = Self> + Div<R, Output = Self>
+{
+}
+
+impl<T, R> Arithmetic<R> for T where T: Add<R, Output = T> + Sub<R, Output = T> + Mul<R, Output = T> + Div<R, Output = T>
+{}
 
 /// tch's tensor methods, for models written once for tensors and lazy tensors. Each
 /// comes as in tch, with tch's arguments: `f_op` returns the error, `op` panics with it.

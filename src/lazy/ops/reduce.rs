@@ -93,6 +93,15 @@ impl Operation for Norm {
     }
 }
 
+/// A reduction's wrapped dimensions, its recorded `dims` and its output shape.
+type ReductionShape = (Vec<usize>, Option<Vec<i64>>, Vec<i64>);
+
+/// Where the batch dimension lands once `reduced` (not containing it) are reduced.
+fn kept_batch(bd: BatchDim, reduced: &[usize], keepdim: bool) -> BatchDim {
+    let dim = if keepdim { bd.dim } else { bd.dim - reduced.iter().filter(|&&r| r < bd.dim).count() };
+    BatchDim { dim, ..bd }
+}
+
 /// Running sums along `dim`. Its backward is libtorch's reversed cumulative sum of the output's
 /// gradient (`flip`, `cumsum`, `flip`): two temporaries as large as the gradient besides it.
 pub(crate) struct Cumsum {
@@ -429,17 +438,7 @@ impl LazyTensor {
         let m = &n.meta;
         let name = op.rules().name;
         let a = |r: String| arg(name, &m.shape, r);
-        let (reduced, dims) = match dims {
-            Some(list) if !list.is_empty() => {
-                let wrapped = shape::wrap_dims(list, m.shape.len()).map_err(a)?;
-                (wrapped, Some(list.to_vec()))
-            }
-            // An empty list reduces every dimension, as in libtorch.
-            Some(_) => {
-                ((0..m.shape.len()).collect(), if keepdim { Some((0..m.shape.len() as i64).collect()) } else { None })
-            }
-            None => ((0..m.shape.len()).collect(), None),
-        };
+        let (reduced, dims, out) = self.reduction_shape(name, dims, keepdim)?;
         let out_kind = match op {
             ReduceOp::Sum => kind.unwrap_or(if shape::is_integral(m.kind) { Kind::Int64 } else { m.kind }),
             ReduceOp::Mean => {
@@ -462,15 +461,6 @@ impl LazyTensor {
                 m.kind
             }
         };
-        let out: Vec<i64> = match (&dims, keepdim) {
-            (None, false) => Vec::new(),
-            _ => m
-                .shape
-                .iter()
-                .enumerate()
-                .filter_map(|(i, &s)| if reduced.contains(&i) { keepdim.then_some(1) } else { Some(s) })
-                .collect(),
-        };
         let flow = match m.flow {
             Flow::PerSample(bd) if reduced.contains(&bd.dim) => match op {
                 ReduceOp::Sum | ReduceOp::Mean => (Flow::Sum, None),
@@ -479,10 +469,7 @@ impl LazyTensor {
                     (Flow::Opaque, Some(format!("takes a logsumexp over the batch dimension {}", bd.dim)))
                 }
             },
-            Flow::PerSample(bd) => {
-                let dim = if keepdim { bd.dim } else { bd.dim - reduced.iter().filter(|&&r| r < bd.dim).count() };
-                (Flow::PerSample(BatchDim { dim, ..bd }), None)
-            }
+            Flow::PerSample(bd) => (Flow::PerSample(kept_batch(bd, &reduced, keepdim)), None),
             Flow::Sum if op == ReduceOp::Amax => {
                 (Flow::Opaque, Some("takes a maximum of a value summed over the batch".to_string()))
             }
@@ -494,6 +481,29 @@ impl LazyTensor {
         };
         let record_op = Reduction { op, dims, keepdim, kind };
         Ok(Record::new(record_op, vec![n.clone()], out, out_kind, m.device).flow(flow).finish())
+    }
+
+    /// A reduction's dimensions (wrapped), its `dims` as recorded (`None`: all, dropped) and
+    /// its output shape. An empty list reduces every dimension, as in libtorch.
+    fn reduction_shape(&self, name: &str, dims: Option<&[i64]>, keepdim: bool) -> Result<ReductionShape, LazyError> {
+        let shape = &self.node.meta.shape;
+        let all = || (0..shape.len()).collect::<Vec<usize>>();
+        let (reduced, dims) = match dims {
+            Some(list) if !list.is_empty() => {
+                (shape::wrap_dims(list, shape.len()).map_err(|r| arg(name, shape, r))?, Some(list.to_vec()))
+            }
+            Some(_) => (all(), keepdim.then(|| (0..shape.len() as i64).collect())),
+            None => (all(), None),
+        };
+        let out = match (&dims, keepdim) {
+            (None, false) => Vec::new(),
+            _ => shape
+                .iter()
+                .enumerate()
+                .filter_map(|(i, &s)| if reduced.contains(&i) { keepdim.then_some(1) } else { Some(s) })
+                .collect(),
+        };
+        Ok((reduced, dims, out))
     }
 
     /// The 2-norm of all entries, as tch's `norm`. Over the batch it combines samples (refused
@@ -537,16 +547,18 @@ impl LazyTensor {
         if !shape::is_floating(m.kind) {
             return Err(kind_err("norm", m.kind, &m.shape, "norm needs a floating-point tensor"));
         }
-        // The shape and the batch's fate are a sum's over the same dimensions.
-        let like =
-            self.f_reduce(ReduceOp::Sum, Some(dims.as_deref().unwrap_or(&[])), keepdim && dims.is_some(), None)?;
-        let like = &like.node.meta;
-        let (flow, mixes) = match like.flow {
-            Flow::Sum => (Flow::Opaque, Some("takes a norm over the batch dimension".to_string())),
-            other => (other, None),
+        let keepdim = keepdim && dims.is_some();
+        let (reduced, _, out) = self.reduction_shape("norm", Some(dims.as_deref().unwrap_or(&[])), keepdim)?;
+        let flow = match m.flow {
+            Flow::PerSample(bd) if reduced.contains(&bd.dim) => {
+                (Flow::Opaque, Some(format!("takes a norm over the batch dimension {}", bd.dim)))
+            }
+            Flow::PerSample(bd) => (Flow::PerSample(kept_batch(bd, &reduced, keepdim)), None),
+            Flow::Fixed => (Flow::Fixed, None),
+            _ => (Flow::Opaque, Some("takes a norm of a value combined over the batch".to_string())),
         };
         let op = Norm { p, dims, keepdim };
-        Ok(Record::new(op, vec![n.clone()], like.shape.clone(), m.kind, m.device).flow((flow, mixes)).finish())
+        Ok(Record::new(op, vec![n.clone()], out, m.kind, m.device).flow(flow).finish())
     }
 
     /// The `k` largest (`largest`) or smallest entries along `dim` and their positions, as
@@ -670,10 +682,7 @@ impl LazyTensor {
             }
         };
         let flow = match (m.flow, reduced) {
-            (Flow::PerSample(bd), Some(d)) if d != bd.dim => {
-                let dim = if keepdim || d > bd.dim { bd.dim } else { bd.dim - 1 };
-                (Flow::PerSample(BatchDim { dim, ..bd }), None)
-            }
+            (Flow::PerSample(bd), Some(d)) if d != bd.dim => (Flow::PerSample(kept_batch(bd, &[d], keepdim)), None),
             (Flow::PerSample(bd), _) => (
                 Flow::Opaque,
                 Some(format!("`{name}` compares entries across samples (the batch dimension {})", bd.dim)),
