@@ -1289,3 +1289,52 @@ fn norms_peak_as_planned() {
     }
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "norm models");
 }
+
+/// tch's recurrent layers, recorded step by step: a char-RNN (one-hot input, 2-layer LSTM) and
+/// a GRU encoder-decoder (embeddings, so the inputs of the recurrence require gradients), whole
+/// and in micro-batches, f32 and f64.
+#[test]
+fn recurrent_models_peak_as_planned() {
+    use toma::lazy::nn::RNN;
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    let (n, t, v, h) = (32i64, 12i64, 20i64, 48i64);
+    let mut rows = Rows::default();
+    for kind in [Kind::Float, Kind::Double] {
+        for micro in [32usize, 8] {
+            let mut vs = nn::VarStore::new(CPU);
+            let cfg = nn::RNNConfig { num_layers: 2, ..Default::default() };
+            let lstm = toma::lazy::nn::lstm(vs.root() / "lstm", v, h, cfg);
+            let head = nn::linear(vs.root() / "head", h, v, Default::default());
+            if kind == Kind::Double {
+                vs.double();
+            }
+            let xs = Tensor::randint(v, [n, t], (Kind::Int64, CPU)).onehot(v).to_kind(kind);
+            let ys = Tensor::randint(v, [n, t], (Kind::Int64, CPU));
+            let (lx, ly) = toma::lazy::lazy((&xs, &ys), 0);
+            let (out, _) = lstm.seq(&lx);
+            let loss = out.apply(&head).view([-1, v]).cross_entropy_for_logits(&ly.view([-1]));
+            let (planned, measured) = planned_and_measured_at(&loss, micro);
+            rows.push(format!("char-rnn lstm {kind:?} micro {micro}"), planned, measured);
+
+            let mut vs = nn::VarStore::new(CPU);
+            let p = vs.root();
+            let emb = nn::embedding(&p / "emb", v, 32, Default::default());
+            let encoder = toma::lazy::nn::gru(&p / "enc", 32, h, Default::default());
+            let decoder = toma::lazy::nn::gru(&p / "dec", 32, h, Default::default());
+            let head = nn::linear(&p / "head", h, v, Default::default());
+            if kind == Kind::Double {
+                vs.double();
+            }
+            let src = Tensor::randint(v, [n, t], (Kind::Int64, CPU));
+            let tgt = Tensor::randint(v, [n, t], (Kind::Int64, CPU));
+            let (ls, lt) = toma::lazy::lazy((&src, &tgt), 0);
+            let (_, state) = encoder.seq(&ls.apply(&emb));
+            let (out, _) = decoder.seq_init(&lt.apply(&emb), &state);
+            let loss = out.apply(&head).view([-1, v]).cross_entropy_for_logits(&lt.view([-1]));
+            let (planned, measured) = planned_and_measured_at(&loss, micro);
+            rows.push(format!("seq2seq gru {kind:?} micro {micro}"), planned, measured);
+        }
+    }
+    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "recurrent models");
+}

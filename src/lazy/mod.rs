@@ -67,6 +67,7 @@ mod ops;
 pub mod optim;
 mod options;
 mod plan;
+mod rnn;
 mod shape;
 mod tch_compat;
 mod tensor;

@@ -43,6 +43,7 @@ use tch::{nn, Tensor};
 pub use tch::nn::*;
 
 pub use super::optim::{Optimizer, OptimizerConfig};
+pub use super::rnn::{gru, lstm, LazyGRUState, LazyLSTMState, GRU, LSTM, RNN};
 
 use super::error::LazyError;
 use super::tch_compat;

@@ -11,5 +11,6 @@ mod op_table;
 mod ops;
 mod pictures;
 mod plan;
+mod rnn;
 mod vision;
 mod written_once;

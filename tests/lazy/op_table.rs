@@ -339,8 +339,10 @@ fn table() -> String {
     // The layers: every `impl LazyModule(T) for ..` in src/lazy, and the models written once.
     out.push_str(
         "\n## Layers\n\nWhat `LazyTensor::apply` / `apply_t` take (from the `impl LazyModule for` and \
-         `impl LazyModuleT for` lines of `src/lazy/*.rs`, and the models' `both_modules!` lists); each records \
-         the ops above.\n\n| layer | file |\n|---|---|\n",
+         `impl LazyModuleT for` lines of `src/lazy/*.rs`, and the models' `both_modules!` lists), and the \
+         recurrent layers of `toma::lazy::nn` (`recurrent_layer!`), whose `seq`, `seq_init` and `step` take a \
+         `LazyTensor`; each records the ops above, so its micro-batch rule and memory are theirs (a \
+         recurrence mixes time steps, not samples: it splits by batch).\n\n| layer | file |\n|---|---|\n",
     );
     let lazy_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/lazy");
     let mut files: Vec<_> =
@@ -349,7 +351,18 @@ fn table() -> String {
     for file in files {
         let source = std::fs::read_to_string(&file).unwrap();
         let stem = file.file_name().unwrap().to_string_lossy().into_owned();
-        for line in source.lines() {
+        let lines: Vec<&str> = source.lines().collect();
+        for (at, line) in lines.iter().enumerate() {
+            // `recurrent_layer!(` takes its doc lines, then the layer's type.
+            if *line == "recurrent_layer!(" {
+                if let Some(name) = lines[at + 1..].iter().map(|l| l.trim()).find(|l| !l.starts_with("///")) {
+                    let name = name.trim_end_matches(',');
+                    out.push_str(&format!(
+                        "| `{name}` (its `RNN<LazyTensor>`: recorded per time step) | `src/lazy/{stem}` |\n"
+                    ));
+                }
+                continue;
+            }
             let layer = ["impl LazyModule for ", "impl LazyModuleT for "]
                 .iter()
                 .find_map(|prefix| line.strip_prefix(prefix))

@@ -1,0 +1,675 @@
+//! tch's recurrent layers, `nn::lstm` and `nn::gru`, for both kinds of tensor.
+//!
+//! tch keeps an LSTM's weights private, so these layers create the same variables tch does
+//! (same names, shapes, initializers and order: a checkpoint of either loads into the other,
+//! and the same seed gives the same weights) and keep them. On a `Tensor` they call libtorch's
+//! fused `lstm`/`gru`, exactly as tch's layers do. On a [`LazyTensor`] they record the
+//! recurrence from the ops the planner already prices: per time step a linear map of the input
+//! and of the hidden state, the gates, and the new state. A recurrence mixes time steps, never
+//! samples, so the step splits by batch like any per-sample op.
+
+use std::borrow::Borrow;
+
+use tch::nn::{self as tnn, Init, Path, RNNConfig};
+use tch::{Device, Kind, Tensor};
+
+use super::error::{LazyError, OrPanic};
+use super::LazyTensor;
+
+/// A recurrent layer over tensors of type `T` (`Tensor` or [`LazyTensor`]): tch's `RNN`
+/// trait, generic in the tensor so that one model serves both. [`lstm`] and [`gru`] make
+/// layers that implement it for both (and tch's own `RNN` for `Tensor`): `rnn.seq(&xs)` takes
+/// either, so a model written over [`TensorOps`](super::TensorOps) runs eagerly and lazily.
+///
+/// ```
+/// use tch::{Device, Kind, Tensor};
+/// use toma::lazy::{lazy, nn, nn::RNN};
+///
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// let lstm = nn::lstm(vs.root() / "lstm", 5, 8, Default::default());
+/// let xs = Tensor::randn([4, 7, 5], (Kind::Float, Device::Cpu)); // [batch, time, features]
+/// let (eager, _) = lstm.seq(&xs);
+/// let (lazily, state) = lstm.seq(&lazy(&xs, 0));
+/// assert_eq!(state.h().size(), [1, 4, 8]);
+/// assert!(eager.allclose(&lazily.to_tensor()?, 1e-5, 1e-5, false));
+/// # Ok::<(), toma::lazy::LazyError>(())
+/// ```
+///
+/// Lazily, the recurrence is recorded step by step from small ops: a long sequence makes a
+/// large graph (about 12 nodes per step, layer and direction), and the backward of each step's
+/// input selection writes a zeroed copy of the whole input when the input requires its
+/// gradient (an embedding's output, say), as libtorch's `select` does.
+#[allow(clippy::upper_case_acronyms)]
+pub trait RNN<T = Tensor> {
+    /// The state carried from step to step.
+    type State;
+
+    /// The zero state for a batch of `batch_dim` samples.
+    fn zero_state(&self, batch_dim: i64) -> Self::State;
+
+    /// One step: `input` is `[batch, features]`.
+    fn step(&self, input: &T, state: &Self::State) -> Self::State;
+
+    /// The whole sequence from the zero state: `input` is `[batch, time, features]`
+    /// (`[time, batch, features]` when the layer is not `batch_first`).
+    fn seq(&self, input: &T) -> (T, Self::State);
+
+    /// The whole sequence from `state`.
+    fn seq_init(&self, input: &T, state: &Self::State) -> (T, Self::State);
+}
+
+/// Which recurrence: the gates per hidden unit and libtorch's name for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Cell {
+    Lstm,
+    Gru,
+}
+
+impl Cell {
+    fn gates(self) -> i64 {
+        match self {
+            Cell::Lstm => 4,
+            Cell::Gru => 3,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Cell::Lstm => "lstm",
+            Cell::Gru => "gru",
+        }
+    }
+}
+
+/// The weights of one layer and direction.
+struct Direction {
+    w_ih: Tensor,
+    w_hh: Tensor,
+    b_ih: Option<Tensor>,
+    b_hh: Option<Tensor>,
+}
+
+/// What LSTM and GRU share: their variables and settings.
+struct Weights {
+    cell: Cell,
+    /// Per layer, then per direction (forward first), as libtorch flattens them.
+    dirs: Vec<Direction>,
+    in_dim: i64,
+    hidden: i64,
+    config: RNNConfig,
+    device: Device,
+}
+
+impl std::fmt::Debug for Weights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct(self.cell.name())
+            .field("in_dim", &self.in_dim)
+            .field("hidden", &self.hidden)
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl Weights {
+    /// The variables tch's `nn::lstm`/`nn::gru` create, in the same order with the same
+    /// initializers.
+    fn new(vs: &Path, cell: Cell, in_dim: i64, hidden: i64, config: RNNConfig) -> Weights {
+        let gate_dim = cell.gates() * hidden;
+        let directions = if config.bidirectional { 2 } else { 1 };
+        let mut dirs = Vec::new();
+        for layer in 0..config.num_layers {
+            for d in 0..directions {
+                let layer_in = if layer == 0 { in_dim } else { hidden * directions };
+                let suffix = if d == 1 { "_reverse" } else { "" };
+                let w_ih = vs.var(&format!("weight_ih_l{layer}{suffix}"), &[gate_dim, layer_in], config.w_ih_init);
+                let w_hh = vs.var(&format!("weight_hh_l{layer}{suffix}"), &[gate_dim, hidden], config.w_hh_init);
+                let (b_ih, b_hh) = if config.has_biases {
+                    let init = |i: Option<Init>| i.unwrap_or(Init::Const(0.));
+                    let b_ih = vs.var(&format!("bias_ih_l{layer}{suffix}"), &[gate_dim], init(config.b_ih_init));
+                    let b_hh = vs.var(&format!("bias_hh_l{layer}{suffix}"), &[gate_dim], init(config.b_hh_init));
+                    (Some(b_ih), Some(b_hh))
+                } else {
+                    (None, None)
+                };
+                dirs.push(Direction { w_ih, w_hh, b_ih, b_hh });
+            }
+        }
+        Weights { cell, dirs, in_dim, hidden, config, device: vs.device() }
+    }
+
+    fn directions(&self) -> i64 {
+        if self.config.bidirectional {
+            2
+        } else {
+            1
+        }
+    }
+
+    fn state_shape(&self, batch: i64) -> Vec<i64> {
+        vec![self.config.num_layers * self.directions(), batch, self.hidden]
+    }
+
+    fn kind(&self) -> Kind {
+        self.dirs[0].w_ih.kind()
+    }
+
+    /// libtorch's flat weight list.
+    fn flat(&self) -> Vec<&Tensor> {
+        self.dirs
+            .iter()
+            .flat_map(|d| [Some(&d.w_ih), Some(&d.w_hh), d.b_ih.as_ref(), d.b_hh.as_ref()])
+            .flatten()
+            .collect()
+    }
+
+    fn zeros(&self, batch: i64) -> Tensor {
+        Tensor::zeros(self.state_shape(batch), (self.kind(), self.device))
+    }
+
+    fn time_dim(&self) -> i64 {
+        if self.config.batch_first {
+            1
+        } else {
+            0
+        }
+    }
+
+    fn batch_dim(&self) -> usize {
+        if self.config.batch_first {
+            0
+        } else {
+            1
+        }
+    }
+
+    /// Checks a lazy input's shape: `[batch, time, in_dim]` (or time first); gives `(batch,
+    /// time)`.
+    fn check_input(&self, input: &LazyTensor) -> Result<(i64, i64), LazyError> {
+        let shape = input.size();
+        let op = self.cell.name();
+        let bad = |reason: String| LazyError::Argument { op: op.into(), shape: shape.clone(), reason };
+        let layout = if self.config.batch_first { "[batch, time, features]" } else { "[time, batch, features]" };
+        if shape.len() != 3 {
+            return Err(bad(format!("expected a 3-D input {layout}, got {} dimensions", shape.len())));
+        }
+        if shape[2] != self.in_dim {
+            return Err(bad(format!(
+                "input.size(-1) must be equal to input_size: expected {}, got {}",
+                self.in_dim, shape[2]
+            )));
+        }
+        let (batch, time) = (shape[self.batch_dim()], shape[self.time_dim() as usize]);
+        if time == 0 {
+            return Err(bad("the sequence is empty (no time steps)".into()));
+        }
+        if input.kind() != self.kind() {
+            return Err(LazyError::Kind {
+                op: op.into(),
+                kind: input.kind(),
+                shape: shape.clone(),
+                reason: format!("the layer's weights are {:?}: convert the input with to_kind", self.kind()),
+            });
+        }
+        Ok((batch, time))
+    }
+
+    /// The initial hidden state of layer-and-direction `index`, `None` for zeros.
+    fn initial(&self, h: &Hidden, index: i64, batch: i64) -> Result<Option<LazyTensor>, LazyError> {
+        let want = self.state_shape(batch);
+        match h {
+            Hidden::Zero { shape, .. } if *shape == want => Ok(None),
+            Hidden::Given(t) if t.size() == want => Ok(Some(t.f_select(0, index)?)),
+            other => Err(LazyError::Shape {
+                op: self.cell.name().into(),
+                lhs: other.shape(),
+                rhs: want,
+                reason: "the state must be [layers * directions, batch, hidden] for this input".into(),
+            }),
+        }
+    }
+
+    /// The recorded sequence: the output and each layer-and-direction's final states (one
+    /// list per state tensor: `h`, and `c` for an LSTM).
+    fn record(&self, input: &LazyTensor, h0: &Hidden, c0: Option<&Hidden>) -> Result<Recorded, LazyError> {
+        let (batch, time) = self.check_input(input)?;
+        let time_dim = self.time_dim();
+        let mut steps: Vec<LazyTensor> = (0..time).map(|t| input.f_select(time_dim, t)).collect::<Result<_, _>>()?;
+        let directions = self.directions();
+        let (mut h_n, mut c_n) = (Vec::new(), Vec::new());
+        for layer in 0..self.config.num_layers {
+            let mut outputs: Vec<Vec<LazyTensor>> = Vec::new();
+            for d in 0..directions {
+                let index = layer * directions + d;
+                let w = LazyWeights::of(&self.dirs[index as usize]);
+                let h = self.initial(h0, index, batch)?;
+                let c = c0.map(|c| self.initial(c, index, batch)).transpose()?.flatten();
+                let (out, h, c) = match self.cell {
+                    Cell::Lstm => lstm_direction(&steps, &w, h, c, d == 1)?,
+                    Cell::Gru => {
+                        let (out, h) = gru_direction(&steps, &w, h, d == 1)?;
+                        (out, h, None)
+                    }
+                };
+                outputs.push(out);
+                h_n.push(h);
+                c_n.extend(c);
+            }
+            steps = if directions == 1 {
+                outputs.pop().unwrap_or_default()
+            } else {
+                let (fwd, bwd) = (&outputs[0], &outputs[1]);
+                fwd.iter().zip(bwd).map(|(f, b)| LazyTensor::f_cat(&[f, b], 1)).collect::<Result<_, _>>()?
+            };
+            let last = layer + 1 == self.config.num_layers;
+            if !last && self.config.dropout > 0.0 && self.config.train {
+                steps = steps.iter().map(|s| s.f_dropout(self.config.dropout, true)).collect::<Result<_, _>>()?;
+            }
+        }
+        let output = LazyTensor::f_stack(&steps, time_dim)?;
+        let h = LazyTensor::f_stack(&h_n, 0)?;
+        let c = if c_n.is_empty() { None } else { Some(LazyTensor::f_stack(&c_n, 0)?) };
+        Ok(Recorded { output, h, c })
+    }
+}
+
+struct Recorded {
+    output: LazyTensor,
+    h: LazyTensor,
+    c: Option<LazyTensor>,
+}
+
+/// One direction's weights as graph leaves, made once per recording.
+struct LazyWeights {
+    w_ih: LazyTensor,
+    w_hh: LazyTensor,
+    b_ih: Option<LazyTensor>,
+    b_hh: Option<LazyTensor>,
+}
+
+impl LazyWeights {
+    fn of(d: &Direction) -> LazyWeights {
+        LazyWeights {
+            w_ih: LazyTensor::fixed(&d.w_ih),
+            w_hh: LazyTensor::fixed(&d.w_hh),
+            b_ih: d.b_ih.as_ref().map(LazyTensor::fixed),
+            b_hh: d.b_hh.as_ref().map(LazyTensor::fixed),
+        }
+    }
+
+    /// The hidden state's contribution to the gates: `h W_hhᵀ + b_hh`, or the bias alone (or
+    /// nothing) from the zero state, which is what the product would add exactly.
+    fn hidden_part(&self, h: Option<&LazyTensor>) -> Result<Option<LazyTensor>, LazyError> {
+        match h {
+            Some(h) => Ok(Some(h.f_linear(&self.w_hh, self.b_hh.as_ref())?)),
+            None => Ok(self.b_hh.clone()),
+        }
+    }
+}
+
+fn order(steps: usize, reverse: bool) -> Vec<usize> {
+    if reverse {
+        (0..steps).rev().collect()
+    } else {
+        (0..steps).collect()
+    }
+}
+
+type DirectionOut = (Vec<LazyTensor>, LazyTensor, Option<LazyTensor>);
+
+/// libtorch's LSTM cell, gates in its order (input, forget, cell, output):
+/// `c' = f c + i g`, `h' = o tanh(c')`.
+fn lstm_direction(
+    xs: &[LazyTensor],
+    w: &LazyWeights,
+    mut h: Option<LazyTensor>,
+    mut c: Option<LazyTensor>,
+    reverse: bool,
+) -> Result<DirectionOut, LazyError> {
+    let mut out: Vec<Option<LazyTensor>> = vec![None; xs.len()];
+    for t in order(xs.len(), reverse) {
+        let gi = xs[t].f_linear(&w.w_ih, w.b_ih.as_ref())?;
+        let gates = match w.hidden_part(h.as_ref())? {
+            Some(gh) => gi.f_add(&gh)?,
+            None => gi,
+        };
+        let g = gates.f_chunk(4, 1)?;
+        let input_gate = g[0].f_sigmoid()?;
+        let cell_gate = g[2].f_tanh()?;
+        let output_gate = g[3].f_sigmoid()?;
+        let fresh = input_gate.f_mul(&cell_gate)?;
+        let c_new = match &c {
+            Some(c) => g[1].f_sigmoid()?.f_mul(c)?.f_add(&fresh)?,
+            None => fresh,
+        };
+        let h_new = output_gate.f_mul(&c_new.f_tanh()?)?;
+        out[t] = Some(h_new.clone());
+        h = Some(h_new);
+        c = Some(c_new);
+    }
+    let out: Vec<LazyTensor> = out.into_iter().flatten().collect();
+    let (Some(h), Some(c)) = (h, c) else { unreachable!("a sequence has at least one step (checked)") };
+    Ok((out, h, Some(c)))
+}
+
+/// libtorch's GRU cell, gates in its order (reset, update, new):
+/// `n = tanh(i_n + r (h W_hn + b_hn))`, `h' = n + z (h - n)`.
+fn gru_direction(
+    xs: &[LazyTensor],
+    w: &LazyWeights,
+    mut h: Option<LazyTensor>,
+    reverse: bool,
+) -> Result<(Vec<LazyTensor>, LazyTensor), LazyError> {
+    let mut out: Vec<Option<LazyTensor>> = vec![None; xs.len()];
+    for t in order(xs.len(), reverse) {
+        let gi = xs[t].f_linear(&w.w_ih, w.b_ih.as_ref())?.f_chunk(3, 1)?;
+        let gh = w.hidden_part(h.as_ref())?.map(|gh| gh.f_chunk(3, -1)).transpose()?;
+        let (z, n) = match &gh {
+            Some(gh) => {
+                let r = gi[0].f_add(&gh[0])?.f_sigmoid()?;
+                let z = gi[1].f_add(&gh[1])?.f_sigmoid()?;
+                (z, gi[2].f_add(&gh[2].f_mul(&r)?)?)
+            }
+            // No bias and the zero state: the hidden part of every gate is zero.
+            None => (gi[1].f_sigmoid()?, gi[2].clone()),
+        };
+        let n = n.f_tanh()?;
+        let h_new = match &h {
+            Some(h) => n.f_add(&z.f_mul(&h.f_sub(&n)?)?)?,
+            None => n.f_sub(&z.f_mul(&n)?)?,
+        };
+        out[t] = Some(h_new.clone());
+        h = Some(h_new);
+    }
+    let out: Vec<LazyTensor> = out.into_iter().flatten().collect();
+    let Some(h) = h else { unreachable!("a sequence has at least one step (checked)") };
+    Ok((out, h))
+}
+
+/// A lazy state tensor: given, or the zero state of [`RNN::zero_state`], which the recurrence
+/// starts from without multiplying zeros.
+#[derive(Clone, Debug)]
+enum Hidden {
+    Zero { shape: Vec<i64>, kind: Kind, device: Device },
+    Given(LazyTensor),
+}
+
+impl Hidden {
+    fn shape(&self) -> Vec<i64> {
+        match self {
+            Hidden::Zero { shape, .. } => shape.clone(),
+            Hidden::Given(t) => t.size(),
+        }
+    }
+
+    /// The value: a zero state is zeros broadcast over the batch (dimension 1), so that each
+    /// micro-batch sees its own size.
+    fn value(&self) -> LazyTensor {
+        match self {
+            Hidden::Given(t) => t.clone(),
+            Hidden::Zero { shape, kind, device } => {
+                let one = Tensor::zeros([shape[0], 1, shape[2]], (*kind, *device));
+                LazyTensor::fixed(&one).f_expand(shape.as_slice(), false).or_panic()
+            }
+        }
+    }
+}
+
+/// An LSTM's lazy state, tch's `LSTMState` for a [`LazyTensor`]: `h` and `c`, each
+/// `[layers * directions, batch, hidden]`.
+#[derive(Clone, Debug)]
+pub struct LazyLSTMState {
+    h: Hidden,
+    c: Hidden,
+}
+
+impl LazyLSTMState {
+    /// A state from its hidden and cell tensors.
+    pub fn new(h: LazyTensor, c: LazyTensor) -> LazyLSTMState {
+        LazyLSTMState { h: Hidden::Given(h), c: Hidden::Given(c) }
+    }
+
+    /// The hidden state (the last step's output of every layer and direction).
+    pub fn h(&self) -> LazyTensor {
+        self.h.value()
+    }
+
+    /// The cell state.
+    pub fn c(&self) -> LazyTensor {
+        self.c.value()
+    }
+}
+
+/// A GRU's lazy state, tch's `GRUState` for a [`LazyTensor`]: `[layers * directions, batch,
+/// hidden]`.
+#[derive(Clone, Debug)]
+pub struct LazyGRUState(Hidden);
+
+impl LazyGRUState {
+    /// A state from its tensor.
+    pub fn new(h: LazyTensor) -> LazyGRUState {
+        LazyGRUState(Hidden::Given(h))
+    }
+
+    /// The hidden state, as tch's `GRUState::value`.
+    pub fn value(&self) -> LazyTensor {
+        self.0.value()
+    }
+
+    /// The hidden state (the same as [`value`](Self::value)).
+    pub fn h(&self) -> LazyTensor {
+        self.0.value()
+    }
+}
+
+macro_rules! recurrent_layer {
+    ($(#[$doc:meta])* $name:ident, $make:ident, $cell:expr, $tch_state:ident, $lazy_state:ident) => {
+        $(#[$doc])*
+        #[allow(clippy::upper_case_acronyms)]
+        #[derive(Debug)]
+        pub struct $name {
+            weights: Weights,
+        }
+
+        $(#[$doc])*
+        ///
+        /// The variables are tch's (`weight_ih_l0`, `weight_hh_l0`, `bias_ih_l0`, .., with
+        /// `_reverse` for the second direction), created in tch's order.
+        pub fn $make<'a, P: Borrow<Path<'a>>>(vs: P, in_dim: i64, hidden_dim: i64, config: RNNConfig) -> $name {
+            $name { weights: Weights::new(vs.borrow(), $cell, in_dim, hidden_dim, config) }
+        }
+
+        impl $name {
+            /// The weights, in libtorch's flat order (per layer and direction: `w_ih`, `w_hh`,
+            /// then the biases).
+            pub fn flat_weights(&self) -> Vec<&Tensor> {
+                self.weights.flat()
+            }
+        }
+
+        impl tnn::RNN for $name {
+            type State = tnn::$tch_state;
+
+            fn zero_state(&self, batch_dim: i64) -> tnn::$tch_state {
+                <Self as RNN<Tensor>>::zero_state(self, batch_dim)
+            }
+
+            fn step(&self, input: &Tensor, state: &tnn::$tch_state) -> tnn::$tch_state {
+                <Self as RNN<Tensor>>::step(self, input, state)
+            }
+
+            fn seq_init(&self, input: &Tensor, state: &tnn::$tch_state) -> (Tensor, tnn::$tch_state) {
+                <Self as RNN<Tensor>>::seq_init(self, input, state)
+            }
+        }
+
+        impl RNN<LazyTensor> for $name {
+            type State = $lazy_state;
+
+            fn zero_state(&self, batch_dim: i64) -> $lazy_state {
+                let w = &self.weights;
+                let zero = Hidden::Zero { shape: w.state_shape(batch_dim), kind: w.kind(), device: w.device };
+                $lazy_state::zero(zero)
+            }
+
+            #[track_caller]
+            fn step(&self, input: &LazyTensor, state: &$lazy_state) -> $lazy_state {
+                let input = input.f_unsqueeze(1).or_panic();
+                self.f_seq_init(&input, state).or_panic().1
+            }
+
+            #[track_caller]
+            fn seq(&self, input: &LazyTensor) -> (LazyTensor, $lazy_state) {
+                self.f_seq(input).or_panic()
+            }
+
+            #[track_caller]
+            fn seq_init(&self, input: &LazyTensor, state: &$lazy_state) -> (LazyTensor, $lazy_state) {
+                self.f_seq_init(input, state).or_panic()
+            }
+        }
+
+        impl $name {
+            /// [`RNN::seq`] on a lazy input, with its recording error.
+            ///
+            /// # Errors
+            /// [`LazyError::Argument`] for an input that is not 3-D, has another feature size or
+            /// no time step; [`LazyError::Kind`] for an input of another kind than the weights.
+            pub fn f_seq(&self, input: &LazyTensor) -> Result<(LazyTensor, $lazy_state), LazyError> {
+                let batch = input.size().get(self.weights.batch_dim()).copied().unwrap_or(0);
+                let zero = <Self as RNN<LazyTensor>>::zero_state(self, batch);
+                self.f_seq_init(input, &zero)
+            }
+        }
+    };
+}
+
+recurrent_layer!(
+    /// A long short-term memory layer, tch's `nn::LSTM` for both kinds of tensor.
+    LSTM,
+    lstm,
+    Cell::Lstm,
+    LSTMState,
+    LazyLSTMState
+);
+
+recurrent_layer!(
+    /// A gated recurrent unit layer, tch's `nn::GRU` for both kinds of tensor.
+    GRU,
+    gru,
+    Cell::Gru,
+    GRUState,
+    LazyGRUState
+);
+
+impl LazyLSTMState {
+    fn zero(h: Hidden) -> LazyLSTMState {
+        LazyLSTMState { c: h.clone(), h }
+    }
+}
+
+impl LazyGRUState {
+    fn zero(h: Hidden) -> LazyGRUState {
+        LazyGRUState(h)
+    }
+}
+
+impl RNN<Tensor> for LSTM {
+    type State = tnn::LSTMState;
+
+    fn zero_state(&self, batch_dim: i64) -> tnn::LSTMState {
+        let zeros = self.weights.zeros(batch_dim);
+        tnn::LSTMState((zeros.shallow_clone(), zeros))
+    }
+
+    fn step(&self, input: &Tensor, state: &tnn::LSTMState) -> tnn::LSTMState {
+        self.seq_init(&input.unsqueeze(1), state).1
+    }
+
+    fn seq(&self, input: &Tensor) -> (Tensor, tnn::LSTMState) {
+        let batch = input.size()[self.weights.batch_dim()];
+        self.seq_init(input, &RNN::<Tensor>::zero_state(self, batch))
+    }
+
+    fn seq_init(&self, input: &Tensor, state: &tnn::LSTMState) -> (Tensor, tnn::LSTMState) {
+        let w = &self.weights;
+        let c = w.config;
+        let (h, cell) = &state.0;
+        let (output, h, cell) = input.lstm(
+            &[h, cell],
+            &w.flat(),
+            c.has_biases,
+            c.num_layers,
+            c.dropout,
+            c.train,
+            c.bidirectional,
+            c.batch_first,
+        );
+        (output, tnn::LSTMState((h, cell)))
+    }
+}
+
+impl RNN<Tensor> for GRU {
+    type State = tnn::GRUState;
+
+    fn zero_state(&self, batch_dim: i64) -> tnn::GRUState {
+        tnn::GRUState(self.weights.zeros(batch_dim))
+    }
+
+    fn step(&self, input: &Tensor, state: &tnn::GRUState) -> tnn::GRUState {
+        self.seq_init(&input.unsqueeze(1), state).1
+    }
+
+    fn seq(&self, input: &Tensor) -> (Tensor, tnn::GRUState) {
+        let batch = input.size()[self.weights.batch_dim()];
+        self.seq_init(input, &RNN::<Tensor>::zero_state(self, batch))
+    }
+
+    fn seq_init(&self, input: &Tensor, state: &tnn::GRUState) -> (Tensor, tnn::GRUState) {
+        let w = &self.weights;
+        let c = w.config;
+        let (output, h) = input.gru(
+            &state.0,
+            &w.flat(),
+            c.has_biases,
+            c.num_layers,
+            c.dropout,
+            c.train,
+            c.bidirectional,
+            c.batch_first,
+        );
+        (output, tnn::GRUState(h))
+    }
+}
+
+impl LSTM {
+    /// [`RNN::seq_init`] on a lazy input, with its recording error.
+    ///
+    /// # Errors
+    /// As [`f_seq`](Self::f_seq); [`LazyError::Shape`] for a state that is not `[layers *
+    /// directions, batch, hidden]`.
+    pub fn f_seq_init(
+        &self,
+        input: &LazyTensor,
+        state: &LazyLSTMState,
+    ) -> Result<(LazyTensor, LazyLSTMState), LazyError> {
+        let r = self.weights.record(input, &state.h, Some(&state.c))?;
+        let c = r.c.unwrap_or_else(|| unreachable!("an LSTM records its cell state"));
+        Ok((r.output, LazyLSTMState::new(r.h, c)))
+    }
+}
+
+impl GRU {
+    /// [`RNN::seq_init`] on a lazy input, with its recording error.
+    ///
+    /// # Errors
+    /// As [`f_seq`](Self::f_seq); [`LazyError::Shape`] for a state that is not `[layers *
+    /// directions, batch, hidden]`.
+    pub fn f_seq_init(
+        &self,
+        input: &LazyTensor,
+        state: &LazyGRUState,
+    ) -> Result<(LazyTensor, LazyGRUState), LazyError> {
+        let r = self.weights.record(input, &state.0, None)?;
+        Ok((r.output, LazyGRUState::new(r.h)))
+    }
+}

@@ -1,0 +1,246 @@
+//! tch's recurrent layers through `toma::lazy::nn`: the same values as libtorch's fused
+//! `lstm`/`gru`, whole and in micro-batches, and models written once that train lazily with
+//! the full batch's gradients.
+
+use tch::{Device, Kind, Tensor};
+use toma::lazy::nn::{self, LazyGRUState, LazyLSTMState, OptimizerConfig, RNN};
+use toma::lazy::{lazy, Layer, LazyTensor, Options, TensorOps};
+
+const CPU: Device = Device::Cpu;
+
+fn config(layers: i64, bidirectional: bool, batch_first: bool, has_biases: bool) -> nn::RNNConfig {
+    nn::RNNConfig { num_layers: layers, bidirectional, batch_first, has_biases, ..Default::default() }
+}
+
+fn close(what: &str, lazily: &Tensor, eagerly: &Tensor) {
+    assert_eq!(lazily.size(), eagerly.size(), "{what}: shape");
+    let diff = (lazily - eagerly).abs().max().double_value(&[]);
+    assert!(diff < 1e-10, "{what}: differs by {diff}");
+}
+
+const CONFIGS: [(i64, bool, bool, bool); 4] =
+    [(1, false, true, true), (2, true, true, true), (2, false, false, false), (1, true, false, true)];
+
+#[test]
+fn an_lstm_records_what_libtorch_computes() {
+    let (b, t, f, h) = (5i64, 4i64, 3i64, 6i64);
+    for (layers, bidi, batch_first, bias) in CONFIGS {
+        let what = format!("lstm layers {layers} bidirectional {bidi} batch_first {batch_first} bias {bias}");
+        let mut vs = nn::VarStore::new(CPU);
+        let lstm = nn::lstm(vs.root(), f, h, config(layers, bidi, batch_first, bias));
+        vs.double();
+        let shape = if batch_first { [b, t, f] } else { [t, b, f] };
+        let xs = Tensor::randn(shape, (Kind::Double, CPU));
+        let batch_dim = if batch_first { 0 } else { 1 };
+        // From the zero state.
+        let (out, state) = RNN::<Tensor>::seq(&lstm, &xs);
+        let (lout, lstate) = lstm.seq(&lazy(&xs, batch_dim));
+        for options in [Options::new(), Options::new().micro_batch(2)] {
+            close(&what, &lout.to_tensor_with(&options).unwrap(), &out);
+            close(&format!("{what}: h"), &lstate.h().to_tensor_with(&options).unwrap(), &state.h());
+            close(&format!("{what}: c"), &lstate.c().to_tensor_with(&options).unwrap(), &state.c());
+        }
+        // From a given state, batched along its dimension 1.
+        let dirs = if bidi { 2 } else { 1 };
+        let h0 = Tensor::randn([layers * dirs, b, h], (Kind::Double, CPU));
+        let c0 = Tensor::randn([layers * dirs, b, h], (Kind::Double, CPU));
+        let (out, state) = lstm.seq_init(&xs, &nn::LSTMState((h0.shallow_clone(), c0.shallow_clone())));
+        let l0 = LazyLSTMState::new(LazyTensor::batched(&h0, 1).unwrap(), LazyTensor::batched(&c0, 1).unwrap());
+        let (lout, lstate) = lstm.seq_init(&lazy(&xs, batch_dim), &l0);
+        let options = Options::new().micro_batch(2);
+        close(&format!("{what}, given state"), &lout.to_tensor_with(&options).unwrap(), &out);
+        close(&format!("{what}, given state: h"), &lstate.h().to_tensor_with(&options).unwrap(), &state.h());
+    }
+}
+
+#[test]
+fn a_gru_records_what_libtorch_computes() {
+    let (b, t, f, h) = (5i64, 4i64, 3i64, 6i64);
+    for (layers, bidi, batch_first, bias) in CONFIGS {
+        let what = format!("gru layers {layers} bidirectional {bidi} batch_first {batch_first} bias {bias}");
+        let mut vs = nn::VarStore::new(CPU);
+        let gru = nn::gru(vs.root(), f, h, config(layers, bidi, batch_first, bias));
+        vs.double();
+        let shape = if batch_first { [b, t, f] } else { [t, b, f] };
+        let xs = Tensor::randn(shape, (Kind::Double, CPU));
+        let batch_dim = if batch_first { 0 } else { 1 };
+        let (out, state) = RNN::<Tensor>::seq(&gru, &xs);
+        let (lout, lstate) = gru.seq(&lazy(&xs, batch_dim));
+        for options in [Options::new(), Options::new().micro_batch(2)] {
+            close(&what, &lout.to_tensor_with(&options).unwrap(), &out);
+            close(&format!("{what}: h"), &lstate.value().to_tensor_with(&options).unwrap(), &state.value());
+        }
+        let dirs = if bidi { 2 } else { 1 };
+        let h0 = Tensor::randn([layers * dirs, b, h], (Kind::Double, CPU));
+        let (out, _) = gru.seq_init(&xs, &nn::GRUState(h0.shallow_clone()));
+        let l0 = LazyGRUState::new(LazyTensor::batched(&h0, 1).unwrap());
+        let (lout, _) = gru.seq_init(&lazy(&xs, batch_dim), &l0);
+        close(&format!("{what}, given state"), &lout.to_tensor_with(&Options::new().micro_batch(3)).unwrap(), &out);
+    }
+}
+
+#[test]
+fn the_layers_are_tchs_variables_and_values() {
+    // The same seed gives tch's layer and ours the same variables, and the same outputs.
+    tch::manual_seed(7);
+    let vs_tch = tch::nn::VarStore::new(CPU);
+    let theirs = tch::nn::lstm(vs_tch.root(), 3, 4, config(2, true, true, true));
+    tch::manual_seed(7);
+    let vs_ours = nn::VarStore::new(CPU);
+    let ours = nn::lstm(vs_ours.root(), 3, 4, config(2, true, true, true));
+    let (a, b) = (vs_tch.variables(), vs_ours.variables());
+    assert_eq!(a.len(), 16);
+    for (name, t) in &a {
+        assert!(t.equal(&b[name]), "{name}");
+    }
+    let xs = Tensor::randn([2, 5, 3], (Kind::Float, CPU));
+    let (x1, _) = tch::nn::RNN::seq(&theirs, &xs);
+    let (x2, _) = RNN::<Tensor>::seq(&ours, &xs);
+    assert!(x1.equal(&x2));
+}
+
+#[test]
+fn steps_from_the_zero_state_record_the_sequence() {
+    let mut vs = nn::VarStore::new(CPU);
+    let lstm = nn::lstm(vs.root(), 3, 4, Default::default());
+    vs.double();
+    let xs = Tensor::randn([6, 5, 3], (Kind::Double, CPU));
+    let (_, whole) = RNN::<Tensor>::seq(&lstm, &xs);
+    let lx = lazy(&xs, 0);
+    let mut state = RNN::<LazyTensor>::zero_state(&lstm, 6);
+    for t in 0..5 {
+        state = lstm.step(&lx.select(1, t), &state);
+    }
+    close("steps", &state.h().to_tensor_with(&Options::new().micro_batch(4)).unwrap(), &whole.h());
+    // The zero state itself, read as a value, is the batch's zeros.
+    let zero =
+        RNN::<LazyTensor>::zero_state(&lstm, 6).c() + lx.select(1, 0).sum_dim_intlist(-1, false, None).view([1, 6, 1]);
+    let want = xs.select(1, 0).sum_dim_intlist(-1, false, None).view([1, 6, 1]).expand([1, 6, 4], false);
+    close("zero state", &zero.to_tensor_with(&Options::new().micro_batch(4)).unwrap(), &want);
+}
+
+#[test]
+fn bad_inputs_are_named() {
+    let vs = nn::VarStore::new(CPU);
+    let lstm = nn::lstm(vs.root(), 3, 4, Default::default());
+    let err = lstm.f_seq(&lazy(&Tensor::zeros([2, 5, 7], (Kind::Float, CPU)), 0)).unwrap_err().to_string();
+    assert!(err.contains("input_size") && err.contains("lstm"), "{err}");
+    let err = lstm.f_seq(&lazy(&Tensor::zeros([2, 5], (Kind::Float, CPU)), 0)).unwrap_err().to_string();
+    assert!(err.contains("3-D"), "{err}");
+    let err = lstm.f_seq(&lazy(&Tensor::zeros([2, 5, 3], (Kind::Double, CPU)), 0)).unwrap_err().to_string();
+    assert!(err.contains("to_kind"), "{err}");
+    let wrong = LazyLSTMState::new(
+        LazyTensor::batched(&Tensor::zeros([2, 2, 4], (Kind::Float, CPU)), 1).unwrap(),
+        LazyTensor::batched(&Tensor::zeros([2, 2, 4], (Kind::Float, CPU)), 1).unwrap(),
+    );
+    let err = lstm.f_seq_init(&lazy(&Tensor::zeros([2, 5, 3], (Kind::Float, CPU)), 0), &wrong).unwrap_err().to_string();
+    assert!(err.contains("[layers * directions, batch, hidden]"), "{err}");
+}
+
+const VOCAB: i64 = 11;
+
+/// A char-RNN language model, written once (tch's `cross_entropy_for_logits` computes in f32,
+/// so the log-softmax is spelled out to compare in f64): one-hot characters, a 2-layer LSTM, a linear head.
+fn char_rnn_loss<T: TensorOps>(lstm: &impl RNN<T>, head: &impl Layer<T>, xs: &T, ys: &T) -> T {
+    let (out, _) = lstm.seq(xs);
+    head.forward(&out).view([-1, VOCAB]).log_softmax(-1, None).nll_loss(&ys.view([-1]))
+}
+
+/// A GRU sequence-to-sequence model, written once: the encoder's final state starts the
+/// decoder (teacher forcing), embeddings on both sides.
+#[allow(clippy::too_many_arguments)]
+fn seq2seq_loss<T: TensorOps, R: RNN<T>>(
+    src_emb: &impl Layer<T>,
+    tgt_emb: &impl Layer<T>,
+    encoder: &R,
+    decoder: &R,
+    head: &impl Layer<T>,
+    src: &T,
+    tgt_in: &T,
+    tgt_out: &T,
+) -> T {
+    let (_, state) = encoder.seq(&src_emb.forward(src));
+    let (out, _) = decoder.seq_init(&tgt_emb.forward(tgt_in), &state);
+    head.forward(&out).view([-1, VOCAB]).log_softmax(-1, None).nll_loss(&tgt_out.view([-1]))
+}
+
+fn assert_same_variables(what: &str, a: &nn::VarStore, b: &nn::VarStore, tol: f64) {
+    for (name, e) in a.variables() {
+        let l = &b.variables()[&name];
+        let diff = (&e - l).abs().max().double_value(&[]);
+        assert!(diff < tol, "{what}: {name} differs by {diff}");
+    }
+}
+
+#[test]
+fn a_char_rnn_trains_in_micro_batches_as_the_full_batch() {
+    let build = |vs: &nn::VarStore| {
+        let lstm = nn::lstm(vs.root() / "lstm", VOCAB, 16, config(2, false, true, true));
+        let head = nn::linear(vs.root() / "head", 16, VOCAB, Default::default());
+        (lstm, head)
+    };
+    let mut eager_vs = nn::VarStore::new(CPU);
+    let (eager_lstm, eager_head) = build(&eager_vs);
+    eager_vs.double();
+    let mut lazy_vs = nn::VarStore::new(CPU);
+    let (lazy_lstm, lazy_head) = build(&lazy_vs);
+    lazy_vs.double();
+    lazy_vs.copy(&eager_vs).unwrap();
+    let mut eager_opt = nn::Adam::default().build(&eager_vs, 1e-2).unwrap();
+    let mut lazy_opt = nn::Adam::default().build(&lazy_vs, 1e-2).unwrap();
+    let chars = Tensor::randint(VOCAB, [10, 9], (Kind::Int64, CPU));
+    let xs = chars.narrow(1, 0, 8).onehot(VOCAB).to_kind(Kind::Double);
+    let ys = chars.narrow(1, 1, 8).contiguous();
+    for step in 0..3 {
+        let loss = char_rnn_loss(&eager_lstm, &eager_head, &xs, &ys);
+        let eager_value = loss.double_value(&[]);
+        eager_opt.backward_step(&loss);
+        let (lx, ly) = lazy((&xs, &ys), 0);
+        let loss = char_rnn_loss(&lazy_lstm, &lazy_head, &lx, &ly);
+        let value = lazy_opt.f_backward_step_with(&loss, &Options::new().micro_batch(3)).unwrap();
+        assert!((value - eager_value).abs() < 1e-9, "step {step}: loss {value} lazily, {eager_value} eagerly");
+        assert_same_variables(&format!("char-rnn step {step}"), &eager_vs, &lazy_vs, 1e-6);
+    }
+}
+
+#[test]
+fn a_gru_seq2seq_trains_in_micro_batches_as_the_full_batch() {
+    let build = |vs: &nn::VarStore| {
+        let p = vs.root();
+        let src_emb = nn::embedding(&p / "src", VOCAB, 8, Default::default());
+        let tgt_emb = nn::embedding(&p / "tgt", VOCAB, 8, Default::default());
+        let encoder = nn::gru(&p / "enc", 8, 12, Default::default());
+        let decoder = nn::gru(&p / "dec", 8, 12, Default::default());
+        let head = nn::linear(&p / "head", 12, VOCAB, Default::default());
+        (src_emb, tgt_emb, encoder, decoder, head)
+    };
+    let mut eager_vs = nn::VarStore::new(CPU);
+    let e = build(&eager_vs);
+    eager_vs.double();
+    let mut lazy_vs = nn::VarStore::new(CPU);
+    let l = build(&lazy_vs);
+    lazy_vs.double();
+    lazy_vs.copy(&eager_vs).unwrap();
+    let mut eager_opt = nn::Sgd { momentum: 0.9, ..Default::default() }.build(&eager_vs, 0.1).unwrap();
+    let mut lazy_opt = nn::Sgd { momentum: 0.9, ..Default::default() }.build(&lazy_vs, 0.1).unwrap();
+    let src = Tensor::randint(VOCAB, [9, 6], (Kind::Int64, CPU));
+    let tgt = Tensor::randint(VOCAB, [9, 6], (Kind::Int64, CPU));
+    let (tgt_in, tgt_out) = (tgt.narrow(1, 0, 5).contiguous(), tgt.narrow(1, 1, 5).contiguous());
+    for step in 0..3 {
+        eager_opt.zero_grad();
+        let loss = seq2seq_loss(&e.0, &e.1, &e.2, &e.3, &e.4, &src, &tgt_in, &tgt_out);
+        let eager_value = loss.double_value(&[]);
+        loss.backward();
+        eager_opt.step();
+        let (ls, li, lo) = lazy((&src, &tgt_in, &tgt_out), 0);
+        let loss = seq2seq_loss(&l.0, &l.1, &l.2, &l.3, &l.4, &ls, &li, &lo);
+        let value = lazy_opt.f_backward_step_with(&loss, &Options::new().micro_batch(4)).unwrap();
+        assert!((value - eager_value).abs() < 1e-9, "step {step}: loss {value} lazily, {eager_value} eagerly");
+        assert_same_variables(&format!("seq2seq step {step}"), &eager_vs, &lazy_vs, 1e-6);
+    }
+    // Inference through the same module, outputs indexed as tch's examples do.
+    let xs = Tensor::randn([3, 4, 8], (Kind::Double, CPU));
+    let eager_last = RNN::<Tensor>::seq(&l.2, &xs).0.select(1, -1).apply(&l.4);
+    let lazy_last = l.2.seq(&lazy(&xs, 0)).0.select(1, -1).apply(&l.4);
+    close("inference", &lazy_last.to_tensor_with(&Options::new().micro_batch(2)).unwrap(), &eager_last);
+}
