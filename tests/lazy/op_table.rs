@@ -207,6 +207,15 @@ fn sample(name: &str) -> Option<LazyTensor> {
         }
         "smooth_l1_loss" => x().smooth_l1_loss(&x(), Reduction::Mean, 1.0),
         "huber_loss" => x().huber_loss(&x(), Reduction::Mean, 1.0),
+        "cosine_embedding_loss" => {
+            LazyTensor::cosine_embedding_loss(&act(&[5]), &act(&[5]), &ints(2, &[]), 0.1, Reduction::Mean)
+        }
+        "margin_ranking_loss" => LazyTensor::margin_ranking_loss(&x(), &x(), &x(), 0.1, Reduction::Mean),
+        "triplet_margin_loss" => {
+            LazyTensor::triplet_margin_loss(&x(), &x(), &x(), 1.0, 2.0, 1e-6, false, Reduction::Mean)
+        }
+        "binary_cross_entropy" => x().sigmoid().binary_cross_entropy(&x().sigmoid(), none, Reduction::Mean),
+        "poisson_nll_loss" => x().poisson_nll_loss(&x().exp(), true, false, 1e-8, Reduction::Mean),
         _ => return None,
     })
 }
