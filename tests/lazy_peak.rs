@@ -1264,6 +1264,40 @@ fn cumsum_and_topk_peak_as_planned() {
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "cumsum and topk models");
 }
 
+/// `cumprod` and `sort` in a model: cumprod's backward (three temporaries as large as its input
+/// and a mask), sort's kept positions, the stable sort's too, against the allocator, whole and
+/// in micro-batches, f32 and f64.
+#[test]
+fn cumprod_and_sort_peak_as_planned() {
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    let (n, t, d) = (16i64, 32i64, 64i64);
+    let mut rows = Rows::default();
+    for kind in [Kind::Float, Kind::Double] {
+        for stable in [false, true] {
+            for micro in [16usize, 4] {
+                let mut vs = nn::VarStore::new(CPU);
+                let l1 = nn::linear(vs.root() / "l1", d, d, Default::default());
+                let l2 = nn::linear(vs.root() / "l2", d, 10, Default::default());
+                if kind == Kind::Double {
+                    vs.double();
+                }
+                let x = Tensor::randn([n, t, d], (kind, CPU));
+                let y = Tensor::randint(10, [n, t], (Kind::Int64, CPU));
+                let (lx, ly) = toma::lazy::lazy((&x, &y), 0);
+                // A running product over time (of factors without zeros), then each step's
+                // features in order.
+                let h = (lx.apply(&l1).tanh() * 0.5 + 1.0).cumprod(1, None::<Kind>);
+                let h = if stable { h.sort_stable(true, -1, true).0 } else { h.sort(-1, false).0 };
+                let loss = h.apply(&l2).view([-1, 10]).log_softmax(-1, None).nll_loss(&ly.view([-1]));
+                let (planned, measured) = planned_and_measured_at(&loss, micro);
+                rows.push(format!("cumprod, sort stable {stable} {kind:?} micro {micro}"), planned, measured);
+            }
+        }
+    }
+    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "cumprod and sort models");
+}
+
 /// Normalized features (`F.normalize`, 2- and 1-norm) and a norm penalty, against the allocator.
 #[test]
 fn norms_peak_as_planned() {

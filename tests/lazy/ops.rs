@@ -891,6 +891,43 @@ proptest! {
     }
 
     #[test]
+    fn cumprod_along_any_dim(a in shape(4, 4), dim in -4i64..4, micro in 1usize..5, zeros in any::<bool>(), int in any::<bool>()) {
+        let t = if zeros { randn(&a).relu() } else { randn(&a) };
+        let t = if int { Tensor::randint(3, a.as_slice(), (Kind::Int64, CPU)) } else { t };
+        let rank = a.len() as i64;
+        let split = if dim >= -rank && dim < rank && dim.rem_euclid(rank) == 0 { Split::Refused } else { Split::Exact };
+        let what = format!("cumprod {a:?} dim {dim} int {int}");
+        agree(&what, t.f_cumprod(dim, None::<Kind>), lazy(&t, 0).f_cumprod(dim, None::<Kind>), micro, split)?;
+        agree(&format!("{what} as Double"), t.f_cumprod(dim, Kind::Double), lazy(&t, 0).f_cumprod(dim, Kind::Double), micro, split)?;
+    }
+
+    #[test]
+    fn sort_values_and_positions(a in shape(4, 5), dim in -4i64..4, descending in any::<bool>(), stable in prop::option::of(any::<bool>()), ties in any::<bool>(), micro in 1usize..5) {
+        // With ties, only a stable sort's positions are determined.
+        let t = if ties { Tensor::randint(3, a.as_slice(), (Kind::Int64, CPU)).to_kind(Kind::Double) } else { randn(&a) };
+        // Booleans sort too.
+        let t = if ties && descending { t.gt(0.5) } else { t };
+        let rank = a.len() as i64;
+        let split = if dim >= -rank && dim < rank && dim.rem_euclid(rank) == 0 { Split::Refused } else { Split::Exact };
+        let l = lazy(&t, 0);
+        let (eager, lazily) = match stable {
+            Some(stable) => (t.f_sort_stable(stable, dim, descending), l.f_sort_stable(stable, dim, descending)),
+            None => (t.f_sort(dim, descending), l.f_sort(dim, descending)),
+        };
+        let what = format!("sort {a:?} dim {dim} descending {descending} stable {stable:?}");
+        match (eager, lazily) {
+            (Ok((ev, ei)), Ok((lv, li))) => {
+                agree(&what, Ok(ev), Ok(lv), micro, split)?;
+                if !ties || stable == Some(true) {
+                    agree(&format!("{what} positions"), Ok(ei), Ok(li), micro, split)?;
+                }
+            }
+            (Err(_), Err(_)) => {}
+            (e, l) => prop_assert!(false, "{what}: tch {:?}, lazy {:?}", e.is_ok(), l.is_ok()),
+        }
+    }
+
+    #[test]
     fn norms_and_normalize(a in shape(4, 4), d in 0i64..4, negative in any::<bool>(), keepdim in any::<bool>(), two in any::<bool>(), micro in 1usize..5) {
         let t = randn(&a);
         let p = if two { 2.0 } else { 1.0 };
@@ -1079,4 +1116,27 @@ fn a_view_after_a_copying_reshape_runs_on_any_micro_batch() {
         let value = l.to_tensor_with(&Options::new().micro_batch(micro)).unwrap();
         assert!(value.equal(&eager), "micro-batch {micro}");
     }
+}
+
+/// `nonzero` and `argwhere` have an output whose shape depends on the values: refused when
+/// recorded, with what to do instead; tch's run eagerly.
+#[test]
+fn nonzero_and_argwhere_are_refused_with_what_to_do_instead() {
+    let t = randn(&[4, 3]).relu();
+    let l = lazy(&t, 0);
+    for (op, refused) in [("nonzero", l.f_nonzero()), ("argwhere", l.f_argwhere())] {
+        let Err(e) = refused else { panic!("{op} must be refused") };
+        assert!(matches!(&e, LazyError::Unsupported { op: o, .. } if o == op), "{e:?}");
+        let text = e.to_string();
+        assert!(text.starts_with(&format!("toma::lazy: `{op}` cannot be planned: ")), "{text}");
+        for hint in ["depends on the values", "where_self", "masked_fill", "to_tensor()"] {
+            assert!(text.contains(hint), "{op}'s error names `{hint}`: {text}");
+        }
+    }
+    let panicked = std::panic::catch_unwind(|| lazy(&t, 0).nonzero()).expect_err("the twin panics");
+    let message = panicked.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(message.contains("`nonzero` cannot be planned"), "{message}");
+    // Eagerly, on the value: tch's.
+    let eager = lazy(&t, 0).to_tensor().unwrap().nonzero();
+    assert_eq!(eager.size(), t.nonzero().size());
 }
