@@ -1264,6 +1264,40 @@ fn cumsum_and_topk_peak_as_planned() {
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "cumsum and topk models");
 }
 
+/// `cumprod` and `sort` in a model: cumprod's backward (three temporaries as large as its input
+/// and a mask), sort's kept positions, the stable sort's too, against the allocator, whole and
+/// in micro-batches, f32 and f64.
+#[test]
+fn cumprod_and_sort_peak_as_planned() {
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    let (n, t, d) = (16i64, 32i64, 64i64);
+    let mut rows = Rows::default();
+    for kind in [Kind::Float, Kind::Double] {
+        for stable in [false, true] {
+            for micro in [16usize, 4] {
+                let mut vs = nn::VarStore::new(CPU);
+                let l1 = nn::linear(vs.root() / "l1", d, d, Default::default());
+                let l2 = nn::linear(vs.root() / "l2", d, 10, Default::default());
+                if kind == Kind::Double {
+                    vs.double();
+                }
+                let x = Tensor::randn([n, t, d], (kind, CPU));
+                let y = Tensor::randint(10, [n, t], (Kind::Int64, CPU));
+                let (lx, ly) = toma::lazy::lazy((&x, &y), 0);
+                // A running product over time (of factors without zeros), then each step's
+                // features in order.
+                let h = (lx.apply(&l1).tanh() * 0.5 + 1.0).cumprod(1, None::<Kind>);
+                let h = if stable { h.sort_stable(true, -1, true).0 } else { h.sort(-1, false).0 };
+                let loss = h.apply(&l2).view([-1, 10]).log_softmax(-1, None).nll_loss(&ly.view([-1]));
+                let (planned, measured) = planned_and_measured_at(&loss, micro);
+                rows.push(format!("cumprod, sort stable {stable} {kind:?} micro {micro}"), planned, measured);
+            }
+        }
+    }
+    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "cumprod and sort models");
+}
+
 /// Normalized features (`F.normalize`, 2- and 1-norm) and a norm penalty, against the allocator.
 #[test]
 fn norms_peak_as_planned() {
@@ -1337,4 +1371,184 @@ fn recurrent_models_peak_as_planned() {
         }
     }
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "recurrent models");
+
+/// The losses of pairs and triplets, binary cross-entropy of probabilities and the Poisson
+/// likelihood on three scaled inputs (a learned scale each, so that gradients flow and the
+/// loss's own memory is the peak), each reduction, whole and in micro-batches: what autograd
+/// keeps of libtorch's composites and their temporaries, as `one_loss_at_a_time` reads them.
+#[test]
+fn pair_and_probability_losses_peak_as_planned() {
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    let (n, d) = (256i64, 512i64);
+    let mut rows = Rows::default();
+    let losses = ["cosine_embedding", "margin_ranking", "triplet", "triplet swap", "bce", "poisson", "poisson full"];
+    for loss_name in losses {
+        for reduction in [tch::Reduction::Mean, tch::Reduction::Sum, tch::Reduction::None] {
+            for micro in [n as usize, 64] {
+                let f32s = (Kind::Float, CPU);
+                let scales: Vec<Tensor> = (0..3).map(|_| Tensor::ones([1], f32s).set_requires_grad(true)).collect();
+                let xs: Vec<Tensor> = (0..3).map(|_| Tensor::randn([n, d], f32s)).collect();
+                let sign = Tensor::randint(2, [n, d], f32s) * 2.0 - 1.0;
+                let probability = Tensor::rand([n, d], f32s);
+                let counts = Tensor::randint(4, [n, d], f32s);
+                let (ls, lp, lc) = toma::lazy::lazy((&sign, &probability, &counts), 0);
+                let part = |i: usize| toma::lazy::lazy(&xs[i], 0) * LazyTensor::fixed(&scales[i]);
+                let (a, p, q) = (part(0), part(1), part(2));
+                let red = || match reduction {
+                    tch::Reduction::Mean => tch::Reduction::Mean,
+                    tch::Reduction::Sum => tch::Reduction::Sum,
+                    _ => tch::Reduction::None,
+                };
+                let loss = match loss_name {
+                    "cosine_embedding" => LazyTensor::cosine_embedding_loss(&a, &p, &ls.select(1, 0), 0.1, red()),
+                    "margin_ranking" => LazyTensor::margin_ranking_loss(&a, &p, &ls, 0.1, red()),
+                    "triplet" => LazyTensor::triplet_margin_loss(&a, &p, &q, 1.0, 2.0, 1e-6, false, red()),
+                    "triplet swap" => LazyTensor::triplet_margin_loss(&a, &p, &q, 1.0, 2.0, 1e-6, true, red()),
+                    "bce" => a.sigmoid().binary_cross_entropy(&lp, Some(&Tensor::rand([d], f32s)), red()),
+                    "poisson" => (a.abs() + 0.1).poisson_nll_loss(&lc, false, false, 1e-8, red()),
+                    _ => a.poisson_nll_loss(&lc, true, true, 1e-8, red()),
+                };
+                let loss = if matches!(reduction, tch::Reduction::None) { loss.sum(Kind::Float) } else { loss };
+                let (planned, measured) = planned_and_measured_at(&loss, micro);
+                rows.push(format!("{loss_name} {reduction:?} micro {micro}"), planned, measured);
+            }
+        }
+    }
+    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "pair and probability losses");
+}
+
+/// A tool, not a check: each loss of issue 28 run eagerly on `[64, 1024]` operands (`Float`),
+/// what it allocates besides its output, forward, what autograd keeps, and backward besides the
+/// gradients, in units of one operand. `cargo test --all-features --test lazy_peak
+/// one_loss_at_a_time -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn one_loss_at_a_time() {
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    let (n, d) = (64i64, 1024i64);
+    let unit = (n * d * 4) as f64;
+    let bytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as i64;
+    type Loss = Box<dyn Fn(&[Tensor]) -> Tensor>;
+    // Each operand: its shape, whether it requires a gradient, and its values (0: normal, 1:
+    // probabilities, 2: signs, 3: counts).
+    type Operand = (Vec<i64>, bool, u8);
+    let red = |r: usize| match r {
+        0 => tch::Reduction::Mean,
+        1 => tch::Reduction::Sum,
+        _ => tch::Reduction::None,
+    };
+    for r in 0..3 {
+        let cases: Vec<(&str, Vec<Operand>, Loss)> = vec![
+            (
+                "cosine_embedding",
+                vec![(vec![n, d], true, 0), (vec![n, d], true, 0), (vec![n], false, 2)],
+                Box::new(move |t| Tensor::cosine_embedding_loss(&t[0], &t[1], &t[2], 0.1, red(r))),
+            ),
+            (
+                "margin_ranking",
+                vec![(vec![n, d], true, 0), (vec![n, d], true, 0), (vec![n, d], false, 2)],
+                Box::new(move |t| Tensor::margin_ranking_loss(&t[0], &t[1], &t[2], 0.1, red(r))),
+            ),
+            (
+                "triplet_margin",
+                vec![(vec![n, d], true, 0), (vec![n, d], true, 0), (vec![n, d], true, 0)],
+                Box::new(move |t| Tensor::triplet_margin_loss(&t[0], &t[1], &t[2], 1.0, 2.0, 1e-6, false, red(r))),
+            ),
+            (
+                "triplet_margin swap",
+                vec![(vec![n, d], true, 0), (vec![n, d], true, 0), (vec![n, d], true, 0)],
+                Box::new(move |t| Tensor::triplet_margin_loss(&t[0], &t[1], &t[2], 1.0, 2.0, 1e-6, true, red(r))),
+            ),
+            (
+                "triplet_margin p1",
+                vec![(vec![n, d], true, 0), (vec![n, d], true, 0), (vec![n, d], true, 0)],
+                Box::new(move |t| Tensor::triplet_margin_loss(&t[0], &t[1], &t[2], 1.0, 1.0, 1e-6, false, red(r))),
+            ),
+            (
+                "bce",
+                vec![(vec![n, d], true, 1), (vec![n, d], false, 1)],
+                Box::new(move |t| t[0].binary_cross_entropy(&t[1], None::<&Tensor>, red(r))),
+            ),
+            (
+                "bce weight",
+                vec![(vec![n, d], true, 1), (vec![n, d], false, 1), (vec![d], false, 1)],
+                Box::new(move |t| t[0].binary_cross_entropy(&t[1], Some(&t[2]), red(r))),
+            ),
+            (
+                "poisson log",
+                vec![(vec![n, d], true, 0), (vec![n, d], false, 3)],
+                Box::new(move |t| t[0].poisson_nll_loss(&t[1], true, false, 1e-8, red(r))),
+            ),
+            (
+                "poisson",
+                vec![(vec![n, d], true, 1), (vec![n, d], false, 3)],
+                Box::new(move |t| t[0].poisson_nll_loss(&t[1], false, false, 1e-8, red(r))),
+            ),
+            (
+                "poisson nolog full",
+                vec![(vec![n, d], true, 1), (vec![n, d], false, 3)],
+                Box::new(move |t| t[0].poisson_nll_loss(&t[1], false, true, 1e-8, red(r))),
+            ),
+            (
+                "triplet_margin p3",
+                vec![(vec![n, d], true, 0), (vec![n, d], true, 0), (vec![n, d], true, 0)],
+                Box::new(move |t| Tensor::triplet_margin_loss(&t[0], &t[1], &t[2], 1.0, 3.0, 1e-6, false, red(r))),
+            ),
+            (
+                "bce weight nd",
+                vec![(vec![n, d], true, 1), (vec![n, d], false, 1), (vec![n, d], false, 1)],
+                Box::new(move |t| t[0].binary_cross_entropy(&t[1], Some(&t[2]), red(r))),
+            ),
+            ("cumprod", vec![(vec![n, d], true, 0)], Box::new(move |t| t[0].cumprod(1, None::<Kind>))),
+            ("cumprod dim 0", vec![(vec![n, d], true, 0)], Box::new(move |t| t[0].cumprod(0, None::<Kind>))),
+            ("cumprod zeros", vec![(vec![n, d], true, 3)], Box::new(move |t| t[0].cumprod(1, None::<Kind>))),
+            ("sort", vec![(vec![n, d], true, 0)], Box::new(move |t| t[0].sort(1, false).0)),
+            ("sort dim 0", vec![(vec![n, d], true, 0)], Box::new(move |t| t[0].sort(0, true).0)),
+            ("sort stable", vec![(vec![n, d], true, 0)], Box::new(move |t| t[0].sort_stable(true, 1, false).0)),
+            (
+                "poisson full",
+                vec![(vec![n, d], true, 0), (vec![n, d], false, 3)],
+                Box::new(move |t| t[0].poisson_nll_loss(&t[1], true, true, 1e-8, red(r))),
+            ),
+        ];
+        for (name, operands, loss) in &cases {
+            for round in 0..2 {
+                let ts: Vec<Tensor> = operands
+                    .iter()
+                    .map(|(shape, grad, dist)| {
+                        let t = match dist {
+                            0 => Tensor::randn(shape.as_slice(), (Kind::Float, CPU)),
+                            1 => Tensor::rand(shape.as_slice(), (Kind::Float, CPU)) * 0.98 + 0.01,
+                            2 => Tensor::randint(2, shape.as_slice(), (Kind::Float, CPU)) * 2 - 1,
+                            _ => Tensor::randint(5, shape.as_slice(), (Kind::Float, CPU)),
+                        };
+                        t.set_requires_grad(*grad)
+                    })
+                    .collect();
+                let before = memory::cpu_allocator_stats().unwrap().allocated as i64;
+                memory::reset_cpu_peak();
+                let y = loss(&ts);
+                let stats = memory::cpu_allocator_stats().unwrap();
+                let forward = stats.peak_allocated as i64 - before - bytes(&y);
+                let kept = stats.allocated as i64 - before - bytes(&y);
+                let y = if y.dim() > 0 { y.sum(Kind::Float) } else { y };
+                let before = memory::cpu_allocator_stats().unwrap().allocated as i64;
+                memory::reset_cpu_peak();
+                y.backward();
+                let grads: i64 = ts.iter().filter(|t| t.requires_grad()).map(bytes).sum();
+                let backward = memory::cpu_allocator_stats().unwrap().peak_allocated as i64 - before - grads;
+                if round == 1 {
+                    println!(
+                        "{name:>20} {:?}: forward {:>6.2} kept {:>6.2} backward {:>6.2}",
+                        red(r),
+                        forward as f64 / unit,
+                        kept as f64 / unit,
+                        backward as f64 / unit
+                    );
+                }
+            }
+        }
+    }
 }

@@ -616,3 +616,123 @@ fn cosine_similarity_and_flip_match_the_full_batch() {
     }
     check_mlp_loss(13, 11, &[2, 5], loss::<Tensor>, loss::<LazyTensor>);
 }
+
+/// The losses of pairs and triplets (cosine embedding, margin ranking, triplet margin, with
+/// and without `swap`), binary cross-entropy of probabilities (weighted) and the Poisson
+/// likelihood (with Stirling's term), mean- and sum-reduced, on an MLP's features: the loss and
+/// the gradients of micro-batches of 1, 3 and 4 are the full batch's to 1e-9 relative.
+#[test]
+fn pair_and_probability_losses_match_the_full_batch() {
+    tch::manual_seed(21);
+    let mut vs = nn::VarStore::new(CPU);
+    let l1 = nn::linear(vs.root() / "l1", 8, 15, Default::default());
+    let l2 = nn::linear(vs.root() / "l2", 15, 4, Default::default());
+    vs.double();
+    let n = 11i64;
+    let f64s = (Kind::Double, CPU);
+    let x = Tensor::randn([n, 8], f64s);
+    let sign = Tensor::randint(2, [n], (Kind::Int64, CPU)).to_kind(Kind::Double) * 2.0 - 1.0;
+    let probability = Tensor::rand([n, 4], f64s);
+    let counts = Tensor::randint(4, [n, 4], (Kind::Int64, CPU)).to_kind(Kind::Double);
+    let weight = Tensor::rand([4], f64s) + 0.5;
+    let part = |h: &Tensor, i: i64| h.narrow(1, 5 * i, 5);
+    let eager = |sum: bool| {
+        let reduction = || if sum { Reduction::Sum } else { Reduction::Mean };
+        let h = l1.forward(&x).tanh();
+        let out = l2.forward(&h);
+        let (a, p, q) = (part(&h, 0), part(&h, 1), part(&h, 2));
+        Tensor::cosine_embedding_loss(&a, &p, &sign, 0.2, reduction())
+            + Tensor::margin_ranking_loss(&out.select(1, 0), &out.select(1, 1), &sign, 0.1, reduction())
+            + Tensor::triplet_margin_loss(&a, &p, &q, 1.0, 2.0, 1e-6, false, reduction())
+            + Tensor::triplet_margin_loss(&q, &a, &p, 0.5, 1.0, 1e-6, true, reduction())
+            + out.sigmoid().binary_cross_entropy(&probability, Some(&weight), reduction())
+            + out.poisson_nll_loss(&counts, true, true, 1e-8, reduction())
+            + (out.abs() + 0.1).poisson_nll_loss(&counts, false, false, 1e-8, reduction())
+    };
+    let lazily = |sum: bool| {
+        let reduction = || if sum { Reduction::Sum } else { Reduction::Mean };
+        let (lx, ls, lp, lc) = lazy((&x, &sign, &probability, &counts), 0);
+        let h = lx.apply(&l1).tanh();
+        let out = h.apply(&l2);
+        let part = |i: i64| h.narrow(1, 5 * i, 5);
+        let (a, p, q) = (part(0), part(1), part(2));
+        LazyTensor::cosine_embedding_loss(&a, &p, &ls, 0.2, reduction())
+            + LazyTensor::margin_ranking_loss(&out.select(1, 0), &out.select(1, 1), &ls, 0.1, reduction())
+            + LazyTensor::triplet_margin_loss(&a, &p, &q, 1.0, 2.0, 1e-6, false, reduction())
+            + LazyTensor::triplet_margin_loss(&q, &a, &p, 0.5, 1.0, 1e-6, true, reduction())
+            + out.sigmoid().binary_cross_entropy(&lp, Some(&weight), reduction())
+            + out.poisson_nll_loss(&lc, true, true, 1e-8, reduction())
+            + (out.abs() + 0.1).poisson_nll_loss(&lc, false, false, 1e-8, reduction())
+    };
+    for (name, sum) in [("mean", false), ("sum", true)] {
+        zero_grads(&vs);
+        let loss = eager(sum);
+        let value = loss.double_value(&[]);
+        loss.backward();
+        let expected = grads(&vs);
+        for micro in [1usize, 3, 4] {
+            zero_grads(&vs);
+            let got = lazily(sum).backward_with(&Options::new().micro_batch(micro)).unwrap();
+            assert!((got - value).abs() <= 1e-10 * value.abs(), "{name}, micro {micro}: loss {got} vs {value}");
+            for (param, g) in grads(&vs) {
+                let err = relative_error(&g, &expected[&param]);
+                assert!(err <= 1e-9, "{name}, micro {micro}: gradient of {param} differs by {err:e}");
+            }
+        }
+    }
+}
+
+/// `cumprod` (over features with exact zeros from a ReLU, so libtorch's backward takes its path
+/// for zeros, and without) and `sort`'s values (positions carry no gradient; the stable form
+/// too): micro-batched gradients equal tch's on the full batch to 1e-9 relative.
+#[test]
+fn cumprod_and_sort_match_the_full_batch() {
+    tch::manual_seed(23);
+    let mut vs = nn::VarStore::new(CPU);
+    let l1 = nn::linear(vs.root() / "l1", 8, 6, Default::default());
+    let l2 = nn::linear(vs.root() / "l2", 18, 4, Default::default());
+    vs.double();
+    let mut other = nn::VarStore::new(CPU);
+    let l3 = nn::linear(other.root() / "l3", 6, 4, Default::default());
+    other.double();
+    let n = 10i64;
+    let x = Tensor::randn([n, 8], (Kind::Double, CPU));
+    let y = Tensor::randint(4, [n], (Kind::Int64, CPU));
+    let eager = || {
+        let h = l1.forward(&x);
+        let zeros = h.relu().cumprod(1, None::<Kind>);
+        assert!(h.relu().eq(0.0).any().int64_value(&[]) == 1, "the ReLU makes zeros");
+        let plain = (h.tanh() + 1.5).cumprod(-1, None::<Kind>);
+        let (sorted, positions) = h.sort_stable(true, 1, true);
+        let features = Tensor::cat(&[zeros, plain, sorted * (positions.to_kind(Kind::Double) + 1.0)], 1);
+        l2.forward(&features).log_softmax(-1, None).nll_loss(&y)
+    };
+    let lazily = || {
+        let (lx, ly) = lazy((&x, &y), 0);
+        let h = lx.apply(&l1);
+        let zeros = h.relu().cumprod(1, None::<Kind>);
+        let plain = (h.tanh() + 1.5).cumprod(-1, None::<Kind>);
+        let (sorted, positions) = h.sort_stable(true, 1, true);
+        let features = LazyTensor::cat(&[zeros, plain, sorted * (positions.to_kind(Kind::Double) + 1.0)], 1);
+        features.apply(&l2).log_softmax(-1, None).nll_loss(&ly)
+    };
+    zero_grads(&vs);
+    let loss = eager();
+    let value = loss.double_value(&[]);
+    loss.backward();
+    let expected = grads(&vs);
+    for micro in [1usize, 3, 10] {
+        zero_grads(&vs);
+        let got = lazily().backward_with(&Options::new().micro_batch(micro)).unwrap();
+        assert!((got - value).abs() <= 1e-10 * value.abs(), "micro {micro}: loss {got} vs {value}");
+        for (param, g) in grads(&vs) {
+            let err = relative_error(&g, &expected[&param]);
+            assert!(err <= 1e-9, "micro {micro}: gradient of {param} differs by {err:e}");
+        }
+    }
+    // The plain sort's values, and a sort along the batch: refused for a split.
+    let (lx, ly) = lazy((&x, &y), 0);
+    let h = lx.apply(&l1);
+    let loss = h.sort(0, false).0.apply(&l3).log_softmax(-1, None).nll_loss(&ly);
+    assert!(loss.backward_with(&Options::new().micro_batch(3)).is_err(), "sorting along the batch is refused");
+}

@@ -891,6 +891,43 @@ proptest! {
     }
 
     #[test]
+    fn cumprod_along_any_dim(a in shape(4, 4), dim in -4i64..4, micro in 1usize..5, zeros in any::<bool>(), int in any::<bool>()) {
+        let t = if zeros { randn(&a).relu() } else { randn(&a) };
+        let t = if int { Tensor::randint(3, a.as_slice(), (Kind::Int64, CPU)) } else { t };
+        let rank = a.len() as i64;
+        let split = if dim >= -rank && dim < rank && dim.rem_euclid(rank) == 0 { Split::Refused } else { Split::Exact };
+        let what = format!("cumprod {a:?} dim {dim} int {int}");
+        agree(&what, t.f_cumprod(dim, None::<Kind>), lazy(&t, 0).f_cumprod(dim, None::<Kind>), micro, split)?;
+        agree(&format!("{what} as Double"), t.f_cumprod(dim, Kind::Double), lazy(&t, 0).f_cumprod(dim, Kind::Double), micro, split)?;
+    }
+
+    #[test]
+    fn sort_values_and_positions(a in shape(4, 5), dim in -4i64..4, descending in any::<bool>(), stable in prop::option::of(any::<bool>()), ties in any::<bool>(), micro in 1usize..5) {
+        // With ties, only a stable sort's positions are determined.
+        let t = if ties { Tensor::randint(3, a.as_slice(), (Kind::Int64, CPU)).to_kind(Kind::Double) } else { randn(&a) };
+        // Booleans sort too.
+        let t = if ties && descending { t.gt(0.5) } else { t };
+        let rank = a.len() as i64;
+        let split = if dim >= -rank && dim < rank && dim.rem_euclid(rank) == 0 { Split::Refused } else { Split::Exact };
+        let l = lazy(&t, 0);
+        let (eager, lazily) = match stable {
+            Some(stable) => (t.f_sort_stable(stable, dim, descending), l.f_sort_stable(stable, dim, descending)),
+            None => (t.f_sort(dim, descending), l.f_sort(dim, descending)),
+        };
+        let what = format!("sort {a:?} dim {dim} descending {descending} stable {stable:?}");
+        match (eager, lazily) {
+            (Ok((ev, ei)), Ok((lv, li))) => {
+                agree(&what, Ok(ev), Ok(lv), micro, split)?;
+                if !ties || stable == Some(true) {
+                    agree(&format!("{what} positions"), Ok(ei), Ok(li), micro, split)?;
+                }
+            }
+            (Err(_), Err(_)) => {}
+            (e, l) => prop_assert!(false, "{what}: tch {:?}, lazy {:?}", e.is_ok(), l.is_ok()),
+        }
+    }
+
+    #[test]
     fn norms_and_normalize(a in shape(4, 4), d in 0i64..4, negative in any::<bool>(), keepdim in any::<bool>(), two in any::<bool>(), micro in 1usize..5) {
         let t = randn(&a);
         let p = if two { 2.0 } else { 1.0 };
@@ -960,6 +997,73 @@ proptest! {
         let bad = Tensor::randint(c, [n + 1], (Kind::Int64, CPU));
         agree("nll shape", logp.f_nll_loss(&bad, None::<Tensor>, red, -100), LazyTensor::fixed(&logp).f_nll_loss(&bad, None::<&Tensor>, red, -100), 1, Split::Exact)?;
     }
+
+    #[test]
+    fn pair_and_probability_losses_every_reduction(
+        n in 1i64..7,
+        d in 1i64..5,
+        micro in 1usize..7,
+        reduction in 0usize..3,
+        margin in -0.5f64..1.0,
+        p in prop::sample::select(vec![1.0f64, 2.0, 3.0]),
+        swap in any::<bool>(),
+        fixed in any::<bool>(),
+        full in any::<bool>(),
+    ) {
+        let red = [Reduction::Mean, Reduction::Sum, Reduction::None][reduction];
+        let sign = |shape: &[i64]| Tensor::randint(3, shape, (Kind::Int64, CPU)).to_kind(Kind::Double) - 1.0;
+        let (x1, x2, x3) = (randn(&[n, d]), randn(&[n, d]), randn(&[n, d]));
+        let (l1, l2, l3) = lazy((&x1, &x2, &x3), 0);
+        // The second operand is a fixed row broadcast over the batch, or per-sample.
+        let row = randn(&[1, d]);
+        let (e2, f2) = if fixed { (&row, LazyTensor::fixed(&row)) } else { (&x2, l2.clone()) };
+        let t = sign(&[n]);
+        let what = |loss: &str| format!("{loss} n {n} d {d} {red:?} fixed {fixed}");
+        agree(&what("cosine_embedding"), Tensor::f_cosine_embedding_loss(&x1, e2, &t, margin, red), LazyTensor::f_cosine_embedding_loss(&l1, &f2, &lazy(&t, 0), margin, red), micro, Split::Exact)?;
+        // Integer targets, as libtorch takes them.
+        let ti = t.to_kind(Kind::Int64);
+        agree(&what("cosine_embedding, Int64 target"), Tensor::f_cosine_embedding_loss(&x1, &x2, &ti, margin, red), LazyTensor::f_cosine_embedding_loss(&l1, &l2, &lazy(&ti, 0), margin, red), micro, Split::Exact)?;
+        // One pair of vectors, the batch along the features: mixes.
+        let (v1, v2) = (randn(&[n]), randn(&[n]));
+        let one = Tensor::from(1.0f64);
+        agree(&what("cosine_embedding of vectors"), Tensor::f_cosine_embedding_loss(&v1, &v2, &one, margin, red), LazyTensor::f_cosine_embedding_loss(&lazy(&v1, 0), &v2, &one, margin, red), micro, Split::Refused)?;
+        agree(&what("cosine_embedding, bad target"), Tensor::f_cosine_embedding_loss(&x1, &x2, &sign(&[n, 1]), margin, red), LazyTensor::f_cosine_embedding_loss(&l1, &l2, &lazy(&sign(&[n, 1]), 0), margin, red), micro, Split::Exact)?;
+        let unwrapped = LazyTensor::f_cosine_embedding_loss(&l1, &l2, &t, margin, red);
+        prop_assert!(n == 1 || matches!(unwrapped, Err(LazyError::Batch { .. })), "an unwrapped target of the batch's size is refused");
+
+        let td = sign(&[n, d]);
+        agree(&what("margin_ranking"), Tensor::f_margin_ranking_loss(&x1, e2, &td, margin, red), LazyTensor::f_margin_ranking_loss(&l1, &f2, &lazy(&td, 0), margin, red), micro, Split::Exact)?;
+        let (r1, r2) = (randn(&[n]), randn(&[n]));
+        agree(&what("margin_ranking of scores"), Tensor::f_margin_ranking_loss(&r1, &r2, &t, margin, red), LazyTensor::f_margin_ranking_loss(&lazy(&r1, 0), &lazy(&r2, 0), &lazy(&t, 0), margin, red), micro, Split::Exact)?;
+        // Scores [n] broadcast against rows [n, d] (right-aligned, as libtorch does): the
+        // batch meets the features.
+        agree(&what("margin_ranking, dimensions differ"), Tensor::f_margin_ranking_loss(&x1, &x2, &t, margin, red), LazyTensor::f_margin_ranking_loss(&l1, &l2, &lazy(&t, 0), margin, red), micro, Split::Refused)?;
+
+        agree(&what("triplet_margin"), Tensor::f_triplet_margin_loss(&x1, e2, &x3, margin, p, 1e-6, swap, red), LazyTensor::f_triplet_margin_loss(&l1, &f2, &l3, margin, p, 1e-6, swap, red), micro, Split::Exact)?;
+        agree(&what("triplet_margin of vectors"), Tensor::f_triplet_margin_loss(&v1, &v2, &r1, margin, p, 1e-6, swap, red), LazyTensor::f_triplet_margin_loss(&lazy(&v1, 0), &lazy(&v2, 0), &lazy(&r1, 0), margin, p, 1e-6, swap, red), micro, Split::Refused)?;
+        agree(&what("triplet_margin, dimensions differ"), Tensor::f_triplet_margin_loss(&x1, &x2, &r1, margin, p, 1e-6, swap, red), LazyTensor::f_triplet_margin_loss(&l1, &l2, &lazy(&r1, 0), margin, p, 1e-6, swap, red), micro, Split::Exact)?;
+
+        let (prob, target) = (x1.sigmoid(), x2.sigmoid());
+        let (lp, lt) = lazy((&prob, &target), 0);
+        agree(&what("binary_cross_entropy"), prob.f_binary_cross_entropy(&target, None::<&Tensor>, red), lp.f_binary_cross_entropy(&lt, None::<&Tensor>, red), micro, Split::Exact)?;
+        let w = randn(&[d]).abs();
+        agree(&what("binary_cross_entropy, fixed weight"), prob.f_binary_cross_entropy(&target, Some(&w), red), lp.f_binary_cross_entropy(&lt, Some(&w), red), micro, Split::Exact)?;
+        let wn = x3.abs();
+        agree(&what("binary_cross_entropy, per-sample weight"), prob.f_binary_cross_entropy(&target, Some(&wn), red), lp.f_binary_cross_entropy(&lt, Some(&lazy(&wn, 0)), red), micro, Split::Exact)?;
+        // libtorch squeezes input and target and broadcasts them (`[2, 2]` against `[2, 1]` pairs
+        // the target's rows with the input's columns); PyTorch refuses a target of another
+        // size, and so does toma.
+        let other = lp.f_binary_cross_entropy(&lt.sum_dim_intlist([1], true, None), None::<&Tensor>, red);
+        prop_assert!(d == 1 || matches!(other, Err(LazyError::Shape { .. })), "a target of another size is refused");
+
+        let counts = Tensor::randint(5, [n, d], (Kind::Int64, CPU)).to_kind(Kind::Double);
+        let lc = lazy(&counts, 0);
+        agree(&what("poisson_nll_loss log input"), x1.f_poisson_nll_loss(&counts, true, full, 1e-8, red), l1.f_poisson_nll_loss(&lc, true, full, 1e-8, red), micro, Split::Exact)?;
+        let rate = x1.abs() + 0.1;
+        agree(&what("poisson_nll_loss"), rate.f_poisson_nll_loss(&counts, false, full, 1e-8, red), lazy(&rate, 0).f_poisson_nll_loss(&lc, false, full, 1e-8, red), micro, Split::Exact)?;
+        let fixed_counts = counts.get(0).unsqueeze(0);
+        agree(&what("poisson_nll_loss, fixed counts"), x1.f_poisson_nll_loss(&fixed_counts, true, full, 1e-8, red), l1.f_poisson_nll_loss(&fixed_counts, true, full, 1e-8, red), micro, Split::Exact)?;
+    }
 }
 
 #[test]
@@ -1012,4 +1116,27 @@ fn a_view_after_a_copying_reshape_runs_on_any_micro_batch() {
         let value = l.to_tensor_with(&Options::new().micro_batch(micro)).unwrap();
         assert!(value.equal(&eager), "micro-batch {micro}");
     }
+}
+
+/// `nonzero` and `argwhere` have an output whose shape depends on the values: refused when
+/// recorded, with what to do instead; tch's run eagerly.
+#[test]
+fn nonzero_and_argwhere_are_refused_with_what_to_do_instead() {
+    let t = randn(&[4, 3]).relu();
+    let l = lazy(&t, 0);
+    for (op, refused) in [("nonzero", l.f_nonzero()), ("argwhere", l.f_argwhere())] {
+        let Err(e) = refused else { panic!("{op} must be refused") };
+        assert!(matches!(&e, LazyError::Unsupported { op: o, .. } if o == op), "{e:?}");
+        let text = e.to_string();
+        assert!(text.starts_with(&format!("toma::lazy: `{op}` cannot be planned: ")), "{text}");
+        for hint in ["depends on the values", "where_self", "masked_fill", "to_tensor()"] {
+            assert!(text.contains(hint), "{op}'s error names `{hint}`: {text}");
+        }
+    }
+    let panicked = std::panic::catch_unwind(|| lazy(&t, 0).nonzero()).expect_err("the twin panics");
+    let message = panicked.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(message.contains("`nonzero` cannot be planned"), "{message}");
+    // Eagerly, on the value: tch's.
+    let eager = lazy(&t, 0).to_tensor().unwrap().nonzero();
+    assert_eq!(eager.size(), t.nonzero().size());
 }

@@ -1,7 +1,7 @@
 //! Losses: cross-entropy, negative log-likelihood, elementwise losses (squared error, smooth L1,
-//! Huber, binary cross-entropy, KL divergence). Mean-reduced ones
-//! are sums over the batch divided by a count: a split run divides each micro-batch's sum by
-//! the full batch's count.
+//! Huber, binary cross-entropy, KL divergence, Poisson), and the losses of pairs and triplets
+//! (cosine embedding, margin ranking, triplet margin). Mean-reduced ones are sums over the batch
+//! divided by a count: a split run divides each micro-batch's sum by the full batch's count.
 
 use std::rc::Rc;
 
@@ -203,6 +203,141 @@ impl Operation for ElementwiseLoss {
         let per = shape::broadcast(&node.inputs[0].meta.shape, &node.inputs[1].meta.shape).unwrap_or_default();
         let count = shape::numel(&per) as f64;
         Some(self.loss.compute(ins[0], ins[1], Reduction::Sum).and_then(|s| s.f_div_scalar(count)))
+    }
+}
+
+/// A loss libtorch composes from other kernels (`Loss.cpp`), run as tch's method of its name.
+#[derive(Clone, Copy)]
+pub(crate) enum Composite {
+    /// `1 - cos` where the target is 1, `max(0, cos - margin)` where it is -1; operands `x1`,
+    /// `x2` (`[N, D]` or `[D]`), target (`[N]` or 0-dim).
+    CosineEmbedding { margin: f64 },
+    /// `max(0, -target (x1 - x2) + margin)`; operands `x1`, `x2`, target.
+    MarginRanking { margin: f64 },
+    /// `max(0, d(a, p) - d(a, n) + margin)` with the `p`-distance along the last dimension;
+    /// operands anchor, positive, negative.
+    TripletMargin { margin: f64, p: f64, eps: f64, swap: bool },
+    /// Binary cross-entropy of probabilities; operands input, target, optional weight.
+    Bce,
+    /// Poisson negative log-likelihood; operands input, target.
+    PoissonNll { log_input: bool, full: bool, eps: f64 },
+}
+
+impl Composite {
+    fn name(self) -> &'static str {
+        match self {
+            Composite::CosineEmbedding { .. } => "cosine_embedding_loss",
+            Composite::MarginRanking { .. } => "margin_ranking_loss",
+            Composite::TripletMargin { .. } => "triplet_margin_loss",
+            Composite::Bce => "binary_cross_entropy",
+            Composite::PoissonNll { .. } => "poisson_nll_loss",
+        }
+    }
+
+    fn compute(self, ins: &[&Tensor], reduction: Reduction) -> Result<Tensor, TchError> {
+        let loss = match self {
+            Composite::CosineEmbedding { margin } => {
+                Tensor::f_cosine_embedding_loss(ins[0], ins[1], ins[2], margin, reduction)
+            }
+            Composite::MarginRanking { margin } => {
+                Tensor::f_margin_ranking_loss(ins[0], ins[1], ins[2], margin, reduction)
+            }
+            Composite::TripletMargin { margin, p, eps, swap } => {
+                Tensor::f_triplet_margin_loss(ins[0], ins[1], ins[2], margin, p, eps, swap, reduction)
+            }
+            Composite::Bce => ins[0].f_binary_cross_entropy(ins[1], ins.get(2).copied(), reduction),
+            Composite::PoissonNll { log_input, full, eps } => {
+                ins[0].f_poisson_nll_loss(ins[1], log_input, full, eps, reduction)
+            }
+        }?;
+        // libtorch (2.11) reduces `binary_cross_entropy` into its unreduced values, resized to
+        // a scalar: the scalar would hold an input-sized buffer until it is dropped. A copy lets
+        // it go now.
+        if matches!(self, Composite::Bce) && loss.dim() == 0 {
+            let mut own = loss.f_empty_like()?;
+            own.f_copy_(&loss)?;
+            return Ok(own);
+        }
+        Ok(loss)
+    }
+}
+
+/// A [`Composite`] loss, reduced. Its memory rules were read from libtorch 2.11's CPU allocator
+/// (`tests/lazy_peak.rs::one_loss_at_a_time`), in units of the operands' broadcast shape:
+/// what autograd keeps of the composite's intermediate values, and its temporaries.
+pub(crate) struct CompositeLoss {
+    loss: Composite,
+    reduction: Reduction,
+    /// Elements of the full batch's unreduced loss: a split mean divides each share's sum by it.
+    count: f64,
+    /// `(per sample, fixed)` elements of the operands' broadcast shape.
+    unit: (u64, u64),
+    /// `(per sample, fixed)` elements of the unreduced loss.
+    rows: (u64, u64),
+}
+
+impl Operation for CompositeLoss {
+    fn name(&self) -> &'static str {
+        self.loss.name()
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        self.loss.compute(ins, self.reduction)
+    }
+
+    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
+        match self.loss {
+            // The products of the two operands.
+            Composite::CosineEmbedding { .. } => i < 2,
+            // Autograd keeps copies (the difference's negated target, the distances' operands).
+            Composite::MarginRanking { .. } | Composite::TripletMargin { .. } => false,
+            Composite::Bce => true,
+            // The target, as the factor of the input (or of its logarithm).
+            Composite::PoissonNll { .. } => i == 1,
+        }
+    }
+
+    fn kernels<'a>(&'a self, _inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        let u = self.unit;
+        let times = |k: u64| (k * u.0, k * u.1);
+        let reduced = u64::from(!matches!(self.reduction, Reduction::None));
+        let mean = u64::from(matches!(self.reduction, Reduction::Mean));
+        // (kept by autograd, forward temporaries, backward temporaries)
+        let (kept, forward, backward) = match self.loss {
+            // The products, one at a time; the norms, cosines and masks, a row each; the
+            // backward's products of the gradient with each operand.
+            Composite::CosineEmbedding { .. } => ((10 * self.rows.0, 10 * self.rows.1), times(1), times(2)),
+            // The negated target and the clamped value (copied: clamped in place); the
+            // difference and the product, the sum before the clamp when reduced.
+            Composite::MarginRanking { .. } => (times(2), times(1 + reduced), (0, 0)),
+            // Each distance's operand `x1 - x2 + eps` (a third with `swap`); the difference.
+            Composite::TripletMargin { swap, .. } => (times(2 + u64::from(swap)), times(1), (0, 0)),
+            // The unreduced loss, when reduced (freed by the copy of the scalar).
+            Composite::Bce => ((0, 0), times(reduced), (0, 0)),
+            // `exp(x)` (or `x + eps`, the logarithm's operand); the product, the difference
+            // (and the logarithm), and Stirling's term on the target, five more.
+            Composite::PoissonNll { log_input, full, .. } => {
+                let k = if full {
+                    7
+                } else if log_input {
+                    1
+                } else {
+                    2
+                };
+                (times(1), times(k + reduced), times(1 + mean))
+            }
+        };
+        if kept != (0, 0) {
+            calls.push(KernelCall::SavedCopy { elements: kept, kind: meta.kind });
+        }
+        calls.push(KernelCall::Temporaries { forward, backward });
+    }
+
+    fn run_share(&self, ins: &[&Tensor], _node: &Node, share: &Share) -> Option<Result<Tensor, TchError>> {
+        if !share.reduces_batch || !matches!(self.reduction, Reduction::Mean) {
+            return None;
+        }
+        Some(self.loss.compute(ins, Reduction::Sum).and_then(|s| s.f_div_scalar(self.count)))
     }
 }
 
@@ -524,6 +659,284 @@ impl LazyTensor {
             (f, _) => (f, vec![]),
         };
         Ok(Record::new(op, vec![x.clone(), tn.clone()], out, x.meta.kind, device).flow((flow, mixes)).finish())
+    }
+
+    /// Records a [`Composite`] loss of `inputs` whose unreduced value has shape `per` and flows
+    /// as `flow`; `unit` is the operands' broadcast shape (what its temporaries are sized by).
+    #[allow(clippy::too_many_arguments)]
+    fn composite_loss(
+        loss: Composite,
+        inputs: Vec<Rc<Node>>,
+        unit: &[i64],
+        per: Vec<i64>,
+        (flow, mixes): (Flow, Option<String>),
+        reduction: Reduction,
+        device: tch::Device,
+    ) -> Result<LazyTensor, LazyError> {
+        let name = loss.name();
+        if matches!(reduction, Reduction::Other(_)) {
+            return Err(arg(name, &inputs[0].meta.shape, "unknown reduction"));
+        }
+        let parts = |shape: &[i64]| {
+            let total = shape::numel(shape).max(0) as u64;
+            match flow {
+                Flow::PerSample(bd) if bd.size > 0 => (total / bd.size as u64, 0),
+                _ => (0, total),
+            }
+        };
+        let op =
+            CompositeLoss { loss, reduction, count: shape::numel(&per) as f64, unit: parts(unit), rows: parts(&per) };
+        let (flow, out) = match (flow, reduction) {
+            (f, Reduction::None) => (f, per),
+            (Flow::PerSample(_), _) => (Flow::Sum, vec![]),
+            (f, _) => (f, vec![]),
+        };
+        let kind = inputs[0].meta.kind;
+        Ok(Record::new(op, inputs, out, kind, device).flow((flow, mixes)).finish())
+    }
+
+    /// A fixed operand whose first size is the batch's, beside one batched along dimension 0:
+    /// per-sample data that was not wrapped (it would meet every micro-batch whole).
+    fn unwrapped_batch(name: &str, nodes: &[&Rc<Node>]) -> Result<(), LazyError> {
+        let Some((j, bd)) = nodes.iter().enumerate().find_map(|(j, n)| n.meta.batch().map(|bd| (j, bd))) else {
+            return Ok(());
+        };
+        let full = bd.size * bd.factor;
+        match nodes.iter().find(|n| n.meta.flow == Flow::Fixed && n.meta.shape.first() == Some(&full)) {
+            Some(n) if bd.dim == 0 && full > 1 => Err(LazyError::Batch {
+                op: name.into(),
+                lhs: nodes[j].meta.shape.clone(),
+                rhs: n.meta.shape.clone(),
+                reason: "one operand is not batched but has the batch's size; wrap it with lazy(..) too".into(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// The flow of a value reduced along the last of `rank` dimensions: along the batch, it
+    /// mixes samples.
+    fn last_dim_reduced(flow: (Flow, Option<String>), rank: usize, what: &str) -> (Flow, Option<String>) {
+        match flow {
+            (Flow::PerSample(bd), _) if bd.dim + 1 == rank => {
+                (Flow::Opaque, Some(format!("{what} along the batch dimension {}", bd.dim)))
+            }
+            other => other,
+        }
+    }
+
+    /// Cosine embedding loss of `input1` and `input2` (`[N, D]`, or `[D]`) against `target`
+    /// (`[N]` of ±1, or 0-dim), as tch's `cosine_embedding_loss` (a static method, as in tch):
+    /// `1 − cos(x1, x2)` where the target is 1, `max(0, cos(x1, x2) − margin)` where it is −1,
+    /// 0 elsewhere, then reduced. A mean split in micro-batches divides each share by the full
+    /// batch's count; along `D` it mixes samples.
+    ///
+    /// # Errors
+    /// [`LazyError::Shape`] for other shapes, [`LazyError::Kind`] for non-floating inputs or two
+    /// kinds, [`LazyError::Device`], [`LazyError::Batch`] for an unwrapped per-sample operand;
+    /// [`Reduction::Other`].
+    #[lazy_only]
+    pub fn f_cosine_embedding_loss(
+        input1: impl IntoLazy,
+        input2: impl IntoLazy,
+        target: impl IntoLazy,
+        margin: f64,
+        reduction: Reduction,
+    ) -> Result<LazyTensor, LazyError> {
+        let loss = Composite::CosineEmbedding { margin };
+        let name = loss.name();
+        let (a, b, t) = (input1.into_lazy(), input2.into_lazy(), target.into_lazy());
+        let (x1, x2, tn) = (&a.node, &b.node, &t.node);
+        let device = same_device(name, &[x1, x2, tn])?;
+        let (s1, s2, st) = (&x1.meta.shape, &x2.meta.shape, &tn.meta.shape);
+        let rank = st.len() + 1;
+        if st.len() > 1 || s1.len() != rank || s2.len() != rank {
+            return Err(shape_err(
+                name,
+                s1,
+                s2,
+                format!("expected inputs [N, D] with a target [N], or inputs [D] with a 0-dim target (target {st:?})"),
+            ));
+        }
+        floating(name, x1)?;
+        same_kind(name, x1, x2)?;
+        let both = shape::broadcast(s1, s2).map_err(|r| shape_err(name, s1, s2, r))?;
+        let per = shape::broadcast(&both[..rank - 1], st).map_err(|r| shape_err(name, &both, st, r))?;
+        let consumed = [x1, x2].iter().any(|n| n.meta.batch().is_some_and(|bd| bd.dim + 1 == rank));
+        if !consumed {
+            Self::unwrapped_batch(name, &[x1, x2, tn])?;
+        }
+        // The inputs' rows line up with the target's; their last dimension is reduced.
+        let mapped: Vec<Option<usize>> = [x1, x2]
+            .iter()
+            .map(|n| n.meta.batch().and_then(|bd| (bd.dim + 1 < rank).then_some(bd.dim)))
+            .chain([tn.meta.batch().map(|bd| bd.dim)])
+            .collect();
+        let flow = combine_flows(name, &[x1, x2, tn], &mapped, &per, Linearity::Nonlinear, false)?;
+        let flow = if consumed { (Flow::Opaque, Some("takes cosines along the batch dimension".into())) } else { flow };
+        let inputs = vec![x1.clone(), x2.clone(), tn.clone()];
+        Self::composite_loss(loss, inputs, &both, per, flow, reduction, device)
+    }
+
+    /// Margin ranking loss of `input1` and `input2` against `target` (±1: which should rank
+    /// higher), as tch's `margin_ranking_loss` (a static method, as in tch): `max(0, −target ·
+    /// (x1 − x2) + margin)`, broadcast, then reduced. A mean split in micro-batches divides each
+    /// share by the full batch's count.
+    ///
+    /// # Errors
+    /// [`LazyError::Shape`] for operands that do not broadcast, [`LazyError::Kind`] for
+    /// non-floating operands or two kinds,
+    /// [`LazyError::Device`], [`LazyError::Batch`]; [`Reduction::Other`].
+    #[lazy_only]
+    pub fn f_margin_ranking_loss(
+        input1: impl IntoLazy,
+        input2: impl IntoLazy,
+        target: impl IntoLazy,
+        margin: f64,
+        reduction: Reduction,
+    ) -> Result<LazyTensor, LazyError> {
+        let loss = Composite::MarginRanking { margin };
+        let name = loss.name();
+        let (a, b, t) = (input1.into_lazy(), input2.into_lazy(), target.into_lazy());
+        let (x1, x2, tn) = (&a.node, &b.node, &t.node);
+        let device = same_device(name, &[x1, x2, tn])?;
+        let (s1, s2, st) = (&x1.meta.shape, &x2.meta.shape, &tn.meta.shape);
+        floating(name, x1)?;
+        same_kind(name, x1, x2)?;
+        same_kind(name, x1, tn)?;
+        let both = shape::broadcast(s1, s2).map_err(|r| shape_err(name, s1, s2, r))?;
+        let per = shape::broadcast(&both, st).map_err(|r| shape_err(name, &both, st, r))?;
+        let flow = broadcast_flows(name, &[x1, x2, tn], &per, Linearity::Nonlinear)?;
+        let inputs = vec![x1.clone(), x2.clone(), tn.clone()];
+        Self::composite_loss(loss, inputs, &per.clone(), per, flow, reduction, device)
+    }
+
+    /// Triplet margin loss of `anchor`, `positive` and `negative` (of one number of dimensions,
+    /// broadcast), as tch's `triplet_margin_loss` (a static method, as in tch): `max(0, d(a, p) −
+    /// d(a, n) + margin)`, with `d` the `p`-norm of `x1 − x2 + eps` along the last dimension
+    /// (with `swap`, `d(a, n)` is the smaller of it and `d(p, n)`), then reduced. A mean split in
+    /// micro-batches divides each share by the full batch's count; along the last dimension it
+    /// mixes samples.
+    ///
+    /// # Errors
+    /// [`LazyError::Shape`] for operands of different numbers of dimensions, 0-dim ones or ones
+    /// that do not broadcast, [`LazyError::Kind`] for non-floating operands or two kinds,
+    /// [`LazyError::Device`], [`LazyError::Batch`]; [`Reduction::Other`].
+    #[lazy_only]
+    #[allow(clippy::too_many_arguments)]
+    pub fn f_triplet_margin_loss(
+        anchor: impl IntoLazy,
+        positive: impl IntoLazy,
+        negative: impl IntoLazy,
+        margin: f64,
+        p: f64,
+        eps: f64,
+        swap: bool,
+        reduction: Reduction,
+    ) -> Result<LazyTensor, LazyError> {
+        let loss = Composite::TripletMargin { margin, p, eps, swap };
+        let name = loss.name();
+        let (a, b, c) = (anchor.into_lazy(), positive.into_lazy(), negative.into_lazy());
+        let (an, pn, nn) = (&a.node, &b.node, &c.node);
+        let device = same_device(name, &[an, pn, nn])?;
+        let (sa, sp, sn) = (&an.meta.shape, &pn.meta.shape, &nn.meta.shape);
+        if sa.len() != sp.len() || sa.len() != sn.len() || sa.is_empty() {
+            return Err(shape_err(
+                name,
+                sa,
+                sp,
+                format!(
+                    "anchor, positive and negative must have one number of dimensions, at least 1 (negative {sn:?})"
+                ),
+            ));
+        }
+        floating(name, an)?;
+        same_kind(name, an, pn)?;
+        same_kind(name, an, nn)?;
+        let both = shape::broadcast(sa, sp).map_err(|r| shape_err(name, sa, sp, r))?;
+        let all = shape::broadcast(&both, sn).map_err(|r| shape_err(name, &both, sn, r))?;
+        let rank = all.len();
+        let flow = broadcast_flows(name, &[an, pn, nn], &all, Linearity::Nonlinear)?;
+        let flow = Self::last_dim_reduced(flow, rank, "measures distances");
+        let per = all[..rank - 1].to_vec();
+        let inputs = vec![an.clone(), pn.clone(), nn.clone()];
+        Self::composite_loss(loss, inputs, &all, per, flow, reduction, device)
+    }
+
+    /// Binary cross-entropy of probabilities (in `[0, 1]`) against targets of the same shape,
+    /// as tch's `binary_cross_entropy`: `−w (t log x + (1 − t) log(1 − x))` (each log clamped at
+    /// −100), with an optional `weight` broadcast to the input, then reduced (a mean is over
+    /// the elements, not the weights). A mean split in micro-batches divides each share by the
+    /// full batch's count. A probability outside `[0, 1]` fails when it runs, as in tch. A
+    /// target of another size is refused, as PyTorch does (libtorch squeezes both and
+    /// broadcasts).
+    ///
+    /// # Errors
+    /// [`LazyError::Shape`] for a target of another shape or a weight that does not broadcast to
+    /// the input, [`LazyError::Kind`], [`LazyError::Device`], [`LazyError::Batch`];
+    /// [`Reduction::Other`].
+    pub fn f_binary_cross_entropy(
+        &self,
+        target: impl IntoLazy,
+        #[fixed] weight: Option<impl IntoLazy>,
+        reduction: Reduction,
+    ) -> Result<LazyTensor, LazyError> {
+        let loss = Composite::Bce;
+        let name = loss.name();
+        let t = target.into_lazy();
+        let w = weight.map(IntoLazy::into_lazy);
+        let (x, tn) = (&self.node, &t.node);
+        let mut nodes = vec![x, tn];
+        if let Some(w) = &w {
+            nodes.push(&w.node);
+        }
+        let device = same_device(name, &nodes)?;
+        let sx = &x.meta.shape;
+        if &tn.meta.shape != sx {
+            return Err(shape_err(name, sx, &tn.meta.shape, "the target must have the input's size"));
+        }
+        floating(name, x)?;
+        same_kind(name, x, tn)?;
+        if let Some(w) = &w {
+            let ws = &w.node.meta.shape;
+            if shape::broadcast(sx, ws).as_ref() != Ok(sx) {
+                return Err(shape_err(name, sx, ws, "the weight must broadcast to the input's size"));
+            }
+            same_kind(name, x, &w.node)?;
+        }
+        let flow = broadcast_flows(name, &nodes, sx, Linearity::Nonlinear)?;
+        let inputs = nodes.into_iter().cloned().collect();
+        Self::composite_loss(loss, inputs, sx, sx.clone(), flow, reduction, device)
+    }
+
+    /// Poisson negative log-likelihood of `self` against `target` (counts), as tch's
+    /// `poisson_nll_loss`: `exp(x) − t x` with `log_input`, else `x − t log(x + eps)`; with
+    /// `full`, Stirling's approximation `t log t − t + ½ log(2π t)` is added where `t > 1`;
+    /// broadcast, then reduced. A mean split in micro-batches divides each share by the full
+    /// batch's count.
+    ///
+    /// # Errors
+    /// [`LazyError::Shape`] when the shapes do not broadcast, [`LazyError::Kind`],
+    /// [`LazyError::Device`], [`LazyError::Batch`]; [`Reduction::Other`].
+    pub fn f_poisson_nll_loss(
+        &self,
+        target: impl IntoLazy,
+        log_input: bool,
+        full: bool,
+        eps: f64,
+        reduction: Reduction,
+    ) -> Result<LazyTensor, LazyError> {
+        let loss = Composite::PoissonNll { log_input, full, eps };
+        let name = loss.name();
+        let t = target.into_lazy();
+        let (x, tn) = (&self.node, &t.node);
+        let device = same_device(name, &[x, tn])?;
+        let per = shape::broadcast(&x.meta.shape, &tn.meta.shape)
+            .map_err(|r| shape_err(name, &x.meta.shape, &tn.meta.shape, r))?;
+        floating(name, x)?;
+        same_kind(name, x, tn)?;
+        let flow = broadcast_flows(name, &[x, tn], &per, Linearity::Nonlinear)?;
+        let inputs = vec![x.clone(), tn.clone()];
+        Self::composite_loss(loss, inputs, &per.clone(), per, flow, reduction, device)
     }
 
     /// Negative log-likelihood of log-probabilities against class indices, averaged over the

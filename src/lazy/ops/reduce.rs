@@ -127,6 +127,94 @@ impl Operation for Cumsum {
     }
 }
 
+/// Running products along `dim`. Autograd keeps the input and the output; libtorch's backward
+/// (for an input without zeros) builds `output · grad`, its reversed cumulative sum (`flip`,
+/// `cumsum`, `flip`) and a mask of the zeros: three temporaries as large as the input and a
+/// boolean one. An input with zeros takes libtorch's exact path for them, which the plan does
+/// not hold: about eleven temporaries (read from the CPU allocator: `tests/lazy_peak.rs`).
+pub(crate) struct Cumprod {
+    dim: i64,
+    kind: Option<Kind>,
+}
+
+impl Operation for Cumprod {
+    fn name(&self) -> &'static str {
+        "cumprod"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_cumprod(self.dim, self.kind)
+    }
+
+    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
+        i == 0
+    }
+
+    fn saves_output(&self) -> bool {
+        true
+    }
+
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        let input = &inputs[0].meta;
+        let trivial = shape::numel(&input.shape) <= 1 || input.shape.get(self.dim as usize).is_some_and(|&s| s <= 1);
+        if meta.requires_grad && !trivial {
+            let (a, c) = input.numel_parts();
+            let e = input.kind.elt_size_in_bytes() as u64;
+            // Three in the input's kind, and the mask of zeros (one byte each).
+            let elements = (3 * a + a.div_ceil(e), 3 * c + c.div_ceil(e));
+            calls.push(KernelCall::Temporaries { forward: (0, 0), backward: elements });
+        }
+    }
+}
+
+/// The entries sorted along `dim`: their values (differentiable; autograd keeps the positions
+/// to send the gradient back) or their positions (`Int64`), as tch's `sort` (or `sort_stable`
+/// when `stable` is given). Each is its own node; a graph that uses both sorts twice.
+pub(crate) struct Sort {
+    dim: i64,
+    descending: bool,
+    stable: Option<bool>,
+    values: bool,
+}
+
+impl Operation for Sort {
+    fn name(&self) -> &'static str {
+        match (self.stable.is_some(), self.values) {
+            (false, true) => "sort",
+            (false, false) => "sort_indices",
+            (true, true) => "sort_stable",
+            (true, false) => "sort_stable_indices",
+        }
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let (values, indices) = match self.stable {
+            Some(stable) => ins[0].f_sort_stable(stable, self.dim, self.descending)?,
+            None => ins[0].f_sort(self.dim, self.descending)?,
+        };
+        Ok(if self.values { values } else { indices })
+    }
+
+    fn differentiable(&self) -> bool {
+        self.values
+    }
+
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        let (a, c) = meta.numel_parts();
+        let input = inputs[0].meta.kind;
+        if self.values && meta.requires_grad {
+            // The positions, made beside the values and kept for the backward.
+            calls.push(KernelCall::Keeps { elements: (a, c), kind: Kind::Int64 });
+        } else {
+            // The other output, freed as the op returns (in the input's kind's elements).
+            let e = input.elt_size_in_bytes() as u64;
+            let other = if self.values { 8 } else { e };
+            let elements = ((a * other).div_ceil(e), (c * other).div_ceil(e));
+            calls.push(KernelCall::Temporaries { forward: elements, backward: (0, 0) });
+        }
+    }
+}
+
 /// The `k` largest (or smallest) entries along `dim`: their values (differentiable; autograd
 /// keeps the positions to send the gradient back) or their positions (`Int64`). Each is its own
 /// node; a graph that uses both runs libtorch's `topk` twice.
@@ -598,6 +686,125 @@ impl LazyTensor {
     #[track_caller]
     pub fn topk(&self, k: i64, dim: i64, largest: bool, sorted: bool) -> (LazyTensor, LazyTensor) {
         self.f_topk(k, dim, largest, sorted).or_panic()
+    }
+
+    /// Running products along `dim`, as tch's `cumprod` (in `kind` when given; integers multiply
+    /// as `Int64`), with libtorch's gradient (exact where the input has zeros). Along the batch
+    /// dimension it multiplies earlier samples into later ones (refused for a split).
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for a bad dimension.
+    pub fn f_cumprod(&self, dim: i64, kind: impl Into<Option<Kind>>) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let m = &n.meta;
+        let kind = kind.into();
+        let d = shape::wrap_dim(dim, m.shape.len().max(1)).map_err(|r| arg("cumprod", &m.shape, r))?;
+        let out_kind = kind.unwrap_or(if shape::is_integral(m.kind) { Kind::Int64 } else { m.kind });
+        let (flow, mut mixes) = same_shape_flow("cumprod", n, Linearity::Nonlinear)?;
+        if let Some(bd) = m.batch().filter(|bd| bd.dim == d) {
+            mixes = Some(format!("multiplies earlier samples into later ones along the batch dimension {}", bd.dim));
+        }
+        let op = Cumprod { dim: d as i64, kind };
+        Ok(Record::new(op, vec![n.clone()], m.shape.clone(), out_kind, m.device).flow((flow, mixes)).finish())
+    }
+
+    /// The entries sorted along `dim` (ascending unless `descending`) and their positions, as
+    /// tch's `sort`: the values carry the gradient, the positions (`Int64`) none. Along the
+    /// batch dimension it compares samples (refused for a split).
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for a bad dimension.
+    #[lazy_only]
+    pub fn f_sort(&self, dim: i64, descending: bool) -> Result<(LazyTensor, LazyTensor), LazyError> {
+        self.f_sort_impl(None, dim, descending)
+    }
+
+    /// Like [`f_sort`](Self::f_sort), as tch's `sort_stable`: with `stable`, equal entries keep
+    /// their order.
+    ///
+    /// # Errors
+    /// As [`f_sort`](Self::f_sort).
+    #[lazy_only]
+    pub fn f_sort_stable(
+        &self,
+        stable: bool,
+        dim: i64,
+        descending: bool,
+    ) -> Result<(LazyTensor, LazyTensor), LazyError> {
+        self.f_sort_impl(Some(stable), dim, descending)
+    }
+
+    fn f_sort_impl(
+        &self,
+        stable: Option<bool>,
+        dim: i64,
+        descending: bool,
+    ) -> Result<(LazyTensor, LazyTensor), LazyError> {
+        let n = &self.node;
+        let m = &n.meta;
+        let name = if stable.is_some() { "sort_stable" } else { "sort" };
+        let d = shape::wrap_dim(dim, m.shape.len().max(1)).map_err(|r| arg(name, &m.shape, r))?;
+        let (flow, mut mixes) = same_shape_flow(name, n, Linearity::Nonlinear)?;
+        if let Some(bd) = m.batch().filter(|bd| bd.dim == d) {
+            mixes = Some(format!("compares samples along the batch dimension {}", bd.dim));
+        }
+        let record = |values: bool, kind: Kind| {
+            let op = Sort { dim: d as i64, descending, stable, values };
+            let r = Record::new(op, vec![n.clone()], m.shape.clone(), kind, m.device).flow((flow, mixes.clone()));
+            if values { r } else { r.not_differentiable() }.finish()
+        };
+        Ok((record(true, m.kind), record(false, Kind::Int64)))
+    }
+
+    /// Like [`f_sort`](Self::f_sort), panicking with its error.
+    ///
+    /// # Panics
+    /// When the op cannot be recorded.
+    #[track_caller]
+    pub fn sort(&self, dim: i64, descending: bool) -> (LazyTensor, LazyTensor) {
+        self.f_sort(dim, descending).or_panic()
+    }
+
+    /// Like [`f_sort_stable`](Self::f_sort_stable), panicking with its error.
+    ///
+    /// # Panics
+    /// When the op cannot be recorded.
+    #[track_caller]
+    pub fn sort_stable(&self, stable: bool, dim: i64, descending: bool) -> (LazyTensor, LazyTensor) {
+        self.f_sort_stable(stable, dim, descending).or_panic()
+    }
+
+    /// The positions of the nonzero entries, one row per entry, as tch's `nonzero`: refused
+    /// when recorded, since how many rows there are depends on the values, which a plan cannot
+    /// know before running.
+    ///
+    /// # Errors
+    /// Always [`LazyError::Unsupported`], saying what to do instead: keep the shape with a
+    /// mask (`ne(0)` with `where_self`, `masked_fill`, or a product), or run it eagerly on
+    /// [`to_tensor`](Self::to_tensor)'s result.
+    pub fn f_nonzero(&self) -> Result<LazyTensor, LazyError> {
+        Err(Self::data_dependent_shape("nonzero"))
+    }
+
+    /// The positions of the nonzero entries, as tch's `argwhere` (libtorch's `nonzero`):
+    /// refused when recorded, as [`f_nonzero`](Self::f_nonzero).
+    ///
+    /// # Errors
+    /// Always [`LazyError::Unsupported`], as [`f_nonzero`](Self::f_nonzero).
+    pub fn f_argwhere(&self) -> Result<LazyTensor, LazyError> {
+        Err(Self::data_dependent_shape("argwhere"))
+    }
+
+    /// The refusal of an op whose output's shape depends on its input's values.
+    fn data_dependent_shape(op: &str) -> LazyError {
+        LazyError::Unsupported {
+            op: op.into(),
+            reason: format!(
+                "its output has one row per nonzero entry, a shape that depends on the values and that no plan \
+                 can know before running; keep the shape fixed with a mask instead (x.ne(0) with where_self, \
+                 masked_fill, or a product), or call {op} eagerly on the value of to_tensor()"
+            ),
+        }
     }
 
     /// Running sums along `dim`, as tch's `cumsum` (in `kind` when given; integers sum as
