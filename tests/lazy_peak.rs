@@ -1289,3 +1289,34 @@ fn norms_peak_as_planned() {
     }
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "norm models");
 }
+
+/// The window ops of issue 28, one at a time after a scaling by a parameter (so that the
+/// activations make the peak), whole and in micro-batches: `pixel_shuffle` and
+/// `pixel_unshuffle` (a copy each way), `upsample_nearest1d`, and `unfold` (a view; its
+/// gradient a new tensor of the input's shape, overlapping windows added).
+#[test]
+fn window_ops_peak_as_planned() {
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    let n = 16i64;
+    let mut rows = Rows::default();
+    for op in ["pixel_shuffle", "pixel_unshuffle", "upsample_nearest1d", "unfold", "unfold overlapping"] {
+        for micro in [16usize, 4] {
+            let vs = nn::VarStore::new(CPU);
+            let scale = vs.root().randn("scale", &[64, 1, 1], 1.0, 0.1);
+            let x = Tensor::randn([n, 64, 32, 32], (Kind::Float, CPU));
+            let h = toma::lazy::lazy(&x, 0) * &scale;
+            let h = match op {
+                "pixel_shuffle" => h.pixel_shuffle(2),
+                "pixel_unshuffle" => h.pixel_unshuffle(2),
+                "upsample_nearest1d" => h.view([n, 64, 1024]).upsample_nearest1d([3000], None),
+                "unfold" => h.unfold(3, 4, 4),
+                _ => h.unfold(2, 8, 2),
+            };
+            let loss = h.tanh().sum(None);
+            let (planned, measured) = planned_and_measured_at(&loss, micro);
+            rows.push(format!("{op} micro {micro}"), planned, measured);
+        }
+    }
+    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "window ops");
+}

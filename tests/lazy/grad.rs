@@ -616,3 +616,64 @@ fn cosine_similarity_and_flip_match_the_full_batch() {
     }
     check_mlp_loss(13, 11, &[2, 5], loss::<Tensor>, loss::<LazyTensor>);
 }
+
+/// Eager against lazy at each of `micro`: the loss to 1e-12 and every variable's gradient to
+/// `1e-9` relative (f64).
+fn check_tight(
+    vs: &nn::VarStore,
+    what: &str,
+    micro: &[usize],
+    eager: impl Fn() -> Tensor,
+    lazy_loss: impl Fn() -> LazyTensor,
+) {
+    zero_grads(vs);
+    let eager_loss = eager();
+    let eager_value = eager_loss.double_value(&[]);
+    eager_loss.backward();
+    let eager_grads = grads(vs);
+    for &m in micro {
+        zero_grads(vs);
+        let loss = lazy_loss();
+        let options = Options::new().micro_batch(m);
+        assert_eq!(loss.plan(Mode::Backward, &options).unwrap().micro_batch(), m, "{what}");
+        let value = loss.backward_with(&options).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let err = (value - eager_value).abs() / eager_value.abs().max(1e-30);
+        assert!(err <= 1e-12, "{what} micro {m}: loss {value} vs eager {eager_value}");
+        for (name, e) in &eager_grads {
+            let err = relative_error(&grads(vs)[name], e);
+            assert!(err <= 1e-9, "{what} micro {m}: gradient of {name} differs by {err:e} relative");
+        }
+    }
+}
+
+/// `pixel_shuffle`, `pixel_unshuffle`, `upsample_nearest1d` and `unfold` (overlapping windows)
+/// in one model: micro-batched gradients are the full batch's.
+#[test]
+fn pixel_shuffles_upsampling_and_unfold_match_the_full_batch() {
+    use toma::lazy::TensorOps;
+    fn loss<T: TensorOps>(x: &T, target: &T, w: &Tensor, scale: &Tensor) -> T {
+        let h = x.conv2d(w, None::<&Tensor>, [1], [1], [1], 1).pixel_shuffle(2).tanh();
+        // [N, 4, 12, 12] -> [N, 36, 4, 4] -> [N, 36, 16] -> [N, 36, 24] -> windows [N, 36, 7, 6].
+        let h = h.pixel_unshuffle(3).flatten(2, 3).upsample_nearest1d([24], None).unfold(2, 6, 3);
+        h.mul(&T::constant(scale)).sum_dim_intlist([-1], false, None).mse_loss(target, Reduction::Mean)
+    }
+    tch::manual_seed(21);
+    let mut vs = nn::VarStore::new(CPU);
+    let w = vs.root().randn("w", &[16, 8, 3, 3], 0.0, 0.2);
+    let scale = vs.root().randn("scale", &[6], 1.0, 0.3);
+    vs.double();
+    for n in [5i64, 8] {
+        let x = Tensor::randn([n, 8, 6, 6], (Kind::Double, CPU));
+        let target = Tensor::randn([n, 36, 7], (Kind::Double, CPU));
+        check_tight(
+            &vs,
+            &format!("pixel shuffles n={n}"),
+            &[1, 2, 3],
+            || loss(&x, &target, &w, &scale),
+            || {
+                let (lx, lt) = lazy((&x, &target), 0);
+                loss(&lx, &lt, &w, &scale)
+            },
+        );
+    }
+}

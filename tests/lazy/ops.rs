@@ -1013,3 +1013,71 @@ fn a_view_after_a_copying_reshape_runs_on_any_micro_batch() {
         assert!(value.equal(&eager), "micro-batch {micro}");
     }
 }
+
+proptest! {
+    #![proptest_config(cases(96))]
+
+    #[test]
+    fn pixel_shuffles_wherever_the_batch_is(
+        lead in prop::collection::vec(1i64..4, 0..=2),
+        (c, h, w) in (1i64..4, 1i64..4, 1i64..4),
+        r in 0i64..4,
+        batch_dim in 0usize..5,
+        micro in 1usize..4,
+    ) {
+        // [..lead, C·r², H, W] (shuffle) and [..lead, C, H·r, W·r] (unshuffle); r = 0 and
+        // unfitting sizes are refused by both. The batch along a leading dimension splits;
+        // along the channels or the sides, entries move between samples.
+        let rr = r.max(1);
+        let shuffled: Vec<i64> = [lead.clone(), vec![c * rr * rr, h, w]].concat();
+        let unshuffled: Vec<i64> = [lead.clone(), vec![c, h * rr, w * rr + i64::from(w == 3)]].concat();
+        let nd = shuffled.len();
+        let bd = batch_dim.min(nd - 1);
+        let split = if bd + 3 >= nd { Split::Refused } else { Split::Exact };
+        let t = randn(&shuffled);
+        agree(&format!("pixel_shuffle {shuffled:?} r {r} batch {bd}"), t.f_pixel_shuffle(r), lazy(&t, bd).f_pixel_shuffle(r), micro, split)?;
+        let u = randn(&unshuffled);
+        agree(&format!("pixel_unshuffle {unshuffled:?} r {r} batch {bd}"), u.f_pixel_unshuffle(r), lazy(&u, bd).f_pixel_unshuffle(r), micro, split)?;
+        // Integers move as they are.
+        let i = Tensor::randint(9, shuffled.as_slice(), (Kind::Int64, CPU));
+        agree("pixel_shuffle Int64", i.f_pixel_shuffle(r), lazy(&i, bd).f_pixel_shuffle(r), micro, split)?;
+        let small = randn(&[c, h]);
+        agree("pixel_shuffle 2-D", small.f_pixel_shuffle(1), lazy(&small, 0).f_pixel_shuffle(1), micro, Split::Exact)?;
+    }
+
+    #[test]
+    fn upsample_nearest1d_sizes_and_scales(
+        (n, c, l) in (1i64..4, 1i64..4, 1i64..7),
+        out in 0i64..13,
+        scale in prop::option::of(0.3f64..3.0),
+        micro in 1usize..4,
+        batch_on_channels in any::<bool>(),
+    ) {
+        let x = randn(&[n, c, l]);
+        let bd = usize::from(batch_on_channels);
+        agree(&format!("upsample_nearest1d {l} to {out} scale {scale:?}"), x.f_upsample_nearest1d([out].as_slice(), scale), lazy(&x, bd).f_upsample_nearest1d([out], scale), micro, Split::Exact)?;
+        agree("upsample_nearest1d, two sizes", x.f_upsample_nearest1d([out, out].as_slice(), scale), lazy(&x, bd).f_upsample_nearest1d([out, out], scale), micro, Split::Exact)?;
+        let flat = randn(&[n, l]);
+        agree("upsample_nearest1d 2-D", flat.f_upsample_nearest1d([out].as_slice(), scale), lazy(&flat, 0).f_upsample_nearest1d([out], scale), micro, Split::Exact)?;
+        // Along the length, windows of samples: refused.
+        agree("upsample_nearest1d along the batch", x.f_upsample_nearest1d([out].as_slice(), scale), lazy(&x, 2).f_upsample_nearest1d([out], scale), micro, Split::Refused)?;
+    }
+
+    #[test]
+    fn unfold_any_dim(a in shape(4, 6), dim in -5i64..5, size in -1i64..5, step in 0i64..4, batch_dim in 0usize..4, transposed in any::<bool>(), micro in 1usize..5) {
+        // Also on a transposed (strided) input; a 0-dim one too.
+        let t = randn(&a);
+        let t = if transposed && a.len() > 1 { t.transpose(0, -1) } else { t };
+        let rank = a.len() as i64;
+        let bd = batch_dim.min(a.len() - 1);
+        let along_batch = dim >= -rank && dim < rank && dim.rem_euclid(rank) as usize == bd;
+        let split = if along_batch { Split::Refused } else { Split::Exact };
+        agree(&format!("unfold {:?} dim {dim} size {size} step {step} batch {bd}", t.size()), t.f_unfold(dim, size, step), lazy(&t, bd).f_unfold(dim, size, step), micro, split)?;
+        // A window of windows, then a copy: the view's strides are the micro-batch's own.
+        let eager = t.f_unfold(dim, size, step).and_then(|u| u.f_unfold(-1, 1, 1)).and_then(|u| u.f_mul_scalar(2.0));
+        let lazily = lazy(&t, bd).f_unfold(dim, size, step).and_then(|u| u.f_unfold(-1, 1, 1)).and_then(|u| u.f_mul_scalar(2.0));
+        agree("unfold twice", eager, lazily, micro, split)?;
+        let scalar = Tensor::from(1.5f64);
+        agree("unfold 0-dim", scalar.f_unfold(dim, size, step), LazyTensor::fixed(&scalar).f_unfold(dim, size, step), micro, Split::Exact)?;
+    }
+}

@@ -1,5 +1,5 @@
-//! Windows over spatial dimensions: convolutions (1-D, 2-D, transposed 2-D), 2-D pooling and
-//! upsampling.
+//! Windows over spatial dimensions: convolutions (1-D, 2-D, transposed 2-D), 2-D pooling,
+//! upsampling, pixel shuffles, and sliding windows along one dimension (`unfold`).
 
 use std::rc::Rc;
 
@@ -221,6 +221,76 @@ impl Operation for UpsampleBilinear2d {
 
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         ins[0].f_upsample_bilinear2d(self.output, self.align_corners, self.scales[0], self.scales[1])
+    }
+}
+
+/// Nearest-neighbour upsampling of `[N, C, L]` to `output` entries; its backward needs only
+/// the sizes.
+pub(crate) struct UpsampleNearest1d {
+    output: i64,
+    /// `scales` as given (libtorch's source step when set).
+    scales: Option<f64>,
+}
+
+impl Operation for UpsampleNearest1d {
+    fn name(&self) -> &'static str {
+        "upsample_nearest1d"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_upsample_nearest1d([self.output], self.scales)
+    }
+}
+
+/// `pixel_shuffle` (`[.., C·r², H, W]` to `[.., C, H·r, W·r]`) or its inverse `pixel_unshuffle`:
+/// a copy with the entries moved; its backward is the other one, on the gradient (nothing
+/// kept). libtorch's CPU kernel copies a strided input contiguous first.
+pub(crate) struct PixelShuffle {
+    factor: i64,
+    unshuffle: bool,
+}
+
+impl Operation for PixelShuffle {
+    fn name(&self) -> &'static str {
+        if self.unshuffle {
+            "pixel_unshuffle"
+        } else {
+            "pixel_shuffle"
+        }
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        if self.unshuffle {
+            ins[0].f_pixel_unshuffle(self.factor)
+        } else {
+            ins[0].f_pixel_shuffle(self.factor)
+        }
+    }
+
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], _meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        let x = &inputs[0].meta;
+        if !shape::is_contiguous(&x.shape, &x.strides) {
+            calls.push(KernelCall::Temporaries { forward: x.numel_parts(), backward: (0, 0) });
+        }
+    }
+}
+
+/// Every window of `size` entries along `dim`, `step` apart, as a new last dimension: a view
+/// (windows may overlap). Its gradient is a new tensor of the input's shape, the windows'
+/// gradients added where they overlap.
+pub(crate) struct Unfold {
+    dim: i64,
+    size: i64,
+    step: i64,
+}
+
+impl Operation for Unfold {
+    fn name(&self) -> &'static str {
+        "unfold"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_unfold(self.dim, self.size, self.step)
     }
 }
 
@@ -485,6 +555,129 @@ impl LazyTensor {
     fn pool_flow(&self, name: &str, out: &[i64]) -> Result<(Flow, Option<String>), LazyError> {
         let nd = self.node.meta.shape.len();
         unary_flow(name, &self.node, out, |d| (d + 2 < nd).then_some(d), Linearity::Nonlinear)
+    }
+
+    /// Nearest-neighbour upsampling of `[N, C, L]` to `output_size` (`[l]`), as tch's
+    /// `upsample_nearest1d`; `scales`, when given, sets the source step as in libtorch (the
+    /// output size is `output_size` either way).
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for a non 3-D or empty input, a size that is not one value of at
+    /// least 1, or a scale that is not positive.
+    pub fn f_upsample_nearest1d(
+        &self,
+        output_size: impl IntList,
+        scales: impl Into<Option<f64>>,
+    ) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let name = "upsample_nearest1d";
+        let shape = &n.meta.shape;
+        let a = |r: String| arg(name, shape, r);
+        let scales = scales.into();
+        let output = one_of(name, shape, output_size.as_slice(), "output_size", None)?;
+        if shape.len() != 3 || shape[1..].contains(&0) || output < 1 {
+            return Err(a(format!("expected a non-empty 3-D input and an output size of at least 1, got {output}")));
+        }
+        if scales.is_some_and(|s| s.is_nan() || s <= 0.0) {
+            return Err(a(format!("scales must be positive, got {scales:?}")));
+        }
+        let mut out = shape.clone();
+        out[2] = output;
+        let flow = unary_flow(name, n, &out, |d| (d < 2).then_some(d), Linearity::Nonlinear)?;
+        let op = UpsampleNearest1d { output, scales };
+        Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
+    }
+
+    /// Rearranges `[.., C·r², H, W]` into `[.., C, H·r, W·r]` (`r` the `upscale_factor`), as
+    /// tch's `pixel_shuffle`. Per sample when the batch is a leading dimension; a batch along
+    /// the channels or the sides moves entries between samples.
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for fewer than 3 dimensions, a factor below 1, or channels not
+    /// divisible by its square.
+    pub fn f_pixel_shuffle(&self, upscale_factor: i64) -> Result<LazyTensor, LazyError> {
+        self.pixel_shuffled("pixel_shuffle", upscale_factor, false)
+    }
+
+    /// Rearranges `[.., C, H·r, W·r]` into `[.., C·r², H, W]` (`r` the `downscale_factor`), as
+    /// tch's `pixel_unshuffle`: the inverse of `pixel_shuffle`, split as it is.
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for fewer than 3 dimensions, a factor below 1, or sides not
+    /// divisible by it.
+    pub fn f_pixel_unshuffle(&self, downscale_factor: i64) -> Result<LazyTensor, LazyError> {
+        self.pixel_shuffled("pixel_unshuffle", downscale_factor, true)
+    }
+
+    fn pixel_shuffled(&self, name: &'static str, r: i64, unshuffle: bool) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let shape = &n.meta.shape;
+        let a = |r: String| arg(name, shape, r);
+        let nd = shape.len();
+        if nd < 3 {
+            return Err(a(format!("expects input to have at least 3 dimensions, but got {nd}")));
+        }
+        if r < 1 {
+            return Err(a(format!("the factor must be greater than 0, but got {r}")));
+        }
+        let (c, h, w) = (shape[nd - 3], shape[nd - 2], shape[nd - 1]);
+        let mut out = shape.clone();
+        if unshuffle {
+            if h % r != 0 || w % r != 0 {
+                return Err(a(format!("the height {h} and width {w} must be divisible by the factor {r}")));
+            }
+            out[nd - 3..].copy_from_slice(&[c * r * r, h / r, w / r]);
+        } else {
+            if c % (r * r) != 0 {
+                return Err(a(format!("the channels {c} must be divisible by the square of the factor {r}")));
+            }
+            out[nd - 3..].copy_from_slice(&[c / (r * r), h * r, w * r]);
+        }
+        let (flow, mixes) = match n.meta.batch() {
+            Some(bd) if bd.dim + 3 >= nd => {
+                (Flow::Opaque, Some(format!("moves entries between samples (the batch dimension {})", bd.dim)))
+            }
+            _ => unary_flow(name, n, &out, Some, Linearity::Structural)?,
+        };
+        let op = PixelShuffle { factor: r, unshuffle };
+        Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow((flow, mixes)).finish())
+    }
+
+    /// Every window of `size` entries along `dimension`, `step` apart, as a new last dimension
+    /// of `size` (a view: windows may overlap), as tch's `unfold`. Per sample unless
+    /// `dimension` is the batch dimension (windows across samples).
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for a bad dimension, a `size` outside `0..=` the dimension's
+    /// size, or a `step` below 1.
+    pub fn f_unfold(&self, dimension: i64, size: i64, step: i64) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let m = &n.meta;
+        let name = "unfold";
+        let a = |r: String| arg(name, &m.shape, r);
+        let d = shape::wrap_dim(dimension, m.shape.len()).map_err(a)?;
+        let max = m.shape.get(d).copied().unwrap_or(1);
+        if size > max || size < 0 {
+            return Err(a(format!("maximum size for tensor at dimension {d} is {max} but size is {size}")));
+        }
+        if step < 1 {
+            return Err(a(format!("step is {step} but must be > 0")));
+        }
+        let (mut out, mut strides) = (m.shape.clone(), m.strides.clone());
+        out.push(size);
+        strides.push(m.strides.get(d).copied().unwrap_or(1));
+        if d < m.shape.len() {
+            out[d] = (m.shape[d] - size) / step + 1;
+            strides[d] *= step;
+        }
+        let (flow, mixes) = match m.batch() {
+            Some(bd) if bd.dim == d => {
+                (Flow::Opaque, Some(format!("`unfold` takes windows along the batch dimension {d}")))
+            }
+            _ => unary_flow(name, n, &out, Some, Linearity::Structural)?,
+        };
+        let op = Unfold { dim: d as i64, size, step };
+        Ok(Record::new(op, vec![n.clone()], out, m.kind, m.device).flow((flow, mixes)).view(strides).finish())
     }
 
     /// 1-D max pooling over the last dimension of `[C, L]` or `[N, C, L]`, as tch's
