@@ -1320,3 +1320,42 @@ fn window_ops_peak_as_planned() {
     }
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "window ops");
 }
+
+/// The scatters of issue 28, one at a time after a scaling by a parameter, whole and in
+/// micro-batches (`masked_scatter` whole only: no split reproduces it): `scatter`,
+/// `scatter_add` and `index_add` of per-sample values into a per-sample tensor.
+#[test]
+fn scatter_ops_peak_as_planned() {
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    let (n, t, d) = (16i64, 64i64, 1024i64);
+    let mut rows = Rows::default();
+    for op in ["scatter", "scatter_add", "index_add", "masked_scatter", "masked_scatter, learned source"] {
+        for micro in [16usize, 4] {
+            if op.starts_with("masked_scatter") && micro != 16 {
+                continue;
+            }
+            let vs = nn::VarStore::new(CPU);
+            let scale = vs.root().randn("scale", &[d], 1.0, 0.1);
+            let x = Tensor::randn([n, t, d], (Kind::Float, CPU));
+            let perm = Tensor::rand([n, t, d], (Kind::Float, CPU)).argsort(2, false);
+            let repeats = Tensor::randint(t, [n, t / 2, d], (Kind::Int64, CPU));
+            let picks = Tensor::randint(d, [d / 2], (Kind::Int64, CPU));
+            let mask = Tensor::rand([n, t, d], (Kind::Float, CPU)).gt(0.5);
+            let source = vs.root().randn("source", &[n * t * d], 0.0, 1.0);
+            let source = if op == "masked_scatter" { source.detach() } else { source };
+            let (lx, lp, lr) = toma::lazy::lazy((&x, &perm, &repeats), 0);
+            let h = lx * &scale;
+            let h = match op {
+                "scatter" => h.scatter(2, &lp, &h.tanh()),
+                "scatter_add" => h.scatter_add(1, &lr, &h.narrow(1, 0, t / 2).tanh()),
+                "index_add" => h.index_add(2, &picks, &h.narrow(2, 0, d / 2).tanh()),
+                _ => h.masked_scatter(&mask, &source),
+            };
+            let loss = h.sin().sum(None);
+            let (planned, measured) = planned_and_measured_at(&loss, micro);
+            rows.push(format!("{op} micro {micro}"), planned, measured);
+        }
+    }
+    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "scatters");
+}

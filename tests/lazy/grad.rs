@@ -677,3 +677,65 @@ fn pixel_shuffles_upsampling_and_unfold_match_the_full_batch() {
         );
     }
 }
+
+/// `scatter` (a permutation per sample), `scatter_add` (repeated indices) and `index_add` (a
+/// fixed index, along the features) in one model: micro-batched gradients are the full
+/// batch's; `masked_scatter`, which no split can reproduce, against tch unsplit.
+#[test]
+fn scatters_and_index_add_match_the_full_batch() {
+    use toma::lazy::TensorOps;
+    fn loss<T: TensorOps>(x: &T, perm: &T, repeats: &T, picks: &Tensor, y: &T, l1: &nn::Linear, l2: &nn::Linear) -> T
+    where
+        nn::Linear: toma::lazy::Layer<T>,
+    {
+        let h = x.apply(l1);
+        let h = h.scatter(2, perm, &h.tanh());
+        // libtorch's backward takes a `src` of the index's shape only.
+        let h = h.scatter_add(1, repeats, &h.narrow(1, 2, 4).sin());
+        let h = h.index_add(2, &T::constant(picks), &h.narrow(2, 1, 5).square());
+        h.apply(l2).sum_dim_intlist([1], false, None).log_softmax(-1, None).nll_loss(y)
+    }
+    tch::manual_seed(23);
+    let mut vs = nn::VarStore::new(CPU);
+    let (l1, l2) = (
+        nn::linear(vs.root() / "l1", 8, 8, Default::default()),
+        nn::linear(vs.root() / "l2", 8, 4, Default::default()),
+    );
+    vs.double();
+    let picks = Tensor::from_slice(&[0i64, 3, 3, 7, 1]);
+    for n in [5i64, 7] {
+        let x = Tensor::randn([n, 6, 8], (Kind::Double, CPU));
+        let perm = Tensor::rand([n, 6, 8], (Kind::Double, CPU)).argsort(2, false);
+        let repeats = Tensor::randint(6, [n, 4, 8], (Kind::Int64, CPU));
+        let y = Tensor::randint(4, [n], (Kind::Int64, CPU));
+        check_tight(
+            &vs,
+            &format!("scatters n={n}"),
+            &[1, 2, 3],
+            || loss(&x, &perm, &repeats, &picks, &y, &l1, &l2),
+            || {
+                let (lx, lp, lr, ly) = lazy((&x, &perm, &repeats, &y), 0);
+                loss(&lx, &lp, &lr, &picks, &ly, &l1, &l2)
+            },
+        );
+        // masked_scatter: the gradient reaches `self` where the mask is false and the source's
+        // first entries, as many as the mask's trues.
+        let mask = Tensor::randn([n, 6, 8], (Kind::Double, CPU)).gt(0.0);
+        let source = Tensor::randn([n * 6 * 8 + 3], (Kind::Double, CPU));
+        let masked = |h: &Tensor, src: &Tensor| h.masked_scatter(&mask, src);
+        check_tight(
+            &vs,
+            &format!("masked_scatter n={n}"),
+            &[n as usize],
+            || masked(&x.apply(&l1), &(&source * l2.ws.sum(None))).apply(&l2).square().mean(None),
+            || {
+                let lx = lazy(&x, 0);
+                let src = LazyTensor::fixed(&source) * LazyTensor::fixed(&l2.ws).sum(None);
+                lx.apply(&l1).masked_scatter(&mask, &src).apply(&l2).square().mean(None)
+            },
+        );
+        let refused =
+            lazy(&x, 0).masked_scatter(&mask, &source).sum(None).backward_with(&Options::new().micro_batch(2));
+        assert!(refused.is_err(), "a split of masked_scatter is refused");
+    }
+}

@@ -1081,3 +1081,95 @@ proptest! {
         agree("unfold 0-dim", scalar.f_unfold(dim, size, step), LazyTensor::fixed(&scalar).f_unfold(dim, size, step), micro, Split::Exact)?;
     }
 }
+
+proptest! {
+    #![proptest_config(cases(96))]
+
+    #[test]
+    fn scatter_and_scatter_add_wherever_the_batch_is(
+        a in shape(3, 4),
+        d in 0usize..3,
+        negative in any::<bool>(),
+        extra in 0i64..2,
+        which in 0usize..4,
+        micro in 1usize..5,
+    ) {
+        // `self` [a] is split with the batch (dimension 0); the index and `src` too (which 0),
+        // or the index fixed (1), or `src` fixed (2), or `self` fixed (3). `scatter` takes a
+        // permutation along `d` (no index repeats: which write wins is libtorch's business),
+        // `scatter_add` repeated indices. `src` may be larger than the index.
+        let rank = a.len();
+        let d = d % rank;
+        let dim = if negative { d as i64 - rank as i64 } else { d as i64 };
+        let t = randn(&a);
+        let perm = Tensor::rand(a.as_slice(), F64).argsort(d as i64, false);
+        let repeats = Tensor::randint(a[d], a.as_slice(), (Kind::Int64, CPU));
+        let bigger: Vec<i64> = a.iter().enumerate().map(|(k, &s)| if k == 0 { s } else { s + extra }).collect();
+        let src = randn(&bigger);
+        let split = if d == 0 || which != 0 { Split::Refused } else { Split::Exact };
+        let lift = |x: &Tensor, batched: bool| if batched { lazy(x, 0) } else { LazyTensor::fixed(x) };
+        let (ls, lsrc) = (lift(&t, which != 3), lift(&src, which != 2));
+        for (name, index) in [("scatter", &perm), ("scatter_add", &repeats)] {
+            let li = lift(index, which != 1);
+            let what = format!("{name} {a:?} dim {dim} src {bigger:?} case {which}");
+            let (eager, lazily) = if name == "scatter" {
+                (t.f_scatter(dim, index, &src), ls.f_scatter(dim, &li, &lsrc))
+            } else {
+                (t.f_scatter_add(dim, index, &src), ls.f_scatter_add(dim, &li, &lsrc))
+            };
+            agree(&what, eager, lazily, micro, split)?;
+        }
+        // Refused by both: an index that is not Int64, a `src` of another kind, a smaller `src`.
+        let float_index = lazy(&perm.to_kind(Kind::Float), 0);
+        agree("scatter, float index", t.f_scatter(dim, &perm.to_kind(Kind::Float), &src), lazy(&t, 0).f_scatter(dim, &float_index, &lazy(&src, 0)), micro, Split::Exact)?;
+        let src32 = src.to_kind(Kind::Float);
+        agree("scatter_add, src kind", t.f_scatter_add(dim, &repeats, &src32), lazy(&t, 0).f_scatter_add(dim, &lazy(&repeats, 0), &lazy(&src32, 0)), micro, Split::Exact)?;
+        if rank > 1 && a[rank - 1] > 1 {
+            let small = src.narrow(-1, 0, 1);
+            agree("scatter, small src", t.f_scatter(dim, &perm, &small), lazy(&t, 0).f_scatter(dim, &lazy(&perm, 0), &lazy(&small, 0)), micro, Split::Exact)?;
+        }
+    }
+
+    #[test]
+    fn index_add_wherever_the_batch_is(a in shape(3, 4), d in 0usize..3, k in 1i64..5, which in 0usize..3, micro in 1usize..5) {
+        // `self` [a] split with the batch (dimension 0), `source` too (which 0) or fixed (1), or
+        // the index split with the batch (2: a 1-D index along the batch, `d` 0 only).
+        let rank = a.len();
+        let d = d % rank;
+        let t = randn(&a);
+        let mut source_shape = a.clone();
+        source_shape[d] = if which == 2 { a[0] } else { k };
+        let source = randn(&source_shape);
+        let index = Tensor::randint(a[d], [source_shape[d]], (Kind::Int64, CPU));
+        let lsource = if which == 1 || d == 0 { LazyTensor::fixed(&source) } else { lazy(&source, 0) };
+        let lindex = if which == 2 { lazy(&index, 0) } else { LazyTensor::fixed(&index) };
+        let split = if d == 0 || which != 0 { Split::Refused } else { Split::Exact };
+        agree(&format!("index_add {a:?} dim {d} source {source_shape:?} case {which}"), t.f_index_add(d as i64, &index, &source), lazy(&t, 0).f_index_add(d as i64, &lindex, &lsource), micro, split)?;
+        // Refused by both: a 2-D index, a source of another shape, a float index.
+        let index2 = index.unsqueeze(0);
+        agree("index_add, 2-D index", t.f_index_add(d as i64, &index2, &source), lazy(&t, 0).f_index_add(d as i64, &index2, &source), micro, Split::Exact)?;
+        let wide = randn(&[&source_shape[..], &[2]].concat());
+        agree("index_add, wide source", t.f_index_add(d as i64, &index, &wide), lazy(&t, 0).f_index_add(d as i64, &index, &wide), micro, Split::Exact)?;
+        let float_index = index.to_kind(Kind::Float);
+        agree("index_add, float index", t.f_index_add(d as i64, &float_index, &source), lazy(&t, 0).f_index_add(d as i64, &float_index, &source), micro, Split::Exact)?;
+    }
+
+    #[test]
+    fn masked_scatter_mixes_samples(a in shape(3, 4), broadcast_mask in any::<bool>(), batched in any::<bool>(), micro in 1usize..5) {
+        let t = randn(&a);
+        let mask_shape: Vec<i64> = if broadcast_mask { a[1..].to_vec() } else { a.clone() };
+        let mask = randn(&mask_shape).gt(0.0);
+        let total: i64 = a.iter().product();
+        // Enough entries for every mask here (the broadcast one below takes two rows).
+        let source = randn(&[total + 2 * a[a.len() - 1]]);
+        let lt = if batched { lazy(&t, 0) } else { LazyTensor::fixed(&t) };
+        let split = if batched { Split::Refused } else { Split::Exact };
+        agree(&format!("masked_scatter {a:?} mask {mask_shape:?}"), t.f_masked_scatter(&mask, &source), lt.f_masked_scatter(&mask, &source), micro, split)?;
+        // A mask `self` broadcasts to; an integer mask and a source of another kind are refused.
+        let wider = randn(&[2, a[a.len() - 1]]).gt(0.0);
+        let row = randn(&[a[a.len() - 1]]);
+        agree("masked_scatter, self broadcast", row.f_masked_scatter(&wider, &source), LazyTensor::fixed(&row).f_masked_scatter(&wider, &source), micro, Split::Exact)?;
+        agree("masked_scatter, int mask", t.f_masked_scatter(&mask.to_kind(Kind::Int64), &source), lt.f_masked_scatter(&mask.to_kind(Kind::Int64), &source), micro, split)?;
+        agree("masked_scatter, source kind", t.f_masked_scatter(&mask, &source.to_kind(Kind::Float)), lt.f_masked_scatter(&mask, &source.to_kind(Kind::Float)), micro, split)?;
+    }
+}
