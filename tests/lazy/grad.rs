@@ -739,3 +739,36 @@ fn scatters_and_index_add_match_the_full_batch() {
         assert!(refused.is_err(), "a split of masked_scatter is refused");
     }
 }
+
+/// A small volume model: `conv3d` (strided, then grouped), `max_pool3d` and `avg_pool3d`:
+/// micro-batched gradients are the full batch's.
+#[test]
+fn volumes_match_the_full_batch() {
+    use toma::lazy::TensorOps;
+    fn loss<T: TensorOps>(x: &T, y: &T, w1: &Tensor, b1: &Tensor, w2: &Tensor) -> T {
+        let h = x.conv3d(w1, Some(b1), [1, 2, 2], [1], [1], 1).relu();
+        let h = h.max_pool3d([2], [], [0], [1], false).conv3d(w2, None::<&Tensor>, [1], [1], [1], 2).tanh();
+        let h = h.avg_pool3d([2, 2, 2], [1], [1], true, false, None).sum_dim_intlist([2, 3, 4], false, None);
+        h.log_softmax(-1, None).nll_loss(y)
+    }
+    tch::manual_seed(31);
+    let mut vs = nn::VarStore::new(CPU);
+    let w1 = vs.root().randn("w1", &[6, 3, 3, 3, 3], 0.0, 0.2);
+    let b1 = vs.root().randn("b1", &[6], 0.0, 0.1);
+    let w2 = vs.root().randn("w2", &[4, 3, 3, 3, 3], 0.0, 0.2);
+    vs.double();
+    for n in [5i64, 8] {
+        let x = Tensor::randn([n, 3, 6, 10, 10], (Kind::Double, CPU));
+        let y = Tensor::randint(4, [n], (Kind::Int64, CPU));
+        check_tight(
+            &vs,
+            &format!("volumes n={n}"),
+            &[1, 2, 3],
+            || loss(&x, &y, &w1, &b1, &w2),
+            || {
+                let (lx, ly) = lazy((&x, &y), 0);
+                loss(&lx, &ly, &w1, &b1, &w2)
+            },
+        );
+    }
+}

@@ -1173,3 +1173,62 @@ proptest! {
         agree("masked_scatter, source kind", t.f_masked_scatter(&mask, &source.to_kind(Kind::Float)), lt.f_masked_scatter(&mask, &source.to_kind(Kind::Float)), micro, split)?;
     }
 }
+
+proptest! {
+    #![proptest_config(cases(64))]
+
+    #[test]
+    fn conv3d_every_parameter(
+        n in 1i64..3,
+        batched in any::<bool>(),
+        (groups, cin_per, cout_per) in (1i64..3, 1i64..3, 1i64..3),
+        side in 1i64..6,
+        k in 1i64..4,
+        stride in prop::collection::vec(1i64..3, 1..=3),
+        padding in prop::collection::vec(0i64..2, 1..=3),
+        dilation in 1i64..3,
+        bias in any::<bool>(),
+        micro in 1usize..3,
+    ) {
+        // Two stride values are refused by both, as libtorch refuses them.
+        let spatial = [side, side + 1, (side - 1).max(1)];
+        let shape: Vec<i64> = [if batched { vec![n] } else { vec![] }, vec![groups * cin_per], spatial.to_vec()].concat();
+        let x = randn(&shape);
+        let wt = randn(&[groups * cout_per, cin_per, k, k, 2]);
+        let b = randn(&[groups * cout_per]);
+        let bias_t = bias.then_some(&b);
+        let eager = x.f_conv3d(&wt, bias_t, stride.as_slice(), padding.as_slice(), [dilation].as_slice(), groups);
+        let lx = if batched { lazy(&x, 0) } else { LazyTensor::fixed(&x) };
+        let lazy_t = lx.f_conv3d(&wt, bias_t, &stride, &padding, [dilation], groups);
+        agree(&format!("conv3d {shape:?} s{stride:?} p{padding:?} d{dilation} g{groups} k{k}"), eager, lazy_t, micro, Split::Exact)?;
+    }
+
+    #[test]
+    fn pool3d_every_parameter(
+        shape in (1i64..4, 1i64..3, 1i64..6, 1i64..6, 1i64..6),
+        kernel in prop::collection::vec(1i64..4, 1..=3),
+        stride in prop::collection::vec(1i64..3, 0..=3),
+        padding in prop::collection::vec(0i64..2, 1..=3),
+        dilation in prop::collection::vec(1i64..3, 1..=3),
+        ceil_mode in any::<bool>(),
+        count_include_pad in any::<bool>(),
+        divisor in prop::option::of(0i64..4),
+        unbatched in any::<bool>(),
+        micro in 1usize..4,
+    ) {
+        // A 4-D input [C, D, H, W] with the batch along C also splits: pooling is per channel.
+        let x = randn(&[shape.0, shape.1, shape.2, shape.3, shape.4]);
+        let x = if unbatched { x.select(0, 0) } else { x };
+        let what = format!("{:?} k{kernel:?} s{stride:?} p{padding:?} d{dilation:?} ceil {ceil_mode}", x.size());
+        let eager = x.f_max_pool3d(kernel.as_slice(), stride.as_slice(), padding.as_slice(), dilation.as_slice(), ceil_mode);
+        let lazy_t = lazy(&x, 0).f_max_pool3d(&kernel, &stride, &padding, &dilation, ceil_mode);
+        agree(&format!("max_pool3d {what}"), eager, lazy_t, micro, Split::Exact)?;
+        let eager = x.f_avg_pool3d(kernel.as_slice(), stride.as_slice(), padding.as_slice(), ceil_mode, count_include_pad, divisor);
+        let lazy_t = lazy(&x, 0).f_avg_pool3d(&kernel, &stride, &padding, ceil_mode, count_include_pad, divisor);
+        agree(&format!("avg_pool3d {what} divisor {divisor:?}"), eager, lazy_t, micro, Split::Exact)?;
+        // Along a spatial dimension, windows of samples: refused.
+        let eager = x.f_max_pool3d(kernel.as_slice(), stride.as_slice(), padding.as_slice(), dilation.as_slice(), ceil_mode);
+        let lazy_t = lazy(&x, x.dim() - 1).f_max_pool3d(&kernel, &stride, &padding, &dilation, ceil_mode);
+        agree(&format!("max_pool3d along the batch {what}"), eager, lazy_t, micro, Split::Refused)?;
+    }
+}

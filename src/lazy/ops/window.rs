@@ -14,8 +14,8 @@ use crate::lazy::int_list::IntList;
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
 
-/// A convolution over `D` spatial dimensions (`conv1d`, `conv2d`). Operands: x, weight,
-/// optional bias.
+/// A convolution over `D` spatial dimensions (`conv1d`, `conv2d`, `conv3d`). Operands: x,
+/// weight, optional bias.
 pub(crate) struct Conv<const D: usize> {
     stride: [i64; D],
     padding: [i64; D],
@@ -56,20 +56,20 @@ fn conv_saves(i: usize, inputs: &[Rc<Node>]) -> bool {
 
 impl<const D: usize> Operation for Conv<D> {
     fn name(&self) -> &'static str {
-        if D == 1 {
-            "conv1d"
-        } else {
-            "conv2d"
+        match D {
+            1 => "conv1d",
+            2 => "conv2d",
+            _ => "conv3d",
         }
     }
 
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         let (x, weight, bias) = (ins[0], ins[1], ins.get(2).copied());
         let (stride, padding, dilation) = (&self.stride[..], &self.padding[..], &self.dilation[..]);
-        if D == 1 {
-            x.f_conv1d(weight, bias, stride, padding, dilation, self.groups)
-        } else {
-            x.f_conv2d(weight, bias, stride, padding, dilation, self.groups)
+        match D {
+            1 => x.f_conv1d(weight, bias, stride, padding, dilation, self.groups),
+            2 => x.f_conv2d(weight, bias, stride, padding, dilation, self.groups),
+            _ => x.f_conv3d(weight, bias, stride, padding, dilation, self.groups),
         }
     }
 
@@ -294,6 +294,100 @@ impl Operation for Unfold {
     }
 }
 
+/// 3-D max pooling; keeps the indices of the maxima for its backward.
+pub(crate) struct MaxPool3d {
+    kernel: [i64; 3],
+    stride: [i64; 3],
+    padding: [i64; 3],
+    dilation: [i64; 3],
+    ceil_mode: bool,
+}
+
+impl Operation for MaxPool3d {
+    fn name(&self) -> &'static str {
+        "max_pool3d"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_max_pool3d(self.kernel, self.stride, self.padding, self.dilation, self.ceil_mode)
+    }
+
+    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
+        i == 0
+    }
+
+    fn kernels<'a>(&'a self, _inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        // One int64 index per output element.
+        calls.push(KernelCall::Keeps { elements: meta.numel_parts(), kind: Kind::Int64 });
+    }
+}
+
+/// 3-D average pooling.
+pub(crate) struct AvgPool3d {
+    kernel: [i64; 3],
+    stride: [i64; 3],
+    padding: [i64; 3],
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: Option<i64>,
+}
+
+impl Operation for AvgPool3d {
+    fn name(&self) -> &'static str {
+        "avg_pool3d"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let AvgPool3d { kernel, stride, padding, ceil_mode, count_include_pad, divisor_override } = self;
+        ins[0].f_avg_pool3d(kernel, stride, padding, *ceil_mode, *count_include_pad, *divisor_override)
+    }
+
+    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
+        i == 0
+    }
+}
+
+/// Output shape of 3-D pooling of a `[C, D, H, W]` or `[N, C, D, H, W]` input, as libtorch
+/// checks it (`dilation` all 1 for average pooling, which also takes no input smaller than its
+/// kernel, padded or not).
+fn pool3d_shape(
+    input: &[i64],
+    kernel: [i64; 3],
+    stride: [i64; 3],
+    padding: [i64; 3],
+    dilation: [i64; 3],
+    ceil_mode: bool,
+    average: bool,
+) -> Result<Vec<i64>, String> {
+    let n = input.len();
+    if n != 4 && n != 5 {
+        return Err(format!("expected a 4-D or 5-D input, got {n} dims"));
+    }
+    if kernel.iter().chain(&stride).chain(&dilation).any(|&v| v < 1) {
+        return Err(format!("kernel {kernel:?}, stride {stride:?} and dilation {dilation:?} must be positive"));
+    }
+    if input[n - 4..].contains(&0) {
+        return Err("expected non-empty channels and spatial dimensions".into());
+    }
+    if average && (0..3).any(|i| input[n - 3 + i] < kernel[i]) {
+        return Err(format!("input image {:?} smaller than kernel size {kernel:?}", &input[n - 3..]));
+    }
+    let mut out = input.to_vec();
+    for i in 0..3 {
+        if padding[i] < 0 || padding[i] > kernel[i] / 2 {
+            return Err(format!(
+                "pad should be at most half of effective kernel size, got padding {padding:?} for kernel {kernel:?}"
+            ));
+        }
+        let size = shape::window_out(input[n - 3 + i], kernel[i], padding[i], stride[i], dilation[i], ceil_mode);
+        if size < 1 {
+            return Err(format!("output size is too small ({size}) for input {:?}", &input[n - 3..]));
+        }
+        out[n - 3 + i] = size;
+    }
+    Ok(out)
+}
+
 /// The one value of a 1-D window setting (`[k]` or `k`); `default` for an empty list (a
 /// stride that means the kernel size).
 fn one_of(op: &str, shape: &[i64], values: &[i64], what: &str, default: Option<i64>) -> Result<i64, LazyError> {
@@ -426,6 +520,93 @@ impl LazyTensor {
         let (w, b) = (weight.into_lazy(), bias.map(IntoLazy::into_lazy));
         let (stride, padding, dilation) = (stride.as_slice(), padding.as_slice(), dilation.as_slice());
         self.convolution::<2>("conv2d", &w, b.as_ref(), [stride, padding, dilation], groups)
+    }
+
+    /// 3-D convolution, as tch's `conv3d`: `self` is `[N, C, D, H, W]` (or `[C, D, H, W]`),
+    /// `weight` `[O, C / groups, kd, kh, kw]`; `stride`, `padding` and `dilation` take 1 or 3
+    /// values.
+    ///
+    /// # Errors
+    /// As [`f_conv2d`](Self::f_conv2d).
+    #[allow(clippy::too_many_arguments)]
+    pub fn f_conv3d(
+        &self,
+        #[fixed] weight: impl IntoLazy,
+        #[fixed] bias: Option<impl IntoLazy>,
+        stride: impl IntList,
+        padding: impl IntList,
+        dilation: impl IntList,
+        groups: i64,
+    ) -> Result<LazyTensor, LazyError> {
+        let (w, b) = (weight.into_lazy(), bias.map(IntoLazy::into_lazy));
+        let (stride, padding, dilation) = (stride.as_slice(), padding.as_slice(), dilation.as_slice());
+        self.convolution::<3>("conv3d", &w, b.as_ref(), [stride, padding, dilation], groups)
+    }
+
+    /// 3-D max pooling of `[N, C, D, H, W]` (or `[C, D, H, W]`), as tch's `max_pool3d` (an
+    /// empty `stride` means the kernel size); each setting takes 1 or 3 values.
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for parameters libtorch refuses (a padding over half the
+    /// kernel, an output smaller than 1, ..).
+    pub fn f_max_pool3d(
+        &self,
+        kernel_size: impl IntList,
+        stride: impl IntList,
+        padding: impl IntList,
+        dilation: impl IntList,
+        ceil_mode: bool,
+    ) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let name = "max_pool3d";
+        let a = |r: String| arg(name, &n.meta.shape, r);
+        let kernel = shape::spatial::<3>(kernel_size.as_slice(), "kernel_size").map_err(a)?;
+        let stride = match stride.as_slice() {
+            [] => kernel,
+            s => shape::spatial::<3>(s, "stride").map_err(a)?,
+        };
+        let padding = shape::spatial::<3>(padding.as_slice(), "padding").map_err(a)?;
+        let dilation = shape::spatial::<3>(dilation.as_slice(), "dilation").map_err(a)?;
+        let out = pool3d_shape(&n.meta.shape, kernel, stride, padding, dilation, ceil_mode, false).map_err(a)?;
+        let nd = out.len();
+        let flow = unary_flow(name, n, &out, |d| (d + 3 < nd).then_some(d), Linearity::Nonlinear)?;
+        let op = MaxPool3d { kernel, stride, padding, dilation, ceil_mode };
+        Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
+    }
+
+    /// 3-D average pooling, as tch's `avg_pool3d` (an empty `stride` means the kernel size).
+    ///
+    /// # Errors
+    /// As [`f_max_pool3d`](Self::f_max_pool3d); also a `divisor_override` of 0 and integers.
+    #[allow(clippy::too_many_arguments)]
+    pub fn f_avg_pool3d(
+        &self,
+        kernel_size: impl IntList,
+        stride: impl IntList,
+        padding: impl IntList,
+        ceil_mode: bool,
+        count_include_pad: bool,
+        divisor_override: impl Into<Option<i64>>,
+    ) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let name = "avg_pool3d";
+        let a = |r: String| arg(name, &n.meta.shape, r);
+        let kernel = shape::spatial::<3>(kernel_size.as_slice(), "kernel_size").map_err(a)?;
+        let stride = match stride.as_slice() {
+            [] => kernel,
+            s => shape::spatial::<3>(s, "stride").map_err(a)?,
+        };
+        let padding = shape::spatial::<3>(padding.as_slice(), "padding").map_err(a)?;
+        let divisor_override = divisor_override.into();
+        if divisor_override == Some(0) {
+            return Err(a("divisor must be not zero".into()));
+        }
+        floating(name, n)?;
+        let out = pool3d_shape(&n.meta.shape, kernel, stride, padding, [1; 3], ceil_mode, true).map_err(a)?;
+        let nd = out.len();
+        let flow = unary_flow(name, n, &out, |d| (d + 3 < nd).then_some(d), Linearity::Nonlinear)?;
+        let op = AvgPool3d { kernel, stride, padding, ceil_mode, count_include_pad, divisor_override };
+        Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
     }
 
     /// 1-D convolution, as tch's `conv1d`: `self` is `[N, C, L]` (or `[C, L]`), `weight`
