@@ -736,3 +736,159 @@ fn cumprod_and_sort_match_the_full_batch() {
     let loss = h.sort(0, false).0.apply(&l3).log_softmax(-1, None).nll_loss(&ly);
     assert!(loss.backward_with(&Options::new().micro_batch(3)).is_err(), "sorting along the batch is refused");
 }
+
+/// Eager against lazy at each of `micro`: the loss to 1e-12 and every variable's gradient to
+/// `1e-9` relative (f64).
+fn check_tight(
+    vs: &nn::VarStore,
+    what: &str,
+    micro: &[usize],
+    eager: impl Fn() -> Tensor,
+    lazy_loss: impl Fn() -> LazyTensor,
+) {
+    zero_grads(vs);
+    let eager_loss = eager();
+    let eager_value = eager_loss.double_value(&[]);
+    eager_loss.backward();
+    let eager_grads = grads(vs);
+    for &m in micro {
+        zero_grads(vs);
+        let loss = lazy_loss();
+        let options = Options::new().micro_batch(m);
+        assert_eq!(loss.plan(Mode::Backward, &options).unwrap().micro_batch(), m, "{what}");
+        let value = loss.backward_with(&options).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let err = (value - eager_value).abs() / eager_value.abs().max(1e-30);
+        assert!(err <= 1e-12, "{what} micro {m}: loss {value} vs eager {eager_value}");
+        for (name, e) in &eager_grads {
+            let err = relative_error(&grads(vs)[name], e);
+            assert!(err <= 1e-9, "{what} micro {m}: gradient of {name} differs by {err:e} relative");
+        }
+    }
+}
+
+/// `pixel_shuffle`, `pixel_unshuffle`, `upsample_nearest1d` and `unfold` (overlapping windows)
+/// in one model: micro-batched gradients are the full batch's.
+#[test]
+fn pixel_shuffles_upsampling_and_unfold_match_the_full_batch() {
+    use toma::lazy::TensorOps;
+    fn loss<T: TensorOps>(x: &T, target: &T, w: &Tensor, scale: &Tensor) -> T {
+        let h = x.conv2d(w, None::<&Tensor>, [1], [1], [1], 1).pixel_shuffle(2).tanh();
+        // [N, 4, 12, 12] -> [N, 36, 4, 4] -> [N, 36, 16] -> [N, 36, 24] -> windows [N, 36, 7, 6].
+        let h = h.pixel_unshuffle(3).flatten(2, 3).upsample_nearest1d([24], None).unfold(2, 6, 3);
+        h.mul(&T::constant(scale)).sum_dim_intlist([-1], false, None).mse_loss(target, Reduction::Mean)
+    }
+    tch::manual_seed(21);
+    let mut vs = nn::VarStore::new(CPU);
+    let w = vs.root().randn("w", &[16, 8, 3, 3], 0.0, 0.2);
+    let scale = vs.root().randn("scale", &[6], 1.0, 0.3);
+    vs.double();
+    for n in [5i64, 8] {
+        let x = Tensor::randn([n, 8, 6, 6], (Kind::Double, CPU));
+        let target = Tensor::randn([n, 36, 7], (Kind::Double, CPU));
+        check_tight(
+            &vs,
+            &format!("pixel shuffles n={n}"),
+            &[1, 2, 3],
+            || loss(&x, &target, &w, &scale),
+            || {
+                let (lx, lt) = lazy((&x, &target), 0);
+                loss(&lx, &lt, &w, &scale)
+            },
+        );
+    }
+}
+
+/// `scatter` (a permutation per sample), `scatter_add` (repeated indices) and `index_add` (a
+/// fixed index, along the features) in one model: micro-batched gradients are the full
+/// batch's; `masked_scatter`, which no split can reproduce, against tch unsplit.
+#[test]
+fn scatters_and_index_add_match_the_full_batch() {
+    use toma::lazy::TensorOps;
+    fn loss<T: TensorOps>(x: &T, perm: &T, repeats: &T, picks: &Tensor, y: &T, l1: &nn::Linear, l2: &nn::Linear) -> T
+    where
+        nn::Linear: toma::lazy::Layer<T>,
+    {
+        let h = x.apply(l1);
+        let h = h.scatter(2, perm, &h.tanh());
+        // libtorch's backward takes a `src` of the index's shape only.
+        let h = h.scatter_add(1, repeats, &h.narrow(1, 2, 4).sin());
+        let h = h.index_add(2, &T::constant(picks), &h.narrow(2, 1, 5).square());
+        h.apply(l2).sum_dim_intlist([1], false, None).log_softmax(-1, None).nll_loss(y)
+    }
+    tch::manual_seed(23);
+    let mut vs = nn::VarStore::new(CPU);
+    let (l1, l2) = (
+        nn::linear(vs.root() / "l1", 8, 8, Default::default()),
+        nn::linear(vs.root() / "l2", 8, 4, Default::default()),
+    );
+    vs.double();
+    let picks = Tensor::from_slice(&[0i64, 3, 3, 7, 1]);
+    for n in [5i64, 7] {
+        let x = Tensor::randn([n, 6, 8], (Kind::Double, CPU));
+        let perm = Tensor::rand([n, 6, 8], (Kind::Double, CPU)).argsort(2, false);
+        let repeats = Tensor::randint(6, [n, 4, 8], (Kind::Int64, CPU));
+        let y = Tensor::randint(4, [n], (Kind::Int64, CPU));
+        check_tight(
+            &vs,
+            &format!("scatters n={n}"),
+            &[1, 2, 3],
+            || loss(&x, &perm, &repeats, &picks, &y, &l1, &l2),
+            || {
+                let (lx, lp, lr, ly) = lazy((&x, &perm, &repeats, &y), 0);
+                loss(&lx, &lp, &lr, &picks, &ly, &l1, &l2)
+            },
+        );
+        // masked_scatter: the gradient reaches `self` where the mask is false and the source's
+        // first entries, as many as the mask's trues.
+        let mask = Tensor::randn([n, 6, 8], (Kind::Double, CPU)).gt(0.0);
+        let source = Tensor::randn([n * 6 * 8 + 3], (Kind::Double, CPU));
+        let masked = |h: &Tensor, src: &Tensor| h.masked_scatter(&mask, src);
+        check_tight(
+            &vs,
+            &format!("masked_scatter n={n}"),
+            &[n as usize],
+            || masked(&x.apply(&l1), &(&source * l2.ws.sum(None))).apply(&l2).square().mean(None),
+            || {
+                let lx = lazy(&x, 0);
+                let src = LazyTensor::fixed(&source) * LazyTensor::fixed(&l2.ws).sum(None);
+                lx.apply(&l1).masked_scatter(&mask, &src).apply(&l2).square().mean(None)
+            },
+        );
+        let refused =
+            lazy(&x, 0).masked_scatter(&mask, &source).sum(None).backward_with(&Options::new().micro_batch(2));
+        assert!(refused.is_err(), "a split of masked_scatter is refused");
+    }
+}
+
+/// A small volume model: `conv3d` (strided, then grouped), `max_pool3d` and `avg_pool3d`:
+/// micro-batched gradients are the full batch's.
+#[test]
+fn volumes_match_the_full_batch() {
+    use toma::lazy::TensorOps;
+    fn loss<T: TensorOps>(x: &T, y: &T, w1: &Tensor, b1: &Tensor, w2: &Tensor) -> T {
+        let h = x.conv3d(w1, Some(b1), [1, 2, 2], [1], [1], 1).relu();
+        let h = h.max_pool3d([2], [], [0], [1], false).conv3d(w2, None::<&Tensor>, [1], [1], [1], 2).tanh();
+        let h = h.avg_pool3d([2, 2, 2], [1], [1], true, false, None).sum_dim_intlist([2, 3, 4], false, None);
+        h.log_softmax(-1, None).nll_loss(y)
+    }
+    tch::manual_seed(31);
+    let mut vs = nn::VarStore::new(CPU);
+    let w1 = vs.root().randn("w1", &[6, 3, 3, 3, 3], 0.0, 0.2);
+    let b1 = vs.root().randn("b1", &[6], 0.0, 0.1);
+    let w2 = vs.root().randn("w2", &[4, 3, 3, 3, 3], 0.0, 0.2);
+    vs.double();
+    for n in [5i64, 8] {
+        let x = Tensor::randn([n, 3, 6, 10, 10], (Kind::Double, CPU));
+        let y = Tensor::randint(4, [n], (Kind::Int64, CPU));
+        check_tight(
+            &vs,
+            &format!("volumes n={n}"),
+            &[1, 2, 3],
+            || loss(&x, &y, &w1, &b1, &w2),
+            || {
+                let (lx, ly) = lazy((&x, &y), 0);
+                loss(&lx, &ly, &w1, &b1, &w2)
+            },
+        );
+    }
+}

@@ -1140,3 +1140,222 @@ fn nonzero_and_argwhere_are_refused_with_what_to_do_instead() {
     let eager = lazy(&t, 0).to_tensor().unwrap().nonzero();
     assert_eq!(eager.size(), t.nonzero().size());
 }
+
+proptest! {
+    #![proptest_config(cases(96))]
+
+    #[test]
+    fn pixel_shuffles_wherever_the_batch_is(
+        lead in prop::collection::vec(1i64..4, 0..=2),
+        (c, h, w) in (1i64..4, 1i64..4, 1i64..4),
+        r in 0i64..4,
+        batch_dim in 0usize..5,
+        micro in 1usize..4,
+    ) {
+        // [..lead, C·r², H, W] (shuffle) and [..lead, C, H·r, W·r] (unshuffle); r = 0 and
+        // unfitting sizes are refused by both. The batch along a leading dimension splits;
+        // along the channels or the sides, entries move between samples.
+        let rr = r.max(1);
+        let shuffled: Vec<i64> = [lead.clone(), vec![c * rr * rr, h, w]].concat();
+        let unshuffled: Vec<i64> = [lead.clone(), vec![c, h * rr, w * rr + i64::from(w == 3)]].concat();
+        let nd = shuffled.len();
+        let bd = batch_dim.min(nd - 1);
+        let split = if bd + 3 >= nd { Split::Refused } else { Split::Exact };
+        let t = randn(&shuffled);
+        agree(&format!("pixel_shuffle {shuffled:?} r {r} batch {bd}"), t.f_pixel_shuffle(r), lazy(&t, bd).f_pixel_shuffle(r), micro, split)?;
+        let u = randn(&unshuffled);
+        agree(&format!("pixel_unshuffle {unshuffled:?} r {r} batch {bd}"), u.f_pixel_unshuffle(r), lazy(&u, bd).f_pixel_unshuffle(r), micro, split)?;
+        // Integers move as they are.
+        let i = Tensor::randint(9, shuffled.as_slice(), (Kind::Int64, CPU));
+        agree("pixel_shuffle Int64", i.f_pixel_shuffle(r), lazy(&i, bd).f_pixel_shuffle(r), micro, split)?;
+        let small = randn(&[c, h]);
+        agree("pixel_shuffle 2-D", small.f_pixel_shuffle(1), lazy(&small, 0).f_pixel_shuffle(1), micro, Split::Exact)?;
+    }
+
+    #[test]
+    fn upsample_nearest1d_sizes_and_scales(
+        (n, c, l) in (1i64..4, 1i64..4, 1i64..7),
+        out in 0i64..13,
+        scale in prop::option::of(0.3f64..3.0),
+        micro in 1usize..4,
+        batch_on_channels in any::<bool>(),
+    ) {
+        let x = randn(&[n, c, l]);
+        let bd = usize::from(batch_on_channels);
+        agree(&format!("upsample_nearest1d {l} to {out} scale {scale:?}"), x.f_upsample_nearest1d([out].as_slice(), scale), lazy(&x, bd).f_upsample_nearest1d([out], scale), micro, Split::Exact)?;
+        agree("upsample_nearest1d, two sizes", x.f_upsample_nearest1d([out, out].as_slice(), scale), lazy(&x, bd).f_upsample_nearest1d([out, out], scale), micro, Split::Exact)?;
+        let flat = randn(&[n, l]);
+        agree("upsample_nearest1d 2-D", flat.f_upsample_nearest1d([out].as_slice(), scale), lazy(&flat, 0).f_upsample_nearest1d([out], scale), micro, Split::Exact)?;
+        // Along the length, windows of samples: refused.
+        agree("upsample_nearest1d along the batch", x.f_upsample_nearest1d([out].as_slice(), scale), lazy(&x, 2).f_upsample_nearest1d([out], scale), micro, Split::Refused)?;
+    }
+
+    #[test]
+    fn unfold_any_dim(a in shape(4, 6), dim in -5i64..5, size in -1i64..5, step in 0i64..4, batch_dim in 0usize..4, transposed in any::<bool>(), micro in 1usize..5) {
+        // Also on a transposed (strided) input; a 0-dim one too.
+        let t = randn(&a);
+        let t = if transposed && a.len() > 1 { t.transpose(0, -1) } else { t };
+        let rank = a.len() as i64;
+        let bd = batch_dim.min(a.len() - 1);
+        let along_batch = dim >= -rank && dim < rank && dim.rem_euclid(rank) as usize == bd;
+        let split = if along_batch { Split::Refused } else { Split::Exact };
+        agree(&format!("unfold {:?} dim {dim} size {size} step {step} batch {bd}", t.size()), t.f_unfold(dim, size, step), lazy(&t, bd).f_unfold(dim, size, step), micro, split)?;
+        // A window of windows, then a copy: the view's strides are the micro-batch's own.
+        let eager = t.f_unfold(dim, size, step).and_then(|u| u.f_unfold(-1, 1, 1)).and_then(|u| u.f_mul_scalar(2.0));
+        let lazily = lazy(&t, bd).f_unfold(dim, size, step).and_then(|u| u.f_unfold(-1, 1, 1)).and_then(|u| u.f_mul_scalar(2.0));
+        agree("unfold twice", eager, lazily, micro, split)?;
+        let scalar = Tensor::from(1.5f64);
+        agree("unfold 0-dim", scalar.f_unfold(dim, size, step), LazyTensor::fixed(&scalar).f_unfold(dim, size, step), micro, Split::Exact)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(cases(96))]
+
+    #[test]
+    fn scatter_and_scatter_add_wherever_the_batch_is(
+        a in shape(3, 4),
+        d in 0usize..3,
+        negative in any::<bool>(),
+        extra in 0i64..2,
+        which in 0usize..4,
+        micro in 1usize..5,
+    ) {
+        // `self` [a] is split with the batch (dimension 0); the index and `src` too (which 0),
+        // or the index fixed (1), or `src` fixed (2), or `self` fixed (3). `scatter` takes a
+        // permutation along `d` (no index repeats: which write wins is libtorch's business),
+        // `scatter_add` repeated indices. `src` may be larger than the index.
+        let rank = a.len();
+        let d = d % rank;
+        let dim = if negative { d as i64 - rank as i64 } else { d as i64 };
+        let t = randn(&a);
+        let perm = Tensor::rand(a.as_slice(), F64).argsort(d as i64, false);
+        let repeats = Tensor::randint(a[d], a.as_slice(), (Kind::Int64, CPU));
+        let bigger: Vec<i64> = a.iter().enumerate().map(|(k, &s)| if k == 0 { s } else { s + extra }).collect();
+        let src = randn(&bigger);
+        let split = if d == 0 || which != 0 { Split::Refused } else { Split::Exact };
+        let lift = |x: &Tensor, batched: bool| if batched { lazy(x, 0) } else { LazyTensor::fixed(x) };
+        let (ls, lsrc) = (lift(&t, which != 3), lift(&src, which != 2));
+        for (name, index) in [("scatter", &perm), ("scatter_add", &repeats)] {
+            let li = lift(index, which != 1);
+            let what = format!("{name} {a:?} dim {dim} src {bigger:?} case {which}");
+            let (eager, lazily) = if name == "scatter" {
+                (t.f_scatter(dim, index, &src), ls.f_scatter(dim, &li, &lsrc))
+            } else {
+                (t.f_scatter_add(dim, index, &src), ls.f_scatter_add(dim, &li, &lsrc))
+            };
+            agree(&what, eager, lazily, micro, split)?;
+        }
+        // Refused by both: an index that is not Int64, a `src` of another kind, a smaller `src`.
+        let float_index = lazy(&perm.to_kind(Kind::Float), 0);
+        agree("scatter, float index", t.f_scatter(dim, &perm.to_kind(Kind::Float), &src), lazy(&t, 0).f_scatter(dim, &float_index, &lazy(&src, 0)), micro, Split::Exact)?;
+        let src32 = src.to_kind(Kind::Float);
+        agree("scatter_add, src kind", t.f_scatter_add(dim, &repeats, &src32), lazy(&t, 0).f_scatter_add(dim, &lazy(&repeats, 0), &lazy(&src32, 0)), micro, Split::Exact)?;
+        if rank > 1 && a[rank - 1] > 1 {
+            let small = src.narrow(-1, 0, 1);
+            agree("scatter, small src", t.f_scatter(dim, &perm, &small), lazy(&t, 0).f_scatter(dim, &lazy(&perm, 0), &lazy(&small, 0)), micro, Split::Exact)?;
+        }
+    }
+
+    #[test]
+    fn index_add_wherever_the_batch_is(a in shape(3, 4), d in 0usize..3, k in 1i64..5, which in 0usize..3, micro in 1usize..5) {
+        // `self` [a] split with the batch (dimension 0), `source` too (which 0) or fixed (1), or
+        // the index split with the batch (2: a 1-D index along the batch, `d` 0 only).
+        let rank = a.len();
+        let d = d % rank;
+        let t = randn(&a);
+        let mut source_shape = a.clone();
+        source_shape[d] = if which == 2 { a[0] } else { k };
+        let source = randn(&source_shape);
+        let index = Tensor::randint(a[d], [source_shape[d]], (Kind::Int64, CPU));
+        let lsource = if which == 1 || d == 0 { LazyTensor::fixed(&source) } else { lazy(&source, 0) };
+        let lindex = if which == 2 { lazy(&index, 0) } else { LazyTensor::fixed(&index) };
+        let split = if d == 0 || which != 0 { Split::Refused } else { Split::Exact };
+        agree(&format!("index_add {a:?} dim {d} source {source_shape:?} case {which}"), t.f_index_add(d as i64, &index, &source), lazy(&t, 0).f_index_add(d as i64, &lindex, &lsource), micro, split)?;
+        // Refused by both: a 2-D index, a source of another shape, a float index.
+        let index2 = index.unsqueeze(0);
+        agree("index_add, 2-D index", t.f_index_add(d as i64, &index2, &source), lazy(&t, 0).f_index_add(d as i64, &index2, &source), micro, Split::Exact)?;
+        let wide = randn(&[&source_shape[..], &[2]].concat());
+        agree("index_add, wide source", t.f_index_add(d as i64, &index, &wide), lazy(&t, 0).f_index_add(d as i64, &index, &wide), micro, Split::Exact)?;
+        let float_index = index.to_kind(Kind::Float);
+        agree("index_add, float index", t.f_index_add(d as i64, &float_index, &source), lazy(&t, 0).f_index_add(d as i64, &float_index, &source), micro, Split::Exact)?;
+    }
+
+    #[test]
+    fn masked_scatter_mixes_samples(a in shape(3, 4), broadcast_mask in any::<bool>(), batched in any::<bool>(), micro in 1usize..5) {
+        let t = randn(&a);
+        let mask_shape: Vec<i64> = if broadcast_mask { a[1..].to_vec() } else { a.clone() };
+        let mask = randn(&mask_shape).gt(0.0);
+        let total: i64 = a.iter().product();
+        // Enough entries for every mask here (the broadcast one below takes two rows).
+        let source = randn(&[total + 2 * a[a.len() - 1]]);
+        let lt = if batched { lazy(&t, 0) } else { LazyTensor::fixed(&t) };
+        let split = if batched { Split::Refused } else { Split::Exact };
+        agree(&format!("masked_scatter {a:?} mask {mask_shape:?}"), t.f_masked_scatter(&mask, &source), lt.f_masked_scatter(&mask, &source), micro, split)?;
+        // A mask `self` broadcasts to; an integer mask and a source of another kind are refused.
+        let wider = randn(&[2, a[a.len() - 1]]).gt(0.0);
+        let row = randn(&[a[a.len() - 1]]);
+        agree("masked_scatter, self broadcast", row.f_masked_scatter(&wider, &source), LazyTensor::fixed(&row).f_masked_scatter(&wider, &source), micro, Split::Exact)?;
+        agree("masked_scatter, int mask", t.f_masked_scatter(&mask.to_kind(Kind::Int64), &source), lt.f_masked_scatter(&mask.to_kind(Kind::Int64), &source), micro, split)?;
+        agree("masked_scatter, source kind", t.f_masked_scatter(&mask, &source.to_kind(Kind::Float)), lt.f_masked_scatter(&mask, &source.to_kind(Kind::Float)), micro, split)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(cases(64))]
+
+    #[test]
+    fn conv3d_every_parameter(
+        n in 1i64..3,
+        batched in any::<bool>(),
+        (groups, cin_per, cout_per) in (1i64..3, 1i64..3, 1i64..3),
+        side in 1i64..6,
+        k in 1i64..4,
+        stride in prop::collection::vec(1i64..3, 1..=3),
+        padding in prop::collection::vec(0i64..2, 1..=3),
+        dilation in 1i64..3,
+        bias in any::<bool>(),
+        micro in 1usize..3,
+    ) {
+        // Two stride values are refused by both, as libtorch refuses them.
+        let spatial = [side, side + 1, (side - 1).max(1)];
+        let shape: Vec<i64> = [if batched { vec![n] } else { vec![] }, vec![groups * cin_per], spatial.to_vec()].concat();
+        let x = randn(&shape);
+        let wt = randn(&[groups * cout_per, cin_per, k, k, 2]);
+        let b = randn(&[groups * cout_per]);
+        let bias_t = bias.then_some(&b);
+        let eager = x.f_conv3d(&wt, bias_t, stride.as_slice(), padding.as_slice(), [dilation].as_slice(), groups);
+        let lx = if batched { lazy(&x, 0) } else { LazyTensor::fixed(&x) };
+        let lazy_t = lx.f_conv3d(&wt, bias_t, &stride, &padding, [dilation], groups);
+        agree(&format!("conv3d {shape:?} s{stride:?} p{padding:?} d{dilation} g{groups} k{k}"), eager, lazy_t, micro, Split::Exact)?;
+    }
+
+    #[test]
+    fn pool3d_every_parameter(
+        shape in (1i64..4, 1i64..3, 1i64..6, 1i64..6, 1i64..6),
+        kernel in prop::collection::vec(1i64..4, 1..=3),
+        stride in prop::collection::vec(1i64..3, 0..=3),
+        padding in prop::collection::vec(0i64..2, 1..=3),
+        dilation in prop::collection::vec(1i64..3, 1..=3),
+        ceil_mode in any::<bool>(),
+        count_include_pad in any::<bool>(),
+        divisor in prop::option::of(0i64..4),
+        unbatched in any::<bool>(),
+        micro in 1usize..4,
+    ) {
+        // A 4-D input [C, D, H, W] with the batch along C also splits: pooling is per channel.
+        let x = randn(&[shape.0, shape.1, shape.2, shape.3, shape.4]);
+        let x = if unbatched { x.select(0, 0) } else { x };
+        let what = format!("{:?} k{kernel:?} s{stride:?} p{padding:?} d{dilation:?} ceil {ceil_mode}", x.size());
+        let eager = x.f_max_pool3d(kernel.as_slice(), stride.as_slice(), padding.as_slice(), dilation.as_slice(), ceil_mode);
+        let lazy_t = lazy(&x, 0).f_max_pool3d(&kernel, &stride, &padding, &dilation, ceil_mode);
+        agree(&format!("max_pool3d {what}"), eager, lazy_t, micro, Split::Exact)?;
+        let eager = x.f_avg_pool3d(kernel.as_slice(), stride.as_slice(), padding.as_slice(), ceil_mode, count_include_pad, divisor);
+        let lazy_t = lazy(&x, 0).f_avg_pool3d(&kernel, &stride, &padding, ceil_mode, count_include_pad, divisor);
+        agree(&format!("avg_pool3d {what} divisor {divisor:?}"), eager, lazy_t, micro, Split::Exact)?;
+        // Along a spatial dimension, windows of samples: refused.
+        let eager = x.f_max_pool3d(kernel.as_slice(), stride.as_slice(), padding.as_slice(), dilation.as_slice(), ceil_mode);
+        let lazy_t = lazy(&x, x.dim() - 1).f_max_pool3d(&kernel, &stride, &padding, &dilation, ceil_mode);
+        agree(&format!("max_pool3d along the batch {what}"), eager, lazy_t, micro, Split::Refused)?;
+    }
+}

@@ -7,7 +7,7 @@ use tch::{Kind, TchError, Tensor};
 
 use super::record::IntoLazy;
 use super::record::{combine_flows, same_device, unary_flow, Linearity, Record};
-use super::{arg, kind_err, same_shape_flow, shape_err};
+use super::{arg, kind_err, requires, same_shape_flow, shape_err};
 use crate::lazy::error::LazyError;
 use crate::lazy::error::OrPanic;
 use crate::lazy::graph::{BatchDim, Flow, KernelCall, Meta, Node, Operation, RunCx};
@@ -389,6 +389,106 @@ impl Operation for Gather {
 
     fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
         i == 1
+    }
+}
+
+/// `self` with entries along `dim` written (`scatter`) or added to (`scatter_add`) at an
+/// index, from `src`. Operands: self, index (integers, kept to send the gradient back), src.
+/// `scatter_add`'s gradient for `self` is the output's (a view); `scatter`'s is it with the
+/// overwritten entries zeroed (a new tensor).
+pub(crate) struct Scatter {
+    dim: i64,
+    add: bool,
+}
+
+impl Operation for Scatter {
+    fn name(&self) -> &'static str {
+        if self.add {
+            "scatter_add"
+        } else {
+            "scatter"
+        }
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        if self.add {
+            ins[0].f_scatter_add(self.dim, ins[1], ins[2])
+        } else {
+            ins[0].f_scatter(self.dim, ins[1], ins[2])
+        }
+    }
+
+    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
+        i == 1
+    }
+
+    fn grad_aliases(&self, i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
+        self.add && i == 0
+    }
+}
+
+/// `self` with `source`'s slices added along `dim` at the positions of a 1-D index. Operands:
+/// self, index (kept), source. The gradient for `self` is the output's (a view).
+pub(crate) struct IndexAdd {
+    dim: i64,
+}
+
+impl Operation for IndexAdd {
+    fn name(&self) -> &'static str {
+        "index_add"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_index_add(self.dim, ins[1], ins[2])
+    }
+
+    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
+        i == 1
+    }
+
+    fn grad_aliases(&self, i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
+        i == 0
+    }
+}
+
+/// `self` with its entries where a mask is true taken from `source`, in order. Operands:
+/// self, mask (Bool, kept), source. The backward selects the output gradient's masked
+/// entries for `source` (padded with zeros to its size).
+pub(crate) struct MaskedScatter;
+
+/// Bytes of the two `Int64` buffers per output element that libtorch's CPU `masked_select`
+/// fills beside its result, in `masked_scatter`'s backward (read from the CPU allocator's
+/// trace, libtorch 2.11).
+const MASKED_SELECT_INDEX_BYTES: u64 = 16;
+
+impl Operation for MaskedScatter {
+    fn name(&self) -> &'static str {
+        "masked_scatter"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_masked_scatter(ins[1], ins[2])
+    }
+
+    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
+        i == 1
+    }
+
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        // `source`'s gradient: the output gradient's masked entries (at most all of them, or
+        // `source`'s size: how many depends on the mask's values), selected with two index
+        // buffers per entry; then zeros to `source`'s size, and both joined into the gradient.
+        // The gradient is made last (the planner holds it through the op's backward). Never
+        // split (a split is refused), so the whole batch's sizes.
+        if requires(inputs, 2) {
+            let elt = meta.kind.elt_size_in_bytes().max(1) as u64;
+            let out = shape::numel(&meta.shape).max(0) as u64;
+            let source = shape::numel(&inputs[2].meta.shape).max(0) as u64;
+            let selected = out.min(source);
+            let indices = (out * MASKED_SELECT_INDEX_BYTES).div_ceil(elt);
+            let scratch = (selected + indices).saturating_sub(source).max(source);
+            calls.push(KernelCall::Temporaries { forward: (0, 0), backward: (0, scratch) });
+        }
     }
 }
 
@@ -974,6 +1074,213 @@ impl LazyTensor {
         let flow = if mixes.is_some() && matches!(flow, Flow::PerSample(_)) { Flow::Opaque } else { flow };
         let op = Gather { dim: d as i64, sparse_grad };
         Ok(Record::new(op, vec![x.clone(), i.clone()], is.clone(), x.meta.kind, device).flow((flow, mixes)).finish())
+    }
+
+    /// `self` with `src`'s entries written along `dim` at `index` (integers, as many
+    /// dimensions as `self`, no larger than `src`, nor than `self` outside `dim`), as tch's
+    /// `scatter`: `out[index[i][j]][j] = src[i][j]` for `dim` 0 (where an index repeats, one
+    /// of the writes wins). Per sample when all three are split with the batch along another
+    /// dimension; scattering along the batch dimension, or with an operand not split with it,
+    /// mixes samples. libtorch's backward takes a `src` of the index's shape only.
+    ///
+    /// # Errors
+    /// [`LazyError::Kind`] for a non-`Int64` index or a `src` of another kind,
+    /// [`LazyError::Shape`] for operands of other ranks or too small, [`LazyError::Argument`]
+    /// for a bad dimension, [`LazyError::Device`].
+    pub fn f_scatter(&self, dim: i64, index: impl IntoLazy, src: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        self.scattered("scatter", dim, &index.into_lazy(), &src.into_lazy(), false)
+    }
+
+    /// `self` with `src`'s entries added along `dim` at `index`, as tch's `scatter_add`:
+    /// `out[index[i][j]][j] += src[i][j]` for `dim` 0 (repeated indices add up). Split as
+    /// [`f_scatter`](Self::f_scatter).
+    ///
+    /// # Errors
+    /// As [`f_scatter`](Self::f_scatter).
+    pub fn f_scatter_add(&self, dim: i64, index: impl IntoLazy, src: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        self.scattered("scatter_add", dim, &index.into_lazy(), &src.into_lazy(), true)
+    }
+
+    fn scattered(
+        &self,
+        name: &'static str,
+        dim: i64,
+        index: &LazyTensor,
+        src: &LazyTensor,
+        add: bool,
+    ) -> Result<LazyTensor, LazyError> {
+        let (x, i, s) = (&self.node, &index.node, &src.node);
+        let device = same_device(name, &[x, i, s])?;
+        if i.meta.kind != Kind::Int64 {
+            return Err(kind_err(
+                name,
+                i.meta.kind,
+                &i.meta.shape,
+                format!("{name}(): Expected dtype int64 for index"),
+            ));
+        }
+        if s.meta.kind != x.meta.kind {
+            return Err(kind_err(
+                name,
+                s.meta.kind,
+                &s.meta.shape,
+                format!("{name}(): Expected self.dtype ({:?}) to be equal to src.dtype", x.meta.kind),
+            ));
+        }
+        let (xs, is, ss) = (&x.meta.shape, &i.meta.shape, &s.meta.shape);
+        let d = shape::wrap_dim(dim, xs.len()).map_err(|r| arg(name, xs, r))?;
+        // libtorch checks nothing more for an empty index.
+        if shape::numel(is) != 0 {
+            if xs.len().max(1) != is.len().max(1) || ss.len().max(1) != is.len().max(1) {
+                return Err(shape_err(
+                    name,
+                    xs,
+                    is,
+                    "Index tensor must have the same number of dimensions as self and src",
+                ));
+            }
+            let fits = is.iter().enumerate().all(|(k, &n)| (k == d || n <= xs[k]) && n <= ss[k]);
+            if !fits {
+                return Err(shape_err(
+                    name,
+                    xs,
+                    is,
+                    format!("Expected index {is:?} to be no larger than self {xs:?} apart from dimension {d} and no larger than src {ss:?}"),
+                ));
+            }
+        }
+        let flow = self.written_flow(name, &[x, i, s], d, "scatters")?;
+        let op = Scatter { dim: d as i64, add };
+        let inputs = vec![x.clone(), i.clone(), s.clone()];
+        Ok(Record::new(op, inputs, xs.clone(), x.meta.kind, device).flow(flow).finish())
+    }
+
+    /// The flow of an op that writes `nodes[2]` into `nodes[0]` (`self`) along `d` at
+    /// `nodes[1]`: per sample only when every per-sample operand is split with the batch along
+    /// another dimension, and `self` and the values written are.
+    fn written_flow(
+        &self,
+        name: &str,
+        nodes: &[&Rc<Node>; 3],
+        d: usize,
+        verb: &str,
+    ) -> Result<(Flow, Option<String>), LazyError> {
+        let mapped: Vec<Option<usize>> = nodes.iter().map(|n| n.meta.batch().map(|bd| bd.dim)).collect();
+        let (flow, mixes) = combine_flows(name, nodes, &mapped, &self.node.meta.shape, Linearity::Nonlinear, false)?;
+        let batched: Vec<bool> = nodes.iter().map(|n| n.meta.batch().is_some()).collect();
+        if !batched.contains(&true) {
+            return Ok((flow, mixes));
+        }
+        let reason = if nodes.iter().any(|n| n.meta.batch().is_some_and(|bd| bd.dim == d)) {
+            format!("`{name}` {verb} along the batch dimension")
+        } else if !(batched[0] && batched[2]) || (verb == "scatters" && !batched[1]) {
+            format!(
+                "`{name}` {verb} per-sample values with an operand not split with the batch (wrap it with \
+                 toma::lazy::lazy(.., dim))"
+            )
+        } else {
+            return Ok((flow, mixes));
+        };
+        Ok((Flow::Opaque, Some(reason)))
+    }
+
+    /// `self` with `source`'s slices added along `dim` at the positions of `index` (1-D,
+    /// integers; `source` is `self`'s shape with `index`'s length along `dim`), as tch's
+    /// `index_add`. Per sample when `self` and `source` are split with the batch along another
+    /// dimension and the index is fixed; along the batch dimension, with a per-sample index,
+    /// or with only one of `self` and `source` split, it mixes samples.
+    ///
+    /// # Errors
+    /// [`LazyError::Kind`] for an index not `Int64` or `Int`, or a `source` of another kind;
+    /// [`LazyError::Shape`] for an index that is not 1-D or a `source` of another shape;
+    /// [`LazyError::Argument`] for a bad dimension; [`LazyError::Device`].
+    pub fn f_index_add(&self, dim: i64, index: impl IntoLazy, source: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        let (index, source) = (index.into_lazy(), source.into_lazy());
+        let (x, i, s) = (&self.node, &index.node, &source.node);
+        let name = "index_add";
+        let device = same_device(name, &[x, i, s])?;
+        let (xs, is, ss) = (&x.meta.shape, &i.meta.shape, &s.meta.shape);
+        let d = shape::wrap_dim(dim, xs.len()).map_err(|r| arg(name, xs, r))?;
+        if is.len() > 1 {
+            return Err(shape_err(name, xs, is, "index_add_(): Index is supposed to be a vector"));
+        }
+        if !matches!(i.meta.kind, Kind::Int64 | Kind::Int) {
+            return Err(kind_err(name, i.meta.kind, is, "index_add_(): Expected dtype int32/int64 for index"));
+        }
+        if s.meta.kind != x.meta.kind {
+            return Err(kind_err(
+                name,
+                s.meta.kind,
+                ss,
+                format!("index_add_(): self ({:?}) and source must have the same scalar type", x.meta.kind),
+            ));
+        }
+        if d != 0 && d >= ss.len() {
+            return Err(arg(name, ss, format!("index_add_(): Indexing dim {d} is out of bounds of the source")));
+        }
+        let count = shape::numel(is);
+        if count != ss.get(d).copied().unwrap_or(1) {
+            return Err(shape_err(name, is, ss, "Number of indices should be equal to source.size(dim)"));
+        }
+        let (mut xr, mut sr) = (xs.clone(), ss.clone());
+        if !xr.is_empty() && !sr.is_empty() {
+            xr.remove(d);
+            sr.remove(d);
+        }
+        if xr != sr {
+            return Err(shape_err(
+                name,
+                xs,
+                ss,
+                "source tensor shape must match self tensor shape, excluding the specified dimension",
+            ));
+        }
+        let mut flow = self.written_flow(name, &[x, i, s], d, "adds")?;
+        if flow.0 != Flow::Opaque && i.meta.batch().is_some() {
+            flow = (Flow::Opaque, Some("`index_add` adds with a per-sample index along its dimension".into()));
+        }
+        let inputs = vec![x.clone(), i.clone(), s.clone()];
+        Ok(Record::new(IndexAdd { dim: d as i64 }, inputs, xs.clone(), x.meta.kind, device).flow(flow).finish())
+    }
+
+    /// `self` (broadcast with `mask`) with its entries where `mask` (Bool) is true taken from
+    /// `source`, in order, as tch's `masked_scatter`. A sample's entries come from wherever the
+    /// masks of the samples before it stopped: with anything split with the batch it mixes
+    /// samples. `source` must hold at least as many entries as the mask's trues (checked by
+    /// libtorch when it runs).
+    ///
+    /// # Errors
+    /// [`LazyError::Kind`] for a mask that is not Bool or a `source` of another kind,
+    /// [`LazyError::Shape`] when `self` and `mask` do not broadcast, [`LazyError::Device`].
+    pub fn f_masked_scatter(&self, mask: impl IntoLazy, source: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        let (mask, source) = (mask.into_lazy(), source.into_lazy());
+        let (x, m, s) = (&self.node, &mask.node, &source.node);
+        let name = "masked_scatter";
+        let device = same_device(name, &[x, m, s])?;
+        if m.meta.kind != Kind::Bool {
+            return Err(kind_err(name, m.meta.kind, &m.meta.shape, "masked_scatter_ only supports boolean masks"));
+        }
+        if s.meta.kind != x.meta.kind {
+            return Err(kind_err(
+                name,
+                s.meta.kind,
+                &s.meta.shape,
+                format!("masked_scatter: expected self and source to have same dtypes ({:?})", x.meta.kind),
+            ));
+        }
+        let out = shape::broadcast(&x.meta.shape, &m.meta.shape)
+            .map_err(|r| shape_err(name, &x.meta.shape, &m.meta.shape, r))?;
+        let nodes = [x, m, s];
+        let flow = if nodes.iter().any(|n| n.meta.batch().is_some()) {
+            let reason = "`masked_scatter` takes `source`'s entries in order over the whole tensor: a sample's \
+                          depend on the masks of the samples before it";
+            (Flow::Opaque, Some(reason.to_string()))
+        } else {
+            let mapped = [None, None, None];
+            combine_flows(name, &nodes, &mapped, &out, Linearity::Nonlinear, false)?
+        };
+        let inputs = vec![x.clone(), m.clone(), s.clone()];
+        Ok(Record::new(MaskedScatter, inputs, out, x.meta.kind, device).flow(flow).finish())
     }
 
     /// Entry `index` of `dim`, that dimension removed (a view), as tch's `select`; a negative

@@ -1,5 +1,5 @@
-//! Windows over spatial dimensions: convolutions (1-D, 2-D, transposed 2-D), 2-D pooling and
-//! upsampling.
+//! Windows over spatial dimensions: convolutions (1-D, 2-D, transposed 2-D), 2-D pooling,
+//! upsampling, pixel shuffles, and sliding windows along one dimension (`unfold`).
 
 use std::rc::Rc;
 
@@ -14,8 +14,8 @@ use crate::lazy::int_list::IntList;
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
 
-/// A convolution over `D` spatial dimensions (`conv1d`, `conv2d`). Operands: x, weight,
-/// optional bias.
+/// A convolution over `D` spatial dimensions (`conv1d`, `conv2d`, `conv3d`). Operands: x,
+/// weight, optional bias.
 pub(crate) struct Conv<const D: usize> {
     stride: [i64; D],
     padding: [i64; D],
@@ -56,20 +56,20 @@ fn conv_saves(i: usize, inputs: &[Rc<Node>]) -> bool {
 
 impl<const D: usize> Operation for Conv<D> {
     fn name(&self) -> &'static str {
-        if D == 1 {
-            "conv1d"
-        } else {
-            "conv2d"
+        match D {
+            1 => "conv1d",
+            2 => "conv2d",
+            _ => "conv3d",
         }
     }
 
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         let (x, weight, bias) = (ins[0], ins[1], ins.get(2).copied());
         let (stride, padding, dilation) = (&self.stride[..], &self.padding[..], &self.dilation[..]);
-        if D == 1 {
-            x.f_conv1d(weight, bias, stride, padding, dilation, self.groups)
-        } else {
-            x.f_conv2d(weight, bias, stride, padding, dilation, self.groups)
+        match D {
+            1 => x.f_conv1d(weight, bias, stride, padding, dilation, self.groups),
+            2 => x.f_conv2d(weight, bias, stride, padding, dilation, self.groups),
+            _ => x.f_conv3d(weight, bias, stride, padding, dilation, self.groups),
         }
     }
 
@@ -224,6 +224,170 @@ impl Operation for UpsampleBilinear2d {
     }
 }
 
+/// Nearest-neighbour upsampling of `[N, C, L]` to `output` entries; its backward needs only
+/// the sizes.
+pub(crate) struct UpsampleNearest1d {
+    output: i64,
+    /// `scales` as given (libtorch's source step when set).
+    scales: Option<f64>,
+}
+
+impl Operation for UpsampleNearest1d {
+    fn name(&self) -> &'static str {
+        "upsample_nearest1d"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_upsample_nearest1d([self.output], self.scales)
+    }
+}
+
+/// `pixel_shuffle` (`[.., C·r², H, W]` to `[.., C, H·r, W·r]`) or its inverse `pixel_unshuffle`:
+/// a copy with the entries moved; its backward is the other one, on the gradient (nothing
+/// kept). libtorch's CPU kernel copies a strided input contiguous first.
+pub(crate) struct PixelShuffle {
+    factor: i64,
+    unshuffle: bool,
+}
+
+impl Operation for PixelShuffle {
+    fn name(&self) -> &'static str {
+        if self.unshuffle {
+            "pixel_unshuffle"
+        } else {
+            "pixel_shuffle"
+        }
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        if self.unshuffle {
+            ins[0].f_pixel_unshuffle(self.factor)
+        } else {
+            ins[0].f_pixel_shuffle(self.factor)
+        }
+    }
+
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], _meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        let x = &inputs[0].meta;
+        if !shape::is_contiguous(&x.shape, &x.strides) {
+            calls.push(KernelCall::Temporaries { forward: x.numel_parts(), backward: (0, 0) });
+        }
+    }
+}
+
+/// Every window of `size` entries along `dim`, `step` apart, as a new last dimension: a view
+/// (windows may overlap). Its gradient is a new tensor of the input's shape, the windows'
+/// gradients added where they overlap.
+pub(crate) struct Unfold {
+    dim: i64,
+    size: i64,
+    step: i64,
+}
+
+impl Operation for Unfold {
+    fn name(&self) -> &'static str {
+        "unfold"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_unfold(self.dim, self.size, self.step)
+    }
+}
+
+/// 3-D max pooling; keeps the indices of the maxima for its backward.
+pub(crate) struct MaxPool3d {
+    kernel: [i64; 3],
+    stride: [i64; 3],
+    padding: [i64; 3],
+    dilation: [i64; 3],
+    ceil_mode: bool,
+}
+
+impl Operation for MaxPool3d {
+    fn name(&self) -> &'static str {
+        "max_pool3d"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_max_pool3d(self.kernel, self.stride, self.padding, self.dilation, self.ceil_mode)
+    }
+
+    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
+        i == 0
+    }
+
+    fn kernels<'a>(&'a self, _inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        // One int64 index per output element.
+        calls.push(KernelCall::Keeps { elements: meta.numel_parts(), kind: Kind::Int64 });
+    }
+}
+
+/// 3-D average pooling.
+pub(crate) struct AvgPool3d {
+    kernel: [i64; 3],
+    stride: [i64; 3],
+    padding: [i64; 3],
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: Option<i64>,
+}
+
+impl Operation for AvgPool3d {
+    fn name(&self) -> &'static str {
+        "avg_pool3d"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let AvgPool3d { kernel, stride, padding, ceil_mode, count_include_pad, divisor_override } = self;
+        ins[0].f_avg_pool3d(kernel, stride, padding, *ceil_mode, *count_include_pad, *divisor_override)
+    }
+
+    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
+        i == 0
+    }
+}
+
+/// Output shape of 3-D pooling of a `[C, D, H, W]` or `[N, C, D, H, W]` input, as libtorch
+/// checks it (`dilation` all 1 for average pooling, which also takes no input smaller than its
+/// kernel, padded or not).
+fn pool3d_shape(
+    input: &[i64],
+    kernel: [i64; 3],
+    stride: [i64; 3],
+    padding: [i64; 3],
+    dilation: [i64; 3],
+    ceil_mode: bool,
+    average: bool,
+) -> Result<Vec<i64>, String> {
+    let n = input.len();
+    if n != 4 && n != 5 {
+        return Err(format!("expected a 4-D or 5-D input, got {n} dims"));
+    }
+    if kernel.iter().chain(&stride).chain(&dilation).any(|&v| v < 1) {
+        return Err(format!("kernel {kernel:?}, stride {stride:?} and dilation {dilation:?} must be positive"));
+    }
+    if input[n - 4..].contains(&0) {
+        return Err("expected non-empty channels and spatial dimensions".into());
+    }
+    if average && (0..3).any(|i| input[n - 3 + i] < kernel[i]) {
+        return Err(format!("input image {:?} smaller than kernel size {kernel:?}", &input[n - 3..]));
+    }
+    let mut out = input.to_vec();
+    for i in 0..3 {
+        if padding[i] < 0 || padding[i] > kernel[i] / 2 {
+            return Err(format!(
+                "pad should be at most half of effective kernel size, got padding {padding:?} for kernel {kernel:?}"
+            ));
+        }
+        let size = shape::window_out(input[n - 3 + i], kernel[i], padding[i], stride[i], dilation[i], ceil_mode);
+        if size < 1 {
+            return Err(format!("output size is too small ({size}) for input {:?}", &input[n - 3..]));
+        }
+        out[n - 3 + i] = size;
+    }
+    Ok(out)
+}
+
 /// The one value of a 1-D window setting (`[k]` or `k`); `default` for an empty list (a
 /// stride that means the kernel size).
 fn one_of(op: &str, shape: &[i64], values: &[i64], what: &str, default: Option<i64>) -> Result<i64, LazyError> {
@@ -358,6 +522,93 @@ impl LazyTensor {
         self.convolution::<2>("conv2d", &w, b.as_ref(), [stride, padding, dilation], groups)
     }
 
+    /// 3-D convolution, as tch's `conv3d`: `self` is `[N, C, D, H, W]` (or `[C, D, H, W]`),
+    /// `weight` `[O, C / groups, kd, kh, kw]`; `stride`, `padding` and `dilation` take 1 or 3
+    /// values.
+    ///
+    /// # Errors
+    /// As [`f_conv2d`](Self::f_conv2d).
+    #[allow(clippy::too_many_arguments)]
+    pub fn f_conv3d(
+        &self,
+        #[fixed] weight: impl IntoLazy,
+        #[fixed] bias: Option<impl IntoLazy>,
+        stride: impl IntList,
+        padding: impl IntList,
+        dilation: impl IntList,
+        groups: i64,
+    ) -> Result<LazyTensor, LazyError> {
+        let (w, b) = (weight.into_lazy(), bias.map(IntoLazy::into_lazy));
+        let (stride, padding, dilation) = (stride.as_slice(), padding.as_slice(), dilation.as_slice());
+        self.convolution::<3>("conv3d", &w, b.as_ref(), [stride, padding, dilation], groups)
+    }
+
+    /// 3-D max pooling of `[N, C, D, H, W]` (or `[C, D, H, W]`), as tch's `max_pool3d` (an
+    /// empty `stride` means the kernel size); each setting takes 1 or 3 values.
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for parameters libtorch refuses (a padding over half the
+    /// kernel, an output smaller than 1, ..).
+    pub fn f_max_pool3d(
+        &self,
+        kernel_size: impl IntList,
+        stride: impl IntList,
+        padding: impl IntList,
+        dilation: impl IntList,
+        ceil_mode: bool,
+    ) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let name = "max_pool3d";
+        let a = |r: String| arg(name, &n.meta.shape, r);
+        let kernel = shape::spatial::<3>(kernel_size.as_slice(), "kernel_size").map_err(a)?;
+        let stride = match stride.as_slice() {
+            [] => kernel,
+            s => shape::spatial::<3>(s, "stride").map_err(a)?,
+        };
+        let padding = shape::spatial::<3>(padding.as_slice(), "padding").map_err(a)?;
+        let dilation = shape::spatial::<3>(dilation.as_slice(), "dilation").map_err(a)?;
+        let out = pool3d_shape(&n.meta.shape, kernel, stride, padding, dilation, ceil_mode, false).map_err(a)?;
+        let nd = out.len();
+        let flow = unary_flow(name, n, &out, |d| (d + 3 < nd).then_some(d), Linearity::Nonlinear)?;
+        let op = MaxPool3d { kernel, stride, padding, dilation, ceil_mode };
+        Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
+    }
+
+    /// 3-D average pooling, as tch's `avg_pool3d` (an empty `stride` means the kernel size).
+    ///
+    /// # Errors
+    /// As [`f_max_pool3d`](Self::f_max_pool3d); also a `divisor_override` of 0 and integers.
+    #[allow(clippy::too_many_arguments)]
+    pub fn f_avg_pool3d(
+        &self,
+        kernel_size: impl IntList,
+        stride: impl IntList,
+        padding: impl IntList,
+        ceil_mode: bool,
+        count_include_pad: bool,
+        divisor_override: impl Into<Option<i64>>,
+    ) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let name = "avg_pool3d";
+        let a = |r: String| arg(name, &n.meta.shape, r);
+        let kernel = shape::spatial::<3>(kernel_size.as_slice(), "kernel_size").map_err(a)?;
+        let stride = match stride.as_slice() {
+            [] => kernel,
+            s => shape::spatial::<3>(s, "stride").map_err(a)?,
+        };
+        let padding = shape::spatial::<3>(padding.as_slice(), "padding").map_err(a)?;
+        let divisor_override = divisor_override.into();
+        if divisor_override == Some(0) {
+            return Err(a("divisor must be not zero".into()));
+        }
+        floating(name, n)?;
+        let out = pool3d_shape(&n.meta.shape, kernel, stride, padding, [1; 3], ceil_mode, true).map_err(a)?;
+        let nd = out.len();
+        let flow = unary_flow(name, n, &out, |d| (d + 3 < nd).then_some(d), Linearity::Nonlinear)?;
+        let op = AvgPool3d { kernel, stride, padding, ceil_mode, count_include_pad, divisor_override };
+        Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
+    }
+
     /// 1-D convolution, as tch's `conv1d`: `self` is `[N, C, L]` (or `[C, L]`), `weight`
     /// `[O, C / groups, k]`; `stride`, `padding` and `dilation` take 1 value.
     ///
@@ -485,6 +736,129 @@ impl LazyTensor {
     fn pool_flow(&self, name: &str, out: &[i64]) -> Result<(Flow, Option<String>), LazyError> {
         let nd = self.node.meta.shape.len();
         unary_flow(name, &self.node, out, |d| (d + 2 < nd).then_some(d), Linearity::Nonlinear)
+    }
+
+    /// Nearest-neighbour upsampling of `[N, C, L]` to `output_size` (`[l]`), as tch's
+    /// `upsample_nearest1d`; `scales`, when given, sets the source step as in libtorch (the
+    /// output size is `output_size` either way).
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for a non 3-D or empty input, a size that is not one value of at
+    /// least 1, or a scale that is not positive.
+    pub fn f_upsample_nearest1d(
+        &self,
+        output_size: impl IntList,
+        scales: impl Into<Option<f64>>,
+    ) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let name = "upsample_nearest1d";
+        let shape = &n.meta.shape;
+        let a = |r: String| arg(name, shape, r);
+        let scales = scales.into();
+        let output = one_of(name, shape, output_size.as_slice(), "output_size", None)?;
+        if shape.len() != 3 || shape[1..].contains(&0) || output < 1 {
+            return Err(a(format!("expected a non-empty 3-D input and an output size of at least 1, got {output}")));
+        }
+        if scales.is_some_and(|s| s.is_nan() || s <= 0.0) {
+            return Err(a(format!("scales must be positive, got {scales:?}")));
+        }
+        let mut out = shape.clone();
+        out[2] = output;
+        let flow = unary_flow(name, n, &out, |d| (d < 2).then_some(d), Linearity::Nonlinear)?;
+        let op = UpsampleNearest1d { output, scales };
+        Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
+    }
+
+    /// Rearranges `[.., C·r², H, W]` into `[.., C, H·r, W·r]` (`r` the `upscale_factor`), as
+    /// tch's `pixel_shuffle`. Per sample when the batch is a leading dimension; a batch along
+    /// the channels or the sides moves entries between samples.
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for fewer than 3 dimensions, a factor below 1, or channels not
+    /// divisible by its square.
+    pub fn f_pixel_shuffle(&self, upscale_factor: i64) -> Result<LazyTensor, LazyError> {
+        self.pixel_shuffled("pixel_shuffle", upscale_factor, false)
+    }
+
+    /// Rearranges `[.., C, H·r, W·r]` into `[.., C·r², H, W]` (`r` the `downscale_factor`), as
+    /// tch's `pixel_unshuffle`: the inverse of `pixel_shuffle`, split as it is.
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for fewer than 3 dimensions, a factor below 1, or sides not
+    /// divisible by it.
+    pub fn f_pixel_unshuffle(&self, downscale_factor: i64) -> Result<LazyTensor, LazyError> {
+        self.pixel_shuffled("pixel_unshuffle", downscale_factor, true)
+    }
+
+    fn pixel_shuffled(&self, name: &'static str, r: i64, unshuffle: bool) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let shape = &n.meta.shape;
+        let a = |r: String| arg(name, shape, r);
+        let nd = shape.len();
+        if nd < 3 {
+            return Err(a(format!("expects input to have at least 3 dimensions, but got {nd}")));
+        }
+        if r < 1 {
+            return Err(a(format!("the factor must be greater than 0, but got {r}")));
+        }
+        let (c, h, w) = (shape[nd - 3], shape[nd - 2], shape[nd - 1]);
+        let mut out = shape.clone();
+        if unshuffle {
+            if h % r != 0 || w % r != 0 {
+                return Err(a(format!("the height {h} and width {w} must be divisible by the factor {r}")));
+            }
+            out[nd - 3..].copy_from_slice(&[c * r * r, h / r, w / r]);
+        } else {
+            if c % (r * r) != 0 {
+                return Err(a(format!("the channels {c} must be divisible by the square of the factor {r}")));
+            }
+            out[nd - 3..].copy_from_slice(&[c / (r * r), h * r, w * r]);
+        }
+        let (flow, mixes) = match n.meta.batch() {
+            Some(bd) if bd.dim + 3 >= nd => {
+                (Flow::Opaque, Some(format!("moves entries between samples (the batch dimension {})", bd.dim)))
+            }
+            _ => unary_flow(name, n, &out, Some, Linearity::Structural)?,
+        };
+        let op = PixelShuffle { factor: r, unshuffle };
+        Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow((flow, mixes)).finish())
+    }
+
+    /// Every window of `size` entries along `dimension`, `step` apart, as a new last dimension
+    /// of `size` (a view: windows may overlap), as tch's `unfold`. Per sample unless
+    /// `dimension` is the batch dimension (windows across samples).
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for a bad dimension, a `size` outside `0..=` the dimension's
+    /// size, or a `step` below 1.
+    pub fn f_unfold(&self, dimension: i64, size: i64, step: i64) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let m = &n.meta;
+        let name = "unfold";
+        let a = |r: String| arg(name, &m.shape, r);
+        let d = shape::wrap_dim(dimension, m.shape.len()).map_err(a)?;
+        let max = m.shape.get(d).copied().unwrap_or(1);
+        if size > max || size < 0 {
+            return Err(a(format!("maximum size for tensor at dimension {d} is {max} but size is {size}")));
+        }
+        if step < 1 {
+            return Err(a(format!("step is {step} but must be > 0")));
+        }
+        let (mut out, mut strides) = (m.shape.clone(), m.strides.clone());
+        out.push(size);
+        strides.push(m.strides.get(d).copied().unwrap_or(1));
+        if d < m.shape.len() {
+            out[d] = (m.shape[d] - size) / step + 1;
+            strides[d] *= step;
+        }
+        let (flow, mixes) = match m.batch() {
+            Some(bd) if bd.dim == d => {
+                (Flow::Opaque, Some(format!("`unfold` takes windows along the batch dimension {d}")))
+            }
+            _ => unary_flow(name, n, &out, Some, Linearity::Structural)?,
+        };
+        let op = Unfold { dim: d as i64, size, step };
+        Ok(Record::new(op, vec![n.clone()], out, m.kind, m.device).flow((flow, mixes)).view(strides).finish())
     }
 
     /// 1-D max pooling over the last dimension of `[C, L]` or `[N, C, L]`, as tch's
