@@ -1667,3 +1667,93 @@ fn volumes_peak_as_planned() {
     }
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "3-D windows");
 }
+
+/// A `sum` as the loss: its backward hands each op below a broadcast gradient (stride 0), which
+/// `linear`, `matmul`, the softmaxes, layer norm, convolutions, pools and the exact `gelu`
+/// (`Float`, `BFloat16`) copy densely while their backward runs; elementwise backward kernels
+/// read it as it is. Each against the allocator, in the kinds the CPU runs.
+#[test]
+fn sum_losses_peak_as_planned() {
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    let mut rows = Rows::default();
+    for kind in [Kind::Float, Kind::Double, Kind::Half] {
+        let mut vs = nn::VarStore::new(CPU);
+        let ln = nn::layer_norm(vs.root() / "ln", vec![256], Default::default());
+        let l = nn::linear(vs.root() / "l", 256, 512, Default::default());
+        let conv = nn::conv2d(vs.root() / "c", 8, 8, 3, nn::ConvConfig { padding: 1, ..Default::default() });
+        match kind {
+            Kind::Double => vs.double(),
+            Kind::Half => vs.half(),
+            _ => {}
+        }
+        let x = Tensor::randn([16, 64, 256], (kind, CPU));
+        let img = Tensor::randn([16, 8, 32, 32], (kind, CPU));
+        type Model<'a> = Box<dyn Fn(&LazyTensor, &LazyTensor) -> LazyTensor + 'a>;
+        let models: Vec<(&str, Model)> = vec![
+            ("linear", Box::new(|x, _| x.apply(&l))),
+            ("gelu", Box::new(|x, _| x.apply(&l).gelu("none"))),
+            ("tanh", Box::new(|x, _| x.apply(&l).tanh())),
+            ("log_softmax", Box::new(|x, _| x.apply(&l).log_softmax(-1, None))),
+            ("layer_norm", Box::new(|x, _| x.apply(&l).relu().narrow(2, 0, 256).apply(&ln))),
+            ("sum_dim", Box::new(|x, _| x.apply(&l).sum_dim_intlist([1], false, None::<Kind>).relu())),
+            ("conv", Box::new(|_, i| i.apply(&conv))),
+            ("conv, pool", Box::new(|_, i| i.apply(&conv).max_pool2d_default(2))),
+        ];
+        for (name, model) in &models {
+            for micro in [16usize, 4] {
+                let (lx, li) = toma::lazy::lazy((&x, &img), 0);
+                let loss = model(&lx, &li).sum(None::<Kind>);
+                let (planned, measured) = planned_and_measured_at(&loss, micro);
+                rows.push(format!("{name}.sum() {kind:?} micro {micro}"), planned, measured);
+            }
+        }
+    }
+    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "sum losses");
+}
+
+/// Half-precision kinds on the CPU: `Half` runs libtorch's native kernels; `BFloat16`
+/// convolutions go to oneDNN where the CPU passes libtorch's bf16 check (AVX-512 BW, VL, DQ),
+/// and means over dimensions of either sum a `Float` copy.
+#[test]
+fn half_kinds_peak_as_planned() {
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    let bf16_onednn = std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx512vl")
+        && std::arch::is_x86_feature_detected!("avx512dq");
+    let mut rows = Rows::default();
+    for kind in [Kind::Half, Kind::BFloat16] {
+        for n in [4i64, 16] {
+            let set = |vs: &mut nn::VarStore| if kind == Kind::Half { vs.half() } else { vs.bfloat16() };
+            let mut vs = nn::VarStore::new(CPU);
+            let m = mlp(&vs);
+            set(&mut vs);
+            let (x, y) = (Tensor::randn([4 * n, 1024], (kind, CPU)), Tensor::randint(10, [4 * n], (Kind::Int64, CPU)));
+            let (p, me) = planned_and_measured(&mlp_lazy(&m, &x, &y), 4 * n as usize);
+            rows.push(format!("mlp {kind:?} batch {}", 4 * n), p, me);
+            if kind == Kind::BFloat16 && !bf16_onednn {
+                println!("no bf16 oneDNN on this CPU: its BFloat16 convolution rows are skipped");
+                continue;
+            }
+            let mut vs = nn::VarStore::new(CPU);
+            let m = cnn(&vs);
+            set(&mut vs);
+            let x = Tensor::randn([n, 3, 64, 64], (kind, CPU));
+            let y = Tensor::randint(10, [n], (Kind::Int64, CPU));
+            let (p, me) = planned_and_measured(&cnn_lazy(&m, &x, &y), n as usize);
+            rows.push(format!("cnn {kind:?} batch {n}"), p, me);
+            if kind == Kind::Half {
+                // BFloat16 matmuls take oneDNN scratch not read yet (-5% to -10% on this block).
+                let mut vs = nn::VarStore::new(CPU);
+                let m = block(&vs);
+                set(&mut vs);
+                let x = Tensor::randn([n / 2, T, D], (kind, CPU));
+                let y = Tensor::randint(10, [n / 2], (Kind::Int64, CPU));
+                let (p, me) = planned_and_measured(&block_lazy(&m, &x, &y), (n / 2) as usize);
+                rows.push(format!("transformer {kind:?} batch {}", n / 2), p, me);
+            }
+        }
+    }
+    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "half-precision models");
+}

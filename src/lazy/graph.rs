@@ -277,6 +277,13 @@ pub(crate) trait Operation {
         None
     }
 
+    /// Whether the backward reads the output's gradient densely: one that arrives broadcast
+    /// (a `sum`'s backward expands the loss's gradient, stride 0) is copied first, as large as
+    /// the output. Elementwise backward kernels read it as it is (libtorch 2.11, CPU).
+    fn grad_dense(&self, _meta: &Meta) -> bool {
+        false
+    }
+
     /// What the op's kernels do besides computing the output, for the cost layer to price on
     /// the device a plan is made for: buffers autograd keeps, temporaries, reductions,
     /// convolutions.
@@ -346,6 +353,9 @@ pub(crate) enum KernelCall<'a> {
     /// A reduction of a tensor shaped like `of` over the dimensions whose bit is set in `mask`,
     /// in the forward, or in the backward (of the output's gradient).
     Reduction { of: &'a Meta, mask: u64, backward: bool },
+    /// A mean over some dimensions of a `Half`/`BFloat16` tensor of `elements`: libtorch's CPU
+    /// kernel sums a `Float` copy of it (CUDA accumulates in registers).
+    ReducedPrecisionMean { elements: (u64, u64) },
     /// A convolution, plain or transposed.
     Convolution(Convolution<'a>),
     /// A dropout in training, which keeps its mask (`elements` of the input's `kind`: as large as

@@ -26,6 +26,9 @@ const NATIVE_TRANSPOSED_BACKWARD_FIXED: u64 = 32 << 10;
 pub(crate) struct Cpu {
     pub(crate) threads: u64,
     pub(crate) onednn: OneDnn,
+    /// Whether libtorch runs `BFloat16` convolutions through oneDNN here (its
+    /// `mkldnn_bf16_device_check`: AVX-512 BW, VL and DQ on x86).
+    pub(crate) bf16_onednn: bool,
 }
 
 impl Cpu {
@@ -35,7 +38,8 @@ impl Cpu {
         static HOST: OnceLock<Cpu> = OnceLock::new();
         HOST.get_or_init(|| {
             let threads = tch::get_num_threads().max(1) as u64;
-            let cpu = Cpu::new(threads, host_block(), libtorch_version());
+            let mut cpu = Cpu::new(threads, host_block(), libtorch_version());
+            cpu.bf16_onednn = host_bf16_onednn();
             if !cpu.onednn.validated() {
                 let (major, minor) = super::onednn::READ_ON;
                 tracing::warn!(
@@ -53,7 +57,7 @@ impl Cpu {
     /// the libtorch release `libtorch`.
     pub(crate) fn new(threads: u64, block: u64, libtorch: Option<(u32, u32)>) -> Cpu {
         let threads = threads.max(1);
-        Cpu { threads, onednn: OneDnn { libtorch, block, threads } }
+        Cpu { threads, onednn: OneDnn { libtorch, block, threads }, bf16_onednn: block >= 16 }
     }
 
     /// A convolution's scratch: oneDNN's, or libtorch's native kernels'.
@@ -80,10 +84,18 @@ impl Cpu {
     fn contiguous_convolution(&self, c: &Convolution<'_>) -> Scratch {
         let n = c.output.batch().map_or(1, |bd| bd.size);
         let per_sample = shape::numel(&c.input.shape) / n.max(1);
-        if c.output.kind == Kind::Float && c.batched() && self.uses_onednn(c, n, per_sample) {
+        // libtorch hands every `BFloat16` convolution to oneDNN where the CPU passes its bf16
+        // check; `Float` ones by shape; other kinds never.
+        let onednn = match c.output.kind {
+            Kind::Float => self.uses_onednn(c, n, per_sample),
+            Kind::BFloat16 => self.bf16_onednn,
+            _ => false,
+        };
+        if c.batched() && onednn {
             let mut scratch = self.onednn.convolution(c);
-            // A micro-batch of one that libtorch runs natively: im2col's columns there.
-            if n > 1 && c.output.batch().is_some() && !self.uses_onednn(c, 1, per_sample) {
+            // A `Float` micro-batch of one that libtorch runs natively: im2col's columns there.
+            let float = c.output.kind == Kind::Float;
+            if float && n > 1 && c.output.batch().is_some() && !self.uses_onednn(c, 1, per_sample) {
                 let cols = columns(c);
                 scratch.single = Some((cols, cols));
             }
@@ -228,6 +240,18 @@ fn host_block() -> u64 {
         return 16;
     }
     8
+}
+
+/// Whether libtorch's oneDNN takes `BFloat16` convolutions on this CPU.
+fn host_bf16_onednn() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+            && std::arch::is_x86_feature_detected!("avx512dq")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// The libtorch release toma's shim was built against (`TOMA_LIBTORCH_VERSION`, from its

@@ -110,6 +110,12 @@ impl CostModel {
                         }
                     }
                 }
+                KernelCall::ReducedPrecisionMean { elements: (a, c) } => {
+                    if let CostModel::Cpu(_) = self {
+                        // A `Float` copy: twice the elements of a 2-byte kind, forward only.
+                        scratch.add((2 * a, 2 * c), (0, 0));
+                    }
+                }
                 KernelCall::Convolution(c) => {
                     let s = match self {
                         CostModel::Cpu(cpu) => cpu.convolution(c),

@@ -58,6 +58,10 @@ impl Matmul {
 }
 
 impl Operation for Matmul {
+    fn grad_dense(&self, _meta: &Meta) -> bool {
+        true
+    }
+
     fn name(&self) -> &'static str {
         if self.bmm {
             "bmm"
@@ -279,6 +283,10 @@ impl MatmulPath {
 pub(crate) struct Linear;
 
 impl Operation for Linear {
+    fn grad_dense(&self, _meta: &Meta) -> bool {
+        true
+    }
+
     fn name(&self) -> &'static str {
         "linear"
     }
@@ -314,6 +322,10 @@ pub(crate) struct Baddbmm {
 }
 
 impl Operation for Baddbmm {
+    fn grad_dense(&self, _meta: &Meta) -> bool {
+        true
+    }
+
     fn name(&self) -> &'static str {
         "baddbmm"
     }

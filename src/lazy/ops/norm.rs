@@ -81,6 +81,10 @@ pub(crate) struct LayerNorm {
 }
 
 impl Operation for LayerNorm {
+    fn grad_dense(&self, _meta: &Meta) -> bool {
+        true
+    }
+
     fn name(&self) -> &'static str {
         "layer_norm"
     }
@@ -111,6 +115,10 @@ pub(crate) struct GroupNorm {
 }
 
 impl Operation for GroupNorm {
+    fn grad_dense(&self, _meta: &Meta) -> bool {
+        true
+    }
+
     fn name(&self) -> &'static str {
         "group_norm"
     }

@@ -205,6 +205,11 @@ impl Unary {
 }
 
 impl Operation for Unary {
+    /// The exact `gelu`'s `Float`/`BFloat16` backward kernel reads its gradient densely.
+    fn grad_dense(&self, meta: &Meta) -> bool {
+        matches!(self, Unary::Gelu(a) if a == "none") && matches!(meta.kind, Kind::Float | Kind::BFloat16)
+    }
+
     fn name(&self) -> &'static str {
         self.rules().name
     }

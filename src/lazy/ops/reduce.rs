@@ -326,6 +326,9 @@ impl Operation for Reduction {
             Some(dims) => shape::wrap_dims(dims, rank).map_or(0, shape::dims_mask),
         };
         calls.push(KernelCall::Reduction { of, mask, backward: false });
+        if self.op == ReduceOp::Mean && self.dims.is_some() && matches!(of.kind, Kind::Half | Kind::BFloat16) {
+            calls.push(KernelCall::ReducedPrecisionMean { elements: of.numel_parts() });
+        }
     }
 
     fn run_share(&self, ins: &[&Tensor], node: &Node, share: &Share) -> Option<Result<Tensor, TchError>> {
@@ -351,6 +354,10 @@ pub(crate) struct Softmax {
 }
 
 impl Operation for Softmax {
+    fn grad_dense(&self, _meta: &Meta) -> bool {
+        true
+    }
+
     fn name(&self) -> &'static str {
         if self.log {
             "log_softmax"

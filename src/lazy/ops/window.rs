@@ -55,6 +55,10 @@ fn conv_saves(i: usize, inputs: &[Rc<Node>]) -> bool {
 }
 
 impl<const D: usize> Operation for Conv<D> {
+    fn grad_dense(&self, _meta: &Meta) -> bool {
+        true
+    }
+
     fn name(&self) -> &'static str {
         match D {
             1 => "conv1d",
@@ -99,6 +103,10 @@ pub(crate) struct ConvTranspose2d {
 }
 
 impl Operation for ConvTranspose2d {
+    fn grad_dense(&self, _meta: &Meta) -> bool {
+        true
+    }
+
     fn name(&self) -> &'static str {
         "conv_transpose2d"
     }
@@ -127,6 +135,10 @@ pub(crate) struct MaxPool2d {
 }
 
 impl Operation for MaxPool2d {
+    fn grad_dense(&self, _meta: &Meta) -> bool {
+        true
+    }
+
     fn name(&self) -> &'static str {
         "max_pool2d"
     }
@@ -156,6 +168,10 @@ pub(crate) struct AvgPool2d {
 }
 
 impl Operation for AvgPool2d {
+    fn grad_dense(&self, _meta: &Meta) -> bool {
+        true
+    }
+
     fn name(&self) -> &'static str {
         "avg_pool2d"
     }
@@ -304,6 +320,10 @@ pub(crate) struct MaxPool3d {
 }
 
 impl Operation for MaxPool3d {
+    fn grad_dense(&self, _meta: &Meta) -> bool {
+        true
+    }
+
     fn name(&self) -> &'static str {
         "max_pool3d"
     }
@@ -333,6 +353,10 @@ pub(crate) struct AvgPool3d {
 }
 
 impl Operation for AvgPool3d {
+    fn grad_dense(&self, _meta: &Meta) -> bool {
+        true
+    }
+
     fn name(&self) -> &'static str {
         "avg_pool3d"
     }

@@ -63,6 +63,9 @@ pub(super) const F_ALLOCATES: u8 = 32;
 /// The backward copies the output's gradient: it arrives permuted (through a transpose
 /// downstream) and the op views it in a shape those strides do not allow.
 pub(super) const F_GRAD_COPY: u8 = 64;
+/// The backward reads the output's gradient densely and it arrives broadcast (below a `sum`):
+/// a dense copy lives while the backward runs.
+pub(super) const F_GRAD_DENSE: u8 = 128;
 
 impl Compiled {
     pub(crate) fn len(&self) -> usize {
@@ -228,7 +231,7 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
     let mut last_use = vec![0u32; n];
     let mut root = Vec::with_capacity(n);
     let mut flags = Vec::with_capacity(n);
-    let mut permuting = Vec::new();
+    let mut starts = Vec::new();
     let mut param = vec![None; n];
     let mut batch: Option<i64> = None;
     let mut fingerprint = 0x6c61_7a79u64;
@@ -252,8 +255,8 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
                 | (u8::from(node.op.differentiable()) * F_DIFFERENTIABLE)
                 | (u8::from(cost.alias_rest) * F_ALIAS_REST),
         );
-        if cost.permutes {
-            permuting.push(i as u32);
+        if cost.permutes || broadcasts_grad(node) {
+            starts.push(i as u32);
         }
         fingerprint = crate::hash::mix(fingerprint ^ node.cost.hash);
         match node.op.source() {
@@ -285,7 +288,7 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
     offsets.push(inputs.len() as u32);
     last_use[n - 1] = n as u32;
     let edges = |i: usize| &inputs[offsets[i] as usize..offsets[i + 1] as usize];
-    grad_copies(&found, &inputs, &offsets, &mut flags, &permuting);
+    grad_copies(&found, &inputs, &offsets, &mut flags, &starts);
     // Sum-flow nodes that reach the output only through linear ops are combined over
     // micro-batches; others (only with allow_batch_mixing) are per-micro-batch statistics.
     let mut global = vec![false; n];
@@ -340,14 +343,26 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
     })
 }
 
-/// Marks the nodes whose backward copies its output's gradient ([`F_GRAD_COPY`]). A value
+/// Whether a node hands its input a broadcast gradient: a reduction whose backward expands
+/// its own (`sum`: a view of the output's gradient, stride 0 where it reduced).
+fn broadcasts_grad(node: &Node) -> bool {
+    node.inputs.len() == 1
+        && !node.meta.alias
+        && node.cost.grad_alias & 1 != 0
+        && shape::numel(&node.inputs[0].meta.shape) > shape::numel(&node.meta.shape)
+}
+
+/// Marks the nodes whose backward copies its output's gradient ([`F_GRAD_COPY`],
+/// [`F_GRAD_DENSE`]). A value
 /// used once gets its gradient as its consumer makes it: a transpose or permute hands on its
-/// own gradient reordered, a view its own viewed (when the strides allow), a pass-through op
-/// (an addition) its own; every other op makes a new, contiguous one. So gradients arrive
-/// permuted where attention's heads were split by a transpose, and an op that views its
-/// gradient as a batch of matrices (`matmul`, `linear`, `view`) must copy it first.
-fn grad_copies(found: &[Rc<Node>], inputs: &[u32], offsets: &[u32], flags: &mut [u8], permuting: &[u32]) {
-    if permuting.is_empty() {
+/// own gradient reordered, a reduction that expands its gradient a broadcast one, a view its
+/// own viewed (when the strides allow), a pass-through op (an addition) its own; every other
+/// op makes a new, contiguous one. So gradients arrive permuted where attention's heads were
+/// split by a transpose, and an op that views its gradient as a batch of matrices (`matmul`,
+/// `linear`, `view`) must copy it first; they arrive broadcast below a `sum`, and an op whose
+/// backward reads its gradient densely copies that one.
+fn grad_copies(found: &[Rc<Node>], inputs: &[u32], offsets: &[u32], flags: &mut [u8], starts: &[u32]) {
+    if starts.is_empty() {
         return;
     }
     let n = found.len();
@@ -360,7 +375,7 @@ fn grad_copies(found: &[Rc<Node>], inputs: &[u32], offsets: &[u32], flags: &mut 
     let mut strides: HashMap<usize, Vec<i64>> = HashMap::new();
     let mut visited = vec![false; n];
     let mut work = Vec::new();
-    for &start in permuting.iter().rev() {
+    for &start in starts.iter().rev() {
         work.push(start as usize);
         while let Some(k) = work.pop() {
             if std::mem::replace(&mut visited[k], true) || flags[k] & F_REQUIRES_GRAD == 0 {
@@ -375,11 +390,17 @@ fn grad_copies(found: &[Rc<Node>], inputs: &[u32], offsets: &[u32], flags: &mut 
                     .grad_reshape(&node.inputs, out)
                     .is_none_or(|to| shape::view_strides(&out.shape, g, &to).is_some())
             };
+            let broadcast = |g: &[i64]| g.iter().zip(&out.shape).any(|(&st, &size)| st == 0 && size > 1);
+            if !out.alias && node.op.grad_dense(out) && own.as_deref().is_some_and(broadcast) {
+                flags[k] |= F_GRAD_DENSE;
+                continue;
+            }
             if own.as_deref().is_some_and(|g| !viewed(g)) {
                 // The copy is contiguous: nothing permuted is handed on.
                 flags[k] |= F_GRAD_COPY;
                 continue;
             }
+            let expands = broadcasts_grad(node);
             for (e, &j) in inputs[offsets[k] as usize..offsets[k + 1] as usize].iter().enumerate() {
                 let j = j as usize;
                 if uses[j] != 1 || flags[j] & F_REQUIRES_GRAD == 0 {
@@ -396,6 +417,8 @@ fn grad_copies(found: &[Rc<Node>], inputs: &[u32], offsets: &[u32], flags: &mut 
                         }
                         handed
                     })
+                } else if expands {
+                    Some(vec![0; input.shape.len()])
                 } else if let Some(g) = &own {
                     if out.alias && e == 0 {
                         // A view's backward views the gradient as its input's shape.

@@ -2,7 +2,8 @@
 //! executor runs them, and its evaluation at a micro-batch size.
 
 use super::compiled::{
-    Compiled, F_ALIAS_REST, F_ALLOCATES, F_DIFFERENTIABLE, F_GRAD_COPY, F_LEAF, F_REQUIRES_GRAD, F_SAVES_OUTPUT,
+    Compiled, F_ALIAS_REST, F_ALLOCATES, F_DIFFERENTIABLE, F_GRAD_COPY, F_GRAD_DENSE, F_LEAF, F_REQUIRES_GRAD,
+    F_SAVES_OUTPUT,
 };
 use crate::lazy::cost::cuda::ReduceStaging;
 use crate::lazy::cost::{Price, Work};
@@ -204,6 +205,11 @@ impl Schedule {
             if c.flags[i] & F_GRAD_COPY != 0 {
                 events.push(TRANSIENT | i as u32);
                 events.push(RUN);
+            }
+            // A broadcast gradient's dense copy, made by the backward itself: it lives while
+            // the backward runs, beside what it allocates.
+            if c.flags[i] & F_GRAD_DENSE != 0 {
+                events.push(TRANSIENT | i as u32);
             }
             let alias_mask = c.nodes[i].cost.grad_alias;
             let differentiable = c.flags[i] & F_DIFFERENTIABLE != 0;
