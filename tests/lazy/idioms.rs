@@ -512,3 +512,60 @@ fn normalized_rows_have_the_full_batchs_gradients_even_at_zero() {
     assert!(!bool::try_from(x.grad().isnan().any()).unwrap());
     assert!(x.grad().allclose(&want, 1e-10, 1e-10, false), "{} vs {want}", x.grad());
 }
+
+/// Mixed kinds promote as tch's ops promote them (a 0-dim operand of the same category defers
+/// to the other's kind), and a `Float` parameter met by a `Double` input gets its gradient in
+/// its own kind, split or not.
+#[test]
+fn mixed_kinds_promote_as_tchs_ops_do() {
+    let kinds = [Kind::Float, Kind::Double, Kind::Int64, Kind::Half, Kind::Bool];
+    let make = |kind: Kind, shape: &[i64]| match kind {
+        Kind::Bool => Tensor::randn(shape, (Kind::Float, Device::Cpu)).gt(0.0),
+        Kind::Int64 => Tensor::randint(5, shape, (Kind::Int64, Device::Cpu)) + 1,
+        k => Tensor::randn(shape, (k, Device::Cpu)),
+    };
+    for &ka in &kinds {
+        for &kb in &kinds {
+            for b_shape in [&[4i64, 3][..], &[][..], &[3][..]] {
+                let (a, b) = (make(ka, &[4, 3]), make(kb, b_shape));
+                // A batch-sized operand is batched too; a smaller one is a fixed operand.
+                let (la, lb) =
+                    if b_shape.len() == 2 { lazy((&a, &b), 0) } else { (lazy(&a, 0), LazyTensor::fixed(&b)) };
+                let what = format!("{ka:?} with {kb:?}{b_shape:?}");
+                let cases: Vec<(&str, Result<Tensor, tch::TchError>, Result<LazyTensor, LazyError>)> = vec![
+                    ("add", a.f_add(&b), la.f_add(&lb)),
+                    ("mul", a.f_mul(&b), la.f_mul(&lb)),
+                    ("div", a.f_div(&b), la.f_div(&lb)),
+                    ("maximum", a.f_maximum(&b), la.f_maximum(&lb)),
+                    ("where", a.f_where_self(&b.ne(0), &b), la.f_where_self(&lb.ne(0.0), &lb)),
+                ];
+                for (op, eager, lazily) in cases {
+                    match (eager, lazily) {
+                        (Ok(e), Ok(l)) => {
+                            assert_eq!(l.kind(), e.kind(), "{op} {what}: kind");
+                            let l = l.to_tensor_with(&Options::new().micro_batch(3)).unwrap();
+                            assert_eq!(l.kind(), e.kind(), "{op} {what}: kind run");
+                            let (l, e) = (l.to_kind(Kind::Double), e.to_kind(Kind::Double));
+                            assert!(l.allclose(&e, 1e-3, 1e-3, true), "{op} {what}: {l} vs {e}");
+                        }
+                        (Err(_), Err(_)) => {}
+                        (e, l) => panic!("{op} {what}: tch {:?}, lazy {:?}", e.map(|t| t.kind()), l.map(|t| t.kind())),
+                    }
+                }
+            }
+        }
+    }
+    // A Float parameter times a Double input: the product is Double, the parameter's gradient
+    // Float, as eagerly.
+    let w = Tensor::randn([3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let x = Tensor::randn([6, 3], (Kind::Double, Device::Cpu));
+    let eager = (&x * &w).tanh().sum(Kind::Double);
+    eager.backward();
+    let want = w.grad().copy();
+    let _ = w.grad().zero_();
+    let lazily = (lazy(&x, 0) * &w).tanh().sum(None);
+    assert_eq!(lazily.kind(), Kind::Double);
+    lazily.backward_with(&Options::new().micro_batch(2)).unwrap();
+    assert_eq!(w.grad().kind(), Kind::Float);
+    assert!(w.grad().allclose(&want, 1e-6, 1e-6, false), "{} vs {want}", w.grad());
+}
