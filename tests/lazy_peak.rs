@@ -653,7 +653,7 @@ fn generated_models_peak_as_planned() {
 }
 
 /// The generated CNNs trained as users train them: tch's `opt.zero_grad()` (which sets `.grad`
-/// to none) before two steps, then one step zeroing `.grad` in place, in f32 and f64, in one
+/// to none) before three steps, then three steps zeroing `.grad` in place, in f32 and f64, in one
 /// micro-batch or split in two or four, some with the first convolution frozen. Every step's
 /// plan within 10% of its measured peak, the first one included (a split step under
 /// `zero_grad()` creates the `.grad` buffers in its first micro-batch, and every later one runs
@@ -679,8 +679,8 @@ fn generated_models_in_training_loops() {
         let mut vs = nn::VarStore::new(CPU);
         let loss = arch.loss_as(&mut vs, arch.batch, kind, frozen);
         let mut opt = nn::Sgd::default().build(&vs, 1e-3).unwrap();
-        for step in 0..3 {
-            if step < 2 {
+        for step in 0..6 {
+            if step < 3 {
                 opt.zero_grad();
             } else {
                 for (_, v) in vs.variables() {
@@ -699,7 +699,7 @@ fn generated_models_in_training_loops() {
                 "{} {kind:?} x{chunks}{} step {step} ({})",
                 arch.describe(),
                 if frozen { " frozen c1" } else { "" },
-                if step < 2 { "zero_grad" } else { "zeroed in place" }
+                if step < 3 { "zero_grad" } else { "zeroed in place" }
             );
             rows.push(describe, planned, measured);
         }
@@ -1756,4 +1756,173 @@ fn half_kinds_peak_as_planned() {
         }
     }
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "half-precision models");
+}
+
+/// A ViT-style model: patch embedding (a strided convolution), a learned CLS token expanded to
+/// the batch and concatenated, a learned position table, encoder blocks, the CLS token's head.
+struct Vit {
+    patch: nn::Conv2D,
+    cls: Tensor,
+    pos: Tensor,
+    blocks: Vec<toma::lazy::models::EncoderBlock>,
+    norm: nn::LayerNorm,
+    head: nn::Linear,
+}
+
+impl Vit {
+    fn new(p: &nn::Path, d: i64, heads: i64, patch: i64, depth: usize) -> Vit {
+        use toma::lazy::models::{BlockConfig, EncoderBlock};
+        let tokens = (32 / patch) * (32 / patch) + 1;
+        Vit {
+            patch: nn::conv2d(p / "patch", 3, d, patch, nn::ConvConfig { stride: patch, ..Default::default() }),
+            cls: p.randn("cls", &[1, 1, d], 0.0, 0.02),
+            pos: p.randn("pos", &[1, tokens, d], 0.0, 0.02),
+            blocks: (0..depth).map(|i| EncoderBlock::new(p / format!("b{i}"), BlockConfig::gpt2(d, heads))).collect(),
+            norm: nn::layer_norm(p / "norm", vec![d], Default::default()),
+            head: nn::linear(p / "head", d, 10, Default::default()),
+        }
+    }
+
+    fn loss(&self, x: &LazyTensor, y: &LazyTensor) -> LazyTensor {
+        use toma::lazy::TensorOps;
+        let n = x.size()[0];
+        let tokens = x.apply(&self.patch).flatten(2, -1).transpose(1, 2);
+        let d = tokens.size()[2];
+        let cls = LazyTensor::constant(&self.cls).expand([n, 1, d], false);
+        let mut h = LazyTensor::cat(&[cls, tokens], 1) + &self.pos;
+        for b in &self.blocks {
+            h = b.forward_t(&h, None, true);
+        }
+        h.apply(&self.norm).select(1, 0).apply(&self.head).cross_entropy_for_logits(y)
+    }
+}
+
+/// A ConvNeXt-style model: a 4×4 stride-4 stem, blocks of a depthwise 7×7 convolution, a
+/// channels-last layer norm, an inverted MLP and a residual, pooled by a mean.
+struct ConvNext {
+    stem: nn::Conv2D,
+    blocks: Vec<(nn::Conv2D, nn::LayerNorm, nn::Linear, nn::Linear)>,
+    norm: nn::LayerNorm,
+    head: nn::Linear,
+}
+
+impl ConvNext {
+    fn new(p: &nn::Path, c: i64, depth: usize) -> ConvNext {
+        let dw = nn::ConvConfig { padding: 3, groups: c, ..Default::default() };
+        ConvNext {
+            stem: nn::conv2d(p / "stem", 3, c, 4, nn::ConvConfig { stride: 4, ..Default::default() }),
+            blocks: (0..depth)
+                .map(|i| {
+                    let q = p / format!("b{i}");
+                    (
+                        nn::conv2d(&q / "dw", c, c, 7, dw),
+                        nn::layer_norm(&q / "ln", vec![c], Default::default()),
+                        nn::linear(&q / "fc1", c, 4 * c, Default::default()),
+                        nn::linear(&q / "fc2", 4 * c, c, Default::default()),
+                    )
+                })
+                .collect(),
+            norm: nn::layer_norm(p / "norm", vec![c], Default::default()),
+            head: nn::linear(p / "head", c, 10, Default::default()),
+        }
+    }
+
+    fn loss(&self, x: &LazyTensor, y: &LazyTensor) -> LazyTensor {
+        let mut h = x.apply(&self.stem);
+        for (dw, ln, fc1, fc2) in &self.blocks {
+            let r =
+                h.apply(dw).permute([0, 2, 3, 1]).apply(ln).apply(fc1).gelu("none").apply(fc2).permute([0, 3, 1, 2]);
+            h = &h + &r;
+        }
+        h.mean_dim([2, 3], false, None).apply(&self.norm).apply(&self.head).cross_entropy_for_logits(y)
+    }
+}
+
+/// ViT-style and ConvNeXt-style models, generated, trained as users train them: three steps
+/// after `opt.zero_grad()` (`.grad` none), then three zeroing in place; f32 and f64; whole, or
+/// split in 2 or 4; some with the patch embedding or stem frozen. Every step against the
+/// allocator.
+#[test]
+fn vit_and_convnext_models_in_training_loops() {
+    use tch::nn::OptimizerConfig;
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    tch::manual_seed(17);
+    let seed: u64 = std::env::var("TOMA_PEAK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x51c0);
+    let mut state = seed;
+    let mut next = |n: usize| {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((state >> 33) % n as u64) as usize
+    };
+    let mut rows = Rows::default();
+    for i in 0..6 {
+        let vit = i % 2 == 0;
+        let kind = if next(2) == 1 { Kind::Double } else { Kind::Float };
+        let chunks = [1, 2, 4][next(3)];
+        let frozen = next(3) == 0;
+        let batch = [4i64, 8][next(2)];
+        let (d, heads, patch, depth) = ([32, 64][next(2)], [2, 4][next(2)], [4, 8][next(2)], 1 + next(2));
+        let c = [16, 32][next(2)];
+        let describe = if vit {
+            format!("vit d{d} h{heads} p{patch} x{depth} {kind:?} b{batch} x{chunks}")
+        } else {
+            format!("convnext c{c} x{depth} {kind:?} b{batch} x{chunks}")
+        };
+        let options = Options::new().micro_batch((batch as usize / chunks).max(1));
+        let build = |vs: &mut nn::VarStore| -> Box<dyn Fn(&LazyTensor, &LazyTensor) -> LazyTensor> {
+            let model: Box<dyn Fn(&LazyTensor, &LazyTensor) -> LazyTensor> = if vit {
+                let m = Vit::new(&vs.root(), d, heads, patch, depth);
+                if frozen {
+                    m.patch.ws.set_requires_grad(false);
+                }
+                Box::new(move |x, y| m.loss(x, y))
+            } else {
+                let m = ConvNext::new(&vs.root(), c, depth);
+                if frozen {
+                    m.stem.ws.set_requires_grad(false);
+                }
+                Box::new(move |x, y| m.loss(x, y))
+            };
+            if kind == Kind::Double {
+                vs.double();
+            }
+            model
+        };
+        let data = |n: i64| (Tensor::randn([n, 3, 32, 32], (kind, CPU)), Tensor::randint(10, [n], (Kind::Int64, CPU)));
+        // Warm-up: lazily created kernels' state, not measured.
+        let mut warm = nn::VarStore::new(CPU);
+        let (x, y) = data(2);
+        let (lx, ly) = toma::lazy::lazy((&x, &y), 0);
+        build(&mut warm)(&lx, &ly).backward_with(&Options::new()).expect("a warm-up step");
+        let mut vs = nn::VarStore::new(CPU);
+        let model = build(&mut vs);
+        let (x, y) = data(batch);
+        let (lx, ly) = toma::lazy::lazy((&x, &y), 0);
+        let loss = model(&lx, &ly);
+        let mut opt = nn::Adam::default().build(&vs, 1e-3).unwrap();
+        for step in 0..6 {
+            if step < 3 {
+                opt.zero_grad();
+            } else {
+                for (_, v) in vs.variables() {
+                    if v.grad().defined() {
+                        let _ = v.grad().zero_();
+                    }
+                }
+            }
+            let planned = loss.plan(Mode::Backward, &options).expect("a plan").peak_bytes();
+            let before = memory::cpu_allocator_stats().expect("tracking").allocated;
+            assert!(memory::reset_cpu_peak());
+            loss.backward_with(&options).expect("forward and backward");
+            let measured = memory::cpu_allocator_stats().expect("tracking").peak_allocated - before;
+            opt.step();
+            let zeroing = if step < 3 { "zero_grad" } else { "zeroed in place" };
+            rows.push(
+                format!("{describe}{} step {step} ({zeroing})", if frozen { " frozen" } else { "" }),
+                planned,
+                measured,
+            );
+        }
+    }
+    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "steps");
 }
