@@ -1869,17 +1869,18 @@ fn vit_and_convnext_models_in_training_loops() {
             format!("convnext c{c} x{depth} {kind:?} b{batch} x{chunks}")
         };
         let options = Options::new().micro_batch((batch as usize / chunks).max(1));
-        let build = |vs: &mut nn::VarStore| -> Box<dyn Fn(&LazyTensor, &LazyTensor) -> LazyTensor> {
-            let model: Box<dyn Fn(&LazyTensor, &LazyTensor) -> LazyTensor> = if vit {
+        type Loss = Box<dyn Fn(&LazyTensor, &LazyTensor) -> LazyTensor>;
+        let build = |vs: &mut nn::VarStore| -> Loss {
+            let model: Loss = if vit {
                 let m = Vit::new(&vs.root(), d, heads, patch, depth);
                 if frozen {
-                    m.patch.ws.set_requires_grad(false);
+                    let _ = m.patch.ws.set_requires_grad(false);
                 }
                 Box::new(move |x, y| m.loss(x, y))
             } else {
                 let m = ConvNext::new(&vs.root(), c, depth);
                 if frozen {
-                    m.stem.ws.set_requires_grad(false);
+                    let _ = m.stem.ws.set_requires_grad(false);
                 }
                 Box::new(move |x, y| m.loss(x, y))
             };

@@ -489,13 +489,28 @@ impl nn::ModuleT for SequentialT {
 /// A layer that runs on tensors and records on lazy tensors: what `-> impl Module` names when
 /// this module is imported as `nn` in place of `tch::nn`. Every type that is both tch's
 /// `Module` and a [`LazyModule`] is one ([`func`], [`seq`], tch's layers).
-pub trait Module: nn::Module + LazyModule {}
+///
+/// Importing it in place of tch's `Module` keeps `layer.forward(&xs)` on tensors working (tch's
+/// method, under the same name); on a lazy tensor, write `lx.apply(&layer)`. Do not import both
+/// (the method would be ambiguous).
+pub trait Module: nn::Module + LazyModule {
+    /// tch's `Module::forward`.
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        nn::Module::forward(self, xs)
+    }
+}
 
 impl<M: nn::Module + LazyModule + ?Sized> Module for M {}
 
 /// [`Module`] for layers that know training from evaluation: what `-> impl ModuleT` names
-/// ([`func_t`], [`seq_t`], `nn::BatchNorm`, anything that is a [`Module`]).
-pub trait ModuleT: nn::ModuleT + LazyModuleT {}
+/// ([`func_t`], [`seq_t`], `nn::BatchNorm`, anything that is a [`Module`]). Its `forward_t`
+/// is tch's, as `Module::forward` is.
+pub trait ModuleT: nn::ModuleT + LazyModuleT {
+    /// tch's `ModuleT::forward_t`.
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        nn::ModuleT::forward_t(self, xs, train)
+    }
+}
 
 impl<M: nn::ModuleT + LazyModuleT + ?Sized> ModuleT for M {}
 

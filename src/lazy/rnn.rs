@@ -17,7 +17,9 @@ use super::error::{LazyError, OrPanic};
 use super::LazyTensor;
 
 /// A recurrent layer over tensors of type `T` (`Tensor` or [`LazyTensor`]): tch's `RNN`
-/// trait, generic in the tensor so that one model serves both. [`lstm`] and [`gru`] make
+/// trait, generic in the tensor so that one model serves both (its `zero_state` is the layers'
+/// own method: `zero_state` for tensors, `lazy_zero_state` for a lazy recurrence, so that tch's
+/// `lstm.zero_state(1)` needs no annotation). [`lstm`] and [`gru`] make
 /// layers that implement it for both (and tch's own `RNN` for `Tensor`): `rnn.seq(&xs)` takes
 /// either, so a model written over [`TensorOps`](super::TensorOps) runs eagerly and lazily.
 ///
@@ -43,9 +45,6 @@ use super::LazyTensor;
 pub trait RNN<T = Tensor> {
     /// The state carried from step to step.
     type State;
-
-    /// The zero state for a batch of `batch_dim` samples.
-    fn zero_state(&self, batch_dim: i64) -> Self::State;
 
     /// One step: `input` is `[batch, features]`.
     fn step(&self, input: &T, state: &Self::State) -> Self::State;
@@ -385,7 +384,7 @@ fn gru_direction(
     Ok((out, h))
 }
 
-/// A lazy state tensor: given, or the zero state of [`RNN::zero_state`], which the recurrence
+/// A lazy state tensor: given, or the zero state of `lazy_zero_state`, which the recurrence
 /// starts from without multiplying zeros.
 #[derive(Clone, Debug)]
 enum Hidden {
@@ -490,7 +489,7 @@ macro_rules! recurrent_layer {
             type State = tnn::$tch_state;
 
             fn zero_state(&self, batch_dim: i64) -> tnn::$tch_state {
-                <Self as RNN<Tensor>>::zero_state(self, batch_dim)
+                $name::zero_state(self, batch_dim)
             }
 
             fn step(&self, input: &Tensor, state: &tnn::$tch_state) -> tnn::$tch_state {
@@ -504,12 +503,6 @@ macro_rules! recurrent_layer {
 
         impl RNN<LazyTensor> for $name {
             type State = $lazy_state;
-
-            fn zero_state(&self, batch_dim: i64) -> $lazy_state {
-                let w = &self.weights;
-                let zero = Hidden::Zero { shape: w.state_shape(batch_dim), kind: w.kind(), device: w.device };
-                $lazy_state::zero(zero)
-            }
 
             #[track_caller]
             fn step(&self, input: &LazyTensor, state: &$lazy_state) -> $lazy_state {
@@ -529,6 +522,15 @@ macro_rules! recurrent_layer {
         }
 
         impl $name {
+            /// The zero state of a lazy recurrence for a batch of `batch_dim` samples (tch's
+            /// `zero_state` gives the tensors; this one starts [`RNN::seq_init`] on a lazy input
+            /// without multiplying zeros, and is zeros broadcast over each micro-batch when read).
+            pub fn lazy_zero_state(&self, batch_dim: i64) -> $lazy_state {
+                let w = &self.weights;
+                let zero = Hidden::Zero { shape: w.state_shape(batch_dim), kind: w.kind(), device: w.device };
+                $lazy_state::zero(zero)
+            }
+
             /// [`RNN::seq`] on a lazy input, with its recording error.
             ///
             /// # Errors
@@ -536,7 +538,7 @@ macro_rules! recurrent_layer {
             /// no time step; [`LazyError::Kind`] for an input of another kind than the weights.
             pub fn f_seq(&self, input: &LazyTensor) -> Result<(LazyTensor, $lazy_state), LazyError> {
                 let batch = input.size().get(self.weights.batch_dim()).copied().unwrap_or(0);
-                let zero = <Self as RNN<LazyTensor>>::zero_state(self, batch);
+                let zero = self.lazy_zero_state(batch);
                 self.f_seq_init(input, &zero)
             }
         }
@@ -573,13 +575,16 @@ impl LazyGRUState {
     }
 }
 
-impl RNN<Tensor> for LSTM {
-    type State = tnn::LSTMState;
-
-    fn zero_state(&self, batch_dim: i64) -> tnn::LSTMState {
+impl LSTM {
+    /// tch's zero state: `h` and `c` zeros of `[layers * directions, batch_dim, hidden]`.
+    pub fn zero_state(&self, batch_dim: i64) -> tnn::LSTMState {
         let zeros = self.weights.zeros(batch_dim);
         tnn::LSTMState((zeros.shallow_clone(), zeros))
     }
+}
+
+impl RNN<Tensor> for LSTM {
+    type State = tnn::LSTMState;
 
     fn step(&self, input: &Tensor, state: &tnn::LSTMState) -> tnn::LSTMState {
         self.seq_init(&input.unsqueeze(1), state).1
@@ -587,7 +592,7 @@ impl RNN<Tensor> for LSTM {
 
     fn seq(&self, input: &Tensor) -> (Tensor, tnn::LSTMState) {
         let batch = input.size()[self.weights.batch_dim()];
-        self.seq_init(input, &RNN::<Tensor>::zero_state(self, batch))
+        self.seq_init(input, &self.zero_state(batch))
     }
 
     fn seq_init(&self, input: &Tensor, state: &tnn::LSTMState) -> (Tensor, tnn::LSTMState) {
@@ -608,12 +613,15 @@ impl RNN<Tensor> for LSTM {
     }
 }
 
-impl RNN<Tensor> for GRU {
-    type State = tnn::GRUState;
-
-    fn zero_state(&self, batch_dim: i64) -> tnn::GRUState {
+impl GRU {
+    /// tch's zero state: zeros of `[layers * directions, batch_dim, hidden]`.
+    pub fn zero_state(&self, batch_dim: i64) -> tnn::GRUState {
         tnn::GRUState(self.weights.zeros(batch_dim))
     }
+}
+
+impl RNN<Tensor> for GRU {
+    type State = tnn::GRUState;
 
     fn step(&self, input: &Tensor, state: &tnn::GRUState) -> tnn::GRUState {
         self.seq_init(&input.unsqueeze(1), state).1
@@ -621,7 +629,7 @@ impl RNN<Tensor> for GRU {
 
     fn seq(&self, input: &Tensor) -> (Tensor, tnn::GRUState) {
         let batch = input.size()[self.weights.batch_dim()];
-        self.seq_init(input, &RNN::<Tensor>::zero_state(self, batch))
+        self.seq_init(input, &self.zero_state(batch))
     }
 
     fn seq_init(&self, input: &Tensor, state: &tnn::GRUState) -> (Tensor, tnn::GRUState) {

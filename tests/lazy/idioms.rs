@@ -532,7 +532,8 @@ fn mixed_kinds_promote_as_tchs_ops_do() {
                 let (la, lb) =
                     if b_shape.len() == 2 { lazy((&a, &b), 0) } else { (lazy(&a, 0), LazyTensor::fixed(&b)) };
                 let what = format!("{ka:?} with {kb:?}{b_shape:?}");
-                let cases: Vec<(&str, Result<Tensor, tch::TchError>, Result<LazyTensor, LazyError>)> = vec![
+                type Case = (&'static str, Result<Tensor, tch::TchError>, Result<LazyTensor, LazyError>);
+                let cases: Vec<Case> = vec![
                     ("add", a.f_add(&b), la.f_add(&lb)),
                     ("mul", a.f_mul(&b), la.f_mul(&lb)),
                     ("div", a.f_div(&b), la.f_div(&lb)),

@@ -107,14 +107,13 @@ fn steps_from_the_zero_state_record_the_sequence() {
     let xs = Tensor::randn([6, 5, 3], (Kind::Double, CPU));
     let (_, whole) = RNN::<Tensor>::seq(&lstm, &xs);
     let lx = lazy(&xs, 0);
-    let mut state = RNN::<LazyTensor>::zero_state(&lstm, 6);
+    let mut state = lstm.lazy_zero_state(6);
     for t in 0..5 {
         state = lstm.step(&lx.select(1, t), &state);
     }
     close("steps", &state.h().to_tensor_with(&Options::new().micro_batch(4)).unwrap(), &whole.h());
     // The zero state itself, read as a value, is the batch's zeros.
-    let zero =
-        RNN::<LazyTensor>::zero_state(&lstm, 6).c() + lx.select(1, 0).sum_dim_intlist(-1, false, None).view([1, 6, 1]);
+    let zero = lstm.lazy_zero_state(6).c() + lx.select(1, 0).sum_dim_intlist(-1, false, None).view([1, 6, 1]);
     let want = xs.select(1, 0).sum_dim_intlist(-1, false, None).view([1, 6, 1]).expand([1, 6, 4], false);
     close("zero state", &zero.to_tensor_with(&Options::new().micro_batch(4)).unwrap(), &want);
 }
@@ -243,4 +242,37 @@ fn a_gru_seq2seq_trains_in_micro_batches_as_the_full_batch() {
     let eager_last = RNN::<Tensor>::seq(&l.2, &xs).0.select(1, -1).apply(&l.4);
     let lazy_last = l.2.seq(&lazy(&xs, 0)).0.select(1, -1).apply(&l.4);
     close("inference", &lazy_last.to_tensor_with(&Options::new().micro_batch(2)).unwrap(), &eager_last);
+}
+
+/// tch's char-RNN example's imports and sampling loop, unchanged but for the imports:
+/// `zero_state` and `step` on tensors, `forward` through the combined `Module`.
+mod char_rnn_as_tch_writes_it {
+    use tch::{Device, Kind, Tensor};
+    use toma::lazy::nn::{self, Linear, Module, LSTM, RNN};
+
+    pub(super) fn sample(lstm: &LSTM, linear: &Linear, labels: i64) -> Vec<i64> {
+        let mut state = lstm.zero_state(1);
+        let mut last_label = 0i64;
+        let mut out = Vec::new();
+        for _ in 0..5 {
+            let input = Tensor::zeros([1, labels], (Kind::Float, Device::Cpu));
+            let _ = input.narrow(1, last_label, 1).fill_(1.0);
+            state = lstm.step(&input, &state);
+            let sampled_y = linear.forward(&state.h()).squeeze_dim(0).softmax(-1, Kind::Float).multinomial(1, false);
+            last_label = sampled_y.int64_value(&[0]);
+            out.push(last_label)
+        }
+        out
+    }
+
+    pub(super) fn model(vs: &nn::VarStore, labels: i64) -> (LSTM, Linear) {
+        (nn::lstm(vs.root(), labels, 8, Default::default()), nn::linear(vs.root() / "l", 8, labels, Default::default()))
+    }
+}
+
+#[test]
+fn tchs_sampling_loop_compiles_unchanged() {
+    let vs = nn::VarStore::new(CPU);
+    let (lstm, linear) = char_rnn_as_tch_writes_it::model(&vs, 7);
+    assert_eq!(char_rnn_as_tch_writes_it::sample(&lstm, &linear, 7).len(), 5);
 }
