@@ -868,8 +868,9 @@ fn generated_transformers_peak_as_planned() {
 /// A tool, not a check: one convolution at a time, its forward and backward temporaries as the
 /// allocator sees them against what the planner charges (`LazyTensor::op_costs`). How the
 /// oneDNN rules in `src/lazy/cost/onednn.rs` were read: `TOMA_CONVS="cin,cout,size,k,stride,
-/// batch,input_grad[,dilation,groups,padding,transposed,f64];..." cargo test --all-features --test lazy_peak one_convolution_at_a_time
-/// -- --ignored --nocapture`, with `ONEDNN_VERBOSE=1` (oneDNN's primitives and layouts) and
+/// batch,input_grad[,dilation,groups,padding,transposed,f64,depth];..." cargo test --all-features --test lazy_peak
+/// one_convolution_at_a_time -- --ignored --nocapture` (a depth above 0: a 3-D convolution of
+/// `[batch, cin, depth, size, size]`, not transposed), with `ONEDNN_VERBOSE=1` (oneDNN's primitives and layouts) and
 /// `TOMA_TRACE_CPU_ALLOCATIONS=1` (every allocation, between `toma-mark` lines) on stderr.
 #[test]
 #[ignore]
@@ -888,15 +889,23 @@ fn one_convolution_at_a_time() {
         // then 1 for f64 (f32 by default).
         let transposed = v.get(10) == Some(&1);
         let kind = if v.get(11) == Some(&1) { Kind::Double } else { Kind::Float };
+        let depth = v.get(12).copied().unwrap_or(0);
+        assert!(depth == 0 || !transposed, "3-D transposed convolutions are not recorded");
         let bytes = |t: &Tensor| t.numel() as i64 * kind.elt_size_in_bytes() as i64;
         // The second round is reported: the first creates oneDNN's primitives.
         for round in 0..2 {
-            let x = Tensor::randn([n, cin, size, size], (kind, CPU)).set_requires_grad(input_grad);
-            let shape = if transposed { [cin, cout / groups, k, k] } else { [cout, cin / groups, k, k] };
-            let w = Tensor::randn(shape, (kind, CPU)).set_requires_grad(true);
+            let x_shape = if depth > 0 { vec![n, cin, depth, size, size] } else { vec![n, cin, size, size] };
+            let x = Tensor::randn(x_shape.as_slice(), (kind, CPU)).set_requires_grad(input_grad);
+            let mut shape = if transposed { vec![cin, cout / groups, k, k] } else { vec![cout, cin / groups, k, k] };
+            if depth > 0 {
+                shape.push(k);
+            }
+            let w = Tensor::randn(shape.as_slice(), (kind, CPU)).set_requires_grad(true);
             let b = Tensor::randn([cout], (kind, CPU)).set_requires_grad(true);
             let lx = toma::lazy::lazy(&x, 0);
-            let costs = if transposed {
+            let costs = if depth > 0 {
+                lx.conv3d(&w, Some(&b), [s], [p], [d], groups).op_costs()
+            } else if transposed {
                 lx.conv_transpose2d(&w, Some(&b), [s, s], [p, p], [0, 0], groups, [d, d]).op_costs()
             } else {
                 lx.conv2d(&w, Some(&b), [s, s], [p, p], [d, d], groups).op_costs()
@@ -909,7 +918,9 @@ fn one_convolution_at_a_time() {
                 }
             };
             mark("forward");
-            let y = if transposed {
+            let y = if depth > 0 {
+                x.conv3d(&w, Some(&b), [s], [p], [d], groups)
+            } else if transposed {
                 x.conv_transpose2d(&w, Some(&b), [s, s], [p, p], [0, 0], groups, [d, d])
             } else {
                 x.conv2d(&w, Some(&b), [s, s], [p, p], [d, d], groups)
@@ -929,7 +940,8 @@ fn one_convolution_at_a_time() {
             let backward = memory::cpu_allocator_stats().unwrap().peak_allocated as i64 - before - grads;
             if round == 1 {
                 println!(
-                    "cin {cin:>3} cout {cout:>3} {size:>2}x{size:<2} k{k} s{s} n{n:>2} input grad {input_grad:<5} | forward: measured {forward:>9} planned {:>9} | backward: measured {backward:>9} planned {:>9} d{d} g{groups} p{p}{}{}",
+                    "cin {cin:>3} cout {cout:>3} {}{size:>2}x{size:<2} k{k} s{s} n{n:>2} input grad {input_grad:<5} | forward: measured {forward:>9} planned {:>9} | backward: measured {backward:>9} planned {:>9} d{d} g{groups} p{p}{}{}",
+                    if depth > 0 { format!("{depth}x") } else { String::new() },
                     costs.scratch,
                     costs.backward_scratch,
                     if transposed { " transposed" } else { "" },
@@ -1624,11 +1636,10 @@ fn scatter_ops_peak_as_planned() {
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "scatters");
 }
 
-/// 3-D convolutions (through oneDNN in `Float`: plain, strided, depthwise, a 1×1×1 and a first
-/// layer of 3 channels; libtorch's native kernel in `Double`) and 3-D pooling, after a scaling
-/// by a parameter, whole and in micro-batches. Not here: a depthwise 3×3×3 (16 groups of one
-/// channel, `[8, 16, 8, 24, 24]`), planned 25% over what it takes (11.80 MB against 9.44 MB):
-/// oneDNN's 3-D depthwise kernels are priced as its 2-D ones, not read yet.
+/// 3-D convolutions (through oneDNN in `Float`: plain, strided, depthwise, grouped by 8
+/// channels, a 1×1×1 and a first layer of 3 channels; libtorch's native kernel in `Double`,
+/// plain and depthwise) and 3-D pooling, after a scaling by a parameter, whole and in
+/// micro-batches.
 #[test]
 fn volumes_peak_as_planned() {
     let _serial = support::serial();
@@ -1642,6 +1653,9 @@ fn volumes_peak_as_planned() {
         ("conv3d", Kind::Float, 16, 1, 1, 1),
         ("conv3d", Kind::Float, 3, 3, 1, 1),
         ("conv3d", Kind::Double, 16, 3, 1, 1),
+        ("conv3d", Kind::Float, 16, 3, 1, 16),
+        ("conv3d", Kind::Float, 16, 3, 1, 2),
+        ("conv3d", Kind::Double, 16, 3, 1, 16),
         ("max_pool3d", Kind::Float, 16, 2, 2, 1),
         ("avg_pool3d", Kind::Float, 16, 2, 2, 1),
     ];
