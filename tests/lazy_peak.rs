@@ -1431,10 +1431,55 @@ fn pair_and_probability_losses_peak_as_planned() {
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "pair and probability losses");
 }
 
+/// CTC (issue 28's last loss) of `[T, N, C]` log-probabilities made from a scaled input,
+/// against padded targets with lengths as lists and as tensors, and concatenated ones, each
+/// reduction, whole and in micro-batches: autograd keeps libtorch's `log_alpha` (`[N, T, 2 L +
+/// 1]`), and the backward makes `log_beta` as large (read with `one_loss_at_a_time`).
+#[test]
+fn ctc_losses_peak_as_planned() {
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    let (t, n, c, s) = (64i64, 32i64, 64i64, 20i64);
+    let mut rows = Rows::default();
+    for form in ["padded", "concatenated", "tensor lengths"] {
+        for reduction in [tch::Reduction::Mean, tch::Reduction::Sum, tch::Reduction::None] {
+            for micro in [n as usize, 8] {
+                let f32s = (Kind::Float, CPU);
+                let scale = Tensor::ones([c], f32s).set_requires_grad(true);
+                let x = Tensor::randn([t, n, c], f32s);
+                let targets = Tensor::randint_low(1, c, [n, s], (Kind::Int64, CPU));
+                let il: Vec<i64> = (0..n).map(|i| t - i % 8).collect();
+                let tl: Vec<i64> = (0..n).map(|i| s - i % 5).collect();
+                let pieces: Vec<Tensor> =
+                    tl.iter().enumerate().map(|(i, &l)| targets.get(i as i64).narrow(0, 0, l)).collect();
+                let concatenated = Tensor::cat(&pieces, 0);
+                let (il_t, tl_t) = (Tensor::from_slice(&il), Tensor::from_slice(&tl));
+                let lp = (toma::lazy::lazy(&x, 1) * LazyTensor::fixed(&scale)).log_softmax(2, None);
+                let (lt, lil, ltl) = toma::lazy::lazy((&targets, &il_t, &tl_t), 0);
+                let red = || match reduction {
+                    tch::Reduction::Mean => tch::Reduction::Mean,
+                    tch::Reduction::Sum => tch::Reduction::Sum,
+                    _ => tch::Reduction::None,
+                };
+                let loss = match form {
+                    "padded" => LazyTensor::ctc_loss(&lp, &lt, &il, &tl, 0, red(), false),
+                    "concatenated" => LazyTensor::ctc_loss(&lp, &concatenated, &il, &tl, 0, red(), false),
+                    _ => LazyTensor::ctc_loss_tensor(&lp, &lt, &lil, &ltl, 0, red(), false),
+                };
+                let loss = if matches!(reduction, tch::Reduction::None) { loss.sum(Kind::Float) } else { loss };
+                let (planned, measured) = planned_and_measured_at(&loss, micro);
+                rows.push(format!("ctc {form} {reduction:?} micro {micro}"), planned, measured);
+            }
+        }
+    }
+    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "CTC losses");
+}
+
 /// A tool, not a check: each loss of issue 28 run eagerly on `[64, 1024]` operands (`Float`),
 /// what it allocates besides its output, forward, what autograd keeps, and backward besides the
 /// gradients, in units of one operand. `cargo test --all-features --test lazy_peak
-/// one_loss_at_a_time -- --ignored --nocapture`.
+/// one_loss_at_a_time -- --ignored --nocapture` (`TOMA_LOSSES=ctc`: the losses whose name holds
+/// `ctc`).
 #[test]
 #[ignore]
 fn one_loss_at_a_time() {
@@ -1442,10 +1487,12 @@ fn one_loss_at_a_time() {
     assert!(memory::track_cpu_allocations());
     let (n, d) = (64i64, 1024i64);
     let unit = (n * d * 4) as f64;
+    // `TOMA_LOSSES=<part of a name>`: only those.
+    let only = std::env::var("TOMA_LOSSES").ok();
     let bytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as i64;
     type Loss = Box<dyn Fn(&[Tensor]) -> Tensor>;
     // Each operand: its shape, whether it requires a gradient, and its values (0: normal, 1:
-    // probabilities, 2: signs, 3: counts).
+    // probabilities, 2: signs, 3: counts, 4: `Int64` labels in 1..5, 5: `Int32` ones).
     type Operand = (Vec<i64>, bool, u8);
     let red = |r: usize| match r {
         0 => tch::Reduction::Mean,
@@ -1525,8 +1572,28 @@ fn one_loss_at_a_time() {
                 vec![(vec![n, d], true, 0), (vec![n, d], false, 3)],
                 Box::new(move |t| t[0].poisson_nll_loss(&t[1], true, true, 1e-8, red(r))),
             ),
+            // CTC of `[T, N, C]` log-probabilities (one operand's size) against 20 labels a
+            // sample: padded `[N, S]`, `Int32`, or concatenated.
+            (
+                "ctc",
+                vec![(vec![64, 16, 64], true, 0), (vec![16, 20], false, 4)],
+                Box::new(move |t| Tensor::ctc_loss(&t[0], &t[1], [64; 16], [20; 16], 0, red(r), false)),
+            ),
+            (
+                "ctc int32",
+                vec![(vec![64, 16, 64], true, 0), (vec![16, 20], false, 5)],
+                Box::new(move |t| Tensor::ctc_loss(&t[0], &t[1], [64; 16], [20; 16], 0, red(r), false)),
+            ),
+            (
+                "ctc concatenated",
+                vec![(vec![64, 16, 64], true, 0), (vec![320], false, 4)],
+                Box::new(move |t| Tensor::ctc_loss(&t[0], &t[1], [64; 16], [20; 16], 0, red(r), true)),
+            ),
         ];
         for (name, operands, loss) in &cases {
+            if only.as_deref().is_some_and(|o| !name.contains(o)) {
+                continue;
+            }
             for round in 0..2 {
                 let ts: Vec<Tensor> = operands
                     .iter()
@@ -1535,7 +1602,9 @@ fn one_loss_at_a_time() {
                             0 => Tensor::randn(shape.as_slice(), (Kind::Float, CPU)),
                             1 => Tensor::rand(shape.as_slice(), (Kind::Float, CPU)) * 0.98 + 0.01,
                             2 => Tensor::randint(2, shape.as_slice(), (Kind::Float, CPU)) * 2 - 1,
-                            _ => Tensor::randint(5, shape.as_slice(), (Kind::Float, CPU)),
+                            3 => Tensor::randint(5, shape.as_slice(), (Kind::Float, CPU)),
+                            4 => Tensor::randint_low(1, 5, shape.as_slice(), (Kind::Int64, CPU)),
+                            _ => Tensor::randint_low(1, 5, shape.as_slice(), (Kind::Int, CPU)),
                         };
                         t.set_requires_grad(*grad)
                     })
