@@ -868,8 +868,9 @@ fn generated_transformers_peak_as_planned() {
 /// A tool, not a check: one convolution at a time, its forward and backward temporaries as the
 /// allocator sees them against what the planner charges (`LazyTensor::op_costs`). How the
 /// oneDNN rules in `src/lazy/cost/onednn.rs` were read: `TOMA_CONVS="cin,cout,size,k,stride,
-/// batch,input_grad[,dilation,groups,padding,transposed,f64];..." cargo test --all-features --test lazy_peak one_convolution_at_a_time
-/// -- --ignored --nocapture`, with `ONEDNN_VERBOSE=1` (oneDNN's primitives and layouts) and
+/// batch,input_grad[,dilation,groups,padding,transposed,f64,depth];..." cargo test --all-features --test lazy_peak
+/// one_convolution_at_a_time -- --ignored --nocapture` (a depth above 0: a 3-D convolution of
+/// `[batch, cin, depth, size, size]`, not transposed), with `ONEDNN_VERBOSE=1` (oneDNN's primitives and layouts) and
 /// `TOMA_TRACE_CPU_ALLOCATIONS=1` (every allocation, between `toma-mark` lines) on stderr.
 #[test]
 #[ignore]
@@ -888,15 +889,23 @@ fn one_convolution_at_a_time() {
         // then 1 for f64 (f32 by default).
         let transposed = v.get(10) == Some(&1);
         let kind = if v.get(11) == Some(&1) { Kind::Double } else { Kind::Float };
+        let depth = v.get(12).copied().unwrap_or(0);
+        assert!(depth == 0 || !transposed, "3-D transposed convolutions are not recorded");
         let bytes = |t: &Tensor| t.numel() as i64 * kind.elt_size_in_bytes() as i64;
         // The second round is reported: the first creates oneDNN's primitives.
         for round in 0..2 {
-            let x = Tensor::randn([n, cin, size, size], (kind, CPU)).set_requires_grad(input_grad);
-            let shape = if transposed { [cin, cout / groups, k, k] } else { [cout, cin / groups, k, k] };
-            let w = Tensor::randn(shape, (kind, CPU)).set_requires_grad(true);
+            let x_shape = if depth > 0 { vec![n, cin, depth, size, size] } else { vec![n, cin, size, size] };
+            let x = Tensor::randn(x_shape.as_slice(), (kind, CPU)).set_requires_grad(input_grad);
+            let mut shape = if transposed { vec![cin, cout / groups, k, k] } else { vec![cout, cin / groups, k, k] };
+            if depth > 0 {
+                shape.push(k);
+            }
+            let w = Tensor::randn(shape.as_slice(), (kind, CPU)).set_requires_grad(true);
             let b = Tensor::randn([cout], (kind, CPU)).set_requires_grad(true);
             let lx = toma::lazy::lazy(&x, 0);
-            let costs = if transposed {
+            let costs = if depth > 0 {
+                lx.conv3d(&w, Some(&b), [s], [p], [d], groups).op_costs()
+            } else if transposed {
                 lx.conv_transpose2d(&w, Some(&b), [s, s], [p, p], [0, 0], groups, [d, d]).op_costs()
             } else {
                 lx.conv2d(&w, Some(&b), [s, s], [p, p], [d, d], groups).op_costs()
@@ -909,7 +918,9 @@ fn one_convolution_at_a_time() {
                 }
             };
             mark("forward");
-            let y = if transposed {
+            let y = if depth > 0 {
+                x.conv3d(&w, Some(&b), [s], [p], [d], groups)
+            } else if transposed {
                 x.conv_transpose2d(&w, Some(&b), [s, s], [p, p], [0, 0], groups, [d, d])
             } else {
                 x.conv2d(&w, Some(&b), [s, s], [p, p], [d, d], groups)
@@ -929,7 +940,8 @@ fn one_convolution_at_a_time() {
             let backward = memory::cpu_allocator_stats().unwrap().peak_allocated as i64 - before - grads;
             if round == 1 {
                 println!(
-                    "cin {cin:>3} cout {cout:>3} {size:>2}x{size:<2} k{k} s{s} n{n:>2} input grad {input_grad:<5} | forward: measured {forward:>9} planned {:>9} | backward: measured {backward:>9} planned {:>9} d{d} g{groups} p{p}{}{}",
+                    "cin {cin:>3} cout {cout:>3} {}{size:>2}x{size:<2} k{k} s{s} n{n:>2} input grad {input_grad:<5} | forward: measured {forward:>9} planned {:>9} | backward: measured {backward:>9} planned {:>9} d{d} g{groups} p{p}{}{}",
+                    if depth > 0 { format!("{depth}x") } else { String::new() },
                     costs.scratch,
                     costs.backward_scratch,
                     if transposed { " transposed" } else { "" },
@@ -1419,10 +1431,55 @@ fn pair_and_probability_losses_peak_as_planned() {
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "pair and probability losses");
 }
 
+/// CTC (issue 28's last loss) of `[T, N, C]` log-probabilities made from a scaled input,
+/// against padded targets with lengths as lists and as tensors, and concatenated ones, each
+/// reduction, whole and in micro-batches: autograd keeps libtorch's `log_alpha` (`[N, T, 2 L +
+/// 1]`), and the backward makes `log_beta` as large (read with `one_loss_at_a_time`).
+#[test]
+fn ctc_losses_peak_as_planned() {
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    let (t, n, c, s) = (64i64, 32i64, 64i64, 20i64);
+    let mut rows = Rows::default();
+    for form in ["padded", "concatenated", "tensor lengths"] {
+        for reduction in [tch::Reduction::Mean, tch::Reduction::Sum, tch::Reduction::None] {
+            for micro in [n as usize, 8] {
+                let f32s = (Kind::Float, CPU);
+                let scale = Tensor::ones([c], f32s).set_requires_grad(true);
+                let x = Tensor::randn([t, n, c], f32s);
+                let targets = Tensor::randint_low(1, c, [n, s], (Kind::Int64, CPU));
+                let il: Vec<i64> = (0..n).map(|i| t - i % 8).collect();
+                let tl: Vec<i64> = (0..n).map(|i| s - i % 5).collect();
+                let pieces: Vec<Tensor> =
+                    tl.iter().enumerate().map(|(i, &l)| targets.get(i as i64).narrow(0, 0, l)).collect();
+                let concatenated = Tensor::cat(&pieces, 0);
+                let (il_t, tl_t) = (Tensor::from_slice(&il), Tensor::from_slice(&tl));
+                let lp = (toma::lazy::lazy(&x, 1) * LazyTensor::fixed(&scale)).log_softmax(2, None);
+                let (lt, lil, ltl) = toma::lazy::lazy((&targets, &il_t, &tl_t), 0);
+                let red = || match reduction {
+                    tch::Reduction::Mean => tch::Reduction::Mean,
+                    tch::Reduction::Sum => tch::Reduction::Sum,
+                    _ => tch::Reduction::None,
+                };
+                let loss = match form {
+                    "padded" => LazyTensor::ctc_loss(&lp, &lt, &il, &tl, 0, red(), false),
+                    "concatenated" => LazyTensor::ctc_loss(&lp, &concatenated, &il, &tl, 0, red(), false),
+                    _ => LazyTensor::ctc_loss_tensor(&lp, &lt, &lil, &ltl, 0, red(), false),
+                };
+                let loss = if matches!(reduction, tch::Reduction::None) { loss.sum(Kind::Float) } else { loss };
+                let (planned, measured) = planned_and_measured_at(&loss, micro);
+                rows.push(format!("ctc {form} {reduction:?} micro {micro}"), planned, measured);
+            }
+        }
+    }
+    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "CTC losses");
+}
+
 /// A tool, not a check: each loss of issue 28 run eagerly on `[64, 1024]` operands (`Float`),
 /// what it allocates besides its output, forward, what autograd keeps, and backward besides the
 /// gradients, in units of one operand. `cargo test --all-features --test lazy_peak
-/// one_loss_at_a_time -- --ignored --nocapture`.
+/// one_loss_at_a_time -- --ignored --nocapture` (`TOMA_LOSSES=ctc`: the losses whose name holds
+/// `ctc`).
 #[test]
 #[ignore]
 fn one_loss_at_a_time() {
@@ -1430,10 +1487,12 @@ fn one_loss_at_a_time() {
     assert!(memory::track_cpu_allocations());
     let (n, d) = (64i64, 1024i64);
     let unit = (n * d * 4) as f64;
+    // `TOMA_LOSSES=<part of a name>`: only those.
+    let only = std::env::var("TOMA_LOSSES").ok();
     let bytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as i64;
     type Loss = Box<dyn Fn(&[Tensor]) -> Tensor>;
     // Each operand: its shape, whether it requires a gradient, and its values (0: normal, 1:
-    // probabilities, 2: signs, 3: counts).
+    // probabilities, 2: signs, 3: counts, 4: `Int64` labels in 1..5, 5: `Int32` ones).
     type Operand = (Vec<i64>, bool, u8);
     let red = |r: usize| match r {
         0 => tch::Reduction::Mean,
@@ -1513,8 +1572,28 @@ fn one_loss_at_a_time() {
                 vec![(vec![n, d], true, 0), (vec![n, d], false, 3)],
                 Box::new(move |t| t[0].poisson_nll_loss(&t[1], true, true, 1e-8, red(r))),
             ),
+            // CTC of `[T, N, C]` log-probabilities (one operand's size) against 20 labels a
+            // sample: padded `[N, S]`, `Int32`, or concatenated.
+            (
+                "ctc",
+                vec![(vec![64, 16, 64], true, 0), (vec![16, 20], false, 4)],
+                Box::new(move |t| Tensor::ctc_loss(&t[0], &t[1], [64; 16], [20; 16], 0, red(r), false)),
+            ),
+            (
+                "ctc int32",
+                vec![(vec![64, 16, 64], true, 0), (vec![16, 20], false, 5)],
+                Box::new(move |t| Tensor::ctc_loss(&t[0], &t[1], [64; 16], [20; 16], 0, red(r), false)),
+            ),
+            (
+                "ctc concatenated",
+                vec![(vec![64, 16, 64], true, 0), (vec![320], false, 4)],
+                Box::new(move |t| Tensor::ctc_loss(&t[0], &t[1], [64; 16], [20; 16], 0, red(r), true)),
+            ),
         ];
         for (name, operands, loss) in &cases {
+            if only.as_deref().is_some_and(|o| !name.contains(o)) {
+                continue;
+            }
             for round in 0..2 {
                 let ts: Vec<Tensor> = operands
                     .iter()
@@ -1523,7 +1602,9 @@ fn one_loss_at_a_time() {
                             0 => Tensor::randn(shape.as_slice(), (Kind::Float, CPU)),
                             1 => Tensor::rand(shape.as_slice(), (Kind::Float, CPU)) * 0.98 + 0.01,
                             2 => Tensor::randint(2, shape.as_slice(), (Kind::Float, CPU)) * 2 - 1,
-                            _ => Tensor::randint(5, shape.as_slice(), (Kind::Float, CPU)),
+                            3 => Tensor::randint(5, shape.as_slice(), (Kind::Float, CPU)),
+                            4 => Tensor::randint_low(1, 5, shape.as_slice(), (Kind::Int64, CPU)),
+                            _ => Tensor::randint_low(1, 5, shape.as_slice(), (Kind::Int, CPU)),
                         };
                         t.set_requires_grad(*grad)
                     })
@@ -1624,11 +1705,10 @@ fn scatter_ops_peak_as_planned() {
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "scatters");
 }
 
-/// 3-D convolutions (through oneDNN in `Float`: plain, strided, depthwise, a 1×1×1 and a first
-/// layer of 3 channels; libtorch's native kernel in `Double`) and 3-D pooling, after a scaling
-/// by a parameter, whole and in micro-batches. Not here: a depthwise 3×3×3 (16 groups of one
-/// channel, `[8, 16, 8, 24, 24]`), planned 25% over what it takes (11.80 MB against 9.44 MB):
-/// oneDNN's 3-D depthwise kernels are priced as its 2-D ones, not read yet.
+/// 3-D convolutions (through oneDNN in `Float`: plain, strided, depthwise, grouped by 8
+/// channels, a 1×1×1 and a first layer of 3 channels; libtorch's native kernel in `Double`,
+/// plain and depthwise) and 3-D pooling, after a scaling by a parameter, whole and in
+/// micro-batches.
 #[test]
 fn volumes_peak_as_planned() {
     let _serial = support::serial();
@@ -1642,6 +1722,9 @@ fn volumes_peak_as_planned() {
         ("conv3d", Kind::Float, 16, 1, 1, 1),
         ("conv3d", Kind::Float, 3, 3, 1, 1),
         ("conv3d", Kind::Double, 16, 3, 1, 1),
+        ("conv3d", Kind::Float, 16, 3, 1, 16),
+        ("conv3d", Kind::Float, 16, 3, 1, 2),
+        ("conv3d", Kind::Double, 16, 3, 1, 16),
         ("max_pool3d", Kind::Float, 16, 2, 2, 1),
         ("avg_pool3d", Kind::Float, 16, 2, 2, 1),
     ];

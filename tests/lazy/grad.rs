@@ -892,3 +892,54 @@ fn volumes_match_the_full_batch() {
         );
     }
 }
+
+/// CTC on an MLP's per-step log-probabilities (`[N, T, 8]` features, transposed to `[T, N, C]`),
+/// against padded targets and concatenated ones with lengths as lists, and padded ones with
+/// lengths as tensors, mean- and sum-reduced: the loss and the gradients of micro-batches of 1,
+/// 3 and the whole batch are the full batch's to 1e-9 relative.
+#[test]
+fn ctc_loss_matches_the_full_batch() {
+    tch::manual_seed(29);
+    let mut vs = nn::VarStore::new(CPU);
+    let l1 = nn::linear(vs.root() / "l1", 8, 12, Default::default());
+    let l2 = nn::linear(vs.root() / "l2", 12, 5, Default::default());
+    vs.double();
+    let (n, t, s) = (7i64, 12i64, 4i64);
+    let x = Tensor::randn([n, t, 8], (Kind::Double, CPU));
+    let targets = Tensor::randint_low(1, 5, [n, s], (Kind::Int64, CPU));
+    // Input lengths from 9 to 12, targets of 0 to 4 labels: every loss finite.
+    let il: Vec<i64> = (0..n).map(|i| t - i % 4).collect();
+    let tl: Vec<i64> = (0..n).map(|i| (i + 1) % (s + 1)).collect();
+    let pieces: Vec<Tensor> = tl.iter().enumerate().map(|(i, &l)| targets.get(i as i64).narrow(0, 0, l)).collect();
+    let concatenated = Tensor::cat(&pieces, 0);
+    let (il_t, tl_t) = (Tensor::from_slice(&il), Tensor::from_slice(&tl));
+    let eager = |red: Reduction| {
+        let lp = l2.forward(&l1.forward(&x).tanh()).log_softmax(-1, None).transpose(0, 1);
+        Tensor::ctc_loss(&lp, &targets, &il, &tl, 0, red, false)
+            + Tensor::ctc_loss(&lp, &concatenated, &il, &tl, 0, red, false) * 0.5
+            + Tensor::ctc_loss_tensor(&lp, &targets, &il_t, &tl_t, 0, red, true) * 0.25
+    };
+    let lazily = |red: Reduction| {
+        let (lx, lt, lil, ltl) = lazy((&x, &targets, &il_t, &tl_t), 0);
+        let lp = lx.apply(&l1).tanh().apply(&l2).log_softmax(-1, None).transpose(0, 1);
+        LazyTensor::ctc_loss(&lp, &lt, &il, &tl, 0, red, false)
+            + LazyTensor::ctc_loss(&lp, &concatenated, &il, &tl, 0, red, false) * 0.5
+            + LazyTensor::ctc_loss_tensor(&lp, &lt, &lil, &ltl, 0, red, true) * 0.25
+    };
+    for red in [Reduction::Mean, Reduction::Sum] {
+        zero_grads(&vs);
+        let loss = eager(red);
+        let value = loss.double_value(&[]);
+        loss.backward();
+        let expected = grads(&vs);
+        for micro in [1usize, 3, n as usize] {
+            zero_grads(&vs);
+            let got = lazily(red).backward_with(&Options::new().micro_batch(micro)).unwrap();
+            assert!((got - value).abs() <= 1e-10 * value.abs(), "{red:?}, micro {micro}: loss {got} vs {value}");
+            for (param, g) in grads(&vs) {
+                let err = relative_error(&g, &expected[&param]);
+                assert!(err <= 1e-9, "{red:?}, micro {micro}: gradient of {param} differs by {err:e}");
+            }
+        }
+    }
+}

@@ -230,6 +230,15 @@ fn sample(name: &str) -> Option<LazyTensor> {
         }
         "binary_cross_entropy" => x().sigmoid().binary_cross_entropy(&x().sigmoid(), none, Reduction::Mean),
         "poisson_nll_loss" => x().poisson_nll_loss(&x().exp(), true, false, 1e-8, Reduction::Mean),
+        "ctc_loss" => {
+            let lp = act(&[6, 5]).transpose(0, 1).log_softmax(2, None);
+            LazyTensor::ctc_loss(&lp, &ints(5, &[2]), [6; 4], [2; 4], 0, Reduction::Mean, false)
+        }
+        "ctc_loss_tensor" => {
+            let lp = act(&[6, 5]).transpose(0, 1).log_softmax(2, None);
+            let lengths = |l: i64| lazy(&Tensor::full([4], l, (Kind::Int64, Device::Cpu)), 0);
+            LazyTensor::ctc_loss_tensor(&lp, &ints(5, &[2]), &lengths(6), &lengths(2), 0, Reduction::Mean, false)
+        }
         _ => return None,
     })
 }

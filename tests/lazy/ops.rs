@@ -1064,6 +1064,57 @@ proptest! {
         let fixed_counts = counts.get(0).unsqueeze(0);
         agree(&what("poisson_nll_loss, fixed counts"), x1.f_poisson_nll_loss(&fixed_counts, true, full, 1e-8, red), l1.f_poisson_nll_loss(&fixed_counts, true, full, 1e-8, red), micro, Split::Exact)?;
     }
+
+    /// CTC against padded and concatenated targets, lengths as lists and as tensors, every
+    /// reduction: whole and in micro-batches (the lists and concatenated targets sliced to
+    /// each), tch's values; concatenated targets with lengths as tensors refuse a split.
+    #[test]
+    fn ctc_loss_every_reduction(
+        n in 1i64..6,
+        t in 1i64..8,
+        c in 2i64..6,
+        s in 0i64..4,
+        micro in 1usize..7,
+        reduction in 0usize..3,
+        zero_infinity in any::<bool>(),
+        int32 in any::<bool>(),
+        blank in 0i64..2,
+    ) {
+        let red = [Reduction::Mean, Reduction::Sum, Reduction::None][reduction];
+        let blank = blank.min(c - 1);
+        let lp = randn(&[t, n, c]).log_softmax(2, None);
+        let kind = if int32 { Kind::Int } else { Kind::Int64 };
+        // Labels other than the blank.
+        let labels = Tensor::randint_low(0, c - 1, [n, s], (Kind::Int64, CPU));
+        let targets = (&labels + labels.ge(blank).to_kind(Kind::Int64)).to_kind(kind);
+        let il: Vec<i64> = Vec::try_from(Tensor::randint(t + 1, [n], (Kind::Int64, CPU))).unwrap();
+        let tl: Vec<i64> = Vec::try_from(Tensor::randint(s + 1, [n], (Kind::Int64, CPU))).unwrap();
+        let pieces: Vec<Tensor> = tl.iter().enumerate().map(|(i, &l)| targets.get(i as i64).narrow(0, 0, l)).collect();
+        let concatenated = Tensor::cat(&pieces, 0);
+        let (il_t, tl_t) = (Tensor::from_slice(&il), Tensor::from_slice(&tl));
+        let what = |form: &str| format!("ctc {form} n {n} t {t} c {c} s {s} {red:?} zero_infinity {zero_infinity} {kind:?} lengths {il:?} {tl:?}");
+        let llp = lazy(&lp, 1);
+        let (lt, lil, ltl) = lazy((&targets, &il_t, &tl_t), 0);
+        agree(&what("padded"), Tensor::f_ctc_loss(&lp, &targets, &il, &tl, blank, red, zero_infinity), LazyTensor::f_ctc_loss(&llp, &lt, &il, &tl, blank, red, zero_infinity), micro, Split::Exact)?;
+        agree(&what("concatenated"), Tensor::f_ctc_loss(&lp, &concatenated, &il, &tl, blank, red, zero_infinity), LazyTensor::f_ctc_loss(&llp, &concatenated, &il, &tl, blank, red, zero_infinity), micro, Split::Exact)?;
+        agree(&what("tensor lengths"), Tensor::f_ctc_loss_tensor(&lp, &targets, &il_t, &tl_t, blank, red, zero_infinity), LazyTensor::f_ctc_loss_tensor(&llp, &lt, &lil, &ltl, blank, red, zero_infinity), micro, Split::Exact)?;
+        agree(&what("concatenated, tensor lengths"), Tensor::f_ctc_loss_tensor(&lp, &concatenated, &il_t, &tl_t, blank, red, zero_infinity), LazyTensor::f_ctc_loss_tensor(&llp, &concatenated, &lil, &ltl, blank, red, zero_infinity), micro, Split::Refused)?;
+        // One unbatched sequence, `[T, C]`.
+        let one = lp.select(1, 0);
+        let (il1, tl1) = ([il[0]], [tl[0]]);
+        agree(&what("unbatched"), Tensor::f_ctc_loss(&one, &pieces[0], il1, tl1, blank, red, zero_infinity), LazyTensor::f_ctc_loss(&one, &pieces[0], il1, tl1, blank, red, zero_infinity), micro, Split::Refused)?;
+        // Refused when recorded, as tch refuses them when they run (or as an unwrapped
+        // operand would be wrong).
+        let unwrapped = LazyTensor::f_ctc_loss(&llp, &targets, &il, &tl, blank, red, zero_infinity);
+        prop_assert!(n == 1 || matches!(unwrapped, Err(LazyError::Batch { .. })), "unwrapped targets of the batch's size");
+        let short = &il[..il.len() - 1];
+        prop_assert!(LazyTensor::f_ctc_loss(&llp, &lt, short, &tl, blank, red, zero_infinity).is_err(), "a length missing");
+        prop_assert!(LazyTensor::f_ctc_loss(&llp, &lt, &il, &tl, c, red, zero_infinity).is_err(), "a blank out of range");
+        let long: Vec<i64> = il.iter().map(|l| l + t + 1).collect();
+        agree(&what("lengths past T"), Tensor::f_ctc_loss(&lp, &targets, &long, &tl, blank, red, zero_infinity), LazyTensor::f_ctc_loss(&llp, &lt, &long, &tl, blank, red, zero_infinity), micro, Split::Exact)?;
+        let longer: Vec<i64> = tl.iter().map(|l| l + s + 1).collect();
+        agree(&what("targets shorter than their lengths"), Tensor::f_ctc_loss(&lp, &targets, &il, &longer, blank, red, zero_infinity), LazyTensor::f_ctc_loss(&llp, &lt, &il, &longer, blank, red, zero_infinity), micro, Split::Exact)?;
+    }
 }
 
 #[test]

@@ -101,7 +101,8 @@ impl Cpu {
             }
             return scratch;
         }
-        if c.groups > 1 && c.batched() {
+        // 3-D: libtorch's `slow_conv3d` takes the groups at once, its columns over all of them.
+        if c.groups > 1 && c.batched() && c.kernel().len() == 2 {
             return native_grouped(c);
         }
         if c.dilated() {

@@ -218,7 +218,9 @@ impl OneDnn {
     /// of a multiple of 8 channels, reorder the output gradient and the input the same way (no
     /// scratchpad: the threads split the groups); other kernels and group widths, and maps
     /// smaller than the kernel (but with groups of 16 channels), go to oneDNN's gemm on plain
-    /// layouts (`gemm_weight_grad`).
+    /// layouts (`gemm_weight_grad`). In 3-D, a depthwise convolution runs other kernels
+    /// (`depthwise_3d`), and groups of 8 channels have no half-block weight-gradient kernel: the
+    /// gemm takes every group width but multiples of 16 (`gemm_weight_grad_3d`).
     fn grouped(&self, c: &Convolution<'_>, input_grad: bool) -> Scratch {
         let groups = c.groups;
         let block = self.block as i64;
@@ -240,6 +242,10 @@ impl OneDnn {
         // of them, a grouped one's to blocks of its group's width (16, 8 or 4 channels).
         let per_group = weight[1].max(1) as u64;
         let depthwise = per_group == 1 && o == cin;
+        let volumetric = kernel.len() == 3;
+        if volumetric && depthwise {
+            return self.depthwise_3d(c, input_grad);
+        }
         let group_block = [16, 8, 4].into_iter().find(|&g| per_group % g == 0).unwrap_or(1);
         let (x_ch, y_ch) = if depthwise {
             (cin_u.div_ceil(cb) * cb, o_u.div_ceil(cb) * cb)
@@ -259,14 +265,22 @@ impl OneDnn {
         let small_map = c.input.shape[2..].iter().zip(kernel).any(|(&side, &k)| side < k);
         let gemm = ((small_map || c.dilated()) && (depthwise || per_group % 16 != 0))
             || Self::dilated_gemm(c)
-            || if depthwise { kernel.iter().any(|&k| k != 3) } else { per_group % 8 != 0 };
+            || if depthwise {
+                kernel.iter().any(|&k| k != 3)
+            } else {
+                // 3-D has no half-block kernel.
+                per_group % if volumetric { 16 } else { 8 } != 0
+            };
         let positions = shape::numel(&c.output.shape[2..]).max(0) as u64;
         let columns = per_group * positions_per_kernel * positions;
         let backward = chord(n, |k| {
             let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
             let (x_r, y_r) = (x / cin_u * x_ch, y / o_u * y_ch);
             let data = if input_grad { blocked_input_grad(y_r, w_r, x_r, x, w) } else { 0 };
-            let weights = if gemm {
+            let weights = if gemm && volumetric {
+                let (columns, slice) = Self::slice_columns(c);
+                self.gemm_weight_grad_3d(w, columns, slice, elem)
+            } else if gemm {
                 // The threads split the groups, whatever the samples.
                 self.gemm_weight_grad(w, columns, positions, elem, self.threads)
             } else {
@@ -275,6 +289,53 @@ impl OneDnn {
             data.max(weights)
         });
         Scratch::of(forward, backward)
+    }
+
+    /// A depthwise 3-D convolution's scratch, phase by phase: oneDNN 3.10.2 has no blocked 3-D
+    /// depthwise kernel (read from its verbose log and the allocator's trace,
+    /// `tests/lazy_peak.rs::one_convolution_at_a_time` with a depth). Forward, `brdgmm_dw` on
+    /// channels-last layouts: the input reordered, the weight padded to channel blocks, the
+    /// output made channels-last, then copied contiguous (three outputs live at once). The
+    /// input gradient is the gemm's on plain layouts: the columns of one depth slice of the
+    /// output per thread beside the gradient's buffer, which is then copied out. The weight
+    /// gradient is the gemm's too (`gemm_weight_grad_3d`).
+    fn depthwise_3d(&self, c: &Convolution<'_>, input_grad: bool) -> Scratch {
+        let weight = &c.weight.shape;
+        let (xp, yp) = (c.input.numel_parts(), c.output.numel_parts());
+        let w = shape::numel(weight).max(0) as u64;
+        let elem = c.output.kind.elt_size_in_bytes().max(1) as u64;
+        let n = batch_of(c.output);
+        let w_r = Layouts::pad(w, c.output.shape[1].max(1) as u64, self.block);
+        let forward = chord(n, |k| {
+            let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
+            (x + w_r + y).max(3 * y) - y
+        });
+        let (columns, slice) = Self::slice_columns(c);
+        let data_columns = self.threads * columns + GEMM_FIXED_BYTES / elem;
+        let weights = self.gemm_weight_grad_3d(w, columns, slice, elem);
+        let backward = chord(n, |k| {
+            let x = xp.0 * k + xp.1;
+            let data = if input_grad { x.max(data_columns).saturating_sub(w) } else { 0 };
+            data.max(weights)
+        });
+        Scratch::of(forward, backward)
+    }
+
+    /// A 3-D convolution's gemm columns for one depth slice of its output (a group's input
+    /// channels times the kernel, over the slice's positions), and the slice's positions.
+    fn slice_columns(c: &Convolution<'_>) -> (u64, u64) {
+        let out = &c.output.shape;
+        let slice = shape::numel(&out[out.len() - 2..]).max(0) as u64;
+        let per_group = c.weight.shape[1].max(1) as u64;
+        (per_group * shape::numel(c.kernel()).max(0) as u64 * slice, slice)
+    }
+
+    /// oneDNN's gemm weight gradient of a 3-D convolution, in elements: a thread's columns (one
+    /// depth slice of the output) and four copies of the weight gradient, on every thread when
+    /// a slice has at most 256 positions, else on one; fixed bytes.
+    fn gemm_weight_grad_3d(&self, w: u64, columns: u64, slice: u64, elem: u64) -> u64 {
+        let threads = if slice <= GEMM_COLUMNS_PER_THREAD_UP_TO { self.threads } else { 1 };
+        threads * (GEMM_WEIGHT_GRAD_COPIES * w + columns) + GEMM_WEIGHT_GRAD_FIXED_BYTES / elem
     }
 
     /// oneDNN's gemm weight gradient on `threads` threads at work (an ungrouped one's split the

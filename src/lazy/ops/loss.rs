@@ -1,7 +1,9 @@
 //! Losses: cross-entropy, negative log-likelihood, elementwise losses (squared error, smooth L1,
-//! Huber, binary cross-entropy, KL divergence, Poisson), and the losses of pairs and triplets
-//! (cosine embedding, margin ranking, triplet margin). Mean-reduced ones are sums over the batch
-//! divided by a count: a split run divides each micro-batch's sum by the full batch's count.
+//! Huber, binary cross-entropy, KL divergence, Poisson), the losses of pairs and triplets
+//! (cosine embedding, margin ranking, triplet margin), and CTC. Mean-reduced ones are sums over
+//! the batch divided by a count: a split run divides each micro-batch's sum by the full batch's
+//! count (CTC's mean, of each sample's loss over its target length, weighs each micro-batch's
+//! mean by its share of the batch).
 
 use std::rc::Rc;
 
@@ -12,7 +14,8 @@ use super::record::{broadcast_flows, combine_flows, same_device, Linearity, Reco
 use super::{arg, floating, kind_err, same_kind, shape_err};
 use crate::lazy::error::LazyError;
 use crate::lazy::error::OrPanic;
-use crate::lazy::graph::{Flow, KernelCall, Meta, Node, Operation, RunCx, Share};
+use crate::lazy::graph::{Flow, KernelCall, Meta, Node, Operation, RunCx, Share, Source};
+use crate::lazy::int_list::IntList;
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
 
@@ -338,6 +341,106 @@ impl Operation for CompositeLoss {
             return None;
         }
         Some(self.loss.compute(ins, Reduction::Sum).and_then(|s| s.f_div_scalar(self.count)))
+    }
+}
+
+/// A CTC loss's lengths as its recording takes them.
+#[derive(Clone, Copy)]
+enum CtcLengthArgs<'a> {
+    Lists(&'a [i64], &'a [i64]),
+    Tensors(&'a Rc<Node>, &'a Rc<Node>),
+}
+
+/// The lengths of a CTC loss given as lists: each sample's input length and target length, and
+/// with concatenated targets where each sample's start (`N + 1` offsets).
+pub(crate) struct CtcLengths {
+    input: Vec<i64>,
+    target: Vec<i64>,
+    offsets: Option<Vec<i64>>,
+}
+
+/// Connectionist temporal classification of log-probabilities (`[T, N, C]`, or `[T, C]`)
+/// against targets (`[N, S]` padded, or concatenated 1-D). Operands: log-probabilities,
+/// targets, and with lengths as tensors, the input and the target lengths. A split run slices
+/// the length lists (and concatenated targets) to the micro-batch; a mean (of each sample's
+/// loss over its target length) is weighted by the micro-batch's share of the batch.
+pub(crate) struct Ctc {
+    blank: i64,
+    reduction: Reduction,
+    zero_infinity: bool,
+    /// The lengths as lists; `None` when they are operands 2 and 3.
+    lists: Option<CtcLengths>,
+    /// Whether the log-probabilities are split with the batch (their dimension 1).
+    batched: bool,
+    /// `(per sample, fixed)` elements of libtorch's `log_alpha` (`[N, T, 2 L + 1]`, `L` the
+    /// longest target), and of the per-sample losses and their clamped target lengths.
+    alpha: (u64, u64),
+    per_sample: (u64, u64),
+    /// `(per sample, fixed)` elements of targets libtorch converts to `Int64` (none when they
+    /// are `Int64`).
+    targets_copy: (u64, u64),
+}
+
+impl Ctc {
+    /// The loss of the samples `cx` runs, reduced by `reduction`.
+    fn compute(&self, ins: &[&Tensor], cx: &RunCx<'_>, reduction: Reduction) -> Result<Tensor, TchError> {
+        let (lp, targets) = (ins[0], ins[1]);
+        let (blank, zero_infinity) = (self.blank, self.zero_infinity);
+        let Some(lists) = &self.lists else {
+            return Tensor::f_ctc_loss_tensor(lp, targets, ins[2], ins[3], blank, reduction, zero_infinity);
+        };
+        let samples = if self.batched { cx.start as usize..(cx.start + cx.b) as usize } else { 0..lists.input.len() };
+        let (input, target) = (&lists.input[samples.clone()], &lists.target[samples.clone()]);
+        match &lists.offsets {
+            Some(offsets) if self.batched => {
+                let (from, to) = (offsets[samples.start], offsets[samples.end]);
+                let targets = targets.f_narrow(0, from, to - from)?;
+                Tensor::f_ctc_loss(lp, &targets, input, target, blank, reduction, zero_infinity)
+            }
+            _ => Tensor::f_ctc_loss(lp, targets, input, target, blank, reduction, zero_infinity),
+        }
+    }
+}
+
+impl Operation for Ctc {
+    fn name(&self) -> &'static str {
+        if self.lists.is_some() {
+            "ctc_loss"
+        } else {
+            "ctc_loss_tensor"
+        }
+    }
+
+    fn run(&self, ins: &[&Tensor], cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        self.compute(ins, cx, self.reduction)
+    }
+
+    fn saves_input(&self, i: usize, inputs: &[Rc<Node>]) -> bool {
+        // The log-probabilities, and the targets unless libtorch converts them (the copy is
+        // kept instead).
+        i == 0 || (i == 1 && inputs[1].meta.kind == Kind::Int64)
+    }
+
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], _meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        // Read from libtorch 2.11's CPU allocator (`tests/lazy_peak.rs::one_loss_at_a_time`):
+        // the forward makes `log_alpha` and the per-sample losses, which autograd keeps; the
+        // backward makes `log_beta`, as large as `log_alpha`, beside the input's gradient.
+        let kind = inputs[0].meta.kind;
+        let (a, s) = (self.alpha, self.per_sample);
+        calls.push(KernelCall::SavedCopy { elements: (a.0 + s.0, a.1 + s.1), kind });
+        if self.targets_copy != (0, 0) {
+            calls.push(KernelCall::SavedCopy { elements: self.targets_copy, kind: Kind::Int64 });
+        }
+        calls.push(KernelCall::Temporaries { forward: (0, 0), backward: a });
+    }
+
+    fn run_share(&self, ins: &[&Tensor], _node: &Node, share: &Share) -> Option<Result<Tensor, TchError>> {
+        if !share.reduces_batch || !matches!(self.reduction, Reduction::Mean) {
+            return None;
+        }
+        // The micro-batch's mean of each loss over its target length, times its share of the
+        // batch: the full batch's mean, summed over micro-batches.
+        Some(self.compute(ins, &share.cx, Reduction::Mean).and_then(|m| m.f_mul_scalar(share.frac)))
     }
 }
 
@@ -937,6 +1040,273 @@ impl LazyTensor {
         let flow = broadcast_flows(name, &[x, tn], &per, Linearity::Nonlinear)?;
         let inputs = vec![x.clone(), tn.clone()];
         Self::composite_loss(loss, inputs, &per.clone(), per, flow, reduction, device)
+    }
+
+    /// Connectionist temporal classification loss of `log_probs` (`[T, N, C]`: the batch is
+    /// dimension 1; or `[T, C]` unbatched) against `targets` (`[N, S]` padded, or the samples'
+    /// labels concatenated, 1-D), with each sample's `input_lengths` (at most `T`) and
+    /// `target_lengths` as lists, as tch's `ctc_loss` (a static method, as in tch; `blank` is
+    /// the blank's class; `zero_infinity` zeroes infinite losses and their gradients). A mean
+    /// averages each sample's loss over its target length (at least 1). Split in micro-batches,
+    /// the lists are sliced to each one (concatenated targets too, by the target lengths, so
+    /// pass them fixed), and a mean is weighted by each micro-batch's share of the batch.
+    /// Wrap the log-probabilities with `lazy(.., 1)` and padded targets with `lazy(.., 0)`.
+    ///
+    /// # Errors
+    /// [`LazyError::Shape`] for other shapes, lists that are not one length a sample, lengths
+    /// outside `[0, T]`, or targets shorter than their lengths; [`LazyError::Kind`] for
+    /// log-probabilities that are not `Float` or `Double`, or targets that are not integers;
+    /// [`LazyError::Argument`] for a blank outside `[0, C)` or [`Reduction::Other`];
+    /// [`LazyError::Device`]; [`LazyError::Batch`] for a per-sample operand that was not
+    /// wrapped.
+    #[lazy_only]
+    #[allow(clippy::too_many_arguments)]
+    pub fn f_ctc_loss(
+        log_probs: impl IntoLazy,
+        targets: impl IntoLazy,
+        input_lengths: impl IntList,
+        target_lengths: impl IntList,
+        blank: i64,
+        reduction: Reduction,
+        zero_infinity: bool,
+    ) -> Result<LazyTensor, LazyError> {
+        let (lp, tg) = (log_probs.into_lazy(), targets.into_lazy());
+        let lengths = CtcLengthArgs::Lists(input_lengths.as_slice(), target_lengths.as_slice());
+        Self::ctc(&lp.node, &tg.node, lengths, blank, reduction, zero_infinity)
+    }
+
+    /// As [`f_ctc_loss`](Self::f_ctc_loss), with the lengths as integer tensors of one value a
+    /// sample (tch's `ctc_loss_tensor`; wrap them with `lazy(.., 0)` too). Concatenated
+    /// targets cannot be sliced to a micro-batch before it runs: with them, a split is refused
+    /// (pass the lengths as lists). The plan sizes libtorch's buffers by the longest target,
+    /// read from the target lengths when they are an input or a constant, else taken as the
+    /// targets' size.
+    ///
+    /// # Errors
+    /// As [`f_ctc_loss`](Self::f_ctc_loss).
+    #[lazy_only]
+    #[allow(clippy::too_many_arguments)]
+    pub fn f_ctc_loss_tensor(
+        log_probs: impl IntoLazy,
+        targets: impl IntoLazy,
+        input_lengths: impl IntoLazy,
+        target_lengths: impl IntoLazy,
+        blank: i64,
+        reduction: Reduction,
+        zero_infinity: bool,
+    ) -> Result<LazyTensor, LazyError> {
+        let (lp, tg) = (log_probs.into_lazy(), targets.into_lazy());
+        let (il, tl) = (input_lengths.into_lazy(), target_lengths.into_lazy());
+        let lengths = CtcLengthArgs::Tensors(&il.node, &tl.node);
+        Self::ctc(&lp.node, &tg.node, lengths, blank, reduction, zero_infinity)
+    }
+
+    /// Records a CTC loss, its lengths as lists or as tensors.
+    fn ctc(
+        lp: &Rc<Node>,
+        tg: &Rc<Node>,
+        lengths: CtcLengthArgs<'_>,
+        blank: i64,
+        reduction: Reduction,
+        zero_infinity: bool,
+    ) -> Result<LazyTensor, LazyError> {
+        let name = match lengths {
+            CtcLengthArgs::Lists(..) => "ctc_loss",
+            CtcLengthArgs::Tensors(..) => "ctc_loss_tensor",
+        };
+        let mut nodes = vec![lp, tg];
+        if let CtcLengthArgs::Tensors(il, tl) = lengths {
+            nodes.extend([il, tl]);
+        }
+        let device = same_device(name, &nodes)?;
+        let (ls, ts) = (&lp.meta.shape, &tg.meta.shape);
+        if !matches!(ls.len(), 2 | 3) {
+            return Err(shape_err(name, ls, ts, "expected log-probabilities [T, N, C], or [T, C] unbatched"));
+        }
+        if !matches!(lp.meta.kind, Kind::Float | Kind::Double) {
+            return Err(kind_err(name, lp.meta.kind, ls, "expected Float or Double log-probabilities"));
+        }
+        if !shape::is_integral(tg.meta.kind) || tg.meta.kind == Kind::Bool {
+            return Err(kind_err(name, tg.meta.kind, ts, "targets must be integer class indices"));
+        }
+        if matches!(reduction, Reduction::Other(_)) {
+            return Err(arg(name, ls, "unknown reduction"));
+        }
+        let (t, n, c) = (ls[0], if ls.len() == 3 { ls[1] } else { 1 }, ls[ls.len() - 1]);
+        if !(0..c).contains(&blank) {
+            return Err(arg(name, ls, format!("blank must be in label range [0, {c}), got {blank}")));
+        }
+        let concatenated = ts.len() == 1;
+        if !(concatenated || (ts.len() == 2 && ts[0] == n)) {
+            return Err(shape_err(name, ls, ts, format!("expected targets [{n}, S], or concatenated 1-D")));
+        }
+        // The lists (checked as libtorch does), and the longest target.
+        let (lists, longest) = match lengths {
+            CtcLengthArgs::Lists(input, target) => {
+                if input.len() as i64 != n || target.len() as i64 != n {
+                    return Err(shape_err(
+                        name,
+                        ls,
+                        ts,
+                        format!("expected {n} input and target lengths, got {} and {}", input.len(), target.len()),
+                    ));
+                }
+                if let Some(l) = input.iter().find(|&&l| !(0..=t).contains(&l)) {
+                    return Err(shape_err(name, ls, ts, format!("an input length {l} is outside [0, {t}]")));
+                }
+                if let Some(l) = target.iter().find(|&&l| l < 0) {
+                    return Err(shape_err(name, ls, ts, format!("a target length {l} is negative")));
+                }
+                let longest = target.iter().copied().max().unwrap_or(0);
+                let offsets: Vec<i64> = std::iter::once(0)
+                    .chain(target.iter().scan(0, |sum, &l| {
+                        *sum += l;
+                        Some(*sum)
+                    }))
+                    .collect();
+                let total = *offsets.last().expect("one offset at least");
+                if concatenated && ts[0] != total {
+                    return Err(shape_err(name, ls, ts, format!("concatenated targets must hold {total} labels")));
+                }
+                if !concatenated && ts[1] < longest {
+                    return Err(shape_err(
+                        name,
+                        ls,
+                        ts,
+                        format!("targets must hold at least {longest} labels a sample"),
+                    ));
+                }
+                let lists = CtcLengths {
+                    input: input.to_vec(),
+                    target: target.to_vec(),
+                    offsets: concatenated.then_some(offsets),
+                };
+                (Some(lists), longest)
+            }
+            CtcLengthArgs::Tensors(il, tl) => {
+                for l in [il, tl] {
+                    if !shape::is_integral(l.meta.kind) || l.meta.kind == Kind::Bool {
+                        return Err(kind_err(name, l.meta.kind, &l.meta.shape, "lengths must be integers"));
+                    }
+                    if l.meta.shape.len() > 1 || shape::numel(&l.meta.shape) != n {
+                        return Err(shape_err(name, ls, &l.meta.shape, format!("expected {n} lengths")));
+                    }
+                }
+                let bound = if concatenated { ts[0] } else { ts[1] };
+                (None, Self::longest(tl).map_or(bound, |l| l.min(bound)))
+            }
+        };
+        let flow = Self::ctc_flow(name, &nodes, lists.is_some(), concatenated, n)?;
+        let batched = lp.meta.batch().is_some_and(|bd| ls.len() == 3 && bd.dim == 1 && bd.factor == 1);
+        // Elements libtorch makes, per sample when the batch is split.
+        let split = nodes.iter().any(|x| x.meta.batch().is_some()) && n > 0;
+        let parts = |total: i64| {
+            let total = total.max(0) as u64;
+            if split {
+                (total / n as u64, 0)
+            } else {
+                (0, total)
+            }
+        };
+        let op = Ctc {
+            blank,
+            reduction,
+            zero_infinity,
+            lists,
+            batched,
+            alpha: parts(n * t * (2 * longest + 1)),
+            per_sample: parts(2 * n),
+            targets_copy: if tg.meta.kind == Kind::Int64 { (0, 0) } else { tg.meta.numel_parts() },
+        };
+        let per = if ls.len() == 3 { vec![n] } else { vec![] };
+        let (flow, out) = match (flow, reduction) {
+            (f, Reduction::None) => (f, per),
+            ((Flow::PerSample(_), mixes), _) => ((Flow::Sum, mixes), vec![]),
+            (f, _) => (f, vec![]),
+        };
+        let inputs = nodes.into_iter().cloned().collect();
+        Ok(Record::new(op, inputs, out, lp.meta.kind, device).flow(flow).finish())
+    }
+
+    /// The flow of a CTC loss's per-sample values: the batch is dimension 1 of the
+    /// log-probabilities, 0 of padded targets and of lengths given as tensors.
+    fn ctc_flow(
+        name: &str,
+        nodes: &[&Rc<Node>],
+        lists: bool,
+        concatenated: bool,
+        n: i64,
+    ) -> Result<(Flow, Option<String>), LazyError> {
+        let expected = |j: usize| match j {
+            0 => (nodes[0].meta.shape.len() == 3).then_some(1),
+            1 => (!concatenated).then_some(0),
+            _ => (nodes[j].meta.shape.len() == 1).then_some(0),
+        };
+        let mut mapped = Vec::with_capacity(nodes.len());
+        for (j, node) in nodes.iter().enumerate() {
+            match node.meta.batch() {
+                Some(bd) if expected(j) == Some(bd.dim) && bd.factor == 1 => mapped.push(Some(0)),
+                Some(_) if j == 1 && concatenated => {
+                    return Ok((
+                        Flow::Opaque,
+                        Some("takes concatenated targets split along their labels; pass them fixed".into()),
+                    ));
+                }
+                Some(bd) => {
+                    return Ok((
+                        Flow::Opaque,
+                        Some(format!(
+                            "runs along dimension {} of operand {j} (its batch is dimension 1 of the \
+                             log-probabilities, 0 of the targets and lengths)",
+                            bd.dim
+                        )),
+                    ))
+                }
+                None => mapped.push(None),
+            }
+        }
+        // Per-sample data that was not wrapped would meet every micro-batch whole.
+        if let Some(bd) = nodes.iter().find_map(|x| x.meta.batch()) {
+            let full = bd.size * bd.factor;
+            for (j, node) in nodes.iter().enumerate() {
+                let at = expected(j).and_then(|d| node.meta.shape.get(d));
+                if node.meta.flow == Flow::Fixed && full > 1 && at == Some(&full) {
+                    return Err(LazyError::Batch {
+                        op: name.into(),
+                        lhs: nodes[0].meta.shape.clone(),
+                        rhs: node.meta.shape.clone(),
+                        reason: format!(
+                            "operand {j} is not batched but has the batch's size {full}; wrap it with lazy(..)"
+                        ),
+                    });
+                }
+            }
+        }
+        let per = if nodes[0].meta.shape.len() == 3 { vec![n] } else { vec![] };
+        let flow = combine_flows(name, nodes, &mapped, &per, Linearity::Nonlinear, false)?;
+        let batched = nodes[0].meta.batch().is_some();
+        if concatenated && !lists && batched {
+            return Ok((
+                Flow::Opaque,
+                Some(
+                    "takes concatenated targets with lengths as tensors: a micro-batch's labels are not known \
+                     before it runs (pass the lengths as lists)"
+                        .into(),
+                ),
+            ));
+        }
+        Ok(flow)
+    }
+
+    /// The longest target of lengths that are an input or a constant (read once, when recorded).
+    fn longest(lengths: &Rc<Node>) -> Option<i64> {
+        let tensor = match lengths.op.source()? {
+            Source::Input { tensor, .. } | Source::Leaf { tensor, .. } => tensor,
+        };
+        if tensor.numel() == 0 {
+            return Some(0);
+        }
+        tensor.f_max().ok()?.f_int64_value(&[]).ok()
     }
 
     /// Negative log-likelihood of log-probabilities against class indices, averaged over the
