@@ -277,6 +277,13 @@ pub(crate) trait Operation {
         None
     }
 
+    /// What the plan depends on beyond the op's name and its output's kind, shape and strides
+    /// (which the graph's fingerprint holds already): settings that size its buffers without
+    /// showing in the output (`ctc_loss`'s longest target). 0 for most ops.
+    fn sizing_hash(&self) -> u64 {
+        0
+    }
+
     /// Whether the backward reads the output's gradient densely: one that arrives broadcast
     /// (a `sum`'s backward expands the loss's gradient, stride 0) is copied first, as large as
     /// the output. Elementwise backward kernels read it as it is (libtorch 2.11, CPU).

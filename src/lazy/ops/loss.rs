@@ -403,6 +403,11 @@ impl Ctc {
 }
 
 impl Operation for Ctc {
+    /// `log_alpha` is sized by the longest target, which the output's shape does not show.
+    fn sizing_hash(&self) -> u64 {
+        self.alpha.0 ^ self.alpha.1.rotate_left(32)
+    }
+
     fn name(&self) -> &'static str {
         if self.lists.is_some() {
             "ctc_loss"

@@ -333,7 +333,7 @@ fn cost(op: &dyn Operation, inputs: &[Rc<Node>], meta: &Meta) -> Cost {
     let kernel_calls = !calls.is_empty();
     // What the plan depends on: the op, kind, shape, layout (a transposed operand takes
     // another matmul path) and whether a gradient flows (frozen layers save nothing).
-    let tag = crate::hash::hash_bytes(0, op.name().as_bytes());
+    let tag = crate::hash::hash_bytes(op.sizing_hash(), op.name().as_bytes());
     let mut hash = crate::hash::mix(tag ^ meta.kind as u64 ^ (u64::from(meta.requires_grad) << 32));
     for (&s, &st) in meta.shape.iter().zip(&meta.strides) {
         hash = crate::hash::mix(crate::hash::mix(hash ^ s as u64) ^ st as u64);

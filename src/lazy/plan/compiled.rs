@@ -459,6 +459,17 @@ mod tests {
         assert_eq!(a, print(&loss(&w)), "the same graph, the same fingerprint");
         assert_ne!(a, b, "a transposed weight");
         assert_ne!(a, c, "a frozen weight");
+        // CTC's buffers are sized by the longest target, which no output shape shows.
+        let lp = Tensor::randn([12, 4, 5], (Kind::Float, Device::Cpu)).log_softmax(-1, Kind::Float);
+        let targets = Tensor::ones([4, 6], (Kind::Int64, Device::Cpu));
+        let ctc = |longest: i64| {
+            let lp = LazyTensor::batched(&lp, 1).expect("batched");
+            let tg = LazyTensor::batched(&targets, 0).expect("batched");
+            let l = LazyTensor::f_ctc_loss(&lp, &tg, [12i64; 4], [2, 3, longest, 1], 0, tch::Reduction::Sum, false);
+            print(&l.expect("records"))
+        };
+        assert_eq!(ctc(4), ctc(4));
+        assert_ne!(ctc(4), ctc(6), "a longer target");
     }
 
     #[test]
