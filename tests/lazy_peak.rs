@@ -1382,6 +1382,32 @@ fn recurrent_models_peak_as_planned() {
             rows.push(format!("seq2seq gru {kind:?} micro {micro}"), planned, measured);
         }
     }
+    // A bidirectional 2-layer LSTM with dropout between its layers, time first, its input
+    // projected by a learned matrix (so it requires its gradient); a GRU classifier on the last
+    // step.
+    for micro in [16usize, 4] {
+        let vs = nn::VarStore::new(CPU);
+        let cfg = nn::RNNConfig {
+            num_layers: 2,
+            bidirectional: true,
+            dropout: 0.2,
+            batch_first: false,
+            ..Default::default()
+        };
+        let lstm = toma::lazy::nn::lstm(vs.root() / "lstm", 24, 32, cfg);
+        let gru = toma::lazy::nn::gru(vs.root() / "gru", 64, 32, Default::default());
+        let proj = vs.root().randn("proj", &[16, 24], 0.0, 0.3);
+        let head = nn::linear(vs.root() / "head", 32, 5, Default::default());
+        let xs = Tensor::randn([10, 16, 16], (Kind::Float, CPU));
+        let ys = Tensor::randint(5, [16], (Kind::Int64, CPU));
+        let lx = LazyTensor::batched(&xs, 1).unwrap();
+        let ly = toma::lazy::lazy(&ys, 0);
+        let (out, _) = lstm.seq(&lx.matmul(&proj));
+        let (out, _) = gru.seq(&out.transpose(0, 1));
+        let loss = out.select(1, -1).apply(&head).cross_entropy_for_logits(&ly);
+        let (planned, measured) = planned_and_measured_at(&loss, micro);
+        rows.push(format!("bidirectional lstm, dropout, gru micro {micro}"), planned, measured);
+    }
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "recurrent models");
 }
 
