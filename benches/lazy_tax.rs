@@ -4,7 +4,9 @@
 //! max-pool, linear, cross-entropy; batch 64 of 3×32×32), on an MLP whose parameters
 //! dominate its memory (1024 → 4096 → 4096 → 10, 84 MB of weights; batch 64), and on a
 //! minGPT-style model (two GPT-2 decoder blocks, width 128, 4 heads, 64 positions, dropout, a
-//! head over 256 tokens; batch 64). Goal (issues 17, 27): within 5% of plain tch in each.
+//! head over 256 tokens; batch 64), and on a char-RNN (an LSTM over 32 steps, libtorch's fused
+//! kernel plainly, recorded per step lazily; batch 64). Goal (issues 17, 27): within 5% of plain
+//! tch in each, the recurrent one aside (a recurrence recorded step by step against a fused kernel).
 //!
 //! `cargo bench --bench lazy_tax`.
 
@@ -109,6 +111,38 @@ fn gpt_lazily(m: &Gpt, x: &Tensor, y: &Tensor) -> f64 {
     loss.backward_with(&Options::new()).unwrap()
 }
 
+/// A char-RNN: an LSTM over 32 steps of 64 features, a linear head per step. Plain tch runs
+/// libtorch's fused `lstm`; `toma::lazy` records the recurrence step by step.
+struct CharRnn {
+    lstm: toma::lazy::nn::LSTM,
+    head: nn::Linear,
+}
+
+const RNN_FEATURES: i64 = 64;
+
+fn char_rnn(vs: &nn::VarStore) -> CharRnn {
+    CharRnn {
+        lstm: toma::lazy::nn::lstm(vs.root() / "lstm", RNN_FEATURES, 128, Default::default()),
+        head: nn::linear(vs.root() / "head", 128, RNN_FEATURES, Default::default()),
+    }
+}
+
+fn rnn_plain(m: &CharRnn, x: &Tensor, y: &Tensor) -> f64 {
+    use toma::lazy::nn::RNN;
+    let (out, _) = RNN::<Tensor>::seq(&m.lstm, x);
+    let loss = out.apply(&m.head).view([-1, RNN_FEATURES]).cross_entropy_for_logits(&y.view([-1]));
+    loss.backward();
+    loss.double_value(&[])
+}
+
+fn rnn_lazily(m: &CharRnn, x: &Tensor, y: &Tensor) -> f64 {
+    use toma::lazy::nn::RNN;
+    let (x, y) = lazy((x, y), 0);
+    let (out, _) = m.lstm.seq(&x);
+    let loss = out.apply(&m.head).view([-1, RNN_FEATURES]).cross_entropy_for_logits(&y.view([-1]));
+    loss.backward_with(&Options::new()).unwrap()
+}
+
 type Step<M> = fn(&M, &Tensor, &Tensor) -> f64;
 
 /// Peaks and times of one model, plain against lazy.
@@ -195,6 +229,9 @@ fn tax(c: &mut Criterion) {
     let x = Tensor::randn([64, 64, GPT_WIDTH], (Kind::Float, Device::Cpu));
     let y = Tensor::randint(GPT_VOCAB, [64, 64], (Kind::Int64, Device::Cpu));
     compare(c, "gpt", gpt, &x, &y, gpt_plain, gpt_lazily);
+    let x = Tensor::randn([64, 32, RNN_FEATURES], (Kind::Float, Device::Cpu));
+    let y = Tensor::randint(RNN_FEATURES, [64, 32], (Kind::Int64, Device::Cpu));
+    compare(c, "lstm", char_rnn, &x, &y, rnn_plain, rnn_lazily);
 }
 
 /// When the plan splits: the CNN step in 4 micro-batches of 16 through `toma::lazy`, against
