@@ -116,6 +116,7 @@ fn sample(name: &str) -> Option<LazyTensor> {
         "matmul" => x().matmul(&param(&[5, 7])),
         "mm" => x().i((.., 0, ..)).mm(&param(&[5, 7])),
         "outer" => x().i((.., 0, 0)).outer(&param(&[7])),
+        "einsum" => LazyTensor::einsum("bij,jk->bik", &[x(), LazyTensor::fixed(&param(&[5, 7]))], None::<i64>),
         "argmax" => x().argmax(-1, false),
         "argmin" => x().argmin(-1, false),
         "cumsum" => x().cumsum(-1, None::<Kind>),

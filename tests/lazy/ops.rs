@@ -1359,3 +1359,89 @@ proptest! {
         agree(&format!("max_pool3d along the batch {what}"), eager, lazy_t, micro, Split::Refused)?;
     }
 }
+
+/// `einsum` cases: the equation, each operand's dimensions named by size (`b` is the batch's
+/// size, a letter's size is shared wherever it is named), each operand's batch dimension
+/// (`None`: fixed), a contraction path, and what a split does.
+type EinsumCase = (&'static str, &'static [&'static str], &'static [Option<usize>], Option<&'static [i64]>, Split);
+
+const EINSUM_CASES: &[EinsumCase] = &[
+    ("bij,jk->bik", &["bij", "jk"], &[Some(0), None], None, Split::Exact),
+    ("bhqd,bhkd->bhqk", &["bhqd", "bhkd"], &[Some(0), Some(0)], None, Split::Exact),
+    ("bi,bi->b", &["bi", "bi"], &[Some(0), Some(0)], None, Split::Exact),
+    ("bi,bj->bij", &["bi", "bj"], &[Some(0), Some(0)], None, Split::Exact),
+    ("bi,j->bij", &["bi", "j"], &[Some(0), None], None, Split::Exact),
+    ("i,j->ij", &["i", "j"], &[None, None], None, Split::Exact),
+    // The batch inside a merged group (`[i, N] -> [i * N]`), and later in the output.
+    ("ibj,jk->ibk", &["ibj", "jk"], &[Some(1), None], None, Split::Exact),
+    ("ibj,jk->kbi", &["ibj", "jk"], &[Some(1), None], None, Split::Exact),
+    ("hbqd,hbkd->hbqk", &["hbqd", "hbkd"], &[Some(1), Some(1)], None, Split::Exact),
+    ("jk,bij->kib", &["jk", "bij"], &[None, Some(0)], None, Split::Exact),
+    ("bij,j->bi", &["bij", "j"], &[Some(0), None], None, Split::Exact),
+    // One operand: a permute, a sum.
+    ("bij->bji", &["bij"], &[Some(0)], None, Split::Exact),
+    ("bij->b", &["bij"], &[Some(0)], None, Split::Exact),
+    ("bij", &["bij"], &[Some(0)], Some(&[0]), Split::Exact),
+    // Implicit outputs (letters seen once, upper case first), ellipses.
+    ("bij,kj", &["bij", "kj"], &[Some(0), None], None, Split::Exact),
+    ("Bij,jk", &["bij", "jk"], &[Some(0), None], None, Split::Exact),
+    ("...ij,jk->...ik", &["beij", "jk"], &[Some(0), None], None, Split::Exact),
+    ("...ij,jk", &["ebij", "jk"], &[Some(1), None], None, Split::Exact),
+    ("b...,b...->b...", &["bij", "bij"], &[Some(0), Some(0)], None, Split::Exact),
+    ("...j,...j->...", &["bej", "ej"], &[Some(0), None], None, Split::Exact),
+    // Three operands, left to right and along a path; a subscript only one operand has.
+    ("bij,bjk,bkl->bil", &["bij", "bjk", "bkl"], &[Some(0), Some(0), Some(0)], None, Split::Exact),
+    ("bij,bjk,bkl->bil", &["bij", "bjk", "bkl"], &[Some(0), Some(0), Some(0)], Some(&[1, 2, 0, 1]), Split::Exact),
+    ("bij,jk,kl->bi", &["bij", "jk", "kl"], &[Some(0), None, None], None, Split::Exact),
+    // The batch summed away, or two batches on different subscripts: samples mix.
+    ("bi,bj->ij", &["bi", "bj"], &[Some(0), Some(0)], None, Split::Refused),
+    ("bij,jk->ik", &["bij", "jk"], &[Some(0), None], None, Split::Refused),
+    ("bij->ij", &["bij"], &[Some(0)], None, Split::Refused),
+    ("bi,ci->bc", &["bi", "bi"], &[Some(0), Some(0)], None, Split::Refused),
+    // Refused by both: an unknown output subscript, too few operands, a bad path.
+    ("bij,jk->bq", &["bij", "jk"], &[Some(0), None], None, Split::Exact),
+    ("bij,jk,kl->bil", &["bij", "jk"], &[Some(0), None], None, Split::Exact),
+    ("bij,jk->bik", &["bij", "jk"], &[Some(0), None], Some(&[0, 0]), Split::Exact),
+    ("bij,jk->bik", &["bij", "jk"], &[Some(0), None], Some(&[0, 1, 0]), Split::Exact),
+];
+
+proptest! {
+    #![proptest_config(cases(128))]
+
+    #[test]
+    fn einsum_as_libtorch(case in 0..EINSUM_CASES.len(), sizes in prop::collection::vec(1i64..5, 26), micro in 1usize..5) {
+        let (equation, shapes, batched, path, split) = EINSUM_CASES[case];
+        let size = |c: char| sizes[(c as u8 - b'a') as usize];
+        let tensors: Vec<Tensor> =
+            shapes.iter().map(|s| randn(&s.chars().map(size).collect::<Vec<_>>())).collect();
+        let lazies: Vec<LazyTensor> = tensors
+            .iter()
+            .zip(batched)
+            .map(|(t, b)| match b {
+                Some(d) => lazy(t, *d),
+                None => LazyTensor::fixed(t),
+            })
+            .collect();
+        let what = format!("einsum {equation} {shapes:?} sizes {:?}", &sizes[..12]);
+        agree(&what, Tensor::f_einsum(equation, &tensors, path), LazyTensor::f_einsum(equation, &lazies, path), micro, split)?;
+    }
+}
+
+/// What `einsum` refuses where tch computes: a diagonal; a fixed operand the batch's size along
+/// the batch's subscript; batches of different sizes.
+#[test]
+fn einsum_refusals() {
+    let x = randn(&[4, 3, 3]);
+    assert!(Tensor::f_einsum("bii->bi", &[&x], None::<i64>).is_ok());
+    let refused = LazyTensor::f_einsum("bii->bi", &[lazy(&x, 0)], None::<i64>);
+    assert!(matches!(refused, Err(LazyError::Unsupported { .. })), "{refused:?}");
+    let w = randn(&[4, 5]);
+    let fixed = LazyTensor::f_einsum("bij,bk->bijk", &[lazy(&x, 0), LazyTensor::fixed(&w)], None::<i64>);
+    assert!(matches!(fixed, Err(LazyError::Batch { .. })), "{fixed:?}");
+    let other = LazyTensor::f_einsum("bij,ck->bijck", &[lazy(&x, 0), lazy(&randn(&[2, 5]), 0)], None::<i64>);
+    assert!(matches!(other, Err(LazyError::Batch { .. })), "{other:?}");
+    // The reason a split is refused names the subscript summed away.
+    let summed = LazyTensor::einsum("bij->ij", &[lazy(&x, 0)], None::<i64>).sum(None);
+    let err = summed.to_tensor_with(&Options::new().micro_batch(2)).unwrap_err();
+    assert!(err.to_string().contains("subscript b away"), "{err}");
+}
