@@ -1737,3 +1737,57 @@ fn einsum_peaks_as_planned() {
     }
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "einsums");
 }
+
+/// `index_put` (values written, and added at repeated indices) after a scaling by a parameter,
+/// with learned values, whole and in micro-batches: adjacent indices, and indices separated by
+/// `None` (the indexed result puts them first), values split with the batch or a broadcast
+/// parameter.
+#[test]
+fn index_put_peaks_as_planned() {
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    let (n, t, d) = (16i64, 64i64, 1024i64);
+    let mut rows = Rows::default();
+    let cases = [
+        "adjacent",
+        "adjacent, accumulate",
+        "separated, broadcast values",
+        "every column, values as large",
+        "every column, frozen values",
+    ];
+    for case in cases {
+        for micro in [16usize, 4] {
+            let vs = nn::VarStore::new(CPU);
+            let scale = vs.root().randn("scale", &[d], 1.0, 0.1);
+            let row = vs.root().randn("row", &[d / 2], 0.0, 1.0);
+            let x = Tensor::randn([n, t, d], (Kind::Float, CPU));
+            let picks = Tensor::randint(d, [d / 2], (Kind::Int64, CPU));
+            let h = toma::lazy::lazy(&x, 0) * &scale;
+            let h = match case {
+                "adjacent" => h.index_put(&[None, None, Some(&picks)], &h.narrow(2, 0, d / 2).tanh(), false),
+                "adjacent, accumulate" => h.index_put(&[None, None, Some(&picks)], &h.narrow(2, 0, d / 2).tanh(), true),
+                "every column, values as large" => {
+                    let all = Tensor::randperm(d, (Kind::Int64, CPU));
+                    h.index_put(&[None, None, Some(&all)], &h.sin(), false)
+                }
+                "every column, frozen values" => {
+                    let all = Tensor::randperm(d, (Kind::Int64, CPU));
+                    h.index_put(&[None, None, Some(&all)], &toma::lazy::lazy(&x, 0).cos(), false)
+                }
+                _ => {
+                    let h = h.view([n, 2, t / 2, d]);
+                    let first = Tensor::randint(2, [d / 2], (Kind::Int64, CPU));
+                    h.index_put(
+                        &[None, Some(&first), None, Some(&picks)],
+                        &LazyTensor::fixed(&row).view([d / 2, 1, 1]),
+                        true,
+                    )
+                }
+            };
+            let loss = h.sin().sum(None);
+            let (planned, measured) = planned_and_measured_at(&loss, micro);
+            rows.push(format!("index_put {case} micro {micro}"), planned, measured);
+        }
+    }
+    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "index_puts");
+}

@@ -939,3 +939,62 @@ fn einsum_matches_the_full_batch() {
         check_tight(&vs, &format!("einsum n={n}"), &[1, 2, 3], eager, lazily);
     }
 }
+
+/// `index_put` in one model: learned values written at fixed indices of a learned activation
+/// (adjacent indices, and indices separated by `None`, which move the batch), then added with
+/// repeated indices (`accumulate`): micro-batched gradients are the full batch's.
+#[test]
+fn index_put_matches_the_full_batch() {
+    tch::manual_seed(31);
+    let mut vs = nn::VarStore::new(CPU);
+    let (l1, l2) = (
+        nn::linear(vs.root() / "l1", 8, 8, Default::default()),
+        nn::linear(vs.root() / "l2", 8, 8, Default::default()),
+    );
+    let row = vs.root().randn("row", &[3], 0.0, 1.0);
+    vs.double();
+    let rows = Tensor::from_slice(&[0i64, 4, 2]);
+    let cols = Tensor::from_slice(&[1i64, 1, 7]);
+    let repeats = Tensor::from_slice(&[5i64, 5, 0, 5]);
+    for n in [5i64, 7] {
+        let x = Tensor::randn([n, 6, 8], (Kind::Double, CPU));
+        let eager = || {
+            let h = x.apply(&l1).tanh();
+            let v = x.apply(&l2).sin();
+            // [N, 6, 8] at rows (dim 1) and cols (dim 2): values [N, 3].
+            let h = h.index_put(
+                &[None, Some(&rows), Some(&cols)],
+                &v.narrow(1, 0, 1).narrow(2, 0, 3).squeeze_dim(1),
+                false,
+            );
+            // Separated by None: values [3, N, 6]... here broadcast as a learned row.
+            let h4 = h.view([n, 2, 3, 8]);
+            let h4 = h4.index_put(
+                &[None, Some(&Tensor::from_slice(&[1i64, 0, 1])), None, Some(&cols)],
+                &row.view([3, 1, 1]),
+                false,
+            );
+            let h = h4.view([n, 6, 8]).index_put(&[None, None, Some(&repeats)], &v.narrow(2, 0, 4), true);
+            h.square().mean(None)
+        };
+        let lazily = || {
+            let lx = lazy(&x, 0);
+            let h = lx.apply(&l1).tanh();
+            let v = lx.apply(&l2).sin();
+            let h = h.index_put(
+                &[None, Some(&rows), Some(&cols)],
+                &v.narrow(1, 0, 1).narrow(2, 0, 3).squeeze_dim(1),
+                false,
+            );
+            let h4 = h.view([n, 2, 3, 8]);
+            let h4 = h4.index_put(
+                &[None, Some(&Tensor::from_slice(&[1i64, 0, 1])), None, Some(&cols)],
+                &LazyTensor::fixed(&row).view([3, 1, 1]),
+                false,
+            );
+            let h = h4.view([n, 6, 8]).index_put(&[None, None, Some(&repeats)], &v.narrow(2, 0, 4), true);
+            h.square().mean(None)
+        };
+        check_tight(&vs, &format!("index_put n={n}"), &[1, 2, 3], eager, lazily);
+    }
+}

@@ -203,6 +203,7 @@ fn sample(name: &str) -> Option<LazyTensor> {
         "scatter_add" => x().scatter_add(2, &ints(5, &[6, 2]), &x().narrow(2, 0, 2)),
         "index_add" => x().index_add(2, &Tensor::from_slice(&[0i64, 2]), &x().narrow(2, 0, 2)),
         "masked_scatter" => x().masked_scatter(&mask(), &param(&[120])),
+        "index_put" => x().index_put(&[None, None, Some(&Tensor::from_slice(&[0i64, 2]))], &x().narrow(2, 0, 2), false),
         "select" => x().select(1, 0),
         "pad" => img().pad([1, 1, 1, 1], "reflect", None),
         "flat_view" => x().flat_view(),

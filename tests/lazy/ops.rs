@@ -1445,3 +1445,77 @@ fn einsum_refusals() {
     let err = summed.to_tensor_with(&Options::new().micro_batch(2)).unwrap_err();
     assert!(err.to_string().contains("subscript b away"), "{err}");
 }
+
+proptest! {
+    #![proptest_config(cases(128))]
+
+    /// `index_put` on `[n, a, b, c]` split along 0: indices on other dimensions, adjacent (the
+    /// indexed result keeps the batch first) or separated by `None` (the indices' shape comes
+    /// first, the batch after it); values split with the batch or broadcast along it. An index
+    /// on the batch dimension, or a per-sample index, is refused for a split.
+    #[test]
+    fn index_put_wherever_the_indices_are(
+        dims in (1i64..5, 1i64..4, 1i64..4, 1i64..4),
+        pattern in 0usize..6,
+        k in 1i64..4,
+        broadcast_values in any::<bool>(),
+        accumulate in any::<bool>(),
+        micro in 1usize..5,
+    ) {
+        let (n, a, b, c) = dims;
+        let t = randn(&[n, a, b, c]);
+        let ints = |high: i64| Tensor::randint(high, [k], (Kind::Int64, CPU));
+        // (indices, the indexed shape, where the batch lands in it, split)
+        let (indices, indexed, at, split): (Vec<Option<Tensor>>, Vec<i64>, Option<usize>, Split) = match pattern {
+            0 => (vec![None, Some(ints(a))], vec![n, k, b, c], Some(0), Split::Exact),
+            1 => (vec![None, None, Some(ints(b)), Some(ints(c))], vec![n, a, k], Some(0), Split::Exact),
+            2 => (vec![None, Some(ints(a)), None, Some(ints(c))], vec![k, n, b], Some(1), Split::Exact),
+            3 => (vec![None, None, None, Some(ints(c).to_kind(Kind::Int))], vec![n, a, b, k], Some(0), Split::Exact),
+            4 => (vec![Some(ints(n)), Some(ints(a))], vec![k, b, c], None, Split::Refused),
+            // Refused by both: no index tensor.
+            _ => (vec![None, None], vec![n, a, b, c], Some(0), Split::Exact),
+        };
+        let (values, lvalues) = match at {
+            Some(d) if !broadcast_values => {
+                let v = randn(&indexed);
+                let lv = lazy(&v, d);
+                (v, lv)
+            }
+            _ => {
+                // Broadcast along everything before the last dimension.
+                let v = randn(&[indexed[indexed.len() - 1]]);
+                let lv = LazyTensor::fixed(&v);
+                (v, lv)
+            }
+        };
+        let lindices: Vec<Option<&Tensor>> = indices.iter().map(Option::as_ref).collect();
+        let what = format!("index_put {:?} pattern {pattern} values {:?} accumulate {accumulate}", t.size(), values.size());
+        agree(&what, t.f_index_put(&lindices, &values, accumulate), lazy(&t, 0).f_index_put(&lindices, &lvalues, accumulate), micro, split)?;
+        // A per-sample index (along dimension 1, picked per sample) is refused for a split.
+        let per_sample = Tensor::randint(a, [n, 1, 1, 1], (Kind::Int64, CPU));
+        let row = randn(&[c]);
+        let eager = t.f_index_put(&[None, Some(&per_sample)], &row, accumulate);
+        let lazily = lazy(&t, 0).f_index_put(&[None, Some(&lazy(&per_sample, 0))], &row, accumulate);
+        // tch broadcasts [n, 1, 1, 1] with nothing: the indexed shape is [n, n, 1, 1, 1, b, c].
+        if let (Ok(e), Ok(l)) = (&eager, &lazily) {
+            prop_assert_eq!(e.size(), l.size());
+        }
+        agree("index_put, per-sample index", eager, lazily, micro, Split::Refused)?;
+        // Refused by both: a float index, values of another kind, too many indices.
+        let float_index = ints(a).to_kind(Kind::Double);
+        agree("index_put, float index", t.f_index_put(&[None, Some(&float_index)], &row, false), lazy(&t, 0).f_index_put(&[None, Some(&float_index)], &row, false), micro, Split::Exact)?;
+        let row32 = row.to_kind(Kind::Float);
+        agree("index_put, values kind", t.f_index_put(&[None, Some(&ints(a))], &row32, false), lazy(&t, 0).f_index_put(&[None, Some(&ints(a))], &row32, false), micro, Split::Exact)?;
+        let five: Vec<Option<&Tensor>> = vec![None; 5];
+        agree("index_put, too many", t.f_index_put(&five, &row, false), lazy(&t, 0).f_index_put(&five, &row, false), micro, Split::Exact)?;
+    }
+}
+
+/// A mask index is refused when recorded (its indexed shape depends on its values).
+#[test]
+fn index_put_refuses_masks() {
+    let t = randn(&[4, 3]);
+    let mask = Tensor::from_slice(&[true, false, true]);
+    let refused = lazy(&t, 0).f_index_put(&[None, Some(&mask)], &randn(&[1]), false);
+    assert!(matches!(refused, Err(LazyError::Unsupported { .. })), "{refused:?}");
+}
