@@ -2036,3 +2036,127 @@ fn vit_and_convnext_models_in_training_loops() {
     }
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "steps");
 }
+
+/// `einsum`, recorded as libtorch computes it (permutes, reshapes, `bmm`, sums), after a
+/// scaling by a parameter, whole and in micro-batches: attention scores over heads, a batch of
+/// matrices times a weight, a per-sample dot, a per-sample outer product, a batch in the
+/// middle (folded by a copy) and three operands. The whole batch is also held to libtorch's
+/// own `einsum`, run eagerly on the same values.
+#[test]
+fn einsum_peaks_as_planned() {
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    let n = 16i64;
+    let mut rows = Rows::default();
+    let cases: [(&str, &[&[i64]]); 6] = [
+        ("bhqd,bhkd->bhqk", &[&[n, 8, 128, 64], &[n, 8, 128, 64]]),
+        ("bij,jk->bik", &[&[n, 256, 512], &[512, 256]]),
+        ("bi,bi->b", &[&[n, 1 << 16], &[n, 1 << 16]]),
+        ("bi,bj->bij", &[&[n, 512], &[n, 512]]),
+        ("ibj,jk->ibk", &[&[256, n, 512], &[512, 256]]),
+        ("bij,bjk,bkl->bil", &[&[n, 256, 128], &[n, 128, 256], &[n, 256, 64]]),
+    ];
+    for (equation, shapes) in cases {
+        let vs = nn::VarStore::new(CPU);
+        // Batched operands (the batch is the dimension of size n) are scaled by a parameter
+        // along their last dimension; the others are parameters.
+        let mut inputs = Vec::new();
+        for (k, s) in shapes.iter().enumerate() {
+            match s.iter().position(|&d| d == n) {
+                Some(dim) => {
+                    let scale = vs.root().randn(&format!("scale{k}"), &[s[s.len() - 1]], 1.0, 0.1);
+                    inputs.push((Tensor::randn(*s, (Kind::Float, CPU)), Some((dim, scale))));
+                }
+                None => inputs.push((vs.root().randn(&format!("w{k}"), s, 0.0, 0.1), None)),
+            }
+        }
+        let lazy_loss = || {
+            let operands: Vec<LazyTensor> = inputs
+                .iter()
+                .map(|(t, b)| match b {
+                    Some((dim, scale)) => toma::lazy::lazy(t, *dim) * scale,
+                    None => LazyTensor::fixed(t),
+                })
+                .collect();
+            LazyTensor::einsum(equation, &operands, None::<i64>).sin().sum(None)
+        };
+        for micro in [16usize, 4] {
+            let (planned, measured) = planned_and_measured_at(&lazy_loss(), micro);
+            rows.push(format!("einsum {equation} micro {micro}"), planned, measured);
+        }
+        let planned = lazy_loss().plan(Mode::Backward, &Options::new().micro_batch(16)).unwrap().peak_bytes();
+        let before = memory::cpu_allocator_stats().expect("tracking").allocated;
+        assert!(memory::reset_cpu_peak());
+        {
+            // Each value dropped after its last use, as the executor drops it (autograd keeps
+            // what the backward needs).
+            let loss = {
+                let operands: Vec<Tensor> =
+                    inputs.iter().map(|(t, b)| b.as_ref().map_or_else(|| t.shallow_clone(), |(_, s)| t * s)).collect();
+                let product = Tensor::einsum(equation, &operands, None::<i64>);
+                drop(operands);
+                let waves = product.sin();
+                drop(product);
+                waves.sum(None)
+            };
+            loss.backward();
+        }
+        let measured = memory::cpu_allocator_stats().expect("tracking").peak_allocated - before;
+        rows.push(format!("einsum {equation} libtorch's own, whole batch"), planned, measured);
+    }
+    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "einsums");
+}
+
+/// `index_put` (values written, and added at repeated indices) after a scaling by a parameter,
+/// with learned values, whole and in micro-batches: adjacent indices, and indices separated by
+/// `None` (the indexed result puts them first), values split with the batch or a broadcast
+/// parameter.
+#[test]
+fn index_put_peaks_as_planned() {
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    let (n, t, d) = (16i64, 64i64, 1024i64);
+    let mut rows = Rows::default();
+    let cases = [
+        "adjacent",
+        "adjacent, accumulate",
+        "separated, broadcast values",
+        "every column, values as large",
+        "every column, frozen values",
+    ];
+    for case in cases {
+        for micro in [16usize, 4] {
+            let vs = nn::VarStore::new(CPU);
+            let scale = vs.root().randn("scale", &[d], 1.0, 0.1);
+            let row = vs.root().randn("row", &[d / 2], 0.0, 1.0);
+            let x = Tensor::randn([n, t, d], (Kind::Float, CPU));
+            let picks = Tensor::randint(d, [d / 2], (Kind::Int64, CPU));
+            let h = toma::lazy::lazy(&x, 0) * &scale;
+            let h = match case {
+                "adjacent" => h.index_put(&[None, None, Some(&picks)], &h.narrow(2, 0, d / 2).tanh(), false),
+                "adjacent, accumulate" => h.index_put(&[None, None, Some(&picks)], &h.narrow(2, 0, d / 2).tanh(), true),
+                "every column, values as large" => {
+                    let all = Tensor::randperm(d, (Kind::Int64, CPU));
+                    h.index_put(&[None, None, Some(&all)], &h.sin(), false)
+                }
+                "every column, frozen values" => {
+                    let all = Tensor::randperm(d, (Kind::Int64, CPU));
+                    h.index_put(&[None, None, Some(&all)], &toma::lazy::lazy(&x, 0).cos(), false)
+                }
+                _ => {
+                    let h = h.view([n, 2, t / 2, d]);
+                    let first = Tensor::randint(2, [d / 2], (Kind::Int64, CPU));
+                    h.index_put(
+                        &[None, Some(&first), None, Some(&picks)],
+                        &LazyTensor::fixed(&row).view([d / 2, 1, 1]),
+                        true,
+                    )
+                }
+            };
+            let loss = h.sin().sum(None);
+            let (planned, measured) = planned_and_measured_at(&loss, micro);
+            rows.push(format!("index_put {case} micro {micro}"), planned, measured);
+        }
+    }
+    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "index_puts");
+}

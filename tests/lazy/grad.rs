@@ -943,3 +943,109 @@ fn ctc_loss_matches_the_full_batch() {
         }
     }
 }
+
+/// `einsum` in one model: a projection (`bij,jk->bik`), attention scores over heads
+/// (`bhqd,bhkd->bhqk`) and their use, a batch in the middle (`ibj,jk->ibk`, interleaved when
+/// folded), a sum over a subscript one operand has, a per-sample outer product and a per-sample
+/// dot: micro-batched gradients are the full batch's.
+#[test]
+fn einsum_matches_the_full_batch() {
+    tch::manual_seed(29);
+    let mut vs = nn::VarStore::new(CPU);
+    let w = vs.root().randn("w", &[8, 8], 0.0, 0.3);
+    let v = vs.root().randn("v", &[4, 6], 0.0, 0.3);
+    let u = vs.root().randn("u", &[8], 0.0, 0.3);
+    vs.double();
+    let none = None::<i64>;
+    for n in [5i64, 7] {
+        let x = Tensor::randn([n, 6, 8], (Kind::Double, CPU));
+        let t = Tensor::randn([6, n, 4], (Kind::Double, CPU));
+        let eager = || {
+            let h = Tensor::einsum("bij,jk->bik", &[&x, &w], none).tanh();
+            let heads = h.view([n, 6, 2, 4]).permute([0, 2, 1, 3]);
+            let scores = Tensor::einsum("bhqd,bhkd->bhqk", &[&heads, &heads], none).softmax(-1, None);
+            let mixed = Tensor::einsum("bhqk,bhkd->bqhd", &[&scores, &heads], none);
+            let side = Tensor::einsum("ibj,jk->bik", &[&t, &v], none).sin();
+            let outer = Tensor::einsum("bi,j->bij", &[&side.sum_dim_intlist(&[1i64][..], false, None), &u], none);
+            let dot = Tensor::einsum("bqhd,bqhd->b", &[&mixed, &mixed], none);
+            dot.sum(None)
+                + Tensor::einsum("bij,bik->", &[&outer, &side], none)
+                + Tensor::einsum("bqhd,i->b", &[&mixed, &u], none).mean(None)
+        };
+        let lazily = || {
+            let (lx, lt) = (lazy(&x, 0), lazy(&t, 1));
+            let (lw, lv, lu) = (LazyTensor::fixed(&w), LazyTensor::fixed(&v), LazyTensor::fixed(&u));
+            let h = LazyTensor::einsum("bij,jk->bik", &[&lx, &lw], none).tanh();
+            let heads = h.view([n, 6, 2, 4]).permute([0, 2, 1, 3]);
+            let scores = LazyTensor::einsum("bhqd,bhkd->bhqk", &[&heads, &heads], none).softmax(-1, None);
+            let mixed = LazyTensor::einsum("bhqk,bhkd->bqhd", &[&scores, &heads], none);
+            let side = LazyTensor::einsum("ibj,jk->bik", &[&lt, &lv], none).sin();
+            let outer = LazyTensor::einsum("bi,j->bij", &[&side.sum_dim_intlist([1], false, None), &lu], none);
+            let dot = LazyTensor::einsum("bqhd,bqhd->b", &[&mixed, &mixed], none);
+            // Per-sample pieces summed into the loss: a sum over the batch splits.
+            dot.sum(None)
+                + LazyTensor::einsum("bij,bik->b", &[&outer, &side], none).sum(None)
+                + LazyTensor::einsum("bqhd,i->b", &[&mixed, &lu], none).mean(None)
+        };
+        check_tight(&vs, &format!("einsum n={n}"), &[1, 2, 3], eager, lazily);
+    }
+}
+
+/// `index_put` in one model: learned values written at fixed indices of a learned activation
+/// (adjacent indices, and indices separated by `None`, which move the batch), then added with
+/// repeated indices (`accumulate`): micro-batched gradients are the full batch's.
+#[test]
+fn index_put_matches_the_full_batch() {
+    tch::manual_seed(31);
+    let mut vs = nn::VarStore::new(CPU);
+    let (l1, l2) = (
+        nn::linear(vs.root() / "l1", 8, 8, Default::default()),
+        nn::linear(vs.root() / "l2", 8, 8, Default::default()),
+    );
+    let row = vs.root().randn("row", &[3], 0.0, 1.0);
+    vs.double();
+    let rows = Tensor::from_slice(&[0i64, 4, 2]);
+    let cols = Tensor::from_slice(&[1i64, 1, 7]);
+    let repeats = Tensor::from_slice(&[5i64, 5, 0, 5]);
+    for n in [5i64, 7] {
+        let x = Tensor::randn([n, 6, 8], (Kind::Double, CPU));
+        let eager = || {
+            let h = x.apply(&l1).tanh();
+            let v = x.apply(&l2).sin();
+            // [N, 6, 8] at rows (dim 1) and cols (dim 2): values [N, 3].
+            let h = h.index_put(
+                &[None, Some(&rows), Some(&cols)],
+                &v.narrow(1, 0, 1).narrow(2, 0, 3).squeeze_dim(1),
+                false,
+            );
+            // Separated by None: values [3, N, 6]... here broadcast as a learned row.
+            let h4 = h.view([n, 2, 3, 8]);
+            let h4 = h4.index_put(
+                &[None, Some(&Tensor::from_slice(&[1i64, 0, 1])), None, Some(&cols)],
+                &row.view([3, 1, 1]),
+                false,
+            );
+            let h = h4.view([n, 6, 8]).index_put(&[None, None, Some(&repeats)], &v.narrow(2, 0, 4), true);
+            h.square().mean(None)
+        };
+        let lazily = || {
+            let lx = lazy(&x, 0);
+            let h = lx.apply(&l1).tanh();
+            let v = lx.apply(&l2).sin();
+            let h = h.index_put(
+                &[None, Some(&rows), Some(&cols)],
+                &v.narrow(1, 0, 1).narrow(2, 0, 3).squeeze_dim(1),
+                false,
+            );
+            let h4 = h.view([n, 2, 3, 8]);
+            let h4 = h4.index_put(
+                &[None, Some(&Tensor::from_slice(&[1i64, 0, 1])), None, Some(&cols)],
+                &LazyTensor::fixed(&row).view([3, 1, 1]),
+                false,
+            );
+            let h = h4.view([n, 6, 8]).index_put(&[None, None, Some(&repeats)], &v.narrow(2, 0, 4), true);
+            h.square().mean(None)
+        };
+        check_tight(&vs, &format!("index_put n={n}"), &[1, 2, 3], eager, lazily);
+    }
+}

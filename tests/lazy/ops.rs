@@ -1410,3 +1410,163 @@ proptest! {
         agree(&format!("max_pool3d along the batch {what}"), eager, lazy_t, micro, Split::Refused)?;
     }
 }
+
+/// `einsum` cases: the equation, each operand's dimensions named by size (`b` is the batch's
+/// size, a letter's size is shared wherever it is named), each operand's batch dimension
+/// (`None`: fixed), a contraction path, and what a split does.
+type EinsumCase = (&'static str, &'static [&'static str], &'static [Option<usize>], Option<&'static [i64]>, Split);
+
+const EINSUM_CASES: &[EinsumCase] = &[
+    ("bij,jk->bik", &["bij", "jk"], &[Some(0), None], None, Split::Exact),
+    ("bhqd,bhkd->bhqk", &["bhqd", "bhkd"], &[Some(0), Some(0)], None, Split::Exact),
+    ("bi,bi->b", &["bi", "bi"], &[Some(0), Some(0)], None, Split::Exact),
+    ("bi,bj->bij", &["bi", "bj"], &[Some(0), Some(0)], None, Split::Exact),
+    ("bi,j->bij", &["bi", "j"], &[Some(0), None], None, Split::Exact),
+    ("i,j->ij", &["i", "j"], &[None, None], None, Split::Exact),
+    // The batch inside a merged group (`[i, N] -> [i * N]`), and later in the output.
+    ("ibj,jk->ibk", &["ibj", "jk"], &[Some(1), None], None, Split::Exact),
+    ("ibj,jk->kbi", &["ibj", "jk"], &[Some(1), None], None, Split::Exact),
+    ("hbqd,hbkd->hbqk", &["hbqd", "hbkd"], &[Some(1), Some(1)], None, Split::Exact),
+    ("jk,bij->kib", &["jk", "bij"], &[None, Some(0)], None, Split::Exact),
+    ("bij,j->bi", &["bij", "j"], &[Some(0), None], None, Split::Exact),
+    // One operand: a permute, a sum.
+    ("bij->bji", &["bij"], &[Some(0)], None, Split::Exact),
+    ("bij->b", &["bij"], &[Some(0)], None, Split::Exact),
+    ("bij", &["bij"], &[Some(0)], Some(&[0]), Split::Exact),
+    // Implicit outputs (letters seen once, upper case first), ellipses.
+    ("bij,kj", &["bij", "kj"], &[Some(0), None], None, Split::Exact),
+    ("Bij,jk", &["bij", "jk"], &[Some(0), None], None, Split::Exact),
+    ("...ij,jk->...ik", &["beij", "jk"], &[Some(0), None], None, Split::Exact),
+    ("...ij,jk", &["ebij", "jk"], &[Some(1), None], None, Split::Exact),
+    ("b...,b...->b...", &["bij", "bij"], &[Some(0), Some(0)], None, Split::Exact),
+    ("...j,...j->...", &["bej", "ej"], &[Some(0), None], None, Split::Exact),
+    // Three operands, left to right and along a path; a subscript only one operand has.
+    ("bij,bjk,bkl->bil", &["bij", "bjk", "bkl"], &[Some(0), Some(0), Some(0)], None, Split::Exact),
+    ("bij,bjk,bkl->bil", &["bij", "bjk", "bkl"], &[Some(0), Some(0), Some(0)], Some(&[1, 2, 0, 1]), Split::Exact),
+    ("bij,jk,kl->bi", &["bij", "jk", "kl"], &[Some(0), None, None], None, Split::Exact),
+    // The batch summed away, or two batches on different subscripts: samples mix.
+    ("bi,bj->ij", &["bi", "bj"], &[Some(0), Some(0)], None, Split::Refused),
+    ("bij,jk->ik", &["bij", "jk"], &[Some(0), None], None, Split::Refused),
+    ("bij->ij", &["bij"], &[Some(0)], None, Split::Refused),
+    ("bi,ci->bc", &["bi", "bi"], &[Some(0), Some(0)], None, Split::Refused),
+    // Refused by both: an unknown output subscript, too few operands, a bad path.
+    ("bij,jk->bq", &["bij", "jk"], &[Some(0), None], None, Split::Exact),
+    ("bij,jk,kl->bil", &["bij", "jk"], &[Some(0), None], None, Split::Exact),
+    ("bij,jk->bik", &["bij", "jk"], &[Some(0), None], Some(&[0, 0]), Split::Exact),
+    ("bij,jk->bik", &["bij", "jk"], &[Some(0), None], Some(&[0, 1, 0]), Split::Exact),
+];
+
+proptest! {
+    #![proptest_config(cases(128))]
+
+    #[test]
+    fn einsum_as_libtorch(case in 0..EINSUM_CASES.len(), sizes in prop::collection::vec(1i64..5, 26), micro in 1usize..5) {
+        let (equation, shapes, batched, path, split) = EINSUM_CASES[case];
+        let size = |c: char| sizes[(c as u8 - b'a') as usize];
+        let tensors: Vec<Tensor> =
+            shapes.iter().map(|s| randn(&s.chars().map(size).collect::<Vec<_>>())).collect();
+        let lazies: Vec<LazyTensor> = tensors
+            .iter()
+            .zip(batched)
+            .map(|(t, b)| match b {
+                Some(d) => lazy(t, *d),
+                None => LazyTensor::fixed(t),
+            })
+            .collect();
+        let what = format!("einsum {equation} {shapes:?} sizes {:?}", &sizes[..12]);
+        agree(&what, Tensor::f_einsum(equation, &tensors, path), LazyTensor::f_einsum(equation, &lazies, path), micro, split)?;
+    }
+}
+
+/// What `einsum` refuses where tch computes: a diagonal; a fixed operand the batch's size along
+/// the batch's subscript; batches of different sizes.
+#[test]
+fn einsum_refusals() {
+    let x = randn(&[4, 3, 3]);
+    assert!(Tensor::f_einsum("bii->bi", &[&x], None::<i64>).is_ok());
+    let refused = LazyTensor::f_einsum("bii->bi", &[lazy(&x, 0)], None::<i64>);
+    assert!(matches!(refused, Err(LazyError::Unsupported { .. })), "{refused:?}");
+    let w = randn(&[4, 5]);
+    let fixed = LazyTensor::f_einsum("bij,bk->bijk", &[lazy(&x, 0), LazyTensor::fixed(&w)], None::<i64>);
+    assert!(matches!(fixed, Err(LazyError::Batch { .. })), "{fixed:?}");
+    let other = LazyTensor::f_einsum("bij,ck->bijck", &[lazy(&x, 0), lazy(&randn(&[2, 5]), 0)], None::<i64>);
+    assert!(matches!(other, Err(LazyError::Batch { .. })), "{other:?}");
+    // The reason a split is refused names the subscript summed away.
+    let summed = LazyTensor::einsum("bij->ij", &[lazy(&x, 0)], None::<i64>).sum(None);
+    let err = summed.to_tensor_with(&Options::new().micro_batch(2)).unwrap_err();
+    assert!(err.to_string().contains("subscript b away"), "{err}");
+}
+
+proptest! {
+    #![proptest_config(cases(128))]
+
+    /// `index_put` on `[n, a, b, c]` split along 0: indices on other dimensions, adjacent (the
+    /// indexed result keeps the batch first) or separated by `None` (the indices' shape comes
+    /// first, the batch after it); values split with the batch or broadcast along it. An index
+    /// on the batch dimension, or a per-sample index, is refused for a split.
+    #[test]
+    fn index_put_wherever_the_indices_are(
+        dims in (1i64..5, 1i64..4, 1i64..4, 1i64..4),
+        pattern in 0usize..6,
+        k in 1i64..4,
+        broadcast_values in any::<bool>(),
+        accumulate in any::<bool>(),
+        micro in 1usize..5,
+    ) {
+        let (n, a, b, c) = dims;
+        let t = randn(&[n, a, b, c]);
+        let ints = |high: i64| Tensor::randint(high, [k], (Kind::Int64, CPU));
+        // (indices, the indexed shape, where the batch lands in it, split)
+        let (indices, indexed, at, split): (Vec<Option<Tensor>>, Vec<i64>, Option<usize>, Split) = match pattern {
+            0 => (vec![None, Some(ints(a))], vec![n, k, b, c], Some(0), Split::Exact),
+            1 => (vec![None, None, Some(ints(b)), Some(ints(c))], vec![n, a, k], Some(0), Split::Exact),
+            2 => (vec![None, Some(ints(a)), None, Some(ints(c))], vec![k, n, b], Some(1), Split::Exact),
+            3 => (vec![None, None, None, Some(ints(c).to_kind(Kind::Int))], vec![n, a, b, k], Some(0), Split::Exact),
+            4 => (vec![Some(ints(n)), Some(ints(a))], vec![k, b, c], None, Split::Refused),
+            // Refused by both: no index tensor.
+            _ => (vec![None, None], vec![n, a, b, c], Some(0), Split::Exact),
+        };
+        let (values, lvalues) = match at {
+            Some(d) if !broadcast_values => {
+                let v = randn(&indexed);
+                let lv = lazy(&v, d);
+                (v, lv)
+            }
+            _ => {
+                // Broadcast along everything before the last dimension.
+                let v = randn(&[indexed[indexed.len() - 1]]);
+                let lv = LazyTensor::fixed(&v);
+                (v, lv)
+            }
+        };
+        let lindices: Vec<Option<&Tensor>> = indices.iter().map(Option::as_ref).collect();
+        let what = format!("index_put {:?} pattern {pattern} values {:?} accumulate {accumulate}", t.size(), values.size());
+        agree(&what, t.f_index_put(&lindices, &values, accumulate), lazy(&t, 0).f_index_put(&lindices, &lvalues, accumulate), micro, split)?;
+        // A per-sample index (along dimension 1, picked per sample) is refused for a split.
+        let per_sample = Tensor::randint(a, [n, 1, 1, 1], (Kind::Int64, CPU));
+        let row = randn(&[c]);
+        let eager = t.f_index_put(&[None, Some(&per_sample)], &row, accumulate);
+        let lazily = lazy(&t, 0).f_index_put(&[None, Some(&lazy(&per_sample, 0))], &row, accumulate);
+        // tch broadcasts [n, 1, 1, 1] with nothing: the indexed shape is [n, n, 1, 1, 1, b, c].
+        if let (Ok(e), Ok(l)) = (&eager, &lazily) {
+            prop_assert_eq!(e.size(), l.size());
+        }
+        agree("index_put, per-sample index", eager, lazily, micro, Split::Refused)?;
+        // Refused by both: a float index, values of another kind, too many indices.
+        let float_index = ints(a).to_kind(Kind::Double);
+        agree("index_put, float index", t.f_index_put(&[None, Some(&float_index)], &row, false), lazy(&t, 0).f_index_put(&[None, Some(&float_index)], &row, false), micro, Split::Exact)?;
+        let row32 = row.to_kind(Kind::Float);
+        agree("index_put, values kind", t.f_index_put(&[None, Some(&ints(a))], &row32, false), lazy(&t, 0).f_index_put(&[None, Some(&ints(a))], &row32, false), micro, Split::Exact)?;
+        let five: Vec<Option<&Tensor>> = vec![None; 5];
+        agree("index_put, too many", t.f_index_put(&five, &row, false), lazy(&t, 0).f_index_put(&five, &row, false), micro, Split::Exact)?;
+    }
+}
+
+/// A mask index is refused when recorded (its indexed shape depends on its values).
+#[test]
+fn index_put_refuses_masks() {
+    let t = randn(&[4, 3]);
+    let mask = Tensor::from_slice(&[true, false, true]);
+    let refused = lazy(&t, 0).f_index_put(&[None, Some(&mask)], &randn(&[1]), false);
+    assert!(matches!(refused, Err(LazyError::Unsupported { .. })), "{refused:?}");
+}

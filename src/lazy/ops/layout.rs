@@ -451,6 +451,63 @@ impl Operation for IndexAdd {
     }
 }
 
+/// `self` with `values` written (or added, `accumulate`) at advanced indices. Operands: self,
+/// values, then each index given (kept).
+/// Backward: `self`'s gradient is the output's with the indexed entries zeroed (a new tensor;
+/// the output's itself when accumulating), `values`' the output's gradient at the indices
+/// (`indexed` shape), summed down when `values` was broadcast.
+pub(crate) struct IndexPut {
+    /// Which entries of the index list are given (`Some`).
+    given: Vec<bool>,
+    accumulate: bool,
+    /// The indexed result's facts (what `values` broadcasts to).
+    indexed: Meta,
+}
+
+impl Operation for IndexPut {
+    fn name(&self) -> &'static str {
+        "index_put"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let mut given = ins[2..].iter();
+        let indices: Vec<Option<&Tensor>> =
+            self.given.iter().map(|&g| if g { given.next().copied() } else { None }).collect();
+        ins[0].f_index_put(&indices, ins[1], self.accumulate)
+    }
+
+    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
+        // Not `values`: autograd keeps only its kind and sizes for `zeros_like(values)`.
+        i >= 2
+    }
+
+    fn grad_aliases(&self, i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
+        i == 0 && self.accumulate
+    }
+
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        if !meta.requires_grad {
+            return;
+        }
+        let values = &inputs[1].meta;
+        // `self`'s gradient first, with `zeros_like(values)` written into the copy of the
+        // output's; freed before `values`' gradient, at least as large, is made.
+        let mut backward = if requires(inputs, 0) && !self.accumulate { values.numel_parts() } else { (0, 0) };
+        if requires(inputs, 1) {
+            backward = (0, 0);
+            if values.shape != self.indexed.shape {
+                // The gradient at the indices, before it is summed down to `values`.
+                backward = self.indexed.numel_parts();
+                let mask = shape::broadcast_mask(&values.shape, &self.indexed.shape);
+                calls.push(KernelCall::Reduction { of: &self.indexed, mask, backward: true });
+            }
+        }
+        if backward != (0, 0) {
+            calls.push(KernelCall::Temporaries { forward: (0, 0), backward });
+        }
+    }
+}
+
 /// `self` with its entries where a mask is true taken from `source`, in order. Operands:
 /// self, mask (Bool, kept), source. The backward selects the output gradient's masked
 /// entries for `source` (padded with zeros to its size).
@@ -1241,6 +1298,198 @@ impl LazyTensor {
         }
         let inputs = vec![x.clone(), i.clone(), s.clone()];
         Ok(Record::new(IndexAdd { dim: d as i64 }, inputs, xs.clone(), x.meta.kind, device).flow(flow).finish())
+    }
+
+    /// `self` with `values` written at advanced indices, or added (`accumulate`), as tch's
+    /// `index_put`: `indices[k]` (an integer tensor, or `None` for the whole dimension) indexes
+    /// dimension `k`; the given indices broadcast together, and `values` broadcasts to the
+    /// indexed result (tch's rules: in place of adjacent indices, first when `None` separates
+    /// them). Not in the family traits (its index list has no `TensorOps` form): an inherent
+    /// method of `LazyTensor`, taking `&Tensor` or `&LazyTensor` indices.
+    ///
+    /// Micro-batches: per sample when every index is fixed and none is on the batch dimension,
+    /// with `values` split with the batch at its place in the indexed result or broadcast along
+    /// it. An index on the batch dimension, a per-sample index, or per-sample values written
+    /// into a value not split with the batch mix samples: a split is refused.
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for more indices than dimensions, [`LazyError::Kind`] for an
+    /// index that is not an integer tensor or `values` of another kind, [`LazyError::Shape`]
+    /// for indices that do not broadcast together or `values` that do not broadcast to the
+    /// indexed result, [`LazyError::Device`], [`LazyError::Batch`] for fixed `values` with the
+    /// batch's size along the batch; [`LazyError::Unsupported`] for a Bool or `Uint8` (mask)
+    /// index, whose indexed shape depends on its values.
+    #[lazy_only]
+    #[no_twin]
+    pub fn f_index_put<T: IntoLazy + Clone>(
+        &self,
+        indices: &[Option<T>],
+        values: impl IntoLazy,
+        accumulate: bool,
+    ) -> Result<LazyTensor, LazyError> {
+        let name = "index_put";
+        let values = values.into_lazy();
+        let given: Vec<(usize, LazyTensor)> =
+            indices.iter().enumerate().filter_map(|(k, i)| i.clone().map(|i| (k, i.into_lazy()))).collect();
+        let (x, v) = (&self.node, &values.node);
+        let mut nodes = vec![x, v];
+        nodes.extend(given.iter().map(|(_, i)| &i.node));
+        let device = same_device(name, &nodes)?;
+        let xs = &x.meta.shape;
+        if indices.len() > xs.len() {
+            return Err(arg(
+                name,
+                xs,
+                format!("too many indices for tensor of dimension {} (got {})", xs.len(), indices.len()),
+            ));
+        }
+        if given.is_empty() {
+            // libtorch fails on a list without a tensor (an undefined index).
+            return Err(arg(name, xs, "expected at least one index tensor (a list of None indexes nothing)"));
+        }
+        let mut joint: Vec<i64> = Vec::new();
+        for (_, i) in &given {
+            let m = &i.node.meta;
+            match m.kind {
+                Kind::Int64 | Kind::Int => {}
+                Kind::Bool | Kind::Uint8 => {
+                    return Err(LazyError::Unsupported {
+                        op: name.into(),
+                        reason: "a mask index (Bool or Uint8) picks as many entries as it has trues, known only \
+                                 when it runs; use masked_fill, masked_scatter or where_self"
+                            .into(),
+                    })
+                }
+                kind => {
+                    return Err(kind_err(
+                        name,
+                        kind,
+                        &m.shape,
+                        "tensors used as indices must be long, int, byte or bool tensors",
+                    ))
+                }
+            }
+            joint = shape::broadcast(&joint, &m.shape).map_err(|_| {
+                shape_err(name, &joint, &m.shape, "shape mismatch: indexing tensors could not be broadcast together")
+            })?;
+        }
+        if v.meta.kind != x.meta.kind {
+            return Err(kind_err(
+                name,
+                v.meta.kind,
+                &v.meta.shape,
+                format!("Index put requires the source and destination dtypes match ({:?})", x.meta.kind),
+            ));
+        }
+        // The indexed result: the indices' joint shape in place of adjacent ones, first when
+        // `None` separates them; the other dimensions in order.
+        let at: Vec<usize> = given.iter().map(|(k, _)| *k).collect();
+        let adjacent = at.windows(2).all(|w| w[1] == w[0] + 1);
+        let rest = |range: std::ops::Range<usize>| range.filter(|d| !at.contains(d)).map(|d| xs[d]);
+        let indexed: Vec<i64> = match (at.first(), at.last()) {
+            (Some(&first), Some(&last)) if adjacent => {
+                xs[..first].iter().copied().chain(joint.iter().copied()).chain(xs[last + 1..].iter().copied()).collect()
+            }
+            _ => joint.iter().copied().chain(rest(0..xs.len())).collect(),
+        };
+        if shape::broadcast(&v.meta.shape, &indexed).ok().as_ref() != Some(&indexed) {
+            return Err(shape_err(
+                name,
+                &v.meta.shape,
+                &indexed,
+                format!(
+                    "shape mismatch: value tensor of shape {:?} cannot be broadcast to indexing result of shape \
+                     {indexed:?}",
+                    v.meta.shape
+                ),
+            ));
+        }
+        // Where the batch sits in the indexed result, when `self` is split with it elsewhere.
+        let batch_at = |bd: BatchDim| match (at.first(), at.last()) {
+            (Some(&first), Some(&last)) if adjacent => {
+                if bd.dim < first {
+                    bd.dim
+                } else {
+                    bd.dim - (last + 1 - first) + joint.len()
+                }
+            }
+            _ => joint.len() + (0..bd.dim).filter(|d| !at.contains(d)).count(),
+        };
+        let refuse = |reason: &str| Ok::<_, LazyError>((Flow::Opaque, Some(format!("`index_put` {reason}"))));
+        let lead = indexed.len() - v.meta.shape.len();
+        let (flow, indexed_flow) = if given.iter().any(|(_, i)| i.node.meta.batch().is_some()) {
+            (
+                refuse("picks with a per-sample index, whose entries may reach other samples; use fixed indices")?,
+                Flow::Opaque,
+            )
+        } else if let Some(bd) = x.meta.batch() {
+            if at.contains(&bd.dim) {
+                (refuse("indexes the batch dimension")?, Flow::Opaque)
+            } else {
+                let pos = batch_at(bd);
+                let full = bd.size * bd.factor;
+                let mapped_v = match v.meta.batch() {
+                    Some(vb) if vb.dim + lead == pos => Some(bd.dim),
+                    Some(_) => None,
+                    None => {
+                        if full > 1 && pos >= lead && v.meta.shape[pos - lead] == full {
+                            return Err(LazyError::Batch {
+                                op: name.into(),
+                                lhs: xs.clone(),
+                                rhs: v.meta.shape.clone(),
+                                reason: format!(
+                                    "values are not batched but have the batch's size {full} where the batch lands \
+                                     in the indexed result; wrap them with toma::lazy::lazy(.., dim)"
+                                ),
+                            });
+                        }
+                        None
+                    }
+                };
+                let mut mapped = vec![Some(bd.dim), mapped_v];
+                mapped.extend(given.iter().map(|_| None));
+                let flow = combine_flows(name, &nodes, &mapped, xs, Linearity::Nonlinear, false)?;
+                let flow = if v.meta.batch().is_some() && mapped_v.is_none() {
+                    refuse("writes values whose batch is not where the batch lands in the indexed result")?
+                } else {
+                    flow
+                };
+                (flow, Flow::PerSample(BatchDim { dim: pos, ..bd }))
+            }
+        } else if v.meta.batch().is_some() {
+            (refuse("writes per-sample values into a value not split with the batch")?, Flow::Opaque)
+        } else {
+            let mapped = vec![None; nodes.len()];
+            let flow = combine_flows(name, &nodes, &mapped, xs, Linearity::Nonlinear, false)?;
+            (flow.clone(), flow.0)
+        };
+        let indexed = Meta {
+            strides: shape::contiguous_strides(&indexed),
+            shape: indexed,
+            kind: x.meta.kind,
+            device,
+            flow: if matches!(indexed_flow, Flow::PerSample(_)) { indexed_flow } else { Flow::Fixed },
+            requires_grad: x.meta.requires_grad || v.meta.requires_grad,
+            alias: false,
+            mixes: None,
+        };
+        let op = IndexPut { given: indices.iter().map(Option::is_some).collect(), accumulate, indexed };
+        let inputs = nodes.into_iter().cloned().collect();
+        Ok(Record::new(op, inputs, xs.clone(), x.meta.kind, device).flow(flow).finish())
+    }
+
+    /// Like [`f_index_put`](Self::f_index_put), panicking with its error.
+    ///
+    /// # Panics
+    /// When the op cannot be recorded.
+    #[track_caller]
+    pub fn index_put<T: IntoLazy + Clone>(
+        &self,
+        indices: &[Option<T>],
+        values: impl IntoLazy,
+        accumulate: bool,
+    ) -> LazyTensor {
+        self.f_index_put(indices, values, accumulate).or_panic()
     }
 
     /// `self` (broadcast with `mask`) with its entries where `mask` (Bool) is true taken from

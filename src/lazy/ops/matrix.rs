@@ -1,15 +1,19 @@
 //! Products: `matmul`, `linear`, `baddbmm`, and the embedding lookup (a one-hot product).
 
+use std::borrow::Borrow;
+use std::collections::VecDeque;
 use std::rc::Rc;
 
 use tch::{Kind, TchError, Tensor};
 
+use super::layout::{Reshape, View};
 use super::record::IntoLazy;
 use super::record::{combine_flows, same_device, Linearity, Record};
-use super::{floating, kind_err, requires, same_kind, shape_err};
+use super::{arg, floating, kind_err, requires, same_kind, shape_err};
 use crate::lazy::error::LazyError;
 use crate::lazy::error::OrPanic;
-use crate::lazy::graph::{Flow, KernelCall, Meta, Node, Operation, RunCx};
+use crate::lazy::graph::{BatchDim, Flow, KernelCall, Meta, Node, Operation, RunCx};
+use crate::lazy::int_list::IntListOption;
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
 
@@ -375,6 +379,502 @@ impl Operation for Embedding {
     }
 }
 
+/// The last step of `einsum`: libtorch's view of the product without its contracted
+/// dimensions (all of size 1 by then), or the value itself (a view of the same shape) where
+/// nothing is left to drop. It carries the einsum's batch rule.
+pub(crate) struct EinsumOut;
+
+impl Operation for EinsumOut {
+    fn name(&self) -> &'static str {
+        "einsum"
+    }
+
+    fn run(&self, ins: &[&Tensor], cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_view(cx.meta.shape_at(cx.b).as_slice())
+    }
+
+    fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
+        true
+    }
+
+    fn grad_reshape(&self, inputs: &[Rc<Node>], _meta: &Meta) -> Option<Vec<i64>> {
+        Some(inputs[0].meta.shape.clone())
+    }
+}
+
+/// libtorch's subscripts: `A`-`Z` are 0..26, `a`-`z` 26..52; an ellipsis is [`ELLIPSIS`].
+const LETTERS: usize = 52;
+const ELLIPSIS: usize = LETTERS;
+
+/// An einsum equation read against its operands' ranks, laid out as libtorch's `einsum` lays
+/// it out: one position per letter (and per dimension an ellipsis covers), the output's
+/// first (`out` of them, in the output's order), then the contracted ones (an ellipsis left
+/// out of the output first, then letters in subscript order).
+struct Equation {
+    /// Each operand's dimensions, as positions.
+    dims: Vec<Vec<usize>>,
+    /// How many positions the output has.
+    out: usize,
+    /// All positions.
+    width: usize,
+    /// Each position's name, for messages: its letter, or `...` and an index.
+    names: Vec<String>,
+}
+
+fn subscript(c: u8) -> usize {
+    if c.is_ascii_uppercase() {
+        (c - b'A') as usize
+    } else {
+        (c - b'a') as usize + 26
+    }
+}
+
+fn letter(s: usize) -> char {
+    if s < 26 {
+        (b'A' + s as u8) as char
+    } else {
+        (b'a' + (s - 26) as u8) as char
+    }
+}
+
+impl Equation {
+    /// Reads `equation` as libtorch does (its errors, as far as they are the equation's; a
+    /// letter repeated within one operand, a diagonal, is refused as `Unsupported`).
+    fn parse(equation: &str, ranks: &[usize]) -> Result<Equation, LazyError> {
+        let name = "einsum";
+        let err = |reason: String| LazyError::Argument { op: name.into(), shape: Vec::new(), reason };
+        let bytes = equation.as_bytes();
+        let arrow = equation.find("->");
+        let lhs = &bytes[..arrow.unwrap_or(bytes.len())];
+        let n = ranks.len();
+        let mut labels: Vec<Vec<usize>> = vec![Vec::new(); n];
+        let (mut current, mut ellipsis_here) = (0usize, false);
+        let mut i = 0;
+        while i < lhs.len() {
+            match lhs[i] {
+                b' ' => {}
+                b'.' => {
+                    if ellipsis_here {
+                        return Err(err(format!(
+                            "found '.' for operand {current} for which an ellipsis was already found"
+                        )));
+                    }
+                    if !(i + 2 < lhs.len() && lhs[i + 1] == b'.' && lhs[i + 2] == b'.') {
+                        return Err(err(format!("found '.' for operand {current} that is not part of any ellipsis")));
+                    }
+                    i += 2;
+                    labels[current].push(ELLIPSIS);
+                    ellipsis_here = true;
+                }
+                b',' => {
+                    current += 1;
+                    if current >= n {
+                        return Err(err("fewer operands were provided than specified in the equation".into()));
+                    }
+                    ellipsis_here = false;
+                }
+                c if c.is_ascii_alphabetic() => labels[current].push(subscript(c)),
+                _ => {
+                    return Err(err(format!(
+                        "invalid subscript given at index {i} in the equation string, subscripts must be in [a-zA-Z]"
+                    )))
+                }
+            }
+            i += 1;
+        }
+        if current != n - 1 {
+            return Err(err("more operands were provided than specified in the equation".into()));
+        }
+        let mut count = [0usize; LETTERS];
+        let mut ellipsis = 0usize;
+        for (k, ls) in labels.iter().enumerate() {
+            let has = ls.contains(&ELLIPSIS);
+            let named = ls.len() - usize::from(has);
+            for &l in ls.iter().filter(|&&l| l < LETTERS) {
+                count[l] += 1;
+            }
+            if has && named <= ranks[k] {
+                ellipsis = ellipsis.max(ranks[k] - named);
+            }
+            if (has && named > ranks[k]) || (!has && named != ranks[k]) {
+                return Err(err(format!(
+                    "the number of subscripts in the equation ({named}) {} the number of dimensions ({}) for operand {k}{}",
+                    if has { "is more than" } else { "does not match" },
+                    ranks[k],
+                    if has { "" } else { " and no ellipsis was given" }
+                )));
+            }
+        }
+        let mut pos = [usize::MAX; LETTERS];
+        let (mut width, mut ellipsis_at, mut ellipsis_out) = (0usize, 0usize, false);
+        match arrow {
+            None => {
+                // The output: the ellipsis, then the letters seen once, in subscript order.
+                width = ellipsis;
+                ellipsis_out = true;
+                for l in (0..LETTERS).filter(|&l| count[l] == 1) {
+                    pos[l] = width;
+                    width += 1;
+                }
+            }
+            Some(a) => {
+                let rhs = &bytes[a + 2..];
+                let mut i = 0;
+                while i < rhs.len() {
+                    match rhs[i] {
+                        b' ' => {}
+                        b'.' => {
+                            if ellipsis_out {
+                                return Err(err("found '.' for output but an ellipsis (...) was already found".into()));
+                            }
+                            if !(i + 2 < rhs.len() && rhs[i + 1] == b'.' && rhs[i + 2] == b'.') {
+                                return Err(err("found '.' for output that is not part of any ellipsis (...)".into()));
+                            }
+                            i += 2;
+                            ellipsis_at = width;
+                            width += ellipsis;
+                            ellipsis_out = true;
+                        }
+                        c if c.is_ascii_alphabetic() => {
+                            let l = subscript(c);
+                            if count[l] == 0 || pos[l] != usize::MAX {
+                                return Err(err(format!(
+                                    "output subscript {} {}",
+                                    c as char,
+                                    if pos[l] != usize::MAX {
+                                        "appears more than once in the output"
+                                    } else {
+                                        "does not appear in the equation for any input operand"
+                                    }
+                                )));
+                            }
+                            pos[l] = width;
+                            width += 1;
+                        }
+                        _ => {
+                            return Err(err(format!(
+                                "invalid subscript given at index {} in the equation string, subscripts must be in [a-zA-Z]",
+                                lhs.len() + 2 + i
+                            )))
+                        }
+                    }
+                    i += 1;
+                }
+            }
+        }
+        let out = width;
+        if !ellipsis_out {
+            ellipsis_at = width;
+            width += ellipsis;
+        }
+        for l in 0..LETTERS {
+            if count[l] > 0 && pos[l] == usize::MAX {
+                pos[l] = width;
+                width += 1;
+            }
+        }
+        let mut names = vec![String::new(); width];
+        for l in (0..LETTERS).filter(|&l| pos[l] != usize::MAX) {
+            names[pos[l]] = letter(l).to_string();
+        }
+        for j in 0..ellipsis {
+            names[ellipsis_at + j] = format!("... (dimension {j} of {ellipsis})");
+        }
+        let mut dims = Vec::with_capacity(n);
+        for (k, ls) in labels.iter().enumerate() {
+            let mut d = Vec::with_capacity(ranks[k]);
+            for &l in ls {
+                if l == ELLIPSIS {
+                    let covered = ranks[k] + 1 - ls.len();
+                    d.extend((ellipsis - covered..ellipsis).map(|j| ellipsis_at + j));
+                } else {
+                    if d.contains(&pos[l]) {
+                        return Err(LazyError::Unsupported {
+                            op: name.into(),
+                            reason: format!(
+                                "subscript {} is repeated in operand {k} (a diagonal), which is not recorded; take \
+                                 the diagonal first or write it out with other ops",
+                                letter(l)
+                            ),
+                        });
+                    }
+                    d.push(pos[l]);
+                }
+            }
+            dims.push(d);
+        }
+        Ok(Equation { dims, out, width, names })
+    }
+
+    /// Each position's size (1 where every operand has 1 there: sizes of 1 broadcast), or why
+    /// the operands' sizes do not fit.
+    fn sizes(&self, nodes: &[&Rc<Node>]) -> Result<Vec<i64>, LazyError> {
+        let mut size = vec![1i64; self.width];
+        for (k, n) in nodes.iter().enumerate() {
+            for (d, &p) in self.dims[k].iter().enumerate() {
+                let s = n.meta.shape[d];
+                if s != 1 {
+                    if size[p] != 1 && size[p] != s {
+                        return Err(shape_err(
+                            "einsum",
+                            &nodes[0].meta.shape,
+                            &n.meta.shape,
+                            format!(
+                                "subscript {} has size {s} for operand {k} which does not broadcast with previously \
+                                 seen size {}",
+                                self.names[p], size[p]
+                            ),
+                        ));
+                    }
+                    size[p] = s;
+                }
+            }
+        }
+        Ok(size)
+    }
+
+    /// The einsum's batch rule: where the batch lands in the output, or why it mixes samples.
+    fn flow(&self, nodes: &[&Rc<Node>]) -> Result<(Flow, Option<String>), LazyError> {
+        let name = "einsum";
+        let batch_err = |j: usize, k: usize, reason: String| LazyError::Batch {
+            op: name.into(),
+            lhs: nodes[j].meta.shape.clone(),
+            rhs: nodes[k].meta.shape.clone(),
+            reason,
+        };
+        // The first batched operand, its batch's position, and its batch.
+        let mut first: Option<(usize, usize, BatchDim)> = None;
+        let (mut sums, mut maxes, mut opaque, mut apart) = (0, 0, false, None);
+        for (k, n) in nodes.iter().enumerate() {
+            match n.meta.flow {
+                Flow::PerSample(bd) => {
+                    let p = self.dims[k][bd.dim];
+                    match first {
+                        None => first = Some((k, p, bd)),
+                        Some((j, q, f)) => {
+                            if (f.size, f.factor) != (bd.size, bd.factor) {
+                                return Err(batch_err(
+                                    j,
+                                    k,
+                                    format!(
+                                        "batch sizes {} and {} differ (inputs wrapped by different lazy() calls?)",
+                                        f.size, bd.size
+                                    ),
+                                ));
+                            }
+                            if p != q && apart.is_none() {
+                                apart = Some(format!(
+                                    "pairs the samples of operand {j} (along subscript {}) with those of operand {k} \
+                                     (along {}): each result mixes samples",
+                                    self.names[q], self.names[p]
+                                ));
+                            }
+                        }
+                    }
+                }
+                Flow::Sum => sums += 1,
+                Flow::Max => maxes += 1,
+                Flow::Opaque => opaque = true,
+                Flow::Fixed => {}
+            }
+        }
+        if opaque {
+            return Ok((Flow::Opaque, None));
+        }
+        let Some((j, p, bd)) = first else {
+            return Ok(if maxes > 0 {
+                (Flow::Opaque, Some("is applied to a maximum over the batch".into()))
+            } else if sums > 1 {
+                (Flow::Opaque, Some("multiplies values reduced over the batch, which is not linear".into()))
+            } else if sums == 1 {
+                (Flow::Sum, None)
+            } else {
+                (Flow::Fixed, None)
+            });
+        };
+        // A fixed operand with the batch's size along the batch's subscript would meet every
+        // micro-batch whole: almost surely per-sample data that was not wrapped.
+        let full = bd.size * bd.factor;
+        for (k, n) in nodes.iter().enumerate().filter(|(_, n)| n.meta.flow == Flow::Fixed) {
+            if full > 1 && self.dims[k].iter().zip(&n.meta.shape).any(|(&q, &s)| q == p && s == full) {
+                return Err(batch_err(
+                    j,
+                    k,
+                    format!(
+                        "operand {k} is not batched but has the batch's size {full} along subscript {}; wrap it \
+                         with toma::lazy::lazy(.., dim) so it is split with the batch",
+                        self.names[p]
+                    ),
+                ));
+            }
+        }
+        if let Some(reason) = apart {
+            return Ok((Flow::Opaque, Some(reason)));
+        }
+        if p >= self.out {
+            let reason = format!(
+                "sums the batch's subscript {} away (it is not in the output): each result mixes every sample",
+                self.names[p]
+            );
+            return Ok((Flow::Opaque, Some(reason)));
+        }
+        let flow = Flow::PerSample(BatchDim { dim: p, ..bd });
+        if sums + maxes > 0 {
+            return Ok((flow, Some("combines per-sample values with a value reduced over the batch".into())));
+        }
+        Ok((flow, None))
+    }
+}
+
+/// The flow of an internal step of `einsum` from its operands' (`kept`: where the batch lands,
+/// when it does): once the batch is contracted or two batches meet, the step depends on the
+/// batch as a whole (the einsum's own node says why).
+fn step_flow(inputs: &[&Rc<Node>], kept: Option<BatchDim>) -> Flow {
+    let flows = || inputs.iter().map(|n| n.meta.flow);
+    if flows().any(|f| matches!(f, Flow::Opaque | Flow::Max)) {
+        return Flow::Opaque;
+    }
+    if let Some(bd) = kept {
+        return Flow::PerSample(bd);
+    }
+    let sums = flows().filter(|f| *f == Flow::Sum).count();
+    if flows().any(|f| matches!(f, Flow::PerSample(_))) || sums > 1 {
+        Flow::Opaque
+    } else if sums == 1 {
+        Flow::Sum
+    } else {
+        Flow::Fixed
+    }
+}
+
+/// `t` permuted (nothing recorded for the identity).
+fn permuted(t: &LazyTensor, dims: &[usize]) -> Result<LazyTensor, LazyError> {
+    if dims.iter().enumerate().all(|(i, &d)| i == d) {
+        return Ok(t.clone());
+    }
+    t.f_permute(dims.iter().map(|&d| d as i64).collect::<Vec<_>>())
+}
+
+/// libtorch's reshape of a permuted operand into `bmm`'s three dimensions, each the product of
+/// a group of `groups[g]` dimensions (a view where the strides allow, else a copy). The batch
+/// lands in its group's dimension: outermost there when the dimensions before it in the group
+/// have size 1, interleaved otherwise (`[i, N] -> [i * N]`). Either way only the sizes at a
+/// micro-batch are read of this value, and they are `b` times the group's other sizes. An
+/// interleaved batch is always copied: a micro-batch narrowed out of the batch keeps the full
+/// batch's strides, which no view merges across.
+fn folded(t: &LazyTensor, to: [i64; 3], groups: [usize; 3]) -> LazyTensor {
+    let n = &t.node;
+    let m = &n.meta;
+    let mut interleaved = false;
+    let flow = match m.flow {
+        Flow::PerSample(bd) => {
+            let starts = [0, groups[0], groups[0] + groups[1]];
+            let g = if bd.dim < starts[1] {
+                0
+            } else if bd.dim < starts[2] {
+                1
+            } else {
+                2
+            };
+            interleaved = shape::numel(&m.shape[starts[g]..bd.dim]) != 1;
+            if bd.size > 0 && to[g] % bd.size == 0 {
+                Flow::PerSample(BatchDim { dim: g, size: bd.size, factor: to[g] / bd.size })
+            } else {
+                Flow::Opaque
+            }
+        }
+        other => other,
+    };
+    let (inputs, shape) = (vec![n.clone()], to.to_vec());
+    match shape::view_strides(&m.shape, &m.strides, &to).filter(|_| !interleaved) {
+        Some(strides) => Record::new(View, inputs, shape, m.kind, m.device).flow((flow, None)).view(strides).finish(),
+        None => Record::new(Reshape, inputs, shape, m.kind, m.device).flow((flow, None)).finish(),
+    }
+}
+
+/// libtorch's `sumproduct_pair` (keeping every dimension): `(left * right)` summed over
+/// `sum_dims`, both operands laid out on the same positions. Without dimensions to sum, a
+/// broadcast `mul`; else both permuted and reshaped for one `bmm` (`[lro, lo, sum] @ [lro,
+/// sum, ro]`: the positions in both, in `left` only, in `right` only), its result viewed back
+/// and permuted into place.
+fn sum_product(left: &LazyTensor, right: &LazyTensor, sum_dims: &[usize]) -> Result<LazyTensor, LazyError> {
+    if sum_dims.is_empty() {
+        return left.f_mul(right);
+    }
+    let (mut left, mut right) = (left.clone(), right.clone());
+    let dim = left.dim();
+    let (mut lro, mut lo, mut ro) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut lro_size, mut lo_size, mut ro_size, mut sum_size) = (1i64, 1i64, 1i64, 1i64);
+    for i in 0..dim {
+        let (l, r) = (left.size()[i], right.size()[i]);
+        if sum_dims.contains(&i) {
+            // A dimension in one operand only is summed right away.
+            if l != 1 && r != 1 {
+                sum_size *= l;
+            } else if l != 1 {
+                left = left.f_sum_dim_intlist([i as i64], true, None)?;
+            } else if r != 1 {
+                right = right.f_sum_dim_intlist([i as i64], true, None)?;
+            }
+        } else if l != 1 && r != 1 {
+            lro.push(i);
+            lro_size *= l;
+        } else if l != 1 {
+            lo.push(i);
+            lo_size *= l;
+        } else {
+            ro.push(i);
+            ro_size *= r;
+        }
+    }
+    let (ls, rs) = (left.size(), right.size());
+    let mut out_size: Vec<i64> = lro.iter().chain(&lo).map(|&d| ls[d]).collect();
+    out_size.extend(sum_dims.iter().map(|_| 1));
+    out_size.extend(ro.iter().map(|&d| rs[d]));
+    let order: Vec<usize> = lro.iter().chain(&lo).chain(sum_dims).chain(&ro).copied().collect();
+    let left_order = order.clone();
+    let right_order: Vec<usize> = lro.iter().chain(sum_dims).chain(&ro).chain(&lo).copied().collect();
+    // Where the batch is before the product (positions are shared by both operands).
+    let batch_at = left.meta().batch().or(right.meta().batch());
+    let a = folded(&permuted(&left, &left_order)?, [lro_size, lo_size, sum_size], [lro.len(), lo.len(), 0]);
+    let b = folded(&permuted(&right, &right_order)?, [lro_size, sum_size, ro_size], [lro.len(), sum_dims.len(), 0]);
+    let (an, bn) = (&a.node, &b.node);
+    let kept = match (an.meta.batch(), bn.meta.batch()) {
+        (Some(x), None) if x.dim < 2 => Some(x),
+        (None, Some(y)) if y.dim != 1 => Some(y),
+        (Some(x), Some(y)) if x.dim == 0 && x == y => Some(x),
+        _ => None,
+    };
+    let product = Record::new(
+        Matmul::bmm(),
+        vec![an.clone(), bn.clone()],
+        vec![lro_size, lo_size, ro_size],
+        an.meta.kind,
+        an.meta.device,
+    )
+    .flow((step_flow(&[an, bn], kept), None))
+    .finish();
+    // Viewed as `[lro, lo, 1 per summed dimension, ro]`: the batch at its own position again.
+    let p = &product.node;
+    let unfold_flow = match (p.meta.flow, batch_at) {
+        (Flow::PerSample(_), Some(bd)) => match order.iter().position(|&d| d == bd.dim) {
+            Some(at) => Flow::PerSample(BatchDim { dim: at, ..bd }),
+            None => Flow::Opaque,
+        },
+        (flow, _) => flow,
+    };
+    let strides = shape::view_strides(&p.meta.shape, &p.meta.strides, &out_size).expect("a contiguous product views");
+    let unfolded = Record::new(View, vec![p.clone()], out_size, p.meta.kind, p.meta.device)
+        .flow((unfold_flow, None))
+        .view(strides)
+        .finish();
+    let mut back = vec![0usize; dim];
+    for (i, &d) in order.iter().enumerate() {
+        back[d] = i;
+    }
+    permuted(&unfolded, &back)
+}
+
 #[toma_macros::tensor_methods(
     MatrixOps,
     "Matrix products and linear layers (a family of [`TensorOps`](crate::lazy::TensorOps))."
@@ -675,6 +1175,151 @@ impl LazyTensor {
         }
         let op = Embedding { padding_idx, scale_grad_by_freq };
         Ok(Record::new(op, vec![wn.clone(), inn.clone()], out, wn.meta.kind, device).flow((flow, mixes)).finish())
+    }
+
+    /// A sum of products over subscripts, as tch's `Tensor::einsum` (a static method, as in
+    /// tch): recorded as libtorch computes it, each operand permuted into place, then pairs
+    /// contracted by `bmm` (left to right, or in `path`'s order), so its memory is its parts'
+    /// (the table shows the last part, a view of the product).
+    ///
+    /// Explicit (`"bij,jk->bik"`) and implicit (`"bij,jk"`) outputs, ellipses (`"...ij,jk"`)
+    /// and subscripts of size 1 that broadcast, as in libtorch. A `Tensor` operand enters as
+    /// [`LazyTensor::fixed`]; all operands share one kind.
+    ///
+    /// Micro-batches: the batch's subscript (the one at a batched operand's batch dimension)
+    /// kept in the output makes the result per sample, its batch dimension where that
+    /// subscript lands; batched operands must agree on that subscript. Summed away, or two
+    /// batches on different subscripts, the result mixes samples and a split is refused.
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for an equation that does not fit the operands or a bad `path`,
+    /// [`LazyError::Shape`] for sizes that do not broadcast, [`LazyError::Kind`] for operands of
+    /// different kinds, [`LazyError::Device`], [`LazyError::Batch`] for a fixed operand with the
+    /// batch's size along its subscript; [`LazyError::Unsupported`] for a subscript repeated in
+    /// one operand (a diagonal).
+    #[lazy_only]
+    #[no_twin]
+    pub fn f_einsum<T: Borrow<LazyTensor>>(
+        equation: &str,
+        tensors: &[T],
+        path: impl IntListOption,
+    ) -> Result<LazyTensor, LazyError> {
+        let name = "einsum";
+        let operands: Vec<LazyTensor> = tensors.iter().map(|t| t.borrow().clone()).collect();
+        if operands.is_empty() {
+            return Err(arg(name, &[], "must provide at least one operand"));
+        }
+        let nodes: Vec<&Rc<Node>> = operands.iter().map(|t| &t.node).collect();
+        let device = same_device(name, &nodes)?;
+        for n in &nodes[1..] {
+            same_kind(name, nodes[0], n)?;
+        }
+        let ranks: Vec<usize> = nodes.iter().map(|n| n.meta.shape.len()).collect();
+        let eq = Equation::parse(equation, &ranks).map_err(|e| match e {
+            LazyError::Argument { op, reason, .. } => {
+                LazyError::Argument { op, shape: nodes[0].meta.shape.clone(), reason }
+            }
+            other => other,
+        })?;
+        let sizes = eq.sizes(&nodes)?;
+        let path = path.as_option().map(<[i64]>::to_vec);
+        if let Some(p) = &path {
+            let expected = if nodes.len() == 1 { 1 } else { 2 * (nodes.len() - 1) };
+            if p.len() != expected {
+                return Err(arg(
+                    name,
+                    &nodes[0].meta.shape,
+                    format!(
+                        "expected contraction path given in path parameter to have size {expected} but got {}",
+                        p.len()
+                    ),
+                ));
+            }
+        }
+        let flow = eq.flow(&nodes)?;
+        let out_shape = sizes[..eq.out].to_vec();
+        // Each operand unsqueezed to every position and permuted into place; how many
+        // operands have each position at a size other than 1.
+        let mut counts = vec![0usize; eq.width];
+        let mut ops = VecDeque::with_capacity(operands.len());
+        for (k, t) in operands.iter().enumerate() {
+            let mut permutation = vec![usize::MAX; eq.width];
+            for (d, &p) in eq.dims[k].iter().enumerate() {
+                permutation[p] = d;
+                counts[p] += usize::from(t.size()[d] != 1);
+            }
+            // Missing positions: new dimensions of size 1 at the end, in order.
+            let mut t = t.clone();
+            for (dim, v) in (ranks[k]..).zip(permutation.iter_mut().filter(|v| **v == usize::MAX)) {
+                t = t.f_unsqueeze(dim as i64)?;
+                *v = dim;
+            }
+            ops.push_back(permuted(&t, &permutation)?);
+        }
+        // Contract pairs: positions left in one operand only are summed first.
+        let mut steps = path.as_deref().unwrap_or(&[]).chunks(2);
+        while ops.len() > 1 {
+            let (mut i, mut j) = (0usize, 1usize);
+            if let Some(step) = steps.next() {
+                let (a, b) = (step[0].min(step[1]), step[0].max(step[1]));
+                if a == b || a < 0 || b >= ops.len() as i64 {
+                    let why = if a == b {
+                        "cannot contract an operand with itself"
+                    } else {
+                        "operand index is out of bounds"
+                    };
+                    return Err(arg(name, &nodes[0].meta.shape, format!("invalid contraction ({a}, {b}): {why}")));
+                }
+                (i, j) = (a as usize, b as usize);
+            }
+            let b = ops.remove(j).expect("in range");
+            let a = ops.remove(i).expect("in range");
+            let (sa, sb) = (a.size(), b.size());
+            let (mut sum_dims, mut a_sum, mut b_sum) = (Vec::new(), Vec::new(), Vec::new());
+            for d in eq.out..eq.width {
+                if sa[d] != 1 && sb[d] != 1 {
+                    counts[d] -= 1;
+                    if counts[d] == 1 {
+                        sum_dims.push(d);
+                        counts[d] = 0;
+                    }
+                } else if counts[d] == 1 {
+                    if sa[d] != 1 {
+                        a_sum.push(d as i64);
+                        counts[d] = 0;
+                    } else if sb[d] != 1 {
+                        b_sum.push(d as i64);
+                        counts[d] = 0;
+                    }
+                }
+            }
+            let a = if a_sum.is_empty() { a } else { a.f_sum_dim_intlist(a_sum.as_slice(), true, None)? };
+            let b = if b_sum.is_empty() { b } else { b.f_sum_dim_intlist(b_sum.as_slice(), true, None)? };
+            let product = sum_product(&a, &b, &sum_dims)?;
+            if path.is_some() {
+                ops.push_back(product);
+            } else {
+                ops.push_front(product);
+            }
+        }
+        let mut last = ops.pop_front().expect("one left");
+        if eq.width > eq.out && operands.len() == 1 {
+            let dims: Vec<i64> = (eq.out..eq.width).map(|d| d as i64).collect();
+            last = last.f_sum_dim_intlist(dims.as_slice(), false, None)?;
+        }
+        // The contracted positions, all of size 1 now, viewed away.
+        let n = &last.node;
+        let strides = shape::view_strides(&n.meta.shape, &n.meta.strides, &out_shape).expect("only ones are dropped");
+        Ok(Record::new(EinsumOut, vec![n.clone()], out_shape, n.meta.kind, device).flow(flow).view(strides).finish())
+    }
+
+    /// Like [`f_einsum`](Self::f_einsum), panicking with its error.
+    ///
+    /// # Panics
+    /// When the op cannot be recorded.
+    #[track_caller]
+    pub fn einsum<T: Borrow<LazyTensor>>(equation: &str, tensors: &[T], path: impl IntListOption) -> LazyTensor {
+        Self::f_einsum(equation, tensors, path).or_panic()
     }
 
     /// Like [`f_embedding`](Self::f_embedding), panicking with its error.
