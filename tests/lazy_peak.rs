@@ -1852,16 +1852,23 @@ fn half_kinds_peak_as_planned() {
             let y = Tensor::randint(10, [n], (Kind::Int64, CPU));
             let (p, me) = planned_and_measured(&cnn_lazy(&m, &x, &y), n as usize);
             rows.push(format!("cnn {kind:?} batch {n}"), p, me);
-            if kind == Kind::Half {
-                // BFloat16 matmuls take oneDNN scratch not read yet (-5% to -10% on this block).
-                let mut vs = nn::VarStore::new(CPU);
-                let m = block(&vs);
-                set(&mut vs);
-                let x = Tensor::randn([n / 2, T, D], (kind, CPU));
-                let y = Tensor::randint(10, [n / 2], (Kind::Int64, CPU));
-                let (p, me) = planned_and_measured(&block_lazy(&m, &x, &y), (n / 2) as usize);
-                rows.push(format!("transformer {kind:?} batch {}", n / 2), p, me);
-            }
+            // BFloat16 products take oneDNN's scratchpad (`cost::brgemm`).
+            let mut vs = nn::VarStore::new(CPU);
+            let m = block(&vs);
+            set(&mut vs);
+            let x = Tensor::randn([n / 2, T, D], (kind, CPU));
+            let y = Tensor::randint(10, [n / 2], (Kind::Int64, CPU));
+            let (p, me) = planned_and_measured(&block_lazy(&m, &x, &y), (n / 2) as usize);
+            rows.push(format!("transformer {kind:?} batch {}", n / 2), p, me);
+            // A reduction over a middle dimension hands the product a broadcast gradient.
+            let mut vs = nn::VarStore::new(CPU);
+            let l = nn::linear(vs.root() / "l", 512, 2048, Default::default());
+            set(&mut vs);
+            let x = Tensor::randn([n / 2, T, 512], (kind, CPU));
+            let loss =
+                toma::lazy::lazy(&x, 0).apply(&l).sum_dim_intlist([1], false, None::<Kind>).relu().sum(None::<Kind>);
+            let (p, me) = planned_and_measured(&loss, (n / 2) as usize);
+            rows.push(format!("linear, sum_dim(1) {kind:?} batch {}", n / 2), p, me);
         }
     }
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "half-precision models");

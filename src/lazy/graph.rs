@@ -365,6 +365,9 @@ pub(crate) enum KernelCall<'a> {
     ReducedPrecisionMean { elements: (u64, u64) },
     /// A convolution, plain or transposed.
     Convolution(Convolution<'a>),
+    /// A matrix product (`mm`, `addmm`, `bmm`) and, when the output requires a gradient, the
+    /// products of its backward.
+    Product(Product<'a>),
     /// A dropout in training, which keeps its mask (`elements` of the input's `kind`: as large as
     /// the input, or one per sample and channel for the feature forms).
     DropoutMask { elements: (u64, u64), kind: Kind },
@@ -409,6 +412,32 @@ impl Convolution<'_> {
     /// Whether the input has a batch dimension (`[N, C, ..]`, not `[C, ..]`).
     pub(crate) fn batched(&self) -> bool {
         self.output.shape.len() == self.stride.len() + 2
+    }
+}
+
+/// A matrix product as a kernel call: `out` (`[.., M, N]`) is `[M, K] @ [K, N]`, one product
+/// over rows folded into `M` (`mm`, `addmm`), or one per leading index (`bmm`).
+pub(crate) struct Product<'a> {
+    pub(crate) out: &'a Meta,
+    /// The contracted size.
+    pub(crate) k: i64,
+    /// One product per leading index (`bmm`), not one over the folded rows.
+    pub(crate) batched: bool,
+    /// Whether the right operand is a transposed view (column-major: `linear`'s `weightᵀ`):
+    /// `mm`'s backward then computes its gradient as `(gradᵀ @ a)ᵀ`.
+    pub(crate) b_column_major: bool,
+    /// Whether each operand requires a gradient.
+    pub(crate) grads: [bool; 2],
+}
+
+impl Product<'_> {
+    /// `(batch, M, K, N)` at micro-batch `b`.
+    pub(crate) fn dims_at(&self, b: i64) -> (u64, u64, u64, u64) {
+        let out = self.out.shape_at(b);
+        let n = out.last().copied().unwrap_or(1).max(0) as u64;
+        let all = shape::numel(&out).max(0) as u64;
+        let m = if self.batched && out.len() >= 2 { out[out.len() - 2].max(0) as u64 } else { all / n.max(1) };
+        (all / (m * n).max(1), m, self.k.max(0) as u64, n)
     }
 }
 

@@ -5,9 +5,10 @@ use std::sync::OnceLock;
 
 use tch::Kind;
 
+use super::brgemm;
 use super::onednn::OneDnn;
 use super::work::{batch_of, chord, Scratch};
-use crate::lazy::graph::Convolution;
+use crate::lazy::graph::{Convolution, Product};
 use crate::lazy::shape;
 
 /// libtorch's rule: a 1×1 unstrided convolution of fewer samples than this, on one thread,
@@ -58,6 +59,37 @@ impl Cpu {
     pub(crate) fn new(threads: u64, block: u64, libtorch: Option<(u32, u32)>) -> Cpu {
         let threads = threads.max(1);
         Cpu { threads, onednn: OneDnn { libtorch, block, threads }, bf16_onednn: block >= 16 }
+    }
+
+    /// A matrix product's scratch: oneDNN's scratchpad where libtorch hands `BFloat16` products
+    /// to it (where it takes `BFloat16` convolutions); none for other kinds, which run
+    /// libtorch's own BLAS. Forward: the product. Backward: one product per operand that
+    /// requires a gradient, one after the other (the larger scratchpad counts): `grad @ bᵀ`, and
+    /// `aᵀ @ grad` with A transposed (`(gradᵀ @ a)ᵀ` for a column-major `b` in `mm`).
+    pub(crate) fn product(&self, p: &Product<'_>) -> Scratch {
+        if p.out.kind != Kind::BFloat16 || !self.bf16_onednn {
+            return Scratch::default();
+        }
+        let elem = p.out.kind.elt_size_in_bytes() as u64;
+        let at = |b: u64, backward: bool| {
+            let (products, m, k, n) = p.dims_at(b as i64);
+            let pad = |dims, transposed| brgemm::scratchpad(self.threads, products, dims, transposed);
+            if !backward {
+                return pad((m, k, n), false).div_ceil(elem);
+            }
+            let [a_grad, b_grad] = p.grads;
+            let a = if a_grad { pad((m, n, k), false) } else { 0 };
+            let b = match (b_grad, p.batched || !p.b_column_major) {
+                (false, _) => 0,
+                (true, true) => pad((k, m, n), true),
+                (true, false) => pad((n, m, k), true),
+            };
+            a.max(b).div_ceil(elem)
+        };
+        let n = batch_of(p.out);
+        let forward = chord(n, |b| at(b, false));
+        let backward = if p.out.requires_grad { chord(n, |b| at(b, true)) } else { ((0, 0), 0) };
+        Scratch::of(forward, backward)
     }
 
     /// A convolution's scratch: oneDNN's, or libtorch's native kernels'.

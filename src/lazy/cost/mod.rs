@@ -14,6 +14,7 @@
 //! The models take the machine as explicit inputs ([`cpu::Cpu`], [`onednn::OneDnn`],
 //! [`cuda::Cuda`]), so a plan can be priced, and tested, for a machine other than this one.
 
+pub(crate) mod brgemm;
 pub(crate) mod cpu;
 pub(crate) mod cuda;
 pub(crate) mod onednn;
@@ -84,7 +85,7 @@ impl CostModel {
             return price;
         }
         let mut scratch = Scratch::default();
-        // A convolution's value at one sample, and its line's there.
+        // A convolution's (or a product's) value at one sample, and its line's there.
         let mut conv_at_one: Option<((u64, u64), (u64, u64))> = None;
         let mut kept = Bytes::default();
         let mut unsaved = Bytes::default();
@@ -125,6 +126,16 @@ impl CostModel {
                     if let Some(one) = s.single {
                         let line = (s.forward.0 + s.forward.1, s.backward.0 + s.backward.1);
                         conv_at_one = Some((one, line));
+                    }
+                }
+                KernelCall::Product(p) => {
+                    if let CostModel::Cpu(cpu) = self {
+                        let s = cpu.product(p);
+                        scratch.add(s.forward, s.backward);
+                        if let Some(one) = s.single {
+                            let line = (s.forward.0 + s.forward.1, s.backward.0 + s.backward.1);
+                            conv_at_one = Some((one, line));
+                        }
                     }
                 }
                 KernelCall::DropoutMask { elements, kind } => {

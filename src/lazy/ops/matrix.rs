@@ -12,7 +12,7 @@ use super::record::{combine_flows, same_device, Linearity, Record};
 use super::{arg, floating, kind_err, requires, same_kind, shape_err};
 use crate::lazy::error::LazyError;
 use crate::lazy::error::OrPanic;
-use crate::lazy::graph::{BatchDim, Flow, KernelCall, Meta, Node, Operation, RunCx};
+use crate::lazy::graph::{BatchDim, Flow, KernelCall, Meta, Node, Operation, Product, RunCx};
 use crate::lazy::int_list::IntListOption;
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
@@ -115,6 +115,27 @@ impl Operation for Matmul {
         if self.forward != (0, 0) || self.backward != (0, 0) {
             calls.push(KernelCall::Temporaries { forward: self.forward, backward: self.backward });
         }
+        // The product itself: one `mm` (operands as they are, or the larger folded), or a
+        // `bmm`. Vectors (`mv`, `dot`) and a matrix times a batch (run transposed) are not
+        // priced.
+        let (a, b) = (&inputs[0].meta, &inputs[1].meta);
+        let batched = match self.path {
+            _ if a.shape.len() < 2 || b.shape.len() < 2 => return,
+            _ if self.bmm => true,
+            MatmulPath::Direct => false,
+            MatmulPath::Fold { folded: 0, .. } => false,
+            MatmulPath::Fold { .. } => return,
+            MatmulPath::Batched { .. } => true,
+        };
+        let k = a.shape[a.shape.len() - 1];
+        let column_major = b.shape.len() == 2 && b.strides[0] == 1 && b.strides[1] == b.shape[0] && b.shape[1] > 1;
+        calls.push(KernelCall::Product(Product {
+            out: meta,
+            k,
+            batched,
+            b_column_major: column_major,
+            grads: [requires(inputs, 0), requires(inputs, 1)],
+        }));
     }
 }
 
@@ -315,6 +336,17 @@ impl Operation for Linear {
         if requires(inputs, 2) && meta.requires_grad && !meta.shape.is_empty() {
             let mask = shape::dims_mask(0..meta.shape.len() - 1);
             calls.push(KernelCall::Reduction { of: meta, mask, backward: true });
+        }
+        // One `addmm` (or `mm`) of the input's rows by `weightᵀ`, a column-major view.
+        let x = &inputs[0].meta;
+        if x.shape.len() >= 2 {
+            calls.push(KernelCall::Product(Product {
+                out: meta,
+                k: x.shape[x.shape.len() - 1],
+                batched: false,
+                b_column_major: true,
+                grads: [requires(inputs, 0), requires(inputs, 1)],
+            }));
         }
     }
 }
