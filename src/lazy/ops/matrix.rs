@@ -303,6 +303,11 @@ impl Operation for Linear {
         factors_saved(i, 0, 1, inputs)
     }
 
+    fn grad_view(&self, i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
+        // The product runs on `weight.t()`: its gradient is transposed back, a view.
+        i == 1
+    }
+
     fn grad_reshape(&self, inputs: &[Rc<Node>], meta: &Meta) -> Option<Vec<i64>> {
         // Inputs of three or more dimensions are folded into a matrix for one product, whose
         // result is viewed as the output.
