@@ -139,6 +139,9 @@ pub(crate) struct Cost {
     pub(crate) saved: u64,
     /// Inputs whose gradient is a view of the output's (bit k: input k; past 64: `alias_rest`).
     pub(crate) grad_alias: u64,
+    /// Inputs whose gradient is a view of a tensor the backward made (bit k: input k; never
+    /// past 64): see [`Operation::grad_view`].
+    pub(crate) grad_view: u64,
     pub(crate) alias_rest: bool,
     /// The output is a view of input 0 with its dimensions reordered (a transpose, a permute):
     /// its backward hands the gradient on permuted.
@@ -267,6 +270,17 @@ pub(crate) trait Operation {
 
     /// Whether the gradient for input `i` is a view of the output's gradient (no allocation).
     fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
+        false
+    }
+
+    /// Whether the gradient for input `i` is a view of a tensor the backward made (`linear`'s
+    /// weight gradient: a product, transposed). A parameter whose first gradient (in the
+    /// backward's order) is a view, or a view of the output's ([`grad_aliases`]), is summed
+    /// out of place when a second arrives: autograd adds into its buffer in place only when it
+    /// holds the tensor's last reference and its storage's.
+    ///
+    /// [`grad_aliases`]: Operation::grad_aliases
+    fn grad_view(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
         false
     }
 

@@ -87,6 +87,19 @@ impl Operation for Matmul {
         factors_saved(i, 0, 1, inputs) && !self.path.copies(i)
     }
 
+    fn grad_view(&self, i: usize, inputs: &[Rc<Node>], _meta: &Meta) -> bool {
+        // `mm` hands a column-major matrix (`w.tr()`) its gradient column-major: a product,
+        // transposed. Its operands: both matrices as they are, or a batch folded and `b`.
+        let mm = match self.path {
+            _ if self.bmm => false,
+            MatmulPath::Direct => inputs.iter().all(|x| x.meta.shape.len() == 2),
+            MatmulPath::Fold { folded: 0, transposed: false, squeezed: None, .. } => i == 1,
+            _ => false,
+        };
+        let m = &inputs[i].meta;
+        mm && m.shape.len() == 2 && m.strides[0] == 1 && m.strides[1] == m.shape[0] && m.shape[1] > 1
+    }
+
     fn grad_reshape(&self, inputs: &[Rc<Node>], meta: &Meta) -> Option<Vec<i64>> {
         // `bmm`'s or `mm`'s result was viewed as the output: its gradient is viewed back.
         let (a, b) = (&inputs[0].meta.shape, &inputs[1].meta.shape);
@@ -322,6 +335,11 @@ impl Operation for Linear {
 
     fn saves_input(&self, i: usize, inputs: &[Rc<Node>]) -> bool {
         factors_saved(i, 0, 1, inputs)
+    }
+
+    fn grad_view(&self, i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
+        // The product runs on `weight.t()`: its gradient is transposed back, a view.
+        i == 1
     }
 
     fn grad_reshape(&self, inputs: &[Rc<Node>], meta: &Meta) -> Option<Vec<i64>> {

@@ -318,13 +318,16 @@ fn cost(op: &dyn Operation, inputs: &[Rc<Node>], meta: &Meta) -> Cost {
     let leaf = op.source().is_some();
     let rules = op;
     let out = if leaf || meta.alias { Bytes::default() } else { grad };
-    let (mut saved, mut grad_alias) = (0u64, 0u64);
+    let (mut saved, mut grad_alias, mut grad_view) = (0u64, 0u64, 0u64);
     for k in 0..inputs.len().min(64) {
         if meta.requires_grad && rules.saves_input(k, inputs) {
             saved |= 1 << k;
         }
         if rules.grad_aliases(k, inputs, meta) {
             grad_alias |= 1 << k;
+        }
+        if rules.grad_view(k, inputs, meta) {
+            grad_view |= 1 << k;
         }
     }
     let alias_rest = inputs.len() > 64 && rules.grad_aliases(64, inputs, meta);
@@ -340,5 +343,5 @@ fn cost(op: &dyn Operation, inputs: &[Rc<Node>], meta: &Meta) -> Cost {
     }
     let permutes = meta.alias
         && inputs.first().is_some_and(|x| shape::permutes(&x.meta.shape, &x.meta.strides, &meta.shape, &meta.strides));
-    Cost { out, grad, saved, grad_alias, alias_rest, permutes, kernel_calls, hash }
+    Cost { out, grad, saved, grad_alias, grad_view, alias_rest, permutes, kernel_calls, hash }
 }

@@ -187,6 +187,11 @@ impl Schedule {
         }
         // ---- backward: gradients flow from the output in reverse order.
         let mut grad_of: Vec<Option<u32>> = vec![None; n];
+        // Leaves whose gradient so far is a view (see `Operation::grad_view`): autograd sums
+        // the next contribution out of place. The sum is a fresh tensor: later ones go in place.
+        let mut held_view = vec![false; n];
+        // The contributions of the step summed out of place (their nodes).
+        let mut out_of_place: Vec<u32> = Vec::new();
         let out = n - 1;
         if requires(out) {
             grad_of[out] = Some((n + out) as u32);
@@ -212,6 +217,7 @@ impl Schedule {
                 events.push(TRANSIENT | i as u32);
             }
             let alias_mask = c.nodes[i].cost.grad_alias;
+            let view_mask = alias_mask | c.nodes[i].cost.grad_view;
             let differentiable = c.flags[i] & F_DIFFERENTIABLE != 0;
             let ins = c.input_slice(i);
             for (k, &j) in ins.iter().enumerate() {
@@ -224,7 +230,15 @@ impl Schedule {
                 if grad_of[target].is_some() {
                     // A second contribution: computed, then added into the first.
                     events.push(TRANSIENT | j as u32);
-                } else if alias {
+                    if std::mem::take(&mut held_view[target]) {
+                        out_of_place.push(j as u32);
+                    }
+                    continue;
+                }
+                if c.flags[target] & F_LEAF != 0 {
+                    held_view[target] = if k < 64 { view_mask & (1 << k) != 0 } else { alias };
+                }
+                if alias {
                     grad_of[target] = Some(g);
                     pins[g as usize] += 1;
                 } else {
@@ -262,6 +276,14 @@ impl Schedule {
                 if let Some(k) = extra_at[i] {
                     events.push(FREE | k);
                 }
+            }
+            // Once the backward returned (its input gradient and scratch space released), a
+            // contribution summed out of place: the contribution and the sum live beside the
+            // first, which is freed after.
+            for j in out_of_place.drain(..) {
+                events.push(TRANSIENT | j);
+                events.push(TRANSIENT | j);
+                events.push(RUN);
             }
             events.push(END);
             steps.push((i as u32, Phase::Backward));
