@@ -2250,3 +2250,43 @@ fn shared_weights_peak_as_planned() {
     }
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "shared weights");
 }
+
+/// A convolution whose weight is frozen but whose bias trains (a frozen backbone's last layer,
+/// a ViT's frozen patch embedding): oneDNN's backward makes the weight's gradient with the
+/// bias's anyway, and drops it. Whole and in micro-batches, f32 (oneDNN) and f64 (native).
+#[test]
+fn a_frozen_weight_with_a_training_bias_peaks_as_planned() {
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    let mut rows = Rows::default();
+    for kind in [Kind::Float, Kind::Double] {
+        for (c_in, c_out, k, stride, side) in [(16i64, 32i64, 3i64, 1i64, 16i64), (3, 64, 8, 8, 32)] {
+            for micro in [8usize, 2, 1] {
+                let mut vs = nn::VarStore::new(CPU);
+                let conv = nn::conv2d(
+                    vs.root() / "c",
+                    c_in,
+                    c_out,
+                    k,
+                    nn::ConvConfig { stride, padding: k / 2 * i64::from(stride == 1), ..Default::default() },
+                );
+                let head = nn::linear(vs.root() / "head", c_out, 10, Default::default());
+                if kind == Kind::Double {
+                    vs.double();
+                }
+                let _ = conv.ws.set_requires_grad(false);
+                let x = Tensor::randn([8, c_in, side, side], (kind, CPU));
+                let y = Tensor::randint(10, [8], (Kind::Int64, CPU));
+                let (lx, ly) = toma::lazy::lazy((&x, &y), 0);
+                let loss = lx.apply(&conv).mean_dim([2, 3], false, None).apply(&head).cross_entropy_for_logits(&ly);
+                let (planned, measured) = planned_and_measured_at(&loss, micro);
+                rows.push(
+                    format!("frozen weight {c_in}->{c_out} k{k} s{stride} {kind:?} micro {micro}"),
+                    planned,
+                    measured,
+                );
+            }
+        }
+    }
+    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "frozen weights");
+}

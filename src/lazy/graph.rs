@@ -407,6 +407,9 @@ pub(crate) struct Convolution<'a> {
     /// Whether it adds a bias, and whether the input requires a gradient.
     pub(crate) bias: bool,
     pub(crate) input_grad: bool,
+    /// Whether the bias requires a gradient and the weight does not (a frozen weight): some
+    /// kernels make the weight's gradient anyway, and drop it.
+    pub(crate) bias_grad_only: bool,
 }
 
 impl Convolution<'_> {

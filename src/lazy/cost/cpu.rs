@@ -125,6 +125,15 @@ impl Cpu {
         };
         if c.batched() && onednn {
             let mut scratch = self.onednn.convolution(c);
+            // oneDNN's backward makes the weight's gradient with the bias's, wanted or not: a
+            // frozen weight's is made and dropped.
+            if c.bias_grad_only {
+                let w = shape::numel(&c.weight.shape).max(0) as u64;
+                scratch.add((0, 0), (0, w));
+                if let Some((_, b)) = &mut scratch.single {
+                    *b += w;
+                }
+            }
             // A `Float` micro-batch of one that libtorch runs natively: im2col's columns there.
             let float = c.output.kind == Kind::Float;
             if float && n > 1 && c.output.batch().is_some() && !self.uses_onednn(c, 1, per_sample) {
@@ -133,16 +142,15 @@ impl Cpu {
             }
             return scratch;
         }
-        // 3-D: libtorch's `slow_conv3d` takes the groups at once, its columns over all of them.
-        if c.groups > 1 && c.batched() && c.kernel().len() == 2 {
-            return native_grouped(c);
+        let mut scratch = native(c);
+        // Only the bias's gradient: the native backward sums the output's gradient, no columns.
+        if c.bias_grad_only && !c.input_grad {
+            scratch.backward = (0, 0);
+            if let Some((_, b)) = &mut scratch.single {
+                *b = 0;
+            }
         }
-        if c.dilated() {
-            // libtorch's dilated kernel fills one sample's columns at a time.
-            let cols = columns(c);
-            return Scratch { forward: (0, cols), backward: (0, cols), single: None };
-        }
-        im2col(c)
+        scratch
     }
 
     /// Whether libtorch hands a batched `Float` convolution of `batch` samples of
@@ -186,6 +194,20 @@ fn columns(c: &Convolution<'_>) -> u64 {
     let out = &c.output.shape;
     let positions = shape::numel(&out[out.len() - c.stride.len()..]) as u64;
     (c.weight.shape[1] * c.groups * shape::numel(c.kernel())) as u64 * positions
+}
+
+/// libtorch's native convolutions: grouped, dilated, or im2col.
+fn native(c: &Convolution<'_>) -> Scratch {
+    // 3-D: libtorch's `slow_conv3d` takes the groups at once, its columns over all of them.
+    if c.groups > 1 && c.batched() && c.kernel().len() == 2 {
+        return native_grouped(c);
+    }
+    if c.dilated() {
+        // libtorch's dilated kernel fills one sample's columns at a time.
+        let cols = columns(c);
+        return Scratch { forward: (0, cols), backward: (0, cols), single: None };
+    }
+    im2col(c)
 }
 
 /// libtorch's native convolution: im2col's columns of one sample at a time, per micro-batch

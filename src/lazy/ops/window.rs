@@ -42,6 +42,7 @@ fn convolution<'a>(
         transposed,
         bias: inputs.len() > 2,
         input_grad: requires(inputs, 0),
+        bias_grad_only: output.requires_grad && inputs.len() > 2 && requires(inputs, 2) && !requires(inputs, 1),
     })
 }
 
