@@ -305,6 +305,12 @@ pub(crate) trait Operation {
         false
     }
 
+    /// Whether the backward reads the output's gradient contiguous: one that arrives permuted
+    /// (through a transpose or permute downstream) is copied beside it while the backward runs.
+    fn grad_contiguous(&self) -> bool {
+        false
+    }
+
     /// What the op's kernels do besides computing the output, for the cost layer to price on
     /// the device a plan is made for: buffers autograd keeps, temporaries, reductions,
     /// convolutions.

@@ -56,6 +56,10 @@ fn conv_saves(i: usize, inputs: &[Rc<Node>]) -> bool {
 }
 
 impl<const D: usize> Operation for Conv<D> {
+    fn grad_contiguous(&self) -> bool {
+        true
+    }
+
     fn grad_dense(&self, _meta: &Meta) -> bool {
         true
     }

@@ -63,8 +63,9 @@ pub(super) const F_ALLOCATES: u8 = 32;
 /// The backward copies the output's gradient: it arrives permuted (through a transpose
 /// downstream) and the op views it in a shape those strides do not allow.
 pub(super) const F_GRAD_COPY: u8 = 64;
-/// The backward reads the output's gradient densely and it arrives broadcast (below a `sum`):
-/// a dense copy lives while the backward runs.
+/// The backward reads the output's gradient densely and it arrives broadcast (below a `sum`),
+/// or contiguous and it arrives permuted (a convolution read as tokens): a copy lives while the
+/// backward runs.
 pub(super) const F_GRAD_DENSE: u8 = 128;
 
 impl Compiled {
@@ -391,7 +392,9 @@ fn grad_copies(found: &[Rc<Node>], inputs: &[u32], offsets: &[u32], flags: &mut 
                     .is_none_or(|to| shape::view_strides(&out.shape, g, &to).is_some())
             };
             let broadcast = |g: &[i64]| g.iter().zip(&out.shape).any(|(&st, &size)| st == 0 && size > 1);
-            if !out.alias && node.op.grad_dense(out) && own.as_deref().is_some_and(broadcast) {
+            let permuted = |g: &[i64]| !shape::is_contiguous(&out.shape, g);
+            let dense = node.op.grad_dense(out) && own.as_deref().is_some_and(broadcast);
+            if !out.alias && (dense || node.op.grad_contiguous() && own.as_deref().is_some_and(permuted)) {
                 flags[k] |= F_GRAD_DENSE;
                 continue;
             }
