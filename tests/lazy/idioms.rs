@@ -227,8 +227,13 @@ fn a_custom_module_written_once_has_the_full_batchs_gradients() {
     }
 }
 
-/// A ViT's CLS token written tch's way: a parameter expanded to the batch and concatenated
-/// with the patch tokens, plus a learned position table added to every sample.
+// Whether `vit_loss` repeats its CLS token instead of expanding it.
+thread_local! {
+    static REPEAT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// A ViT's CLS token written tch's way: a parameter expanded (or repeated) to the batch and
+/// concatenated with the patch tokens, plus a learned position table added to every sample.
 fn vit_loss<T: toma::lazy::TensorOps + toma::lazy::Operators>(
     x: &T,
     y: &T,
@@ -240,7 +245,12 @@ where
     nn::Linear: toma::lazy::Layer<T>,
 {
     let b = x.size()[0];
-    let cls = T::constant(cls).expand([b, -1, -1], false);
+    // tch's two ways to broadcast a learned token over the batch: expand (a view), repeat (a copy).
+    let cls = if REPEAT.with(|r| r.get()) {
+        T::constant(cls).repeat([b, 1, 1])
+    } else {
+        T::constant(cls).expand([b, -1, -1], false)
+    };
     let tokens = T::cat(&[&cls, x], 1);
     let h = tokens + pos;
     h.i((.., 0, ..)).apply(head).log_softmax(-1, None).nll_loss(y)
@@ -248,6 +258,13 @@ where
 
 #[test]
 fn a_cls_token_expanded_to_the_batch_records_and_splits() {
+    for repeat in [false, true] {
+        REPEAT.with(|r| r.set(repeat));
+        cls_token_splits();
+    }
+}
+
+fn cls_token_splits() {
     let vs = nn::VarStore::new(Device::Cpu);
     let cls = vs.root().randn("cls", &[1, 1, 6], 0.0, 1.0);
     let pos = vs.root().randn("pos", &[1, 5, 6], 0.0, 1.0);

@@ -245,8 +245,9 @@ impl Operation for Expand {
 }
 
 /// Fixed operands that `expand` broadcast to the batch's size along the batch dimension (a
-/// learned CLS token, `T::constant(&cls).expand([b, -1, -1])`), re-recorded as per-sample
-/// broadcasts: the same expand, batched, which each micro-batch runs at its own size. `nodes`
+/// learned CLS token, `T::constant(&cls).expand([b, -1, -1])`, or `.repeat([b, 1, 1])`),
+/// re-recorded as per-sample broadcasts: the same expand (a repeat: the expand copied),
+/// batched, which each micro-batch runs at its own size. `nodes`
 /// meet in an op whose output has `out_len` dimensions; `right_aligned` when broadcasting aligns
 /// them from the right (elementwise ops), else they share their dimensions (`cat`). Anything
 /// else is left as it is, for the op's own checks.
@@ -260,12 +261,34 @@ pub(crate) fn adopt_batch_broadcasts(nodes: &mut [Rc<Node>], out_len: usize, rig
     }
     for node in nodes.iter_mut() {
         let m = &node.meta;
-        if m.flow != Flow::Fixed || node.op.name() != "expand" {
+        let repeat = node.op.name() == "repeat";
+        if m.flow != Flow::Fixed || !(node.op.name() == "expand" || repeat) {
             continue;
         }
         let offset = out_len as i64 - m.shape.len() as i64;
         let at = if right_aligned { dim as i64 - offset } else { dim as i64 };
         if at < 0 || m.shape.get(at as usize) != Some(&bd.size) {
+            continue;
+        }
+        if repeat {
+            // `repeat([b, 1, ..])` of a size-1 dimension: the same values as the expand, copied.
+            let src = &node.inputs[0];
+            let (s, o) = (&src.meta.shape, &m.shape);
+            let only_batch =
+                s.len() == o.len() && (0..o.len()).all(|d| if d == at as usize { s[d] == 1 } else { s[d] == o[d] });
+            if !only_batch {
+                continue;
+            }
+            let batched = BatchDim { dim: at as usize, size: bd.size, factor: 1 };
+            let mut strides = src.meta.strides.clone();
+            strides[at as usize] = 0;
+            let expanded = Record::new(Expand, vec![src.clone()], o.clone(), m.kind, m.device)
+                .flow((Flow::PerSample(batched), None))
+                .view(strides)
+                .finish();
+            if let Ok(copied) = expanded.f_contiguous() {
+                *node = copied.node;
+            }
             continue;
         }
         // Broadcast there, from size 1 or from a dimension the expand added.
