@@ -227,9 +227,10 @@ fn a_custom_module_written_once_has_the_full_batchs_gradients() {
     }
 }
 
-// Whether `vit_loss` repeats its CLS token instead of expanding it.
+// How `vit_loss` broadcasts its CLS token: expanded (0), repeated (1), or expanded and stacked
+// with the tokens' mean (2).
 thread_local! {
-    static REPEAT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    static REPEAT: std::cell::Cell<u8> = const { std::cell::Cell::new(0) };
 }
 
 /// A ViT's CLS token written tch's way: a parameter expanded (or repeated) to the batch and
@@ -246,20 +247,26 @@ where
 {
     let b = x.size()[0];
     // tch's two ways to broadcast a learned token over the batch: expand (a view), repeat (a copy).
-    let cls = if REPEAT.with(|r| r.get()) {
-        T::constant(cls).repeat([b, 1, 1])
+    let how = REPEAT.with(|r| r.get());
+    let tokens = if how == 2 {
+        // `stack` of the token (`[b, d]`) and the tokens' mean, then the tokens after them.
+        let d = cls.size()[2];
+        let row = T::constant(&cls.view([1, d])).expand([b, -1], false);
+        let pair = T::stack(&[&row, &x.mean_dim([1], false, None)], 1);
+        T::cat(&[&pair.narrow(1, 0, 1), x], 1)
     } else {
-        T::constant(cls).expand([b, -1, -1], false)
+        let cls =
+            if how == 1 { T::constant(cls).repeat([b, 1, 1]) } else { T::constant(cls).expand([b, -1, -1], false) };
+        T::cat(&[&cls, x], 1)
     };
-    let tokens = T::cat(&[&cls, x], 1);
     let h = tokens + pos;
     h.i((.., 0, ..)).apply(head).log_softmax(-1, None).nll_loss(y)
 }
 
 #[test]
 fn a_cls_token_expanded_to_the_batch_records_and_splits() {
-    for repeat in [false, true] {
-        REPEAT.with(|r| r.set(repeat));
+    for how in 0..3 {
+        REPEAT.with(|r| r.set(how));
         cls_token_splits();
     }
 }

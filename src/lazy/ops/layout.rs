@@ -1777,7 +1777,12 @@ impl LazyTensor {
             }
         }
         let d = shape::wrap_insert_dim(dim, s0.len()).map_err(|r| arg("stack", &s0, r))?;
-        let parts = tensors.iter().map(|t| t.borrow().f_unsqueeze(d as i64)).collect::<Result<Vec<_>, _>>()?;
+        // A fixed operand broadcast to the batch is adopted before it is unsqueezed (`cat` then
+        // meets a batched view, not the expand).
+        let mut nodes: Vec<Rc<Node>> = tensors.iter().map(|t| t.borrow().node.clone()).collect();
+        adopt_batch_broadcasts(&mut nodes, s0.len(), false);
+        let parts =
+            nodes.into_iter().map(|node| LazyTensor { node }.f_unsqueeze(d as i64)).collect::<Result<Vec<_>, _>>()?;
         Self::f_cat(&parts, d as i64)
     }
 
