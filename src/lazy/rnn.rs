@@ -1,8 +1,8 @@
 //! tch's recurrent layers, `nn::lstm` and `nn::gru`, for both kinds of tensor.
 //!
 //! tch keeps an LSTM's weights private, so these layers create the same variables tch does
-//! (same names, shapes, initializers and order: a checkpoint of either loads into the other,
-//! and the same seed gives the same weights) and keep them. On a `Tensor` they call libtorch's
+//! (same names, shapes, initializers and order: a checkpoint of either loads into the other)
+//! and keep them. On a `Tensor` they call libtorch's
 //! fused `lstm`/`gru`, exactly as tch's layers do. On a [`LazyTensor`] they record the
 //! recurrence from the ops the planner already prices: per time step a linear map of the input
 //! and of the hidden state, the gates, and the new state. A recurrence mixes time steps, never
