@@ -652,6 +652,37 @@ fn generated_models_peak_as_planned() {
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "models");
 }
 
+/// Six steps of `loss` as tch users train: three after `opt.zero_grad()` (`.grad` set to
+/// none), three zeroing `.grad` in place; each step's plan against the allocator, one row each.
+fn train_as_users_do(
+    rows: &mut Rows,
+    describe: &str,
+    vs: &nn::VarStore,
+    mut opt: nn::Optimizer,
+    loss: &LazyTensor,
+    options: &Options,
+) {
+    for step in 0..6 {
+        if step < 3 {
+            opt.zero_grad();
+        } else {
+            for (_, v) in vs.variables() {
+                if v.grad().defined() {
+                    let _ = v.grad().zero_();
+                }
+            }
+        }
+        let planned = loss.plan(Mode::Backward, options).expect("a plan").peak_bytes();
+        let before = memory::cpu_allocator_stats().expect("tracking").allocated;
+        assert!(memory::reset_cpu_peak());
+        loss.backward_with(options).expect("forward and backward");
+        let measured = memory::cpu_allocator_stats().expect("tracking").peak_allocated - before;
+        opt.step();
+        let zeroing = if step < 3 { "zero_grad" } else { "zeroed in place" };
+        rows.push(format!("{describe} step {step} ({zeroing})"), planned, measured);
+    }
+}
+
 /// The generated CNNs trained as users train them: tch's `opt.zero_grad()` (which sets `.grad`
 /// to none) before three steps, then three steps zeroing `.grad` in place, in f32 and f64, in one
 /// micro-batch or split in two or four, some with the first convolution frozen. Every step's
@@ -678,31 +709,9 @@ fn generated_models_in_training_loops() {
         arch.loss_as(&mut warm, 2, kind, frozen).backward_with(&Options::new()).expect("a warm-up step");
         let mut vs = nn::VarStore::new(CPU);
         let loss = arch.loss_as(&mut vs, arch.batch, kind, frozen);
-        let mut opt = nn::Sgd::default().build(&vs, 1e-3).unwrap();
-        for step in 0..6 {
-            if step < 3 {
-                opt.zero_grad();
-            } else {
-                for (_, v) in vs.variables() {
-                    if v.grad().defined() {
-                        let _ = v.grad().zero_();
-                    }
-                }
-            }
-            let planned = loss.plan(Mode::Backward, &options).expect("a plan").peak_bytes();
-            let before = memory::cpu_allocator_stats().expect("tracking").allocated;
-            assert!(memory::reset_cpu_peak());
-            loss.backward_with(&options).expect("forward and backward");
-            let measured = memory::cpu_allocator_stats().expect("tracking").peak_allocated - before;
-            opt.step();
-            let describe = format!(
-                "{} {kind:?} x{chunks}{} step {step} ({})",
-                arch.describe(),
-                if frozen { " frozen c1" } else { "" },
-                if step < 3 { "zero_grad" } else { "zeroed in place" }
-            );
-            rows.push(describe, planned, measured);
-        }
+        let opt = nn::Sgd::default().build(&vs, 1e-3).unwrap();
+        let describe = format!("{} {kind:?} x{chunks}{}", arch.describe(), if frozen { " frozen c1" } else { "" });
+        train_as_users_do(&mut rows, &describe, &vs, opt, &loss, &options);
     }
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "steps");
 }
@@ -2016,30 +2025,9 @@ fn vit_and_convnext_models_in_training_loops() {
         let (x, y) = data(batch);
         let (lx, ly) = toma::lazy::lazy((&x, &y), 0);
         let loss = model(&lx, &ly);
-        let mut opt = nn::Adam::default().build(&vs, 1e-3).unwrap();
-        for step in 0..6 {
-            if step < 3 {
-                opt.zero_grad();
-            } else {
-                for (_, v) in vs.variables() {
-                    if v.grad().defined() {
-                        let _ = v.grad().zero_();
-                    }
-                }
-            }
-            let planned = loss.plan(Mode::Backward, &options).expect("a plan").peak_bytes();
-            let before = memory::cpu_allocator_stats().expect("tracking").allocated;
-            assert!(memory::reset_cpu_peak());
-            loss.backward_with(&options).expect("forward and backward");
-            let measured = memory::cpu_allocator_stats().expect("tracking").peak_allocated - before;
-            opt.step();
-            let zeroing = if step < 3 { "zero_grad" } else { "zeroed in place" };
-            rows.push(
-                format!("{describe}{} step {step} ({zeroing})", if frozen { " frozen" } else { "" }),
-                planned,
-                measured,
-            );
-        }
+        let opt = nn::Adam::default().build(&vs, 1e-3).unwrap();
+        let describe = format!("{describe}{}", if frozen { " frozen" } else { "" });
+        train_as_users_do(&mut rows, &describe, &vs, opt, &loss, &options);
     }
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "steps");
 }

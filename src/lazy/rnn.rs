@@ -485,6 +485,23 @@ macro_rules! recurrent_layer {
             }
         }
 
+        impl RNN<Tensor> for $name {
+            type State = tnn::$tch_state;
+
+            fn step(&self, input: &Tensor, state: &tnn::$tch_state) -> tnn::$tch_state {
+                self.fused(&input.unsqueeze(1), state).1
+            }
+
+            fn seq(&self, input: &Tensor) -> (Tensor, tnn::$tch_state) {
+                let batch = input.size()[self.weights.batch_dim()];
+                self.fused(input, &self.zero_state(batch))
+            }
+
+            fn seq_init(&self, input: &Tensor, state: &tnn::$tch_state) -> (Tensor, tnn::$tch_state) {
+                self.fused(input, state)
+            }
+        }
+
         impl tnn::RNN for $name {
             type State = tnn::$tch_state;
 
@@ -583,19 +600,9 @@ impl LSTM {
     }
 }
 
-impl RNN<Tensor> for LSTM {
-    type State = tnn::LSTMState;
-
-    fn step(&self, input: &Tensor, state: &tnn::LSTMState) -> tnn::LSTMState {
-        self.seq_init(&input.unsqueeze(1), state).1
-    }
-
-    fn seq(&self, input: &Tensor) -> (Tensor, tnn::LSTMState) {
-        let batch = input.size()[self.weights.batch_dim()];
-        self.seq_init(input, &self.zero_state(batch))
-    }
-
-    fn seq_init(&self, input: &Tensor, state: &tnn::LSTMState) -> (Tensor, tnn::LSTMState) {
+impl LSTM {
+    /// libtorch's fused `lstm`, as tch's layer calls it.
+    fn fused(&self, input: &Tensor, state: &tnn::LSTMState) -> (Tensor, tnn::LSTMState) {
         let w = &self.weights;
         let c = w.config;
         let (h, cell) = &state.0;
@@ -620,19 +627,9 @@ impl GRU {
     }
 }
 
-impl RNN<Tensor> for GRU {
-    type State = tnn::GRUState;
-
-    fn step(&self, input: &Tensor, state: &tnn::GRUState) -> tnn::GRUState {
-        self.seq_init(&input.unsqueeze(1), state).1
-    }
-
-    fn seq(&self, input: &Tensor) -> (Tensor, tnn::GRUState) {
-        let batch = input.size()[self.weights.batch_dim()];
-        self.seq_init(input, &self.zero_state(batch))
-    }
-
-    fn seq_init(&self, input: &Tensor, state: &tnn::GRUState) -> (Tensor, tnn::GRUState) {
+impl GRU {
+    /// libtorch's fused `gru`, as tch's layer calls it.
+    fn fused(&self, input: &Tensor, state: &tnn::GRUState) -> (Tensor, tnn::GRUState) {
         let w = &self.weights;
         let c = w.config;
         let (output, h) = input.gru(

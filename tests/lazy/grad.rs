@@ -665,20 +665,7 @@ fn pair_and_probability_losses_match_the_full_batch() {
             + (out.abs() + 0.1).poisson_nll_loss(&lc, false, false, 1e-8, reduction())
     };
     for (name, sum) in [("mean", false), ("sum", true)] {
-        zero_grads(&vs);
-        let loss = eager(sum);
-        let value = loss.double_value(&[]);
-        loss.backward();
-        let expected = grads(&vs);
-        for micro in [1usize, 3, 4] {
-            zero_grads(&vs);
-            let got = lazily(sum).backward_with(&Options::new().micro_batch(micro)).unwrap();
-            assert!((got - value).abs() <= 1e-10 * value.abs(), "{name}, micro {micro}: loss {got} vs {value}");
-            for (param, g) in grads(&vs) {
-                let err = relative_error(&g, &expected[&param]);
-                assert!(err <= 1e-9, "{name}, micro {micro}: gradient of {param} differs by {err:e}");
-            }
-        }
+        check_tight(&vs, name, &[1, 3, 4], || eager(sum), || lazily(sum));
     }
 }
 
@@ -716,20 +703,7 @@ fn cumprod_and_sort_match_the_full_batch() {
         let features = LazyTensor::cat(&[zeros, plain, sorted * (positions.to_kind(Kind::Double) + 1.0)], 1);
         features.apply(&l2).log_softmax(-1, None).nll_loss(&ly)
     };
-    zero_grads(&vs);
-    let loss = eager();
-    let value = loss.double_value(&[]);
-    loss.backward();
-    let expected = grads(&vs);
-    for micro in [1usize, 3, 10] {
-        zero_grads(&vs);
-        let got = lazily().backward_with(&Options::new().micro_batch(micro)).unwrap();
-        assert!((got - value).abs() <= 1e-10 * value.abs(), "micro {micro}: loss {got} vs {value}");
-        for (param, g) in grads(&vs) {
-            let err = relative_error(&g, &expected[&param]);
-            assert!(err <= 1e-9, "micro {micro}: gradient of {param} differs by {err:e}");
-        }
-    }
+    check_tight(&vs, "cumprod, sort", &[1, 3, 10], eager, lazily);
     // The plain sort's values, and a sort along the batch: refused for a split.
     let (lx, ly) = lazy((&x, &y), 0);
     let h = lx.apply(&l1);
@@ -927,20 +901,7 @@ fn ctc_loss_matches_the_full_batch() {
             + LazyTensor::ctc_loss_tensor(&lp, &lt, &lil, &ltl, 0, red, true) * 0.25
     };
     for red in [Reduction::Mean, Reduction::Sum] {
-        zero_grads(&vs);
-        let loss = eager(red);
-        let value = loss.double_value(&[]);
-        loss.backward();
-        let expected = grads(&vs);
-        for micro in [1usize, 3, n as usize] {
-            zero_grads(&vs);
-            let got = lazily(red).backward_with(&Options::new().micro_batch(micro)).unwrap();
-            assert!((got - value).abs() <= 1e-10 * value.abs(), "{red:?}, micro {micro}: loss {got} vs {value}");
-            for (param, g) in grads(&vs) {
-                let err = relative_error(&g, &expected[&param]);
-                assert!(err <= 1e-9, "{red:?}, micro {micro}: gradient of {param} differs by {err:e}");
-            }
-        }
+        check_tight(&vs, &format!("{red:?}"), &[1, 3, n as usize], || eager(red), || lazily(red));
     }
 }
 

@@ -15,12 +15,13 @@ use crate::lazy::int_list::IntList;
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
 
-/// A view to the node's shape (no copy); its input's gradient is the output's, viewed.
-pub(crate) struct View;
+/// A view to the node's shape (no copy); its input's gradient is the output's, viewed. Named
+/// `view`, or after the op whose last step it is (`einsum`, which carries its batch rule).
+pub(crate) struct View(pub(crate) &'static str);
 
 impl Operation for View {
     fn name(&self) -> &'static str {
-        "view"
+        self.0
     }
 
     fn run(&self, ins: &[&Tensor], cx: &RunCx<'_>) -> Result<Tensor, TchError> {
@@ -614,9 +615,10 @@ impl LazyTensor {
         let new_shape = shape::infer_size(shape, total).map_err(|r| shape_err(name, &m.shape, shape, r))?;
         let flow = self.view_flow(&new_shape);
         match shape::view_strides(&m.shape, &m.strides, &new_shape) {
-            Some(strides) => {
-                Ok(Record::new(View, vec![n.clone()], new_shape, m.kind, m.device).flow(flow).view(strides).finish())
-            }
+            Some(strides) => Ok(Record::new(View("view"), vec![n.clone()], new_shape, m.kind, m.device)
+                .flow(flow)
+                .view(strides)
+                .finish()),
             None if must_view => Err(shape_err(
                 name,
                 &m.shape,

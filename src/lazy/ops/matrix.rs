@@ -429,29 +429,6 @@ impl Operation for Embedding {
     }
 }
 
-/// The last step of `einsum`: libtorch's view of the product without its contracted
-/// dimensions (all of size 1 by then), or the value itself (a view of the same shape) where
-/// nothing is left to drop. It carries the einsum's batch rule.
-pub(crate) struct EinsumOut;
-
-impl Operation for EinsumOut {
-    fn name(&self) -> &'static str {
-        "einsum"
-    }
-
-    fn run(&self, ins: &[&Tensor], cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        ins[0].f_view(cx.meta.shape_at(cx.b).as_slice())
-    }
-
-    fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
-        true
-    }
-
-    fn grad_reshape(&self, inputs: &[Rc<Node>], _meta: &Meta) -> Option<Vec<i64>> {
-        Some(inputs[0].meta.shape.clone())
-    }
-}
-
 /// libtorch's subscripts: `A`-`Z` are 0..26, `a`-`z` 26..52; an ellipsis is [`ELLIPSIS`].
 const LETTERS: usize = 52;
 const ELLIPSIS: usize = LETTERS;
@@ -837,7 +814,9 @@ fn folded(t: &LazyTensor, to: [i64; 3], groups: [usize; 3]) -> LazyTensor {
     };
     let (inputs, shape) = (vec![n.clone()], to.to_vec());
     match shape::view_strides(&m.shape, &m.strides, &to).filter(|_| !interleaved) {
-        Some(strides) => Record::new(View, inputs, shape, m.kind, m.device).flow((flow, None)).view(strides).finish(),
+        Some(strides) => {
+            Record::new(View("view"), inputs, shape, m.kind, m.device).flow((flow, None)).view(strides).finish()
+        }
         None => Record::new(Reshape, inputs, shape, m.kind, m.device).flow((flow, None)).finish(),
     }
 }
@@ -914,7 +893,7 @@ fn sum_product(left: &LazyTensor, right: &LazyTensor, sum_dims: &[usize]) -> Res
         (flow, _) => flow,
     };
     let strides = shape::view_strides(&p.meta.shape, &p.meta.strides, &out_size).expect("a contiguous product views");
-    let unfolded = Record::new(View, vec![p.clone()], out_size, p.meta.kind, p.meta.device)
+    let unfolded = Record::new(View("view"), vec![p.clone()], out_size, p.meta.kind, p.meta.device)
         .flow((unfold_flow, None))
         .view(strides)
         .finish();
@@ -1360,7 +1339,12 @@ impl LazyTensor {
         // The contracted positions, all of size 1 now, viewed away.
         let n = &last.node;
         let strides = shape::view_strides(&n.meta.shape, &n.meta.strides, &out_shape).expect("only ones are dropped");
-        Ok(Record::new(EinsumOut, vec![n.clone()], out_shape, n.meta.kind, device).flow(flow).view(strides).finish())
+        // libtorch's last step: the product viewed without its contracted dimensions (all of
+        // size 1 by then), or itself; named `einsum`, it carries the einsum's batch rule.
+        Ok(Record::new(View("einsum"), vec![n.clone()], out_shape, n.meta.kind, device)
+            .flow(flow)
+            .view(strides)
+            .finish())
     }
 
     /// Like [`f_einsum`](Self::f_einsum), panicking with its error.

@@ -130,26 +130,35 @@ impl Operation for ConvTranspose2d {
     }
 }
 
-/// 2-D max pooling; keeps the indices of the maxima for its backward.
-pub(crate) struct MaxPool2d {
-    kernel: [i64; 2],
-    stride: [i64; 2],
-    padding: [i64; 2],
-    dilation: [i64; 2],
+/// 2-D or 3-D max pooling; keeps the indices of the maxima for its backward.
+pub(crate) struct MaxPool<const D: usize> {
+    kernel: [i64; D],
+    stride: [i64; D],
+    padding: [i64; D],
+    dilation: [i64; D],
     ceil_mode: bool,
 }
 
-impl Operation for MaxPool2d {
+impl<const D: usize> Operation for MaxPool<D> {
     fn grad_dense(&self, _meta: &Meta) -> bool {
         true
     }
 
     fn name(&self) -> &'static str {
-        "max_pool2d"
+        if D == 3 {
+            "max_pool3d"
+        } else {
+            "max_pool2d"
+        }
     }
 
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        ins[0].f_max_pool2d(self.kernel, self.stride, self.padding, self.dilation, self.ceil_mode)
+        let (k, s, p, d) = (&self.kernel[..], &self.stride[..], &self.padding[..], &self.dilation[..]);
+        if D == 3 {
+            ins[0].f_max_pool3d(k, s, p, d, self.ceil_mode)
+        } else {
+            ins[0].f_max_pool2d(k, s, p, d, self.ceil_mode)
+        }
     }
 
     fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
@@ -162,28 +171,37 @@ impl Operation for MaxPool2d {
     }
 }
 
-/// 2-D average pooling.
-pub(crate) struct AvgPool2d {
-    kernel: [i64; 2],
-    stride: [i64; 2],
-    padding: [i64; 2],
+/// 2-D or 3-D average pooling.
+pub(crate) struct AvgPool<const D: usize> {
+    kernel: [i64; D],
+    stride: [i64; D],
+    padding: [i64; D],
     ceil_mode: bool,
     count_include_pad: bool,
     divisor_override: Option<i64>,
 }
 
-impl Operation for AvgPool2d {
+impl<const D: usize> Operation for AvgPool<D> {
     fn grad_dense(&self, _meta: &Meta) -> bool {
         true
     }
 
     fn name(&self) -> &'static str {
-        "avg_pool2d"
+        if D == 3 {
+            "avg_pool3d"
+        } else {
+            "avg_pool2d"
+        }
     }
 
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        let AvgPool2d { kernel, stride, padding, ceil_mode, count_include_pad, divisor_override } = self;
-        ins[0].f_avg_pool2d(kernel, stride, padding, *ceil_mode, *count_include_pad, *divisor_override)
+        let AvgPool { kernel, stride, padding, ceil_mode, count_include_pad, divisor_override } = self;
+        let (k, s, p) = (&kernel[..], &stride[..], &padding[..]);
+        if D == 3 {
+            ins[0].f_avg_pool3d(k, s, p, *ceil_mode, *count_include_pad, *divisor_override)
+        } else {
+            ins[0].f_avg_pool2d(k, s, p, *ceil_mode, *count_include_pad, *divisor_override)
+        }
     }
 
     fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
@@ -312,67 +330,6 @@ impl Operation for Unfold {
 
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         ins[0].f_unfold(self.dim, self.size, self.step)
-    }
-}
-
-/// 3-D max pooling; keeps the indices of the maxima for its backward.
-pub(crate) struct MaxPool3d {
-    kernel: [i64; 3],
-    stride: [i64; 3],
-    padding: [i64; 3],
-    dilation: [i64; 3],
-    ceil_mode: bool,
-}
-
-impl Operation for MaxPool3d {
-    fn grad_dense(&self, _meta: &Meta) -> bool {
-        true
-    }
-
-    fn name(&self) -> &'static str {
-        "max_pool3d"
-    }
-
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        ins[0].f_max_pool3d(self.kernel, self.stride, self.padding, self.dilation, self.ceil_mode)
-    }
-
-    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
-        i == 0
-    }
-
-    fn kernels<'a>(&'a self, _inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
-        // One int64 index per output element.
-        calls.push(KernelCall::Keeps { elements: meta.numel_parts(), kind: Kind::Int64 });
-    }
-}
-
-/// 3-D average pooling.
-pub(crate) struct AvgPool3d {
-    kernel: [i64; 3],
-    stride: [i64; 3],
-    padding: [i64; 3],
-    ceil_mode: bool,
-    count_include_pad: bool,
-    divisor_override: Option<i64>,
-}
-
-impl Operation for AvgPool3d {
-    fn grad_dense(&self, _meta: &Meta) -> bool {
-        true
-    }
-
-    fn name(&self) -> &'static str {
-        "avg_pool3d"
-    }
-
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        let AvgPool3d { kernel, stride, padding, ceil_mode, count_include_pad, divisor_override } = self;
-        ins[0].f_avg_pool3d(kernel, stride, padding, *ceil_mode, *count_include_pad, *divisor_override)
-    }
-
-    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
-        i == 0
     }
 }
 
@@ -599,7 +556,7 @@ impl LazyTensor {
         let out = pool3d_shape(&n.meta.shape, kernel, stride, padding, dilation, ceil_mode, false).map_err(a)?;
         let nd = out.len();
         let flow = unary_flow(name, n, &out, |d| (d + 3 < nd).then_some(d), Linearity::Nonlinear)?;
-        let op = MaxPool3d { kernel, stride, padding, dilation, ceil_mode };
+        let op = MaxPool::<3> { kernel, stride, padding, dilation, ceil_mode };
         Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
     }
 
@@ -634,7 +591,7 @@ impl LazyTensor {
         let out = pool3d_shape(&n.meta.shape, kernel, stride, padding, [1; 3], ceil_mode, true).map_err(a)?;
         let nd = out.len();
         let flow = unary_flow(name, n, &out, |d| (d + 3 < nd).then_some(d), Linearity::Nonlinear)?;
-        let op = AvgPool3d { kernel, stride, padding, ceil_mode, count_include_pad, divisor_override };
+        let op = AvgPool::<3> { kernel, stride, padding, ceil_mode, count_include_pad, divisor_override };
         Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
     }
 
@@ -1006,7 +963,7 @@ impl LazyTensor {
         let dilation = shape::pair(dilation.as_slice(), "dilation").map_err(a)?;
         let out = shape::pool2d(&n.meta.shape, kernel, stride, padding, dilation, ceil_mode).map_err(a)?;
         let flow = self.pool_flow(name, &out)?;
-        let op = MaxPool2d { kernel, stride, padding, dilation, ceil_mode };
+        let op = MaxPool::<2> { kernel, stride, padding, dilation, ceil_mode };
         Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
     }
 
@@ -1038,7 +995,7 @@ impl LazyTensor {
         floating(name, n)?;
         let out = shape::pool2d(&n.meta.shape, kernel, stride, padding, [1, 1], ceil_mode).map_err(a)?;
         let flow = self.pool_flow(name, &out)?;
-        let op = AvgPool2d { kernel, stride, padding, ceil_mode, count_include_pad, divisor_override };
+        let op = AvgPool::<2> { kernel, stride, padding, ceil_mode, count_include_pad, divisor_override };
         Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
     }
 
