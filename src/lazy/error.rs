@@ -106,25 +106,35 @@ pub enum LazyError {
         /// Why.
         reason: String,
     },
-    /// Even a micro-batch of one sample needs more memory than the budget.
+    /// No plan fits the budget: not the smallest micro-batch, not recomputing activations,
+    /// where each was allowed. The fields name the lowest peak any plan reaches and how.
     #[error(
-        "toma::lazy: {op}: even a micro-batch of 1 needs {peak} B at its peak (op #{peak_node} `{peak_op}`){}, over the budget of {budget} B",
-        reserve_note(*.reserved)
+        "toma::lazy: {op}: no plan fits the budget of {budget} B: the lowest peak any plan reaches is {peak} B at op #{peak_node} `{peak_op}` ({}){}{}",
+        plan_note(*.micro_batch, *.segments),
+        reserve_note(*.reserved),
+        split_note(.split_refused.as_deref())
     )]
     DoesNotFit {
         /// The output op.
         op: String,
-        /// Planned peak bytes at micro-batch 1.
+        /// The lowest planned peak in bytes.
         peak: u64,
-        /// Where the peak is.
+        /// Where that peak is.
         peak_node: usize,
-        /// The op at the peak.
+        /// The op at that peak.
         peak_op: String,
         /// The memory budget in bytes.
         budget: u64,
         /// Bytes held in reserve beside the plan: what earlier runs of this graph measured
         /// above their plans (0 when none did).
         reserved: u64,
+        /// The micro-batch of the plan with the lowest peak (the whole batch when splitting is
+        /// ruled out).
+        micro_batch: usize,
+        /// How many segments that plan recomputes in (`None`: it recomputes nothing).
+        segments: Option<u32>,
+        /// Why the batch may not be split (the op that rules it out), when it may not.
+        split_refused: Option<String>,
     },
     /// `backward` on a value that is not a scalar.
     #[error("toma::lazy: backward needs a scalar loss, `{op}` has shape {shape:?}")]
@@ -229,6 +239,27 @@ fn split_cause(batch: usize, requested: Option<usize>, peak: u64, budget: u64) -
             format!("the batch of {batch} was asked to run in micro-batches of {micro} (Options::micro_batch), but")
         }
         None => format!("the batch of {batch} does not fit (peak {peak} B at the full batch, budget {budget} B) and"),
+    }
+}
+
+/// How the lowest plan of [`LazyError::DoesNotFit`] runs.
+fn plan_note(micro_batch: usize, segments: Option<u32>) -> String {
+    let split = if micro_batch == 1 {
+        "in micro-batches of 1".to_owned()
+    } else {
+        format!("in micro-batches of {micro_batch}")
+    };
+    match segments {
+        Some(s) => format!("recomputing activations in {s} segments, {split}"),
+        None => split,
+    }
+}
+
+/// Why splitting was ruled out, for [`LazyError::DoesNotFit`]'s message.
+fn split_note(refused: Option<&str>) -> String {
+    match refused {
+        Some(why) => format!("; splitting the batch is ruled out: {why}"),
+        None => String::new(),
     }
 }
 

@@ -7,7 +7,7 @@ use super::cost::CostModel;
 use super::error::LazyError;
 use super::graph::{Flow, LazyTensor, RunCx, Share, Source};
 use super::options::Options;
-use super::plan::{self, Compiled, Corrections, Decision, Mode};
+use super::plan::{self, Compiled, Corrections, Decision, Mode, Segments};
 use crate::retry::Range;
 
 /// One micro-batch: where it starts, its size, and whether the batch is split at all.
@@ -146,6 +146,196 @@ fn forward_chunk(c: &Compiled, chunk: &Chunk<'_>, mut trace: Option<&mut Vec<Tra
     Ok(values[n - 1].take().expect("the output is held"))
 }
 
+/// The tensors the graph's ops update in place (batch norm's running statistics).
+fn updated_tensors(c: &Compiled) -> Vec<Tensor> {
+    let mut tensors = Vec::new();
+    for node in &c.nodes {
+        for k in node.op.updated_inputs(node.inputs.len()) {
+            if let Some(Source::Leaf { tensor, .. }) = node.inputs[k].op.source() {
+                tensors.push(tensor.shallow_clone());
+            }
+        }
+    }
+    tensors
+}
+
+/// The device's random generator state, for a recomputed segment to draw what its first run
+/// drew (dropout's masks).
+fn generator_state(device: Option<usize>) -> Result<Vec<u8>, LazyError> {
+    crate::memory::generator_state(device).map_err(|e| LazyError::Torch {
+        node: None,
+        op: "recompute".into(),
+        source: TchError::Torch(format!("saving the random generator's state to replay it: {e}")),
+    })
+}
+
+fn set_generator_state(device: Option<usize>, state: &[u8]) -> Result<(), LazyError> {
+    crate::memory::set_generator_state(device, state).map_err(|e| LazyError::Torch {
+        node: None,
+        op: "recompute".into(),
+        source: TchError::Torch(format!("restoring the random generator's state: {e}")),
+    })
+}
+
+/// Runs one micro-batch's forward and backward segment by segment (see `plan::Segments`):
+/// every segment but the last runs without autograd, keeping what later segments read; then,
+/// last to first, each runs again with autograd from the generator state of its first run,
+/// and its backward follows from the gradients later segments sent to its values (as the
+/// backward of `sum(value · gradient)`, whose gradient is exactly that one). Running
+/// statistics and the generator end as after one forward. Returns the loss and, unless
+/// `direct` (autograd accumulated into `.grad`), the parameters' gradients.
+fn recompute_chunk(
+    c: &Compiled,
+    segs: &Segments,
+    chunk: &Chunk<'_>,
+    params: &[Tensor],
+    direct: bool,
+) -> Result<(f64, Vec<Tensor>), LazyError> {
+    let n = c.len();
+    let count = segs.count();
+    let device = match c.device() {
+        tch::Device::Cuda(i) => Some(i),
+        _ => None,
+    };
+    let err = torch(n - 1, "recompute");
+    let run = |values: &[Option<Tensor>], i: usize, extra: &dyn Fn(usize) -> Option<Tensor>| {
+        let owned: Vec<Option<Tensor>> = c.inputs(i).map(extra).collect();
+        let ins: Vec<&Tensor> = c
+            .inputs(i)
+            .zip(&owned)
+            .map(|(j, o)| o.as_ref().unwrap_or_else(|| values[j].as_ref().expect("held until its last use")))
+            .collect();
+        let out = run_node(c, i, &ins, chunk)?;
+        let actual = out.size();
+        let node = &c.nodes[i];
+        if !node.meta.matches_at(chunk.b, &actual) {
+            let expected = node.meta.shape_at(chunk.b);
+            return Err(LazyError::ShapeRule { node: i, op: node.op.name().into(), expected, actual });
+        }
+        Ok(out)
+    };
+    let mut values: Vec<Option<Tensor>> = (0..n).map(|_| None).collect();
+    let mut states = Vec::with_capacity(count);
+    tch::no_grad(|| -> Result<(), LazyError> {
+        for s in 0..count - 1 {
+            states.push(generator_state(device)?);
+            for i in segs.range(s, n) {
+                values[i] = Some(run(&values, i, &|_| None)?);
+                for j in c.inputs(i) {
+                    if segs.held[j] as usize == i {
+                        values[j] = None;
+                    }
+                }
+            }
+        }
+        Ok(())
+    })?;
+    let stats = updated_tensors(c);
+    let mut after_forward: Option<(Vec<u8>, Vec<Tensor>)> = None;
+    let mut grads_out: Vec<Option<Tensor>> = (0..n).map(|_| None).collect();
+    let mut acc: Vec<Option<Tensor>> = params.iter().map(|_| None).collect();
+    let mut loss_value = 0.0;
+    for s in (0..count).rev() {
+        let range = segs.range(s, n);
+        if s + 1 < count {
+            set_generator_state(device, &states[s])?;
+        }
+        // Values of earlier segments, as leaves of this segment's graph (sources as they are).
+        let mut boundary: std::collections::HashMap<usize, Tensor> = std::collections::HashMap::new();
+        let surrogate = tch::with_grad(|| -> Result<Option<Tensor>, LazyError> {
+            for i in range.clone() {
+                for j in c.inputs(i) {
+                    if j < range.start && !c.nodes[j].is_source() && !boundary.contains_key(&j) {
+                        let kept = values[j].as_ref().expect("kept for later segments");
+                        let leaf = kept.detach();
+                        let leaf = if c.nodes[j].meta.requires_grad { leaf.set_requires_grad(true) } else { leaf };
+                        boundary.insert(j, leaf);
+                    }
+                }
+                let out = run(&values, i, &|j| boundary.get(&j).map(Tensor::shallow_clone))?;
+                values[i] = Some(out);
+                for j in c.inputs(i) {
+                    if j >= range.start && segs.held[j] as usize == i {
+                        values[j] = None;
+                    }
+                }
+            }
+            if s + 1 == count {
+                let _no_grad = tch::no_grad_guard();
+                after_forward = Some((generator_state(device)?, stats.iter().map(Tensor::copy).collect()));
+                let loss = values[n - 1].take().expect("the output is held");
+                loss_value = loss.f_sum(Kind::Double).and_then(|v| v.f_double_value(&[])).map_err(&err)?;
+                return Ok(loss.requires_grad().then_some(loss));
+            }
+            let mut sum: Option<Tensor> = None;
+            for o in range.clone() {
+                let (Some(v), Some(g)) = (values[o].take(), grads_out[o].take()) else { continue };
+                if !v.requires_grad() {
+                    continue;
+                }
+                let term = v.f_mul(&g).and_then(|t| t.f_sum(Kind::Double)).map_err(&err)?;
+                sum = Some(match sum {
+                    None => term,
+                    Some(a) => a.f_add(&term).map_err(&err)?,
+                });
+            }
+            Ok(sum)
+        })?;
+        for v in &mut values[range.clone()] {
+            *v = None;
+        }
+        if let Some(surrogate) = surrogate {
+            let leaves: Vec<(usize, Tensor)> = boundary.into_iter().filter(|(_, t)| t.requires_grad()).collect();
+            let grads = if direct {
+                tch::with_grad(|| surrogate.f_backward()).map_err(&err)?;
+                leaves.iter().map(|(_, t)| t.grad()).collect::<Vec<_>>()
+            } else {
+                let mut wrt: Vec<&Tensor> = params.iter().collect();
+                wrt.extend(leaves.iter().map(|(_, t)| t));
+                let mut grads =
+                    tch::with_grad(|| Tensor::f_run_backward(&[&surrogate], &wrt, false, false)).map_err(&err)?;
+                let boundary_grads = grads.split_off(params.len());
+                let _no_grad = tch::no_grad_guard();
+                for (sum, g) in acc.iter_mut().zip(grads) {
+                    if g.defined() {
+                        match sum {
+                            Some(s) => drop(s.f_add_(&g).map_err(&err)?),
+                            None => *sum = Some(g),
+                        }
+                    }
+                }
+                boundary_grads
+            };
+            let _no_grad = tch::no_grad_guard();
+            for ((j, _), g) in leaves.iter().zip(grads) {
+                if g.defined() {
+                    match &mut grads_out[*j] {
+                        Some(sum) => drop(sum.f_add_(&g).map_err(&err)?),
+                        slot => *slot = Some(g),
+                    }
+                }
+            }
+        }
+        // Kept values whose first reader (the last to run again) this segment was.
+        for (value, &reader) in values[..range.start].iter_mut().zip(&segs.first_reader) {
+            if reader == s as u32 {
+                *value = None;
+            }
+        }
+    }
+    if let Some((state, stats_after)) = after_forward {
+        // The recomputed forwards drew again and updated running statistics again: both end
+        // as one forward left them.
+        set_generator_state(device, &state)?;
+        let _no_grad = tch::no_grad_guard();
+        for (mut t, after) in stats.into_iter().zip(stats_after) {
+            t.f_copy_(&after).map_err(&err)?;
+        }
+    }
+    let grads = if direct { Vec::new() } else { acc.into_iter().map(|g| g.unwrap_or_else(Tensor::new)).collect() };
+    Ok((loss_value, grads))
+}
+
 /// A compiled graph, and what planning decided for one run of it.
 struct Prepared {
     c: Compiled,
@@ -270,14 +460,8 @@ struct Updated {
 impl Updated {
     fn of(p: &Prepared) -> Updated {
         let _guard = tch::no_grad_guard();
-        let mut tensors = Vec::new();
-        for node in &p.c.nodes {
-            for k in node.op.updated_inputs(node.inputs.len()) {
-                if let Some(Source::Leaf { tensor, .. }) = node.inputs[k].op.source() {
-                    tensors.push((tensor.shallow_clone(), tensor.copy(), None));
-                }
-            }
-        }
+        let tensors =
+            updated_tensors(&p.c).into_iter().map(|t| (t.copy(), t, None)).map(|(b, t, s)| (t, b, s)).collect();
         Updated { tensors, whole: false }
     }
 
@@ -564,6 +748,19 @@ pub(crate) fn backward(output: &LazyTensor, options: &Options) -> Result<f64, La
             (&chunk_stand_ins, &chunk_params)
         };
         let chunk = Chunk { start, b, split, frac: b as f64 / n_all as f64, dens, stand_ins };
+        if let Some(segs) = &p.d.segments {
+            let whole_direct = direct && b == n && inputs.is_empty();
+            let (value, grads) = recompute_chunk(&p.c, segs, &chunk, params, whole_direct)?;
+            let k = n_params.min(grads.len());
+            accumulate(&params[..k], &leaf[..k], &grads[..k], &mut through[..k]).map_err(&err)?;
+            if grads.len() > n_params {
+                let slices =
+                    inputs.iter().zip(&grads[n_params..]).zip(&originals[n_params..]).zip(&mut through[n_params..]);
+                accumulate_slices(slices, start, b).map_err(&err)?;
+            }
+            total += value;
+            return Ok(());
+        }
         let (value, grads) = tch::with_grad(|| -> Result<(f64, Vec<Tensor>), LazyError> {
             let loss = forward_chunk(&p.c, &chunk, None)?;
             let value = loss.f_sum(Kind::Double).and_then(|v| v.f_double_value(&[])).map_err(&err)?;

@@ -3,6 +3,27 @@
 use crate::cache::CacheKind;
 use crate::ConfigError;
 
+/// Whether a backward that does not fit may drop saved activations after the forward and
+/// compute them again before their backward ([`Options::recompute`]).
+///
+/// Recomputing keeps the whole batch together: batch norm's statistics, running statistics and
+/// losses over pairs of samples (InfoNCE, `z · zᵀ`) stay the full batch's, where splitting the
+/// batch would change them (and is refused unless [`Options::allow_batch_mixing`]). Each
+/// recomputed op runs twice, bit for bit the same (random ops replay the generator's state).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Recompute {
+    /// The plan that fits with the lowest estimated step time: the whole batch, micro-batches,
+    /// recomputed segments, or segments in micro-batches. A computation that mixes samples is
+    /// never split: it recomputes, or fails with the lowest peak any plan reaches.
+    #[default]
+    Auto,
+    /// Never recompute: split the batch, as before recomputing existed.
+    Never,
+    /// Recompute before splitting, whenever the whole batch does not fit as it is; split the
+    /// recomputing plan only where recomputing alone does not fit.
+    Always,
+}
+
 /// How to plan and run: the memory budget, splitting policy and cache.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Options {
@@ -12,6 +33,7 @@ pub struct Options {
     pub(crate) allow_batch_mixing: bool,
     pub(crate) cache: Option<CacheKind>,
     pub(crate) retry: bool,
+    pub(crate) recompute: Recompute,
     #[cfg(feature = "dist")]
     pub(crate) group: Option<crate::dist::Group>,
 }
@@ -25,6 +47,7 @@ impl Default for Options {
             allow_batch_mixing: false,
             cache: None,
             retry: true,
+            recompute: Recompute::Auto,
             #[cfg(feature = "dist")]
             group: None,
         }
@@ -83,6 +106,35 @@ impl Options {
     /// unless told).
     pub fn cache(mut self, kind: CacheKind) -> Self {
         self.cache = Some(kind);
+        self
+    }
+
+    /// Whether a backward that does not fit may recompute activations instead of (or as well
+    /// as) splitting the batch: [`Recompute::Auto`] unless told. Forward-only plans keep no
+    /// activations, so this never changes them.
+    ///
+    /// ```
+    /// use tch::{Device, Kind, Tensor};
+    /// use toma::lazy::{lazy, Mode, Options, Recompute};
+    ///
+    /// let w = Tensor::randn([32, 32], (Kind::Double, Device::Cpu)).set_requires_grad(true);
+    /// let (mean, var) = (Tensor::zeros([32], (Kind::Double, Device::Cpu)), Tensor::ones([32], (Kind::Double, Device::Cpu)));
+    /// let x = Tensor::randn([256, 32], (Kind::Double, Device::Cpu));
+    /// let mut h = lazy(&x, 0);
+    /// for _ in 0..8 {
+    ///     // Batch norm in training mode: the batch may not be split.
+    ///     h = h.matmul(&w).batch_norm(None::<&Tensor>, None::<&Tensor>, &mean, &var, true, 0.1, 1e-5).relu();
+    /// }
+    /// let loss = h.sum(None);
+    /// let whole = loss.plan(Mode::Backward, &Options::new().recompute(Recompute::Never))?.peak_bytes();
+    /// let plan = loss.plan(Mode::Backward, &Options::new().budget(whole * 7 / 10))?;
+    /// assert!(plan.recomputes() && !plan.splits() && plan.peak_bytes() <= whole * 7 / 10);
+    /// loss.backward_with(&Options::new().budget(whole * 7 / 10))?;
+    /// assert!(w.grad().defined());
+    /// # Ok::<(), toma::lazy::LazyError>(())
+    /// ```
+    pub fn recompute(mut self, recompute: Recompute) -> Self {
+        self.recompute = recompute;
         self
     }
 

@@ -350,7 +350,8 @@ mod tests {
         assert!(grew, "VmData never grew by a 64 MiB private writable mapping");
         let available = available_cpu_memory();
         assert!(available > 0 && available < u64::MAX, "{available}");
-        assert!(available <= imp::system_available().unwrap());
+        // Other tests allocate between the two reads, and the kernel reclaims: a little slack.
+        assert!(available <= imp::system_available().unwrap() + (256 << 20));
     }
 
     #[test]

@@ -37,6 +37,19 @@ pub(crate) use peak::PeakCounter;
 pub(crate) use reading::{free_memory_reading, free_memory_reading_for};
 pub use shim::AllocatorError;
 
+/// The state of libtorch's default random generator of `device` (`None`: the CPU's), to set
+/// back with [`set_generator_state`]: a recomputed forward replays its dropout masks so.
+#[cfg(feature = "tch")]
+pub(crate) fn generator_state(device: Option<usize>) -> Result<Vec<u8>, AllocatorError> {
+    shim::generator_state(device)
+}
+
+/// Sets the state [`generator_state`] read.
+#[cfg(feature = "tch")]
+pub(crate) fn set_generator_state(device: Option<usize>, state: &[u8]) -> Result<(), AllocatorError> {
+    shim::set_generator_state(device, state)
+}
+
 /// Bytes of CPU memory available to this process now; see
 /// [`available_cpu_memory`](cpu::available_cpu_memory).
 pub fn cpu_available() -> u64 {

@@ -98,16 +98,22 @@ mod tests {
 
     #[test]
     fn reading_is_reused_within_a_second() {
-        refresh_free_memory_reading();
-        let first = free_memory_reading();
-        assert!(first.0 > 0);
-        let taken = (CPU_READING.taken_at.load(Ordering::Acquire), GPU_READINGS[0].taken_at.load(Ordering::Acquire));
-        let second = free_memory_reading();
-        // Taken well within a second of the first, so it is the same stored reading.
-        let again = (CPU_READING.taken_at.load(Ordering::Acquire), GPU_READINGS[0].taken_at.load(Ordering::Acquire));
-        assert_eq!(again, taken);
-        assert_eq!(first, second);
-        assert_eq!(first.1.is_some(), cuda_memory(0).is_some());
+        // Another test may refresh the shared reading between two reads: a few tries, and
+        // one of them must see the stored reading reused.
+        let reused = (0..5).any(|_| {
+            refresh_free_memory_reading();
+            let first = free_memory_reading();
+            assert!(first.0 > 0);
+            assert_eq!(first.1.is_some(), cuda_memory(0).is_some());
+            let taken =
+                (CPU_READING.taken_at.load(Ordering::Acquire), GPU_READINGS[0].taken_at.load(Ordering::Acquire));
+            let second = free_memory_reading();
+            // Taken well within a second of the first, so it is the same stored reading.
+            let again =
+                (CPU_READING.taken_at.load(Ordering::Acquire), GPU_READINGS[0].taken_at.load(Ordering::Acquire));
+            again == taken && first == second
+        });
+        assert!(reused, "a reading taken within a second of the last was taken again");
     }
 
     #[test]

@@ -82,6 +82,8 @@ mod imp {
         fn toma_shim_cpu_stats(stats: *mut RawCpuStats) -> c_int;
         fn toma_shim_cpu_reset_peak() -> c_int;
         fn toma_shim_cpu_raise_peak(value: i64) -> c_int;
+        fn toma_shim_generator_state(device: i64, buf: *mut u8, cap: i64, size: *mut i64) -> c_int;
+        fn toma_shim_set_generator_state(device: i64, buf: *const u8, size: i64) -> c_int;
         fn toma_shim_last_error() -> *const c_char;
     }
 
@@ -157,6 +159,38 @@ mod imp {
         // SAFETY: as above.
         check(unsafe { toma_shim_cpu_raise_peak(value as i64) }, 0)
     }
+
+    /// libtorch's ordinal for a generator: -1 for the CPU's.
+    fn generator(device: Option<usize>) -> Result<i64, AllocatorError> {
+        device.map_or(Ok(-1), index)
+    }
+
+    pub(in crate::memory) fn generator_state(device: Option<usize>) -> Result<Vec<u8>, AllocatorError> {
+        let ordinal = generator(device)?;
+        let mut buf = vec![0u8; 8192];
+        loop {
+            let mut size = 0i64;
+            // SAFETY: as above; the shim writes at most `cap` bytes into `buf`.
+            check(
+                unsafe { toma_shim_generator_state(ordinal, buf.as_mut_ptr(), buf.len() as i64, &mut size) },
+                device.unwrap_or(0),
+            )?;
+            let size = usize::try_from(size).unwrap_or(0);
+            if size <= buf.len() {
+                buf.truncate(size);
+                return Ok(buf);
+            }
+            buf.resize(size, 0);
+        }
+    }
+
+    pub(in crate::memory) fn set_generator_state(device: Option<usize>, state: &[u8]) -> Result<(), AllocatorError> {
+        // SAFETY: as above; the shim reads `state.len()` bytes.
+        check(
+            unsafe { toma_shim_set_generator_state(generator(device)?, state.as_ptr(), state.len() as i64) },
+            device.unwrap_or(0),
+        )
+    }
 }
 
 /// No shim: built without feature `tch`, or its compile failed (a build warning said so).
@@ -192,6 +226,14 @@ mod imp {
     pub(in crate::memory) fn cpu_raise_peak(_value: u64) -> Result<(), AllocatorError> {
         Err(AllocatorError::NotBuilt)
     }
+    #[cfg(feature = "tch")]
+    pub(in crate::memory) fn generator_state(_device: Option<usize>) -> Result<Vec<u8>, AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    #[cfg(feature = "tch")]
+    pub(in crate::memory) fn set_generator_state(_device: Option<usize>, _state: &[u8]) -> Result<(), AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
 }
 
 #[cfg(all(test, feature = "tch"))]
@@ -215,5 +257,20 @@ mod tests {
                 Err(AllocatorError::BadDevice(_) | AllocatorError::NoCuda(_))
             ));
         }
+    }
+
+    #[test]
+    #[cfg(toma_shim)]
+    fn a_generator_state_set_back_replays_the_draws() {
+        let state = generator_state(None).expect("the CPU generator's state");
+        assert!(!state.is_empty());
+        let first = tch::Tensor::rand([64], (tch::Kind::Double, tch::Device::Cpu));
+        set_generator_state(None, &state).expect("set back");
+        let again = tch::Tensor::rand([64], (tch::Kind::Double, tch::Device::Cpu));
+        assert!(first.equal(&again));
+        let later = tch::Tensor::rand([64], (tch::Kind::Double, tch::Device::Cpu));
+        assert!(!first.equal(&later));
+        // A state from something else is refused, not applied.
+        assert!(set_generator_state(None, &[1, 2, 3]).is_err());
     }
 }

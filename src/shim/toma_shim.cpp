@@ -2,12 +2,16 @@
 // libtorch_cuda fills when it is loaded, so nothing here needs CUDA to build or to run.
 #include "toma_shim.h"
 
+#include <ATen/Context.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/core/Tensor.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
 #include <atomic>
+#include <cstring>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -317,6 +321,42 @@ int toma_shim_cuda_empty_cache(void) {
     if (allocator->initialized()) {
       allocator->emptyCache();
     }
+    return TOMA_SHIM_OK;
+  });
+}
+
+// libtorch's default generator of the CPU (`device` < 0) or of a CUDA ordinal.
+at::Generator default_generator(int64_t device) {
+  if (device < 0) {
+    return at::globalContext().defaultGenerator(c10::Device(c10::DeviceType::CPU));
+  }
+  return at::globalContext().defaultGenerator(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+}
+
+int toma_shim_generator_state(int64_t device, uint8_t* buf, int64_t cap, int64_t* size) {
+  return guarded([&]() -> int {
+    at::Generator gen = default_generator(device);
+    at::Tensor state;
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      state = gen.get_state();
+    }
+    const int64_t n = state.numel() * static_cast<int64_t>(state.element_size());
+    *size = n;
+    if (n <= cap) {
+      std::memcpy(buf, state.data_ptr(), static_cast<size_t>(n));
+    }
+    return TOMA_SHIM_OK;
+  });
+}
+
+int toma_shim_set_generator_state(int64_t device, const uint8_t* buf, int64_t size) {
+  return guarded([&]() -> int {
+    at::Generator gen = default_generator(device);
+    at::Tensor state = at::detail::empty_cpu({size}, c10::ScalarType::Byte);
+    std::memcpy(state.data_ptr(), buf, static_cast<size_t>(size));
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(state);
     return TOMA_SHIM_OK;
   });
 }

@@ -81,6 +81,14 @@ int toma_shim_cpu_reset_peak(void);
 // outer one its peak back); TOMA_SHIM_NOT_TRACKING before toma_shim_cpu_track.
 int toma_shim_cpu_raise_peak(int64_t value);
 
+// The state of libtorch's default random generator of a device (`device` < 0: the CPU's, else
+// that CUDA ordinal's), copied into `buf` (`cap` bytes); `*size` is its length. When `cap` is
+// too small nothing is copied and `*size` says how much is needed: call again.
+int toma_shim_generator_state(int64_t device, uint8_t* buf, int64_t cap, int64_t* size);
+
+// Sets the state of that generator from `size` bytes that toma_shim_generator_state gave.
+int toma_shim_set_generator_state(int64_t device, const uint8_t* buf, int64_t size);
+
 // Why the last call on this thread did not return TOMA_SHIM_OK: libtorch's message for
 // TOMA_SHIM_ERROR, the reason for the others ("" after a success). Valid until the next call
 // on this thread.

@@ -205,9 +205,11 @@ fn mixing_ops_refuse_to_split_unless_allowed() {
     // and names the op once.
     assert!(text.contains("asked to run in micro-batches of 4") && !text.contains("does not fit"), "{text}");
     assert_eq!(text.matches("batch_norm").count(), 1, "{text}");
-    // Split because the budget is too small: the message gives the peak and the budget.
+    // Split because the budget is too small, recomputing ruled out: the message gives the peak
+    // and the budget. (Recomputing, the default, keeps the batch whole: tests/lazy_recompute.rs.)
     let whole = loss(true).plan(Mode::Backward, &Options::new().budget(u64::MAX)).unwrap().peak_bytes();
-    let tight = loss(true).backward_with(&Options::new().budget(whole - 1)).unwrap_err();
+    let never = Options::new().budget(whole - 1).recompute(toma::lazy::Recompute::Never);
+    let tight = loss(true).backward_with(&never).unwrap_err();
     assert!(matches!(tight, LazyError::MixesBatch { requested: None, .. }), "{tight}");
     assert!(tight.to_string().contains("does not fit"), "{tight}");
     // Opting in splits with per-micro-batch statistics.

@@ -28,13 +28,16 @@
 
 mod compiled;
 mod correction;
+mod recompute;
 mod report;
 mod schedule;
 mod search;
 mod snapshot;
+mod time;
 
 pub(crate) use compiled::Compiled;
 pub(crate) use correction::Corrections;
+pub(crate) use recompute::Segments;
 pub use report::{Plan, PlanOp};
 pub use schedule::{Mode, Phase, Step};
 pub(crate) use search::{decide, Decision};

@@ -54,6 +54,13 @@ pub struct Plan {
     /// Bytes earlier runs of this graph measured above their plans, held in reserve at the
     /// micro-batch (0: none did).
     correction: u64,
+    /// The first op of each recomputed segment (empty: nothing is recomputed), and the ops that
+    /// run twice.
+    segments: Vec<usize>,
+    recomputed: Vec<usize>,
+    why: String,
+    /// Estimated seconds of the planned step and of a plain whole-batch step.
+    seconds: (f64, f64),
 }
 
 impl Plan {
@@ -111,6 +118,34 @@ impl Plan {
     /// activations of fixed operands, rounding).
     pub fn fixed_bytes(&self) -> u64 {
         self.peak.saturating_sub(self.per_sample_at_peak * self.micro_batch as u64)
+    }
+    /// Whether the backward recomputes activations: their segments' forwards run twice, and
+    /// what they saved is dropped in between (see [`Recompute`](crate::lazy::Recompute)).
+    pub fn recomputes(&self) -> bool {
+        !self.segments.is_empty()
+    }
+    /// The position of the first op of each recomputed segment, in order (the first is 0);
+    /// empty when nothing is recomputed. Every segment but the last runs twice.
+    pub fn segments(&self) -> &[usize] {
+        &self.segments
+    }
+    /// The positions of the ops that run twice (inputs and parameters aside).
+    pub fn recomputed_ops(&self) -> &[usize] {
+        &self.recomputed
+    }
+    /// Why the planner chose this plan, in a sentence.
+    pub fn reason(&self) -> &str {
+        &self.why
+    }
+    /// The estimated time of the planned step over that of a plain step of the whole batch
+    /// (1.0: the same), from the cost model's prior for the device (ops launched and bytes
+    /// made): a ranking of plans, not a measurement.
+    pub fn estimated_time_ratio(&self) -> f64 {
+        if self.seconds.1 > 0.0 {
+            self.seconds.0 / self.seconds.1
+        } else {
+            1.0
+        }
     }
     /// The step at the peak.
     pub fn peak_step(&self) -> &Step {
@@ -235,6 +270,7 @@ impl Plan {
         let phase = match peak.phase {
             Phase::Forward => "forward",
             Phase::Backward => "backward",
+            Phase::Recompute => "recompute",
             Phase::Accumulate => "accumulate",
         };
         let op = &self.ops()[peak.node].name;
@@ -291,8 +327,12 @@ pub(crate) fn detail(c: Compiled, decision: Decision) -> Plan {
         schedule: decision.schedule,
         new_grads,
         steps: OnceCell::new(),
+        recomputed: decision.segments.as_ref().map_or_else(Vec::new, |s| s.recomputed(&c).collect()),
+        segments: decision.segments.as_ref().map_or_else(Vec::new, |s| s.starts.iter().map(|&p| p as usize).collect()),
         last_use: c.last_use,
         correction: decision.reserved,
+        why: decision.why,
+        seconds: decision.seconds,
     }
 }
 
@@ -329,10 +369,35 @@ impl fmt::Display for Plan {
             match peak_phase {
                 Phase::Forward => "forward",
                 Phase::Backward => "backward",
+                Phase::Recompute => "recompute",
                 Phase::Accumulate => "gradient accumulation",
             },
             crate::svg::bytes(self.budget as f64),
             crate::svg::bytes(self.full_batch_peak as f64),
+        )?;
+        if self.recomputes() {
+            let spans: Vec<String> = self
+                .segments
+                .iter()
+                .enumerate()
+                .map(|(k, &start)| {
+                    let end = self.segments.get(k + 1).map_or(self.facts.len(), |&e| e) - 1;
+                    format!("#{start}..#{end}")
+                })
+                .collect();
+            writeln!(
+                f,
+                "recomputes: {} segments ({}); {} ops run twice, every segment's but the last",
+                self.segments.len(),
+                spans.join(", "),
+                self.recomputed.len()
+            )?;
+        }
+        writeln!(
+            f,
+            "why: {}; estimated step time {:.2}x a plain whole-batch step",
+            self.why,
+            self.estimated_time_ratio()
         )?;
         if self.correction > 0 {
             writeln!(
@@ -368,6 +433,7 @@ impl fmt::Display for Plan {
             let phase = match s.phase {
                 Phase::Forward => "fwd",
                 Phase::Backward => "bwd",
+                Phase::Recompute => "re-fwd",
                 Phase::Accumulate => "acc",
             };
             let mut name = op.name.to_string();

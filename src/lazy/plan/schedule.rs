@@ -5,6 +5,7 @@ use super::compiled::{
     Compiled, F_ALIAS_REST, F_ALLOCATES, F_DIFFERENTIABLE, F_GRAD_COPY, F_GRAD_DENSE, F_LEAF, F_REQUIRES_GRAD,
     F_SAVES_OUTPUT,
 };
+use super::recompute::{Segments, HELD};
 use crate::lazy::cost::cuda::ReduceStaging;
 use crate::lazy::cost::{Price, Work};
 
@@ -24,6 +25,9 @@ pub enum Phase {
     Forward,
     /// Running an op's backward.
     Backward,
+    /// Running an op again before its backward, its saved activations dropped after the
+    /// forward (see [`Recompute`](crate::lazy::Recompute)).
+    Recompute,
     /// Adding the micro-batch's parameter gradients into `.grad()`.
     Accumulate,
 }
@@ -81,26 +85,41 @@ pub(crate) struct Schedule {
     block: u64,
 }
 
-impl Schedule {
-    // Positions index several arrays at once: a range loop says so best.
-    #[allow(clippy::needless_range_loop)]
-    pub(crate) fn build(c: &Compiled, mode: Mode) -> Schedule {
+/// Builds a schedule's events, node by node: the forward of an op (with or without autograd)
+/// and its backward, so that the plain schedule and the recomputing one share every rule.
+struct Builder<'c> {
+    c: &'c Compiled,
+    /// Bytes the events refer to: each value's at `i` (its output's allocation, when it
+    /// allocates, and its gradient's), then extras and scratch space as they come.
+    table: Vec<Work>,
+    staged: Vec<ReduceStaging>,
+    events: Vec<u32>,
+    steps: Vec<(u32, Phase)>,
+    /// What each node's kernel calls take on this device, for the nodes that make any (most
+    /// ops make none: they are not asked), by `slot`.
+    priced: Vec<Price>,
+    slot: Vec<u32>,
+    /// A kept extra's table entry, by node (training only).
+    extra_at: Vec<Option<u32>>,
+    /// Pins: how many holders keep a storage alive (the executor's values, autograd's saves).
+    /// Outputs are storages `0..n`; gradients `n..2n` (`n + i`: the gradient of value `i`).
+    pins: Vec<u32>,
+    /// The storage of each value's gradient, once one arrived.
+    grad_of: Vec<Option<u32>>,
+    /// Leaves whose gradient so far is a view (see `Operation::grad_view`): autograd sums the
+    /// next contribution out of place. The sum is a fresh tensor: later ones go in place.
+    held_view: Vec<bool>,
+    /// The contributions of the step summed out of place (their nodes).
+    out_of_place: Vec<u32>,
+}
+
+impl<'c> Builder<'c> {
+    fn new(c: &'c Compiled, training: bool) -> Builder<'c> {
         let n = c.len();
-        let training = mode == Mode::Backward;
-        // The table: each value's bytes at `i` (its output's allocation, when it allocates, and
-        // its gradient's), then extras and scratch space as they come.
         // Capacities are sized up front: a vector doubled and freed at the top of the heap makes
         // the allocator hand pages back and fault them in again on every plan.
         let mut table: Vec<Work> = Vec::with_capacity(n + n / 4 + 16);
         table.extend(c.nodes.iter().map(|x| Work::from(x.cost.grad)));
-        let add_entry = |table: &mut Vec<Work>, bytes: Work| {
-            (bytes != Work::default()).then(|| {
-                table.push(bytes);
-                (table.len() - 1) as u32
-            })
-        };
-        // What each node's kernel calls take on this device, for the nodes that make any (most
-        // ops make none: they are not asked).
         let mut calls = Vec::new();
         let mut priced: Vec<Price> = Vec::with_capacity(c.nodes.iter().filter(|x| x.cost.kernel_calls).count());
         let slot: Vec<u32> = c
@@ -114,181 +133,272 @@ impl Schedule {
                 (priced.len() - 1) as u32
             })
             .collect();
-        let none = Price::default();
-        let price = |i: usize| priced.get(slot[i] as usize).unwrap_or(&none);
-        let mut staged: Vec<ReduceStaging> = Vec::new();
-        // The staging buffers node `i` takes in one pass, as transient events.
-        let stage = |staged: &mut Vec<ReduceStaging>, events: &mut Vec<u32>, i: usize, backward: bool| {
-            for (_, s) in price(i).staged.iter().filter(|(b, _)| *b == backward) {
-                staged.push(s.clone());
-                events.push(STAGE | (staged.len() - 1) as u32);
-            }
-        };
-        let mut extra_at: Vec<Option<u32>> = vec![None; if training { n } else { 0 }];
-        let mut events = Vec::with_capacity(if training { 6 * n } else { 3 * n });
-        let mut steps = Vec::with_capacity(if training { 2 * n } else { n });
-        let requires = |i: usize| c.flags[i] & F_REQUIRES_GRAD != 0;
-        let saves_output = |i: usize| training && c.flags[i] & F_SAVES_OUTPUT != 0;
-        let saved = |i: usize, k: usize| training && k < 64 && c.nodes[i].cost.saved & (1 << k) != 0;
-        // A value's storage, freed: its bytes, if it allocated them.
-        let free = |events: &mut Vec<u32>, r: usize| {
-            if c.flags[r] & F_ALLOCATES != 0 {
-                events.push(FREE | r as u32);
-            }
-        };
-        // Pins: how many holders keep a storage alive (the executor's values, autograd's saves).
-        // Outputs are storages `0..n`; gradients `n..2n` (`n + i`: the gradient of value `i`).
-        let mut pins = vec![0u32; 2 * n];
-        // ---- forward
-        for i in 0..n {
-            let r = c.root[i] as usize;
-            if r == i && c.flags[i] & F_ALLOCATES != 0 {
-                events.push(ADD | i as u32);
-            }
-            if training {
-                if let Some(k) = add_entry(&mut table, price(i).kept) {
-                    extra_at[i] = Some(k);
-                    events.push(ADD | k);
-                }
-            }
-            // Without autograd, what it would keep is freed as the op returns.
-            let forward = if training { price(i).forward } else { price(i).forward.plus(price(i).unsaved) };
-            if let Some(k) = add_entry(&mut table, forward) {
-                events.push(TRANSIENT | k);
-            }
-            stage(&mut staged, &mut events, i, false);
-            events.push(RUN);
-            // The executor holds the value until its last use; views hold their base.
-            pins[r] += 1;
-            if saves_output(i) {
-                pins[r] += 1;
-            }
-            let ins = c.input_slice(i);
-            for (k, &j) in ins.iter().enumerate() {
-                if saved(i, k) {
-                    pins[c.root[j as usize] as usize] += 1;
-                }
-            }
-            // Release inputs whose last use this was (once, even if used twice: `x * x`).
-            for (k, &j) in ins.iter().enumerate() {
-                if c.last_use[j as usize] as usize == i && !ins[..k].contains(&j) {
-                    let r = c.root[j as usize] as usize;
-                    pins[r] -= 1;
-                    if pins[r] == 0 {
-                        free(&mut events, r);
-                    }
-                }
-            }
-            events.push(END);
-            steps.push((i as u32, Phase::Forward));
+        Builder {
+            c,
+            table,
+            staged: Vec::new(),
+            events: Vec::with_capacity(if training { 6 * n } else { 3 * n }),
+            steps: Vec::with_capacity(if training { 2 * n } else { n }),
+            priced,
+            slot,
+            extra_at: vec![None; if training { n } else { 0 }],
+            pins: vec![0u32; 2 * n],
+            grad_of: vec![None; if training { n } else { 0 }],
+            held_view: vec![false; if training { n } else { 0 }],
+            out_of_place: Vec::new(),
         }
-        if !training {
-            return Schedule { table, staged, events, steps, training, block: c.block };
-        }
-        // ---- backward: gradients flow from the output in reverse order.
-        let mut grad_of: Vec<Option<u32>> = vec![None; n];
-        // Leaves whose gradient so far is a view (see `Operation::grad_view`): autograd sums
-        // the next contribution out of place. The sum is a fresh tensor: later ones go in place.
-        let mut held_view = vec![false; n];
-        // The contributions of the step summed out of place (their nodes).
-        let mut out_of_place: Vec<u32> = Vec::new();
-        let out = n - 1;
-        if requires(out) {
-            grad_of[out] = Some((n + out) as u32);
-            pins[n + out] = 1;
-            events.push(ADD | out as u32);
-        }
-        for i in (0..n).rev() {
-            let Some(g) = grad_of[i] else {
-                continue;
-            };
-            if c.flags[i] & F_LEAF != 0 {
-                continue;
-            }
-            // A permuted gradient copied to be viewed as the op needs, before its kernels run
-            // (in a view's backward of its own): the copy replaces the gradient.
-            if c.flags[i] & F_GRAD_COPY != 0 {
-                events.push(TRANSIENT | i as u32);
-                events.push(RUN);
-            }
-            // A broadcast gradient's dense copy, made by the backward itself: it lives while
-            // the backward runs, beside what it allocates.
-            if c.flags[i] & F_GRAD_DENSE != 0 {
-                events.push(TRANSIENT | i as u32);
-            }
-            let alias_mask = c.nodes[i].cost.grad_alias;
-            let view_mask = alias_mask | c.nodes[i].cost.grad_view;
-            let differentiable = c.flags[i] & F_DIFFERENTIABLE != 0;
-            let ins = c.input_slice(i);
-            for (k, &j) in ins.iter().enumerate() {
-                let j = j as usize;
-                if !requires(j) || !differentiable {
-                    continue;
-                }
-                let target = c.param[j].map_or(j, |p| p as usize);
-                let alias = if k < 64 { alias_mask & (1 << k) != 0 } else { c.flags[i] & F_ALIAS_REST != 0 };
-                if grad_of[target].is_some() {
-                    // A second contribution: computed, then added into the first.
-                    events.push(TRANSIENT | j as u32);
-                    if std::mem::take(&mut held_view[target]) {
-                        out_of_place.push(j as u32);
-                    }
-                    continue;
-                }
-                if c.flags[target] & F_LEAF != 0 {
-                    held_view[target] = if k < 64 { view_mask & (1 << k) != 0 } else { alias };
-                }
-                if alias {
-                    grad_of[target] = Some(g);
-                    pins[g as usize] += 1;
-                } else {
-                    grad_of[target] = Some((n + target) as u32);
-                    pins[n + target] = 1;
-                    events.push(ADD | j as u32);
-                }
-            }
-            if let Some(k) = add_entry(&mut table, price(i).backward) {
-                events.push(TRANSIENT | k);
-            }
-            stage(&mut staged, &mut events, i, true);
-            events.push(RUN);
-            // The output gradient and what was saved for this op are released.
-            let mut release = |events: &mut Vec<u32>, s: usize| {
-                pins[s] -= 1;
-                if pins[s] == 0 {
-                    if s >= n {
-                        events.push(FREE | (s - n) as u32);
-                    } else {
-                        free(events, s);
-                    }
-                }
-            };
-            release(&mut events, g as usize);
-            if requires(i) {
-                for (k, &j) in ins.iter().enumerate() {
-                    if saved(i, k) {
-                        release(&mut events, c.root[j as usize] as usize);
-                    }
-                }
-                if saves_output(i) {
-                    release(&mut events, c.root[i] as usize);
-                }
-                if let Some(k) = extra_at[i] {
-                    events.push(FREE | k);
-                }
-            }
-            // Once the backward returned (its input gradient and scratch space released), a
-            // contribution summed out of place: the contribution and the sum live beside the
-            // first, which is freed after.
-            for j in out_of_place.drain(..) {
-                events.push(TRANSIENT | j);
-                events.push(TRANSIENT | j);
-                events.push(RUN);
-            }
-            events.push(END);
-            steps.push((i as u32, Phase::Backward));
-        }
+    }
+
+    fn finish(self, training: bool) -> Schedule {
+        let Builder { table, staged, events, steps, c, .. } = self;
         Schedule { table, staged, events, steps, training, block: c.block }
+    }
+
+    fn price(&self, i: usize) -> Price {
+        self.priced.get(self.slot[i] as usize).cloned().unwrap_or_default()
+    }
+
+    fn add_entry(&mut self, bytes: Work) -> Option<u32> {
+        (bytes != Work::default()).then(|| {
+            self.table.push(bytes);
+            (self.table.len() - 1) as u32
+        })
+    }
+
+    /// The staging buffers node `i` takes in one pass, as transient events.
+    fn stage(&mut self, price: &Price, backward: bool) {
+        for (_, s) in price.staged.iter().filter(|(b, _)| *b == backward) {
+            self.staged.push(s.clone());
+            self.events.push(STAGE | (self.staged.len() - 1) as u32);
+        }
+    }
+
+    /// A storage, freed: its bytes, if it allocated them (`r < n`), or a gradient's.
+    fn free(&mut self, s: usize) {
+        let n = self.c.len();
+        if s >= n {
+            self.events.push(FREE | (s - n) as u32);
+        } else if self.c.flags[s] & F_ALLOCATES != 0 {
+            self.events.push(FREE | s as u32);
+        }
+    }
+
+    /// One holder of storage `s` lets go.
+    fn release(&mut self, s: usize) {
+        self.pins[s] -= 1;
+        if self.pins[s] == 0 {
+            self.free(s);
+        }
+    }
+
+    /// Runs node `i` forward (autograd keeping what it saves when `training`); each input
+    /// whose last use (`last[j]`) this is is released.
+    fn forward(&mut self, i: usize, training: bool, last: &[u32], phase: Phase) {
+        let c = self.c;
+        let r = c.root[i] as usize;
+        if r == i && c.flags[i] & F_ALLOCATES != 0 {
+            self.events.push(ADD | i as u32);
+        }
+        let price = self.price(i);
+        if training {
+            if let Some(k) = self.add_entry(price.kept) {
+                self.extra_at[i] = Some(k);
+                self.events.push(ADD | k);
+            }
+        }
+        // Without autograd, what it would keep is freed as the op returns.
+        let forward = if training { price.forward } else { price.forward.plus(price.unsaved) };
+        if let Some(k) = self.add_entry(forward) {
+            self.events.push(TRANSIENT | k);
+        }
+        self.stage(&price, false);
+        self.events.push(RUN);
+        // The executor holds the value until its last use; views hold their base.
+        self.pins[r] += 1;
+        if training && c.flags[i] & F_SAVES_OUTPUT != 0 {
+            self.pins[r] += 1;
+        }
+        let ins = c.input_slice(i);
+        for (k, &j) in ins.iter().enumerate() {
+            if training && k < 64 && c.nodes[i].cost.saved & (1 << k) != 0 {
+                self.pins[c.root[j as usize] as usize] += 1;
+            }
+        }
+        // Release inputs whose last use this was (once, even if used twice: `x * x`).
+        for (k, &j) in ins.iter().enumerate() {
+            if last[j as usize] as usize == i && !ins[..k].contains(&j) {
+                self.release(c.root[j as usize] as usize);
+            }
+        }
+        self.events.push(END);
+        self.steps.push((i as u32, phase));
+    }
+
+    /// The output's gradient: the backward starts from it.
+    fn seed(&mut self) {
+        let n = self.c.len();
+        let out = n - 1;
+        if self.c.flags[out] & F_REQUIRES_GRAD != 0 {
+            self.grad_of[out] = Some((n + out) as u32);
+            self.pins[n + out] = 1;
+            self.events.push(ADD | out as u32);
+        }
+    }
+
+    /// Runs node `i`'s backward, if a gradient reached it.
+    fn backward(&mut self, i: usize) {
+        let c = self.c;
+        let n = c.len();
+        let requires = |i: usize| c.flags[i] & F_REQUIRES_GRAD != 0;
+        let Some(g) = self.grad_of[i] else {
+            return;
+        };
+        if c.flags[i] & F_LEAF != 0 {
+            return;
+        }
+        // A permuted gradient copied to be viewed as the op needs, before its kernels run
+        // (in a view's backward of its own): the copy replaces the gradient.
+        if c.flags[i] & F_GRAD_COPY != 0 {
+            self.events.push(TRANSIENT | i as u32);
+            self.events.push(RUN);
+        }
+        // A broadcast gradient's dense copy, made by the backward itself: it lives while the
+        // backward runs, beside what it allocates.
+        if c.flags[i] & F_GRAD_DENSE != 0 {
+            self.events.push(TRANSIENT | i as u32);
+        }
+        let alias_mask = c.nodes[i].cost.grad_alias;
+        let view_mask = alias_mask | c.nodes[i].cost.grad_view;
+        let differentiable = c.flags[i] & F_DIFFERENTIABLE != 0;
+        let ins = c.input_slice(i);
+        for (k, &j) in ins.iter().enumerate() {
+            let j = j as usize;
+            if !requires(j) || !differentiable {
+                continue;
+            }
+            let target = c.param[j].map_or(j, |p| p as usize);
+            let alias = if k < 64 { alias_mask & (1 << k) != 0 } else { c.flags[i] & F_ALIAS_REST != 0 };
+            if self.grad_of[target].is_some() {
+                // A second contribution: computed, then added into the first.
+                self.events.push(TRANSIENT | j as u32);
+                if std::mem::take(&mut self.held_view[target]) {
+                    self.out_of_place.push(j as u32);
+                }
+                continue;
+            }
+            if c.flags[target] & F_LEAF != 0 {
+                self.held_view[target] = if k < 64 { view_mask & (1 << k) != 0 } else { alias };
+            }
+            if alias {
+                self.grad_of[target] = Some(g);
+                self.pins[g as usize] += 1;
+            } else {
+                self.grad_of[target] = Some((n + target) as u32);
+                self.pins[n + target] = 1;
+                self.events.push(ADD | j as u32);
+            }
+        }
+        let price = self.price(i);
+        if let Some(k) = self.add_entry(price.backward) {
+            self.events.push(TRANSIENT | k);
+        }
+        self.stage(&price, true);
+        self.events.push(RUN);
+        // The output gradient and what was saved for this op are released.
+        self.release(g as usize);
+        if requires(i) {
+            for (k, &j) in ins.iter().enumerate() {
+                if k < 64 && c.nodes[i].cost.saved & (1 << k) != 0 {
+                    self.release(c.root[j as usize] as usize);
+                }
+            }
+            if c.flags[i] & F_SAVES_OUTPUT != 0 {
+                self.release(c.root[i] as usize);
+            }
+            if let Some(k) = self.extra_at[i] {
+                self.events.push(FREE | k);
+            }
+        }
+        // Once the backward returned (its input gradient and scratch space released), a
+        // contribution summed out of place: the contribution and the sum live beside the
+        // first, which is freed after.
+        for j in std::mem::take(&mut self.out_of_place) {
+            self.events.push(TRANSIENT | j);
+            self.events.push(TRANSIENT | j);
+            self.events.push(RUN);
+        }
+        self.events.push(END);
+        self.steps.push((i as u32, Phase::Backward));
+    }
+}
+
+impl Schedule {
+    pub(crate) fn build(c: &Compiled, mode: Mode) -> Schedule {
+        let n = c.len();
+        let training = mode == Mode::Backward;
+        let mut b = Builder::new(c, training);
+        for i in 0..n {
+            b.forward(i, training, &c.last_use, Phase::Forward);
+        }
+        if training {
+            // Gradients flow from the output in reverse order.
+            b.seed();
+            for i in (0..n).rev() {
+                b.backward(i);
+            }
+        }
+        b.finish(training)
+    }
+
+    /// The schedule of a backward that recomputes: segment `k` is `starts[k]..starts[k + 1]`
+    /// (the last runs to the end). Every segment but the last runs first without autograd,
+    /// keeping only the values later segments read; then, from the last segment back, each runs
+    /// again with autograd and its backward follows at once, from the gradients later
+    /// segments sent to its values (`sum(value · gradient)`, whose gradient is that one).
+    pub(crate) fn build_recompute(c: &Compiled, segments: &Segments) -> Schedule {
+        let n = c.len();
+        let count = segments.count();
+        let held = &segments.held;
+        let mut b = Builder::new(c, true);
+        for i in 0..segments.starts[count - 1] as usize {
+            b.forward(i, false, held, Phase::Forward);
+        }
+        for s in (0..count).rev() {
+            let range = segments.range(s, n);
+            let phase = if s + 1 == count { Phase::Forward } else { Phase::Recompute };
+            for i in range.clone() {
+                b.forward(i, true, held, phase);
+            }
+            if s + 1 == count {
+                b.seed();
+            } else {
+                // `value · gradient`, one value at a time: a temporary of the value's size.
+                for o in range.clone() {
+                    if held[o] == HELD && b.grad_of[o].is_some() && c.flags[o] & F_LEAF == 0 {
+                        b.events.push(TRANSIENT | o as u32);
+                        b.events.push(RUN);
+                        b.events.push(END);
+                        b.steps.push((o as u32, Phase::Recompute));
+                    }
+                }
+            }
+            for i in range.clone().rev() {
+                b.backward(i);
+            }
+            // The segment's values read later are let go; so are earlier segments' values whose
+            // first reader (the last to run again) this segment was.
+            for j in range.clone() {
+                if held[j] == HELD && j + 1 < n {
+                    b.release(c.root[j] as usize);
+                }
+            }
+            for j in 0..range.start {
+                if segments.first_reader[j] == s as u32 && c.flags[j] & F_LEAF == 0 {
+                    b.release(c.root[j] as usize);
+                }
+            }
+        }
+        b.finish(true)
     }
 
     /// The peak at micro-batch `b` (the accumulation step aside); records the steps when asked.

@@ -4,11 +4,13 @@
 use tch::Device;
 
 use super::compiled::Compiled;
-use super::correction::Corrections;
+use super::correction::{Corrections, Reserve};
+use super::recompute::{Cuts, Segments};
 use super::schedule::{Mode, Outcome, Schedule};
+use super::time;
 use crate::lazy::error::LazyError;
 use crate::lazy::graph::Flow;
-use crate::lazy::options::Options;
+use crate::lazy::options::{Options, Recompute};
 
 /// What planning decided for one output and mode: the budget, the micro-batch and the peak
 /// there, whether a micro-batch that runs out of memory may be halved, and the schedule that
@@ -28,6 +30,12 @@ pub(crate) struct Decision {
     /// The simulation at `micro_batch`, and the gradient bytes its accumulation step counts.
     pub(crate) outcome: (Outcome, u64),
     pub(crate) schedule: Schedule,
+    /// The segments a recomputing plan cuts the graph into (`None`: nothing is recomputed).
+    pub(crate) segments: Option<Segments>,
+    /// Why this plan, in a sentence for the printed plan.
+    pub(crate) why: String,
+    /// Estimated seconds of the step as planned, and of a plain step of the whole batch.
+    pub(crate) seconds: (f64, f64),
 }
 
 impl Decision {
@@ -40,23 +48,270 @@ impl Decision {
     }
 }
 
-/// The budget, the micro-batch and the split check: what planning and running both decide.
-/// A correction learned from earlier runs of the same graph ([`Corrections`]) shrinks the
-/// budget the schedule is held to.
+/// The budget, the micro-batch, recomputation and the split check: what planning and running
+/// both decide. A correction learned from earlier runs of the same graph ([`Corrections`])
+/// shrinks the budget the schedule is held to.
 pub(crate) fn decide(c: &Compiled, mode: Mode, options: &Options) -> Result<Decision, LazyError> {
     let schedule = Schedule::build(c, mode);
     let budget = budget(options, c.device());
     let correction = Corrections::process().of(c, mode);
+    let n = c.batch.max(1) as u64;
+    let may_recompute =
+        mode == Mode::Backward && options.recompute != Recompute::Never && options.micro_batch.is_none();
+    if may_recompute && !schedule.simulate(n).fits(c, budget.saturating_sub(correction.at(n)), n).0 {
+        return recomputing(c, mode, options, schedule, budget, &correction);
+    }
+    let why = if options.micro_batch.is_some() {
+        "the micro-batch was asked for (Options::micro_batch)"
+    } else if mode == Mode::Forward {
+        "a forward keeps no activations: the largest micro-batch that fits"
+    } else {
+        "the largest micro-batch that fits, recomputing nothing"
+    };
+    split_decision(c, mode, options, schedule, None, budget, &correction, why.into())
+}
+
+/// The plan of a backward whose whole batch does not fit as it is: micro-batches, recomputed
+/// segments, or both, by [`Options::recompute`] and the estimated step time.
+fn recomputing(
+    c: &Compiled,
+    mode: Mode,
+    options: &Options,
+    schedule: Schedule,
+    budget: u64,
+    correction: &Reserve,
+) -> Result<Decision, LazyError> {
+    let n = c.batch.max(1) as u64;
+    let held = budget.saturating_sub(correction.at(n));
+    let refused =
+        check_split(c, mode, &Choice { micro_batch: 1, peak: 0, full_peak: 0, outcome: None }, budget, options)
+            .err()
+            .map(|e| split_refusal(&e));
+    let (fit, lowest) = search_segments(c, n, held);
+    let plain_seconds = time::step_seconds(c, n, None);
+    let whole = |(segments, schedule, outcome): (Segments, Schedule, (Outcome, u64)), why: String| {
+        let seconds = time::step_seconds(c, n, Some(&segments));
+        Decision {
+            mode,
+            budget,
+            micro_batch: n as usize,
+            peak: outcome.0.peak,
+            full_peak: outcome.0.peak,
+            splittable: false,
+            reserved: correction.at(n),
+            outcome,
+            schedule,
+            segments: Some(segments),
+            why,
+            seconds: (seconds, plain_seconds),
+        }
+    };
+    if let Some(refused) = refused {
+        if let Some(fit) = fit {
+            let why = format!(
+                "the whole batch does not fit and splitting is ruled out ({refused}): {} segments recomputed keep the batch together",
+                fit.0.count()
+            );
+            return Ok(whole(fit, why));
+        }
+        // Nothing fits: the lowest peak of the plans allowed (the whole batch, recomputing or not).
+        let plain = schedule.simulate(n).resolve(c, n).0;
+        let (peak, step, sched, segments) = match &lowest {
+            Some((seg, sched, o)) if o.0.peak < plain.peak => {
+                (o.0.peak, o.0.peak_step, sched, Some(seg.count() as u32))
+            }
+            _ => (plain.peak, plain.peak_step, &schedule, None),
+        };
+        let (node, _) = sched.step_node(c, step);
+        return Err(LazyError::DoesNotFit {
+            op: c.output().op.name().into(),
+            peak,
+            peak_node: node,
+            peak_op: c.nodes[node].op.name().into(),
+            budget,
+            reserved: correction.at(n),
+            micro_batch: n as usize,
+            segments,
+            split_refused: Some(refused),
+        });
+    }
+    let split = || {
+        split_decision(
+            c,
+            mode,
+            options,
+            schedule.clone(),
+            None,
+            budget,
+            correction,
+            "the largest micro-batch that fits, recomputing nothing".into(),
+        )
+    };
+    // Both, where neither alone fits: the recomputing plan with the lowest peak, split.
+    let both = |lowest: Option<(Segments, Schedule, (Outcome, u64))>, split_err: LazyError| match lowest {
+        Some((segments, sched, _)) => {
+            let count = segments.count();
+            let why = format!(
+                "neither micro-batches nor recomputing alone fits: {count} segments recomputed, in micro-batches"
+            );
+            split_decision(c, mode, options, sched, Some(segments), budget, correction, why)
+                .map_err(|e| lower(e, split_err))
+        }
+        None => Err(split_err),
+    };
+    match (options.recompute, fit) {
+        (Recompute::Always, Some(fit)) => {
+            let why =
+                format!("Recompute::Always: {} segments recomputed instead of splitting the batch", fit.0.count());
+            Ok(whole(fit, why))
+        }
+        (Recompute::Always, None) => both(lowest, split().err().unwrap_or_else(|| no_plan(c, budget))),
+        (_, None) => match split() {
+            Ok(d) => Ok(d),
+            Err(e @ LazyError::DoesNotFit { .. }) => both(lowest, e),
+            Err(e) => Err(e),
+        },
+        (_, Some(fit)) => {
+            let recompute = time::step_seconds(c, n, Some(&fit.0));
+            match split() {
+                Ok(mut d) => {
+                    let split_seconds = time::step_seconds(c, d.micro_batch as u64, None);
+                    if split_seconds <= recompute {
+                        d.why = format!(
+                            "micro-batches of {} are estimated faster ({:.2}x a whole step) than recomputing {} segments ({:.2}x)",
+                            d.micro_batch,
+                            split_seconds / plain_seconds,
+                            fit.0.count(),
+                            recompute / plain_seconds
+                        );
+                        return Ok(d);
+                    }
+                    let why = format!(
+                        "recomputing {} segments is estimated faster ({:.2}x a whole step) than micro-batches of {} ({:.2}x)",
+                        fit.0.count(),
+                        recompute / plain_seconds,
+                        d.micro_batch,
+                        split_seconds / plain_seconds
+                    );
+                    Ok(whole(fit, why))
+                }
+                Err(_) => {
+                    let why = format!("only recomputing fits: {} segments", fit.0.count());
+                    Ok(whole(fit, why))
+                }
+            }
+        }
+    }
+}
+
+/// A `DoesNotFit` for a graph with nothing to try (no placeholder error needed elsewhere).
+fn no_plan(c: &Compiled, budget: u64) -> LazyError {
+    LazyError::DoesNotFit {
+        op: c.output().op.name().into(),
+        peak: 0,
+        peak_node: c.len() - 1,
+        peak_op: c.output().op.name().into(),
+        budget,
+        reserved: 0,
+        micro_batch: 1,
+        segments: None,
+        split_refused: None,
+    }
+}
+
+/// Of two `DoesNotFit` errors, the one with the lower peak (any other error as it is).
+fn lower(a: LazyError, b: LazyError) -> LazyError {
+    match (&a, &b) {
+        (LazyError::DoesNotFit { peak: pa, .. }, LazyError::DoesNotFit { peak: pb, .. }) if pb < pa => b,
+        (LazyError::DoesNotFit { .. }, _) => a,
+        _ => a,
+    }
+}
+
+/// What rules out a split, in a phrase.
+fn split_refusal(e: &LazyError) -> String {
+    match e {
+        LazyError::MixesBatch { node, op, reason, .. } => format!("op #{node} `{op}` {reason}"),
+        LazyError::NotSplittable { op, reason, .. } => format!("`{op}`: {reason}"),
+        other => other.to_string(),
+    }
+}
+
+/// The recomputing plan with the fewest segments whose peak at `b` fits `held` (the fewest
+/// segments recompute the least), and the plan with the lowest peak among those tried.
+#[allow(clippy::type_complexity)]
+fn search_segments(
+    c: &Compiled,
+    b: u64,
+    held: u64,
+) -> (Option<(Segments, Schedule, (Outcome, u64))>, Option<(Segments, Schedule, (Outcome, u64))>) {
+    let cuts = Cuts::new(c);
+    // Past about 2·sqrt(n) segments, the boundaries outweigh what a segment saves.
+    let most = (2.0 * (c.len() as f64).sqrt()) as usize + 4;
+    let mut lowest: Option<(Segments, Schedule, (Outcome, u64))> = None;
+    let mut tried: Vec<u32> = Vec::new();
+    for count in 2..=most {
+        let starts = cuts.starts(count);
+        if starts.len() < 2 || starts == tried {
+            continue;
+        }
+        tried.clone_from(&starts);
+        let segments = Segments::new(c, starts);
+        let schedule = Schedule::build_recompute(c, &segments);
+        let outcome = schedule.simulate(b);
+        let (fits, _) = outcome.fits(c, held, b);
+        let resolved = outcome.resolve(c, b);
+        if fits {
+            return (Some((segments, schedule, resolved)), None);
+        }
+        if lowest.as_ref().is_none_or(|l| resolved.0.peak < l.2 .0.peak) {
+            lowest = Some((segments, schedule, resolved));
+        }
+    }
+    (None, lowest)
+}
+
+/// The largest micro-batch of `schedule` that fits (recomputing `segments`, when given).
+#[allow(clippy::too_many_arguments)]
+fn split_decision(
+    c: &Compiled,
+    mode: Mode,
+    options: &Options,
+    schedule: Schedule,
+    segments: Option<Segments>,
+    budget: u64,
+    correction: &Reserve,
+    why: String,
+) -> Result<Decision, LazyError> {
     // Held whole at fewer samples (an excess may be fixed); where nothing fits so, the excess
     // is taken as per-sample, and the run measures which it was.
-    let (choice, reserved) = match choose(c, &schedule, budget, &|b| correction.at(b), options) {
+    let chosen = match choose(c, &schedule, budget, &|b| correction.at(b), options) {
+        // No micro-batch fits, and splitting is ruled out anyway: that is the truer error.
+        Err(LazyError::DoesNotFit { .. }) if c.batch > 1 => {
+            let one = Choice {
+                micro_batch: 1,
+                peak: 0,
+                full_peak: schedule.peak_at(c, c.batch.max(1) as u64),
+                outcome: None,
+            };
+            check_split(c, mode, &one, budget, options)?;
+            choose(c, &schedule, budget, &|b| correction.at(b), options)
+        }
+        chosen => chosen,
+    };
+    let (choice, reserved) = match chosen {
         Err(LazyError::DoesNotFit { .. }) if correction.at(1) > 0 => {
             let choice = choose(c, &schedule, budget, &|b| correction.proportional(b), options)?;
             let reserved = correction.proportional(choice.micro_batch as u64);
             (choice, reserved)
         }
         chosen => {
-            let choice = chosen?;
+            let choice = chosen.map_err(|mut e| {
+                if let LazyError::DoesNotFit { segments: counted @ None, .. } = &mut e {
+                    *counted = segments.as_ref().map(|s| s.count() as u32);
+                }
+                e
+            })?;
             let reserved = correction.at(choice.micro_batch as u64);
             (choice, reserved)
         }
@@ -65,6 +320,8 @@ pub(crate) fn decide(c: &Compiled, mode: Mode, options: &Options) -> Result<Deci
     let splittable = splittable(c, mode, &choice, budget, options);
     let b = choice.micro_batch as u64;
     let outcome = choice.outcome.unwrap_or_else(|| schedule.simulate(b).resolve(c, b));
+    let n = c.batch.max(1) as u64;
+    let seconds = (time::step_seconds(c, b, segments.as_ref()), time::step_seconds(c, n, None));
     Ok(Decision {
         mode,
         budget,
@@ -75,6 +332,9 @@ pub(crate) fn decide(c: &Compiled, mode: Mode, options: &Options) -> Result<Deci
         reserved,
         outcome,
         schedule,
+        segments,
+        why,
+        seconds,
     })
 }
 
@@ -158,6 +418,9 @@ fn choose(
                     peak_op: c.nodes[node].op.name().into(),
                     budget,
                     reserved: reserve(1),
+                    micro_batch: 1,
+                    segments: None,
+                    split_refused: None,
                 });
             }
             at_one
