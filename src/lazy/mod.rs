@@ -44,8 +44,10 @@
 //! add up over micro-batches, each weighted by its share, and so do linear combinations of them
 //! (`loss + 0.01 * l2`). Ops that mix samples — batch norm in training mode, softmax or layer
 //! norm over the batch dimension, a batch statistic used per sample — make splitting change
-//! the result: when the batch does not fit they are refused with [`LazyError::MixesBatch`]
-//! naming the op, unless [`Options::allow_batch_mixing`] says otherwise. Nothing is ever run
+//! the result: when the batch does not fit, a backward recomputes activations instead and keeps
+//! the whole batch together ([`Recompute`]); where that does not fit either, or a forward must
+//! split, they are refused naming the op ([`LazyError::DoesNotFit`], [`LazyError::MixesBatch`]),
+//! unless [`Options::allow_batch_mixing`] says otherwise. Nothing is ever run
 //! eagerly on the full batch behind your back: an op the graph cannot plan is an error.
 //!
 //! # Plan, then verify
