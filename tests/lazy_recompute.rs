@@ -141,6 +141,15 @@ fn a_batch_norm_cnn_trains_at_55_percent_of_its_peak() {
         );
         assert!(plan.recomputes() && !plan.splits(), "step {step}: {plan}");
         assert!(plan.reason().contains("batch_norm"), "the op that rules out splitting is named: {}", plan.reason());
+        // The printed plan and the picture say what runs twice, and the estimated time.
+        let text = plan.to_string();
+        assert!(
+            text.contains("recomputes:") && text.contains("re-fwd") && text.contains("estimated step time"),
+            "{text}"
+        );
+        let svg = plan.to_svg();
+        assert_eq!(svg.matches("data-series=\"recompute\"").count(), plan.segments().len() - 1, "{svg}");
+        assert!(svg.contains("segments recomputed"));
         assert!(
             *measured as f64 <= 1.10 * *budget as f64,
             "step {step}: measured {measured} over 110% of {budget}\n{plan}"
@@ -357,4 +366,54 @@ fn never_recomputes_when_told_and_when_the_batch_fits() {
     // A forward keeps no activations: nothing to recompute.
     let forward = loss.plan(Mode::Forward, &Options::new().budget(1 << 30).recompute(Recompute::Always)).unwrap();
     assert!(!forward.recomputes());
+}
+
+/// Gradients of an input that requires one, of parameters reached through an eager operand
+/// (`w.tr()`, a non-leaf), and on top of gradients an earlier step left: all as eagerly,
+/// recomputed whole and recomputed in micro-batches.
+#[test]
+fn inputs_eager_operands_and_accumulated_gradients_when_recomputing() {
+    let _serial = serial();
+    let opts = (Kind::Double, CPU);
+    let w1 = Tensor::randn([32, 32], opts).set_requires_grad(true);
+    let w2 = Tensor::randn([32, 32], opts).set_requires_grad(true);
+    let x = (Tensor::randn([256, 32], opts) * 0.3).set_requires_grad(true);
+    let eager = |x: &Tensor| {
+        let mut h = x.matmul(&w1.tr()).tanh();
+        for _ in 0..6 {
+            h = h.matmul(&w2).tanh() * 0.5 + &h;
+        }
+        h.square().mean(Kind::Double)
+    };
+    let lazily = || {
+        let wt = w1.tr();
+        let mut h = lazy(&x, 0).matmul(&wt).tanh();
+        for _ in 0..6 {
+            h = h.matmul(&w2).tanh() * 0.5 + &h;
+        }
+        h.square().mean(None::<Kind>)
+    };
+    let grads = || [w1.grad().copy(), w2.grad().copy(), x.grad().copy()];
+    // An earlier step's gradients, then this step's on top (eagerly: twice the backward).
+    eager(&x).backward();
+    let before = grads();
+    eager(&x).backward();
+    let want = grads();
+    let value = eager(&x).double_value(&[]);
+    let whole = whole_peak(&lazily());
+    for fraction in [0.6, 0.3] {
+        for (t, b) in [&w1, &w2, &x].into_iter().zip(&before) {
+            t.grad().copy_(b);
+        }
+        let options = Options::new().budget((whole as f64 * fraction) as u64).recompute(Recompute::Always);
+        let loss = lazily();
+        let plan = loss.plan(Mode::Backward, &options).unwrap();
+        assert!(plan.recomputes() && plan.splits() == (fraction < 0.5), "{fraction}: {plan}");
+        let got = loss.backward_with(&options).unwrap();
+        assert!((got - value).abs() <= 1e-12 * value.abs(), "{fraction}: {got} vs {value}");
+        for ((g, w), name) in grads().iter().zip(&want).zip(["w1", "w2", "x"]) {
+            let diff = max_diff(g, w) / w.abs().max().double_value(&[]);
+            assert!(diff <= 1e-10, "{fraction} (split: {}): {name} differs by {diff:e}\n{plan}", plan.splits());
+        }
+    }
 }

@@ -83,7 +83,8 @@ fn rank_process() {
             println!("RESULT max={},{} sum={}", max[0], max[1], sum[0]);
         }
         "real" => real_out_of_memory(&group),
-        "lazy" => lazy_step(&group),
+        "lazy" => lazy_step(&group, false),
+        "lazy_recompute" => lazy_step(&group, true),
         other => panic!("unknown scenario {other}"),
     }
 }
@@ -153,18 +154,25 @@ fn real_out_of_memory(group: &Group) {
     println!("RESULT batch={} history={}", out.map_err(|e| e.to_string()).unwrap(), history.join(","));
 }
 
-/// A lazy training step split differently on every rank matches one full-batch backward.
-fn lazy_step(group: &Group) {
+/// A lazy training step split differently on every rank matches one full-batch backward; with
+/// `recompute`, every rank recomputes activations under a budget below its whole batch (and
+/// splits too where recomputing alone does not fit).
+fn lazy_step(group: &Group, recompute: bool) {
     use tch::nn::{self, Module};
-    use toma::lazy::{lazy, LazyTensor, Options};
+    use toma::lazy::{lazy, LazyTensor, Mode, Options, Recompute};
     let (rank, world) = (group.rank(), group.world_size());
     tch::manual_seed(7);
     let mut vs = nn::VarStore::new(Device::Cpu);
     let l1 = nn::linear(vs.root() / "l1", 8, 16, Default::default());
     let l2 = nn::linear(vs.root() / "l2", 16, 4, Default::default());
+    let hidden: Vec<nn::Linear> = (0..if recompute { 4 } else { 0 })
+        .map(|k| nn::linear(vs.root() / format!("h{k}"), 16, 16, Default::default()))
+        .collect();
     vs.double();
     tch::manual_seed(11);
-    let n = 10 * world as i64 + 7;
+    // Recomputing pays where activations outweigh the parameters: a larger batch.
+    let scale: i64 = if recompute { 40 } else { 1 };
+    let n = 10 * scale * world as i64 + 7;
     let x = Tensor::randn([n, 8], (Kind::Double, Device::Cpu));
     let y = Tensor::randint(4, [n], (Kind::Int64, Device::Cpu));
     let target = Tensor::randn([n, 4], (Kind::Double, Device::Cpu));
@@ -175,7 +183,8 @@ fn lazy_step(group: &Group) {
     // The reference: one eager backward over everyone's samples.
     zero(&vs);
     let eager = |x: &Tensor, y: &Tensor, t: &Tensor| {
-        let out = l2.forward(&l1.forward(x).tanh());
+        let h = hidden.iter().fold(l1.forward(x).tanh(), |h, l| l.forward(&h).tanh());
+        let out = l2.forward(&h);
         out.log_softmax(-1, None).nll_loss(y)
             + out.mse_loss(t, tch::Reduction::Sum) * 0.1
             + l1.ws.square().sum(Kind::Double) * 0.01
@@ -189,14 +198,26 @@ fn lazy_step(group: &Group) {
     // This rank's uneven slice, in micro-batches of its own size.
     zero(&vs);
     let bounds: Vec<i64> =
-        (0..=world as i64).map(|r| if r == world as i64 { n } else { r * 10 - r.min(1) * 3 }).collect();
+        (0..=world as i64).map(|r| if r == world as i64 { n } else { r * 10 * scale - r.min(1) * 3 }).collect();
     let (start, end) = (bounds[rank], bounds[rank + 1]);
     let part = |t: &Tensor| t.narrow(0, start, end - start);
     let (lx, ly, lt) = lazy((&part(&x), &part(&y), &part(&target)), 0);
-    let out = lx.apply(&l1).tanh().apply(&l2);
+    let h = hidden.iter().fold(lx.apply(&l1).tanh(), |h, l| h.apply(l).tanh());
+    let out = h.apply(&l2);
     let penalty = LazyTensor::fixed(&l1.ws).pow_tensor_scalar(2.0).sum(Kind::Double) * 0.01;
     let loss = out.cross_entropy_for_logits(&ly) + out.mse_loss(&lt, tch::Reduction::Sum) * 0.1 + penalty + 1.5;
-    let options = Options::new().micro_batch(2 + rank).group(group);
+    let options = if recompute {
+        let whole = loss
+            .plan(Mode::Backward, &Options::new().recompute(Recompute::Never).budget(u64::MAX / 4))
+            .expect("a plan")
+            .full_batch_peak_bytes();
+        let options = Options::new().budget(whole * 6 / 10).recompute(Recompute::Always);
+        let plan = loss.plan(Mode::Backward, &options).expect("a recomputing plan");
+        println!("RESULT recomputes={}", plan.recomputes());
+        options.group(group)
+    } else {
+        Options::new().micro_batch(2 + rank).group(group)
+    };
     let value = loss.backward_with(&options).expect("grouped backward");
     let got = grads(&vs);
     let worst = want
@@ -380,6 +401,17 @@ fn a_lazy_step_split_per_rank_matches_the_full_batch_gradient() {
         }
         samples.dedup();
         assert!(samples.len() > 1, "the ranks held different batch sizes: {ranks:?}");
+    }
+}
+
+#[test]
+fn a_lazy_step_recomputed_per_rank_matches_the_full_batch_gradient() {
+    let ranks = run_ok("lazy_recompute", 2);
+    for r in &ranks {
+        let grad: f64 = r[1]["grad_error"].parse().unwrap();
+        let loss: f64 = r[1]["loss_error"].parse().unwrap();
+        assert_eq!(r[0]["recomputes"], "true", "{ranks:?}");
+        assert!(grad <= 1e-9 && loss <= 1e-10, "{ranks:?}");
     }
 }
 

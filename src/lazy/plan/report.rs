@@ -205,8 +205,10 @@ impl Plan {
     /// passes shaded; the peak marked with its op; and the budget when it is within the
     /// picture's scale (else it is named in the title).
     ///
-    /// Each series is a `<g data-series="..">`: `forward`, `backward`, `micro-batch`,
-    /// `whole batch` (when split), `peak`, `budget` (when drawn).
+    /// Each series is a `<g data-series="..">`: `forward`, `backward`, `recompute` (one per run
+    /// of recomputed forward steps, when the plan recomputes), `micro-batch`, `whole batch`
+    /// (when split), `peak`, `budget` (when drawn). The title names the segments and the
+    /// estimated step time of a recomputing plan.
     ///
     /// ```
     /// use tch::{Device, Kind, Tensor};
@@ -247,6 +249,13 @@ impl Plan {
             self.micro_batch,
             bytes(self.peak as f64)
         );
+        if self.recomputes() {
+            title.push_str(&format!(
+                ", {} segments recomputed (est. {:.2}x a plain step)",
+                self.segments.len(),
+                self.estimated_time_ratio()
+            ));
+        }
         if !budget_drawn {
             title.push_str(&format!(", budget {} (off scale)", bytes(self.budget as f64)));
         }
@@ -256,6 +265,19 @@ impl Plan {
         chart.band("forward", 0.0, backward_from as f64, "#2a6fdb", "forward");
         if backward_from < steps.len() {
             chart.band("backward", backward_from as f64, steps.len() as f64, "#d9822b", "backward");
+        }
+        // Each run of recomputed forward steps, over the backward's band.
+        let mut k = 0;
+        while k < steps.len() {
+            if steps[k].phase != Phase::Recompute {
+                k += 1;
+                continue;
+            }
+            let start = k;
+            while k < steps.len() && steps[k].phase == Phase::Recompute {
+                k += 1;
+            }
+            chart.band("recompute", start as f64, k as f64, "#2aa876", "re-fwd");
         }
         if let Some(whole) = &whole {
             let label = format!("whole batch of {} (peak {})", self.batch_size, bytes(self.full_batch_peak as f64));
