@@ -726,6 +726,7 @@ pub(crate) fn backward(output: &LazyTensor, options: &Options) -> Result<f64, La
     if let Some(g) = &global {
         dens = Some(g.dens.clone());
     }
+    let started = std::time::Instant::now();
     run_chunks(&p, options, |start, b| {
         if b < n && dens.is_none() {
             dens = Some(tch::no_grad(|| denominators(&p.c, true, options))?);
@@ -794,6 +795,16 @@ pub(crate) fn backward(output: &LazyTensor, options: &Options) -> Result<f64, La
         total += value;
         Ok(())
     })?;
+    // The step's time against its estimate: later choices between splitting and recomputing
+    // for this graph follow what this machine measured.
+    let choice = match (&p.d.segments, p.d.micro_batch < n as usize) {
+        (Some(_), _) => Some(plan::Choice::Recompute),
+        (None, true) => Some(plan::Choice::Split),
+        (None, false) => None,
+    };
+    if let Some(choice) = choice {
+        plan::Timings::process().record(&p.c, choice, started.elapsed().as_secs_f64(), p.d.seconds.0);
+    }
     if through.iter().any(Option::is_some) {
         tch::with_grad(|| -> Result<(), TchError> {
             let mut sum: Option<Tensor> = None;

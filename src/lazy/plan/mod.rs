@@ -41,6 +41,7 @@ pub(crate) use recompute::Segments;
 pub use report::{Plan, PlanOp};
 pub use schedule::{Mode, Phase, Step};
 pub(crate) use search::{decide, Decision};
+pub(crate) use time::{Choice, Timings};
 
 use super::error::LazyError;
 use super::graph::LazyTensor;

@@ -172,13 +172,22 @@ fn recomputing(
             Err(e) => Err(e),
         },
         (_, Some(fit)) => {
-            let recompute = time::step_seconds(c, n, Some(&fit.0));
+            // Estimates scaled by what earlier steps of this graph measured, where they did.
+            let timings = time::Timings::process();
+            let recompute = time::step_seconds(c, n, Some(&fit.0)) * timings.factor(c, time::Choice::Recompute);
             match split() {
                 Ok(mut d) => {
-                    let split_seconds = time::step_seconds(c, d.micro_batch as u64, None);
+                    let split_seconds =
+                        time::step_seconds(c, d.micro_batch as u64, None) * timings.factor(c, time::Choice::Split);
+                    let measured =
+                        if timings.measured(c, time::Choice::Split) || timings.measured(c, time::Choice::Recompute) {
+                            ", scaled by the times earlier steps of this graph measured"
+                        } else {
+                            ""
+                        };
                     if split_seconds <= recompute {
                         d.why = format!(
-                            "micro-batches of {} are estimated faster ({:.2}x a whole step) than recomputing {} segments ({:.2}x)",
+                            "micro-batches of {} are estimated faster ({:.2}x a whole step) than recomputing {} segments ({:.2}x){measured}",
                             d.micro_batch,
                             split_seconds / plain_seconds,
                             fit.0.count(),
@@ -187,7 +196,7 @@ fn recomputing(
                         return Ok(d);
                     }
                     let why = format!(
-                        "recomputing {} segments is estimated faster ({:.2}x a whole step) than micro-batches of {} ({:.2}x)",
+                        "recomputing {} segments is estimated faster ({:.2}x a whole step) than micro-batches of {} ({:.2}x){measured}",
                         fit.0.count(),
                         recompute / plain_seconds,
                         d.micro_batch,
