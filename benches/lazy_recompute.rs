@@ -199,7 +199,7 @@ fn recompute(c: &mut Criterion) {
                     (case.lazy)().plan(Mode::Backward, &o).ok().map(|_| o)
                 })
                 .collect();
-            let (plain, times) = best_times(&case, &options, 5);
+            let (plain, times) = best_times(&case, &options, 10);
             let chosen = options[2]
                 .as_ref()
                 .map(|o| {

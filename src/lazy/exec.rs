@@ -273,7 +273,8 @@ fn recompute_chunk(
                 if !v.requires_grad() {
                     continue;
                 }
-                let term = v.f_mul(&g).and_then(|t| t.f_sum(Kind::Double)).map_err(&err)?;
+                // Summed in the value's own kind: a wider kind would copy the product first.
+                let term = v.f_mul(&g).and_then(|t| t.f_sum(None)).map_err(&err)?;
                 sum = Some(match sum {
                     None => term,
                     Some(a) => a.f_add(&term).map_err(&err)?,

@@ -113,16 +113,17 @@ impl Cuts {
         Cuts { prefix, cross }
     }
 
-    /// Starts of `count` segments of about equal activations, each cut (within half a share of
-    /// its target) where the fewest bytes cross; fewer when the graph has too few places.
-    pub(crate) fn starts(&self, count: usize) -> Vec<u32> {
+    /// Starts of `count` segments of about equal activations, the last `last` times as large
+    /// (it is the one segment that does not run twice), each cut (within half a share of its
+    /// target) where the fewest bytes cross; fewer when the graph has too few places.
+    pub(crate) fn starts(&self, count: usize, last: f64) -> Vec<u32> {
         let n = self.prefix.len() - 1;
         let total = self.prefix[n];
         let mut starts = vec![0u32];
         if total == 0 || count < 2 {
             return starts;
         }
-        let share = total as f64 / count as f64;
+        let share = total as f64 / (count as f64 - 1.0 + last.max(1.0));
         for k in 1..count {
             let target = share * k as f64;
             let (lo, hi) = (target - share / 2.0, target + share / 2.0);

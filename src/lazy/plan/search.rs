@@ -246,8 +246,9 @@ fn split_refusal(e: &LazyError) -> String {
     }
 }
 
-/// The recomputing plan with the fewest segments whose peak at `b` fits `held` (the fewest
-/// segments recompute the least), and the plan with the lowest peak among those tried.
+/// The recomputing plan that fits `held` at `b` with the lowest estimated time, and the plan
+/// with the lowest peak among those tried. For each size of the last segment (the one that
+/// does not run twice) against the others', the fewest segments that fit recompute the least.
 #[allow(clippy::type_complexity)]
 fn search_segments(
     c: &Compiled,
@@ -258,26 +259,36 @@ fn search_segments(
     // Past about 2·sqrt(n) segments, the boundaries outweigh what a segment saves.
     let most = (2.0 * (c.len() as f64).sqrt()) as usize + 4;
     let mut lowest: Option<(Segments, Schedule, (Outcome, u64))> = None;
-    let mut tried: Vec<u32> = Vec::new();
-    for count in 2..=most {
-        let starts = cuts.starts(count);
-        if starts.len() < 2 || starts == tried {
-            continue;
-        }
-        tried.clone_from(&starts);
-        let segments = Segments::new(c, starts);
-        let schedule = Schedule::build_recompute(c, &segments);
-        let outcome = schedule.simulate(b);
-        let (fits, _) = outcome.fits(c, held, b);
-        let resolved = outcome.resolve(c, b);
-        if fits {
-            return (Some((segments, schedule, resolved)), None);
-        }
-        if lowest.as_ref().is_none_or(|l| resolved.0.peak < l.2 .0.peak) {
-            lowest = Some((segments, schedule, resolved));
+    let mut best: Option<(f64, (Segments, Schedule, (Outcome, u64)))> = None;
+    let mut tried: Vec<Vec<u32>> = Vec::new();
+    for last in [1.0, 2.0, 4.0] {
+        for count in 2..=most {
+            let starts = cuts.starts(count, last);
+            if starts.len() < 2 || tried.contains(&starts) {
+                continue;
+            }
+            tried.push(starts.clone());
+            let segments = Segments::new(c, starts);
+            let schedule = Schedule::build_recompute(c, &segments);
+            let outcome = schedule.simulate(b);
+            let (fits, _) = outcome.fits(c, held, b);
+            let resolved = outcome.resolve(c, b);
+            if fits {
+                let seconds = time::step_seconds(c, b, Some(&segments));
+                if best.as_ref().is_none_or(|(s, _)| seconds < *s) {
+                    best = Some((seconds, (segments, schedule, resolved)));
+                }
+                break;
+            }
+            if lowest.as_ref().is_none_or(|l| resolved.0.peak < l.2 .0.peak) {
+                lowest = Some((segments, schedule, resolved));
+            }
         }
     }
-    (None, lowest)
+    match best {
+        Some((_, fit)) => (Some(fit), None),
+        None => (None, lowest),
+    }
 }
 
 /// The largest micro-batch of `schedule` that fits (recomputing `segments`, when given).
