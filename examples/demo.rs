@@ -108,10 +108,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("\n4) toma::lazy: plan a training step first, then run it in micro-batches that fit");
     let (lazy_chunks, lazy_ooms) = lazy_training_step()?;
 
+    println!("\n5) toma::lazy: a model that may not be split (batch norm in training) recomputes instead");
+    let (segments, bn_ooms) = recomputed_training_step()?;
+
     println!(
         "\nSummary: under a {:.2} GiB cap, batch 65536 -> {} after {first_ooms} OOMs; 2nd call {hit} \
          ({second_ooms} OOMs); chunked step 1024 -> {} after {chunk_ooms} OOMs; a training step that \
-         OOMs eagerly ran lazily in {lazy_chunks} micro-batches with {lazy_ooms} OOMs.",
+         OOMs eagerly ran lazily in {lazy_chunks} micro-batches with {lazy_ooms} OOMs; a batch-norm step \
+         that OOMs eagerly and may not be split ran whole, recomputing {segments} segments, with {bn_ooms} OOMs.",
         cap as f64 / GIB,
         first.0,
         step,
@@ -178,6 +182,71 @@ fn lazy_training_step() -> Result<(usize, usize), Box<dyn std::error::Error>> {
         plan.micro_batch()
     );
     Ok((plan.chunks(), ooms))
+}
+
+/// Eight layers of linear, batch norm (training) and ReLU over 98,304 samples: 1.7 GiB at the
+/// peak of a plain step, so it runs out of memory eagerly under the cap; batch norm's
+/// statistics are over the whole batch, so micro-batches would change it. Lazily, the plan
+/// drops activations after the forward and recomputes them segment by segment: the whole
+/// batch, the same statistics, within the budget.
+fn recomputed_training_step() -> Result<(usize, usize), Box<dyn std::error::Error>> {
+    use tch::nn::{self, OptimizerConfig};
+    use toma::lazy::{lazy, Mode, Options};
+    const N: i64 = 98_304;
+    tch::manual_seed(0);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let mut net = toma::lazy::nn::seq_t();
+    let mut width = 64;
+    for k in 0..8 {
+        net = net
+            .add(nn::linear(vs.root() / format!("l{k}"), width, 256, Default::default()))
+            .add(nn::batch_norm1d(vs.root() / format!("bn{k}"), 256, Default::default()))
+            .add_fn(|x| x.relu());
+        width = 256;
+    }
+    let net = net.add(nn::linear(vs.root() / "head", 256, 10, Default::default()));
+    let mut opt = nn::Sgd::default().build(&vs, 0.01)?;
+    let x = Tensor::f_randn([N, 64], CPU)?;
+    let y = Tensor::f_randint(10, [N], (Kind::Int64, Device::Cpu))?;
+    println!("   eagerly, all {N} samples: net.forward_t(x, true).cross_entropy(y).backward()");
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let eager = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        net.forward_t(&x, true).cross_entropy_for_logits(&y).backward()
+    }));
+    std::panic::set_hook(hook);
+    match eager {
+        Err(payload) => {
+            let text = payload.downcast_ref::<String>().map_or("", String::as_str);
+            println!("   => out of memory, as expected: {}", libtorch_line(text));
+        }
+        Ok(()) => println!("   => (it fit after all: the cap left more room than this step needs)"),
+    }
+    opt.zero_grad();
+    let running_mean =
+        vs.variables().iter().find(|(name, _)| name.ends_with("bn0.running_mean")).map(|(_, t)| t.copy());
+
+    let (lx, ly) = lazy((&x, &y), 0);
+    let loss = lx.apply_t(&net, true).cross_entropy_for_logits(&ly);
+    let plan = loss.plan(Mode::Backward, &Options::default())?;
+    println!("   lazily, planned before anything runs (the table left out):\n");
+    for line in plan.to_string().lines().take_while(|l| !l.starts_with("peak =")) {
+        println!("      {line}");
+    }
+    let (value, ooms, secs) = timed(|| loss.backward());
+    let value = value?;
+    opt.step();
+    let moved = running_mean.is_some_and(|before| {
+        let after = vs.variables().into_iter().find(|(name, _)| name.ends_with("bn0.running_mean")).map(|(_, t)| t);
+        after.is_some_and(|after| !after.equal(&before))
+    });
+    println!(
+        "\n   => loss {value:.4} over all {N} samples as one batch (batch statistics of all of them{}), \
+         {} segments, {ooms} OOMs, {secs:.2} s; one SGD step",
+        if moved { "; running statistics moved once" } else { "" },
+        plan.segments().len()
+    );
+    Ok((plan.segments().len(), ooms))
 }
 
 /// Runs `work`, returning its result, the out-of-memories toma caught meanwhile, and seconds.

@@ -89,6 +89,8 @@ fn recomputing(
             .map(|e| split_refusal(&e));
     let (fit, lowest) = search_segments(c, n, held);
     let plain_seconds = time::step_seconds(c, n, None);
+    // What the whole batch would peak at as it is: the plan's "whole batch" figure.
+    let full_peak = schedule.simulate(n).resolve(c, n).0.peak;
     let whole = |(segments, schedule, outcome): (Segments, Schedule, (Outcome, u64)), why: String| {
         let seconds = time::step_seconds(c, n, Some(&segments));
         Decision {
@@ -96,7 +98,7 @@ fn recomputing(
             budget,
             micro_batch: n as usize,
             peak: outcome.0.peak,
-            full_peak: outcome.0.peak,
+            full_peak,
             splittable: false,
             reserved: correction.at(n),
             outcome,
