@@ -150,20 +150,7 @@ fn lazy_training_step() -> Result<(usize, usize), Box<dyn std::error::Error>> {
         small.double_value(&[])
     );
     println!("   eagerly, all {N} samples: x.apply(&mlp).cross_entropy(y).backward()");
-    // tch's plain methods panic on out-of-memory; hide the default hook's backtrace for this one.
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
-    let eager = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        x.apply(&mlp).cross_entropy_for_logits(&y).backward()
-    }));
-    std::panic::set_hook(hook);
-    match eager {
-        Err(payload) => {
-            let text = payload.downcast_ref::<String>().map_or("", String::as_str);
-            println!("   => out of memory, as expected: {}", libtorch_line(text));
-        }
-        Ok(()) => println!("   => (it fit after all: the cap left more room than this step needs)"),
-    }
+    eagerly_out_of_memory(|| x.apply(&mlp).cross_entropy_for_logits(&y).backward());
     opt.zero_grad();
 
     let (lx, ly) = lazy((&x, &y), 0);
@@ -209,19 +196,7 @@ fn recomputed_training_step() -> Result<(usize, usize), Box<dyn std::error::Erro
     let x = Tensor::f_randn([N, 64], CPU)?;
     let y = Tensor::f_randint(10, [N], (Kind::Int64, Device::Cpu))?;
     println!("   eagerly, all {N} samples: net.forward_t(x, true).cross_entropy(y).backward()");
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
-    let eager = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        net.forward_t(&x, true).cross_entropy_for_logits(&y).backward()
-    }));
-    std::panic::set_hook(hook);
-    match eager {
-        Err(payload) => {
-            let text = payload.downcast_ref::<String>().map_or("", String::as_str);
-            println!("   => out of memory, as expected: {}", libtorch_line(text));
-        }
-        Ok(()) => println!("   => (it fit after all: the cap left more room than this step needs)"),
-    }
+    eagerly_out_of_memory(|| net.forward_t(&x, true).cross_entropy_for_logits(&y).backward());
     opt.zero_grad();
     let running_mean =
         vs.variables().iter().find(|(name, _)| name.ends_with("bn0.running_mean")).map(|(_, t)| t.copy());
@@ -247,6 +222,22 @@ fn recomputed_training_step() -> Result<(usize, usize), Box<dyn std::error::Erro
         plan.segments().len()
     );
     Ok((plan.segments().len(), ooms))
+}
+
+/// Runs an eager step expected to run out of memory, and says how it ended. tch's plain
+/// methods panic on out-of-memory; the default hook's backtrace is hidden for this one.
+fn eagerly_out_of_memory(step: impl FnOnce()) {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let eager = std::panic::catch_unwind(std::panic::AssertUnwindSafe(step));
+    std::panic::set_hook(hook);
+    match eager {
+        Err(payload) => {
+            let text = payload.downcast_ref::<String>().map_or("", String::as_str);
+            println!("   => out of memory, as expected: {}", libtorch_line(text));
+        }
+        Ok(()) => println!("   => (it fit after all: the cap left more room than this step needs)"),
+    }
 }
 
 /// Runs `work`, returning its result, the out-of-memories toma caught meanwhile, and seconds.

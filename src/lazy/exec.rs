@@ -177,6 +177,31 @@ fn set_generator_state(device: Option<usize>, state: &[u8]) -> Result<(), LazyEr
     })
 }
 
+/// Runs one micro-batch's forward and backward at once: returns the loss and, unless `direct`
+/// (autograd accumulated into `.grad`), the parameters' gradients.
+fn plain_chunk(
+    c: &Compiled,
+    chunk: &Chunk<'_>,
+    params: &[Tensor],
+    direct: bool,
+) -> Result<(f64, Vec<Tensor>), LazyError> {
+    let err = torch(c.len() - 1, "backward");
+    tch::with_grad(|| -> Result<(f64, Vec<Tensor>), LazyError> {
+        let loss = forward_chunk(c, chunk, None)?;
+        let value = loss.f_sum(Kind::Double).and_then(|v| v.f_double_value(&[])).map_err(&err)?;
+        if direct && !params.is_empty() && loss.requires_grad() {
+            loss.f_backward().map_err(&err)?;
+            return Ok((value, Vec::new()));
+        }
+        let grads = if params.is_empty() || !loss.requires_grad() {
+            Vec::new()
+        } else {
+            Tensor::f_run_backward(&[&loss], params, false, false).map_err(&err)?
+        };
+        Ok((value, grads))
+    })
+}
+
 /// Runs one micro-batch's forward and backward segment by segment (see `plan::Segments`):
 /// every segment but the last runs without autograd, keeping what later segments read; then,
 /// last to first, each runs again with autograd from the generator state of its first run,
@@ -750,42 +775,23 @@ pub(crate) fn backward(output: &LazyTensor, options: &Options) -> Result<f64, La
             (&chunk_stand_ins, &chunk_params)
         };
         let chunk = Chunk { start, b, split, frac: b as f64 / n_all as f64, dens, stand_ins };
-        if let Some(segs) = &p.d.segments {
-            let whole_direct = direct && b == n && inputs.is_empty();
-            let (value, grads) = recompute_chunk(&p.c, segs, &chunk, params, whole_direct)?;
-            let k = n_params.min(grads.len());
-            accumulate(&params[..k], &leaf[..k], &grads[..k], &mut through[..k]).map_err(&err)?;
-            if grads.len() > n_params {
-                let slices =
-                    inputs.iter().zip(&grads[n_params..]).zip(&originals[n_params..]).zip(&mut through[n_params..]);
-                accumulate_slices(slices, start, b).map_err(&err)?;
-            }
-            total += value;
-            return Ok(());
-        }
-        let (value, grads) = tch::with_grad(|| -> Result<(f64, Vec<Tensor>), LazyError> {
-            let loss = forward_chunk(&p.c, &chunk, None)?;
-            let value = loss.f_sum(Kind::Double).and_then(|v| v.f_double_value(&[])).map_err(&err)?;
-            if direct && b == n && !params.is_empty() && loss.requires_grad() {
-                if let Err(e) = loss.f_backward() {
-                    let _no_grad = tch::no_grad_guard();
-                    for param in params.iter() {
-                        let mut grad = param.grad();
-                        if grad.defined() {
-                            let _ = grad.f_zero_();
-                        }
-                    }
-                    return Err(err(e));
+        let in_place = direct && b == n;
+        let result = match &p.d.segments {
+            Some(segs) => recompute_chunk(&p.c, segs, &chunk, params, in_place),
+            None => plain_chunk(&p.c, &chunk, params, in_place),
+        };
+        if result.is_err() && in_place {
+            // What a backward into `.grad` filled before it failed is undone (there was
+            // nothing before), before the retry splits the batch.
+            let _no_grad = tch::no_grad_guard();
+            for param in params.iter() {
+                let mut grad = param.grad();
+                if grad.defined() {
+                    let _ = grad.f_zero_();
                 }
-                return Ok((value, Vec::new()));
             }
-            let grads = if params.is_empty() || !loss.requires_grad() {
-                Vec::new()
-            } else {
-                Tensor::f_run_backward(&[&loss], params, false, false).map_err(&err)?
-            };
-            Ok((value, grads))
-        })?;
+        }
+        let (value, grads) = result?;
         let k = n_params.min(grads.len());
         accumulate(&params[..k], &leaf[..k], &grads[..k], &mut through[..k]).map_err(&err)?;
         if grads.len() > n_params {
