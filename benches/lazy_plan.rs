@@ -9,7 +9,7 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use tch::{nn, Device, Kind, Tensor};
-use toma::lazy::{lazy, LazyTensor, Mode, Options};
+use toma::lazy::{lazy, LazyTensor, Mode, Options, Recompute};
 
 const LAYERS: usize = 96;
 const BATCH: i64 = 64;
@@ -73,8 +73,9 @@ fn bench(c: &mut Criterion) {
     let next = Tensor::randint(VOCAB, [BATCH, T], (Kind::Int64, Device::Cpu));
     let loss = transformer_loss(&vs, &layers, &tokens, &next);
     let whole = loss.plan(Mode::Backward, &Options::new().budget(u64::MAX)).unwrap();
-    // A budget of a fifth of the full batch's peak: the search has to find the micro-batch.
-    let options = Options::new().budget(whole.full_batch_peak_bytes() / 5);
+    // A budget of a fifth of the full batch's peak: the search has to find the micro-batch
+    // (recomputing aside: measured on its own below).
+    let options = Options::new().budget(whole.full_batch_peak_bytes() / 5).recompute(Recompute::Never);
     let plan = loss.plan(Mode::Backward, &options).unwrap();
     eprintln!(
         "96-layer transformer: {} ops, batch {} -> micro-batch {} x {}, peak {} B (budget {} B)",
@@ -91,6 +92,18 @@ fn bench(c: &mut Criterion) {
     });
     c.bench_function("lazy_plan/transformer96_forward", |b| {
         b.iter(|| black_box(loss.plan(Mode::Forward, &options).unwrap()))
+    });
+    // The same budget with recomputing allowed: the segment search, then split against recompute.
+    let auto = Options::new().budget(whole.full_batch_peak_bytes() / 5);
+    let plan = loss.plan(Mode::Backward, &auto).unwrap();
+    eprintln!(
+        "recomputing allowed: {} segments, micro-batch {} ({})",
+        plan.segments().len(),
+        plan.micro_batch(),
+        plan.reason()
+    );
+    c.bench_function("lazy_plan/transformer96_backward_recompute", |b| {
+        b.iter(|| black_box(loss.plan(Mode::Backward, &auto).unwrap()))
     });
 }
 

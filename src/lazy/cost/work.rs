@@ -14,6 +14,9 @@ pub(crate) struct Work {
 }
 
 impl Work {
+    /// No bytes.
+    pub(crate) const ZERO: Work = Work { per: 0, fixed: 0, single: 0 };
+
     /// Both taken at once.
     pub(crate) fn plus(self, other: Work) -> Work {
         let single = if self.single == 0 && other.single == 0 { 0 } else { self.at(1, 1) + other.at(1, 1) };

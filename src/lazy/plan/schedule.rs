@@ -95,10 +95,7 @@ struct Builder<'c> {
     staged: Vec<ReduceStaging>,
     events: Vec<u32>,
     steps: Vec<(u32, Phase)>,
-    /// What each node's kernel calls take on this device, for the nodes that make any (most
-    /// ops make none: they are not asked), by `slot`.
-    priced: Vec<Price>,
-    slot: Vec<u32>,
+    prices: &'c Prices,
     /// A kept extra's table entry, by node (training only).
     extra_at: Vec<Option<u32>>,
     /// Pins: how many holders keep a storage alive (the executor's values, autograd's saves).
@@ -113,13 +110,16 @@ struct Builder<'c> {
     out_of_place: Vec<u32>,
 }
 
-impl<'c> Builder<'c> {
-    fn new(c: &'c Compiled, training: bool) -> Builder<'c> {
-        let n = c.len();
-        // Capacities are sized up front: a vector doubled and freed at the top of the heap makes
-        // the allocator hand pages back and fault them in again on every plan.
-        let mut table: Vec<Work> = Vec::with_capacity(n + n / 4 + 16);
-        table.extend(c.nodes.iter().map(|x| Work::from(x.cost.grad)));
+/// What each node's kernel calls take on the graph's device, priced once for every schedule of
+/// the graph (the plain one and each recomputing one the search tries). Most ops make no
+/// kernel call: they are not asked.
+pub(crate) struct Prices {
+    priced: Vec<Price>,
+    slot: Vec<u32>,
+}
+
+impl Prices {
+    pub(crate) fn of(c: &Compiled) -> Prices {
         let mut calls = Vec::new();
         let mut priced: Vec<Price> = Vec::with_capacity(c.nodes.iter().filter(|x| x.cost.kernel_calls).count());
         let slot: Vec<u32> = c
@@ -133,14 +133,35 @@ impl<'c> Builder<'c> {
                 (priced.len() - 1) as u32
             })
             .collect();
+        Prices { priced, slot }
+    }
+
+    fn get(&self, i: usize) -> &Price {
+        static NONE: Price = Price {
+            kept: Work::ZERO,
+            unsaved: Work::ZERO,
+            forward: Work::ZERO,
+            backward: Work::ZERO,
+            staged: Vec::new(),
+        };
+        self.priced.get(self.slot[i] as usize).unwrap_or(&NONE)
+    }
+}
+
+impl<'c> Builder<'c> {
+    fn new(c: &'c Compiled, prices: &'c Prices, training: bool) -> Builder<'c> {
+        let n = c.len();
+        // Capacities are sized up front: a vector doubled and freed at the top of the heap makes
+        // the allocator hand pages back and fault them in again on every plan.
+        let mut table: Vec<Work> = Vec::with_capacity(n + n / 4 + 16);
+        table.extend(c.nodes.iter().map(|x| Work::from(x.cost.grad)));
         Builder {
             c,
             table,
             staged: Vec::new(),
             events: Vec::with_capacity(if training { 6 * n } else { 3 * n }),
             steps: Vec::with_capacity(if training { 2 * n } else { n }),
-            priced,
-            slot,
+            prices,
             extra_at: vec![None; if training { n } else { 0 }],
             pins: vec![0u32; 2 * n],
             grad_of: vec![None; if training { n } else { 0 }],
@@ -154,10 +175,6 @@ impl<'c> Builder<'c> {
         Schedule { table, staged, events, steps, training, block: c.block }
     }
 
-    fn price(&self, i: usize) -> Price {
-        self.priced.get(self.slot[i] as usize).cloned().unwrap_or_default()
-    }
-
     fn add_entry(&mut self, bytes: Work) -> Option<u32> {
         (bytes != Work::default()).then(|| {
             self.table.push(bytes);
@@ -166,7 +183,7 @@ impl<'c> Builder<'c> {
     }
 
     /// The staging buffers node `i` takes in one pass, as transient events.
-    fn stage(&mut self, price: &Price, backward: bool) {
+    fn stage(&mut self, price: &'c Price, backward: bool) {
         for (_, s) in price.staged.iter().filter(|(b, _)| *b == backward) {
             self.staged.push(s.clone());
             self.events.push(STAGE | (self.staged.len() - 1) as u32);
@@ -199,7 +216,7 @@ impl<'c> Builder<'c> {
         if r == i && c.flags[i] & F_ALLOCATES != 0 {
             self.events.push(ADD | i as u32);
         }
-        let price = self.price(i);
+        let price = self.prices.get(i);
         if training {
             if let Some(k) = self.add_entry(price.kept) {
                 self.extra_at[i] = Some(k);
@@ -211,7 +228,7 @@ impl<'c> Builder<'c> {
         if let Some(k) = self.add_entry(forward) {
             self.events.push(TRANSIENT | k);
         }
-        self.stage(&price, false);
+        self.stage(price, false);
         self.events.push(RUN);
         // The executor holds the value until its last use; views hold their base.
         self.pins[r] += 1;
@@ -298,11 +315,11 @@ impl<'c> Builder<'c> {
                 self.events.push(ADD | j as u32);
             }
         }
-        let price = self.price(i);
+        let price = self.prices.get(i);
         if let Some(k) = self.add_entry(price.backward) {
             self.events.push(TRANSIENT | k);
         }
-        self.stage(&price, true);
+        self.stage(price, true);
         self.events.push(RUN);
         // The output gradient and what was saved for this op are released.
         self.release(g as usize);
@@ -336,7 +353,8 @@ impl Schedule {
     pub(crate) fn build(c: &Compiled, mode: Mode) -> Schedule {
         let n = c.len();
         let training = mode == Mode::Backward;
-        let mut b = Builder::new(c, training);
+        let prices = Prices::of(c);
+        let mut b = Builder::new(c, &prices, training);
         for i in 0..n {
             b.forward(i, training, &c.last_use, Phase::Forward);
         }
@@ -355,11 +373,11 @@ impl Schedule {
     /// keeping only the values later segments read; then, from the last segment back, each runs
     /// again with autograd and its backward follows at once, from the gradients later
     /// segments sent to its values (`sum(value · gradient)`, whose gradient is that one).
-    pub(crate) fn build_recompute(c: &Compiled, segments: &Segments) -> Schedule {
+    pub(crate) fn build_recompute(c: &Compiled, segments: &Segments, prices: &Prices) -> Schedule {
         let n = c.len();
         let count = segments.count();
         let held = &segments.held;
-        let mut b = Builder::new(c, true);
+        let mut b = Builder::new(c, prices, true);
         for i in 0..segments.starts[count - 1] as usize {
             b.forward(i, false, held, Phase::Forward);
         }

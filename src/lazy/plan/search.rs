@@ -6,7 +6,7 @@ use tch::Device;
 use super::compiled::Compiled;
 use super::correction::{Corrections, Reserve};
 use super::recompute::{Cuts, Segments};
-use super::schedule::{Mode, Outcome, Schedule};
+use super::schedule::{Mode, Outcome, Prices, Schedule};
 use super::time;
 use crate::lazy::error::LazyError;
 use crate::lazy::graph::Flow;
@@ -258,24 +258,30 @@ fn search_segments(
     held: u64,
 ) -> (Option<(Segments, Schedule, (Outcome, u64))>, Option<(Segments, Schedule, (Outcome, u64))>) {
     let cuts = Cuts::new(c);
+    let prices = Prices::of(c);
     // Past about 2·sqrt(n) segments, the boundaries outweigh what a segment saves.
     let most = (2.0 * (c.len() as f64).sqrt()) as usize + 4;
     let mut lowest: Option<(Segments, Schedule, (Outcome, u64))> = None;
     let mut best: Option<(f64, (Segments, Schedule, (Outcome, u64)))> = None;
     let mut tried: Vec<Vec<u32>> = Vec::new();
+    // A larger last segment leaves less to the others: it needs at least as many segments as
+    // equal shares did, so its counts start where theirs fit.
+    let mut first = 2;
     for last in [1.0, 2.0, 4.0] {
-        for count in 2..=most {
+        let mut fitted = None;
+        for count in first..=most {
             let starts = cuts.starts(count, last);
             if starts.len() < 2 || tried.contains(&starts) {
                 continue;
             }
             tried.push(starts.clone());
             let segments = Segments::new(c, starts);
-            let schedule = Schedule::build_recompute(c, &segments);
+            let schedule = Schedule::build_recompute(c, &segments, &prices);
             let outcome = schedule.simulate(b);
             let (fits, _) = outcome.fits(c, held, b);
             let resolved = outcome.resolve(c, b);
             if fits {
+                fitted = Some(count);
                 let seconds = time::step_seconds(c, b, Some(&segments));
                 if best.as_ref().is_none_or(|(s, _)| seconds < *s) {
                     best = Some((seconds, (segments, schedule, resolved)));
@@ -285,6 +291,9 @@ fn search_segments(
             if lowest.as_ref().is_none_or(|l| resolved.0.peak < l.2 .0.peak) {
                 lowest = Some((segments, schedule, resolved));
             }
+        }
+        if last == 1.0 {
+            first = fitted.unwrap_or(first);
         }
     }
     match best {
