@@ -924,6 +924,85 @@ fn generated_transformers_peak_as_planned() {
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "blocks");
 }
 
+/// Generated transformer stacks (as above, two blocks) under 60% of their whole batch's peak,
+/// recomputing first: each recomputing plan within 10% of its measured peak.
+#[test]
+fn generated_transformers_recomputed_as_planned() {
+    use toma::lazy::models::{BlockConfig, DecoderBlock, EncoderBlock};
+    use toma::lazy::Recompute;
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    tch::manual_seed(6);
+    let seed: u64 = std::env::var("TOMA_PEAK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x51a7);
+    let mut state = seed;
+    let mut next = |n: usize| {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((state >> 33) % n as u64) as usize
+    };
+    let mut rows = Rows::default();
+    for _ in 0..12 {
+        let d = [32, 64, 128][next(3)];
+        let heads = [1, 2, 4][next(3)];
+        let t = [16, 32, 64][next(3)];
+        let dropout = [0.0, 0.1][next(2)];
+        let decoder = next(2) == 1;
+        let batch = [8, 16][next(2)];
+        let kind = [Kind::Float, Kind::Double][next(2)];
+        let vs = nn::VarStore::new(CPU);
+        let mut config = BlockConfig::gpt2(d, heads);
+        config.dropout = dropout;
+        let x = Tensor::randn([batch, t, d], (kind, CPU));
+        let y = Tensor::randint(50, [batch, t], (Kind::Int64, CPU));
+        let head = nn::linear(vs.root() / "head", d, 50, Default::default());
+        let blocks: Vec<(Option<DecoderBlock>, Option<EncoderBlock>)> = (0..2)
+            .map(|i| {
+                let p = vs.root() / format!("b{i}");
+                if decoder {
+                    (Some(DecoderBlock::new(p, config)), None)
+                } else {
+                    (None, Some(EncoderBlock::new(p, config)))
+                }
+            })
+            .collect();
+        let mut vs = vs;
+        if kind == Kind::Double {
+            vs.double();
+        }
+        let (lx, ly) = toma::lazy::lazy((&x, &y), 0);
+        let mut h = lx;
+        for (dec, enc) in &blocks {
+            h = match (dec, enc) {
+                (Some(b), _) => b.forward_t(&h, true),
+                (_, Some(b)) => b.forward_t(&h, None, true),
+                _ => unreachable!(),
+            };
+        }
+        let loss = h.apply(&head).view([-1, 50]).cross_entropy_for_logits(&ly.view([-1]));
+        let whole = loss
+            .plan(Mode::Backward, &Options::new().recompute(Recompute::Never).budget(u64::MAX / 4))
+            .expect("a plan")
+            .full_batch_peak_bytes();
+        let options = Options::new().budget(whole * 6 / 10).recompute(Recompute::Always);
+        let Ok(plan) = loss.plan(Mode::Backward, &options) else { continue };
+        // Warm-up: lazily created kernels' state, not measured.
+        loss.backward_with(&options).expect("a warm-up step");
+        let before = memory::cpu_allocator_stats().expect("tracking").allocated;
+        assert!(memory::reset_cpu_peak());
+        loss.backward_with(&options).expect("forward and backward");
+        let measured = memory::cpu_allocator_stats().expect("tracking").peak_allocated - before;
+        let planned = loss.plan(Mode::Backward, &options).expect("a plan").peak_bytes();
+        let describe = format!(
+            "{} d{d} h{heads} t{t} p{dropout} {kind:?} b{batch}: {} segments{}",
+            if decoder { "decoder" } else { "encoder" },
+            plan.segments().len(),
+            if plan.splits() { " split" } else { "" }
+        );
+        rows.push(describe, planned, measured);
+    }
+    assert!(rows.0.len() >= 6, "only {} of 12 planned at 60%", rows.0.len());
+    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "recomputed transformer steps");
+}
+
 /// A tool, not a check: one convolution at a time, its forward and backward temporaries as the
 /// allocator sees them against what the planner charges (`LazyTensor::op_costs`). How the
 /// oneDNN rules in `src/lazy/cost/onednn.rs` were read: `TOMA_CONVS="cin,cout,size,k,stride,
