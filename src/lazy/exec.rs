@@ -378,6 +378,8 @@ fn prepare(output: &LazyTensor, mode: Mode, options: &Options) -> Result<Prepare
         batch = c.batch,
         micro_batch = d.micro_batch,
         chunks,
+        segments = d.segments.as_ref().map_or(0, Segments::count),
+        why = %d.why,
         peak = d.peak,
         full_batch_peak = d.full_peak,
         budget = d.budget,
