@@ -1,7 +1,8 @@
 //! On a CUDA machine: real CUDA out-of-memory (1-3), the planner against the caching allocator
 //! (4: peaks, plans holding on a filled card, reduction staging buffers), a lazy step against
 //! CPU gradients (5), what an address-space or data-segment cap does to CUDA (6), the Rust half
-//! of the side-by-side with Python toma (7) and time per sample by batch size (8).
+//! of the side-by-side with Python toma (7), time per sample by batch size (8), auto steps (9)
+//! and recomputing: gradients, peak and time against splitting (10).
 //!
 //! Opt-in: every GPU test is `#[ignore]`d, so `cargo test` lists them as ignored, never as
 //! passed; `scripts/gpu-run.sh` runs them with `--include-ignored` and `TOMA_CUDA_TESTS=1`.
@@ -1106,4 +1107,129 @@ fn auto_steps_fit_the_card_and_the_cpu() {
     assert!(cpu_chunks.iter().all(|&n| n <= 256), "{cpu_chunks:?} {cpu_auto:?}");
     assert_eq!(cpu_auto.over_budget, 0, "{cpu_auto:?}");
     report("auto_cpu_body", &[("chunks", &cpu_chunks.len()), ("step", &cpu_auto.step)]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 10. Recomputing on the card (issue 25's CUDA half): the `res` model (batch norm in training:
+//     it may not be split) under 55% of its whole batch's plan matches the CPU's full-batch
+//     gradients and stays near the budget; then the MLP, the CNN and the transformer block at
+//     75%, 50% and 35%, split-only against recompute-first against the choice, timed against a
+//     plain step.
+
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-run.sh runs it with TOMA_CUDA_TESTS=1"]
+fn recomputing_on_the_gpu() {
+    use toma::lazy::Recompute;
+    let Some(_gpu) = gpu("recomputing_on_the_gpu") else { return };
+    warm_up();
+    tch::manual_seed(25);
+    let whole_plan = |loss: &LazyTensor| {
+        loss.plan(Mode::Backward, &Options::new().recompute(Recompute::Never).budget(u64::MAX / 4))
+            .expect("a plan")
+            .full_batch_peak_bytes()
+    };
+
+    // Gradients and the peak: `res` in f64 on the card against the CPU's eager full batch.
+    let n = 256;
+    let mut cpu_vs = nn::VarStore::new(Device::Cpu);
+    let cpu_model = res(&cpu_vs);
+    cpu_vs.double();
+    let mut gpu_vs = nn::VarStore::new(CUDA);
+    let gpu_model = res(&gpu_vs);
+    gpu_vs.double();
+    gpu_vs.copy(&cpu_vs).expect("the same weights on the GPU");
+    let x = Tensor::randn([n, 3, 64, 64], (Kind::Double, Device::Cpu));
+    let y = Tensor::randint(10, [n], (Kind::Int64, Device::Cpu));
+    let cpu_loss = res_eager(&cpu_model, &x, &y);
+    cpu_loss.backward();
+    let loss = res_lazy(&gpu_model, &x.to_device(CUDA), &y.to_device(CUDA));
+    let budget = whole_plan(&loss) * 55 / 100;
+    let options = Options::new().budget(budget);
+    let plan = loss.plan(Mode::Backward, &options).expect("a recomputing plan");
+    tch::Cuda::synchronize(0);
+    let before = stats().allocated;
+    assert!(memory::reset_cuda_peak(0));
+    let value = loss.backward_with(&options).expect("a recomputed step");
+    tch::Cuda::synchronize(0);
+    let measured = stats().peak_allocated - before;
+    let cpu_value = cpu_loss.double_value(&[]);
+    let difference = relative_difference(&gradients(&cpu_vs), &gradients(&gpu_vs));
+    report(
+        "recompute_res",
+        &[
+            ("segments", &plan.segments().len()),
+            ("planned", &mib(plan.peak_bytes())),
+            ("measured", &mib(measured)),
+            ("budget", &mib(budget)),
+            ("measured_over_budget", &format!("{:.2}", measured as f64 / budget as f64)),
+            ("max_rel_grad_diff", &format!("{difference:.2e}")),
+        ],
+    );
+    assert!(plan.recomputes() && !plan.splits(), "{plan}");
+    assert!((value - cpu_value).abs() <= 1e-9 * cpu_value.abs(), "losses: GPU {value} vs CPU {cpu_value}");
+    assert!(difference < 1e-9, "gradients differ by {difference:e}");
+    assert!(within(plan.peak_bytes(), measured), "planned {} measured {}\n{plan}", plan.peak_bytes(), measured);
+    memory::release_cached_blocks();
+
+    // Time: split-only, recompute-first and the choice, against a plain step of the whole batch.
+    type Case = (&'static str, i64, fn(i64) -> (Box<dyn Fn() -> LazyTensor>, Box<dyn Fn()>));
+    let cases: [Case; 3] = [
+        ("mlp", 4096, |n| {
+            let vs = nn::VarStore::new(CUDA);
+            let m = std::rc::Rc::new(mlp(&vs));
+            let x = Tensor::randn([n, 1024], (Kind::Float, CUDA));
+            let y = Tensor::randint(10, [n], (Kind::Int64, CUDA));
+            let (m2, x2, y2) = (m.clone(), x.shallow_clone(), y.shallow_clone());
+            (Box::new(move || mlp_lazy(&m, &x, &y)), Box::new(move || mlp_eager(&m2, &x2, &y2).backward()))
+        }),
+        ("cnn", 256, |n| {
+            let vs = nn::VarStore::new(CUDA);
+            let m = std::rc::Rc::new(cnn(&vs));
+            let x = Tensor::randn([n, 3, 64, 64], (Kind::Float, CUDA));
+            let y = Tensor::randint(10, [n], (Kind::Int64, CUDA));
+            let (m2, x2, y2) = (m.clone(), x.shallow_clone(), y.shallow_clone());
+            (Box::new(move || cnn_lazy(&m, &x, &y)), Box::new(move || cnn_eager(&m2, &x2, &y2).backward()))
+        }),
+        ("transformer", 64, |n| {
+            let vs = nn::VarStore::new(CUDA);
+            let m = std::rc::Rc::new(block(&vs));
+            let x = Tensor::randn([n, T, D], (Kind::Float, CUDA));
+            let y = Tensor::randint(10, [n], (Kind::Int64, CUDA));
+            let (m2, x2, y2) = (m.clone(), x.shallow_clone(), y.shallow_clone());
+            (Box::new(move || block_lazy(&m, &x, &y)), Box::new(move || block_eager(&m2, &x2, &y2).backward()))
+        }),
+    ];
+    for (name, n, build) in cases {
+        let (lazy_loss, plain) = build(n);
+        let plain_secs = seconds_per_step(&*plain);
+        let whole = whole_plan(&lazy_loss());
+        for percent in [75u64, 50, 35] {
+            let budget = whole * percent / 100;
+            let mut fields: Vec<(String, String)> = Vec::new();
+            for (label, recompute) in
+                [("split", Recompute::Never), ("recompute", Recompute::Always), ("auto", Recompute::Auto)]
+            {
+                let options = Options::new().budget(budget).recompute(recompute);
+                let Ok(plan) = lazy_loss().plan(Mode::Backward, &options) else {
+                    fields.push((label.into(), "none".into()));
+                    continue;
+                };
+                let secs = seconds_per_step(|| {
+                    lazy_loss().backward_with(&options).expect("a step");
+                });
+                let how = match (plan.recomputes(), plan.splits()) {
+                    (true, true) => format!("{}seg/{}", plan.segments().len(), plan.micro_batch()),
+                    (true, false) => format!("{}seg", plan.segments().len()),
+                    (false, _) => format!("mb{}", plan.micro_batch()),
+                };
+                fields.push((label.into(), format!("{:.2}x({how})", secs / plain_secs)));
+            }
+            let refs: Vec<(&str, &dyn Display)> = fields.iter().map(|(k, v)| (k.as_str(), v as &dyn Display)).collect();
+            let mut all: Vec<(&str, &dyn Display)> =
+                vec![("model", &name), ("batch", &n), ("budget_percent", &percent)];
+            all.extend(refs);
+            report("recompute_time", &all);
+            memory::release_cached_blocks();
+        }
+    }
 }
