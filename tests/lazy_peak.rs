@@ -818,6 +818,67 @@ fn a_plan_that_was_low_is_corrected_for_later_steps() {
     assert!(measured <= budget, "the corrected step fits: measured {measured}, budget {budget}\n{shown}");
 }
 
+/// Corrections remembered in a file (`toma::lazy::remember_corrections`) reach the next
+/// process: a child runs a step whose op hides scratch space (its run measures above its plan);
+/// a second child plans the same graph before running anything and already holds the excess
+/// (the graph's fingerprint is the same in every process).
+#[test]
+fn corrections_remembered_in_a_file_reach_the_next_process() {
+    use toma::lazy::{CustomOp, Saves};
+    const CHILD: &str = "TOMA_CORRECTIONS_CHILD";
+    if let Ok(role) = std::env::var(CHILD) {
+        let (what, path) = role.split_once(':').expect("role:path");
+        assert!(memory::track_cpu_allocations());
+        toma::lazy::remember_corrections(path).expect("a writable file");
+        let hidden = CustomOp::new(
+            "hidden_scratch",
+            |ins| Ok(ins[0].clone()),
+            |xs| {
+                let scratch = Tensor::f_zeros([xs[0].numel() as i64 * 8], (xs[0].kind(), xs[0].device()))?;
+                let doubled = xs[0].f_mul_scalar(2.0)?;
+                drop(scratch);
+                Ok(doubled)
+            },
+        )
+        .saves(Saves::Nothing);
+        let vs = nn::VarStore::new(CPU);
+        let fc = nn::linear(vs.root() / "fc", 256, 256, Default::default());
+        let x = Tensor::randn([64, 256], (Kind::Float, CPU));
+        let loss = hidden.apply(&[&toma::lazy::lazy(&x, 0).apply(&fc)]).unwrap().relu().sum(None);
+        let whole = loss.plan(Mode::Backward, &Options::new().budget(u64::MAX / 4)).unwrap();
+        let options = Options::new().budget(whole.peak_bytes() * 3);
+        let plan = loss.plan(Mode::Backward, &options).unwrap();
+        if what == "run" {
+            loss.backward_with(&options).unwrap();
+        }
+        // On a line of its own: the harness printed the test name without a newline.
+        println!("\nCHILD-DONE correction={} held={}", plan.correction_bytes(), plan.to_string().contains("verified:"));
+        return;
+    }
+    let _serial = support::serial();
+    let path = std::env::temp_dir().join(format!("toma-corrections-test-{}.txt", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let first = support::child::run(
+        "corrections_remembered_in_a_file_reach_the_next_process",
+        CHILD,
+        &format!("run:{}", path.display()),
+    )
+    .assert_finished("CHILD-DONE");
+    assert_eq!(first["correction"], "0", "a graph never run has no correction");
+    let remembered = std::fs::read_to_string(&path).expect("the file");
+    assert!(!remembered.is_empty(), "the run's excess was written");
+    let second = support::child::run(
+        "corrections_remembered_in_a_file_reach_the_next_process",
+        CHILD,
+        &format!("plan:{}", path.display()),
+    )
+    .assert_finished("CHILD-DONE");
+    let _ = std::fs::remove_file(&path);
+    let held: u64 = second["correction"].parse().unwrap();
+    assert!(held > 0, "the second process holds what the first measured: {second:?}\n{remembered}");
+    assert_eq!(second["held"], "true", "and its printed plan says so: {second:?}");
+}
+
 /// A fixed excess (a workspace the planner cannot see, as large at any micro-batch) is held
 /// whole when the corrected plan goes smaller: spread per sample, as corrections were before,
 /// it shrank with the micro-batch and the later plans stayed under.

@@ -89,7 +89,7 @@ pub use ops::record::IntoLazy;
 pub use ops::{Fallible, LayoutOps, LossOps, MatrixOps, NormOps, PointwiseOps, ReduceOps, WindowOps};
 pub use optim::Loss;
 pub use options::{Options, Recompute};
-pub use plan::{Mode, Phase, Plan, PlanOp, Step};
+pub use plan::{remember_corrections, Mode, Phase, Plan, PlanOp, Step};
 pub use tensor::{OpCosts, Split};
 pub use tensor_ops::{Arithmetic, Operators, TensorOps};
 pub use wrap::{lazy, try_lazy, BatchDimArg, Lazify};

@@ -3,6 +3,8 @@
 //! it in reserve.
 
 use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 
 use tch::Device;
@@ -76,13 +78,84 @@ fn scaled(excess: u64, b: u64, seen: u64) -> u64 {
 /// ([`record`](Self::record)).
 pub(crate) struct Corrections {
     by_graph: Mutex<HashMap<u64, Reserve>>,
+    /// Where new measurements are appended, once [`remember_in`](Self::remember_in) was called.
+    file: Mutex<Option<PathBuf>>,
+}
+
+/// What a correction was measured on, beside the graph and device in its key: libtorch's
+/// release and its threads (kernels and their scratch change with both), and the architecture.
+/// A file's lines measured on something else are not read.
+fn machine() -> String {
+    format!(
+        "libtorch={} threads={} arch={}",
+        option_env!("TOMA_LIBTORCH_VERSION").unwrap_or("unknown"),
+        tch::get_num_threads(),
+        std::env::consts::ARCH
+    )
+}
+
+/// One remembered measurement: `machine \t key \t micro-batch \t excess`.
+fn line(machine: &str, key: u64, b: u64, excess: u64) -> String {
+    format!("{machine}\t{key:016x}\t{b}\t{excess}\n")
+}
+
+fn parse(line: &str, machine: &str) -> Option<(u64, u64, u64)> {
+    let mut fields = line.split('\t');
+    if fields.next()? != machine {
+        return None;
+    }
+    let key = u64::from_str_radix(fields.next()?, 16).ok()?;
+    let b = fields.next()?.parse().ok()?;
+    let excess = fields.next()?.parse().ok()?;
+    Some((key, b, excess))
 }
 
 impl Corrections {
     /// The process's corrections.
     pub(crate) fn process() -> &'static Corrections {
         static PROCESS: OnceLock<Corrections> = OnceLock::new();
-        PROCESS.get_or_init(|| Corrections { by_graph: Mutex::new(HashMap::new()) })
+        PROCESS.get_or_init(Corrections::new)
+    }
+
+    fn new() -> Corrections {
+        Corrections { by_graph: Mutex::new(HashMap::new()), file: Mutex::new(None) }
+    }
+
+    /// Reads what `path` remembers for this machine and appends every new measurement to it
+    /// from now on; returns how many measurements were read. A missing file is created.
+    pub(crate) fn remember_in(&self, path: &Path) -> std::io::Result<usize> {
+        let machine = machine();
+        let text = match std::fs::read_to_string(path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+            Err(e) => return Err(e),
+        };
+        let mut read = 0;
+        {
+            let mut map = self.by_graph.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            for (key, b, excess) in text.lines().filter_map(|l| parse(l, &machine)) {
+                map.entry(key).or_default().add(b.max(1), excess);
+                read += 1;
+            }
+        }
+        // Writable now, or an error now: not a warning at the first measurement.
+        std::fs::OpenOptions::new().create(true).append(true).open(path)?;
+        *self.file.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(path.to_owned());
+        Ok(read)
+    }
+
+    /// Appends one measurement to the file, if one was given (a failure is a warning: the
+    /// process keeps its own corrections either way).
+    fn append(&self, key: u64, b: u64, excess: u64) {
+        let file = self.file.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let Some(path) = file.as_ref() else { return };
+        let written = std::fs::OpenOptions::new()
+            .append(true)
+            .open(path)
+            .and_then(|mut f| f.write_all(line(&machine(), key, b, excess).as_bytes()));
+        if let Err(error) = written {
+            tracing::warn!(%error, path = %path.display(), "toma::lazy: could not remember a correction");
+        }
     }
 
     fn key(c: &Compiled, mode: Mode) -> u64 {
@@ -111,14 +184,21 @@ impl Corrections {
         if map.len() >= CAPACITY {
             map.clear();
         }
-        let reserve = map.entry(Self::key(c, mode)).or_default();
-        reserve.add(b.max(1), measured - planned).then(|| reserve.at(b.max(1)))
+        let key = Self::key(c, mode);
+        let reserve = map.entry(key).or_default();
+        let changed = reserve.add(b.max(1), measured - planned).then(|| reserve.at(b.max(1)));
+        drop(map);
+        if changed.is_some() {
+            self.append(key, b.max(1), measured - planned);
+        }
+        changed
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::Reserve;
+    use std::path::Path;
 
     fn reserve(points: &[(u64, u64)]) -> Reserve {
         let mut r = Reserve::default();
@@ -148,5 +228,35 @@ mod tests {
         assert!(!r.add(8, 500));
         assert!(r.add(8, 900));
         assert_eq!(r.at(8), 900);
+    }
+
+    /// Measurements written to a file come back in another `Corrections` of the same machine,
+    /// and lines of another machine are not read.
+    #[test]
+    #[cfg(feature = "tch")]
+    fn a_remembered_file_brings_measurements_back() {
+        use super::{line, machine, Corrections};
+        let path = std::env::temp_dir().join(format!("toma-corrections-{}.txt", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let first = Corrections::new();
+        assert_eq!(first.remember_in(&path).unwrap(), 0);
+        first.append(42, 8, 800);
+        first.append(42, 2, 200);
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .and_then(|mut f| {
+                std::io::Write::write_all(&mut f, line("libtorch=0.0.0 threads=1 arch=x", 42, 4, 4000).as_bytes())
+            })
+            .unwrap();
+        let second = Corrections::new();
+        assert_eq!(second.remember_in(&path).unwrap(), 2, "this machine's two lines, not the other's");
+        let map = second.by_graph.lock().unwrap();
+        assert_eq!(map[&42], reserve(&[(8, 800), (2, 200)]));
+        drop(map);
+        assert!(machine().starts_with("libtorch="));
+        let _ = std::fs::remove_file(&path);
+        // A path that cannot be written is an error at once.
+        assert!(Corrections::new().remember_in(Path::new("/nonexistent-dir/x/corrections.txt")).is_err());
     }
 }

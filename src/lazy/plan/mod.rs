@@ -47,6 +47,26 @@ use super::error::LazyError;
 use super::graph::LazyTensor;
 use super::options::Options;
 
+/// Remembers what measured runs find plans miss ([`Plan::correction_bytes`]) in a file, across
+/// processes: reads what `path` holds for this machine (libtorch's release, its threads, the
+/// architecture; lines of another are skipped) and appends every new measurement to it. Returns
+/// how many measurements were read; a missing file is created. Without it the corrections last
+/// as long as the process. Measurements happen where an allocator counts: on CUDA, or on the
+/// CPU after [`track_cpu_allocations`](crate::memory::track_cpu_allocations).
+///
+/// ```
+/// let path = std::env::temp_dir().join("toma-doc-corrections.txt");
+/// let read = toma::lazy::remember_corrections(&path)?;
+/// println!("{read} measurements of earlier runs");
+/// # Ok::<(), std::io::Error>(())
+/// ```
+///
+/// # Errors
+/// The file's `io::Error` when it cannot be read, created or written.
+pub fn remember_corrections(path: impl AsRef<std::path::Path>) -> std::io::Result<usize> {
+    Corrections::process().remember_in(path.as_ref())
+}
+
 /// Collects the graph of `output` for planning and running.
 pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
     let c = compiled::compile(output)?;
