@@ -417,3 +417,68 @@ fn inputs_eager_operands_and_accumulated_gradients_when_recomputing() {
         }
     }
 }
+
+/// Values of the first segment read by a middle segment and summed at the end (`c + a + b`):
+/// autograd hands one buffer to both operands of that sum, and the middle segment's gradient
+/// of `a` must not land in `b`'s. With gradients already present (the path that sums the
+/// segments' gradients itself), whole and split.
+#[test]
+fn gradients_summed_across_segments_stay_apart() {
+    let _serial = serial();
+    let opts = (Kind::Double, CPU);
+    let w1 = (Tensor::randn([24, 24], opts) * 0.3).set_requires_grad(true);
+    let w2 = (Tensor::randn([24, 24], opts) * 0.3).set_requires_grad(true);
+    let w3 = (Tensor::randn([24, 24], opts) * 0.3).set_requires_grad(true);
+    let x = Tensor::randn([512, 24], opts);
+    let eager = || {
+        let a = x.matmul(&w1).tanh();
+        let b = x.matmul(&w2).tanh();
+        let mut c = a.shallow_clone();
+        for _ in 0..6 {
+            c = c.matmul(&w3).tanh();
+        }
+        (c + &a + &b).square().mean(Kind::Double)
+    };
+    let lazily = || {
+        let lx = lazy(&x, 0);
+        let a = lx.matmul(&w1).tanh();
+        let b = lx.matmul(&w2).tanh();
+        let mut c = a.clone();
+        for _ in 0..6 {
+            c = c.matmul(&w3).tanh();
+        }
+        (c + &a + &b).square().mean(None::<Kind>)
+    };
+    let grads = || [w1.grad().copy(), w2.grad().copy(), w3.grad().copy()];
+    eager().backward();
+    let before = grads();
+    eager().backward();
+    let want = grads();
+    let whole = whole_peak(&lazily());
+    for fraction in [0.7, 0.3] {
+        for (t, b) in [&w1, &w2, &w3].into_iter().zip(&before) {
+            t.grad().copy_(b);
+        }
+        let options = Options::new().budget((whole as f64 * fraction) as u64).recompute(Recompute::Always);
+        let plan = lazily().plan(Mode::Backward, &options).unwrap();
+        assert!(plan.recomputes() && plan.segments().len() >= 3, "{fraction}: {plan}");
+        lazily().backward_with(&options).unwrap();
+        for ((g, w), name) in grads().iter().zip(&want).zip(["w1", "w2", "w3"]) {
+            let diff = max_diff(g, w) / w.abs().max().double_value(&[]);
+            assert!(diff <= 1e-10, "{fraction}: {name} differs by {diff:e}\n{plan}");
+        }
+    }
+}
+
+/// A batch of one that does not fit is an error naming the peak, not a panic.
+#[test]
+fn a_batch_of_one_that_does_not_fit_is_an_error() {
+    let _serial = serial();
+    let w = Tensor::randn([64, 64], (Kind::Float, CPU)).set_requires_grad(true);
+    let x = Tensor::randn([1, 64], (Kind::Float, CPU));
+    let loss = lazy(&x, 0).matmul(&w).tanh().matmul(&w).sum(None);
+    for recompute in [Recompute::Auto, Recompute::Never, Recompute::Always] {
+        let err = loss.plan(Mode::Backward, &Options::new().budget(64).recompute(recompute)).unwrap_err();
+        assert!(matches!(err, LazyError::DoesNotFit { peak, .. } if peak > 64), "{recompute:?}: {err}");
+    }
+}

@@ -177,6 +177,19 @@ fn set_generator_state(device: Option<usize>, state: &[u8]) -> Result<(), LazyEr
     })
 }
 
+/// Adds a gradient autograd returned into a sum. Out of place: autograd may hand one buffer to
+/// two inputs (the backward of `a + b`) or a broadcast view (the backward of `sum`), so adding
+/// into it would change another gradient, or fail.
+fn add_out_of_place(sum: &mut Option<Tensor>, g: Tensor) -> Result<(), TchError> {
+    if g.defined() {
+        *sum = Some(match sum.take() {
+            Some(s) => s.f_add(&g)?,
+            None => g,
+        });
+    }
+    Ok(())
+}
+
 /// Runs one micro-batch's forward and backward at once: returns the loss and, unless `direct`
 /// (autograd accumulated into `.grad`), the parameters' gradients.
 fn plain_chunk(
@@ -210,6 +223,27 @@ fn plain_chunk(
 /// statistics and the generator end as after one forward. Returns the loss and, unless
 /// `direct` (autograd accumulated into `.grad`), the parameters' gradients.
 fn recompute_chunk(
+    c: &Compiled,
+    segs: &Segments,
+    chunk: &Chunk<'_>,
+    params: &[Tensor],
+    direct: bool,
+) -> Result<(f64, Vec<Tensor>), LazyError> {
+    let device = match c.device() {
+        tch::Device::Cuda(i) => Some(i),
+        _ => None,
+    };
+    // A step that fails leaves the generator as it found it (a retry draws the same masks).
+    let start = generator_state(device)?;
+    let result = recompute_segments(c, segs, chunk, params, direct);
+    if result.is_err() {
+        let _ = set_generator_state(device, &start);
+    }
+    result
+}
+
+/// [`recompute_chunk`]'s work.
+fn recompute_segments(
     c: &Compiled,
     segs: &Segments,
     chunk: &Chunk<'_>,
@@ -323,23 +357,13 @@ fn recompute_chunk(
                 let boundary_grads = grads.split_off(params.len());
                 let _no_grad = tch::no_grad_guard();
                 for (sum, g) in acc.iter_mut().zip(grads) {
-                    if g.defined() {
-                        match sum {
-                            Some(s) => drop(s.f_add_(&g).map_err(&err)?),
-                            None => *sum = Some(g),
-                        }
-                    }
+                    add_out_of_place(sum, g).map_err(&err)?;
                 }
                 boundary_grads
             };
             let _no_grad = tch::no_grad_guard();
             for ((j, _), g) in leaves.iter().zip(grads) {
-                if g.defined() {
-                    match &mut grads_out[*j] {
-                        Some(sum) => drop(sum.f_add_(&g).map_err(&err)?),
-                        slot => *slot = Some(g),
-                    }
-                }
+                add_out_of_place(&mut grads_out[*j], g).map_err(&err)?;
             }
         }
         // Kept values whose first reader (the last to run again) this segment was.

@@ -56,8 +56,10 @@ pub(crate) fn decide(c: &Compiled, mode: Mode, options: &Options) -> Result<Deci
     let budget = budget(options, c.device());
     let correction = Corrections::process().of(c, mode);
     let n = c.batch.max(1) as u64;
-    let may_recompute =
-        mode == Mode::Backward && options.recompute != Recompute::Never && options.micro_batch.is_none();
+    let may_recompute = mode == Mode::Backward
+        && options.recompute != Recompute::Never
+        && options.micro_batch.is_none()
+        && generator_replays();
     if may_recompute && !schedule.simulate(n).fits(c, budget.saturating_sub(correction.at(n)), n).0 {
         return recomputing(c, mode, options, schedule, budget, &correction);
     }
@@ -69,6 +71,19 @@ pub(crate) fn decide(c: &Compiled, mode: Mode, options: &Options) -> Result<Deci
         "the largest micro-batch that fits, recomputing nothing"
     };
     split_decision(c, mode, options, schedule, None, budget, &correction, why.into())
+}
+
+/// Whether a recomputed segment can replay libtorch's random generator (toma's shim is built):
+/// without it nothing is recomputed, and plans split as before.
+fn generator_replays() -> bool {
+    static REPLAYS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *REPLAYS.get_or_init(|| {
+        let replays = crate::memory::generator_state(None).is_ok();
+        if !replays {
+            tracing::warn!("toma::lazy: the libtorch shim is not built: plans split and never recompute");
+        }
+        replays
+    })
 }
 
 /// The plan of a backward whose whole batch does not fit as it is: micro-batches, recomputed
@@ -87,6 +102,7 @@ fn recomputing(
         check_split(c, mode, &Choice { micro_batch: 1, peak: 0, full_peak: 0, outcome: None }, budget, options)
             .err()
             .map(|e| split_refusal(&e));
+    let split_allowed = refused.is_none() && options.retry;
     let (fit, lowest) = search_segments(c, n, held);
     let plain_seconds = time::step_seconds(c, n, None);
     // What the whole batch would peak at as it is: the plan's "whole batch" figure.
@@ -99,7 +115,8 @@ fn recomputing(
             micro_batch: n as usize,
             peak: outcome.0.peak,
             full_peak,
-            splittable: false,
+            // A micro-batch that runs out of memory may be halved where the result allows it.
+            splittable: split_allowed && n > 1,
             reserved: correction.at(n),
             outcome,
             schedule,
@@ -167,7 +184,16 @@ fn recomputing(
                 format!("Recompute::Always: {} segments recomputed instead of splitting the batch", fit.0.count());
             Ok(whole(fit, why))
         }
-        (Recompute::Always, None) => both(lowest, split().err().unwrap_or_else(|| no_plan(c, budget))),
+        // Recomputing in micro-batches first; where that fails too, plain micro-batches.
+        (Recompute::Always, None) => match lowest {
+            Some(lowest) => both(Some(lowest), no_plan(c, budget)).or_else(|e| {
+                split().map_err(|s| match e {
+                    LazyError::DoesNotFit { peak: 0, .. } => s,
+                    e => lower(e, s),
+                })
+            }),
+            None => split(),
+        },
         (_, None) => match split() {
             Ok(d) => Ok(d),
             Err(e @ LazyError::DoesNotFit { .. }) => both(lowest, e),
@@ -421,6 +447,21 @@ fn choose(
     }
     if full.fits(c, held(n), n).0 {
         return Ok(Choice { micro_batch: n as usize, peak: full_peak, full_peak, outcome: Some(full_resolved) });
+    }
+    // A batch of one that does not fit has nothing smaller to try.
+    if n == 1 {
+        let (node, _) = schedule.step_node(c, full_resolved.0.peak_step);
+        return Err(LazyError::DoesNotFit {
+            op: c.output().op.name().into(),
+            peak: full_peak,
+            peak_node: node,
+            peak_op: c.nodes[node].op.name().into(),
+            budget,
+            reserved: reserve(1),
+            micro_batch: 1,
+            segments: None,
+            split_refused: None,
+        });
     }
     // Exponents e with 2^e < n: find the largest that fits (1 is checked last, if at all).
     let (mut lo, mut hi) = (0u32, 63 - (n - 1).leading_zeros());
