@@ -146,6 +146,14 @@ fn forward_chunk(c: &Compiled, chunk: &Chunk<'_>, mut trace: Option<&mut Vec<Tra
     Ok(values[n - 1].take().expect("the output is held"))
 }
 
+/// The CUDA ordinal of a device (`None`: the CPU's allocator and generator).
+fn cuda_ordinal(device: tch::Device) -> Option<usize> {
+    match device {
+        tch::Device::Cuda(i) => Some(i),
+        _ => None,
+    }
+}
+
 /// The tensors the graph's ops update in place (batch norm's running statistics).
 fn updated_tensors(c: &Compiled) -> Vec<Tensor> {
     let mut tensors = Vec::new();
@@ -229,13 +237,10 @@ fn recompute_chunk(
     params: &[Tensor],
     direct: bool,
 ) -> Result<(f64, Vec<Tensor>), LazyError> {
-    let device = match c.device() {
-        tch::Device::Cuda(i) => Some(i),
-        _ => None,
-    };
+    let device = cuda_ordinal(c.device());
     // A step that fails leaves the generator as it found it (a retry draws the same masks).
     let start = generator_state(device)?;
-    let result = recompute_segments(c, segs, chunk, params, direct);
+    let result = recompute_segments(c, segs, chunk, params, direct, device);
     if result.is_err() {
         let _ = set_generator_state(device, &start);
     }
@@ -249,13 +254,10 @@ fn recompute_segments(
     chunk: &Chunk<'_>,
     params: &[Tensor],
     direct: bool,
+    device: Option<usize>,
 ) -> Result<(f64, Vec<Tensor>), LazyError> {
     let n = c.len();
     let count = segs.count();
-    let device = match c.device() {
-        tch::Device::Cuda(i) => Some(i),
-        _ => None,
-    };
     let err = torch(n - 1, "recompute");
     let run = |values: &[Option<Tensor>], i: usize, extra: &dyn Fn(usize) -> Option<Tensor>| {
         let owned: Vec<Option<Tensor>> = c.inputs(i).map(extra).collect();
@@ -455,10 +457,7 @@ fn run_chunks(
     mut body: impl FnMut(i64, i64) -> Result<(), LazyError>,
 ) -> Result<(), LazyError> {
     // Each micro-batch is measured against its plan where an allocator counts.
-    let counter = crate::memory::PeakCounter::for_device(match p.c.device() {
-        tch::Device::Cuda(i) => Some(i),
-        _ => None,
-    });
+    let counter = crate::memory::PeakCounter::for_device(cuda_ordinal(p.c.device()));
     let mut body = |start: i64, b: i64| -> Result<(), LazyError> {
         let Some(counter) = counter else { return body(start, b) };
         let Some((before, outer_peak)) = counter.start() else { return body(start, b) };

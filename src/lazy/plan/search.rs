@@ -106,7 +106,8 @@ fn recomputing(
     let (fit, lowest) = search_segments(c, n, held);
     let plain_seconds = time::step_seconds(c, n, None);
     // What the whole batch would peak at as it is: the plan's "whole batch" figure.
-    let full_peak = schedule.simulate(n).resolve(c, n).0.peak;
+    let plain = schedule.simulate(n).resolve(c, n).0;
+    let full_peak = plain.peak;
     let whole = |(segments, schedule, outcome): (Segments, Schedule, (Outcome, u64)), why: String| {
         let seconds = time::step_seconds(c, n, Some(&segments));
         Decision {
@@ -134,25 +135,13 @@ fn recomputing(
             return Ok(whole(fit, why));
         }
         // Nothing fits: the lowest peak of the plans allowed (the whole batch, recomputing or not).
-        let plain = schedule.simulate(n).resolve(c, n).0;
         let (peak, step, sched, segments) = match &lowest {
             Some((seg, sched, o)) if o.0.peak < plain.peak => {
                 (o.0.peak, o.0.peak_step, sched, Some(seg.count() as u32))
             }
             _ => (plain.peak, plain.peak_step, &schedule, None),
         };
-        let (node, _) = sched.step_node(c, step);
-        return Err(LazyError::DoesNotFit {
-            op: c.output().op.name().into(),
-            peak,
-            peak_node: node,
-            peak_op: c.nodes[node].op.name().into(),
-            budget,
-            reserved: correction.at(n),
-            micro_batch: n as usize,
-            segments,
-            split_refused: Some(refused),
-        });
+        return Err(does_not_fit(c, sched, peak, step, budget, correction.at(n), n as usize, segments, Some(refused)));
     }
     let split = || {
         split_decision(
@@ -167,16 +156,14 @@ fn recomputing(
         )
     };
     // Both, where neither alone fits: the recomputing plan with the lowest peak, split.
-    let both = |lowest: Option<(Segments, Schedule, (Outcome, u64))>, split_err: LazyError| match lowest {
-        Some((segments, sched, _)) => {
+    let both = |lowest: Option<(Segments, Schedule, (Outcome, u64))>| {
+        lowest.map(|(segments, sched, _)| {
             let count = segments.count();
             let why = format!(
                 "neither micro-batches nor recomputing alone fits: {count} segments recomputed, in micro-batches"
             );
             split_decision(c, mode, options, sched, Some(segments), budget, correction, why)
-                .map_err(|e| lower(e, split_err))
-        }
-        None => Err(split_err),
+        })
     };
     match (options.recompute, fit) {
         (Recompute::Always, Some(fit)) => {
@@ -185,18 +172,17 @@ fn recomputing(
             Ok(whole(fit, why))
         }
         // Recomputing in micro-batches first; where that fails too, plain micro-batches.
-        (Recompute::Always, None) => match lowest {
-            Some(lowest) => both(Some(lowest), no_plan(c, budget)).or_else(|e| {
-                split().map_err(|s| match e {
-                    LazyError::DoesNotFit { peak: 0, .. } => s,
-                    e => lower(e, s),
-                })
-            }),
+        (Recompute::Always, None) => match both(lowest) {
+            Some(Ok(d)) => Ok(d),
+            Some(Err(e)) => split().map_err(|s| lower(e, s)),
             None => split(),
         },
         (_, None) => match split() {
             Ok(d) => Ok(d),
-            Err(e @ LazyError::DoesNotFit { .. }) => both(lowest, e),
+            Err(e @ LazyError::DoesNotFit { .. }) => match both(lowest) {
+                Some(result) => result.map_err(|b| lower(b, e)),
+                None => Err(e),
+            },
             Err(e) => Err(e),
         },
         (_, Some(fit)) => {
@@ -241,18 +227,30 @@ fn recomputing(
     }
 }
 
-/// A `DoesNotFit` for a graph with nothing to try (no placeholder error needed elsewhere).
-fn no_plan(c: &Compiled, budget: u64) -> LazyError {
+/// Nothing fits: the lowest peak a plan reaches (at `step` of `schedule`), and how it ran.
+#[allow(clippy::too_many_arguments)]
+fn does_not_fit(
+    c: &Compiled,
+    schedule: &Schedule,
+    peak: u64,
+    step: usize,
+    budget: u64,
+    reserved: u64,
+    micro_batch: usize,
+    segments: Option<u32>,
+    split_refused: Option<String>,
+) -> LazyError {
+    let (node, _) = schedule.step_node(c, step);
     LazyError::DoesNotFit {
         op: c.output().op.name().into(),
-        peak: 0,
-        peak_node: c.len() - 1,
-        peak_op: c.output().op.name().into(),
+        peak,
+        peak_node: node,
+        peak_op: c.nodes[node].op.name().into(),
         budget,
-        reserved: 0,
-        micro_batch: 1,
-        segments: None,
-        split_refused: None,
+        reserved,
+        micro_batch,
+        segments,
+        split_refused,
     }
 }
 
@@ -450,18 +448,7 @@ fn choose(
     }
     // A batch of one that does not fit has nothing smaller to try.
     if n == 1 {
-        let (node, _) = schedule.step_node(c, full_resolved.0.peak_step);
-        return Err(LazyError::DoesNotFit {
-            op: c.output().op.name().into(),
-            peak: full_peak,
-            peak_node: node,
-            peak_op: c.nodes[node].op.name().into(),
-            budget,
-            reserved: reserve(1),
-            micro_batch: 1,
-            segments: None,
-            split_refused: None,
-        });
+        return Err(does_not_fit(c, schedule, full_peak, full_resolved.0.peak_step, budget, reserve(1), 1, None, None));
     }
     // Exponents e with 2^e < n: find the largest that fits (1 is checked last, if at all).
     let (mut lo, mut hi) = (0u32, 63 - (n - 1).leading_zeros());
@@ -482,18 +469,7 @@ fn choose(
             let at_one = schedule.simulate(1);
             let (fits, seen) = at_one.fits(c, held(1), 1);
             if !fits {
-                let (node, _) = schedule.step_node(c, seen.peak_step);
-                return Err(LazyError::DoesNotFit {
-                    op: c.output().op.name().into(),
-                    peak: seen.peak,
-                    peak_node: node,
-                    peak_op: c.nodes[node].op.name().into(),
-                    budget,
-                    reserved: reserve(1),
-                    micro_batch: 1,
-                    segments: None,
-                    split_refused: None,
-                });
+                return Err(does_not_fit(c, schedule, seen.peak, seen.peak_step, budget, reserve(1), 1, None, None));
             }
             at_one
         }
