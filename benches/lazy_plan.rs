@@ -9,7 +9,7 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use tch::{nn, Device, Kind, Tensor};
-use toma::lazy::{lazy, LazyTensor, Mode, Options, Recompute};
+use toma::lazy::{lazy, Calibrate, LazyTensor, Mode, Options, Recompute};
 
 const LAYERS: usize = 96;
 const BATCH: i64 = 64;
@@ -105,6 +105,29 @@ fn bench(c: &mut Criterion) {
     c.bench_function("lazy_plan/transformer96_backward_recompute", |b| {
         b.iter(|| black_box(loss.plan(Mode::Backward, &auto).unwrap()))
     });
+    // Every kernel call measured rather than priced by its rules (what a plan is on a machine
+    // where no rule was read): the first plan measures each distinct call once; every later one
+    // finds the measurements (what is timed).
+    assert!(toma::memory::track_cpu_allocations());
+    let calibrated = options.clone().calibrate(Calibrate::Always);
+    let first = loss.plan(Mode::Backward, &calibrated).unwrap();
+    let cal = first.calibration();
+    eprintln!(
+        "calibrated: {} kernel calls measured in {:.1} ms, {} found measured; peak {} B (rules: {} B)",
+        cal.measured,
+        cal.elapsed.as_secs_f64() * 1e3,
+        cal.remembered,
+        first.peak_bytes(),
+        plan_peak(&loss, &options)
+    );
+    assert!(cal.measured > 0);
+    c.bench_function("lazy_plan/transformer96_backward_calibrated", |b| {
+        b.iter(|| black_box(loss.plan(Mode::Backward, &calibrated).unwrap()))
+    });
+}
+
+fn plan_peak(loss: &LazyTensor, options: &Options) -> u64 {
+    loss.plan(Mode::Backward, options).unwrap().peak_bytes()
 }
 
 criterion_group!(benches, bench);

@@ -716,6 +716,39 @@ fn generated_models_in_training_loops() {
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "steps");
 }
 
+/// The generated CNNs trained as users train them (as above) with every kernel call measured
+/// instead of priced by its rules (`Calibrate::Always`: what a plan is on a machine where no rule
+/// was read, another libtorch or more threads): every step within 10% of its measured peak.
+#[test]
+fn generated_models_calibrated_in_training_loops() {
+    use tch::nn::OptimizerConfig;
+    use toma::lazy::Calibrate;
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    tch::manual_seed(17);
+    let seed = std::env::var("TOMA_PEAK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x0c0b);
+    let mut rows = Rows::default();
+    for (i, arch) in Arch::generate(12, seed).into_iter().enumerate() {
+        let kind = if i % 2 == 1 { Kind::Double } else { Kind::Float };
+        let chunks = [1, 2, 4][i % 3];
+        let frozen = i % 4 == 3;
+        let micro = (arch.batch as usize / chunks).max(1);
+        let options = Options::new().micro_batch(micro).allow_batch_mixing(true).calibrate(Calibrate::Always);
+        let mut warm = nn::VarStore::new(CPU);
+        arch.loss_as(&mut warm, 2, kind, frozen).backward_with(&Options::new()).expect("a warm-up step");
+        let mut vs = nn::VarStore::new(CPU);
+        let loss = arch.loss_as(&mut vs, arch.batch, kind, frozen);
+        let plan = loss.plan(Mode::Backward, &options).expect("a plan");
+        let cal = plan.calibration();
+        assert!(cal.measured + cal.remembered > 0 && cal.unmeasured == 0, "{cal:?}\n{plan}");
+        let opt = nn::Sgd::default().build(&vs, 1e-3).unwrap();
+        let describe =
+            format!("{} {kind:?} x{chunks}{} calibrated", arch.describe(), if frozen { " frozen c1" } else { "" });
+        train_as_users_do(&mut rows, &describe, &vs, opt, &loss, &options);
+    }
+    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "steps");
+}
+
 /// The generated CNNs under a budget of 60% of their whole batch's peak, recomputing first
 /// (`Recompute::Always`; in micro-batches too where recomputing alone does not fit): every step
 /// of the users' loop within 10% of its measured peak, in f32 and f64, batch norm in training
@@ -771,6 +804,8 @@ fn generated_models_recomputed_in_training_loops() {
 /// much more in reserve, show it, and fit the budget.
 #[test]
 fn a_plan_that_was_low_is_corrected_for_later_steps() {
+    // What measured runs correct, not what calibration measures first.
+    let rules = || Options::new().calibrate(toma::lazy::Calibrate::Never);
     use toma::lazy::{CustomOp, Saves};
     let _serial = support::serial();
     assert!(memory::track_cpu_allocations());
@@ -793,10 +828,10 @@ fn a_plan_that_was_low_is_corrected_for_later_steps() {
         let h = toma::lazy::lazy(&x, 0).apply(&fc);
         hidden.apply(&[&h]).unwrap().relu().sum(None)
     };
-    let whole = step().plan(Mode::Backward, &Options::new().budget(u64::MAX / 4)).unwrap();
+    let whole = step().plan(Mode::Backward, &rules().budget(u64::MAX / 4)).unwrap();
     assert_eq!(whole.correction_bytes_per_sample(), 0, "a graph never run has no correction");
     let budget = whole.peak_bytes() * 3 / 2;
-    let options = Options::new().budget(budget);
+    let options = rules().budget(budget);
     let first = step().plan(Mode::Backward, &options).unwrap();
     assert!(!first.splits(), "{first}");
     let before = memory::cpu_allocator_stats().unwrap().allocated;
@@ -824,6 +859,8 @@ fn a_plan_that_was_low_is_corrected_for_later_steps() {
 /// (the graph's fingerprint is the same in every process).
 #[test]
 fn corrections_remembered_in_a_file_reach_the_next_process() {
+    // What measured runs correct, not what calibration measures first.
+    let rules = || Options::new().calibrate(toma::lazy::Calibrate::Never);
     use toma::lazy::{CustomOp, Saves};
     const CHILD: &str = "TOMA_CORRECTIONS_CHILD";
     if let Ok(role) = std::env::var(CHILD) {
@@ -845,14 +882,23 @@ fn corrections_remembered_in_a_file_reach_the_next_process() {
         let fc = nn::linear(vs.root() / "fc", 256, 256, Default::default());
         let x = Tensor::randn([64, 256], (Kind::Float, CPU));
         let loss = hidden.apply(&[&toma::lazy::lazy(&x, 0).apply(&fc)]).unwrap().relu().sum(None);
-        let whole = loss.plan(Mode::Backward, &Options::new().budget(u64::MAX / 4)).unwrap();
-        let options = Options::new().budget(whole.peak_bytes() * 3);
+        let whole = loss.plan(Mode::Backward, &rules().budget(u64::MAX / 4)).unwrap();
+        let options = rules().budget(whole.peak_bytes() * 3);
         let plan = loss.plan(Mode::Backward, &options).unwrap();
         if what == "run" {
             loss.backward_with(&options).unwrap();
         }
+        // Calibration (the op is a user's: no rule knows it) is remembered in the same file.
+        let calibrated = loss.plan(Mode::Backward, &Options::new().budget(whole.peak_bytes() * 3)).unwrap();
+        let cal = calibrated.calibration();
         // On a line of its own: the harness printed the test name without a newline.
-        println!("\nCHILD-DONE correction={} held={}", plan.correction_bytes(), plan.to_string().contains("verified:"));
+        println!(
+            "\nCHILD-DONE correction={} held={} measured={} remembered={}",
+            plan.correction_bytes(),
+            plan.to_string().contains("verified:"),
+            cal.measured,
+            cal.remembered
+        );
         return;
     }
     let _serial = support::serial();
@@ -865,6 +911,7 @@ fn corrections_remembered_in_a_file_reach_the_next_process() {
     )
     .assert_finished("CHILD-DONE");
     assert_eq!(first["correction"], "0", "a graph never run has no correction");
+    assert_eq!((first["measured"].as_str(), first["remembered"].as_str()), ("1", "0"), "{first:?}");
     let remembered = std::fs::read_to_string(&path).expect("the file");
     assert!(!remembered.is_empty(), "the run's excess was written");
     let second = support::child::run(
@@ -877,6 +924,97 @@ fn corrections_remembered_in_a_file_reach_the_next_process() {
     let held: u64 = second["correction"].parse().unwrap();
     assert!(held > 0, "the second process holds what the first measured: {second:?}\n{remembered}");
     assert_eq!(second["held"], "true", "and its printed plan says so: {second:?}");
+    assert_eq!(
+        (second["measured"].as_str(), second["remembered"].as_str()),
+        ("0", "1"),
+        "the op measured by the first process is not measured again: {second:?}"
+    );
+}
+
+/// An op no rule knows (a user's own function, with scratch space its shape rule cannot
+/// declare) is measured before the first step runs: that step's peak is as planned. Priced by
+/// rules alone (`Calibrate::Never`), the same first step runs far over its plan (what measured
+/// runs then correct for later steps).
+#[test]
+fn an_op_no_rule_knows_is_measured_before_its_first_step() {
+    use toma::lazy::{Calibrate, CustomOp, Saves};
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    // `x * 2` with a scratch of 6 times x's size (per sample, so it grows with the batch) and
+    // a fixed 1 MiB workspace.
+    let hidden = CustomOp::new(
+        "hidden_scratch_and_workspace",
+        |ins| Ok(ins[0].clone()),
+        |xs| {
+            let scratch = Tensor::f_zeros([xs[0].numel() as i64 * 6], (xs[0].kind(), xs[0].device()))?;
+            let workspace = Tensor::f_zeros([1 << 18], (Kind::Float, xs[0].device()))?;
+            let doubled = xs[0].f_mul_scalar(2.0)?;
+            drop((scratch, workspace));
+            Ok(doubled)
+        },
+    )
+    .saves(Saves::Nothing);
+    let vs = nn::VarStore::new(CPU);
+    let fc = nn::linear(vs.root() / "fc", 128, 128, Default::default());
+    let mut rows = Rows::default();
+    for (batch, micro) in [(64i64, 64usize), (96, 32), (200, 25)] {
+        let x = Tensor::randn([batch, 128], (Kind::Float, CPU));
+        let loss = hidden.apply(&[&toma::lazy::lazy(&x, 0).apply(&fc)]).unwrap().relu().sum(None);
+        for how in [Calibrate::Auto, Calibrate::Never] {
+            let options = Options::new().micro_batch(micro).calibrate(how);
+            let plan = loss.plan(Mode::Backward, &options).unwrap();
+            let before = memory::cpu_allocator_stats().unwrap().allocated;
+            assert!(memory::reset_cpu_peak());
+            loss.backward_with(&options).unwrap();
+            let measured = memory::cpu_allocator_stats().unwrap().peak_allocated - before;
+            let describe = format!("batch {batch} in micro-batches of {micro}, first step, {how:?}");
+            if how == Calibrate::Never {
+                assert!(error(plan.peak_bytes(), measured) < -0.3, "rules alone miss the scratch: {plan}");
+                println!("{describe:<60} planned {:>10} measured {measured:>10} (rules alone)", plan.peak_bytes());
+                continue;
+            }
+            let cal = plan.calibration();
+            assert_eq!(cal.measured + cal.remembered, 1, "one op wanted measuring: {cal:?}");
+            assert!(plan.to_string().contains("calibrated: "), "{plan}");
+            rows.push(describe, plan.peak_bytes(), measured);
+        }
+    }
+    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "first steps");
+}
+
+/// Rules read on two threads do not price convolutions on more: with libtorch set to 3
+/// threads, the generated CNNs' convolutions are measured (`Calibrate::Auto`, nothing asked),
+/// and every step of the users' loop is within 10% of its measured peak.
+#[test]
+fn a_thread_count_the_rules_were_not_read_on_is_calibrated() {
+    use tch::nn::OptimizerConfig;
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    struct Threads(i32);
+    impl Drop for Threads {
+        fn drop(&mut self) {
+            tch::set_num_threads(self.0);
+        }
+    }
+    let _restore = Threads(tch::get_num_threads());
+    tch::set_num_threads(3);
+    tch::manual_seed(23);
+    let mut rows = Rows::default();
+    for (i, arch) in Arch::generate(6, 0x7a3).into_iter().enumerate() {
+        let kind = if i % 2 == 1 { Kind::Double } else { Kind::Float };
+        let micro = (arch.batch as usize / [1, 2][i % 2]).max(1);
+        let options = Options::new().micro_batch(micro).allow_batch_mixing(true);
+        let mut warm = nn::VarStore::new(CPU);
+        arch.loss_as(&mut warm, 2, kind, false).backward_with(&Options::new()).expect("a warm-up step");
+        let mut vs = nn::VarStore::new(CPU);
+        let loss = arch.loss_as(&mut vs, arch.batch, kind, false);
+        let plan = loss.plan(Mode::Backward, &options).expect("a plan");
+        let cal = plan.calibration();
+        assert!(cal.measured + cal.remembered > 0, "convolutions on 3 threads are measured: {plan}");
+        let opt = nn::Sgd::default().build(&vs, 1e-3).unwrap();
+        train_as_users_do(&mut rows, &format!("{} {kind:?} on 3 threads", arch.describe()), &vs, opt, &loss, &options);
+    }
+    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "steps");
 }
 
 /// A fixed excess (a workspace the planner cannot see, as large at any micro-batch) is held
@@ -884,6 +1022,8 @@ fn corrections_remembered_in_a_file_reach_the_next_process() {
 /// it shrank with the micro-batch and the later plans stayed under.
 #[test]
 fn a_fixed_excess_is_held_whole_at_smaller_micro_batches() {
+    // What measured runs correct, not what calibration measures first.
+    let rules = || Options::new().calibrate(toma::lazy::Calibrate::Never);
     use toma::lazy::{CustomOp, Saves};
     let _serial = support::serial();
     assert!(memory::track_cpu_allocations());
@@ -907,7 +1047,7 @@ fn a_fixed_excess_is_held_whole_at_smaller_micro_batches() {
         hidden.apply(&[&h]).unwrap().relu().sum(None)
     };
     // A first run, unconstrained, measures the excess.
-    let unconstrained = Options::new().budget(u64::MAX / 4);
+    let unconstrained = rules().budget(u64::MAX / 4);
     let whole = step().plan(Mode::Backward, &unconstrained).unwrap();
     let before = memory::cpu_allocator_stats().unwrap().allocated;
     assert!(memory::reset_cpu_peak());
@@ -915,9 +1055,9 @@ fn a_fixed_excess_is_held_whole_at_smaller_micro_batches() {
     let excess = memory::cpu_allocator_stats().unwrap().peak_allocated - before - whole.peak_bytes();
     assert!(excess > WORKSPACE as u64 / 2, "the workspace breaks the plan: {excess}");
     // It fits beside half the batch, not beside the whole: the plan splits, and holds all of it.
-    let one = step().plan(Mode::Backward, &Options::new().micro_batch(1)).unwrap();
+    let one = step().plan(Mode::Backward, &rules().micro_batch(1)).unwrap();
     let budget = excess + (whole.peak_bytes() + one.peak_bytes()) / 2;
-    let options = Options::new().budget(budget);
+    let options = rules().budget(budget);
     let second = step().plan(Mode::Backward, &options).unwrap();
     let shown = second.to_string();
     assert!(second.splits(), "{shown}");
@@ -983,6 +1123,81 @@ fn generated_transformers_peak_as_planned() {
         rows.push(describe, planned, measured);
     }
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "blocks");
+}
+
+/// Generated transformer blocks (as above) and forward-only plans whose output is concatenated,
+/// indexed or reduced per chunk, with every kernel call measured rather than priced by its rules
+/// (`Calibrate::Always`): each within 10% of its measured peak.
+#[test]
+fn generated_transformers_and_forward_plans_calibrated() {
+    use toma::lazy::models::{BlockConfig, DecoderBlock, EncoderBlock};
+    use toma::lazy::Calibrate;
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    tch::manual_seed(19);
+    let mut state: u64 = std::env::var("TOMA_PEAK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x51ca);
+    let mut next = |n: usize| {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((state >> 33) % n as u64) as usize
+    };
+    let calibrated = Options::new().calibrate(Calibrate::Always);
+    let mut rows = Rows::default();
+    for i in 0..8 {
+        let (d, heads, t) = ([32, 64, 128][next(3)], [1, 2, 4][next(3)], [8, 16, 64][next(3)]);
+        let (decoder, train, batch) = (next(2) == 1, next(2) == 1, [2, 8, 16][next(3)]);
+        let kind = if i % 2 == 1 { Kind::Double } else { Kind::Float };
+        let chunks = [1, 2][next(2)];
+        let describe = format!(
+            "{} d{d} h{heads} t{t} {} b{batch} {kind:?} x{chunks} calibrated",
+            if decoder { "decoder" } else { "encoder" },
+            if train { "train" } else { "eval" }
+        );
+        let mut vs = nn::VarStore::new(CPU);
+        let config = BlockConfig::gpt2(d, heads);
+        let head = nn::linear(vs.root() / "head", d, 50, Default::default());
+        let (encoder, dec) = (EncoderBlock::new(vs.root() / "e", config), DecoderBlock::new(vs.root() / "d", config));
+        if kind == Kind::Double {
+            vs.double();
+        }
+        let x = Tensor::randn([batch, t, d], (kind, CPU));
+        let y = Tensor::randint(50, [batch, t], (Kind::Int64, CPU));
+        let (lx, ly) = toma::lazy::lazy((&x, &y), 0);
+        let h = if decoder { dec.forward_t(&lx, train) } else { encoder.forward_t(&lx, None, train) };
+        let loss = h.apply(&head).view([-1, 50]).cross_entropy_for_logits(&ly.view([-1]));
+        let options = calibrated.clone().micro_batch((batch as usize / chunks).max(1));
+        let plan = loss.plan(Mode::Backward, &options).expect("a plan");
+        assert!(plan.calibration().measured + plan.calibration().remembered > 0, "{plan}");
+        let before = memory::cpu_allocator_stats().expect("tracking").allocated;
+        assert!(memory::reset_cpu_peak());
+        loss.backward_with(&options).expect("forward and backward");
+        let measured = memory::cpu_allocator_stats().expect("tracking").peak_allocated - before;
+        rows.push(describe, plan.peak_bytes(), measured);
+    }
+    let vs = nn::VarStore::new(CPU);
+    let emb = nn::embedding(vs.root() / "emb", 50, 64, Default::default());
+    let l1 = nn::linear(vs.root() / "l1", 64, 256, Default::default());
+    let head = nn::linear(vs.root() / "head", 256, 1000, Default::default());
+    let tokens = Tensor::randint(50, [256, 16], (Kind::Int64, CPU));
+    for output in ["logits", "last position", "summed per sample"] {
+        for micro in [256usize, 32] {
+            let _no_grad = tch::no_grad_guard();
+            let logits = toma::lazy::lazy(&tokens, 0).apply(&emb).apply(&l1).gelu("none").apply(&head);
+            let out = match output {
+                "logits" => logits,
+                "last position" => logits.i((.., -1, ..)),
+                _ => logits.sum_dim_intlist(-1, false, None),
+            };
+            let options = calibrated.clone().micro_batch(micro);
+            let planned = out.plan(Mode::Forward, &options).expect("a plan").peak_bytes();
+            let before = memory::cpu_allocator_stats().expect("tracking").allocated;
+            assert!(memory::reset_cpu_peak());
+            let value = out.to_tensor_with(&options).expect("a value");
+            let measured = memory::cpu_allocator_stats().expect("tracking").peak_allocated - before;
+            assert_eq!(value.size()[0], 256);
+            rows.push(format!("forward, {output} in micro-batches of {micro}, calibrated"), planned, measured);
+        }
+    }
+    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "calibrated plans");
 }
 
 /// Generated transformer stacks (as above, two blocks) under 60% of their whole batch's peak,

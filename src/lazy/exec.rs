@@ -398,6 +398,7 @@ fn prepare(output: &LazyTensor, mode: Mode, options: &Options) -> Result<Prepare
     let c = plan::compile(output)?;
     let d = plan::decide(&c, mode, options)?;
     let chunks = (c.batch as usize).div_ceil(d.micro_batch);
+    let calibration = c.calibration();
     tracing::info!(
         mode = ?mode,
         op = c.output().op.name(),
@@ -410,6 +411,9 @@ fn prepare(output: &LazyTensor, mode: Mode, options: &Options) -> Result<Prepare
         full_batch_peak = d.full_peak,
         budget = d.budget,
         nodes = c.len(),
+        calibrated = calibration.measured,
+        calibration_ms = calibration.elapsed.as_secs_f64() * 1e3,
+        uncalibrated = calibration.unmeasured,
         "toma::lazy: plan"
     );
     Ok(Prepared { c, d })

@@ -316,6 +316,12 @@ pub(crate) trait Operation {
     /// convolutions.
     fn kernels<'a>(&'a self, _inputs: &'a [Rc<Node>], _meta: &'a Meta, _calls: &mut Vec<KernelCall<'a>>) {}
 
+    /// Whether [`kernels`](Self::kernels) says all the op takes: false for ops whose kernels
+    /// nobody read (a user's own function), which a calibrating plan measures.
+    fn kernels_known(&self) -> bool {
+        true
+    }
+
     /// In a split run, when the op's value is summed over micro-batches: its share of the
     /// full batch's value, or `None` to run it as is.
     fn run_share(&self, _ins: &[&Tensor], _node: &Node, _share: &Share) -> Option<Result<Tensor, TchError>> {

@@ -78,6 +78,7 @@ pub mod vision;
 mod wrap;
 
 pub use cost::cuda::{round_block, BLOCK};
+pub use cost::measured::Calibration;
 pub use error::LazyError;
 pub use exec::TracedOp;
 pub use graph::LazyTensor;
@@ -88,7 +89,7 @@ pub use ops::custom::{CustomOp, Saves, TensorMeta};
 pub use ops::record::IntoLazy;
 pub use ops::{Fallible, LayoutOps, LossOps, MatrixOps, NormOps, PointwiseOps, ReduceOps, WindowOps};
 pub use optim::Loss;
-pub use options::{Options, Recompute};
+pub use options::{Calibrate, Options, Recompute};
 pub use plan::{remember_corrections, Mode, Phase, Plan, PlanOp, Step};
 pub use tensor::{OpCosts, Split};
 pub use tensor_ops::{Arithmetic, Operators, TensorOps};

@@ -24,6 +24,30 @@ pub enum Recompute {
     Always,
 }
 
+/// Whether a plan measures kernel calls before pricing them ([`Options::calibrate`]).
+///
+/// The planner prices what kernels take besides their inputs and outputs (a convolution's
+/// scratch space, a product's workspace) by rules read on one library release, a few thread
+/// counts and a few kinds. Where a rule was not read for this machine (another libtorch
+/// release, more threads, another kind), or no rule exists (a [`CustomOp`](crate::lazy::CustomOp)),
+/// the call can be measured instead: it runs alone at 1, 2 and 8 samples on stand-in inputs
+/// under the allocator counter, and the plan uses what the counter saw. A call is measured once
+/// per shape in a process (and across processes with
+/// [`remember_corrections`](crate::lazy::remember_corrections)); the printed plan says how many
+/// calls were measured and what that took. Measuring needs an allocator that counts: CUDA's,
+/// or the CPU's after [`track_cpu_allocations`](crate::memory::track_cpu_allocations).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Calibrate {
+    /// Measure the calls no validated rule prices on this machine, where an allocator counts.
+    #[default]
+    Auto,
+    /// Never measure: rules only (plans run nothing before the step).
+    Never,
+    /// Measure every call a rule prices, validated or not, and every custom op: what a plan
+    /// would be on a machine where no rule was read.
+    Always,
+}
+
 /// How to plan and run: the memory budget, splitting policy and cache.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Options {
@@ -34,6 +58,7 @@ pub struct Options {
     pub(crate) cache: Option<CacheKind>,
     pub(crate) retry: bool,
     pub(crate) recompute: Recompute,
+    pub(crate) calibrate: Calibrate,
     #[cfg(feature = "dist")]
     pub(crate) group: Option<crate::dist::Group>,
 }
@@ -48,6 +73,7 @@ impl Default for Options {
             cache: None,
             retry: true,
             recompute: Recompute::Auto,
+            calibrate: Calibrate::Auto,
             #[cfg(feature = "dist")]
             group: None,
         }
@@ -135,6 +161,32 @@ impl Options {
     /// ```
     pub fn recompute(mut self, recompute: Recompute) -> Self {
         self.recompute = recompute;
+        self
+    }
+
+    /// Whether kernel calls without a rule validated on this machine are measured before they
+    /// are priced ([`Calibrate`]; `Auto` unless told).
+    ///
+    /// ```
+    /// use tch::{Device, Kind, Tensor};
+    /// use toma::lazy::{lazy, Calibrate, CustomOp, Mode, Options};
+    ///
+    /// // An op of our own that takes scratch space no rule knows of.
+    /// let op = CustomOp::new("scaled", |ins| Ok(ins[0].clone()), |xs| {
+    ///     let scratch = xs[0].f_repeat([4, 1])?;
+    ///     xs[0].f_mul_scalar(scratch.numel() as f64)
+    /// });
+    /// toma::memory::track_cpu_allocations();
+    /// let x = Tensor::randn([64, 32], (Kind::Float, Device::Cpu));
+    /// let y = op.apply(&[&lazy(&x, 0)])?.sum(None);
+    /// let measured = y.plan(Mode::Forward, &Options::new())?;
+    /// let rules = y.plan(Mode::Forward, &Options::new().calibrate(Calibrate::Never))?;
+    /// assert_eq!(measured.calibration().measured + measured.calibration().remembered, 1);
+    /// assert!(measured.peak_bytes() > rules.peak_bytes(), "the scratch is planned");
+    /// # Ok::<(), toma::lazy::LazyError>(())
+    /// ```
+    pub fn calibrate(mut self, calibrate: Calibrate) -> Self {
+        self.calibrate = calibrate;
         self
     }
 

@@ -47,6 +47,15 @@ impl PeakCounter {
         }
     }
 
+    /// The bytes in use now.
+    #[cfg_attr(not(feature = "tch"), allow(dead_code))]
+    pub(crate) fn in_use(self) -> Option<u64> {
+        match self {
+            PeakCounter::Cpu => torch::cpu_stats().ok().map(|s| bytes(s.allocated)),
+            PeakCounter::Cuda(d) => torch::stats(d).ok().map(|s| bytes(s.allocated)),
+        }
+    }
+
     /// Ends a measurement: gives the counter back the peak it had before [`start`](Self::start)
     /// if that was higher, so that a measurement around this one (an `auto` chunk whose body
     /// runs a lazy step) still sees it. On the CPU only: libtorch's CUDA peaks can be reset,

@@ -8,7 +8,7 @@ use tch::Kind;
 use super::brgemm;
 use super::onednn::OneDnn;
 use super::work::{batch_of, chord, Scratch};
-use crate::lazy::graph::{Convolution, Product};
+use crate::lazy::graph::{Convolution, KernelCall, Product};
 use crate::lazy::shape;
 
 /// libtorch's rule: a 1×1 unstrided convolution of fewer samples than this, on one thread,
@@ -21,6 +21,10 @@ const SMALL_KERNEL_SIDE: i64 = 3;
 /// A transposed convolution libtorch runs natively (not `Float`, unbatched or grouped) takes
 /// its operands moved, and 32 KiB more in its backward.
 const NATIVE_TRANSPOSED_BACKWARD_FIXED: u64 = 32 << 10;
+
+/// The most intra-op threads the thread-dependent rules (oneDNN's convolutions and products)
+/// were read on: plans for more threads measure those calls ([`Calibrate`](crate::lazy::Calibrate)).
+pub(crate) const READ_THREADS: u64 = 2;
 
 /// One CPU, as libtorch runs kernels on it: its intra-op threads and its oneDNN.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -52,6 +56,44 @@ impl Cpu {
             }
             cpu
         })
+    }
+
+    /// This machine as libtorch runs it now: [`host`](Self::host) with the intra-op threads
+    /// libtorch has at this moment (`tch::set_num_threads` may have changed them since).
+    pub(crate) fn current() -> Cpu {
+        let host = Cpu::host();
+        let threads = tch::get_num_threads().max(1) as u64;
+        if threads == host.threads {
+            return host.clone();
+        }
+        Cpu { threads, onednn: OneDnn { threads, ..host.onednn }, bf16_onednn: host.bf16_onednn }
+    }
+
+    /// Whether the rule that prices `call` was read on this library release, thread count and
+    /// kind. Convolutions were read in `Float`, `Double` and `Half` (native) and in `BFloat16`
+    /// where oneDNN takes it; products have scratch only in `BFloat16` through oneDNN. Both
+    /// depend on the threads. The rest are libtorch's formulas, read on its release.
+    pub(crate) fn validated(&self, call: &KernelCall<'_>) -> bool {
+        if !self.onednn.validated() {
+            return false;
+        }
+        let threads_read = self.threads <= READ_THREADS;
+        match call {
+            KernelCall::Convolution(c) => {
+                threads_read
+                    && match c.output.kind {
+                        Kind::Float | Kind::Double | Kind::Half => true,
+                        Kind::BFloat16 => self.bf16_onednn,
+                        _ => false,
+                    }
+            }
+            KernelCall::Product(p) => match p.out.kind {
+                Kind::Float | Kind::Double | Kind::Half => true,
+                Kind::BFloat16 => self.bf16_onednn && threads_read,
+                _ => false,
+            },
+            _ => true,
+        }
     }
 
     /// A CPU of `threads` intra-op threads whose oneDNN uses channel blocks of `block`, with

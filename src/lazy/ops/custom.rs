@@ -186,6 +186,11 @@ fn intern(name: String) -> &'static str {
 }
 
 impl Operation for CustomOp {
+    /// A user's function: what it takes besides its output is not known until measured.
+    fn kernels_known(&self) -> bool {
+        false
+    }
+
     fn name(&self) -> &'static str {
         self.name
     }

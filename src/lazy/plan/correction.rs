@@ -11,6 +11,7 @@ use tch::Device;
 
 use super::compiled::Compiled;
 use super::schedule::Mode;
+use crate::lazy::cost::measured::{self, Measured};
 
 /// A measurement this much over its plan raises the graph's correction.
 const TOLERANCE: f64 = 1.02;
@@ -99,6 +100,18 @@ fn line(machine: &str, key: u64, b: u64, excess: u64) -> String {
     format!("{machine}\t{key:016x}\t{b}\t{excess}\n")
 }
 
+/// The tag of a calibration's line: `machine \t calibration \t key \t figures`.
+const CALIBRATION: &str = "calibration";
+
+fn parse_calibration(line: &str, machine: &str) -> Option<(u64, Measured)> {
+    let mut fields = line.split('\t');
+    if fields.next()? != machine || fields.next()? != CALIBRATION {
+        return None;
+    }
+    let key = u64::from_str_radix(fields.next()?, 16).ok()?;
+    Some((key, Measured::from_line(fields.next()?)?))
+}
+
 fn parse(line: &str, machine: &str) -> Option<(u64, u64, u64)> {
     let mut fields = line.split('\t');
     if fields.next()? != machine {
@@ -133,9 +146,14 @@ impl Corrections {
         let mut read = 0;
         {
             let mut map = self.by_graph.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            for (key, b, excess) in text.lines().filter_map(|l| parse(l, &machine)) {
-                map.entry(key).or_default().add(b.max(1), excess);
-                read += 1;
+            for line in text.lines() {
+                if let Some((key, b, excess)) = parse(line, &machine) {
+                    map.entry(key).or_default().add(b.max(1), excess);
+                    read += 1;
+                } else if let Some((key, m)) = parse_calibration(line, &machine) {
+                    measured::insert(key, Some(m));
+                    read += 1;
+                }
             }
         }
         // Writable now, or an error now: not a warning at the first measurement.
@@ -147,12 +165,27 @@ impl Corrections {
     /// Appends one measurement to the file, if one was given (a failure is a warning: the
     /// process keeps its own corrections either way).
     fn append(&self, key: u64, b: u64, excess: u64) {
+        self.write(&line(&machine(), key, b, excess));
+    }
+
+    /// Appends what calibration measured now to the file, if one was given.
+    pub(crate) fn remember_calibrations(&self, measured: &[(u64, Measured)]) {
+        if measured.is_empty() {
+            return;
+        }
+        let machine = machine();
+        let lines: String = measured
+            .iter()
+            .map(|(key, m)| format!("{machine}\t{CALIBRATION}\t{key:016x}\t{}\n", m.to_line()))
+            .collect();
+        self.write(&lines);
+    }
+
+    fn write(&self, lines: &str) {
         let file = self.file.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let Some(path) = file.as_ref() else { return };
-        let written = std::fs::OpenOptions::new()
-            .append(true)
-            .open(path)
-            .and_then(|mut f| f.write_all(line(&machine(), key, b, excess).as_bytes()));
+        let written =
+            std::fs::OpenOptions::new().append(true).open(path).and_then(|mut f| f.write_all(lines.as_bytes()));
         if let Err(error) = written {
             tracing::warn!(%error, path = %path.display(), "toma::lazy: could not remember a correction");
         }

@@ -10,6 +10,7 @@ use tch::Kind;
 use super::compiled::Compiled;
 use super::schedule::{Mode, Phase, Schedule, Step};
 use super::search::Decision;
+use crate::lazy::cost::measured::Calibration;
 use crate::lazy::cost::Work;
 
 /// One op of a plan, at the micro-batch size.
@@ -61,6 +62,7 @@ pub struct Plan {
     why: String,
     /// Estimated seconds of the planned step and of a plain whole-batch step.
     seconds: (f64, f64),
+    calibration: Calibration,
 }
 
 impl Plan {
@@ -132,6 +134,12 @@ impl Plan {
     /// The positions of the ops that run twice (inputs and parameters aside).
     pub fn recomputed_ops(&self) -> &[usize] {
         &self.recomputed
+    }
+    /// What calibration measured for this plan ([`Calibrate`](crate::lazy::Calibrate)): kernel
+    /// calls measured now or earlier in place of rules not validated on this machine, those
+    /// that could not be, and what measuring took.
+    pub fn calibration(&self) -> &Calibration {
+        &self.calibration
     }
     /// Why the planner chose this plan, in a sentence.
     pub fn reason(&self) -> &str {
@@ -351,6 +359,7 @@ pub(crate) fn detail(c: Compiled, decision: Decision) -> Plan {
         steps: OnceCell::new(),
         recomputed: decision.segments.as_ref().map_or_else(Vec::new, |s| s.recomputed(&c).collect()),
         segments: decision.segments.as_ref().map_or_else(Vec::new, |s| s.starts.iter().map(|&p| p as usize).collect()),
+        calibration: c.calibration(),
         last_use: c.last_use,
         correction: decision.reserved,
         why: decision.why,
@@ -421,6 +430,24 @@ impl fmt::Display for Plan {
             self.why,
             self.estimated_time_ratio()
         )?;
+        let cal = &self.calibration;
+        if cal.measured + cal.remembered > 0 {
+            writeln!(
+                f,
+                "calibrated: {} kernel call(s) without a rule validated here measured in {:.1} ms, {} measured earlier",
+                cal.measured,
+                cal.elapsed.as_secs_f64() * 1e3,
+                cal.remembered
+            )?;
+        }
+        if cal.unmeasured > 0 {
+            writeln!(
+                f,
+                "not calibrated: {} kernel call(s) priced by rules not validated here ({})",
+                cal.unmeasured,
+                cal.why_unmeasured.as_deref().unwrap_or("not measured")
+            )?;
+        }
         if self.correction > 0 {
             writeln!(
                 f,

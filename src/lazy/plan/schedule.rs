@@ -121,15 +121,22 @@ pub(crate) struct Prices {
 impl Prices {
     pub(crate) fn of(c: &Compiled) -> Prices {
         let mut calls = Vec::new();
+        let calibrated = c.calibrated.get();
+        let measured = |i: usize| calibrated.is_some_and(|cal| cal.covers(i));
         let mut priced: Vec<Price> = Vec::with_capacity(c.nodes.iter().filter(|x| x.cost.kernel_calls).count());
         let slot: Vec<u32> = c
             .nodes
             .iter()
-            .map(|node| {
-                if !node.cost.kernel_calls {
+            .enumerate()
+            .map(|(i, node)| {
+                if !node.cost.kernel_calls && !measured(i) {
                     return NOT_PRICED;
                 }
-                priced.push(c.model.price(node, &mut calls));
+                let rule = if node.cost.kernel_calls { c.model.price(node, &mut calls) } else { Price::default() };
+                priced.push(match calibrated {
+                    Some(cal) => cal.price(i, rule),
+                    None => rule,
+                });
                 (priced.len() - 1) as u32
             })
             .collect();

@@ -52,6 +52,9 @@ impl Decision {
 /// both decide. A correction learned from earlier runs of the same graph ([`Corrections`])
 /// shrinks the budget the schedule is held to.
 pub(crate) fn decide(c: &Compiled, mode: Mode, options: &Options) -> Result<Decision, LazyError> {
+    // Calls no validated rule prices are measured first: every schedule below prices them so.
+    let measured_now = c.calibrate(mode == Mode::Backward, options.calibrate);
+    Corrections::process().remember_calibrations(measured_now);
     let schedule = Schedule::build(c, mode);
     let budget = budget(options, c.device());
     let correction = Corrections::process().of(c, mode);

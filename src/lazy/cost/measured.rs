@@ -1,0 +1,449 @@
+//! The measured model: what a kernel call takes, measured where no validated rule prices it.
+//!
+//! A calibrating plan ([`Calibrate`]) runs each such node alone on stand-in inputs (the real
+//! inputs and parameters where the node reads them, ones or zeros of the recorded shape and
+//! layout elsewhere) at 1, 2 and 8 samples, under the allocator counter, and prices the node by
+//! what the counter saw, in the terms the schedule adds: what the op keeps for its backward,
+//! its scratch while it runs, and its backward's scratch beside the output's gradient and the
+//! input gradients. Two sizes give a line (fixed + per sample); one sample may run another
+//! kernel and is kept apart. Measurements last for the process, keyed by the node's op, shapes
+//! (the batch size aside), layouts, kinds, device, mode and libtorch's threads; a plan finds
+//! them again at the cost of a hash.
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::rc::Rc;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use tch::{Device, Tensor};
+
+use super::{CostModel, Price, Work};
+use crate::lazy::graph::{KernelCall, Meta, Node, RunCx};
+use crate::lazy::options::Calibrate;
+use crate::lazy::shape;
+use crate::memory::PeakCounter;
+
+/// Micro-batch sizes a call is measured at (those up to its batch).
+const SIZES: [i64; 3] = [1, 2, 8];
+/// Measurements kept at most: starting over costs one more measurement each.
+const CAPACITY: usize = 16384;
+
+/// What one node was measured to take, in the schedule's terms.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Measured {
+    /// Kept by autograd until the node's backward, beyond its inputs and output.
+    pub(crate) kept: Work,
+    /// Scratch while the node runs.
+    pub(crate) forward: Work,
+    /// Scratch while its backward runs, beside the output's gradient and the input gradients.
+    pub(crate) backward: Work,
+}
+
+impl Measured {
+    /// `price` with what was measured in place of the rules' figures. The measurement holds
+    /// everything the call took (on CUDA, the reductions' staging buffers too).
+    fn price(&self, price: Price, training: bool) -> Price {
+        if training {
+            Price { kept: self.kept, forward: self.forward, backward: self.backward, staged: Vec::new(), ..price }
+        } else {
+            Price { unsaved: Work::ZERO, forward: self.forward, staged: Vec::new(), ..price }
+        }
+    }
+
+    /// The nine figures, for a file: kept, forward, backward, each `per fixed single`.
+    pub(crate) fn to_line(self) -> String {
+        let w = |w: Work| format!("{} {} {}", w.per, w.fixed, w.single);
+        format!("{} {} {}", w(self.kept), w(self.forward), w(self.backward))
+    }
+
+    pub(crate) fn from_line(line: &str) -> Option<Measured> {
+        let v: Vec<u64> = line.split(' ').map(|x| x.parse().ok()).collect::<Option<_>>()?;
+        let w = |k: usize| Work { per: v[k], fixed: v[k + 1], single: v[k + 2] };
+        (v.len() == 9).then(|| Measured { kept: w(0), forward: w(3), backward: w(6) })
+    }
+}
+
+/// What calibration did for a plan ([`Calibrate`]): kernel calls measured for it, found
+/// measured earlier, and left to their rules.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Calibration {
+    /// Calls measured for this plan (each alone, at 1, 2 and 8 samples).
+    pub measured: usize,
+    /// Calls measured earlier in the process, or read from a remembered file.
+    pub remembered: usize,
+    /// Calls that wanted measuring and were not: no allocator counts (the CPU's until
+    /// [`track_cpu_allocations`](crate::memory::track_cpu_allocations)), or the call failed on
+    /// stand-in inputs. Their rules price them.
+    pub unmeasured: usize,
+    /// Why the first unmeasured call was not measured.
+    pub why_unmeasured: Option<String>,
+    /// What measuring took for this plan.
+    pub elapsed: Duration,
+}
+
+impl Calibration {
+    /// Whether calibration measured, found or missed anything (whether a plan mentions it).
+    pub fn is_empty(&self) -> bool {
+        self.measured + self.remembered + self.unmeasured == 0
+    }
+}
+
+/// One graph's calibration: the measured price of each node that has one.
+#[derive(Debug, Default)]
+pub(crate) struct Calibrated {
+    pub(crate) summary: Calibration,
+    by_node: HashMap<usize, Measured>,
+    training: bool,
+    /// What was measured now, by key: what a file of corrections remembers.
+    pub(crate) new: Vec<(u64, Measured)>,
+}
+
+impl Calibrated {
+    pub(crate) fn training(&self) -> bool {
+        self.training
+    }
+
+    /// Whether node `i` has a measured price.
+    pub(crate) fn covers(&self, i: usize) -> bool {
+        self.by_node.contains_key(&i)
+    }
+
+    /// Node `i`'s price: `rule` (what its rules say), with what was measured in its place.
+    pub(crate) fn price(&self, i: usize, rule: Price) -> Price {
+        match self.by_node.get(&i) {
+            Some(m) => m.price(rule, self.training),
+            None => rule,
+        }
+    }
+}
+
+/// The process's measurements, by key; `None`: the call failed on stand-in inputs.
+fn table() -> &'static Mutex<HashMap<u64, Option<Measured>>> {
+    static TABLE: OnceLock<Mutex<HashMap<u64, Option<Measured>>>> = OnceLock::new();
+    TABLE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+fn lookup(key: u64) -> Option<Option<Measured>> {
+    table().lock().unwrap_or_else(|poisoned| poisoned.into_inner()).get(&key).copied()
+}
+
+/// Records a measurement (made now, or read from a file).
+pub(crate) fn insert(key: u64, measured: Option<Measured>) {
+    let mut table = table().lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if table.len() >= CAPACITY {
+        table.clear();
+    }
+    table.insert(key, measured);
+}
+
+/// What identifies a node's measurement: its op and settings, the shapes (batch size aside),
+/// layouts, kinds and flows of its output and inputs, the mode, device and threads.
+fn key(node: &Node, training: bool) -> u64 {
+    use crate::hash::mix;
+    let device = match node.meta.device {
+        Device::Cuda(i) => i as u64 + 1,
+        _ => 0,
+    };
+    let threads = tch::get_num_threads().max(0) as u64;
+    let mut h = crate::hash::hash_bytes(node.op.sizing_hash(), node.op.name().as_bytes());
+    h = mix(h ^ u64::from(training) ^ (threads << 8) ^ (device << 24));
+    for meta in std::iter::once(&node.meta).chain(node.inputs.iter().map(|x| &x.meta)) {
+        let bd = meta.batch();
+        let flags = u64::from(meta.requires_grad) | u64::from(meta.alias) << 1;
+        h = mix(h ^ meta.kind as u64 ^ flags << 8 ^ bd.map_or(0, |bd| bd.dim as u64 + 1) << 16);
+        for (d, (&s, &st)) in meta.shape.iter().zip(&meta.strides).enumerate() {
+            let s = match bd {
+                Some(bd) if bd.dim == d => bd.factor,
+                _ => s,
+            };
+            h = mix(mix(h ^ s as u64) ^ st as u64);
+        }
+    }
+    h
+}
+
+/// Measures what `nodes` need measured under `how`, or finds it measured; `model` says which
+/// calls its rules were validated for.
+pub(crate) fn calibrate(nodes: &[Rc<Node>], model: &CostModel, training: bool, how: Calibrate) -> Calibrated {
+    let mut cal = Calibrated { training, ..Calibrated::default() };
+    if how == Calibrate::Never {
+        return cal;
+    }
+    let mut calls: Vec<KernelCall<'_>> = Vec::new();
+    let mut wanted = Vec::new();
+    for (i, node) in nodes.iter().enumerate() {
+        if node.is_source() {
+            continue;
+        }
+        let known = node.op.kernels_known();
+        if known && !node.cost.kernel_calls {
+            continue;
+        }
+        let wants = how == Calibrate::Always || !known || {
+            calls.clear();
+            node.op.kernels(&node.inputs, &node.meta, &mut calls);
+            calls.iter().any(|call| !model.validated(call))
+        };
+        if wants {
+            wanted.push(i);
+        }
+    }
+    if wanted.is_empty() {
+        return cal;
+    }
+    let device = match nodes.last().map(|x| x.meta.device) {
+        Some(Device::Cuda(i)) => Some(i),
+        _ => None,
+    };
+    let counter = PeakCounter::for_device(device);
+    let started = Instant::now();
+    let mut generator = None;
+    for i in wanted {
+        let node = &nodes[i];
+        let key = key(node, training);
+        let found = match lookup(key) {
+            Some(Some(m)) => {
+                cal.summary.remembered += 1;
+                Some(m)
+            }
+            Some(None) => {
+                cal.summary
+                    .why_unmeasured
+                    .get_or_insert_with(|| format!("{} failed on stand-in inputs", node.op.name()));
+                None
+            }
+            None => {
+                let Some(counter) = counter else {
+                    cal.summary.unmeasured += 1;
+                    cal.summary.why_unmeasured.get_or_insert_with(|| {
+                        "no allocator counts: call toma::memory::track_cpu_allocations() to measure CPU kernels".into()
+                    });
+                    continue;
+                };
+                // Random ops draw from libtorch's generator: the step must draw what it would
+                // have drawn without calibration.
+                if generator.is_none() {
+                    generator = Some(crate::memory::generator_state(device).ok());
+                }
+                let result = catch_unwind(AssertUnwindSafe(|| measure(node, counter, training, model.block())))
+                    .unwrap_or_else(|_| Err("it panicked".into()));
+                let measured = match result {
+                    Ok(m) => {
+                        tracing::debug!(op = node.op.name(), key, ?m, "toma::lazy: measured a kernel call");
+                        cal.summary.measured += 1;
+                        cal.new.push((key, m));
+                        Some(m)
+                    }
+                    Err(why) => {
+                        tracing::debug!(op = node.op.name(), %why, "toma::lazy: could not measure a kernel call");
+                        cal.summary
+                            .why_unmeasured
+                            .get_or_insert_with(|| format!("{} on stand-in inputs: {why}", node.op.name()));
+                        None
+                    }
+                };
+                insert(key, measured);
+                measured
+            }
+        };
+        match found {
+            Some(m) => {
+                cal.by_node.insert(i, m);
+            }
+            None => cal.summary.unmeasured += 1,
+        }
+    }
+    if let Some(Some(state)) = generator {
+        let _ = crate::memory::set_generator_state(device, &state);
+    }
+    if cal.summary.measured > 0 {
+        cal.summary.elapsed = started.elapsed();
+    }
+    cal
+}
+
+/// What one node takes at one micro-batch size: kept, forward scratch, backward scratch.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Point {
+    kept: u64,
+    forward: u64,
+    backward: u64,
+}
+
+/// Measures `node` alone at each size in [`SIZES`] (whatever its batch: the measurement serves
+/// every batch of the same per-sample shapes), and fits the line.
+fn measure(node: &Node, counter: PeakCounter, training: bool, block: u64) -> Result<Measured, String> {
+    let batched = node.meta.batch().is_some() || node.inputs.iter().any(|x| x.meta.batch().is_some());
+    let sizes: &[i64] = if batched { &SIZES } else { &[1] };
+    let mut points = Vec::with_capacity(sizes.len());
+    for &b in sizes {
+        points.push((b as u64, probe(node, b, counter, training, block)?));
+    }
+    let line = |f: fn(&Point) -> u64| fit(&points.iter().map(|(b, p)| (*b, f(p))).collect::<Vec<_>>());
+    Ok(Measured { kept: line(|p| p.kept), forward: line(|p| p.forward), backward: line(|p| p.backward) })
+}
+
+/// The line through the two largest sizes, never under either (fixed + per sample), and the
+/// value at one sample where it is off the line.
+fn fit(points: &[(u64, u64)]) -> Work {
+    let Some(&(b_last, last)) = points.last() else {
+        return Work::ZERO;
+    };
+    if points.len() == 1 {
+        let per = if b_last > 1 { last.div_ceil(b_last) } else { 0 };
+        return Work { per, fixed: if b_last > 1 { 0 } else { last }, single: 0 };
+    }
+    let (b_prev, prev) = points[points.len() - 2];
+    let per = last.saturating_sub(prev).div_ceil(b_last - b_prev);
+    let fixed = last.saturating_sub(per * b_last).max(prev.saturating_sub(per * b_prev));
+    let single = match points[0] {
+        (1, one) if points.len() > 2 && one != per + fixed => one.max(1),
+        _ => 0,
+    };
+    Work { per, fixed, single }
+}
+
+/// Bytes as the allocator counts them.
+fn rounded(bytes: u64, block: u64) -> u64 {
+    bytes.div_ceil(block.max(1)) * block.max(1)
+}
+
+/// Runs `node` at `b` samples under the counter: forward, then (training, when a gradient
+/// flows) its backward from a gradient of ones.
+fn probe(node: &Node, b: i64, counter: PeakCounter, training: bool, block: u64) -> Result<Point, String> {
+    let grad_of = |x: &Meta| training && x.requires_grad && shape::is_floating(x.kind);
+    let updated = node.op.updated_inputs(node.inputs.len());
+    let ins = node
+        .inputs
+        .iter()
+        .enumerate()
+        .map(|(k, x)| {
+            let t = stand_in(x, b)?;
+            // Running statistics are updated in place: the model's own stay as they are.
+            let t = if updated.contains(&k) { t.f_detach_copy()? } else { t };
+            Ok(if grad_of(&x.meta) { t.set_requires_grad(true) } else { t })
+        })
+        .collect::<Result<Vec<Tensor>, tch::TchError>>()
+        .map_err(|e| e.to_string())?;
+    let refs: Vec<&Tensor> = ins.iter().collect();
+    let cx = RunCx { meta: &node.meta, start: 0, b };
+    let bytes = |b_: crate::lazy::graph::Bytes| rounded(b_.per * b as u64 + b_.fixed, block);
+    let (before, previous) = counter.start().ok_or("the allocator counter cannot be read")?;
+    let outcome = (|| -> Result<Point, String> {
+        let run = || node.op.run(&refs, &cx);
+        let out = if training { tch::with_grad(run) } else { tch::no_grad(run) }.map_err(|e| e.to_string())?;
+        let (peak, after) = (counter.peak().unwrap_or(0), counter.in_use().unwrap_or(0));
+        let out_bytes = bytes(node.cost.out);
+        let kept = after.saturating_sub(before + out_bytes);
+        let forward = peak.saturating_sub(before + out_bytes + kept);
+        let wrt: Vec<(usize, &Tensor)> =
+            ins.iter().enumerate().filter(|(k, _)| grad_of(&node.inputs[*k].meta)).collect();
+        if !training || !out.requires_grad() || !node.op.differentiable() || wrt.is_empty() {
+            return Ok(Point { kept, forward, backward: 0 });
+        }
+        let seed = out.f_ones_like().map_err(|e| e.to_string())?;
+        let surrogate =
+            tch::with_grad(|| out.f_mul(&seed).and_then(|p| p.f_sum(p.kind()))).map_err(|e| e.to_string())?;
+        // The seed stays held: freed as the product's backward returns, it would lower what
+        // is live under the node's backward below what the counter started from.
+        drop(out);
+        let (before, _) = counter.start().ok_or("the allocator counter cannot be read")?;
+        let tensors: Vec<&Tensor> = wrt.iter().map(|(_, t)| *t).collect();
+        let grads = tch::with_grad(|| Tensor::f_run_backward(&[&surrogate], &tensors, false, false))
+            .map_err(|e| e.to_string())?;
+        let peak = counter.peak().unwrap_or(0);
+        drop((grads, seed));
+        // What the schedule counts beside the scratch: the output's gradient, and each input's
+        // that is not a view of it.
+        let alias = node.cost.grad_alias;
+        let grads: u64 = wrt
+            .iter()
+            .filter(|(k, _)| *k >= 64 || alias & (1 << k) == 0)
+            .map(|(k, _)| bytes(node.inputs[*k].cost.grad))
+            .sum();
+        let backward = peak.saturating_sub(before + bytes(node.cost.grad) + grads);
+        Ok(Point { kept, forward, backward })
+    })();
+    counter.end(previous);
+    outcome
+}
+
+/// A tensor standing in for `x` at `b` samples: a source's own (an input narrowed to `b`, where
+/// it has as many, a parameter as it is), detached; otherwise ones (zeros for integers and booleans, which index)
+/// in the recorded layout: the dimensions in the order of their strides, broadcast ones
+/// expanded.
+fn stand_in(x: &Node, b: i64) -> Result<Tensor, tch::TchError> {
+    let short = x.meta.batch().is_some_and(|bd| bd.size < b);
+    if let Some(source) = x.op.source().filter(|_| !short) {
+        let t = crate::lazy::graph::Operation::run(source, &[], &RunCx { meta: &x.meta, start: 0, b })?;
+        return Ok(t.detach());
+    }
+    let meta = &x.meta;
+    let shape = meta.shape_at(b);
+    let options = (meta.kind, meta.device);
+    let fill = |dims: &[i64]| {
+        if shape::is_floating(meta.kind) {
+            Tensor::f_ones(dims, options)
+        } else {
+            Tensor::f_zeros(dims, options)
+        }
+    };
+    if meta.strides.len() != shape.len() {
+        return fill(&shape);
+    }
+    let mut order: Vec<usize> = (0..shape.len()).collect();
+    order.sort_by(|&p, &q| meta.strides[q].cmp(&meta.strides[p]));
+    let physical: Vec<i64> = order.iter().map(|&d| if meta.strides[d] == 0 { 1 } else { shape[d] }).collect();
+    let mut inverse = vec![0i64; shape.len()];
+    for (p, &d) in order.iter().enumerate() {
+        inverse[d] = p as i64;
+    }
+    let t = fill(&physical)?.f_permute(&inverse)?;
+    if meta.strides.contains(&0) {
+        t.f_expand(&shape, false)
+    } else {
+        Ok(t)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Kind;
+
+    /// Two sizes give a line never under either; one sample off the line is kept apart.
+    #[test]
+    fn a_line_through_what_was_measured() {
+        assert_eq!(fit(&[(1, 700)]), Work { per: 0, fixed: 700, single: 0 });
+        assert_eq!(fit(&[(1, 300), (2, 500)]), Work { per: 200, fixed: 100, single: 0 });
+        // A line that would start below zero starts at zero: never under either point.
+        assert_eq!(fit(&[(1, 100), (2, 300)]), Work { per: 200, fixed: 0, single: 0 });
+        let w = fit(&[(1, 1000), (2, 500), (8, 1700)]);
+        assert_eq!((w.per, w.fixed), (200, 100));
+        assert_eq!((w.at(2, 1), w.at(8, 1), w.at(1, 1)), (500, 1700, 1000));
+        // A fixed workspace: as large at every size.
+        assert_eq!(fit(&[(1, 4096), (2, 4096), (8, 4096)]), Work { per: 0, fixed: 4096, single: 0 });
+        // Less at more samples (threads split otherwise): the larger of the two is held.
+        let w = fit(&[(1, 10), (2, 900), (8, 600)]);
+        assert!(w.at(2, 1) >= 900 && w.at(8, 1) >= 600, "{w:?}");
+        assert_eq!(w.at(1, 1), 10);
+        let m = Measured { kept: w, forward: Work { per: 3, fixed: 0, single: 0 }, backward: Work::ZERO };
+        assert_eq!(Measured::from_line(&m.to_line()), Some(m));
+        assert_eq!(Measured::from_line("1 2 3"), None);
+    }
+
+    /// Stand-ins keep the recorded layout: a transposed operand arrives transposed.
+    #[test]
+    fn stand_ins_keep_the_layout() {
+        let x = Tensor::zeros([6, 4, 3], (Kind::Float, Device::Cpu));
+        let lx = crate::lazy::lazy(&x, 0);
+        let t = lx.transpose(1, 2);
+        let s = stand_in(&t.node, 2).unwrap();
+        assert_eq!(s.size(), [2, 3, 4]);
+        assert_eq!(s.stride(), [12, 1, 3]);
+        let s = stand_in(&lx.node, 2).unwrap();
+        assert_eq!(s.size(), [2, 4, 3], "an input, narrowed");
+    }
+}
