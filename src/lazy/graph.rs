@@ -98,12 +98,15 @@ pub(crate) struct Node {
     pub(crate) inputs: Vec<Rc<Node>>,
     pub(crate) meta: Meta,
     pub(crate) cost: Cost,
+    /// What identifies the node's measurement in the cost layer's calibration, worked out the
+    /// first time a plan asks (recording does not pay for it).
+    pub(crate) calibration_key: std::cell::OnceCell<u64>,
 }
 
 impl Node {
     pub(crate) fn new(op: Box<dyn Operation>, inputs: Vec<Rc<Node>>, meta: Meta, cost: Cost) -> Rc<Node> {
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-        Rc::new(Node { id, op, inputs, meta, cost })
+        Rc::new(Node { id, op, inputs, meta, cost, calibration_key: std::cell::OnceCell::new() })
     }
 }
 

@@ -11,6 +11,7 @@
 //! them again at the cost of a hash.
 
 use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::rc::Rc;
 use std::sync::{Mutex, OnceLock};
@@ -43,7 +44,7 @@ pub(crate) struct Measured {
 impl Measured {
     /// `price` with what was measured in place of the rules' figures. The measurement holds
     /// everything the call took (on CUDA, the reductions' staging buffers too).
-    fn price(&self, price: Price, training: bool) -> Price {
+    pub(crate) fn price(&self, price: Price, training: bool) -> Price {
         if training {
             Price { kept: self.kept, forward: self.forward, backward: self.backward, staged: Vec::new(), ..price }
         } else {
@@ -91,10 +92,11 @@ impl Calibration {
 }
 
 /// One graph's calibration: the measured price of each node that has one.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Calibrated {
     pub(crate) summary: Calibration,
-    by_node: HashMap<usize, Measured>,
+    /// `(node position, measured)`, by position (shared by the plans of one graph).
+    by_node: Rc<[(u32, Measured)]>,
     training: bool,
     /// What was measured now, by key: what a file of corrections remembers.
     pub(crate) new: Vec<(u64, Measured)>,
@@ -105,24 +107,19 @@ impl Calibrated {
         self.training
     }
 
-    /// Whether node `i` has a measured price.
-    pub(crate) fn covers(&self, i: usize) -> bool {
-        self.by_node.contains_key(&i)
-    }
-
-    /// Node `i`'s price: `rule` (what its rules say), with what was measured in its place.
-    pub(crate) fn price(&self, i: usize, rule: Price) -> Price {
-        match self.by_node.get(&i) {
-            Some(m) => m.price(rule, self.training),
-            None => rule,
-        }
+    /// `(node position, measured)` for each node with a measured price, by position.
+    pub(crate) fn by_node(&self) -> &[(u32, Measured)] {
+        &self.by_node
     }
 }
 
+/// Measurements by key (keys are mixed already: no hashing again).
+type Table = HashMap<u64, Option<Measured>, BuildHasherDefault<crate::hash::PassThrough>>;
+
 /// The process's measurements, by key; `None`: the call failed on stand-in inputs.
-fn table() -> &'static Mutex<HashMap<u64, Option<Measured>>> {
-    static TABLE: OnceLock<Mutex<HashMap<u64, Option<Measured>>>> = OnceLock::new();
-    TABLE.get_or_init(|| Mutex::new(HashMap::new()))
+fn table() -> &'static Mutex<Table> {
+    static TABLE: OnceLock<Mutex<Table>> = OnceLock::new();
+    TABLE.get_or_init(|| Mutex::new(Table::default()))
 }
 
 fn lookup(key: u64) -> Option<Option<Measured>> {
@@ -140,37 +137,80 @@ pub(crate) fn insert(key: u64, measured: Option<Measured>) {
 
 /// What identifies a node's measurement: its op and settings, the shapes (batch size aside),
 /// layouts, kinds and flows of its output and inputs, the mode, device and threads.
-fn key(node: &Node, training: bool) -> u64 {
+fn key(node: &Node, training: bool, threads: u64) -> u64 {
     use crate::hash::mix;
-    let device = match node.meta.device {
-        Device::Cuda(i) => i as u64 + 1,
-        _ => 0,
-    };
-    let threads = tch::get_num_threads().max(0) as u64;
-    let mut h = crate::hash::hash_bytes(node.op.sizing_hash(), node.op.name().as_bytes());
-    h = mix(h ^ u64::from(training) ^ (threads << 8) ^ (device << 24));
-    for meta in std::iter::once(&node.meta).chain(node.inputs.iter().map(|x| &x.meta)) {
-        let bd = meta.batch();
-        let flags = u64::from(meta.requires_grad) | u64::from(meta.alias) << 1;
-        h = mix(h ^ meta.kind as u64 ^ flags << 8 ^ bd.map_or(0, |bd| bd.dim as u64 + 1) << 16);
-        for (d, (&s, &st)) in meta.shape.iter().zip(&meta.strides).enumerate() {
-            let s = match bd {
-                Some(bd) if bd.dim == d => bd.factor,
-                _ => s,
-            };
-            h = mix(mix(h ^ s as u64) ^ st as u64);
+    let shapes = *node.calibration_key.get_or_init(|| {
+        let device = match node.meta.device {
+            Device::Cuda(i) => i as u64 + 1,
+            _ => 0,
+        };
+        let mut h = crate::hash::hash_bytes(node.op.sizing_hash(), node.op.name().as_bytes());
+        h = mix(h ^ (device << 24));
+        for meta in std::iter::once(&node.meta).chain(node.inputs.iter().map(|x| &x.meta)) {
+            let bd = meta.batch();
+            let flags = u64::from(meta.requires_grad) | u64::from(meta.alias) << 1;
+            h = mix(h ^ meta.kind as u64 ^ flags << 8 ^ bd.map_or(0, |bd| bd.dim as u64 + 1) << 16);
+            for (d, (&s, &st)) in meta.shape.iter().zip(&meta.strides).enumerate() {
+                let s = match bd {
+                    Some(bd) if bd.dim == d => bd.factor,
+                    _ => s,
+                };
+                h = mix(mix(h ^ s as u64) ^ st as u64);
+            }
         }
-    }
-    h
+        h
+    });
+    mix(shapes ^ u64::from(training) ^ (threads << 8))
+}
+
+/// Graphs calibrated lately on this thread, by output node, mode, threads and `how`: a graph
+/// planned again (every step of a training loop records the same graph anew, but a plan and its
+/// run share one) is found whole, at the cost of one lookup.
+const RECENT: usize = 64;
+
+thread_local! {
+    static CALIBRATED: std::cell::RefCell<Vec<(u64, Rc<Calibrated>)>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Measures what `nodes` need measured under `how`, or finds it measured; `model` says which
 /// calls its rules were validated for.
-pub(crate) fn calibrate(nodes: &[Rc<Node>], model: &CostModel, training: bool, how: Calibrate) -> Calibrated {
-    let mut cal = Calibrated { training, ..Calibrated::default() };
-    if how == Calibrate::Never {
-        return cal;
+pub(crate) fn calibrate(nodes: &[Rc<Node>], model: &CostModel, training: bool, how: Calibrate) -> Rc<Calibrated> {
+    if how == Calibrate::Never || nodes.is_empty() {
+        return Rc::new(Calibrated::empty(training));
     }
+    let threads = tch::get_num_threads().max(0) as u64;
+    let graph =
+        crate::hash::mix(nodes[nodes.len() - 1].id ^ u64::from(training) << 62 ^ (threads << 48) ^ (how as u64) << 60);
+    let recent = CALIBRATED.with(|c| c.borrow().iter().find(|(k, _)| *k == graph).map(|(_, cal)| cal.clone()));
+    if let Some(cal) = recent {
+        // Found whole: what it measured is measured earlier now.
+        let found = cal.summary.measured + cal.summary.remembered;
+        let summary = Calibration { measured: 0, remembered: found, elapsed: Duration::ZERO, ..cal.summary.clone() };
+        return Rc::new(Calibrated { summary, by_node: cal.by_node.clone(), training, new: Vec::new() });
+    }
+    let cal = Rc::new(measure_graph(nodes, model, training, how, threads));
+    // Graphs whose calls could not all be measured are tried again (a counter may start).
+    if cal.summary.unmeasured == 0 {
+        CALIBRATED.with(|c| {
+            let mut c = c.borrow_mut();
+            if c.len() >= RECENT {
+                c.remove(0);
+            }
+            c.push((graph, cal.clone()));
+        });
+    }
+    cal
+}
+
+impl Calibrated {
+    fn empty(training: bool) -> Calibrated {
+        Calibrated { summary: Calibration::default(), by_node: Rc::new([]), training, new: Vec::new() }
+    }
+}
+
+fn measure_graph(nodes: &[Rc<Node>], model: &CostModel, training: bool, how: Calibrate, threads: u64) -> Calibrated {
+    let mut cal = Calibrated::empty(training);
+    let mut by_node = Vec::new();
     let mut calls: Vec<KernelCall<'_>> = Vec::new();
     let mut wanted = Vec::new();
     for (i, node) in nodes.iter().enumerate() {
@@ -200,10 +240,21 @@ pub(crate) fn calibrate(nodes: &[Rc<Node>], model: &CostModel, training: bool, h
     let counter = PeakCounter::for_device(device);
     let started = Instant::now();
     let mut generator = None;
-    for i in wanted {
+    // Found ones are read under one lock; the others are measured without it.
+    let known: Vec<(u64, Option<Option<Measured>>)> = {
+        let table = table().lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        wanted
+            .iter()
+            .map(|&i| {
+                let key = key(&nodes[i], training, threads);
+                (key, table.get(&key).copied())
+            })
+            .collect()
+    };
+    for (i, (key, known)) in wanted.into_iter().zip(known) {
         let node = &nodes[i];
-        let key = key(node, training);
-        let found = match lookup(key) {
+        let known = if known.is_none() { lookup(key) } else { known };
+        let found = match known {
             Some(Some(m)) => {
                 cal.summary.remembered += 1;
                 Some(m)
@@ -249,9 +300,7 @@ pub(crate) fn calibrate(nodes: &[Rc<Node>], model: &CostModel, training: bool, h
             }
         };
         match found {
-            Some(m) => {
-                cal.by_node.insert(i, m);
-            }
+            Some(m) => by_node.push((i as u32, m)),
             None => cal.summary.unmeasured += 1,
         }
     }
@@ -261,6 +310,7 @@ pub(crate) fn calibrate(nodes: &[Rc<Node>], model: &CostModel, training: bool, h
     if cal.summary.measured > 0 {
         cal.summary.elapsed = started.elapsed();
     }
+    cal.by_node = by_node.into();
     cal
 }
 

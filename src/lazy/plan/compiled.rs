@@ -42,7 +42,7 @@ pub(crate) struct Compiled {
     pub(super) in_place: OnceCell<bool>,
     /// What calibration measured of the nodes no validated rule prices, once a plan asked
     /// ([`Compiled::calibrate`]).
-    pub(super) calibrated: OnceCell<Calibrated>,
+    pub(super) calibrated: OnceCell<Rc<Calibrated>>,
     /// Full batch size (1 when nothing is batched).
     pub(crate) batch: i64,
     /// How the device prices kernel calls, and the block its allocator counts in.
@@ -81,7 +81,7 @@ impl Compiled {
             debug_assert_eq!(cal.training(), training, "a graph is calibrated in one mode");
             return &[];
         }
-        &self.calibrated.get_or_init(|| measured::calibrate(&self.nodes, &self.model, training, how)).new
+        &self.calibrated.get_or_init(|| measured::calibrate(&self.nodes, &self.model, training, how)).new[..]
     }
 
     /// What calibration did for this graph's plans.

@@ -122,20 +122,22 @@ impl Prices {
     pub(crate) fn of(c: &Compiled) -> Prices {
         let mut calls = Vec::new();
         let calibrated = c.calibrated.get();
-        let measured = |i: usize| calibrated.is_some_and(|cal| cal.covers(i));
+        // Measured nodes, by position: walked alongside the nodes.
+        let mut measured = calibrated.map_or(&[][..], |cal| cal.by_node()).iter().peekable();
         let mut priced: Vec<Price> = Vec::with_capacity(c.nodes.iter().filter(|x| x.cost.kernel_calls).count());
         let slot: Vec<u32> = c
             .nodes
             .iter()
             .enumerate()
             .map(|(i, node)| {
-                if !node.cost.kernel_calls && !measured(i) {
+                let m = measured.next_if(|(at, _)| *at as usize == i).map(|(_, m)| m);
+                if !node.cost.kernel_calls && m.is_none() {
                     return NOT_PRICED;
                 }
                 let rule = if node.cost.kernel_calls { c.model.price(node, &mut calls) } else { Price::default() };
-                priced.push(match calibrated {
-                    Some(cal) => cal.price(i, rule),
-                    None => rule,
+                priced.push(match (m, calibrated) {
+                    (Some(m), Some(cal)) => m.price(rule, cal.training()),
+                    _ => rule,
                 });
                 (priced.len() - 1) as u32
             })
