@@ -84,16 +84,27 @@ pub(crate) struct Corrections {
 }
 
 /// What a correction was measured on, beside the graph and device in its key: libtorch's
-/// release and its threads (kernels and their scratch change with both), and the architecture.
-/// A file's lines measured on something else are not read.
+/// release and its threads (kernels and their scratch change with both), the architecture, and
+/// the first CUDA card's multiprocessors and resident threads each (which size ATen's
+/// reductions' staging; `none` without a card). A file's lines measured on something else are
+/// not read.
 fn machine() -> String {
+    static GPU: OnceLock<String> = OnceLock::new();
+    let gpu = GPU.get_or_init(|| match crate::memory::cuda_multiprocessors(0) {
+        Some((sms, threads)) => format!("{sms}x{threads}"),
+        None => "none".into(),
+    });
     format!(
-        "libtorch={} threads={} arch={}",
+        "libtorch={} threads={} arch={} gpu={gpu}",
         option_env!("TOMA_LIBTORCH_VERSION").unwrap_or("unknown"),
         tch::get_num_threads(),
         std::env::consts::ARCH
     )
 }
+
+/// A file with more lines than this, and more than twice what it holds for this machine after
+/// reading, is rewritten with only what it holds (appending every change grows it forever).
+const TRIM_ABOVE: usize = 4096;
 
 /// One remembered measurement: `machine \t key \t micro-batch \t excess`.
 fn line(machine: &str, key: u64, b: u64, excess: u64) -> String {
@@ -102,6 +113,10 @@ fn line(machine: &str, key: u64, b: u64, excess: u64) -> String {
 
 /// The tag of a calibration's line: `machine \t calibration \t key \t figures`.
 const CALIBRATION: &str = "calibration";
+
+fn calibration_line(machine: &str, key: u64, m: &Measured) -> String {
+    format!("{machine}\t{CALIBRATION}\t{key:016x}\t{}\n", m.to_line())
+}
 
 fn parse_calibration(line: &str, machine: &str) -> Option<(u64, Measured)> {
     let mut fields = line.split('\t');
@@ -144,6 +159,9 @@ impl Corrections {
             Err(e) => return Err(e),
         };
         let mut read = 0;
+        // What the file holds for this machine, once each: the lines a trimmed file keeps.
+        let mut kept: Vec<String> = Vec::new();
+        let mut calibrations: HashMap<u64, Measured> = HashMap::new();
         {
             let mut map = self.by_graph.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
             for line in text.lines() {
@@ -152,8 +170,24 @@ impl Corrections {
                     read += 1;
                 } else if let Some((key, m)) = parse_calibration(line, &machine) {
                     measured::insert(key, Some(m));
+                    calibrations.insert(key, m);
                     read += 1;
+                } else if !line.is_empty() && line.split('\t').next() != Some(machine.as_str()) {
+                    kept.push(line.to_owned());
                 }
+            }
+            let held: usize = map.values().map(|r| r.points.len()).sum::<usize>() + calibrations.len();
+            if read > TRIM_ABOVE && read > 2 * held {
+                for (key, reserve) in map.iter() {
+                    kept.extend(reserve.points.iter().map(|&(b, e)| line(&machine, *key, b, e).trim_end().to_owned()));
+                }
+                kept.extend(
+                    calibrations.iter().map(|(key, m)| calibration_line(&machine, *key, m).trim_end().to_owned()),
+                );
+                let tmp = path.with_extension("trim");
+                let mut text = kept.join("\n");
+                text.push('\n');
+                std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, path))?;
             }
         }
         // Writable now, or an error now: not a warning at the first measurement.
@@ -289,6 +323,22 @@ mod tests {
         drop(map);
         assert!(machine().starts_with("libtorch="));
         let _ = std::fs::remove_file(&path);
+        // A file grown past its bound by repeated measurements is rewritten with what it holds;
+        // other machines' lines stay.
+        let grown = std::env::temp_dir().join(format!("toma-corrections-grown-{}.txt", std::process::id()));
+        let mut text = line("libtorch=0.0.0 threads=1 arch=x", 7, 4, 40);
+        for excess in 0..(super::TRIM_ABOVE as u64 + 10) {
+            text.push_str(&line(&machine(), 9, 2, excess));
+        }
+        std::fs::write(&grown, text).unwrap();
+        assert_eq!(Corrections::new().remember_in(&grown).unwrap(), super::TRIM_ABOVE + 10);
+        let trimmed = std::fs::read_to_string(&grown).unwrap();
+        assert_eq!(trimmed.lines().count(), 2, "{trimmed}");
+        assert!(trimmed.contains(&line(&machine(), 9, 2, super::TRIM_ABOVE as u64 + 9)));
+        let again = Corrections::new();
+        assert_eq!(again.remember_in(&grown).unwrap(), 1);
+        assert_eq!(again.by_graph.lock().unwrap()[&9], reserve(&[(2, super::TRIM_ABOVE as u64 + 9)]));
+        let _ = std::fs::remove_file(&grown);
         // A path that cannot be written is an error at once.
         assert!(Corrections::new().remember_in(Path::new("/nonexistent-dir/x/corrections.txt")).is_err());
     }

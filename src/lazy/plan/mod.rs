@@ -47,11 +47,13 @@ use super::error::LazyError;
 use super::graph::LazyTensor;
 use super::options::Options;
 
-/// Remembers what measured runs find plans miss ([`Plan::correction_bytes`]) in a file, across
-/// processes: reads what `path` holds for this machine (libtorch's release, its threads, the
-/// architecture; lines of another are skipped) and appends every new measurement to it. Returns
-/// how many measurements were read; a missing file is created. Without it the corrections last
-/// as long as the process. Measurements happen where an allocator counts: on CUDA, or on the
+/// Remembers what measured runs find plans miss ([`Plan::correction_bytes`]), and what
+/// calibration measured ([`Calibrate`](crate::lazy::Calibrate)), in a file, across processes:
+/// reads what `path` holds for this machine (libtorch's release, its threads, the architecture,
+/// the first CUDA card's multiprocessors; lines of another are skipped) and appends every new
+/// measurement to it. A file grown past 4096 lines and twice what it holds is rewritten with
+/// what it holds. Returns how many measurements were read; a missing file is created. Without
+/// it the corrections last as long as the process. Measurements happen where an allocator counts: on CUDA, or on the
 /// CPU after [`track_cpu_allocations`](crate::memory::track_cpu_allocations).
 ///
 /// ```
