@@ -409,16 +409,18 @@ impl Schedule {
                     }
                 }
             }
-            for i in range.clone().rev() {
-                b.backward(i);
-            }
-            // The segment's values read later are let go; so are earlier segments' values whose
-            // first reader (the last to run again) this segment was.
+            // The segment's values read later are let go once their products are summed, before
+            // the backward (autograd keeps what the segment's ops saved of them).
             for j in range.clone() {
                 if held[j] == HELD && j + 1 < n {
                     b.release(c.root[j] as usize);
                 }
             }
+            for i in range.clone().rev() {
+                b.backward(i);
+            }
+            // So are earlier segments' values whose first reader (the last to run again) this
+            // segment was.
             for j in 0..range.start {
                 if segments.first_reader[j] == s as u32 && c.flags[j] & F_LEAF == 0 {
                     b.release(c.root[j] as usize);
