@@ -22,8 +22,8 @@ const SMALL_KERNEL_SIDE: i64 = 3;
 /// its operands moved, and 32 KiB more in its backward.
 const NATIVE_TRANSPOSED_BACKWARD_FIXED: u64 = 32 << 10;
 
-/// The most intra-op threads the thread-dependent rules (oneDNN's convolutions and products)
-/// were read on: plans for more threads measure those calls ([`Calibrate`](crate::lazy::Calibrate)).
+/// The most intra-op threads the thread-dependent rules (oneDNN's convolutions) were read on:
+/// plans for more threads measure those calls ([`Calibrate`](crate::lazy::Calibrate)).
 pub(crate) const READ_THREADS: u64 = 2;
 
 /// One CPU, as libtorch runs kernels on it: its intra-op threads and its oneDNN.
@@ -71,8 +71,8 @@ impl Cpu {
 
     /// Whether the rule that prices `call` was read on this library release, thread count and
     /// kind, for every form of the call. Convolutions were read in `Float`, `Double` and `Half`
-    /// (native); products have scratch only in `BFloat16`, through oneDNN. Both depend on the
-    /// threads. `BFloat16` convolutions and products are read but not for every form (a CNN at
+    /// (native), and depend on the threads; products have scratch only in `BFloat16`, through
+    /// oneDNN. `BFloat16` convolutions and products are read but not for every form (a CNN at
     /// batch 4 is 9.6% under; a product with a transposed operand, a matrix times a batch,
     /// `mv` and `dot` are not priced): they are measured where an allocator counts. The rest
     /// are libtorch's formulas, read on its release.

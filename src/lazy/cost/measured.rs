@@ -46,9 +46,19 @@ impl Measured {
     /// everything the call took (on CUDA, the reductions' staging buffers too).
     pub(crate) fn price(&self, price: Price, training: bool) -> Price {
         if training {
-            Price { kept: self.kept, forward: self.forward, backward: self.backward, staged: Vec::new(), ..price }
+            // A run without autograd (a recomputing plan's first pass) makes at most what
+            // autograd would keep, and frees it as the node returns.
+            Price {
+                kept: self.kept,
+                unsaved: self.kept,
+                forward: self.forward,
+                backward: self.backward,
+                staged: Vec::new(),
+            }
         } else {
-            Price { unsaved: Work::ZERO, forward: self.forward, staged: Vec::new(), ..price }
+            // Without autograd nothing is kept for a backward: what outlived the call is held
+            // while it runs, at least.
+            Price { unsaved: Work::ZERO, forward: self.forward.plus(self.kept), staged: Vec::new(), ..price }
         }
     }
 
@@ -150,12 +160,15 @@ fn key(node: &Node, training: bool, threads: u64) -> u64 {
             let bd = meta.batch();
             let flags = u64::from(meta.requires_grad) | u64::from(meta.alias) << 1;
             h = mix(h ^ meta.kind as u64 ^ flags << 8 ^ bd.map_or(0, |bd| bd.dim as u64 + 1) << 16);
+            // The layout as stand-ins make it: the order of the strides and the broadcast ones
+            // (their values grow with the batch where it is not the outermost dimension).
             for (d, (&s, &st)) in meta.shape.iter().zip(&meta.strides).enumerate() {
                 let s = match bd {
                     Some(bd) if bd.dim == d => bd.factor,
                     _ => s,
                 };
-                h = mix(mix(h ^ s as u64) ^ st as u64);
+                let outer = meta.strides.iter().filter(|&&o| o > st).count() as u64;
+                h = mix(mix(h ^ s as u64) ^ outer ^ u64::from(st == 0) << 32);
             }
         }
         h
@@ -274,29 +287,39 @@ fn measure_graph(nodes: &[Rc<Node>], model: &CostModel, training: bool, how: Cal
                     continue;
                 };
                 // Random ops draw from libtorch's generator: the step must draw what it would
-                // have drawn without calibration.
-                if generator.is_none() {
-                    generator = Some(crate::memory::generator_state(device).ok());
+                // have drawn without calibration. Without the shim it cannot be restored, and
+                // nothing is measured.
+                let state = generator.get_or_insert_with(|| crate::memory::generator_state(device).ok());
+                if state.is_none() {
+                    cal.summary.unmeasured += 1;
+                    cal.summary.why_unmeasured.get_or_insert_with(|| {
+                        "the libtorch shim is not built: libtorch's generator could not be restored".into()
+                    });
+                    continue;
                 }
                 let result = catch_unwind(AssertUnwindSafe(|| measure(node, counter, training, model.block())))
                     .unwrap_or_else(|_| Err("it panicked".into()));
-                let measured = match result {
+                match result {
                     Ok(m) => {
                         tracing::debug!(op = node.op.name(), key, ?m, "toma::lazy: measured a kernel call");
                         cal.summary.measured += 1;
                         cal.new.push((key, m));
+                        insert(key, Some(m));
                         Some(m)
                     }
                     Err(why) => {
                         tracing::debug!(op = node.op.name(), %why, "toma::lazy: could not measure a kernel call");
+                        // An out-of-memory may pass: only a call that fails otherwise is not
+                        // tried again.
+                        if !crate::oom::is_out_of_memory_message(&why) {
+                            insert(key, None);
+                        }
                         cal.summary
                             .why_unmeasured
                             .get_or_insert_with(|| format!("{} on stand-in inputs: {why}", node.op.name()));
                         None
                     }
-                };
-                insert(key, measured);
-                measured
+                }
             }
         };
         match found {
@@ -305,7 +328,9 @@ fn measure_graph(nodes: &[Rc<Node>], model: &CostModel, training: bool, how: Cal
         }
     }
     if let Some(Some(state)) = generator {
-        let _ = crate::memory::set_generator_state(device, &state);
+        if let Err(error) = crate::memory::set_generator_state(device, &state) {
+            tracing::warn!(%error, "toma::lazy: calibration could not restore libtorch's generator");
+        }
     }
     if cal.summary.measured > 0 {
         cal.summary.elapsed = started.elapsed();
@@ -380,11 +405,20 @@ fn probe(node: &Node, b: i64, counter: PeakCounter, training: bool, block: u64) 
     let refs: Vec<&Tensor> = ins.iter().collect();
     let cx = RunCx { meta: &node.meta, start: 0, b };
     let bytes = |b_: crate::lazy::graph::Bytes| rounded(b_.per * b as u64 + b_.fixed, block);
-    let (before, previous) = counter.start().ok_or("the allocator counter cannot be read")?;
-    let outcome = (|| -> Result<Point, String> {
+    const UNREAD: &str = "the allocator counter cannot be read";
+    let (before, previous) = counter.start().ok_or(UNREAD)?;
+    // The counter's earlier peak comes back however this ends (an op that panics included).
+    struct End(PeakCounter, u64);
+    impl Drop for End {
+        fn drop(&mut self) {
+            self.0.end(self.1);
+        }
+    }
+    let _end = End(counter, previous);
+    (|| -> Result<Point, String> {
         let run = || node.op.run(&refs, &cx);
         let out = if training { tch::with_grad(run) } else { tch::no_grad(run) }.map_err(|e| e.to_string())?;
-        let (peak, after) = (counter.peak().unwrap_or(0), counter.in_use().unwrap_or(0));
+        let (peak, after) = (counter.peak().ok_or(UNREAD)?, counter.in_use().ok_or(UNREAD)?);
         let out_bytes = bytes(node.cost.out);
         let kept = after.saturating_sub(before + out_bytes);
         let forward = peak.saturating_sub(before + out_bytes + kept);
@@ -399,30 +433,25 @@ fn probe(node: &Node, b: i64, counter: PeakCounter, training: bool, block: u64) 
         // The seed stays held: freed as the product's backward returns, it would lower what
         // is live under the node's backward below what the counter started from.
         drop(out);
-        let (before, _) = counter.start().ok_or("the allocator counter cannot be read")?;
+        let (before, _) = counter.start().ok_or(UNREAD)?;
         let tensors: Vec<&Tensor> = wrt.iter().map(|(_, t)| *t).collect();
         let grads = tch::with_grad(|| Tensor::f_run_backward(&[&surrogate], &tensors, false, false))
             .map_err(|e| e.to_string())?;
-        let peak = counter.peak().unwrap_or(0);
+        let peak = counter.peak().ok_or(UNREAD)?;
         drop((grads, seed));
         // What the schedule counts beside the scratch: the output's gradient, and each input's
         // that is not a view of it.
-        let alias = node.cost.grad_alias;
-        let grads: u64 = wrt
-            .iter()
-            .filter(|(k, _)| *k >= 64 || alias & (1 << k) == 0)
-            .map(|(k, _)| bytes(node.inputs[*k].cost.grad))
-            .sum();
+        let aliases = |k: usize| if k < 64 { node.cost.grad_alias & (1 << k) != 0 } else { node.cost.alias_rest };
+        let grads: u64 = wrt.iter().filter(|(k, _)| !aliases(*k)).map(|(k, _)| bytes(node.inputs[*k].cost.grad)).sum();
         let backward = peak.saturating_sub(before + bytes(node.cost.grad) + grads);
         Ok(Point { kept, forward, backward })
-    })();
-    counter.end(previous);
-    outcome
+    })()
 }
 
 /// A tensor standing in for `x` at `b` samples: a source's own (an input narrowed to `b`, where
-/// it has as many, a parameter as it is), detached; otherwise ones (zeros for integers and booleans, which index)
-/// in the recorded layout: the dimensions in the order of their strides, broadcast ones
+/// it has as many, a parameter as it is), detached; otherwise ones (`true` for booleans: a mask
+/// selects every entry, as the rules plan a data-dependent selection; zeros for integers, which
+/// index) in the recorded layout: the dimensions in the order of their strides, broadcast ones
 /// expanded.
 fn stand_in(x: &Node, b: i64) -> Result<Tensor, tch::TchError> {
     let short = x.meta.batch().is_some_and(|bd| bd.size < b);
@@ -434,7 +463,7 @@ fn stand_in(x: &Node, b: i64) -> Result<Tensor, tch::TchError> {
     let shape = meta.shape_at(b);
     let options = (meta.kind, meta.device);
     let fill = |dims: &[i64]| {
-        if shape::is_floating(meta.kind) {
+        if shape::is_floating(meta.kind) || meta.kind == tch::Kind::Bool {
             Tensor::f_ones(dims, options)
         } else {
             Tensor::f_zeros(dims, options)
@@ -482,6 +511,25 @@ mod tests {
         let m = Measured { kept: w, forward: Work { per: 3, fixed: 0, single: 0 }, backward: Work::ZERO };
         assert_eq!(Measured::from_line(&m.to_line()), Some(m));
         assert_eq!(Measured::from_line("1 2 3"), None);
+    }
+
+    /// A measurement serves every batch of the same per-sample shapes, and only those settings:
+    /// a 3×3 padded 1 and one padded 2 and dilated 2 map the same sizes and are kept apart.
+    #[test]
+    fn keys_tell_settings_apart_and_not_batch_sizes() {
+        let w = Tensor::zeros([4, 4, 3, 3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let conv = |n: i64, pad: i64, dil: i64| {
+            let x = Tensor::zeros([n, 4, 8, 8], (Kind::Float, Device::Cpu));
+            let y = crate::lazy::lazy(&x, 0).conv2d(&w, None::<&Tensor>, 1, pad, dil, 1);
+            key(&y.node, true, 2)
+        };
+        assert_eq!(conv(2, 1, 1), conv(6, 1, 1));
+        assert_ne!(conv(2, 1, 1), conv(2, 2, 2));
+        assert_ne!(conv(2, 1, 1), {
+            let x = Tensor::zeros([2, 4, 8, 8], (Kind::Float, Device::Cpu));
+            let y = crate::lazy::lazy(&x, 0).conv2d(&w, None::<&Tensor>, 1, 1, 1, 1);
+            key(&y.node, false, 2)
+        });
     }
 
     /// Stand-ins keep the recorded layout: a transposed operand arrives transposed.

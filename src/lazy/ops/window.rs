@@ -23,6 +23,18 @@ pub(crate) struct Conv<const D: usize> {
     groups: i64,
 }
 
+/// A convolution's settings, hashed: what [`Operation::sizing_hash`] says of it.
+fn settings_hash(lists: &[&[i64]], groups: i64) -> u64 {
+    let mut h = crate::hash::mix(groups as u64);
+    for list in lists {
+        for &v in *list {
+            h = crate::hash::mix(h ^ v as u64);
+        }
+        h = crate::hash::mix(h ^ 0x5e77);
+    }
+    h
+}
+
 /// A convolution's (or a transposed one's) kernel call on its operands.
 fn convolution<'a>(
     inputs: &'a [Rc<Node>],
@@ -56,6 +68,12 @@ fn conv_saves(i: usize, inputs: &[Rc<Node>]) -> bool {
 }
 
 impl<const D: usize> Operation for Conv<D> {
+    /// Padding and dilation pick kernels (and their scratch) that the shapes do not show: a
+    /// 3×3 padded 1 and one padded 2 and dilated 2 map the same sizes.
+    fn sizing_hash(&self) -> u64 {
+        settings_hash(&[&self.stride, &self.padding, &self.dilation], self.groups)
+    }
+
     fn grad_contiguous(&self) -> bool {
         true
     }
@@ -108,6 +126,10 @@ pub(crate) struct ConvTranspose2d {
 }
 
 impl Operation for ConvTranspose2d {
+    fn sizing_hash(&self) -> u64 {
+        settings_hash(&[&self.stride, &self.padding, &self.output_padding, &self.dilation], self.groups)
+    }
+
     fn grad_dense(&self, _meta: &Meta) -> bool {
         true
     }

@@ -102,13 +102,28 @@ fn machine() -> String {
     )
 }
 
-/// A file with more lines than this, and more than twice what it holds for this machine after
-/// reading, is rewritten with only what it holds (appending every change grows it forever).
+/// A file with more of this machine's lines than this, and more than twice what they hold after
+/// reading, is rewritten with only what they hold (appending every change grows it forever).
 const TRIM_ABOVE: usize = 4096;
 
 /// One remembered measurement: `machine \t key \t micro-batch \t excess`.
 fn line(machine: &str, key: u64, b: u64, excess: u64) -> String {
     format!("{machine}\t{key:016x}\t{b}\t{excess}\n")
+}
+
+/// Replaces the file at `path` by `trimmed`, unless it changed since it was read (`read` bytes
+/// long then: another process appended): through a file of this process's own, renamed over it.
+fn trim(path: &Path, read: u64, trimmed: &str) -> std::io::Result<()> {
+    let mut name = path.file_name().unwrap_or_default().to_owned();
+    name.push(format!(".trim-{}", std::process::id()));
+    let tmp = path.with_file_name(name);
+    std::fs::write(&tmp, trimmed)?;
+    let unchanged = std::fs::metadata(path).map(|m| m.len() == read).unwrap_or(false);
+    let renamed = if unchanged { std::fs::rename(&tmp, path) } else { Ok(()) };
+    if !unchanged || renamed.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    renamed
 }
 
 /// The tag of a calibration's line: `machine \t calibration \t key \t figures`.
@@ -172,7 +187,8 @@ impl Corrections {
                     measured::insert(key, Some(m));
                     calibrations.insert(key, m);
                     read += 1;
-                } else if !line.is_empty() && line.split('\t').next() != Some(machine.as_str()) {
+                } else if !line.is_empty() {
+                    // Another machine's, or a form this version does not read: kept as it is.
                     kept.push(line.to_owned());
                 }
             }
@@ -184,10 +200,11 @@ impl Corrections {
                 kept.extend(
                     calibrations.iter().map(|(key, m)| calibration_line(&machine, *key, m).trim_end().to_owned()),
                 );
-                let tmp = path.with_extension("trim");
-                let mut text = kept.join("\n");
-                text.push('\n');
-                std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, path))?;
+                let mut trimmed = kept.join("\n");
+                trimmed.push('\n');
+                if let Err(error) = trim(path, text.len() as u64, &trimmed) {
+                    tracing::warn!(%error, path = %path.display(), "toma::lazy: could not trim the corrections file");
+                }
             }
         }
         // Writable now, or an error now: not a warning at the first measurement.
@@ -225,12 +242,15 @@ impl Corrections {
         }
     }
 
+    /// The graph, device and mode, and whether calibration priced any of its nodes: an excess
+    /// over the rules' plan is not one over the measured plan.
     fn key(c: &Compiled, mode: Mode) -> u64 {
         let device = match c.device() {
             Device::Cuda(i) => i as u64 + 1,
             _ => 0,
         };
-        crate::hash::mix(c.fingerprint ^ crate::hash::mix(device << 1 | mode as u64))
+        let calibrated = u64::from(c.calibrated.get().is_some_and(|cal| !cal.by_node().is_empty()));
+        crate::hash::mix(c.fingerprint ^ crate::hash::mix(device << 2 | calibrated << 1 | mode as u64))
     }
 
     /// What this graph's plans hold in reserve.

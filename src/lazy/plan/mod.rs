@@ -51,8 +51,8 @@ use super::options::Options;
 /// calibration measured ([`Calibrate`](crate::lazy::Calibrate)), in a file, across processes:
 /// reads what `path` holds for this machine (libtorch's release, its threads, the architecture,
 /// the first CUDA card's multiprocessors; lines of another are skipped) and appends every new
-/// measurement to it. A file grown past 4096 lines and twice what it holds is rewritten with
-/// what it holds. Returns how many measurements were read; a missing file is created. Without
+/// measurement to it. Once this machine's lines pass 4096 and twice what they hold, the file is
+/// rewritten with what they hold (other machines' lines kept). Returns how many measurements were read; a missing file is created. Without
 /// it the corrections last as long as the process. Measurements happen where an allocator counts: on CUDA, or on the
 /// CPU after [`track_cpu_allocations`](crate::memory::track_cpu_allocations).
 ///
