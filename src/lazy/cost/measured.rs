@@ -2,13 +2,14 @@
 //!
 //! A calibrating plan ([`Calibrate`]) runs each such node alone on stand-in inputs (the real
 //! inputs and parameters where the node reads them, ones or zeros of the recorded shape and
-//! layout elsewhere) at 1, 2 and 8 samples, under the allocator counter, and prices the node by
-//! what the counter saw, in the terms the schedule adds: what the op keeps for its backward,
-//! its scratch while it runs, and its backward's scratch beside the output's gradient and the
-//! input gradients. Two sizes give a line (fixed + per sample); one sample may run another
-//! kernel and is kept apart. Measurements last for the process, keyed by the node's op, shapes
-//! (the batch size aside), layouts, kinds, device, mode and libtorch's threads; a plan finds
-//! them again at the cost of a hash.
+//! layout elsewhere) at 1, 2, 8 and 32 samples (up to its batch), under the allocator counter,
+//! and prices the node by what the counter saw, in the terms the schedule adds: what the op
+//! keeps for its backward, its scratch while it runs, and its backward's scratch beside the
+//! output's gradient and the input gradients. The two largest sizes give a line (fixed + per
+//! sample); one sample may run another kernel and is kept apart. Measurements last for the
+//! process, keyed by the node's op, the settings its kernel calls name, shapes (the batch size
+//! aside), layouts, kinds, device, mode and libtorch's threads; a plan finds them again at the
+//! cost of a hash.
 
 use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
@@ -25,8 +26,11 @@ use crate::lazy::options::Calibrate;
 use crate::lazy::shape;
 use crate::memory::PeakCounter;
 
-/// Micro-batch sizes a call is measured at (those up to its batch).
-const SIZES: [i64; 3] = [1, 2, 8];
+/// Micro-batch sizes a call is measured at, up to its batch: kernels split a batch among
+/// threads differently at a few samples than at many, so the line is drawn through the two
+/// largest (a strided convolution's backward at 32 samples was 22% above the line through 2
+/// and 8).
+const SIZES: [i64; 4] = [1, 2, 8, 32];
 /// Measurements kept at most: starting over costs one more measurement each.
 const CAPACITY: usize = 16384;
 
@@ -80,7 +84,7 @@ impl Measured {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Calibration {
-    /// Calls measured for this plan (each alone, at 1, 2 and 8 samples).
+    /// Calls measured for this plan (each alone, at 1, 2, 8 and 32 samples).
     pub measured: usize,
     /// Calls measured earlier in the process, or read from a remembered file.
     pub remembered: usize,
@@ -156,6 +160,15 @@ fn key(node: &Node, training: bool, threads: u64) -> u64 {
         };
         let mut h = crate::hash::hash_bytes(node.op.sizing_hash(), node.op.name().as_bytes());
         h = mix(h ^ (device << 24));
+        // What the rules see of the op's settings (a loss's flags change its temporaries; a
+        // convolution's padding, its kernel), so that two ops alike in shapes stay apart.
+        let mut calls = Vec::new();
+        node.op.kernels(&node.inputs, &node.meta, &mut calls);
+        for call in &calls {
+            h = mix(h ^ call_hash(call));
+        }
+        // Measured up to a batch below the largest size: a line no larger batch may reuse.
+        h = mix(h ^ *sizes(node).last().unwrap_or(&1) as u64);
         for meta in std::iter::once(&node.meta).chain(node.inputs.iter().map(|x| &x.meta)) {
             let bd = meta.batch();
             let flags = u64::from(meta.requires_grad) | u64::from(meta.alias) << 1;
@@ -183,6 +196,35 @@ const RECENT: usize = 64;
 
 thread_local! {
     static CALIBRATED: std::cell::RefCell<Vec<(u64, Rc<Calibrated>)>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The settings a kernel call names, hashed (its operands' shapes are the node's, hashed apart).
+fn call_hash(call: &KernelCall<'_>) -> u64 {
+    use crate::hash::mix;
+    let list = |h: u64, v: &[i64]| v.iter().fold(mix(h ^ 0x11), |h, &x| mix(h ^ x as u64));
+    let pair = |tag: u64, (a, b): (u64, u64)| mix(mix(tag ^ a) ^ b.rotate_left(17));
+    match call {
+        KernelCall::Keeps { elements, kind } => pair(1 ^ (*kind as u64) << 8, *elements),
+        KernelCall::SavedCopy { elements, kind } => pair(2 ^ (*kind as u64) << 8, *elements),
+        KernelCall::Temporaries { forward, backward } => mix(pair(3, *forward) ^ pair(4, *backward)),
+        KernelCall::Reduction { mask, backward, .. } => mix(5 ^ mask << 8 ^ u64::from(*backward) << 1),
+        KernelCall::ReducedPrecisionMean { elements } => pair(6, *elements),
+        KernelCall::Convolution(c) => {
+            let flags = [c.transposed, c.bias, c.input_grad, c.bias_grad_only];
+            let bits = flags.iter().enumerate().fold(0u64, |b, (i, &f)| b | u64::from(f) << i);
+            let h = list(list(list(mix(7 ^ bits << 8 ^ (c.groups as u64) << 16), c.stride), c.padding), c.dilation);
+            mix(h)
+        }
+        KernelCall::Product(p) => {
+            let bits = u64::from(p.batched) | u64::from(p.b_column_major) << 1 | u64::from(p.grads[0]) << 2;
+            mix(8 ^ (bits | u64::from(p.grads[1]) << 3) << 8 ^ (p.k as u64) << 16)
+        }
+        KernelCall::DropoutMask { elements, kind } => pair(9 ^ (*kind as u64) << 8, *elements),
+        KernelCall::LogSigmoid { elements, kind } => pair(10 ^ (*kind as u64) << 8, *elements),
+        KernelCall::RmsNorm { input, row, weight, kind } => {
+            mix(pair(11 ^ (*kind as u64) << 8, *input) ^ row << 1 ^ u64::from(*weight))
+        }
+    }
 }
 
 /// Measures what `nodes` need measured under `how`, or finds it measured; `model` says which
@@ -347,34 +389,47 @@ struct Point {
     backward: u64,
 }
 
-/// Measures `node` alone at each size in [`SIZES`] (whatever its batch: the measurement serves
-/// every batch of the same per-sample shapes), and fits the line.
+/// The sizes `node` is measured at: [`SIZES`] below its batch, and the batch where it is below
+/// the largest (plans never go past it). `[1]` for a node without a batch.
+fn sizes(node: &Node) -> Vec<i64> {
+    let batch = std::iter::once(&node.meta)
+        .chain(node.inputs.iter().map(|x| &x.meta))
+        .filter_map(|m| m.batch().map(|bd| bd.size.max(1)))
+        .max();
+    let Some(n) = batch else { return vec![1] };
+    let mut sizes: Vec<i64> = SIZES.iter().copied().filter(|&b| b < n).collect();
+    sizes.push(n.min(SIZES[SIZES.len() - 1]));
+    sizes.dedup();
+    sizes
+}
+
+/// Measures `node` alone at each of its [`sizes`], and fits the line.
 fn measure(node: &Node, counter: PeakCounter, training: bool, block: u64) -> Result<Measured, String> {
-    let batched = node.meta.batch().is_some() || node.inputs.iter().any(|x| x.meta.batch().is_some());
-    let sizes: &[i64] = if batched { &SIZES } else { &[1] };
+    let sizes = sizes(node);
     let mut points = Vec::with_capacity(sizes.len());
-    for &b in sizes {
+    for b in sizes {
         points.push((b as u64, probe(node, b, counter, training, block)?));
     }
     let line = |f: fn(&Point) -> u64| fit(&points.iter().map(|(b, p)| (*b, f(p))).collect::<Vec<_>>());
     Ok(Measured { kept: line(|p| p.kept), forward: line(|p| p.forward), backward: line(|p| p.backward) })
 }
 
-/// The line through the two largest sizes, never under either (fixed + per sample), and the
-/// value at one sample where it is off the line.
+/// The line through the two largest sizes, raised to be under none of the sizes from two on
+/// (fixed + per sample), and the value at one sample apart where it is off the line (one sample
+/// may run another kernel). Through the origin when one size from two on was measured.
 fn fit(points: &[(u64, u64)]) -> Work {
-    let Some(&(b_last, last)) = points.last() else {
-        return Work::ZERO;
+    let lined: Vec<(u64, u64)> = points.iter().copied().filter(|&(b, _)| b > 1).collect();
+    let one = points.iter().find(|&&(b, _)| b == 1).map(|&(_, m)| m);
+    let (per, fixed) = match lined.as_slice() {
+        [] => return Work { per: 0, fixed: one.unwrap_or(0), single: 0 },
+        [(b, m)] => (m.div_ceil(*b), 0),
+        [.., (b_prev, prev), (b_last, last)] => {
+            let per = last.saturating_sub(*prev).div_ceil(b_last - b_prev);
+            (per, lined.iter().map(|&(b, m)| m.saturating_sub(per * b)).max().unwrap_or(0))
+        }
     };
-    if points.len() == 1 {
-        let per = if b_last > 1 { last.div_ceil(b_last) } else { 0 };
-        return Work { per, fixed: if b_last > 1 { 0 } else { last }, single: 0 };
-    }
-    let (b_prev, prev) = points[points.len() - 2];
-    let per = last.saturating_sub(prev).div_ceil(b_last - b_prev);
-    let fixed = last.saturating_sub(per * b_last).max(prev.saturating_sub(per * b_prev));
-    let single = match points[0] {
-        (1, one) if points.len() > 2 && one != per + fixed => one.max(1),
+    let single = match one {
+        Some(m) if m != per + fixed => m.max(1),
         _ => 0,
     };
     Work { per, fixed, single }
@@ -496,9 +551,9 @@ mod tests {
     #[test]
     fn a_line_through_what_was_measured() {
         assert_eq!(fit(&[(1, 700)]), Work { per: 0, fixed: 700, single: 0 });
-        assert_eq!(fit(&[(1, 300), (2, 500)]), Work { per: 200, fixed: 100, single: 0 });
-        // A line that would start below zero starts at zero: never under either point.
-        assert_eq!(fit(&[(1, 100), (2, 300)]), Work { per: 200, fixed: 0, single: 0 });
+        // One size from two on: through the origin, one sample apart.
+        assert_eq!(fit(&[(1, 300), (2, 500)]), Work { per: 250, fixed: 0, single: 300 });
+        assert_eq!(fit(&[(1, 250), (2, 500)]), Work { per: 250, fixed: 0, single: 0 });
         let w = fit(&[(1, 1000), (2, 500), (8, 1700)]);
         assert_eq!((w.per, w.fixed), (200, 100));
         assert_eq!((w.at(2, 1), w.at(8, 1), w.at(1, 1)), (500, 1700, 1000));
@@ -507,6 +562,12 @@ mod tests {
         // Less at more samples (threads split otherwise): the larger of the two is held.
         let w = fit(&[(1, 10), (2, 900), (8, 600)]);
         assert!(w.at(2, 1) >= 900 && w.at(8, 1) >= 600, "{w:?}");
+        assert_eq!(w.at(1, 1), 10);
+        // Four sizes: the slope of the two largest, raised to be under none from two on.
+        let points = [(1, 10), (2, 500), (8, 1700), (32, 7000)];
+        let w = fit(&points);
+        assert_eq!(w.per, 221);
+        assert!(points[1..].iter().all(|&(b, m)| w.at(b, 1) >= m), "{w:?}");
         assert_eq!(w.at(1, 1), 10);
         let m = Measured { kept: w, forward: Work { per: 3, fixed: 0, single: 0 }, backward: Work::ZERO };
         assert_eq!(Measured::from_line(&m.to_line()), Some(m));
@@ -523,7 +584,8 @@ mod tests {
             let y = crate::lazy::lazy(&x, 0).conv2d(&w, None::<&Tensor>, 1, pad, dil, 1);
             key(&y.node, true, 2)
         };
-        assert_eq!(conv(2, 1, 1), conv(6, 1, 1));
+        assert_eq!(conv(32, 1, 1), conv(96, 1, 1));
+        assert_ne!(conv(2, 1, 1), conv(32, 1, 1), "measured at 2 samples at most: not a line for 32");
         assert_ne!(conv(2, 1, 1), conv(2, 2, 2));
         assert_ne!(conv(2, 1, 1), {
             let x = Tensor::zeros([2, 4, 8, 8], (Kind::Float, Device::Cpu));
