@@ -151,7 +151,7 @@ pub(crate) fn insert(key: u64, measured: Option<Measured>) {
 
 /// What identifies a node's measurement: its op and settings, the shapes (batch size aside),
 /// layouts, kinds and flows of its output and inputs, the mode, device and threads.
-fn key(node: &Node, training: bool, threads: u64) -> u64 {
+fn key<'a>(node: &'a Node, training: bool, threads: u64, calls: &mut Vec<KernelCall<'a>>) -> u64 {
     use crate::hash::mix;
     let shapes = *node.calibration_key.get_or_init(|| {
         let device = match node.meta.device {
@@ -162,13 +162,13 @@ fn key(node: &Node, training: bool, threads: u64) -> u64 {
         h = mix(h ^ (device << 24));
         // What the rules see of the op's settings (a loss's flags change its temporaries; a
         // convolution's padding, its kernel), so that two ops alike in shapes stay apart.
-        let mut calls = Vec::new();
-        node.op.kernels(&node.inputs, &node.meta, &mut calls);
-        for call in &calls {
+        calls.clear();
+        node.op.kernels(&node.inputs, &node.meta, calls);
+        for call in calls.iter() {
             h = mix(h ^ call_hash(call));
         }
         // Measured up to a batch below the largest size: a line no larger batch may reuse.
-        h = mix(h ^ *sizes(node).last().unwrap_or(&1) as u64);
+        h = mix(h ^ largest_size(node) as u64);
         for meta in std::iter::once(&node.meta).chain(node.inputs.iter().map(|x| &x.meta)) {
             let bd = meta.batch();
             let flags = u64::from(meta.requires_grad) | u64::from(meta.alias) << 1;
@@ -301,7 +301,7 @@ fn measure_graph(nodes: &[Rc<Node>], model: &CostModel, training: bool, how: Cal
         wanted
             .iter()
             .map(|&i| {
-                let key = key(&nodes[i], training, threads);
+                let key = key(&nodes[i], training, threads, &mut calls);
                 (key, table.get(&key).copied())
             })
             .collect()
@@ -389,16 +389,25 @@ struct Point {
     backward: u64,
 }
 
+/// The batch of `node`'s values, if it has one.
+fn batch(node: &Node) -> Option<i64> {
+    std::iter::once(&node.meta)
+        .chain(node.inputs.iter().map(|x| &x.meta))
+        .filter_map(|m| m.batch().map(|bd| bd.size.max(1)))
+        .max()
+}
+
+/// The largest size `node` is measured at.
+fn largest_size(node: &Node) -> i64 {
+    batch(node).map_or(1, |n| n.min(SIZES[SIZES.len() - 1]))
+}
+
 /// The sizes `node` is measured at: [`SIZES`] below its batch, and the batch where it is below
 /// the largest (plans never go past it). `[1]` for a node without a batch.
 fn sizes(node: &Node) -> Vec<i64> {
-    let batch = std::iter::once(&node.meta)
-        .chain(node.inputs.iter().map(|x| &x.meta))
-        .filter_map(|m| m.batch().map(|bd| bd.size.max(1)))
-        .max();
-    let Some(n) = batch else { return vec![1] };
+    let Some(n) = batch(node) else { return vec![1] };
     let mut sizes: Vec<i64> = SIZES.iter().copied().filter(|&b| b < n).collect();
-    sizes.push(n.min(SIZES[SIZES.len() - 1]));
+    sizes.push(largest_size(node));
     sizes.dedup();
     sizes
 }
@@ -582,7 +591,7 @@ mod tests {
         let conv = |n: i64, pad: i64, dil: i64| {
             let x = Tensor::zeros([n, 4, 8, 8], (Kind::Float, Device::Cpu));
             let y = crate::lazy::lazy(&x, 0).conv2d(&w, None::<&Tensor>, 1, pad, dil, 1);
-            key(&y.node, true, 2)
+            key(&y.node, true, 2, &mut Vec::new())
         };
         assert_eq!(conv(32, 1, 1), conv(96, 1, 1));
         assert_ne!(conv(2, 1, 1), conv(32, 1, 1), "measured at 2 samples at most: not a line for 32");
@@ -590,7 +599,7 @@ mod tests {
         assert_ne!(conv(2, 1, 1), {
             let x = Tensor::zeros([2, 4, 8, 8], (Kind::Float, Device::Cpu));
             let y = crate::lazy::lazy(&x, 0).conv2d(&w, None::<&Tensor>, 1, 1, 1, 1);
-            key(&y.node, false, 2)
+            key(&y.node, false, 2, &mut Vec::new())
         });
     }
 
