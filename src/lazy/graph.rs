@@ -445,6 +445,19 @@ impl Convolution<'_> {
     pub(crate) fn batched(&self) -> bool {
         self.output.shape.len() == self.stride.len() + 2
     }
+
+    /// Whether the kernel covers the whole unpadded input, one output position per sample (a
+    /// DCGAN discriminator's last layer): oneDNN runs it as an inner product.
+    pub(crate) fn covers_input(&self) -> bool {
+        let d = self.stride.len();
+        let spatial = |m: &Meta| m.shape[m.shape.len().saturating_sub(d)..].to_vec();
+        !self.transposed
+            && self.groups == 1
+            && !self.dilated()
+            && self.padding.iter().all(|&p| p == 0)
+            && spatial(self.output).iter().all(|&s| s == 1)
+            && spatial(self.input) == spatial(self.weight)
+    }
 }
 
 /// A matrix product as a kernel call: `out` (`[.., M, N]`) is `[M, K] @ [K, N]`, one product
