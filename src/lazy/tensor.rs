@@ -29,6 +29,12 @@ impl LazyTensor {
         leaf(tensor, None)
     }
 
+    /// Another handle to the same value, as tch's `Tensor::shallow_clone` (a clone: a reference
+    /// count), so that tch code calling it compiles unchanged.
+    pub fn shallow_clone(&self) -> LazyTensor {
+        self.clone()
+    }
+
     /// A batched input with its batch dimension `dim` (negative counts from the end).
     ///
     /// # Errors

@@ -191,6 +191,45 @@ fn ignored_targets_and_class_weights_are_weighted_exactly() {
     );
 }
 
+/// A segmentation loss: logits `[N, C, H, W]` against per-pixel classes `[N, H, W]`, tch's
+/// `cross_entropy_loss` with class weights and ignored pixels (micro-batches count different
+/// numbers of them), mean, sum and per-pixel: loss and gradients of the full batch, split.
+#[test]
+fn per_pixel_cross_entropy_matches_the_full_batch() {
+    tch::manual_seed(3);
+    let mut vs = nn::VarStore::new(CPU);
+    let conv = nn::conv2d(vs.root() / "c", 3, 4, 3, nn::ConvConfig { padding: 1, ..Default::default() });
+    vs.double();
+    let n = 6;
+    let x = Tensor::randn([n, 3, 5, 5], (Kind::Double, CPU));
+    let y = Tensor::randint(4, [n, 5, 5], (Kind::Int64, CPU));
+    let _ = y.narrow(0, 1, 2).narrow(1, 0, 3).fill_(-100);
+    let w = Tensor::from_slice(&[1.0f64, 2.0, 0.5, 3.0]);
+    for (reduction, weight) in [(Reduction::Mean, Some(&w)), (Reduction::Mean, None), (Reduction::Sum, Some(&w))] {
+        let what = format!("per-pixel cross-entropy {reduction:?}, weighted {}", weight.is_some());
+        check(
+            &vs,
+            &what,
+            &Options::new().micro_batch(2),
+            || conv.forward(&x).cross_entropy_loss(&y, weight, reduction, -100, 0.0),
+            || {
+                let (lx, ly) = lazy((&x, &y), 0);
+                lx.apply(&conv).cross_entropy_loss(&ly, weight, reduction, -100, 0.0)
+            },
+        );
+    }
+    // Per pixel: the loss keeps the targets' shape.
+    let (lx, ly) = lazy((&x, &y), 0);
+    let per_pixel = lx.apply(&conv).cross_entropy_loss(&ly, None::<&Tensor>, Reduction::None, -100, 0.0);
+    assert_eq!(per_pixel.size(), [n, 5, 5]);
+    let eager = conv.forward(&x).cross_entropy_loss(&y, None::<&Tensor>, Reduction::None, -100, 0.0);
+    let value = per_pixel.to_tensor_with(&Options::new().micro_batch(4)).unwrap();
+    assert!(relative_error(&value, &eager) < 1e-12);
+    // A target of another shape is a typed error naming both shapes.
+    let bad = lx.apply(&conv).f_cross_entropy_loss(&ly.narrow(1, 0, 4), None::<&Tensor>, Reduction::Mean, -100, 0.0);
+    assert!(matches!(bad, Err(toma::lazy::LazyError::Shape { .. })), "{bad:?}");
+}
+
 #[test]
 fn small_cnn_matches_the_full_batch_under_a_small_budget() {
     tch::manual_seed(3);

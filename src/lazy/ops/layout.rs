@@ -1579,6 +1579,15 @@ impl LazyTensor {
         self.f_narrow(d as i64, index, 1)?.f_squeeze_dim(d as i64)
     }
 
+    /// Pads the trailing dimensions with zeros, as tch's `constant_pad_nd`: `pad` holds (before,
+    /// after) pairs from the last dimension backwards. [`pad`](Self::pad) in `"constant"` mode.
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for an odd or too long `pad`.
+    pub fn f_constant_pad_nd(&self, pad: impl IntList) -> Result<LazyTensor, LazyError> {
+        self.f_pad(pad, "constant", None)
+    }
+
     /// Pads the trailing dimensions, as tch's `pad`: `pad` holds (before, after) pairs from
     /// the last dimension backwards; `mode` is `"constant"` (with `value`, default 0),
     /// `"reflect"`, `"replicate"` or `"circular"`. Padding the batch dimension mixes samples.

@@ -544,7 +544,8 @@ impl LazyTensor {
         Ok(Record::new(op, vec![x.clone(), tn.clone()], vec![], x.meta.kind, device).flow(flow).finish())
     }
 
-    /// Cross-entropy of logits `[N, C]` against class indices `[N]`, as tch's
+    /// Cross-entropy of logits `[N, C]` against class indices `[N]` (or `[N, C, d1, ..]` against
+    /// `[N, d1, ..]`, one class per position), as tch's
     /// `cross_entropy_loss`: optional class `weight`s (`[C]`), a reduction, an ignored index, and
     /// `label_smoothing` in `[0, 1]` (the target mixed with the uniform distribution over the
     /// classes). Split in micro-batches, a mean is weighted by the full batch's count of
@@ -563,6 +564,30 @@ impl LazyTensor {
         label_smoothing: f64,
     ) -> Result<LazyTensor, LazyError> {
         let name = "cross_entropy_loss";
+        // Logits `[N, C, d1, ..]` against targets `[N, d1, ..]` (a segmentation's per-pixel
+        // classes): the classes moved last and every position a row, as one `[N·d, C]` loss
+        // whose mean over counted targets, sum, or per-position values (shaped back) are the
+        // K-dimensional loss's.
+        let shape = self.node.meta.shape.clone();
+        if shape.len() > 2 {
+            let t = targets.into_lazy();
+            let mut expected = shape.clone();
+            expected.remove(1);
+            if t.node.meta.shape != expected {
+                return Err(LazyError::Shape {
+                    op: name.into(),
+                    lhs: shape,
+                    rhs: t.node.meta.shape.clone(),
+                    reason: "expected logits [N, C, d1, ..] with targets [N, d1, ..]".into(),
+                });
+            }
+            let mut order: Vec<i64> = (0..shape.len() as i64).filter(|&d| d != 1).collect();
+            order.push(1);
+            let rows = self.f_permute(order.as_slice())?.f_reshape([-1, shape[1]])?;
+            let loss =
+                rows.f_cross_entropy_loss(&t.f_reshape([-1])?, weight, reduction, ignore_index, label_smoothing)?;
+            return if reduction == Reduction::None { loss.f_reshape(expected.as_slice()) } else { Ok(loss) };
+        }
         if !(0.0..=1.0).contains(&label_smoothing) {
             return Err(arg(
                 name,
