@@ -206,6 +206,7 @@ fn sample(name: &str) -> Option<LazyTensor> {
         "index_put" => x().index_put(&[None, None, Some(&Tensor::from_slice(&[0i64, 2]))], &x().narrow(2, 0, 2), false),
         "select" => x().select(1, 0),
         "pad" => img().pad([1, 1, 1, 1], "reflect", None),
+        "constant_pad_nd" => img().constant_pad_nd([1, 1, 1, 1]),
         "flat_view" => x().flat_view(),
         "to_kind" => x().to_kind(Kind::Double),
         "contiguous" => x().transpose(1, 2).contiguous(),
