@@ -92,7 +92,7 @@ fn sample(name: &str) -> Option<LazyTensor> {
         "mul_scalar" => x().mul_scalar(2.0),
         "div_scalar" => x().div_scalar(2.0),
         "rdiv_scalar" => x().rdiv_scalar(2.0),
-        "pow_tensor_scalar" => x().pow_tensor_scalar(2.0),
+        "pow_tensor_scalar" => x().pow_tensor_scalar(2),
         "eq" => x().eq(0.0),
         "ne" => x().ne(0.0),
         "lt" => x().lt(0.0),

@@ -1085,12 +1085,18 @@ impl LazyTensor {
     pub fn f_rdiv_scalar(&self, s: f64) -> Result<LazyTensor, LazyError> {
         self.f_scalar(Binary::Div, s, true)
     }
-    /// `self ^ s` (tch's `pow_tensor_scalar`).
+    /// `self ^ s` (tch's `pow_tensor_scalar`; the exponent an integer or a float, as tch takes
+    /// it: `x.pow_tensor_scalar(2)`).
     ///
     /// # Errors
     /// None in practice.
-    pub fn f_pow_tensor_scalar(&self, s: f64) -> Result<LazyTensor, LazyError> {
-        self.f_scalar(Binary::Pow, s, false)
+    pub fn f_pow_tensor_scalar(&self, s: impl Into<tch::Scalar>) -> Result<LazyTensor, LazyError> {
+        let exponent = s.into().to_float().map_err(|e| LazyError::Torch {
+            node: None,
+            op: "pow_tensor_scalar".into(),
+            source: e,
+        })?;
+        self.f_scalar(Binary::Pow, exponent, false)
     }
     /// `self == s` elementwise.
     ///
