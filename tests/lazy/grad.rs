@@ -218,6 +218,18 @@ fn per_pixel_cross_entropy_matches_the_full_batch() {
             },
         );
     }
+    // Label smoothing: the mean over counted pixels, as libtorch's.
+    let unweighted = |smoothing: f64| {
+        let (lx, ly) = lazy((&x, &y), 0);
+        lx.apply(&conv).cross_entropy_loss(&ly, None::<&Tensor>, Reduction::Mean, -100, smoothing)
+    };
+    check(
+        &vs,
+        "per-pixel cross-entropy, smoothed",
+        &Options::new().micro_batch(2),
+        || conv.forward(&x).cross_entropy_loss(&y, None::<&Tensor>, Reduction::Mean, -100, 0.1),
+        || unweighted(0.1),
+    );
     // Per pixel: the loss keeps the targets' shape.
     let (lx, ly) = lazy((&x, &y), 0);
     let per_pixel = lx.apply(&conv).cross_entropy_loss(&ly, None::<&Tensor>, Reduction::None, -100, 0.0);

@@ -1570,3 +1570,23 @@ fn index_put_refuses_masks() {
     let refused = lazy(&t, 0).f_index_put(&[None, Some(&mask)], &randn(&[1]), false);
     assert!(matches!(refused, Err(LazyError::Unsupported { .. })), "{refused:?}");
 }
+
+/// `pow_tensor_scalar` takes an integer or a float as tch does, and promotes as libtorch: an
+/// integer tensor raised to an integer stays an integer, to a float becomes a float.
+#[test]
+fn pow_takes_integer_and_float_exponents_as_tch() {
+    let f = Tensor::from_slice(&[1.5f64, -2.0, 3.0]).view([3, 1]);
+    let i = Tensor::from_slice(&[1i64, -2, 3]).view([3, 1]);
+    for (t, exponent) in [(&f, 2.0f64), (&f, 0.5), (&i, 2.0)] {
+        let lazy_value = lazy(t, 0).pow_tensor_scalar(exponent).to_tensor().unwrap();
+        let eager = t.pow_tensor_scalar(exponent);
+        assert_eq!(lazy_value.kind(), eager.kind());
+        assert!(lazy_value.allclose(&eager, 1e-12, 1e-12, true));
+    }
+    for t in [&f, &i] {
+        let lazy_value = lazy(t, 0).pow_tensor_scalar(2).to_tensor().unwrap();
+        let eager = t.pow_tensor_scalar(2);
+        assert_eq!(lazy_value.kind(), eager.kind(), "an integer exponent");
+        assert!(lazy_value.equal(&eager));
+    }
+}

@@ -543,6 +543,7 @@ fn scalar_op(a: &Tensor, op: Binary, s: f64, reversed: bool, integral: bool) -> 
             (Binary::Mul, _) => a.f_mul_scalar(i),
             (Binary::Div, false) => a.f_div_scalar(i),
             (Binary::Div, true) => a.f_reciprocal()?.f_mul_scalar(i),
+            (Binary::Pow, false) => a.f_pow_tensor_scalar(i),
             _ => scalar_op(a, op, s, reversed, false),
         };
     }
@@ -1085,18 +1086,24 @@ impl LazyTensor {
     pub fn f_rdiv_scalar(&self, s: f64) -> Result<LazyTensor, LazyError> {
         self.f_scalar(Binary::Div, s, true)
     }
-    /// `self ^ s` (tch's `pow_tensor_scalar`; the exponent an integer or a float, as tch takes
-    /// it: `x.pow_tensor_scalar(2)`).
+    /// `self ^ s` (tch's `pow_tensor_scalar`): the exponent an integer or a float, as tch takes
+    /// it (`x.pow_tensor_scalar(2)`); an integer tensor raised to an integer stays an integer, as
+    /// in libtorch.
     ///
     /// # Errors
     /// None in practice.
-    pub fn f_pow_tensor_scalar(&self, s: impl Into<tch::Scalar>) -> Result<LazyTensor, LazyError> {
-        let exponent = s.into().to_float().map_err(|e| LazyError::Torch {
-            node: None,
-            op: "pow_tensor_scalar".into(),
-            source: e,
-        })?;
-        self.f_scalar(Binary::Pow, exponent, false)
+    pub fn f_pow_tensor_scalar(&self, s: impl Into<tch::Scalar> + 'static) -> Result<LazyTensor, LazyError> {
+        // tch's scalars come from an `i64` or an `f64`: which one decides libtorch's promotion.
+        fn integer<T: 'static>(_: &T) -> bool {
+            std::any::TypeId::of::<T>() == std::any::TypeId::of::<i64>()
+        }
+        let integral = integer(&s);
+        let s: tch::Scalar = s.into();
+        let torch = |source| LazyError::Torch { node: None, op: "pow_tensor_scalar".into(), source };
+        if integral {
+            return self.f_int_scalar(Binary::Pow, s.to_int().map_err(torch)?, false);
+        }
+        self.f_scalar(Binary::Pow, s.to_float().map_err(torch)?, false)
     }
     /// `self == s` elementwise.
     ///
