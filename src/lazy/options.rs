@@ -30,7 +30,7 @@ pub enum Recompute {
 /// scratch space, a product's workspace) by rules read on one library release, a few thread
 /// counts and a few kinds. Where a rule was not read for this machine (another libtorch
 /// release, more threads, another kind), or no rule exists (a [`CustomOp`](crate::lazy::CustomOp)),
-/// the call can be measured instead: it runs alone at 1, 2, 8 and 32 samples on stand-in inputs
+/// the call can be measured instead: it runs alone at 1, 2, 8, 32 and 128 samples on stand-in inputs
 /// under the allocator counter, and the plan uses what the counter saw. A call is measured once
 /// per shape in a process (and across processes with
 /// [`remember_corrections`](crate::lazy::remember_corrections)); the printed plan says how many

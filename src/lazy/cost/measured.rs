@@ -2,7 +2,7 @@
 //!
 //! A calibrating plan ([`Calibrate`]) runs each such node alone on stand-in inputs (the real
 //! inputs and parameters where the node reads them, ones or zeros of the recorded shape and
-//! layout elsewhere) at 1, 2, 8 and 32 samples (up to its batch), under the allocator counter,
+//! layout elsewhere) at 1, 2, 8, 32 and 128 samples (up to its batch), under the allocator counter,
 //! and prices the node by what the counter saw, in the terms the schedule adds: what the op
 //! keeps for its backward, its scratch while it runs, and its backward's scratch beside the
 //! output's gradient and the input gradients. The two largest sizes give a line (fixed + per
@@ -29,8 +29,8 @@ use crate::memory::PeakCounter;
 /// Micro-batch sizes a call is measured at, up to its batch: kernels split a batch among
 /// threads differently at a few samples than at many, so the line is drawn through the two
 /// largest (a strided convolution's backward at 32 samples was 22% above the line through 2
-/// and 8).
-const SIZES: [i64; 4] = [1, 2, 8, 32];
+/// and 8; an inner-product convolution at 256 was 12% below the line through 8 and 32).
+const SIZES: [i64; 5] = [1, 2, 8, 32, 128];
 /// Measurements kept at most: starting over costs one more measurement each.
 const CAPACITY: usize = 16384;
 
@@ -84,7 +84,7 @@ impl Measured {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Calibration {
-    /// Calls measured for this plan (each alone, at 1, 2, 8 and 32 samples).
+    /// Calls measured for this plan (each alone, at 1, 2, 8, 32 and 128 samples).
     pub measured: usize,
     /// Calls measured earlier in the process, or read from a remembered file.
     pub remembered: usize,
@@ -593,8 +593,8 @@ mod tests {
             let y = crate::lazy::lazy(&x, 0).conv2d(&w, None::<&Tensor>, 1, pad, dil, 1);
             key(&y.node, true, 2, &mut Vec::new())
         };
-        assert_eq!(conv(32, 1, 1), conv(96, 1, 1));
-        assert_ne!(conv(2, 1, 1), conv(32, 1, 1), "measured at 2 samples at most: not a line for 32");
+        assert_eq!(conv(128, 1, 1), conv(160, 1, 1));
+        assert_ne!(conv(2, 1, 1), conv(128, 1, 1), "measured at 2 samples at most: not a line for 128");
         assert_ne!(conv(2, 1, 1), conv(2, 2, 2));
         assert_ne!(conv(2, 1, 1), {
             let x = Tensor::zeros([2, 4, 8, 8], (Kind::Float, Device::Cpu));
