@@ -652,6 +652,45 @@ fn generated_models_peak_as_planned() {
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "models");
 }
 
+/// Zeroes every `.grad` that exists, in place (the rarer way to clear gradients).
+fn zero_in_place(vs: &nn::VarStore) {
+    for (_, v) in vs.variables() {
+        if v.grad().defined() {
+            let _ = v.grad().zero_();
+        }
+    }
+}
+
+/// `steps` Adam steps as users train, the graph recorded anew each step by `loss`: tch's
+/// `opt.zero_grad()` before the first two, zeroing in place before the rest; each step's plan
+/// against the allocator, one row each.
+fn train_recorded_anew(
+    rows: &mut Rows,
+    name: &str,
+    vs: &nn::VarStore,
+    steps: usize,
+    loss: &dyn Fn() -> LazyTensor,
+    options: &Options,
+) {
+    use tch::nn::OptimizerConfig;
+    let mut opt = nn::Adam::default().build(vs, 1e-4).unwrap();
+    for step in 0..steps {
+        if step < 2 {
+            opt.zero_grad();
+        } else {
+            zero_in_place(vs);
+        }
+        let l = loss();
+        let planned = l.plan(Mode::Backward, options).expect("a plan").peak_bytes();
+        let before = memory::cpu_allocator_stats().unwrap().allocated;
+        assert!(memory::reset_cpu_peak());
+        l.backward_with(options).expect("forward and backward");
+        let measured = memory::cpu_allocator_stats().unwrap().peak_allocated - before;
+        opt.step();
+        rows.push(format!("{name} step {step}"), planned, measured);
+    }
+}
+
 /// Six steps of `loss` as tch users train: three after `opt.zero_grad()` (`.grad` set to
 /// none), three zeroing `.grad` in place; each step's plan against the allocator, one row each.
 fn train_as_users_do(
@@ -666,11 +705,7 @@ fn train_as_users_do(
         if step < 3 {
             opt.zero_grad();
         } else {
-            for (_, v) in vs.variables() {
-                if v.grad().defined() {
-                    let _ = v.grad().zero_();
-                }
-            }
+            zero_in_place(vs);
         }
         let planned = loss.plan(Mode::Backward, options).expect("a plan").peak_bytes();
         let before = memory::cpu_allocator_stats().expect("tracking").allocated;
@@ -1014,32 +1049,12 @@ fn a_thread_count_the_rules_were_not_read_on_is_calibrated() {
 /// features). Every step within 10% of its measured peak.
 #[test]
 fn generative_models_in_training_loops() {
-    use tch::nn::OptimizerConfig;
     let _serial = support::serial();
     assert!(memory::track_cpu_allocations());
     tch::manual_seed(29);
     let mut rows = Rows::default();
     let mut train = |name: String, vs: &nn::VarStore, loss: &dyn Fn() -> LazyTensor, options: &Options| {
-        let mut opt = nn::Adam::default().build(vs, 1e-4).unwrap();
-        for step in 0..4 {
-            if step < 2 {
-                opt.zero_grad();
-            } else {
-                for (_, v) in vs.variables() {
-                    if v.grad().defined() {
-                        let _ = v.grad().zero_();
-                    }
-                }
-            }
-            let l = loss();
-            let planned = l.plan(Mode::Backward, options).expect("a plan").peak_bytes();
-            let before = memory::cpu_allocator_stats().unwrap().allocated;
-            assert!(memory::reset_cpu_peak());
-            l.backward_with(options).expect("forward and backward");
-            let measured = memory::cpu_allocator_stats().unwrap().peak_allocated - before;
-            opt.step();
-            rows.push(format!("{name} step {step}"), planned, measured);
-        }
+        train_recorded_anew(&mut rows, &name, vs, 4, loss, options)
     };
     for kind in [Kind::Float, Kind::Double] {
         for chunks in [1usize, 4] {
@@ -1132,32 +1147,12 @@ fn generative_models_in_training_loops() {
 /// step within 10% of its measured peak.
 #[test]
 fn sequence_and_segmentation_models_in_training_loops() {
-    use tch::nn::OptimizerConfig;
     let _serial = support::serial();
     assert!(memory::track_cpu_allocations());
     tch::manual_seed(31);
     let mut rows = Rows::default();
     let mut train = |name: String, vs: &nn::VarStore, loss: &dyn Fn() -> LazyTensor, options: &Options| {
-        let mut opt = nn::Adam::default().build(vs, 1e-4).unwrap();
-        for step in 0..3 {
-            if step < 2 {
-                opt.zero_grad();
-            } else {
-                for (_, v) in vs.variables() {
-                    if v.grad().defined() {
-                        let _ = v.grad().zero_();
-                    }
-                }
-            }
-            let l = loss();
-            let planned = l.plan(Mode::Backward, options).expect("a plan").peak_bytes();
-            let before = memory::cpu_allocator_stats().unwrap().allocated;
-            assert!(memory::reset_cpu_peak());
-            l.backward_with(options).expect("forward and backward");
-            let measured = memory::cpu_allocator_stats().unwrap().peak_allocated - before;
-            opt.step();
-            rows.push(format!("{name} step {step}"), planned, measured);
-        }
+        train_recorded_anew(&mut rows, &name, vs, 3, loss, options)
     };
     for kind in [Kind::Float, Kind::Double] {
         for chunks in [1usize, 4] {
@@ -2832,13 +2827,7 @@ fn shared_weights_peak_as_planned() {
                     match state {
                         // tch's `zero_grad()` sets `.grad` to none.
                         "none" => opt.zero_grad(),
-                        "zeroed in place" => {
-                            for (_, v) in vs.variables() {
-                                if v.grad().defined() {
-                                    let _ = v.grad().zero_();
-                                }
-                            }
-                        }
+                        "zeroed in place" => zero_in_place(&vs),
                         _ => {}
                     }
                     let describe = format!("{model} {kind:?} micro {micro} .grad {state}");
