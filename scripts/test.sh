@@ -30,6 +30,11 @@ step "cargo test (all features)"
 # libtorch here would run nothing.
 cargo test --workspace --all-features --lib --bins --tests
 cargo test --workspace --all-features --doc
+step "peak suites again as an AVX2 CPU (oneDNN and ATen capped: ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2)"
+# Plans must hold on any CPU: on an AVX-512 machine this runs oneDNN's AVX2 kernels (on an AVX2
+# one it repeats the native run). Calibration measures what the rules were not read for.
+ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 cargo test --workspace --all-features --test lazy_peak
+ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 cargo test --workspace --all-features --test lazy -- machine:: plan:: op_table::
 step "cargo test (no default features: no libtorch, no CUDA, no macros)"
 cargo test --workspace --no-default-features
 step "compile-error UI tests (macros without libtorch: trybuild builds its own copy)"

@@ -78,6 +78,7 @@ pub mod vision;
 mod wrap;
 
 pub use cost::cuda::{round_block, BLOCK};
+pub use cost::machine::{CpuIsa, CpuMachine};
 pub use cost::measured::Calibration;
 pub use error::LazyError;
 pub use exec::TracedOp;

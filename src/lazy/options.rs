@@ -26,19 +26,24 @@ pub enum Recompute {
 
 /// Whether a plan measures kernel calls before pricing them ([`Options::calibrate`]).
 ///
-/// The planner prices what kernels take besides their inputs and outputs (a convolution's
-/// scratch space, a product's workspace) by rules read on one library release, a few thread
-/// counts and a few kinds. Where a rule was not read for this machine (another libtorch
-/// release, more threads, another kind), or no rule exists (a [`CustomOp`](crate::lazy::CustomOp)),
-/// the call can be measured instead: it runs alone at 1, 2, 8, 32 and 128 samples on stand-in inputs
-/// under the allocator counter, and the plan uses what the counter saw. A call is measured once
-/// per shape in a process (and across processes with
+/// The allocator measures the truth on every machine; the planner's rules are a prior, read on
+/// one machine ([`CpuMachine::rules_read_on`](crate::lazy::CpuMachine::rules_read_on): one
+/// libtorch release, oneDNN's AVX-512 kernels, 1 and 2 threads, a few kinds). Under `Auto`, a
+/// call whose memory depends on the library's kernel choice (convolutions, oneDNN's `BFloat16`
+/// products, CUDA's convolutions and products) is measured unless its rule was read on exactly
+/// this machine ([`CpuMachine::host`](crate::lazy::CpuMachine::host): the libtorch release,
+/// the instruction set oneDNN uses, the threads), and so is a call no rule knows (a
+/// [`CustomOp`](crate::lazy::CustomOp)). The call runs alone at 1, 2, 8, 32 and 128 samples
+/// on stand-in inputs under the allocator counter (every power of two between where one line
+/// does not fit them), and the plan uses what the counter saw. A call is measured once per
+/// shape in a process (and across processes with
 /// [`remember_corrections`](crate::lazy::remember_corrections)); the printed plan says how many
-/// calls were measured and what that took. Measuring needs an allocator that counts: CUDA's,
-/// or the CPU's after [`track_cpu_allocations`](crate::memory::track_cpu_allocations).
+/// calls were measured, what that took, how many the rules priced and for which machine.
+/// Measuring needs an allocator that counts: CUDA's, or the CPU's after
+/// [`track_cpu_allocations`](crate::memory::track_cpu_allocations).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Calibrate {
-    /// Measure the calls no validated rule prices on this machine, where an allocator counts.
+    /// Measure the calls no rule read on this machine prices, where an allocator counts.
     #[default]
     Auto,
     /// Never measure: rules only (plans run nothing before the step).

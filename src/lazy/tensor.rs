@@ -7,6 +7,7 @@ use std::fmt;
 
 use tch::{Device, Kind, Tensor};
 
+use super::cost::machine::CpuMachine;
 use super::cost::{CostModel, Work};
 use super::error::LazyError;
 use super::exec::{self, TracedOp};
@@ -94,12 +95,37 @@ impl LazyTensor {
         self.node.name()
     }
 
-    /// What the planner charges the op that produced this value, at the recorded batch size,
-    /// and how a split treats it. Runs nothing. `docs/ops.md` lists it for every op.
+    /// What the planner's rules charge the op that produced this value on its device (this
+    /// machine's CPU, or its CUDA card), at the recorded batch size, and how a split treats it.
+    /// Runs nothing (calibration does not run: these are the rules' figures).
     pub fn op_costs(&self) -> OpCosts {
+        self.costs_by(&CostModel::of(self.node.meta.device))
+    }
+
+    /// [`op_costs`](Self::op_costs) as the rules price a CPU op on `machine`, whatever this one
+    /// is: `docs/ops.md` lists every op for [`CpuMachine::rules_read_on`], so that it reads the
+    /// same wherever it is generated.
+    ///
+    /// ```
+    /// use tch::{Device, Kind, Tensor};
+    /// use toma::lazy::{lazy, CpuIsa, CpuMachine};
+    ///
+    /// let x = Tensor::zeros([8, 12, 16, 16], (Kind::Float, Device::Cpu));
+    /// let w = Tensor::zeros([20, 12, 3, 3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    /// let y = lazy(&x, 0).conv2d(&w, None::<&Tensor>, 1, 1, 1, 1);
+    /// // oneDNN pads 20 output channels to blocks of 16 with AVX-512, of 8 with AVX2.
+    /// let avx512 = y.op_costs_on(&CpuMachine::rules_read_on());
+    /// let avx2 = y.op_costs_on(&CpuMachine::new(CpuIsa::Avx2, 2));
+    /// assert!(avx512.scratch > avx2.scratch);
+    /// ```
+    pub fn op_costs_on(&self, machine: &CpuMachine) -> OpCosts {
+        self.costs_by(&CostModel::Cpu(super::cost::cpu::Cpu::of(machine)))
+    }
+
+    fn costs_by(&self, model: &CostModel) -> OpCosts {
         use super::graph::Flow;
         let (meta, cost) = (&self.node.meta, &self.node.cost);
-        let price = CostModel::of(meta.device).price(&self.node, &mut Vec::new());
+        let price = model.price(&self.node, &mut Vec::new());
         // Costs are kept per sample and fixed; the batch is the graph's (1 without one).
         let batch = std::iter::once(&self.node)
             .chain(&self.node.inputs)

@@ -50,6 +50,13 @@ pub(crate) fn set_generator_state(device: Option<usize>, state: &[u8]) -> Result
     shim::set_generator_state(device, state)
 }
 
+/// ATen's CPU capability as libtorch picked it (`"AVX512"`, `"AVX2"`, `"DEFAULT"`, ..; it honours
+/// `ATEN_CPU_CAPABILITY`), through the shim.
+#[cfg(feature = "tch")]
+pub(crate) fn aten_cpu_capability() -> Result<String, AllocatorError> {
+    shim::cpu_capability()
+}
+
 /// Bytes of CPU memory available to this process now; see
 /// [`available_cpu_memory`](cpu::available_cpu_memory).
 pub fn cpu_available() -> u64 {

@@ -84,6 +84,7 @@ mod imp {
         fn toma_shim_cpu_raise_peak(value: i64) -> c_int;
         fn toma_shim_generator_state(device: i64, buf: *mut u8, cap: i64, size: *mut i64) -> c_int;
         fn toma_shim_set_generator_state(device: i64, buf: *const u8, size: i64) -> c_int;
+        fn toma_shim_cpu_capability(buf: *mut c_char, cap: i64, size: *mut i64) -> c_int;
         fn toma_shim_last_error() -> *const c_char;
     }
 
@@ -184,6 +185,17 @@ mod imp {
         }
     }
 
+    pub(in crate::memory) fn cpu_capability() -> Result<String, AllocatorError> {
+        let mut buf = [0u8; 64];
+        let mut size = 0i64;
+        // SAFETY: as above; the shim writes at most `cap` bytes into `buf`.
+        check(unsafe { toma_shim_cpu_capability(buf.as_mut_ptr().cast(), buf.len() as i64, &mut size) }, 0)?;
+        let size = usize::try_from(size).unwrap_or(0);
+        let bytes =
+            buf.get(..size).ok_or_else(|| AllocatorError::Torch(format!("a CPU capability of {size} bytes")))?;
+        Ok(String::from_utf8_lossy(bytes).into_owned())
+    }
+
     pub(in crate::memory) fn set_generator_state(device: Option<usize>, state: &[u8]) -> Result<(), AllocatorError> {
         // SAFETY: as above; the shim reads `state.len()` bytes.
         check(
@@ -232,6 +244,10 @@ mod imp {
     }
     #[cfg(feature = "tch")]
     pub(in crate::memory) fn set_generator_state(_device: Option<usize>, _state: &[u8]) -> Result<(), AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    #[cfg(feature = "tch")]
+    pub(in crate::memory) fn cpu_capability() -> Result<String, AllocatorError> {
         Err(AllocatorError::NotBuilt)
     }
 }

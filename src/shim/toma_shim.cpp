@@ -4,6 +4,7 @@
 
 #include <ATen/Context.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/Version.h>
 #include <ATen/core/Tensor.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
@@ -357,6 +358,17 @@ int toma_shim_set_generator_state(int64_t device, const uint8_t* buf, int64_t si
     std::memcpy(state.data_ptr(), buf, static_cast<size_t>(size));
     std::lock_guard<std::mutex> lock(gen.mutex());
     gen.set_state(state);
+    return TOMA_SHIM_OK;
+  });
+}
+
+int toma_shim_cpu_capability(char* buf, int64_t cap, int64_t* size) {
+  return guarded([&]() -> int {
+    const std::string capability = at::get_cpu_capability();
+    *size = static_cast<int64_t>(capability.size());
+    if (*size <= cap) {
+      std::memcpy(buf, capability.data(), capability.size());
+    }
     return TOMA_SHIM_OK;
   });
 }

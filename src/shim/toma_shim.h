@@ -89,6 +89,10 @@ int toma_shim_generator_state(int64_t device, uint8_t* buf, int64_t cap, int64_t
 // Sets the state of that generator from `size` bytes that toma_shim_generator_state gave.
 int toma_shim_set_generator_state(int64_t device, const uint8_t* buf, int64_t size);
 
+// ATen's CPU capability (`at::get_cpu_capability()`: "AVX512", "AVX2", "DEFAULT", ..., which
+// honours ATEN_CPU_CAPABILITY): its length in `*size`, its bytes in `buf` when they fit `cap`.
+int toma_shim_cpu_capability(char* buf, int64_t cap, int64_t* size);
+
 // Why the last call on this thread did not return TOMA_SHIM_OK: libtorch's message for
 // TOMA_SHIM_ERROR, the reason for the others ("" after a success). Valid until the next call
 // on this thread.

@@ -6,6 +6,7 @@ mod support;
 mod api;
 mod grad;
 mod idioms;
+mod machine;
 mod models;
 mod op_table;
 mod ops;

@@ -8,7 +8,7 @@
 use std::path::Path;
 
 use tch::{Device, Kind, Reduction, Tensor};
-use toma::lazy::{lazy, LazyTensor, Split};
+use toma::lazy::{lazy, CpuMachine, LazyTensor, Split};
 
 const F32: (Kind, Device) = (Kind::Float, Device::Cpu);
 
@@ -265,7 +265,7 @@ fn costs(name: &str) -> (String, String) {
     let value = sample(name).unwrap_or_else(|| {
         panic!("op `{name}` has no sample in tests/lazy/op_table.rs: add one to `sample` (its recorded costs go in docs/ops.md)")
     });
-    let c = value.op_costs();
+    let c = value.op_costs_on(&CpuMachine::rules_read_on());
     let split = match &c.split {
         Split::PerSample => "per sample".to_string(),
         Split::Summed => "summed (weighted by share)".to_string(),
@@ -361,17 +361,19 @@ fn table() -> String {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/lazy/ops");
     let mut files: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
     files.sort();
-    let mut out = String::from(
+    let mut out = format!(
         "# Ops `toma::lazy` records\n\nGenerated from `src/lazy/ops/*.rs` by `tests/lazy/op_table.rs` \
          (`TOMA_WRITE_OP_TABLE=1 cargo test --test lazy op_table`); CI fails when it differs from the code. \
          Each op also has a panicking form without `f_`, as in tch. Its file holds all its rules: how it is \
          recorded, run on a micro-batch, what its memory costs, and how a split rewrites it; its documentation \
          says when it mixes samples (and a split is refused). The two middle columns are read from each op \
-         recorded once on small sample operands (`LazyTensor::op_costs`): how micro-batches treat its value, and \
+         recorded once on small sample operands (`LazyTensor::op_costs_on`): how micro-batches treat its value, and \
          what the planner charges it: its output, what autograd keeps for the backward (operands by \
          position, from 0; the output; more), and scratch space forward / backward, sized relative to the \
-         op's first operand (on the CPU, in `Float`).\n\n\
+         op's first operand (on the CPU, in `Float`), as the rules price them for the machine they were read on \
+         (`CpuMachine::rules_read_on()`: {machine}), whatever machine generates this page.\n\n\
          | op | family | micro-batches | memory (planned) | what it computes |\n|---|---|---|---|---|\n",
+        machine = CpuMachine::rules_read_on()
     );
     for file in files {
         let family = file.file_stem().unwrap().to_string_lossy().into_owned();

@@ -255,16 +255,28 @@ fn forward_only_peak_is_below_training_peak_and_both_scale_with_the_batch() {
         let f = loss.plan(Mode::Forward, &Options::new().micro_batch(b)).unwrap().peak_bytes();
         let t = loss.plan(Mode::Backward, &Options::new().micro_batch(b)).unwrap().peak_bytes();
         assert!(f < t, "b={b}: forward {f}, training {t}");
-        assert!(f >= previous.0 && t >= previous.1, "monotone in the micro-batch");
+        // From two samples on, on every machine. One sample may run another kernel (libtorch's
+        // native im2col where oneDNN runs a batch; with AVX2's blocks of 8 its columns take more
+        // than oneDNN's scratch at two samples), so it bounds nothing.
+        if b > 2 {
+            assert!(f >= previous.0 && t >= previous.1, "b={b}: monotone in the micro-batch from 2 on");
+        }
         previous = (f, t);
     }
-    // Linear in the batch, up to the fixed part and rounding, once the micro-batch is large
-    // enough that fixed buffers (a strided convolution's, here) no longer decide the peak.
+    // Each step's bytes are linear in the micro-batch from two samples on, so the peak (their
+    // largest) is convex: at 64 it is at least the line of the step that peaked at 32, and at
+    // most twice the peak at 32 (no step's fixed part is negative). Which step peaks may change
+    // between the two sizes, and does on some machines (oneDNN's scratch on AVX2 against
+    // AVX-512), so nothing tighter holds on every machine.
     let p32 = loss.plan(Mode::Backward, &Options::new().micro_batch(32)).unwrap();
     let p64 = loss.plan(Mode::Backward, &Options::new().micro_batch(64)).unwrap();
     let predicted = p32.per_sample_bytes() * 64 + p32.fixed_bytes();
-    let ratio = p64.peak_bytes() as f64 / predicted as f64;
-    assert!((0.9..1.1).contains(&ratio), "{ratio}");
+    assert!(
+        predicted <= p64.peak_bytes(),
+        "convex: the line at 32 predicts {predicted}, the plan at 64 is {}",
+        p64.peak_bytes()
+    );
+    assert!(p64.peak_bytes() <= 2 * p32.peak_bytes(), "{} > 2 × {}", p64.peak_bytes(), p32.peak_bytes());
 }
 
 #[test]

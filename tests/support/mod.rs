@@ -298,14 +298,24 @@ pub mod child {
 
     /// Runs test `test` of this binary again, alone and exactly, with `env` set to `value`.
     pub fn run(test: &str, env: &str, value: &str) -> Child {
+        run_with(test, &[(env, Some(value))])
+    }
+
+    /// [`run`] with several variables: each set to its value, or removed (`None`).
+    pub fn run_with(test: &str, envs: &[(&str, Option<&str>)]) -> Child {
         let exe = std::env::current_exe().expect("path of the test binary");
         let started = Instant::now();
-        let output = Command::new(exe)
-            // Ignored tests (the GPU ones) re-run themselves too.
-            .args([test, "--exact", "--include-ignored", "--nocapture", "--test-threads=1"])
-            .env(env, value)
-            .output()
-            .expect("spawn the child test process");
+        let mut command = Command::new(exe);
+        // Ignored tests (the GPU ones) re-run themselves too.
+        command.args([test, "--exact", "--include-ignored", "--nocapture", "--test-threads=1"]);
+        for (env, value) in envs {
+            match value {
+                Some(value) => command.env(env, value),
+                None => command.env_remove(env),
+            };
+        }
+        let output = command.output().expect("spawn the child test process");
+        let (env, value) = envs.first().map_or(("", ""), |(e, v)| (*e, v.unwrap_or("(unset)")));
         let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
         let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
         let report = format!(

@@ -6,6 +6,8 @@ use std::sync::OnceLock;
 use tch::Kind;
 
 use super::brgemm;
+pub(crate) use super::machine::{libtorch_version, READ_THREADS};
+use super::machine::{CpuIsa, CpuMachine};
 use super::onednn::OneDnn;
 use super::work::{batch_of, chord, Scratch};
 use crate::lazy::graph::{Convolution, KernelCall, Product};
@@ -22,38 +24,42 @@ const SMALL_KERNEL_SIDE: i64 = 3;
 /// its operands moved, and 32 KiB more in its backward.
 const NATIVE_TRANSPOSED_BACKWARD_FIXED: u64 = 32 << 10;
 
-/// The most intra-op threads the thread-dependent rules (oneDNN's convolutions) were read on:
-/// plans for more threads measure those calls ([`Calibrate`](crate::lazy::Calibrate)).
-pub(crate) const READ_THREADS: u64 = 2;
-
-/// One CPU, as libtorch runs kernels on it: its intra-op threads and its oneDNN.
+/// One CPU, as libtorch runs kernels on it: oneDNN's instruction set, its intra-op threads and
+/// its oneDNN.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Cpu {
+    pub(crate) isa: CpuIsa,
     pub(crate) threads: u64,
     pub(crate) onednn: OneDnn,
     /// Whether libtorch runs `BFloat16` convolutions through oneDNN here (its
-    /// `mkldnn_bf16_device_check`: AVX-512 BW, VL and DQ on x86).
+    /// `mkldnn_bf16_device_check`: AVX-512 BW, VL and DQ on x86, as the CPU has them, whatever
+    /// oneDNN's cap).
     pub(crate) bf16_onednn: bool,
 }
 
 impl Cpu {
-    /// This machine: libtorch's intra-op threads (asked once), oneDNN's channel block for its
-    /// vector width (16 with AVX-512, else 8), the libtorch toma was built against.
+    /// This machine: libtorch's intra-op threads (asked once), the instruction set oneDNN uses
+    /// ([`CpuMachine::host`]), the libtorch toma was built against.
     pub(crate) fn host() -> &'static Cpu {
         static HOST: OnceLock<Cpu> = OnceLock::new();
         HOST.get_or_init(|| {
-            let threads = tch::get_num_threads().max(1) as u64;
-            let mut cpu = Cpu::new(threads, host_block(), libtorch_version());
+            let mut cpu = Cpu::of(&CpuMachine::host());
             cpu.bf16_onednn = host_bf16_onednn();
             if !cpu.onednn.validated() {
                 let (major, minor) = super::onednn::READ_ON;
                 tracing::warn!(
                     libtorch = ?cpu.onednn.libtorch,
                     "toma: the planner's oneDNN convolution rules were read on libtorch {major}.{minor}; plans of \
-                     CPU convolutions on this libtorch are not validated (measure them: TOMA_PLAN_SNAPSHOT, \
-                     tests/lazy_peak.rs)"
+                     CPU convolutions on this libtorch are measured where the allocator counts, and priced by \
+                     unvalidated rules elsewhere"
                 );
             }
+            tracing::debug!(
+                machine = %CpuMachine::host(),
+                aten = super::machine::aten_capability(),
+                rules_read_on = %CpuMachine::rules_read_on(),
+                "toma::lazy: the CPU plans are priced for"
+            );
             cpu
         })
     }
@@ -66,28 +72,35 @@ impl Cpu {
         if threads == host.threads {
             return host.clone();
         }
-        Cpu { threads, onednn: OneDnn { threads, ..host.onednn }, bf16_onednn: host.bf16_onednn }
+        Cpu { threads, onednn: OneDnn { threads, ..host.onednn }, ..host.clone() }
     }
 
-    /// Whether the rule that prices `call` was read on this library release, thread count and
-    /// kind, for every form of the call. Convolutions were read in `Float`, `Double` and `Half`
-    /// (native), and depend on the threads, but for a `Float` kernel that covers its whole input
-    /// (oneDNN runs it as an inner product); products have scratch only in `BFloat16`, through
-    /// oneDNN. `BFloat16` convolutions and products are read but not for every form (a CNN at
-    /// batch 4 is 9.6% under; a product with a transposed operand, a matrix times a batch,
-    /// `mv` and `dot` are not priced): they are measured where an allocator counts. The rest
-    /// are libtorch's formulas, read on its release.
+    /// The machine this CPU model prices for.
+    pub(crate) fn machine(&self) -> CpuMachine {
+        CpuMachine { isa: self.isa, threads: self.threads as usize, libtorch: self.onednn.libtorch }
+    }
+
+    /// Whether the rule that prices `call` was read on exactly this machine, for every form of
+    /// the call: the libtorch release, oneDNN's instruction set and the threads
+    /// ([`CpuMachine::rules_read_on`]) and the kind. Convolutions (oneDNN's and the native
+    /// ones) were read in `Float`, `Double` and `Half` there, but for a `Float` kernel that
+    /// covers its whole input (oneDNN runs it as an inner product); products have scratch only
+    /// in `BFloat16`, through oneDNN, whose rules miss some forms (a product with a transposed
+    /// operand, a matrix times a batch, `mv` and `dot`), so they are measured. The rest are
+    /// libtorch's formulas, read on its release. What was not read here is measured where an
+    /// allocator counts ([`measured`](super::measured)).
     pub(crate) fn validated(&self, call: &KernelCall<'_>) -> bool {
         if !self.onednn.validated() {
             return false;
         }
-        let threads_read = self.threads <= READ_THREADS;
+        let read_on = CpuMachine::rules_read_on();
+        let machine_read = self.isa == read_on.isa && self.threads <= READ_THREADS;
         match call {
             // A `Float` kernel that covers its whole input runs as oneDNN's inner product, whose
             // matmul scratch changes with the batch (no rule read: by rules such a layer was 11%
             // to 18% under in a DCGAN).
             KernelCall::Convolution(c) => {
-                threads_read
+                machine_read
                     && matches!(c.output.kind, Kind::Float | Kind::Double | Kind::Half)
                     && !(c.output.kind == Kind::Float && c.covers_input())
             }
@@ -96,11 +109,16 @@ impl Cpu {
         }
     }
 
-    /// A CPU of `threads` intra-op threads whose oneDNN uses channel blocks of `block`, with
-    /// the libtorch release `libtorch`.
-    pub(crate) fn new(threads: u64, block: u64, libtorch: Option<(u32, u32)>) -> Cpu {
-        let threads = threads.max(1);
-        Cpu { threads, onednn: OneDnn { libtorch, block, threads }, bf16_onednn: block >= 16 }
+    /// The model of `machine`: oneDNN's channel block for its instruction set, and libtorch's
+    /// bf16 check as a CPU with that instruction set passes it.
+    pub(crate) fn of(machine: &CpuMachine) -> Cpu {
+        let threads = machine.threads.max(1) as u64;
+        Cpu {
+            isa: machine.isa,
+            threads,
+            onednn: OneDnn { libtorch: machine.libtorch, block: machine.isa.block(), threads },
+            bf16_onednn: machine.isa >= CpuIsa::Avx512Core,
+        }
     }
 
     /// A matrix product's scratch: oneDNN's scratchpad where libtorch hands `BFloat16` products
@@ -330,15 +348,6 @@ fn native_grouped(c: &Convolution<'_>) -> Scratch {
     Scratch::of(forward, backward)
 }
 
-/// oneDNN's channel block on this CPU: 16 with AVX-512, else 8.
-fn host_block() -> u64 {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        return 16;
-    }
-    8
-}
-
 /// Whether libtorch's oneDNN takes `BFloat16` convolutions on this CPU.
 fn host_bf16_onednn() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -349,12 +358,4 @@ fn host_bf16_onednn() -> bool {
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
-}
-
-/// The libtorch release toma's shim was built against (`TOMA_LIBTORCH_VERSION`, from its
-/// headers), `None` when unknown.
-pub(crate) fn libtorch_version() -> Option<(u32, u32)> {
-    let version = option_env!("TOMA_LIBTORCH_VERSION")?;
-    let mut parts = version.split('.').map(|p| p.parse::<u32>().ok());
-    Some((parts.next()??, parts.next()??))
 }

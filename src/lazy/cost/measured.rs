@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use tch::{Device, Tensor};
 
+use super::work::Curve;
 use super::{CostModel, Price, Work};
 use crate::lazy::graph::{KernelCall, Meta, Node, RunCx};
 use crate::lazy::options::Calibrate;
@@ -66,16 +67,40 @@ impl Measured {
         }
     }
 
-    /// The nine figures, for a file: kept, forward, backward, each `per fixed single`.
+    /// The figures, for a file: kept, forward, backward, each `per fixed single`, then the
+    /// number of its curve's points and the points, `size bytes` each.
     pub(crate) fn to_line(self) -> String {
-        let w = |w: Work| format!("{} {} {}", w.per, w.fixed, w.single);
+        let w = |w: Work| {
+            let points = w.curve.map_or(&[][..], |c| c.points());
+            let mut text = format!("{} {} {} {}", w.per, w.fixed, w.single, points.len());
+            for (b, m) in points {
+                text.push_str(&format!(" {b} {m}"));
+            }
+            text
+        };
         format!("{} {} {}", w(self.kept), w(self.forward), w(self.backward))
     }
 
+    /// A line of [`to_line`](Self::to_line)'s, or of its nine figures without curves (files
+    /// written before curves were kept).
     pub(crate) fn from_line(line: &str) -> Option<Measured> {
         let v: Vec<u64> = line.split(' ').map(|x| x.parse().ok()).collect::<Option<_>>()?;
-        let w = |k: usize| Work { per: v[k], fixed: v[k + 1], single: v[k + 2] };
-        (v.len() == 9).then(|| Measured { kept: w(0), forward: w(3), backward: w(6) })
+        if v.len() == 9 {
+            let w = |k: usize| Work { single: v[k + 2], ..Work::line(v[k], v[k + 1]) };
+            return Some(Measured { kept: w(0), forward: w(3), backward: w(6) });
+        }
+        let mut at = 0;
+        let mut next = || {
+            let (head, rest) = (v.get(at..at + 4)?, at + 4);
+            let n = usize::try_from(head[3]).ok()?;
+            let pairs = v.get(rest..rest.checked_add(n.checked_mul(2)?)?)?;
+            at = rest + 2 * n;
+            let points: Vec<(u64, u64)> = pairs.chunks(2).map(|p| (p[0], p[1])).collect();
+            let curve = if points.is_empty() { None } else { Curve::intern(points) };
+            Some(Work { single: head[2], curve, ..Work::line(head[0], head[1]) })
+        };
+        let (kept, forward, backward) = (next()?, next()?, next()?);
+        (at == v.len()).then_some(Measured { kept, forward, backward })
     }
 }
 
@@ -94,14 +119,20 @@ pub struct Calibration {
     pub unmeasured: usize,
     /// Why the first unmeasured call was not measured.
     pub why_unmeasured: Option<String>,
+    /// Calls priced by rules read on exactly this machine, not measured
+    /// ([`CpuMachine::rules_read_on`](crate::lazy::CpuMachine::rules_read_on)).
+    pub by_rules: usize,
+    /// The CPU the plan priced for (`None` on CUDA).
+    pub machine: Option<crate::lazy::CpuMachine>,
     /// What measuring took for this plan.
     pub elapsed: Duration,
 }
 
 impl Calibration {
-    /// Whether calibration measured, found or missed anything (whether a plan mentions it).
+    /// Whether calibration measured, found, missed or left to rules anything (whether a plan
+    /// mentions it).
     pub fn is_empty(&self) -> bool {
-        self.measured + self.remembered + self.unmeasured == 0
+        self.measured + self.remembered + self.unmeasured + self.by_rules == 0
     }
 }
 
@@ -283,8 +314,11 @@ fn measure_graph(nodes: &[Rc<Node>], model: &CostModel, training: bool, how: Cal
         };
         if wants {
             wanted.push(i);
+        } else {
+            cal.summary.by_rules += 1;
         }
     }
+    cal.summary.machine = model.cpu_machine();
     if wanted.is_empty() {
         return cal;
     }
@@ -412,15 +446,52 @@ fn sizes(node: &Node) -> Vec<i64> {
     sizes
 }
 
-/// Measures `node` alone at each of its [`sizes`], and fits the line.
+/// Measures `node` alone at each of its [`sizes`], and fits the line; where the line misses a
+/// size (threads split a few samples otherwise than many; a kernel's workspace stops growing),
+/// every power of two between 2 and the largest size is measured too, and the price follows
+/// the measurements between them: the sizes a budget chooses between are priced as measured.
 fn measure(node: &Node, counter: PeakCounter, training: bool, block: u64) -> Result<Measured, String> {
-    let sizes = sizes(node);
-    let mut points = Vec::with_capacity(sizes.len());
-    for b in sizes {
+    let mut points = Vec::with_capacity(SIZES.len() + 3);
+    for b in sizes(node) {
         points.push((b as u64, probe(node, b, counter, training, block)?));
     }
-    let line = |f: fn(&Point) -> u64| fit(&points.iter().map(|(b, p)| (*b, f(p))).collect::<Vec<_>>());
-    Ok(Measured { kept: line(|p| p.kept), forward: line(|p| p.forward), backward: line(|p| p.backward) })
+    let series =
+        |points: &[(u64, Point)], f: fn(&Point) -> u64| points.iter().map(|(b, p)| (*b, f(p))).collect::<Vec<_>>();
+    let parts: [fn(&Point) -> u64; 3] = [|p| p.kept, |p| p.forward, |p| p.backward];
+    if parts.iter().any(|&f| off_the_line(&series(&points, f))) {
+        let largest = points.last().map_or(1, |p| p.0);
+        let mut b = 4;
+        while b < largest {
+            if !points.iter().any(|p| p.0 == b) {
+                points.push((b, probe(node, b as i64, counter, training, block)?));
+            }
+            b *= 2;
+        }
+        points.sort_by_key(|p| p.0);
+    }
+    tracing::trace!(op = node.op.name(), ?points, "toma::lazy: a kernel call measured at each size");
+    let [kept, forward, backward] = parts.map(|f| priced(&series(&points, f)));
+    Ok(Measured { kept, forward, backward })
+}
+
+/// Whether the [`fit`] misses a size from two on by more than 2% (and 1 KiB).
+fn off_the_line(points: &[(u64, u64)]) -> bool {
+    let w = fit(points);
+    points.iter().filter(|&&(b, _)| b > 1).any(|&(b, m)| (w.per * b + w.fixed).abs_diff(m) > (m / 50).max(1024))
+}
+
+/// The [`fit`], with the measurements as its curve where the line misses one of them.
+fn priced(points: &[(u64, u64)]) -> Work {
+    let mut w = fit(points);
+    if off_the_line(points) {
+        w.curve = Curve::intern(points.iter().copied().filter(|&(b, _)| b > 1).collect());
+        if w.curve.is_some() {
+            if let Some(&(_, one)) = points.iter().find(|&&(b, _)| b == 1) {
+                w.single = one.max(1);
+            }
+        }
+    }
+    w
 }
 
 /// The line through the two largest sizes, raised to be under none of the sizes from two on
@@ -430,7 +501,7 @@ fn fit(points: &[(u64, u64)]) -> Work {
     let lined: Vec<(u64, u64)> = points.iter().copied().filter(|&(b, _)| b > 1).collect();
     let one = points.iter().find(|&&(b, _)| b == 1).map(|&(_, m)| m);
     let (per, fixed) = match lined.as_slice() {
-        [] => return Work { per: 0, fixed: one.unwrap_or(0), single: 0 },
+        [] => return Work::line(0, one.unwrap_or(0)),
         [(b, m)] => (m.div_ceil(*b), 0),
         [.., (b_prev, prev), (b_last, last)] => {
             let per = last.saturating_sub(*prev).div_ceil(b_last - b_prev);
@@ -441,7 +512,7 @@ fn fit(points: &[(u64, u64)]) -> Work {
         Some(m) if m != per + fixed => m.max(1),
         _ => 0,
     };
-    Work { per, fixed, single }
+    Work { single, ..Work::line(per, fixed) }
 }
 
 /// Bytes as the allocator counts them.
@@ -559,15 +630,15 @@ mod tests {
     /// Two sizes give a line never under either; one sample off the line is kept apart.
     #[test]
     fn a_line_through_what_was_measured() {
-        assert_eq!(fit(&[(1, 700)]), Work { per: 0, fixed: 700, single: 0 });
+        assert_eq!(fit(&[(1, 700)]), Work::line(0, 700));
         // One size from two on: through the origin, one sample apart.
-        assert_eq!(fit(&[(1, 300), (2, 500)]), Work { per: 250, fixed: 0, single: 300 });
-        assert_eq!(fit(&[(1, 250), (2, 500)]), Work { per: 250, fixed: 0, single: 0 });
+        assert_eq!(fit(&[(1, 300), (2, 500)]), Work { single: 300, ..Work::line(250, 0) });
+        assert_eq!(fit(&[(1, 250), (2, 500)]), Work::line(250, 0));
         let w = fit(&[(1, 1000), (2, 500), (8, 1700)]);
         assert_eq!((w.per, w.fixed), (200, 100));
         assert_eq!((w.at(2, 1), w.at(8, 1), w.at(1, 1)), (500, 1700, 1000));
         // A fixed workspace: as large at every size.
-        assert_eq!(fit(&[(1, 4096), (2, 4096), (8, 4096)]), Work { per: 0, fixed: 4096, single: 0 });
+        assert_eq!(fit(&[(1, 4096), (2, 4096), (8, 4096)]), Work::line(0, 4096));
         // Less at more samples (threads split otherwise): the larger of the two is held.
         let w = fit(&[(1, 10), (2, 900), (8, 600)]);
         assert!(w.at(2, 1) >= 900 && w.at(8, 1) >= 600, "{w:?}");
@@ -578,9 +649,39 @@ mod tests {
         assert_eq!(w.per, 221);
         assert!(points[1..].iter().all(|&(b, m)| w.at(b, 1) >= m), "{w:?}");
         assert_eq!(w.at(1, 1), 10);
-        let m = Measured { kept: w, forward: Work { per: 3, fixed: 0, single: 0 }, backward: Work::ZERO };
+        let m = Measured { kept: w, forward: Work::line(3, 0), backward: Work::ZERO };
         assert_eq!(Measured::from_line(&m.to_line()), Some(m));
         assert_eq!(Measured::from_line("1 2 3"), None);
+    }
+
+    /// A workspace that stops growing below some size (a grouped convolution's backward on AVX2:
+    /// flat to 8 samples, then growing) is priced as measured at every size between, where the
+    /// raised line was 39% over at 8; a line that holds needs no curve.
+    #[test]
+    fn a_bent_measurement_is_priced_as_measured() {
+        let points = [(1, 100), (2, 200_964), (4, 200_964), (8, 200_964), (16, 304_000), (32, 511_684)];
+        let w = priced(&points);
+        for &(b, m) in &points {
+            assert_eq!(w.at(b, 1), m, "at {b}: {w:?}");
+        }
+        assert_eq!(w.at(12, 1), 200_964 + (304_000 - 200_964) / 2, "interpolated");
+        assert_eq!(w.at(64, 1), 511_684 + 32 * w.per, "beyond: the line's slope");
+        assert!(fit(&points).at(8, 1) > 270_000, "the line alone is far over at 8");
+        let straight = priced(&[(1, 10), (2, 500), (8, 1700), (32, 6500)]);
+        assert_eq!(straight.curve, None);
+        let m = Measured { kept: w, forward: straight, backward: Work::ZERO };
+        assert_eq!(Measured::from_line(&m.to_line()), Some(m));
+        assert_eq!(
+            Measured::from_line("1 2 3 4 5 6 7 8 9"),
+            Some(Measured {
+                kept: Work { single: 3, ..Work::line(1, 2) },
+                forward: Work { single: 6, ..Work::line(4, 5) },
+                backward: Work { single: 9, ..Work::line(7, 8) },
+            }),
+            "a line of a file written before curves"
+        );
+        let sum = w.plus(straight);
+        assert_eq!(sum.at(8, 1), 200_964 + straight.at(8, 1));
     }
 
     /// A measurement serves every batch of the same per-sample shapes, and only those settings:

@@ -17,6 +17,7 @@
 pub(crate) mod brgemm;
 pub(crate) mod cpu;
 pub(crate) mod cuda;
+pub(crate) mod machine;
 pub(crate) mod measured;
 pub(crate) mod onednn;
 pub(crate) mod work;
@@ -62,13 +63,27 @@ impl CostModel {
         }
     }
 
-    /// Whether the rule that prices `call` was read on this device, library release, thread
-    /// count and kind; where it was not, a calibrating plan measures the call
-    /// ([`measured`]). CUDA's rules were read on one H100 with libtorch 2.11.
+    /// Whether the rule that prices `call` was read on exactly this machine (device, library
+    /// release, oneDNN's instruction set, threads, kind); where it was not, a calibrating plan
+    /// measures the call ([`measured`]). On CUDA, convolutions and products are never taken on
+    /// trust: cuDNN's and cuBLAS's workspaces depend on the card, the algorithm and the library
+    /// release. Its other rules (the caching allocator's blocks, ATen's reduction staging) were
+    /// read on one H100 with libtorch 2.11.
     pub(crate) fn validated(&self, call: &KernelCall<'_>) -> bool {
         match self {
             CostModel::Cpu(cpu) => cpu.validated(call),
-            CostModel::Cuda(_) => cpu::libtorch_version() == Some(onednn::READ_ON),
+            CostModel::Cuda(_) => {
+                !matches!(call, KernelCall::Convolution(_) | KernelCall::Product(_))
+                    && cpu::libtorch_version() == Some(onednn::READ_ON)
+            }
+        }
+    }
+
+    /// The machine a CPU model prices for (`None` on CUDA).
+    pub(crate) fn cpu_machine(&self) -> Option<machine::CpuMachine> {
+        match self {
+            CostModel::Cpu(cpu) => Some(cpu.machine()),
+            CostModel::Cuda(_) => None,
         }
     }
 
@@ -210,6 +225,7 @@ mod tests {
 
     use super::cpu::Cpu;
     use super::cuda::{Cuda, BLOCK};
+    use super::machine::{CpuIsa, CpuMachine};
     use super::onednn::READ_ON;
     use super::*;
     use crate::lazy::lazy;
@@ -229,8 +245,9 @@ mod tests {
         let w = zeros(&[20, 12, 3, 3]).set_requires_grad(true);
         let y = lazy(&x, 0).conv2d(&w, None::<&Tensor>, 1, 1, 1, 1);
         let price = |model: &CostModel| model.price(&y.node, &mut Vec::new());
-        let avx512 = |threads| CostModel::Cpu(Cpu::new(threads, 16, Some(READ_ON)));
-        let avx2 = CostModel::Cpu(Cpu::new(2, 8, Some(READ_ON)));
+        let machine = |isa, threads| CpuMachine { libtorch: Some(READ_ON), ..CpuMachine::new(isa, threads) };
+        let avx512 = |threads| CostModel::Cpu(Cpu::of(&machine(CpuIsa::Avx512CoreBf16, threads)));
+        let avx2 = CostModel::Cpu(Cpu::of(&machine(CpuIsa::Avx2, 2)));
         // Blocks of 16 pad 20 output channels to 32, blocks of 8 to 24.
         assert!(price(&avx512(2)).forward.per > price(&avx2).forward.per);
         // On 2 threads the weight gradient's scratchpad is held between 13 and 48 KiB (the
@@ -242,8 +259,8 @@ mod tests {
         // 16 MiB backward), the same whatever the CPU.
         let cuda = price(&CostModel::Cuda(Cuda { gpu: H100 }));
         let per_sample = (12 * 16 * 16 + 20 * 16 * 16) * 4;
-        assert_eq!(cuda.forward, Work { per: per_sample, fixed: 2 * MIB, single: 0 });
-        assert_eq!(cuda.backward, Work { per: per_sample, fixed: 16 * MIB, single: 0 });
+        assert_eq!(cuda.forward, Work::line(per_sample, 2 * MIB));
+        assert_eq!(cuda.backward, Work::line(per_sample, 16 * MIB));
     }
 
     /// A reduction stages partial sums on CUDA only: a linear layer's bias gradient at batch
@@ -265,7 +282,7 @@ mod tests {
 
     #[test]
     fn work_rounds_to_the_block_and_prices_one_sample_apart() {
-        let w = Work { per: 100, fixed: 10, single: 700 };
+        let w = Work { single: 700, ..Work::line(100, 10) };
         assert_eq!(w.at(2, 1), 210);
         assert_eq!(w.at(2, 512), 512);
         assert_eq!(w.at(1, 1), 700, "one sample runs another kernel");

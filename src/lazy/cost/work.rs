@@ -5,37 +5,129 @@ use crate::lazy::graph::{Bytes, Meta};
 
 /// Bytes a kernel takes at a micro-batch of `b` samples: `per * b + fixed`, except at one
 /// sample when `single` is set (not 0): a single sample may run with another kernel (libtorch's
-/// native convolution where oneDNN runs a batch), or split among threads otherwise.
+/// native convolution where oneDNN runs a batch), or split among threads otherwise. A measured
+/// price may also carry its [`Curve`]: then the bytes between its sizes follow the measurement
+/// (and the line, an upper bound, serves what reads only `per` and `fixed`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Work {
     pub(crate) per: u64,
     pub(crate) fixed: u64,
     pub(crate) single: u64,
+    pub(crate) curve: Option<&'static Curve>,
 }
 
 impl Work {
     /// No bytes.
-    pub(crate) const ZERO: Work = Work { per: 0, fixed: 0, single: 0 };
+    pub(crate) const ZERO: Work = Work { per: 0, fixed: 0, single: 0, curve: None };
+
+    /// A line: `per * b + fixed`, the same at one sample.
+    pub(crate) const fn line(per: u64, fixed: u64) -> Work {
+        Work { per, fixed, single: 0, curve: None }
+    }
 
     /// Both taken at once.
     pub(crate) fn plus(self, other: Work) -> Work {
         let single = if self.single == 0 && other.single == 0 { 0 } else { self.at(1, 1) + other.at(1, 1) };
-        Work { per: self.per + other.per, fixed: self.fixed + other.fixed, single }
+        let curve = match (self.curve, other.curve) {
+            (None, None) => None,
+            (a, b) => {
+                let mut sizes: Vec<u64> = a.iter().chain(b.iter()).flat_map(|c| c.0.iter().map(|p| p.0)).collect();
+                sizes.sort_unstable();
+                sizes.dedup();
+                Curve::intern(sizes.into_iter().map(|b| (b, self.bytes(b) + other.bytes(b))).collect())
+            }
+        };
+        Work { per: self.per + other.per, fixed: self.fixed + other.fixed, single, curve }
+    }
+
+    /// Bytes at micro-batch `b`, as they are.
+    #[inline]
+    fn bytes(self, b: u64) -> u64 {
+        if b == 1 && self.single != 0 {
+            self.single
+        } else if let Some(curve) = self.curve {
+            curve.at(b, self.per)
+        } else {
+            self.per * b + self.fixed
+        }
     }
 
     /// Bytes at micro-batch `b`, rounded up to the allocator's `block` (a power of two).
     #[inline]
     pub(crate) fn at(self, b: u64, block: u64) -> u64 {
-        let bytes = if b == 1 && self.single != 0 { self.single } else { self.per * b + self.fixed };
+        let bytes = self.bytes(b);
         // A mask, not a division: the planner's inner loop.
         debug_assert!(block.is_power_of_two());
         (bytes + block - 1) & !(block - 1)
     }
 }
 
+/// What a measured price took at the sizes it was measured at, from two samples on, in order of
+/// size: between two sizes the bytes are interpolated, beyond the largest they grow by the line's
+/// slope. Interned for the process, so that a price stays `Copy` and shares its points.
+#[derive(Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Curve(Vec<(u64, u64)>);
+
+/// Curves kept at most: past this many distinct ones, measured prices keep only their line
+/// (which is above every measured size).
+const CURVES: usize = 1 << 16;
+
+impl Curve {
+    /// The process's one copy of `points` (sizes from 2 on, ascending); `None` when there are
+    /// none or the store is full.
+    pub(crate) fn intern(points: Vec<(u64, u64)>) -> Option<&'static Curve> {
+        use std::collections::HashSet;
+        use std::sync::{Mutex, OnceLock};
+        static STORE: OnceLock<Mutex<HashSet<&'static Curve>>> = OnceLock::new();
+        if points.is_empty() {
+            return None;
+        }
+        let curve = Curve(points);
+        let mut store = STORE.get_or_init(Default::default).lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(&found) = store.get(&curve) {
+            return Some(found);
+        }
+        if store.len() >= CURVES {
+            return None;
+        }
+        let leaked: &'static Curve = Box::leak(Box::new(curve));
+        store.insert(leaked);
+        Some(leaked)
+    }
+
+    /// The points, `(size, bytes)`.
+    pub(crate) fn points(&self) -> &[(u64, u64)] {
+        &self.0
+    }
+
+    /// Bytes at `b` samples; `per`, the slope beyond the largest size.
+    #[inline]
+    fn at(&self, b: u64, per: u64) -> u64 {
+        let points = &self.0;
+        match points.iter().position(|&(size, _)| size >= b) {
+            // Below the smallest size (one sample, where no `single` says): the smallest's.
+            Some(0) => points[0].1,
+            Some(i) if points[i].0 == b => points[i].1,
+            Some(i) => {
+                let ((b0, m0), (b1, m1)) = (points[i - 1], points[i]);
+                if m1 >= m0 {
+                    m0 + ((m1 - m0) * (b - b0)).div_ceil(b1 - b0)
+                } else {
+                    // Less at more samples (threads split otherwise): the larger holds.
+                    m0
+                }
+            }
+            None => {
+                let (last, m) = points[points.len() - 1];
+                m + per * (b - last)
+            }
+        }
+    }
+}
+
 impl From<Bytes> for Work {
     fn from(bytes: Bytes) -> Work {
-        Work { per: bytes.per, fixed: bytes.fixed, single: 0 }
+        Work::line(bytes.per, bytes.fixed)
     }
 }
 

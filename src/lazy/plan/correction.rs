@@ -84,7 +84,8 @@ pub(crate) struct Corrections {
 }
 
 /// What a correction was measured on, beside the graph and device in its key: libtorch's
-/// release and its threads (kernels and their scratch change with both), the architecture, and
+/// release and its threads (kernels and their scratch change with both), the architecture with
+/// the instruction set oneDNN uses and ATen's CPU capability (oneDNN's blocks follow it), and
 /// the first CUDA card's multiprocessors and resident threads each (which size ATen's
 /// reductions' staging; `none` without a card). A file's lines measured on something else are
 /// not read.
@@ -95,10 +96,12 @@ fn machine() -> String {
         None => "none".into(),
     });
     format!(
-        "libtorch={} threads={} arch={} gpu={gpu}",
+        "libtorch={} threads={} arch={}:{}:{} gpu={gpu}",
         option_env!("TOMA_LIBTORCH_VERSION").unwrap_or("unknown"),
         tch::get_num_threads(),
-        std::env::consts::ARCH
+        std::env::consts::ARCH,
+        crate::lazy::cost::machine::host_isa(),
+        crate::lazy::cost::machine::aten_capability().to_ascii_lowercase()
     )
 }
 

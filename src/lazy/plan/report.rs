@@ -434,11 +434,17 @@ impl fmt::Display for Plan {
         if cal.measured + cal.remembered > 0 {
             writeln!(
                 f,
-                "calibrated: {} kernel call(s) measured in {:.1} ms, {} measured earlier (Options::calibrate)",
+                "calibrated: {} kernel call(s) measured in {:.1} ms, {} measured earlier, {} priced by rules read on this machine (Options::calibrate)",
                 cal.measured,
                 cal.elapsed.as_secs_f64() * 1e3,
-                cal.remembered
+                cal.remembered,
+                cal.by_rules
             )?;
+        } else if cal.by_rules > 0 {
+            writeln!(f, "priced by rules read on this machine: {} kernel call(s), none measured", cal.by_rules)?;
+        }
+        if let Some(machine) = cal.machine.filter(|_| !cal.is_empty()) {
+            writeln!(f, "machine: {machine}; rules read on {}", crate::lazy::CpuMachine::rules_read_on())?;
         }
         if cal.unmeasured > 0 {
             writeln!(

@@ -1,0 +1,95 @@
+//! The machine toma prices plans for is the one the libraries use: oneDNN's instruction set as
+//! oneDNN itself reports it (`ONEDNN_VERBOSE=1`), with and without `ONEDNN_MAX_CPU_ISA`, so
+//! that a cap (how developers run as an AVX2 machine on an AVX-512 one) moves toma's model with
+//! oneDNN's kernels.
+
+use tch::{Device, Kind, Tensor};
+use toma::lazy::{lazy, Calibrate, CpuIsa, CpuMachine, Mode, Options};
+
+use crate::support::child;
+
+/// What oneDNN's verbose `isa:` line says of an instruction set, and whether `isa` is it: the
+/// family (SSE4.1, AVX, AVX2, AVX-512) and the extensions it names (DL Boost, bfloat16, AMX).
+fn agrees(onednn: &str, isa: CpuIsa) -> bool {
+    let family = if onednn.contains("AVX-512") || onednn.contains("AVX10") {
+        isa >= CpuIsa::Avx512Core
+    } else if onednn.contains("AVX2") {
+        (CpuIsa::Avx2..=CpuIsa::Avx2Vnni2).contains(&isa)
+    } else if onednn.contains("AVX") {
+        isa == CpuIsa::Avx
+    } else if onednn.contains("SSE4.1") {
+        isa == CpuIsa::Sse41
+    } else {
+        isa == CpuIsa::Generic
+    };
+    let vnni = matches!(isa, CpuIsa::Avx2Vnni | CpuIsa::Avx2Vnni2) || isa >= CpuIsa::Avx512CoreVnni;
+    let amx = isa >= CpuIsa::Avx512CoreAmx;
+    family && onednn.contains("DL Boost") == vnni && onednn.contains("AMX") == amx
+}
+
+/// Run by [`toma_reads_the_instruction_set_onednn_uses`] in a child: a convolution makes oneDNN
+/// print its `isa:` line; toma prints what it reads.
+#[test]
+#[ignore = "a child of toma_reads_the_instruction_set_onednn_uses"]
+fn print_the_machine() {
+    let x = Tensor::ones([2, 3, 8, 8], (Kind::Float, Device::Cpu));
+    let w = Tensor::ones([4, 3, 3, 3], (Kind::Float, Device::Cpu));
+    let _ = x.conv2d(&w, None::<&Tensor>, [1, 1], [1, 1], [1, 1], 1);
+    println!("toma-machine isa={}", CpuMachine::host().isa);
+}
+
+#[test]
+fn toma_reads_the_instruction_set_onednn_uses() {
+    let host = CpuMachine::host().isa;
+    let mut seen = Vec::new();
+    for cap in [None, Some("AVX2"), Some("AVX")] {
+        let out = child::run_with(
+            "machine::print_the_machine",
+            &[("ONEDNN_VERBOSE", Some("1")), ("ONEDNN_MAX_CPU_ISA", cap), ("DNNL_MAX_CPU_ISA", None)],
+        );
+        let fields = out.assert_finished("toma-machine ");
+        let isa = CpuIsa::from_name(&fields["isa"]).unwrap_or(CpuIsa::Generic);
+        let onednn = out
+            .stdout
+            .lines()
+            .find_map(|l| l.split_once(",isa:").map(|(_, isa)| isa.to_string()))
+            .unwrap_or_else(|| panic!("oneDNN printed no isa line\n{}", out.report));
+        assert!(agrees(&onednn, isa), "cap {cap:?}: oneDNN says `{onednn}`, toma read {isa}");
+        if cap.is_none()
+            && std::env::var_os("ONEDNN_MAX_CPU_ISA").is_none()
+            && std::env::var_os("DNNL_MAX_CPU_ISA").is_none()
+        {
+            assert_eq!(isa, host, "this process reads what a child without a cap reads");
+        }
+        seen.push(format!("{cap:?}: {isa} (oneDNN: {onednn})"));
+    }
+    println!("{}", seen.join("\n"));
+}
+
+/// Under `Auto`, a convolution's memory is measured wherever an allocator counts unless this is
+/// the machine its rules were read on; the printed plan says which machine it priced for.
+#[test]
+fn auto_measures_convolutions_on_any_machine_but_the_rules_one() {
+    let _serial = crate::support::serial();
+    assert!(toma::memory::track_cpu_allocations());
+    let x = Tensor::randn([16, 3, 12, 12], (Kind::Float, Device::Cpu));
+    let w = Tensor::randn([8, 3, 3, 3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let loss = lazy(&x, 0).conv2d(&w, None::<&Tensor>, 1, 1, 1, 1).relu().sum(Kind::Float);
+    let plan = loss.plan(Mode::Backward, &Options::new()).unwrap();
+    let cal = plan.calibration();
+    let here = CpuMachine::host();
+    let read_on = CpuMachine::rules_read_on();
+    assert_eq!(cal.machine, Some(here));
+    // The rules hold on their instruction set and release, at as many threads or fewer.
+    let rules_hold = here.isa == read_on.isa && here.libtorch == read_on.libtorch && here.threads <= read_on.threads;
+    let measured = cal.measured + cal.remembered;
+    if rules_hold {
+        assert!(measured == 0 && cal.by_rules >= 1, "{plan}");
+    } else {
+        assert!(measured == 1, "the convolution is measured on {here}\n{plan}");
+    }
+    let text = plan.to_string();
+    assert!(text.contains(&format!("machine: {here}")), "{text}");
+    let never = loss.plan(Mode::Backward, &Options::new().calibrate(Calibrate::Never)).unwrap();
+    assert!(never.calibration().is_empty(), "{:?}", never.calibration());
+}
