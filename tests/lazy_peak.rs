@@ -878,24 +878,44 @@ fn a_one_channel_first_convolution_plans_within_5_percent() {
     rows.assert_within(0.05, 0.05, "steps");
 }
 
-/// The loss of a ResNet-18 at 3×224×224 or of a 12-layer GPT-2-style decoder (256 wide, 4 heads,
-/// 128 positions), batch `n`, on `vs`.
-fn cost_model_loss(vs: &nn::VarStore, which: &str, n: i64) -> LazyTensor {
-    let y = LazyTensor::batched(&Tensor::randint(10, [n], (Kind::Int64, CPU)), 0).unwrap();
-    if which == "resnet18" {
-        let net = toma::lazy::vision::resnet18(&vs.root(), 10);
-        let x = Tensor::randn([n, 3, 224, 224], (Kind::Float, CPU));
-        return net.forward_t(&toma::lazy::lazy(&x, 0), true).cross_entropy_for_logits(&y);
+/// A ResNet-18 at 3×224×224, or a 12-layer GPT-2-style decoder (256 wide, 4 heads, 128
+/// positions) with a classifier: what calibration's cost is reported on.
+enum CostModel {
+    ResNet(toma::lazy::vision::ResNet),
+    Decoder(Vec<toma::lazy::models::DecoderBlock>, nn::Linear),
+}
+
+impl CostModel {
+    fn new(vs: &nn::VarStore, which: &str) -> CostModel {
+        if which == "resnet18" {
+            return CostModel::ResNet(toma::lazy::vision::resnet18(&vs.root(), 10));
+        }
+        let config = toma::lazy::models::BlockConfig::gpt2(256, 4);
+        let blocks = (0..12).map(|i| toma::lazy::models::DecoderBlock::new(vs.root() / "h" / i, config)).collect();
+        CostModel::Decoder(blocks, nn::linear(vs.root() / "head", 256, 10, Default::default()))
     }
-    let config = toma::lazy::models::BlockConfig::gpt2(256, 4);
-    let blocks: Vec<_> = (0..12).map(|i| toma::lazy::models::DecoderBlock::new(vs.root() / "h" / i, config)).collect();
-    let head = nn::linear(vs.root() / "head", 256, 10, Default::default());
-    let x = Tensor::randn([n, 128, 256], (Kind::Float, CPU));
-    let mut h = toma::lazy::lazy(&x, 0);
-    for block in &blocks {
-        h = block.forward_t(&h, true);
+
+    /// Its inputs at batch `n`.
+    fn inputs(&self, n: i64) -> (Tensor, LazyTensor) {
+        let shape: &[i64] = match self {
+            CostModel::ResNet(_) => &[n, 3, 224, 224],
+            CostModel::Decoder(..) => &[n, 128, 256],
+        };
+        let y = LazyTensor::batched(&Tensor::randint(10, [n], (Kind::Int64, CPU)), 0).unwrap();
+        (Tensor::randn(shape, (Kind::Float, CPU)), y)
     }
-    h.mean_dim(1, false, None).apply(&head).cross_entropy_for_logits(&y)
+
+    /// The loss, recorded.
+    fn loss(&self, (x, y): &(Tensor, LazyTensor)) -> LazyTensor {
+        let x = toma::lazy::lazy(x, 0);
+        match self {
+            CostModel::ResNet(net) => net.forward_t(&x, true).cross_entropy_for_logits(y),
+            CostModel::Decoder(blocks, head) => {
+                let h = blocks.iter().fold(x, |h, block| block.forward_t(&h, true));
+                h.mean_dim(1, false, None).apply(head).cross_entropy_for_logits(y)
+            }
+        }
+    }
 }
 
 /// What calibration costs, each model in a fresh process (`TOMA_CALIBRATION_COST`): the first
@@ -912,19 +932,22 @@ fn calibration_cost_report() {
         let n = 16;
         assert!(memory::track_cpu_allocations());
         let vs = nn::VarStore::new(CPU);
+        let model = CostModel::new(&vs, which);
+        let inputs = model.inputs(n);
         let options = Options::new().calibrate(calibrate).budget(u64::MAX / 4);
         let started = std::time::Instant::now();
-        let plan = cost_model_loss(&vs, which, n).plan(Mode::Backward, &options).unwrap();
+        let plan = model.loss(&inputs).plan(Mode::Backward, &options).unwrap();
         let first = started.elapsed();
         let cal = plan.calibration().clone();
         let started = std::time::Instant::now();
-        let again = cost_model_loss(&vs, which, n).plan(Mode::Backward, &options).unwrap();
+        let again = model.loss(&inputs).plan(Mode::Backward, &options).unwrap();
         let anew = started.elapsed();
+        let loss = model.loss(&inputs);
         let started = std::time::Instant::now();
-        cost_model_loss(&vs, which, n).backward_with(&options).unwrap();
+        loss.backward_with(&options).unwrap();
         let step = started.elapsed();
         println!(
-            "toma-cost {which} {how}: {} ops, first plan {:.0} ms ({} calls measured in {:.0} ms, {} by rules), \
+            "\ntoma-cost {which} {how}: {} ops, first plan {:.0} ms ({} calls measured in {:.0} ms, {} by rules), \
              recorded anew {:.1} ms ({} found measured), one step {:.0} ms, on {}",
             plan.ops().len(),
             first.as_secs_f64() * 1e3,
