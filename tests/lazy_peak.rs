@@ -881,14 +881,14 @@ fn a_one_channel_first_convolution_plans_within_5_percent() {
 /// A ResNet-18 at 3×224×224, or a 12-layer GPT-2-style decoder (256 wide, 4 heads, 128
 /// positions) with a classifier: what calibration's cost is reported on.
 enum CostModel {
-    ResNet(toma::lazy::vision::ResNet),
+    ResNet(Box<toma::lazy::vision::ResNet>),
     Decoder(Vec<toma::lazy::models::DecoderBlock>, nn::Linear),
 }
 
 impl CostModel {
     fn new(vs: &nn::VarStore, which: &str) -> CostModel {
         if which == "resnet18" {
-            return CostModel::ResNet(toma::lazy::vision::resnet18(&vs.root(), 10));
+            return CostModel::ResNet(Box::new(toma::lazy::vision::resnet18(&vs.root(), 10)));
         }
         let config = toma::lazy::models::BlockConfig::gpt2(256, 4);
         let blocks = (0..12).map(|i| toma::lazy::models::DecoderBlock::new(vs.root() / "h" / i, config)).collect();

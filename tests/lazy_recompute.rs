@@ -261,6 +261,7 @@ fn when_nothing_fits_the_error_names_the_lowest_peak_and_what_rules_out_splittin
             assert!(*peak < whole, "{err}");
             assert_eq!(*micro_batch, n as usize);
             assert!(why.contains("matmul"), "{err}");
+            assert!(err.to_string().contains(&format!("the whole batch of {n})")), "{err}");
         }
         other => panic!("{other}"),
     }

@@ -109,8 +109,10 @@ pub enum LazyError {
     /// No plan fits the budget: not the smallest micro-batch, not recomputing activations,
     /// where each was allowed. The fields name the lowest peak any plan reaches and how.
     #[error(
-        "toma::lazy: {op}: no plan fits the budget of {budget} B: the lowest peak any plan reaches is {peak} B at op #{peak_node} `{peak_op}` ({}){}{}",
-        plan_note(*.micro_batch, *.segments),
+        "toma::lazy: {op}: no plan fits the budget of {}: the lowest peak any plan reaches is {} at op #{peak_node} `{peak_op}` ({}){}{}",
+        sized(*.budget),
+        sized(*.peak),
+        plan_note(*.micro_batch, *.batch, *.segments),
         reserve_note(*.reserved),
         split_note(.split_refused.as_deref())
     )]
@@ -131,10 +133,12 @@ pub enum LazyError {
         /// The micro-batch of the plan with the lowest peak (the whole batch when splitting is
         /// ruled out).
         micro_batch: usize,
+        /// The whole batch (saturating at `u32::MAX`).
+        batch: u32,
         /// How many segments that plan recomputes in (`None`: it recomputes nothing).
         segments: Option<u32>,
         /// Why the batch may not be split (the op that rules it out), when it may not.
-        split_refused: Option<String>,
+        split_refused: Option<Box<str>>,
     },
     /// `backward` on a value that is not a scalar.
     #[error("toma::lazy: backward needs a scalar loss, `{op}` has shape {shape:?}")]
@@ -243,15 +247,24 @@ fn split_cause(batch: usize, requested: Option<usize>, peak: u64, budget: u64) -
 }
 
 /// How the lowest plan of [`LazyError::DoesNotFit`] runs.
-fn plan_note(micro_batch: usize, segments: Option<u32>) -> String {
-    let split = if micro_batch == 1 {
-        "in micro-batches of 1".to_owned()
+fn plan_note(micro_batch: usize, batch: u32, segments: Option<u32>) -> String {
+    let split = if micro_batch as u64 >= u64::from(batch) {
+        format!("the whole batch of {batch}")
     } else {
-        format!("in micro-batches of {micro_batch}")
+        format!("in micro-batches of {micro_batch} of a batch of {batch}")
     };
     match segments {
         Some(s) => format!("recomputing activations in {s} segments, {split}"),
         None => split,
+    }
+}
+
+/// Bytes as a person reads them, the exact count beside (`40.2 MiB (42152345 B)`).
+fn sized(bytes: u64) -> String {
+    if bytes < 1024 {
+        format!("{bytes} B")
+    } else {
+        format!("{} ({bytes} B)", crate::svg::bytes(bytes as f64))
     }
 }
 
@@ -268,7 +281,10 @@ fn reserve_note(reserved: u64) -> String {
     if reserved == 0 {
         String::new()
     } else {
-        format!(" and {reserved} B held in reserve for what earlier runs of this graph measured above their plans")
+        format!(
+            " and {} held in reserve for what earlier runs of this graph measured above their plans",
+            sized(reserved)
+        )
     }
 }
 

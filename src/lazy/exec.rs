@@ -646,6 +646,13 @@ pub(crate) fn evaluate(output: &LazyTensor, options: &Options) -> Result<Tensor,
     if let Some(Source::Input { tensor, .. } | Source::Leaf { tensor, .. }) = output.node.op.source() {
         return Ok(tensor.shallow_clone());
     }
+    // A loss read after its step: the value the step computed, nothing run again.
+    if let Some(value) = output.node.stepped.get() {
+        let meta = &output.node.meta;
+        return Tensor::f_from_slice(&[value])
+            .and_then(|t| t.f_to_kind(meta.kind)?.f_to_device(meta.device)?.f_reshape(&meta.shape))
+            .map_err(|source| LazyError::Torch { node: None, op: "stepped value".into(), source });
+    }
     let span = tracing::info_span!("toma.lazy", mode = "forward", op = output.op_name());
     let _entered = span.enter();
     let p = prepare(output, Mode::Forward, options)?;
@@ -868,6 +875,7 @@ pub(crate) fn backward(output: &LazyTensor, options: &Options) -> Result<f64, La
         group.all_reduce_sum(&defined)?;
         total = group.all_reduce_f64("toma.lazy/loss", crate::dist::Reduce::Sum, &[total])?[0];
     }
+    output.node.stepped.set(Some(total));
     Ok(total)
 }
 

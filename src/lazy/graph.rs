@@ -101,12 +101,24 @@ pub(crate) struct Node {
     /// What identifies the node's measurement in the cost layer's calibration, worked out the
     /// first time a plan asks (recording does not pay for it).
     pub(crate) calibration_key: std::cell::OnceCell<u64>,
+    /// The value the last backward pass of this node computed (a loss after its step):
+    /// evaluating the node returns it instead of running the forward again with parameters the
+    /// step has since updated.
+    pub(crate) stepped: std::cell::Cell<Option<f64>>,
 }
 
 impl Node {
     pub(crate) fn new(op: Box<dyn Operation>, inputs: Vec<Rc<Node>>, meta: Meta, cost: Cost) -> Rc<Node> {
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-        Rc::new(Node { id, op, inputs, meta, cost, calibration_key: std::cell::OnceCell::new() })
+        Rc::new(Node {
+            id,
+            op,
+            inputs,
+            meta,
+            cost,
+            calibration_key: std::cell::OnceCell::new(),
+            stepped: std::cell::Cell::new(None),
+        })
     }
 }
 

@@ -20,6 +20,8 @@
 //! let loss = lx.apply(&model).cross_entropy_for_logits(&ly);
 //! let value = opt.backward_step_clip(&loss, 0.5); // the loss, as `backward` returns it
 //! assert!(value.is_finite());
+//! // Read after the step, as tch's examples print it: the step's value, nothing run again.
+//! assert_eq!(f64::try_from(&loss)?, value);
 //! // Options (a budget, a micro-batch) as `backward_with` takes them:
 //! opt.f_backward_step_with(&loss, &Options::new().micro_batch(8))?;
 //! # Ok::<(), Box<dyn std::error::Error>>(())

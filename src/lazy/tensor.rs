@@ -169,6 +169,31 @@ impl LazyTensor {
     /// are concatenated along the batch dimension, reductions over the batch combined).
     /// Runs without recording gradients: for those, see [`backward`](Self::backward).
     ///
+    /// A value that a [`backward`](Self::backward) pass (or an optimizer's `backward_step`)
+    /// has computed is kept: evaluating it afterwards, here or through `f64::try_from`,
+    /// `double_value` or `Display`, returns what the step computed and runs nothing, so a loss
+    /// printed after its step is the step's, and draws no random numbers. A value recorded
+    /// anew (the next step's loss) runs with the parameters as they are then.
+    ///
+    /// ```
+    /// use tch::{nn, nn::Module, Device, Kind, Tensor};
+    /// use toma::lazy::lazy;
+    ///
+    /// let vs = nn::VarStore::new(Device::Cpu);
+    /// let fc = nn::linear(vs.root(), 4, 1, Default::default());
+    /// let x = Tensor::randn([8, 4], (Kind::Float, Device::Cpu));
+    /// let loss = lazy(&x, 0).apply(&fc).square().mean(None);
+    /// let stepped = loss.backward()?;
+    /// // What a step does: the weights change in place.
+    /// tch::no_grad(|| {
+    ///     let _ = fc.ws.shallow_clone().zero_();
+    /// });
+    /// // The step's value, not one computed with the zeroed weights.
+    /// assert_eq!(f64::try_from(&loss)?, stepped);
+    /// assert_ne!(f64::try_from(&lazy(&x, 0).apply(&fc).square().mean(None))?, stepped);
+    /// # Ok::<(), toma::lazy::LazyError>(())
+    /// ```
+    ///
     /// # Errors
     /// A [`LazyError`] when the plan cannot be made or libtorch fails.
     pub fn to_tensor(&self) -> Result<Tensor, LazyError> {
@@ -186,7 +211,8 @@ impl LazyTensor {
     /// Runs forward and backward in micro-batches and accumulates the gradients of every
     /// parameter into its `.grad()`, exactly as one backward over the full batch would (a
     /// mean-reduced loss weighs each micro-batch by its share of the batch). Returns the
-    /// full-batch value of the loss.
+    /// full-batch value of the loss, which the loss then keeps: evaluating it afterwards returns
+    /// this value and runs nothing ([`to_tensor`](Self::to_tensor)).
     ///
     /// Each micro-batch's gradients are added only once its backward has completed, so a
     /// micro-batch that runs out of memory is halved and redone without counting twice.

@@ -594,3 +594,63 @@ fn mixed_kinds_promote_as_tchs_ops_do() {
     assert_eq!(w.grad().kind(), Kind::Float);
     assert!(w.grad().allclose(&want, 1e-6, 1e-6, false), "{} vs {want}", w.grad());
 }
+
+/// Three AdamW steps of a model with dropout, as tch's examples train: `backward_step`, then
+/// the loss read with `f64::try_from`. Read after its step, a lazy loss is the step's value,
+/// and reading it runs nothing: no forward with the updated parameters, no random numbers
+/// drawn, so the lazy steps stay bit-for-bit those of eager tch (unsplit). Run in a child
+/// process, alone: dropout draws from the global generator. (`log_softmax` with `nll_loss`:
+/// tch's `cross_entropy_for_logits` takes its `log_softmax` in `Float` even of `Double` logits.)
+#[test]
+fn a_loss_read_after_its_step_is_the_steps_and_runs_nothing() {
+    if std::env::var_os("TOMA_STEPPED_LOSS_CHILD").is_none() {
+        let out = crate::support::child::run(
+            "idioms::a_loss_read_after_its_step_is_the_steps_and_runs_nothing",
+            "TOMA_STEPPED_LOSS_CHILD",
+            "1",
+        );
+        out.assert_finished("stepped-loss ");
+        return;
+    }
+    let train = |lazily: bool| -> (Vec<f64>, Vec<(String, Tensor)>, f64) {
+        tch::manual_seed(7);
+        let mut vs = nn::VarStore::new(Device::Cpu);
+        let (fc1, fc2) = (
+            nn::linear(vs.root() / "fc1", 16, 32, Default::default()),
+            nn::linear(vs.root() / "fc2", 32, 5, Default::default()),
+        );
+        vs.double();
+        let x = Tensor::randn([24, 16], (Kind::Double, Device::Cpu));
+        let y = Tensor::randint(5, [24], (Kind::Int64, Device::Cpu));
+        let mut opt = nn::AdamW::default().build(&vs, 1e-2).unwrap();
+        let mut read = Vec::new();
+        for _ in 0..3 {
+            if lazily {
+                let (lx, ly) = lazy((&x, &y), 0);
+                let loss = lx.apply(&fc1).relu().dropout(0.1, true).apply(&fc2).log_softmax(-1, None).nll_loss(&ly);
+                let value = opt.backward_step(&loss);
+                let after = f64::try_from(&loss).unwrap();
+                assert_eq!(after, value, "the value the step computed");
+                assert_eq!(format!("{loss}"), format!("{}", Tensor::from(value)), "Display prints it too");
+                read.push(after);
+            } else {
+                let loss = x.apply(&fc1).relu().dropout(0.1, true).apply(&fc2).log_softmax(-1, None).nll_loss(&y);
+                opt.backward_step(&loss);
+                read.push(f64::try_from(&loss).unwrap());
+            }
+        }
+        // The generator where the steps left it.
+        let next = Tensor::rand([1], (Kind::Double, Device::Cpu)).double_value(&[0]);
+        let mut params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        params.sort_by(|a, b| a.0.cmp(&b.0));
+        (read, params, next)
+    };
+    let (eager, eager_params, eager_next) = train(false);
+    let (lazy_read, lazy_params, lazy_next) = train(true);
+    assert_eq!(lazy_read, eager, "losses read after each step");
+    assert_eq!(lazy_next, eager_next, "reading the loss drew no random numbers");
+    for ((name, e), (_, l)) in eager_params.iter().zip(&lazy_params) {
+        assert!(e.equal(l), "{name} after 3 steps: eager and lazy differ");
+    }
+    println!("\nstepped-loss losses={lazy_read:?}");
+}

@@ -144,8 +144,17 @@ fn no_split_when_the_batch_fits_and_the_largest_power_of_two_otherwise() {
         last_peak = plan.peak_bytes();
     }
     let err = loss.plan(Mode::Backward, &Options::new().budget(1000)).unwrap_err();
-    assert!(matches!(err, LazyError::DoesNotFit { .. }), "{err}");
+    assert!(matches!(err, LazyError::DoesNotFit { batch: 100, .. }), "{err}");
     assert!(err.to_string().contains("cross_entropy_for_logits"), "{err}");
+    // Sizes as a person reads them, the exact bytes beside; how the lowest plan ran.
+    let LazyError::DoesNotFit { peak, micro_batch, .. } = &err else { unreachable!() };
+    let text = err.to_string();
+    assert!(text.contains("budget of 1000 B") && text.contains(&format!("({peak} B)")), "{text}");
+    assert!(text.contains("KiB") || text.contains("MiB"), "{text}");
+    assert!(text.contains(&format!("micro-batches of {micro_batch} of a batch of 100")), "{text}");
+    // Nothing to split: the whole batch, said so.
+    let unsplit = loss.plan(Mode::Backward, &Options::new().budget(1000).micro_batch(100)).map(|p| p.peak_bytes());
+    assert!(unsplit.is_ok_and(|p| p > 1000), "a forced micro-batch plans, whatever the budget");
 }
 
 #[test]

@@ -191,33 +191,39 @@ fn recomputing(
         (_, Some(fit)) => {
             // Estimates scaled by what earlier steps of this graph measured, where they did.
             let timings = time::Timings::process();
-            let recompute = time::step_seconds(c, n, Some(&fit.0)) * timings.factor(c, time::Choice::Recompute);
+            let (split_factor, recompute_factor) =
+                (timings.factor(c, time::Choice::Split), timings.factor(c, time::Choice::Recompute));
+            let recompute_prior = time::step_seconds(c, n, Some(&fit.0));
             match split() {
                 Ok(mut d) => {
-                    let split_seconds =
-                        time::step_seconds(c, d.micro_batch as u64, None) * timings.factor(c, time::Choice::Split);
+                    let split_prior = time::step_seconds(c, d.micro_batch as u64, None);
+                    // Ratios to one reference, the prior's plain whole-batch step (what
+                    // `Plan::estimated_time_ratio` reports); what measured steps of this graph
+                    // showed scales the comparison, and is said apart.
                     let measured =
                         if timings.measured(c, time::Choice::Split) || timings.measured(c, time::Choice::Recompute) {
-                            ", scaled by the times earlier steps of this graph measured"
+                            format!(
+                                ", scaled by what earlier steps of this graph measured ({split_factor:.2}x and \
+                                 {recompute_factor:.2}x the estimates)"
+                            )
                         } else {
-                            ""
+                            String::new()
                         };
-                    if split_seconds <= recompute {
+                    let (split_ratio, recompute_ratio) = (split_prior / plain_seconds, recompute_prior / plain_seconds);
+                    if split_prior * split_factor <= recompute_prior * recompute_factor {
                         d.why = format!(
-                            "micro-batches of {} are estimated faster ({:.2}x a whole step) than recomputing {} segments ({:.2}x){measured}",
+                            "micro-batches of {} are estimated faster ({split_ratio:.2}x a plain whole-batch step) than \
+                             recomputing {} segments ({recompute_ratio:.2}x){measured}",
                             d.micro_batch,
-                            split_seconds / plain_seconds,
                             fit.0.count(),
-                            recompute / plain_seconds
                         );
                         return Ok(d);
                     }
                     let why = format!(
-                        "recomputing {} segments is estimated faster ({:.2}x a whole step) than micro-batches of {} ({:.2}x){measured}",
+                        "recomputing {} segments is estimated faster ({recompute_ratio:.2}x a plain whole-batch step) \
+                         than micro-batches of {} ({split_ratio:.2}x){measured}",
                         fit.0.count(),
-                        recompute / plain_seconds,
                         d.micro_batch,
-                        split_seconds / plain_seconds
                     );
                     Ok(whole(fit, why))
                 }
@@ -252,8 +258,9 @@ fn does_not_fit(
         budget,
         reserved,
         micro_batch,
+        batch: u32::try_from(c.batch.max(1)).unwrap_or(u32::MAX),
         segments,
-        split_refused,
+        split_refused: split_refused.map(String::into_boxed_str),
     }
 }
 
