@@ -64,8 +64,41 @@ pub struct Options {
     pub(crate) retry: bool,
     pub(crate) recompute: Recompute,
     pub(crate) calibrate: Calibrate,
+    /// The optimizer's step that follows the backward, when a toma `Optimizer` runs it.
+    pub(crate) step: Option<OptimizerStep>,
     #[cfg(feature = "dist")]
     pub(crate) group: Option<crate::dist::Group>,
+}
+
+/// An optimizer's step after the backward, as a plan counts it: each trainable parameter in
+/// the optimizer's order (its storage's address and bytes), the state the step keeps per
+/// parameter and the temporaries it makes per parameter, each in multiples of the parameter
+/// (the facts of each optimizer are in `lazy::optim`), and whether the step creates its state
+/// (the first one).
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct OptimizerStep {
+    pub(crate) name: &'static str,
+    pub(crate) params: Vec<(usize, u64)>,
+    pub(crate) state: u64,
+    pub(crate) temporaries: u64,
+    pub(crate) first: bool,
+}
+
+impl OptimizerStep {
+    /// Bytes the step takes above what the backward left, over the parameters that get a
+    /// gradient (`reached`, by address): the first step creates each parameter's state as it
+    /// reaches it, its temporaries beside; a later one only its temporaries.
+    pub(crate) fn bytes(&self, reached: impl Fn(usize) -> bool) -> u64 {
+        let mut state = 0u64;
+        let mut peak = 0u64;
+        for &(_, bytes) in self.params.iter().filter(|(a, _)| reached(*a)) {
+            if self.first {
+                state += self.state * bytes;
+            }
+            peak = peak.max(state + self.temporaries * bytes);
+        }
+        peak
+    }
 }
 
 impl Default for Options {
@@ -79,6 +112,7 @@ impl Default for Options {
             retry: true,
             recompute: Recompute::Auto,
             calibrate: Calibrate::Auto,
+            step: None,
             #[cfg(feature = "dist")]
             group: None,
         }

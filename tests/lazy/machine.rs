@@ -67,10 +67,19 @@ fn toma_reads_the_instruction_set_onednn_uses() {
 }
 
 /// Under `Auto`, a convolution's memory is measured wherever an allocator counts unless this is
-/// the machine its rules were read on; the printed plan says which machine it priced for.
+/// the machine its rules were read on; the printed plan says which machine it priced for. In a
+/// child process: counting allocations would make every later plan of this one calibrate.
 #[test]
 fn auto_measures_convolutions_on_any_machine_but_the_rules_one() {
-    let _serial = crate::support::serial();
+    if std::env::var_os("TOMA_AUTO_MEASURES_CHILD").is_none() {
+        let out = child::run(
+            "machine::auto_measures_convolutions_on_any_machine_but_the_rules_one",
+            "TOMA_AUTO_MEASURES_CHILD",
+            "1",
+        );
+        out.assert_finished("auto-measures ");
+        return;
+    }
     assert!(toma::memory::track_cpu_allocations());
     let x = Tensor::randn([16, 3, 12, 12], (Kind::Float, Device::Cpu));
     let w = Tensor::randn([8, 3, 3, 3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
@@ -92,4 +101,5 @@ fn auto_measures_convolutions_on_any_machine_but_the_rules_one() {
     assert!(text.contains(&format!("machine: {here}")), "{text}");
     let never = loss.plan(Mode::Backward, &Options::new().calibrate(Calibrate::Never)).unwrap();
     assert!(never.calibration().is_empty(), "{:?}", never.calibration());
+    println!("\nauto-measures measured={measured} by_rules={}", cal.by_rules);
 }

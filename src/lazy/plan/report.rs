@@ -63,6 +63,8 @@ pub struct Plan {
     /// Estimated seconds of the planned step and of a plain whole-batch step.
     seconds: (f64, f64),
     calibration: Calibration,
+    /// The optimizer's step after the backward, and its peak, where one was planned.
+    optimizer: Option<(&'static str, u64)>,
 }
 
 impl Plan {
@@ -103,9 +105,16 @@ impl Plan {
     pub fn correction_bytes_per_sample(&self) -> u64 {
         self.correction.div_ceil(self.micro_batch.max(1) as u64)
     }
-    /// Peak bytes of the schedule at the micro-batch size.
+    /// Peak bytes of the step at the micro-batch size: the schedule's, or the optimizer's step
+    /// after it where a toma `Optimizer` planned one
+    /// ([`Optimizer::plan_step`](crate::lazy::nn::Optimizer::plan_step)) and it is higher.
     pub fn peak_bytes(&self) -> u64 {
-        self.peak
+        self.peak.max(self.optimizer_peak_bytes())
+    }
+    /// Peak bytes of the optimizer's step after the backward (the gradients, the state a first
+    /// step creates, its temporaries), where one was planned; 0 otherwise.
+    pub fn optimizer_peak_bytes(&self) -> u64 {
+        self.optimizer.map_or(0, |(_, bytes)| bytes)
     }
     /// Peak bytes the whole batch would need.
     pub fn full_batch_peak_bytes(&self) -> u64 {
@@ -364,6 +373,7 @@ pub(crate) fn detail(c: Compiled, decision: Decision) -> Plan {
         correction: decision.reserved,
         why: decision.why,
         seconds: decision.seconds,
+        optimizer: decision.optimizer,
     }
 }
 
@@ -430,6 +440,14 @@ impl fmt::Display for Plan {
             self.why,
             self.estimated_time_ratio()
         )?;
+        if let Some((name, bytes)) = self.optimizer {
+            let verdict = if bytes > self.peak { "the step's peak" } else { "below the backward's peak" };
+            writeln!(
+                f,
+                "optimizer: {name}'s step after the backward peaks at {} (the gradients, the state a first step creates, its temporaries): {verdict}",
+                crate::svg::bytes(bytes as f64)
+            )?;
+        }
         let cal = &self.calibration;
         if cal.measured + cal.remembered > 0 {
             writeln!(

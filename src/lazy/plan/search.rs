@@ -36,6 +36,9 @@ pub(crate) struct Decision {
     pub(crate) why: String,
     /// Estimated seconds of the step as planned, and of a plain step of the whole batch.
     pub(crate) seconds: (f64, f64),
+    /// The optimizer's step after the backward (`Options::step`): its name, and the peak it
+    /// reaches (the gradients, the state it creates, its temporaries).
+    pub(crate) optimizer: Option<(&'static str, u64)>,
 }
 
 impl Decision {
@@ -52,6 +55,43 @@ impl Decision {
 /// both decide. A correction learned from earlier runs of the same graph ([`Corrections`])
 /// shrinks the budget the schedule is held to.
 pub(crate) fn decide(c: &Compiled, mode: Mode, options: &Options) -> Result<Decision, LazyError> {
+    let mut d = decide_pass(c, mode, options)?;
+    let Some(step) = options.step.as_ref().filter(|_| mode == Mode::Backward) else { return Ok(d) };
+    // The optimizer's step runs once the backward has let its activations go: beside the
+    // gradients it made, the state a first step creates and the step's temporaries.
+    let reached: std::collections::HashSet<usize> = c
+        .reached_params
+        .iter()
+        .filter_map(|&i| match c.nodes[i as usize].op.source() {
+            Some(crate::lazy::graph::Source::Leaf { tensor, .. }) => Some(tensor.data_ptr() as usize),
+            _ => None,
+        })
+        .collect();
+    let peak = c.undefined_grad_bytes() + step.bytes(|a| reached.contains(&a));
+    if peak > d.budget {
+        return Err(LazyError::DoesNotFit {
+            op: c.output().op.name().into(),
+            peak,
+            peak_node: c.len() - 1,
+            peak_op: format!("{} step", step.name),
+            budget: d.budget,
+            reserved: 0,
+            micro_batch: d.micro_batch,
+            batch: u32::try_from(c.batch.max(1)).unwrap_or(u32::MAX),
+            segments: None,
+            split_refused: Some(
+                "the optimizer's step holds every gradient, the state it creates and its temporaries at once, \
+                 whatever the micro-batch"
+                    .into(),
+            ),
+        });
+    }
+    d.optimizer = Some((step.name, peak));
+    Ok(d)
+}
+
+/// [`decide`] for the forward and backward passes.
+fn decide_pass(c: &Compiled, mode: Mode, options: &Options) -> Result<Decision, LazyError> {
     // Calls no validated rule prices are measured first: every schedule below prices them so.
     let measured_now = c.calibrate(mode == Mode::Backward, options.calibrate);
     Corrections::process().remember_calibrations(measured_now);
@@ -127,6 +167,7 @@ fn recomputing(
             segments: Some(segments),
             why,
             seconds: (seconds, plain_seconds),
+            optimizer: None,
         }
     };
     if let Some(refused) = refused {
@@ -400,6 +441,7 @@ fn split_decision(
         segments,
         why,
         seconds,
+        optimizer: None,
     })
 }
 
