@@ -204,6 +204,8 @@ impl Loss for Tensor {
             Clip::Value(max) => opt.opt.backward_step_clip(self, max),
             Clip::Norm(max) => opt.opt.backward_step_clip_norm(self, max),
         }
+        // Its state exists now: a lazy step after it creates none.
+        opt.stepped = true;
         Ok(())
     }
 }
