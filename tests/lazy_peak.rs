@@ -947,6 +947,13 @@ fn a_step_that_cannot_fit_is_refused_before_it_runs() {
     // A later step creates no state: it needs less.
     let later = opt.plan_step(&loss, &Options::new()).unwrap().optimizer_peak_bytes();
     assert!(later + 2 * 512 * 512 * 4 <= needs, "{later} against {needs}");
+    // Where not even the backward fits, the error states what the whole step needs, not less.
+    match opt.f_backward_step_with(&loss, &Options::new().budget(1024)).unwrap_err() {
+        toma::lazy::LazyError::DoesNotFit { peak, peak_op, .. } => {
+            assert_eq!((peak, peak_op.as_str()), (later, "Adam step"));
+        }
+        other => panic!("{other}"),
+    }
 }
 
 /// A one-channel first convolution (1 → 4 channels, 3×3, on 12×12; tanh, max-pool, two linear

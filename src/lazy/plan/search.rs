@@ -55,39 +55,54 @@ impl Decision {
 /// both decide. A correction learned from earlier runs of the same graph ([`Corrections`])
 /// shrinks the budget the schedule is held to.
 pub(crate) fn decide(c: &Compiled, mode: Mode, options: &Options) -> Result<Decision, LazyError> {
-    let mut d = decide_pass(c, mode, options)?;
-    let Some(step) = options.step.as_ref().filter(|_| mode == Mode::Backward) else { return Ok(d) };
+    let step = options.step.as_ref().filter(|_| mode == Mode::Backward);
     // The optimizer's step runs once the backward has let its activations go: beside the
     // gradients it made, the state a first step creates and the step's temporaries.
-    let reached: std::collections::HashSet<usize> = c
-        .reached_params
-        .iter()
-        .filter_map(|&i| match c.nodes[i as usize].op.source() {
-            Some(crate::lazy::graph::Source::Leaf { tensor, .. }) => Some(tensor.data_ptr() as usize),
-            _ => None,
-        })
-        .collect();
-    let peak = c.undefined_grad_bytes() + step.bytes(|a| reached.contains(&a));
+    let step_peak = step.map(|step| {
+        let reached: std::collections::HashSet<usize> = c
+            .reached_params
+            .iter()
+            .filter_map(|&i| match c.nodes[i as usize].op.source() {
+                Some(crate::lazy::graph::Source::Leaf { tensor, .. }) => Some(tensor.data_ptr() as usize),
+                _ => None,
+            })
+            .collect();
+        (step.name, c.undefined_grad_bytes() + step.bytes(|a| reached.contains(&a)))
+    });
+    let mut d = match decide_pass(c, mode, options) {
+        // What the whole step needs, not less: the optimizer's peak where it is the higher.
+        Err(LazyError::DoesNotFit { peak, .. }) if step_peak.is_some_and(|(_, p)| p > peak) => {
+            let (name, p) = step_peak.expect("checked");
+            return Err(step_does_not_fit(c, name, p, budget(options, c.device())));
+        }
+        other => other?,
+    };
+    let Some((name, peak)) = step_peak else { return Ok(d) };
     if peak > d.budget {
-        return Err(LazyError::DoesNotFit {
-            op: c.output().op.name().into(),
-            peak,
-            peak_node: c.len() - 1,
-            peak_op: format!("{} step", step.name),
-            budget: d.budget,
-            reserved: 0,
-            micro_batch: d.micro_batch,
-            batch: u32::try_from(c.batch.max(1)).unwrap_or(u32::MAX),
-            segments: None,
-            split_refused: Some(
-                "the optimizer's step holds every gradient, the state it creates and its temporaries at once, \
-                 whatever the micro-batch"
-                    .into(),
-            ),
-        });
+        return Err(step_does_not_fit(c, name, peak, d.budget));
     }
-    d.optimizer = Some((step.name, peak));
+    d.optimizer = Some((name, peak));
     Ok(d)
+}
+
+/// The optimizer's step (`name`, `peak` bytes) does not fit `budget`.
+fn step_does_not_fit(c: &Compiled, name: &str, peak: u64, budget: u64) -> LazyError {
+    LazyError::DoesNotFit {
+        op: c.output().op.name().into(),
+        peak,
+        peak_node: c.len() - 1,
+        peak_op: format!("{name} step"),
+        budget,
+        reserved: 0,
+        micro_batch: c.batch.max(1) as usize,
+        batch: u32::try_from(c.batch.max(1)).unwrap_or(u32::MAX),
+        segments: None,
+        split_refused: Some(
+            "the optimizer's step holds every gradient, the state it creates and its temporaries at once, whatever \
+             the micro-batch"
+                .into(),
+        ),
+    }
 }
 
 /// [`decide`] for the forward and backward passes.
