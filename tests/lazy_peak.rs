@@ -69,6 +69,11 @@ impl Rows {
     }
 }
 
+/// The generated models' sample: `TOMA_PEAK_SEED` where set, else `default`.
+fn peak_seed(default: u64) -> u64 {
+    std::env::var("TOMA_PEAK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
+}
+
 /// How far a plan is from the measured peak, as a fraction of it.
 fn error(planned: u64, measured: u64) -> f64 {
     (planned as f64 - measured as f64) / measured as f64
@@ -634,7 +639,7 @@ fn generated_models_peak_as_planned() {
     let mut rows = Rows::default();
     // Another sample: `TOMA_PEAK_SEED=<n>` (seventeen others measured all 32 within 10% each,
     // −2.5% to +6.7%).
-    let seed = std::env::var("TOMA_PEAK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x7041);
+    let seed = peak_seed(0x7041);
     for arch in Arch::generate(32, seed) {
         let run = |n: i64| {
             let mut vs = nn::VarStore::new(CPU);
@@ -746,7 +751,7 @@ fn train_generated_models(manual_seed: i64, seed: u64, calibrate: toma::lazy::Ca
     let _serial = support::serial();
     assert!(memory::track_cpu_allocations());
     tch::manual_seed(manual_seed);
-    let seed = std::env::var("TOMA_PEAK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(seed);
+    let seed = peak_seed(seed);
     let mut rows = Rows::default();
     for (i, arch) in Arch::generate(12, seed).into_iter().enumerate() {
         let kind = if i % 2 == 1 { Kind::Double } else { Kind::Float };
@@ -786,7 +791,7 @@ fn a_budget_gets_the_largest_micro_batch_that_fits() {
     let _serial = support::serial();
     assert!(memory::track_cpu_allocations());
     tch::manual_seed(19);
-    let seed = std::env::var("TOMA_PEAK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x5151);
+    let seed = peak_seed(0x5151);
     const SIZES: [usize; 6] = [1, 2, 4, 8, 16, 32];
     let mut rows = Rows::default();
     let (mut checked, mut wrong) = (0, Vec::new());
@@ -906,8 +911,14 @@ fn whole_steps_peak_as_planned() {
                 let plan = opt.plan_step(&l, &options).expect("a plan");
                 let before = memory::cpu_allocator_stats().unwrap().allocated;
                 assert!(memory::reset_cpu_peak());
-                opt.f_backward_step_with(&l, &options).expect("a step");
+                let value = opt.f_backward_step_with(&l, &options).expect("a step");
                 let measured = memory::cpu_allocator_stats().unwrap().peak_allocated - before;
+                // Read afterwards, as tch's examples print it: the step's value, nothing run.
+                let after = memory::cpu_allocator_stats().unwrap().allocations;
+                assert_eq!(f64::try_from(&l).unwrap(), value, "{name} {model} step {step}");
+                let read = memory::cpu_allocator_stats().unwrap().allocations - after;
+                // A scalar and its conversions (to the loss's kind, to `f64`), not a forward.
+                assert!(read <= 4, "{name} {model} step {step}: reading the loss allocated {read} times");
                 let at = if plan.optimizer_peak_bytes() > plan.peak_bytes() / 2 { "optimizer" } else { "backward" };
                 rows.push(format!("{name} {model} step {step} ({at})"), plan.peak_bytes(), measured);
             }
@@ -1094,7 +1105,7 @@ fn rules_against_calibration_on_this_machine() {
     let _serial = support::serial();
     assert!(memory::track_cpu_allocations());
     tch::manual_seed(3);
-    let seed = std::env::var("TOMA_PEAK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x7041);
+    let seed = peak_seed(0x7041);
     let (mut rules, mut calibrated) = (Vec::new(), Vec::new());
     for arch in Arch::generate(32, seed) {
         let mut warm = nn::VarStore::new(CPU);
@@ -1137,7 +1148,7 @@ fn generated_models_recomputed_in_training_loops() {
     let _serial = support::serial();
     assert!(memory::track_cpu_allocations());
     tch::manual_seed(13);
-    let seed = std::env::var("TOMA_PEAK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x2025);
+    let seed = peak_seed(0x2025);
     let mut rows = Rows::default();
     let mut recomputed = 0;
     for (i, arch) in Arch::generate(12, seed).into_iter().enumerate() {
@@ -1636,7 +1647,7 @@ fn generated_transformers_peak_as_planned() {
     let _serial = support::serial();
     assert!(memory::track_cpu_allocations());
     tch::manual_seed(5);
-    let seed: u64 = std::env::var("TOMA_PEAK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x7f4a);
+    let seed: u64 = peak_seed(0x7f4a);
     let mut state = seed;
     let mut next = |n: usize| {
         state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
@@ -1693,7 +1704,7 @@ fn generated_transformers_and_forward_plans_calibrated() {
     let _serial = support::serial();
     assert!(memory::track_cpu_allocations());
     tch::manual_seed(19);
-    let mut state: u64 = std::env::var("TOMA_PEAK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x51ca);
+    let mut state: u64 = peak_seed(0x51ca);
     let mut next = |n: usize| {
         state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         ((state >> 33) % n as u64) as usize
@@ -1767,7 +1778,7 @@ fn generated_transformers_recomputed_as_planned() {
     let _serial = support::serial();
     assert!(memory::track_cpu_allocations());
     tch::manual_seed(6);
-    let seed: u64 = std::env::var("TOMA_PEAK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x51a7);
+    let seed: u64 = peak_seed(0x51a7);
     let mut state = seed;
     let mut next = |n: usize| {
         state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
@@ -1935,7 +1946,7 @@ fn convolution_plan_corpus() {
     let _serial = support::serial();
     let count: usize = std::env::var("TOMA_CORPUS").ok().and_then(|s| s.parse().ok()).unwrap_or(1500);
     // Another sample with `TOMA_PEAK_SEED=<n>`.
-    let seed: u64 = std::env::var("TOMA_PEAK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
+    let seed: u64 = peak_seed(0);
     let mut state = 0x9e37_79b9_7f4a_7c15u64 ^ seed.wrapping_mul(0x2545_f491_4f6c_dd1d);
     let mut next = |n: i64| {
         state ^= state << 13;
@@ -2936,7 +2947,7 @@ fn vit_and_convnext_models_in_training_loops() {
     let _serial = support::serial();
     assert!(memory::track_cpu_allocations());
     tch::manual_seed(17);
-    let seed: u64 = std::env::var("TOMA_PEAK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x51c0);
+    let seed: u64 = peak_seed(0x51c0);
     let mut state = seed;
     let mut next = |n: usize| {
         state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);

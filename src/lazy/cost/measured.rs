@@ -458,7 +458,10 @@ fn measure(node: &Node, counter: PeakCounter, training: bool, block: u64) -> Res
     let series =
         |points: &[(u64, Point)], f: fn(&Point) -> u64| points.iter().map(|(b, p)| (*b, f(p))).collect::<Vec<_>>();
     let parts: [fn(&Point) -> u64; 3] = [|p| p.kept, |p| p.forward, |p| p.backward];
-    if parts.iter().any(|&f| off_the_line(&series(&points, f))) {
+    if parts.iter().any(|&f| {
+        let series = series(&points, f);
+        off_the_line(&series, fit(&series))
+    }) {
         let largest = points.last().map_or(1, |p| p.0);
         let mut b = 4;
         while b < largest {
@@ -474,16 +477,15 @@ fn measure(node: &Node, counter: PeakCounter, training: bool, block: u64) -> Res
     Ok(Measured { kept, forward, backward })
 }
 
-/// Whether the [`fit`] misses a size from two on by more than 2% (and 1 KiB).
-fn off_the_line(points: &[(u64, u64)]) -> bool {
-    let w = fit(points);
+/// Whether the line `w` (the [`fit`]) misses a size from two on by more than 2% (and 1 KiB).
+fn off_the_line(points: &[(u64, u64)], w: Work) -> bool {
     points.iter().filter(|&&(b, _)| b > 1).any(|&(b, m)| (w.per * b + w.fixed).abs_diff(m) > (m / 50).max(1024))
 }
 
 /// The [`fit`], with the measurements as its curve where the line misses one of them.
 fn priced(points: &[(u64, u64)]) -> Work {
     let mut w = fit(points);
-    if off_the_line(points) {
+    if off_the_line(points, w) {
         w.curve = Curve::intern(points.iter().copied().filter(|&(b, _)| b > 1).collect());
         if w.curve.is_some() {
             if let Some(&(_, one)) = points.iter().find(|&&(b, _)| b == 1) {

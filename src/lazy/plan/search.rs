@@ -71,9 +71,9 @@ pub(crate) fn decide(c: &Compiled, mode: Mode, options: &Options) -> Result<Deci
     });
     let mut d = match decide_pass(c, mode, options) {
         // What the whole step needs, not less: the optimizer's peak where it is the higher.
-        Err(LazyError::DoesNotFit { peak, .. }) if step_peak.is_some_and(|(_, p)| p > peak) => {
+        Err(LazyError::DoesNotFit { peak, budget, .. }) if step_peak.is_some_and(|(_, p)| p > peak) => {
             let (name, p) = step_peak.expect("checked");
-            return Err(step_does_not_fit(c, name, p, budget(options, c.device())));
+            return Err(step_does_not_fit(c, name, p, budget));
         }
         other => other?,
     };
@@ -87,22 +87,10 @@ pub(crate) fn decide(c: &Compiled, mode: Mode, options: &Options) -> Result<Deci
 
 /// The optimizer's step (`name`, `peak` bytes) does not fit `budget`.
 fn step_does_not_fit(c: &Compiled, name: &str, peak: u64, budget: u64) -> LazyError {
-    LazyError::DoesNotFit {
-        op: c.output().op.name().into(),
-        peak,
-        peak_node: c.len() - 1,
-        peak_op: format!("{name} step"),
-        budget,
-        reserved: 0,
-        micro_batch: c.batch.max(1) as usize,
-        batch: u32::try_from(c.batch.max(1)).unwrap_or(u32::MAX),
-        segments: None,
-        split_refused: Some(
-            "the optimizer's step holds every gradient, the state it creates and its temporaries at once, whatever \
-             the micro-batch"
-                .into(),
-        ),
-    }
+    let why = "the optimizer's step holds every gradient, the state it creates and its temporaries at once, \
+               whatever the micro-batch";
+    let whole = c.batch.max(1) as usize;
+    fits_nowhere(c, peak, (c.len() - 1, format!("{name} step")), budget, 0, whole, None, Some(why.into()))
 }
 
 /// [`decide`] for the forward and backward passes.
@@ -306,11 +294,28 @@ fn does_not_fit(
     split_refused: Option<String>,
 ) -> LazyError {
     let (node, _) = schedule.step_node(c, step);
+    let at = (node, c.nodes[node].op.name().to_owned());
+    fits_nowhere(c, peak, at, budget, reserved, micro_batch, segments, split_refused)
+}
+
+/// The one place a [`LazyError::DoesNotFit`] is made: the lowest peak, where (node and what
+/// peaks there) and how the plan that reaches it runs.
+#[allow(clippy::too_many_arguments)]
+fn fits_nowhere(
+    c: &Compiled,
+    peak: u64,
+    (peak_node, peak_op): (usize, String),
+    budget: u64,
+    reserved: u64,
+    micro_batch: usize,
+    segments: Option<u32>,
+    split_refused: Option<String>,
+) -> LazyError {
     LazyError::DoesNotFit {
         op: c.output().op.name().into(),
         peak,
-        peak_node: node,
-        peak_op: c.nodes[node].op.name().into(),
+        peak_node,
+        peak_op,
         budget,
         reserved,
         micro_batch,
