@@ -12,9 +12,11 @@
 # either way.
 #
 # Binaries: tests/gpu.rs (the GPU tests), the library's unit tests (toma::memory's device
-# branch) and tests/real_oom.rs (CPU caps with CUDA's libraries loaded). Beside them: Python
-# toma 1.1.0's wheel, fetched from PyPI now (never committed), and benches/gpu_side_by_side.py,
-# which runs test 7's workload through it there (the GPU machine has no network).
+# branch), tests/real_oom.rs (CPU caps with CUDA's libraries loaded) and tests/dist (Gloo's
+# all-reduce of CUDA tensors, two ranks on the card). Beside them: Python toma 1.1.0's wheel,
+# fetched from PyPI now (never committed), benches/gpu_side_by_side.py, which runs test 7's
+# workload through it there (the GPU machine has no network), and benches/gpu_pytorch_peak.py
+# (PyTorch's own peak for the planner test's models).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -37,7 +39,7 @@ mkdir -p "$stage/bin"
 # The executables cargo built, as "<name> <path>" lines: one per test target.
 json="$stage/cargo-build.json"
 cargo test -p toma "${profile_flag[@]}" --all-features --no-run --message-format=json \
-  --lib --test gpu --test real_oom >"$json"
+  --lib --test gpu --test real_oom --test dist >"$json"
 python3 - "$json" >"$stage/executables.txt" <<'EOF'
 import json, sys
 for line in open(sys.argv[1]):
@@ -51,8 +53,8 @@ for line in open(sys.argv[1]):
         print(name, msg["executable"])
 EOF
 count=$(wc -l <"$stage/executables.txt")
-if [ "$count" -ne 3 ]; then
-  echo "expected 3 test executables, cargo reported $count:" >&2
+if [ "$count" -ne 4 ]; then
+  echo "expected 4 test executables, cargo reported $count:" >&2
   cat "$stage/executables.txt" >&2
   exit 1
 fi
@@ -65,7 +67,7 @@ done <"$stage/executables.txt"
 # Python toma is pure Python: one wheel, no dependencies beyond PyTorch and psutil, which the
 # GPU machine has. Without it the run still happens and says the comparison is missing.
 mkdir -p "$stage/python"
-cp benches/gpu_side_by_side.py benches/gpu_memory_probe.py "$stage/python/"
+cp benches/gpu_side_by_side.py benches/gpu_memory_probe.py benches/gpu_pytorch_peak.py "$stage/python/"
 if ! python3 -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
   -d "$stage/python" toma==1.1.0; then
   echo "warning: could not download Python toma 1.1.0: the bundle runs without the side-by-side" >&2

@@ -64,7 +64,10 @@ for bin in "$work"/bin/*; do
   started=$(date +%s)
   # One test at a time: they share the card (tests/gpu.rs also takes turns itself).
   # The GPU tests are #[ignore]d for machines without one: include them here.
-  timeout "$timeout_s" "$bin" --include-ignored --test-threads=1 --nocapture 2>&1 | tee -a "$log"
+  # tests/dist: its GPU test and the CPU Gloo sum beside it (the rest need no card).
+  filter=()
+  [ "$name" = dist ] && filter=(gloo)
+  timeout "$timeout_s" "$bin" "${filter[@]}" --include-ignored --test-threads=1 --nocapture 2>&1 | tee -a "$log"
   rc=${PIPESTATUS[0]}
   secs=$(($(date +%s) - started))
   result="$(tail -n +"$((lines_before + 1))" "$log" | grep -E '^test result:' | tail -1 | sed 's/^test result: //')"
@@ -102,6 +105,20 @@ if [ -f "$side" ] && [ -n "$wheel" ]; then
 else
   echo "== python-toma: not in the bundle (no wheel or script): no side-by-side" | tee -a "$log"
   rows+=("| python-toma | not in the bundle: no side-by-side |")
+fi
+
+# PyTorch's own peak for the planner test's models, written in PyTorch: beside toma's plans.
+pytorch_peak="$work/python/gpu_pytorch_peak.py"
+if [ -f "$pytorch_peak" ]; then
+  echo "== pytorch peak" | tee -a "$log"
+  started=$(date +%s)
+  PYTHONUNBUFFERED=1 timeout "$timeout_s" "$python" -W ignore "$pytorch_peak" 2>&1 | tee -a "$log"
+  if [ "${PIPESTATUS[0]}" -eq 0 ]; then
+    rows+=("| pytorch peak | ran ($(($(date +%s) - started)) s) |")
+  else
+    rows+=("| pytorch peak | FAILED (see the log) |")
+    failed=1
+  fi
 fi
 
 # What libtorch's kernels allocate, seen through PyTorch's own allocator history: the evidence

@@ -75,6 +75,23 @@ fn rank_process() {
                 (b - Tensor::arange(7, (Kind::Double, Device::Cpu)) * want_b).abs().max().double_value(&[]) == 0.0;
             println!("RESULT sums_ok={}", ok_a && ok_b);
         }
+        "grads_cuda" => {
+            // Every rank on the one card: Gloo stages CUDA tensors through the host.
+            let world = group.world_size() as f64;
+            let cuda = Device::Cuda(0);
+            let a = Tensor::ones([1 << 20], (Kind::Float, cuda)) * (rank as f64 + 1.0);
+            let b = Tensor::arange(7, (Kind::Double, cuda)) * (rank as f64);
+            let outcome = group.all_reduce_sum(&[&a, &b]);
+            let want_a = world * (world + 1.0) / 2.0;
+            let want_b = world * (world - 1.0) / 2.0;
+            let ok = outcome.is_ok()
+                && a.device() == cuda
+                && (a - want_a).abs().max().double_value(&[]) == 0.0
+                && (b - Tensor::arange(7, (Kind::Double, cuda)) * want_b).abs().max().double_value(&[]) == 0.0;
+            let error =
+                outcome.err().map_or(String::new(), |e| e.to_string().lines().next().unwrap_or("").replace(' ', "_"));
+            println!("RESULT sums_ok={ok} error={error:?}");
+        }
         "store" => {
             // The store-level protocol, also spoken by tests/dist/py_rank.py.
             let max = group.all_reduce("probe", Reduce::Max, &[rank as i64 * 10, -(rank as i64)]).unwrap();
@@ -385,6 +402,27 @@ fn a_killed_rank_makes_the_others_fail_within_the_timeout() {
 fn gloo_sums_gradients_across_ranks() {
     for r in run_ok("grads", 3) {
         assert_eq!(r[0]["sums_ok"], "true");
+    }
+}
+
+/// CUDA tensors summed over Gloo, two ranks on one card (opt-in: `TOMA_CUDA_TESTS=1` on a CUDA
+/// machine; `scripts/gpu-run.sh` runs it).
+#[test]
+fn gloo_sums_cuda_tensors_of_two_ranks_on_one_card() {
+    if std::env::var("TOMA_CUDA_TESTS").as_deref() != Ok("1") {
+        println!("gloo_sums_cuda_tensors_of_two_ranks_on_one_card: skipped: set TOMA_CUDA_TESTS=1 on a CUDA machine");
+        return;
+    }
+    let started = Instant::now();
+    let ranks = run_ok("grads_cuda", 2);
+    let sums: Vec<&str> = ranks.iter().map(|r| r[0]["sums_ok"].as_str()).collect();
+    println!(
+        "GPU-RESULT dist_gloo_cuda ranks=2 sums_ok={} secs={:.1}",
+        sums.join(","),
+        started.elapsed().as_secs_f64()
+    );
+    for r in ranks {
+        assert_eq!(r[0]["sums_ok"], "true", "{r:?}");
     }
 }
 
