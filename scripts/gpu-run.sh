@@ -80,6 +80,18 @@ for bin in "$work"/bin/*; do
   fi
 done
 
+# The zoo again with the caching allocator's expandable segments: whether what a filled card
+# refuses is fragmentation (free memory in pieces) rather than the plan.
+if [ -x "$work/bin/gpu" ]; then
+  echo "== gpu zoo, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" | tee -a "$log"
+  started=$(date +%s)
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True TOMA_GPU_ZOO_TAG=expandable \
+    timeout "$timeout_s" "$work/bin/gpu" zoo_steps --include-ignored --test-threads=1 --nocapture 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  result="$(grep -E '^test result:' "$log" | tail -1 | sed 's/^test result: //')"
+  rows+=("| gpu zoo, expandable segments | $([ "$rc" -eq 0 ] || echo "FAILED, exit $rc: ")$result ($(($(date +%s) - started)) s) |")
+fi
+
 # The Python half of test 7's side-by-side: Python toma from the bundle's wheel, installed
 # into a folder of its own (no network there, nothing of the machine's changed).
 side="$work/python/gpu_side_by_side.py"

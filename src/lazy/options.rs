@@ -30,7 +30,7 @@ pub enum Recompute {
 /// one machine ([`CpuMachine::rules_read_on`](crate::lazy::CpuMachine::rules_read_on): one
 /// libtorch release, oneDNN's AVX-512 kernels, 1 and 2 threads, a few kinds). Under `Auto`, a
 /// call whose memory depends on the library's kernel choice (convolutions, oneDNN's `BFloat16`
-/// products, CUDA's convolutions and products) is measured unless its rule was read on exactly
+/// products, CUDA's convolutions) is measured unless its rule was read on exactly
 /// this machine ([`CpuMachine::host`](crate::lazy::CpuMachine::host): the libtorch release,
 /// the instruction set oneDNN uses, the threads), and so is a call no rule knows (a
 /// [`CustomOp`](crate::lazy::CustomOp)). The call runs alone at 1, 2, 8, 32 and 128 samples
