@@ -8,6 +8,7 @@ use super::error::LazyError;
 use super::graph::{Flow, LazyTensor, RunCx, Share, Source};
 use super::options::Options;
 use super::plan::{self, Compiled, Corrections, Decision, Mode, Segments};
+use crate::oom::OutOfMemory;
 use crate::retry::Range;
 
 /// One micro-batch: where it starts, its size, and whether the batch is split at all.
@@ -715,8 +716,61 @@ pub(crate) fn evaluate(output: &LazyTensor, options: &Options) -> Result<Tensor,
     }
 }
 
+/// Plans of a step that may not be split, tried after a real out-of-memory: each under 3/4 of
+/// the last one's peak, or the lowest peak any plan reaches.
+const REPLANS: usize = 3;
+
 /// Runs forward and backward in micro-batches, accumulating parameter gradients.
+///
+/// A real out-of-memory in a step whose batch may not be split (its samples mix, so the retry
+/// engine has no micro-batch to halve) plans the step again under 3/4 of the failed plan's
+/// peak (or the lowest peak any plan reaches, where that is higher), recomputing more, up to
+/// [`REPLANS`] times. On a GPU the caching allocator can refuse a
+/// large block while enough memory is free in pieces; on any device the budget may have been
+/// read before other work took memory. The failed attempt leaves nothing behind: what it filled
+/// into `.grad` is zeroed, running statistics and the generator are as they were. When no lower
+/// plan exists or runs, the first error is returned.
 pub(crate) fn backward(output: &LazyTensor, options: &Options) -> Result<f64, LazyError> {
+    let first = match backward_once(output, options) {
+        Err(err) if options.retry && err.is_out_of_memory() => err,
+        other => return other,
+    };
+    let mut options = options.clone();
+    for attempt in 1..=REPLANS {
+        let Ok(p) = prepare(output, Mode::Backward, &options) else { break };
+        if p.d.splittable {
+            // The retry engine halved its micro-batches down to one sample already.
+            break;
+        }
+        // 3/4 of the peak, or the lowest peak any plan reaches where that is above it.
+        let mut budget = p.d.peak / 4 * 3;
+        if let Err(LazyError::DoesNotFit { peak: lowest, .. }) =
+            prepare(output, Mode::Backward, &options.clone().budget(budget))
+        {
+            if lowest >= p.d.peak {
+                break;
+            }
+            budget = lowest;
+        }
+        tracing::warn!(
+            attempt,
+            peak = p.d.peak,
+            budget,
+            error = %first,
+            "toma::lazy: a step that cannot be split ran out of memory; planning it again under 3/4 of its peak or the lowest any plan reaches"
+        );
+        options = options.budget(budget);
+        match backward_once(output, &options) {
+            Err(err) if err.is_out_of_memory() => continue,
+            // No plan reaches that low: the first error says what ran out.
+            Err(LazyError::DoesNotFit { .. }) => break,
+            other => return other,
+        }
+    }
+    Err(first)
+}
+
+fn backward_once(output: &LazyTensor, options: &Options) -> Result<f64, LazyError> {
     if output.numel() != 1 {
         return Err(LazyError::NotScalar { op: output.op_name().into(), shape: output.size() });
     }
