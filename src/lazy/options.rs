@@ -236,7 +236,8 @@ impl Options {
         self
     }
 
-    /// Whether a micro-batch that runs out of memory is halved and redone (on unless told).
+    /// Whether a micro-batch that runs out of memory is halved and redone, and a training step
+    /// that may not be split is planned again under a lower budget (on unless told).
     pub fn retry(mut self, retry: bool) -> Self {
         self.retry = retry;
         self
