@@ -654,3 +654,29 @@ fn a_loss_read_after_its_step_is_the_steps_and_runs_nothing() {
     }
     println!("\nstepped-loss losses={lazy_read:?}");
 }
+
+/// tch's examples move each batch in the loop (`xs.to_device(device)`): on a lazy batch already
+/// there it is the batch itself, in code written once over `TensorOps` too; another device is
+/// refused, saying to move the tensors before `lazy(..)`.
+#[test]
+fn to_device_in_the_loop_stays_as_it_is() {
+    use toma::lazy::{Layer, TensorOps};
+    fn loss<T: TensorOps>(l: &nn::Linear, x: &T, y: &T, device: Device) -> T
+    where
+        nn::Linear: Layer<T>,
+    {
+        x.to_device(device).apply(l).cross_entropy_for_logits(&y.to_device(device))
+    }
+    let vs = nn::VarStore::new(Device::Cpu);
+    let l = nn::linear(vs.root(), 8, 4, Default::default());
+    let x = Tensor::randn([16, 8], (Kind::Float, Device::Cpu));
+    let y = Tensor::randint(4, [16], (Kind::Int64, Device::Cpu));
+    let eager = loss(&l, &x, &y, Device::Cpu).double_value(&[]);
+    let (lx, ly) = lazy((&x, &y), 0);
+    let lazily = loss(&l, &lx, &ly, Device::Cpu).backward_with(&Options::new().micro_batch(4)).unwrap();
+    assert!((eager - lazily).abs() < 1e-6, "{eager} eagerly, {lazily} lazily");
+    let err = lx.f_to_device(Device::Cuda(0)).unwrap_err();
+    assert!(matches!(err, LazyError::Argument { .. }), "{err:?}");
+    let text = err.to_string();
+    assert!(text.contains("to_device") && text.contains("before lazy"), "{text}");
+}

@@ -68,6 +68,7 @@ fn sample(name: &str) -> Option<LazyTensor> {
         "erf" => x().erf(),
         "log_sigmoid" => x().log_sigmoid(),
         "detach" => x().detach(),
+        "to_device" => x().to_device(Device::Cpu),
         "mish" => x().mish(),
         "masked_fill" => x().masked_fill(&mask(), 0.0),
         "where_self" => x().where_self(&mask(), &x()),

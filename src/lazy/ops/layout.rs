@@ -166,6 +166,25 @@ impl Operation for ToKind {
     }
 }
 
+/// The value on its own device: the value itself (tch returns a tensor already there as it is).
+pub(crate) struct ToDevice {
+    device: tch::Device,
+}
+
+impl Operation for ToDevice {
+    fn name(&self) -> &'static str {
+        "to_device"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_to_device(self.device)
+    }
+
+    fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
+        true
+    }
+}
+
 /// A contiguous copy (or the value itself).
 pub(crate) struct Contiguous;
 
@@ -1739,6 +1758,33 @@ impl LazyTensor {
             Record { strides: Some(m.strides.clone()), ..record }
         };
         Ok(record.finish())
+    }
+
+    /// The value on `device` (tch's `to_device`): the value itself where it already is, as tch
+    /// gives back a tensor already on the device. tch's examples move each batch with
+    /// `xs.to_device(device)` in the loop, and that line stays as it is once the batch is lazy.
+    ///
+    /// A lazy value's graph runs on the device of its inputs, so it does not move.
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for another device: move the tensors before `lazy(..)`.
+    pub fn f_to_device(&self, device: tch::Device) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let m = &n.meta;
+        if device == m.device {
+            let flow = same_shape_flow("to_device", n, Linearity::Structural)?;
+            let record =
+                Record::new(ToDevice { device }, vec![n.clone()], m.shape.clone(), m.kind, m.device).flow(flow);
+            return Ok(record.view(m.strides.clone()).finish());
+        }
+        Err(arg(
+            "to_device",
+            &m.shape,
+            format!(
+                "the value is on {:?}, not {device:?}: a lazy graph runs where its inputs are; move them before lazy(..)",
+                m.device
+            ),
+        ))
     }
 
     /// The same value, cut from autograd (tch's `detach`): no gradient flows back through it.
