@@ -680,3 +680,39 @@ fn to_device_in_the_loop_stays_as_it_is() {
     let text = err.to_string();
     assert!(text.contains("to_device") && text.contains("before lazy"), "{text}");
 }
+
+/// `zeros_like`, `ones_like` and `full_like` in code written once over `TensorOps`: per sample,
+/// so a split step gives the eager step's loss and gradients (a smoothed target built from
+/// `full_like`, a mask from `zeros_like`).
+#[test]
+fn like_constructors_in_generic_code_split_exactly() {
+    use toma::lazy::{Layer, Operators, TensorOps};
+    fn loss<T: TensorOps + Operators>(l: &nn::Linear, x: &T, y: &T) -> T
+    where
+        nn::Linear: Layer<T>,
+    {
+        let logits = x.apply(l);
+        let smoothed = logits.full_like(0.1 / 4.0) + y.one_hot(4).to_kind(Kind::Double) * 0.9;
+        let floor = logits.zeros_like() + logits.ones_like() * -30.0;
+        let logp = logits.maximum(&floor).log_softmax(-1, None);
+        (smoothed * logp).sum_dim_intlist(-1, false, None).mean(None).neg()
+    }
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let l = nn::linear(vs.root(), 8, 4, Default::default());
+    vs.double();
+    let x = Tensor::randn([16, 8], (Kind::Double, Device::Cpu));
+    let y = Tensor::randint(4, [16], (Kind::Int64, Device::Cpu));
+    let eager = loss(&l, &x, &y);
+    eager.backward();
+    let eager_grad = l.ws.grad().copy();
+    let mut w = l.ws.grad();
+    let _ = w.zero_();
+    let (lx, ly) = lazy((&x, &y), 0);
+    let lazily = loss(&l, &lx, &ly).backward_with(&Options::new().micro_batch(4)).unwrap();
+    assert!((eager.double_value(&[]) - lazily).abs() < 1e-12, "{} eagerly, {lazily} lazily", eager.double_value(&[]));
+    let diff = (l.ws.grad() - eager_grad).abs().max().double_value(&[]);
+    assert!(diff < 1e-12, "weight gradients differ by {diff:e}");
+    let ones = lx.ones_like().to_tensor().unwrap();
+    assert_eq!(ones.size(), [16, 8]);
+    assert_eq!(ones.sum(Kind::Double).double_value(&[]), 128.0);
+}

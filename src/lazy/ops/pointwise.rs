@@ -566,6 +566,21 @@ fn scalar_op(a: &Tensor, op: Binary, s: f64, reversed: bool, integral: bool) -> 
     }
 }
 
+/// A constant in the shape of its input (`full_like`), contiguous as the plan records it.
+pub(crate) struct FullLike {
+    value: f64,
+}
+
+impl Operation for FullLike {
+    fn name(&self) -> &'static str {
+        "full_like"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        Tensor::f_full(ins[0].size(), self.value, (ins[0].kind(), ins[0].device()))
+    }
+}
+
 #[toma_macros::tensor_methods(PointwiseOps, "Elementwise ops: activations, arithmetic and comparisons, dropout (a family of [`TensorOps`](crate::lazy::TensorOps)).")]
 impl LazyTensor {
     fn f_unary(&self, u: Unary) -> Result<LazyTensor, LazyError> {
@@ -1146,6 +1161,35 @@ impl LazyTensor {
     /// None in practice.
     pub fn f_ge(&self, s: f64) -> Result<LazyTensor, LazyError> {
         self.f_scalar(Binary::Ge, s, false)
+    }
+
+    /// `fill_value` in every entry, in the shape, kind and device of `self`, per sample (tch's
+    /// `full_like`). No gradient flows back through it.
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_full_like(&self, fill_value: f64) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let m = &n.meta;
+        let flow = same_shape_flow("full_like", n, Linearity::Nonlinear)?;
+        let record = Record::new(FullLike { value: fill_value }, vec![n.clone()], m.shape.clone(), m.kind, m.device);
+        Ok(record.flow(flow).not_differentiable().finish())
+    }
+
+    /// Zeros in the shape, kind and device of `self`, per sample (tch's `zeros_like`).
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_zeros_like(&self) -> Result<LazyTensor, LazyError> {
+        self.f_full_like(0.0)
+    }
+
+    /// Ones in the shape, kind and device of `self`, per sample (tch's `ones_like`).
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_ones_like(&self) -> Result<LazyTensor, LazyError> {
+        self.f_full_like(1.0)
     }
 
     /// Dropout with probability `p` when `train` (the same value, not a copy, otherwise).
