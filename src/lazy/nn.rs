@@ -200,6 +200,15 @@ impl LazyModule for nn::Conv2D {
     }
 }
 
+impl LazyModule for nn::Conv3D {
+    eager_as_tch!();
+
+    fn lazy_forward(&self, xs: &LazyTensor) -> Result<LazyTensor, LazyError> {
+        let (xs, c) = conv_input(self, "nn::Conv3D", xs)?;
+        xs.f_conv3d(&self.ws, self.bs.as_ref(), c.stride, c.padding, c.dilation, c.groups)
+    }
+}
+
 impl LazyModule for nn::ConvTranspose2D {
     eager_as_tch!();
 
@@ -215,6 +224,16 @@ impl LazyModule for nn::LayerNorm {
     fn lazy_forward(&self, xs: &LazyTensor) -> Result<LazyTensor, LazyError> {
         let eps = tch_compat::layer_norm_eps(self)?;
         xs.f_layer_norm(&self.normalized_shape, self.ws.as_ref(), self.bs.as_ref(), eps, true)
+    }
+}
+
+impl LazyModule for nn::GroupNorm {
+    eager_as_tch!();
+
+    /// Statistics per sample and group: it splits freely.
+    fn lazy_forward(&self, xs: &LazyTensor) -> Result<LazyTensor, LazyError> {
+        let eps = tch_compat::group_norm_eps(self)?;
+        xs.f_group_norm(self.num_groups, self.ws.as_ref(), self.bs.as_ref(), eps, true)
     }
 }
 

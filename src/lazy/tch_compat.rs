@@ -70,6 +70,12 @@ pub(crate) fn layer_norm_eps(layer: &nn::LayerNorm) -> Result<f64, LazyError> {
     parsed("nn::LayerNorm", config_of("nn::LayerNorm", &text)?, "eps")
 }
 
+/// A group norm's `eps` (tch keeps its config private).
+pub(crate) fn group_norm_eps(layer: &nn::GroupNorm) -> Result<f64, LazyError> {
+    let text = format!("{layer:?}");
+    parsed("nn::GroupNorm", config_of("nn::GroupNorm", &text)?, "eps")
+}
+
 /// An embedding's `(padding_idx, scale_grad_by_freq, sparse)`.
 pub(crate) fn embedding(layer: &nn::Embedding) -> Result<(i64, bool, bool), LazyError> {
     let text = format!("{layer:?}");

@@ -716,3 +716,65 @@ fn like_constructors_in_generic_code_split_exactly() {
     assert_eq!(ones.size(), [16, 8]);
     assert_eq!(ones.sum(Kind::Double).double_value(&[]), 128.0);
 }
+
+/// tch's `nn::GroupNorm` as a layer, `x.apply(&gn)`, with its own epsilon read: statistics per
+/// sample and group, so micro-batches give the eager step's loss and gradients.
+#[test]
+fn group_norm_is_a_layer_that_splits_exactly() {
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let conv = nn::conv2d(vs.root() / "conv", 3, 8, 3, Default::default());
+    let gn = nn::group_norm(vs.root() / "gn", 4, 8, nn::GroupNormConfig { eps: 1e-3, ..Default::default() });
+    let head = nn::linear(vs.root() / "head", 8, 5, Default::default());
+    vs.double();
+    let x = Tensor::randn([12, 3, 6, 6], (Kind::Double, Device::Cpu));
+    let y = Tensor::randint(5, [12], (Kind::Int64, Device::Cpu));
+    let eager = x
+        .apply(&conv)
+        .apply(&gn)
+        .relu()
+        .mean_dim([2, 3].as_slice(), false, None)
+        .apply(&head)
+        .log_softmax(-1, None)
+        .nll_loss(&y);
+    eager.backward();
+    let grads: Vec<Tensor> = vs.trainable_variables().iter().map(|v| v.grad().copy()).collect();
+    for mut v in vs.trainable_variables() {
+        v.zero_grad();
+    }
+    let (lx, ly) = lazy((&x, &y), 0);
+    let loss = lx
+        .apply(&conv)
+        .apply(&gn)
+        .relu()
+        .mean_dim([2, 3].as_slice(), false, None)
+        .apply(&head)
+        .log_softmax(-1, None)
+        .nll_loss(&ly);
+    let value = loss.backward_with(&Options::new().micro_batch(4)).unwrap();
+    assert!((value - eager.double_value(&[])).abs() < 1e-12, "{value} lazily, {} eagerly", eager.double_value(&[]));
+    for (v, g) in vs.trainable_variables().iter().zip(&grads) {
+        let diff = (v.grad() - g).abs().max().double_value(&[]);
+        assert!(diff < 1e-12, "gradients differ by {diff:e}");
+    }
+}
+
+/// tch's `nn::conv3d` as a layer, padded and strided: micro-batches give the eager step's
+/// loss and gradients.
+#[test]
+fn conv3d_is_a_layer_that_splits_exactly() {
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let config = nn::ConvConfig { stride: 2, padding: 1, ..Default::default() };
+    let conv = nn::conv3d(vs.root() / "conv", 2, 4, 3, config);
+    vs.double();
+    let x = Tensor::randn([6, 2, 5, 6, 7], (Kind::Double, Device::Cpu));
+    let eager = x.apply(&conv).tanh().square().mean(None);
+    eager.backward();
+    let grad = conv.ws.grad().copy();
+    let mut g = conv.ws.grad();
+    let _ = g.zero_();
+    let value =
+        lazy(&x, 0).apply(&conv).tanh().square().mean(None).backward_with(&Options::new().micro_batch(2)).unwrap();
+    assert!((value - eager.double_value(&[])).abs() < 1e-12);
+    let diff = (conv.ws.grad() - grad).abs().max().double_value(&[]);
+    assert!(diff < 1e-12, "weight gradients differ by {diff:e}");
+}
