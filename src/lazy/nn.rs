@@ -529,6 +529,12 @@ pub trait ModuleT: nn::ModuleT + LazyModuleT {
     fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
         nn::ModuleT::forward_t(self, xs, train)
     }
+
+    /// tch's `ModuleT::batch_accuracy_for_logits`, in scope with this trait as with tch's
+    /// (tch's examples call it after the import is switched).
+    fn batch_accuracy_for_logits(&self, xs: &Tensor, ys: &Tensor, d: tch::Device, batch_size: i64) -> f64 {
+        nn::ModuleT::batch_accuracy_for_logits(self, xs, ys, d, batch_size)
+    }
 }
 
 impl<M: nn::ModuleT + LazyModuleT + ?Sized> ModuleT for M {}

@@ -778,3 +778,21 @@ fn conv3d_is_a_layer_that_splits_exactly() {
     let diff = (conv.ws.grad() - grad).abs().max().double_value(&[]);
     assert!(diff < 1e-12, "weight gradients differ by {diff:e}");
 }
+
+/// tch's `ModuleT::batch_accuracy_for_logits` stays callable on an `impl ModuleT` once the import
+/// is `toma::lazy::nn::ModuleT` (tch's trait is not in scope here).
+#[test]
+fn batch_accuracy_stays_in_scope_with_the_switched_import() {
+    // A concrete type, as a user's own `struct Net`: its methods come from the traits in scope.
+    fn net(vs: &nn::Path) -> nn::FuncT<'static> {
+        let l = nn::linear(vs / "l", 4, 3, Default::default());
+        nn::func_t(move |xs, _train| xs.apply(&l))
+    }
+    let vs = nn::VarStore::new(Device::Cpu);
+    let m = net(&vs.root());
+    let xs = Tensor::randn([10, 4], (Kind::Float, Device::Cpu));
+    let ys = Tensor::randint(3, [10], (Kind::Int64, Device::Cpu));
+    let accuracy = m.batch_accuracy_for_logits(&xs, &ys, Device::Cpu, 4);
+    let want = m.forward_t(&xs, false).accuracy_for_logits(&ys).double_value(&[]);
+    assert!((accuracy - want).abs() < 1e-6, "{accuracy} vs {want}");
+}
