@@ -509,13 +509,54 @@ impl nn::ModuleT for SequentialT {
 /// this module is imported as `nn` in place of `tch::nn`. Every type that is both tch's
 /// `Module` and a [`LazyModule`] is one ([`func`], [`seq`], tch's layers).
 ///
-/// Importing it in place of tch's `Module` keeps `layer.forward(&xs)` on tensors working (tch's
-/// method, under the same name); on a lazy tensor, write `lx.apply(&layer)`. Do not import both
-/// (the method would be ambiguous).
+/// Importing it in place of tch's `Module` keeps `layer.forward(&xs)` working on tensors (tch's
+/// method, under the same name) and makes it work on lazy tensors (the layer recorded, as
+/// `lx.apply(&layer)`). Do not import both (the method would be ambiguous). Its `forward` is
+/// generic over the kind of tensor ([`Forward`]), so it is not called on a `dyn Module`: call
+/// tch's `nn::Module::forward` there.
 pub trait Module: nn::Module + LazyModule {
-    /// tch's `Module::forward`.
-    fn forward(&self, xs: &Tensor) -> Tensor {
-        nn::Module::forward(self, xs)
+    /// tch's `Module::forward` on a `Tensor`; on a [`LazyTensor`] the layer recorded, as
+    /// `xs.apply(self)`: one method call for both kinds of tensor.
+    ///
+    /// # Panics
+    /// On a lazy tensor, when the layer's ops cannot be recorded (as `apply`).
+    #[track_caller]
+    fn forward<X: Forward>(&self, xs: &X) -> X
+    where
+        Self: Sized,
+    {
+        X::forward_of(self, xs)
+    }
+}
+
+/// The kinds of tensor a layer's [`Module::forward`] and [`ModuleT::forward_t`] take: tch's
+/// `Tensor` (tch's own forward) and [`LazyTensor`] (the layer recorded).
+pub trait Forward: Sized {
+    /// `m` on `xs`.
+    fn forward_of<M: Module>(m: &M, xs: &Self) -> Self;
+    /// `m` on `xs`, in training mode when `train`.
+    fn forward_t_of<M: ModuleT>(m: &M, xs: &Self, train: bool) -> Self;
+}
+
+impl Forward for Tensor {
+    fn forward_of<M: Module>(m: &M, xs: &Tensor) -> Tensor {
+        nn::Module::forward(m, xs)
+    }
+
+    fn forward_t_of<M: ModuleT>(m: &M, xs: &Tensor, train: bool) -> Tensor {
+        nn::ModuleT::forward_t(m, xs, train)
+    }
+}
+
+impl Forward for LazyTensor {
+    #[track_caller]
+    fn forward_of<M: Module>(m: &M, xs: &LazyTensor) -> LazyTensor {
+        xs.apply(m)
+    }
+
+    #[track_caller]
+    fn forward_t_of<M: ModuleT>(m: &M, xs: &LazyTensor, train: bool) -> LazyTensor {
+        xs.apply_t(m, train)
     }
 }
 
@@ -525,9 +566,17 @@ impl<M: nn::Module + LazyModule + ?Sized> Module for M {}
 /// ([`func_t`], [`seq_t`], `nn::BatchNorm`, anything that is a [`Module`]). Its `forward_t`
 /// is tch's, as `Module::forward` is.
 pub trait ModuleT: nn::ModuleT + LazyModuleT {
-    /// tch's `ModuleT::forward_t`.
-    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
-        nn::ModuleT::forward_t(self, xs, train)
+    /// tch's `ModuleT::forward_t` on a `Tensor`; on a [`LazyTensor`] the layer recorded, as
+    /// `xs.apply_t(self, train)`: one method call for both kinds of tensor.
+    ///
+    /// # Panics
+    /// On a lazy tensor, when the layer's ops cannot be recorded (as `apply_t`).
+    #[track_caller]
+    fn forward_t<X: Forward>(&self, xs: &X, train: bool) -> X
+    where
+        Self: Sized,
+    {
+        X::forward_t_of(self, xs, train)
     }
 
     /// tch's `ModuleT::batch_accuracy_for_logits`, in scope with this trait as with tch's
@@ -547,11 +596,11 @@ pub struct Func<'a> {
 }
 
 /// A closure of a tensor and the training flag.
-type Forward<'a> = Box<dyn 'a + Fn(&LazyTensor, bool) -> LazyTensor + Send>;
+type ForwardFn<'a> = Box<dyn 'a + Fn(&LazyTensor, bool) -> LazyTensor + Send>;
 
 /// [`Func`] with the training flag, as tch's `nn::FuncT`.
 pub struct FuncT<'a> {
-    f: Forward<'a>,
+    f: ForwardFn<'a>,
 }
 
 impl std::fmt::Debug for Func<'_> {

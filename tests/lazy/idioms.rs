@@ -796,3 +796,29 @@ fn batch_accuracy_stays_in_scope_with_the_switched_import() {
     let want = m.forward_t(&xs, false).accuracy_for_logits(&ys).double_value(&[]);
     assert!((accuracy - want).abs() < 1e-6, "{accuracy} vs {want}");
 }
+
+/// tch's method calls on a lazy value, as tch's examples write them: `layer.forward(&xs)` (vae's
+/// `self.fc21.forward(&h1)`) and a custom `ModuleT`'s `net.forward_t(&xs, train)` (mnist_conv's
+/// `impl ModuleT for Net`), the same calls as on tensors, splitting exactly.
+#[test]
+fn layers_take_lazy_values_by_the_same_method_call() {
+    use toma::lazy::nn::Module;
+    let vs = nn::VarStore::new(Device::Cpu);
+    let fc = nn::linear(vs.root() / "fc", 4, 5, Default::default());
+    let l = CustomLinear { ws: vs.root().randn("w", &[5, 5], 0.0, 1.0), bs: vs.root().randn("b", &[5], 0.0, 1.0) };
+    let s = Scaled { gamma: vs.root().randn("gamma", &[5], 0.0, 1.0) };
+    let x = Tensor::randn([9, 4], (Kind::Float, Device::Cpu));
+    let eager = s.forward_t(&l.forward(&fc.forward(&x)), true).sum(Kind::Float);
+    eager.backward();
+    let want: Vec<Tensor> = vs.trainable_variables().iter().map(|v| v.grad().copy()).collect();
+    for mut v in vs.trainable_variables() {
+        v.zero_grad();
+    }
+    let lx = lazy(&x, 0);
+    let loss = s.forward_t(&l.forward(&fc.forward(&lx)), true).sum(None);
+    let value = loss.backward_with(&Options::new().micro_batch(2)).unwrap();
+    assert!((value - eager.double_value(&[])).abs() < 1e-4, "{value} vs {}", eager.double_value(&[]));
+    for (v, w) in vs.trainable_variables().iter().zip(&want) {
+        assert!(v.grad().allclose(w, 1e-5, 1e-5, false));
+    }
+}
