@@ -52,6 +52,22 @@ pub(crate) fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<Toke
         FnArg::Receiver(r) => Err(syn::Error::new_spanned(r, usage)),
     };
     let xs = ident(args[1])?;
+    // tch's impl is written with the types and trait as the user wrote them, so that their
+    // imports (`use tch::Tensor`, `use toma::lazy::nn::ModuleT`) are used, as without the
+    // attribute.
+    let ty_of = |arg: &FnArg| match arg {
+        FnArg::Typed(t) => Ok(t.ty.clone()),
+        FnArg::Receiver(r) => Err(syn::Error::new_spanned(r, usage)),
+    };
+    let xs_ty = ty_of(args[1])?;
+    let output = &f.sig.output;
+    let trait_path = &block.trait_.as_ref().expect("checked above").1;
+    let uses = quote! {
+        const _: () = {
+            #[allow(dead_code)]
+            fn the_trait_as_written<M: ?::std::marker::Sized + #trait_path>() {}
+        };
+    };
     let body = &f.block;
     let attrs = &f.attrs;
     let (impl_generics, _, where_clause) = block.generics.split_for_impl();
@@ -60,10 +76,13 @@ pub(crate) fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<Toke
     let error = quote!(::toma::lazy::LazyError);
     Ok(if train {
         let flag = ident(args[2])?;
+        let flag_ty = ty_of(args[2])?;
         quote! {
+            #uses
+
             impl #impl_generics ::tch::nn::ModuleT for #ty #where_clause {
                 #(#attrs)*
-                fn forward_t(&self, #xs: &::tch::Tensor, #flag: bool) -> ::tch::Tensor #body
+                fn forward_t(&self, #xs: #xs_ty, #flag: #flag_ty) #output #body
             }
 
             impl #impl_generics ::toma::lazy::nn::LazyModuleT for #ty #where_clause {
@@ -79,9 +98,11 @@ pub(crate) fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<Toke
         }
     } else {
         quote! {
+            #uses
+
             impl #impl_generics ::tch::nn::Module for #ty #where_clause {
                 #(#attrs)*
-                fn forward(&self, #xs: &::tch::Tensor) -> ::tch::Tensor #body
+                fn forward(&self, #xs: #xs_ty) #output #body
             }
 
             impl #impl_generics ::toma::lazy::nn::LazyModule for #ty #where_clause {

@@ -822,3 +822,46 @@ fn layers_take_lazy_values_by_the_same_method_call() {
         assert!(v.grad().allclose(w, 1e-5, 1e-5, false));
     }
 }
+
+/// A port compiles without warnings: the imports a custom layer's `impl` names (`Tensor`, the
+/// switched `ModuleT`) stay used under `#[toma::lazy::module]` (this module denies unused ones;
+/// nothing else in it names them).
+mod no_unused_imports_after_a_port {
+    #![deny(unused_imports)]
+    use tch::Tensor;
+    use toma::lazy::nn::{Module, ModuleT};
+
+    #[derive(Debug)]
+    pub struct Net {
+        pub fc: toma::lazy::nn::Linear,
+    }
+
+    #[toma::lazy::module]
+    impl ModuleT for Net {
+        fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+            xs.apply(&self.fc).dropout(0.0, train)
+        }
+    }
+
+    #[derive(Debug)]
+    pub struct Shift;
+
+    #[toma::lazy::module]
+    impl Module for Shift {
+        fn forward(&self, xs: &Tensor) -> Tensor {
+            xs + 1.0
+        }
+    }
+}
+
+#[test]
+fn a_ported_layer_runs_on_both_kinds() {
+    use no_unused_imports_after_a_port::{Net, Shift};
+    use toma::lazy::nn::Module;
+    let vs = nn::VarStore::new(Device::Cpu);
+    let net = Net { fc: nn::linear(vs.root(), 3, 2, Default::default()) };
+    let x = Tensor::ones([4, 3], (Kind::Float, Device::Cpu));
+    let eager = Shift.forward(&net.forward_t(&x, false));
+    let lazily = Shift.forward(&net.forward_t(&lazy(&x, 0), false)).to_tensor().unwrap();
+    assert!(eager.allclose(&lazily, 1e-6, 1e-6, false));
+}
