@@ -235,6 +235,42 @@ pub trait TensorOps:
     fn stack(tensors: &[&Self], dim: i64) -> Self {
         Self::f_stack(tensors, dim).or_panic()
     }
+    /// The `k` largest (or smallest) entries along `dim`, and their indices (tch's `topk`).
+    ///
+    /// # Errors
+    /// The op's error.
+    fn f_topk(&self, k: i64, dim: i64, largest: bool, sorted: bool) -> Result<(Self, Self), Self::Error>;
+    /// Like [`f_topk`](Self::f_topk), panicking with its error.
+    #[track_caller]
+    fn topk(&self, k: i64, dim: i64, largest: bool, sorted: bool) -> (Self, Self) {
+        self.f_topk(k, dim, largest, sorted).or_panic()
+    }
+    /// The values sorted along `dim`, and their indices (tch's `sort`).
+    ///
+    /// # Errors
+    /// The op's error.
+    fn f_sort(&self, dim: i64, descending: bool) -> Result<(Self, Self), Self::Error>;
+    /// Like [`f_sort`](Self::f_sort), panicking with its error.
+    #[track_caller]
+    fn sort(&self, dim: i64, descending: bool) -> (Self, Self) {
+        self.f_sort(dim, descending).or_panic()
+    }
+    /// Einstein summation over `tensors` (tch's `Tensor::einsum`).
+    ///
+    /// # Errors
+    /// The op's error.
+    fn f_einsum(equation: &str, tensors: &[&Self], path: Option<&[i64]>) -> Result<Self, Self::Error>;
+    /// Like [`f_einsum`](Self::f_einsum), panicking with its error.
+    #[track_caller]
+    fn einsum(equation: &str, tensors: &[&Self], path: Option<&[i64]>) -> Self {
+        Self::f_einsum(equation, tensors, path).or_panic()
+    }
+    /// A copy that shares nothing with `self` (tch's `copy`).
+    fn copy(&self) -> Self;
+    /// One-hot encoding of integer labels in `labels` classes, in `Float` (tch's `onehot`).
+    fn onehot(&self, labels: i64) -> Self;
+    /// The share of rows whose largest logit is at the target (tch's `accuracy_for_logits`).
+    fn accuracy_for_logits(&self, targets: &Self) -> Self;
     /// Rows of `weight` picked by `indices` (tch's `Tensor::embedding`).
     ///
     /// # Errors
@@ -407,6 +443,30 @@ impl TensorOps for Tensor {
         Tensor::f_stack(tensors, dim)
     }
     #[inline]
+    fn f_topk(&self, k: i64, dim: i64, largest: bool, sorted: bool) -> Result<(Tensor, Tensor), TchError> {
+        Tensor::f_topk(self, k, dim, largest, sorted)
+    }
+    #[inline]
+    fn f_sort(&self, dim: i64, descending: bool) -> Result<(Tensor, Tensor), TchError> {
+        Tensor::f_sort(self, dim, descending)
+    }
+    #[inline]
+    fn f_einsum(equation: &str, tensors: &[&Tensor], path: Option<&[i64]>) -> Result<Tensor, TchError> {
+        Tensor::f_einsum(equation, tensors, path)
+    }
+    #[inline]
+    fn copy(&self) -> Tensor {
+        Tensor::copy(self)
+    }
+    #[inline]
+    fn onehot(&self, labels: i64) -> Tensor {
+        Tensor::onehot(self, labels)
+    }
+    #[inline]
+    fn accuracy_for_logits(&self, targets: &Tensor) -> Tensor {
+        Tensor::accuracy_for_logits(self, targets)
+    }
+    #[inline]
     fn f_embedding(
         weight: &Tensor,
         indices: &Tensor,
@@ -512,6 +572,27 @@ impl TensorOps for LazyTensor {
     }
     fn f_stack(tensors: &[&LazyTensor], dim: i64) -> Result<LazyTensor, LazyError> {
         LazyTensor::f_stack(tensors, dim)
+    }
+    fn f_topk(&self, k: i64, dim: i64, largest: bool, sorted: bool) -> Result<(LazyTensor, LazyTensor), LazyError> {
+        LazyTensor::f_topk(self, k, dim, largest, sorted)
+    }
+    fn f_sort(&self, dim: i64, descending: bool) -> Result<(LazyTensor, LazyTensor), LazyError> {
+        LazyTensor::f_sort(self, dim, descending)
+    }
+    fn f_einsum(equation: &str, tensors: &[&LazyTensor], path: Option<&[i64]>) -> Result<LazyTensor, LazyError> {
+        LazyTensor::f_einsum(equation, tensors, path)
+    }
+    #[track_caller]
+    fn copy(&self) -> LazyTensor {
+        LazyTensor::f_copy(self).or_panic()
+    }
+    #[track_caller]
+    fn onehot(&self, labels: i64) -> LazyTensor {
+        LazyTensor::f_onehot(self, labels).or_panic()
+    }
+    #[track_caller]
+    fn accuracy_for_logits(&self, targets: &LazyTensor) -> LazyTensor {
+        LazyTensor::f_accuracy_for_logits(self, targets).or_panic()
     }
     fn f_embedding(
         weight: &Tensor,

@@ -865,3 +865,70 @@ fn a_ported_layer_runs_on_both_kinds() {
     let lazily = Shift.forward(&net.forward_t(&lazy(&x, 0), false)).to_tensor().unwrap();
     assert!(eager.allclose(&lazily, 1e-6, 1e-6, false));
 }
+
+/// `topk`, `sort`, `einsum`, `copy`, `onehot` and `accuracy_for_logits` in code written once over
+/// `TensorOps`: the same values on a tensor and on a lazy one.
+#[test]
+fn tensor_ops_has_topk_sort_einsum_and_friends() {
+    use toma::lazy::TensorOps;
+    fn features<T: TensorOps>(x: &T, y: &T) -> T {
+        let (top, _) = x.topk(2, -1, true, true);
+        let (sorted, _) = x.sort(-1, false);
+        let gram = T::einsum("bi,bj->bij", &[&top, &sorted.narrow(1, 0, 2)], None);
+        let hot = y.onehot(5);
+        let acc = x.accuracy_for_logits(y).expand([x.size()[0]], false);
+        T::cat(&[&gram.flatten(1, -1), &hot.to_kind(Kind::Double), &x.copy()], 1)
+            .sum_dim_intlist(1, false, None)
+            .add(&acc)
+    }
+    let x = Tensor::randn([8, 5], (Kind::Double, Device::Cpu));
+    let y = Tensor::randint(5, [8], (Kind::Int64, Device::Cpu));
+    let eager = features(&x, &y);
+    let (lx, ly) = lazy((&x, &y), 0);
+    let lazily = features(&lx, &ly).to_tensor_with(&Options::new().micro_batch(8)).unwrap();
+    assert!(eager.allclose(&lazily, 1e-12, 1e-12, false), "{eager} vs {lazily}");
+}
+
+/// Every method of `LazyTensor` that tch's `Tensor` has is in `TensorOps`, so a model written
+/// once over `T: TensorOps` can call it: a family file's `#[lazy_only]` method must be written
+/// into `TensorOps` by hand (`src/lazy/tensor_ops.rs`) or named below with why it is not.
+#[test]
+fn every_lazy_method_tch_has_is_in_tensor_ops() {
+    // Lazy-only on purpose: tch has no method of that name, or one of another signature.
+    const OUTSIDE: [(&str, &str); 10] = [
+        ("rdiv_scalar", "tch writes it `s / x` (an operator)"),
+        ("normalize", "tch has no such method"),
+        ("index_put", "tch's takes `&[Option<Tensor>]` and a value of the same kind"),
+        ("sort_stable", "tch's takes `stable: bool` first"),
+        ("cosine_embedding_loss", "not yet"),
+        ("margin_ranking_loss", "not yet"),
+        ("triplet_margin_loss", "not yet"),
+        ("ctc_loss", "not yet"),
+        ("ctc_loss_tensor", "not yet"),
+        ("flat_view", "in TensorOps without a fallible form (tch has none)"),
+    ];
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let ops = std::fs::read_to_string(root.join("src/lazy/tensor_ops.rs")).unwrap();
+    let mut missing = Vec::new();
+    for entry in std::fs::read_dir(root.join("src/lazy/ops")).unwrap() {
+        let path = entry.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        for (i, line) in lines.iter().enumerate() {
+            if line.trim() != "#[lazy_only]" {
+                continue;
+            }
+            let Some(name) = lines[i..].iter().take(6).find_map(|l| {
+                let rest = l.trim().strip_prefix("pub fn f_")?;
+                Some(rest.split(|c: char| c == '(' || c == '<').next().unwrap().to_string())
+            }) else {
+                continue;
+            };
+            let in_trait = ops.contains(&format!("fn f_{name}(")) || ops.contains(&format!("fn {name}("));
+            if !in_trait && !OUTSIDE.iter().any(|(n, _)| *n == name) {
+                missing.push(format!("{name} ({})", path.display()));
+            }
+        }
+    }
+    assert!(missing.is_empty(), "LazyTensor methods missing from TensorOps: {missing:?}");
+}
