@@ -932,3 +932,18 @@ fn every_lazy_method_tch_has_is_in_tensor_ops() {
     }
     assert!(missing.is_empty(), "LazyTensor methods missing from TensorOps: {missing:?}");
 }
+
+/// vae's loss as tch writes it, `recon_x.binary_cross_entropy::<Tensor>(&x, None, Sum)`: the
+/// turbofish names the weight's type on a lazy value too, and the sum splits exactly.
+#[test]
+fn tchs_generic_binary_cross_entropy_compiles_unchanged() {
+    let x = Tensor::rand([8, 6], (Kind::Double, Device::Cpu));
+    let recon = Tensor::randn([8, 6], (Kind::Double, Device::Cpu)).sigmoid();
+    let eager = recon.binary_cross_entropy::<Tensor>(&x, None, tch::Reduction::Sum);
+    let (recon_x, x) = lazy((&recon, &x), 0);
+    let lazily = recon_x
+        .binary_cross_entropy::<Tensor>(&x, None, tch::Reduction::Sum)
+        .to_tensor_with(&Options::new().micro_batch(2))
+        .unwrap();
+    assert!(eager.allclose(&lazily, 1e-12, 1e-12, false), "{eager} vs {lazily}");
+}

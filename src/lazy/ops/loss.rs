@@ -1007,6 +1007,7 @@ impl LazyTensor {
     /// [`LazyError::Shape`] for a target of another shape or a weight that does not broadcast to
     /// the input, [`LazyError::Kind`], [`LazyError::Device`], [`LazyError::Batch`];
     /// [`Reduction::Other`].
+    #[no_twin]
     pub fn f_binary_cross_entropy(
         &self,
         target: impl IntoLazy,
@@ -1348,5 +1349,20 @@ impl LazyTensor {
     #[track_caller]
     pub fn nll_loss(&self, targets: impl IntoLazy) -> LazyTensor {
         self.f_nll_loss(targets, None::<&LazyTensor>, Reduction::Mean, -100).or_panic()
+    }
+}
+
+impl LazyTensor {
+    /// Like [`f_binary_cross_entropy`](Self::f_binary_cross_entropy), panicking with its error.
+    /// The weight's type is a named parameter, as in tch, so tch's spelling of "no weight"
+    /// compiles unchanged: `recon_x.binary_cross_entropy::<Tensor>(&x, None, Reduction::Sum)`.
+    #[track_caller]
+    pub fn binary_cross_entropy<W: IntoLazy>(
+        &self,
+        target: impl IntoLazy,
+        weight: Option<W>,
+        reduction: Reduction,
+    ) -> LazyTensor {
+        self.f_binary_cross_entropy(target, weight, reduction).or_panic()
     }
 }

@@ -29,6 +29,14 @@ impl IntoLazy for &Tensor {
     }
 }
 
+/// An owned tensor, as `&Tensor`: what tch's generic forms name (`Option<T>` with
+/// `T = Tensor`, as in `x.binary_cross_entropy::<Tensor>(&y, None, ..)`).
+impl IntoLazy for Tensor {
+    fn into_lazy(self) -> LazyTensor {
+        leaf(&self, None)
+    }
+}
+
 /// How an op treats values that were reduced over the batch ([`Flow::Sum`] and [`Flow::Max`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Linearity {
