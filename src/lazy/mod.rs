@@ -124,6 +124,12 @@ pub use wrap::{lazy, try_lazy, BatchDimArg, Lazify};
 /// let eager = x.apply(&l);
 /// let lazily = lazy(&x, 0).apply(&l).to_tensor()?;
 /// assert!(eager.allclose(&lazily, 1e-6, 1e-6, false));
+/// // The method call, on either kind of tensor (`toma::lazy::nn::Module` in scope).
+/// assert!(l.forward(&lazy(&x, 0)).to_tensor()?.allclose(&l.forward(&x), 1e-6, 1e-6, false));
 /// # Ok::<(), toma::lazy::LazyError>(())
 /// ```
+///
+/// tch's impl is written with the types and trait path as the user wrote them, so a port's
+/// `use tch::Tensor` and `use toma::lazy::nn::ModuleT` stay used (no warnings under
+/// `-D warnings`).
 pub use toma_macros::module;
