@@ -55,7 +55,6 @@ EAGER = {
     "Tensor::randn_like": "builds an input or constant",
     "Tensor::from_slice": "builds an input or constant",
     "randn_like": "builds a constant (noise drawn per step: draw it before, pass it in)",
-    "to_device": "moves an input before the step (inputs are wrapped on their device)",
     "to": "moves an input before the step",
     "device": "a query, the same on both",
     "kind": "a query, the same on both",
