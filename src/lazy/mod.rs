@@ -87,7 +87,7 @@ pub use index::{LazyIndexer, TensorIndex};
 pub use int_list::{IntList, IntListOption};
 pub use nn::{Layer, LayerT};
 pub use ops::custom::{CustomOp, Saves, TensorMeta};
-pub use ops::record::IntoLazy;
+pub use ops::record::{IntoLazy, WeightOperand};
 pub use ops::{Fallible, LayoutOps, LossOps, MatrixOps, NormOps, PointwiseOps, ReduceOps, WindowOps};
 pub use optim::Loss;
 pub use options::{Calibrate, Options, Recompute};

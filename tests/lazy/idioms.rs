@@ -920,7 +920,7 @@ fn every_lazy_method_tch_has_is_in_tensor_ops() {
             }
             let Some(name) = lines[i..].iter().take(6).find_map(|l| {
                 let rest = l.trim().strip_prefix("pub fn f_")?;
-                Some(rest.split(|c: char| c == '(' || c == '<').next().unwrap().to_string())
+                Some(rest.split(['(', '<']).next().unwrap().to_string())
             }) else {
                 continue;
             };

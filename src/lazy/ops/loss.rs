@@ -1357,12 +1357,13 @@ impl LazyTensor {
     /// The weight's type is a named parameter, as in tch, so tch's spelling of "no weight"
     /// compiles unchanged: `recon_x.binary_cross_entropy::<Tensor>(&x, None, Reduction::Sum)`.
     #[track_caller]
-    pub fn binary_cross_entropy<W: IntoLazy>(
+    pub fn binary_cross_entropy<W: super::record::WeightOperand>(
         &self,
         target: impl IntoLazy,
         weight: Option<W>,
         reduction: Reduction,
     ) -> LazyTensor {
-        self.f_binary_cross_entropy(target, weight, reduction).or_panic()
+        let weight = weight.map(super::record::WeightOperand::into_lazy_weight);
+        self.f_binary_cross_entropy(target, weight.as_ref(), reduction).or_panic()
     }
 }

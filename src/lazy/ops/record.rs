@@ -29,10 +29,28 @@ impl IntoLazy for &Tensor {
     }
 }
 
-/// An owned tensor, as `&Tensor`: what tch's generic forms name (`Option<T>` with
-/// `T = Tensor`, as in `x.binary_cross_entropy::<Tensor>(&y, None, ..)`).
-impl IntoLazy for Tensor {
-    fn into_lazy(self) -> LazyTensor {
+/// A weight of tch's generic form `Option<T>`: `&Tensor`, `&LazyTensor`, or the owned `Tensor`
+/// that tch's turbofish names for "no weight" (`x.binary_cross_entropy::<Tensor>(&y, None, ..)`).
+/// Apart from [`IntoLazy`], which takes references only, as tch's methods do.
+pub trait WeightOperand {
+    /// The weight as a lazy tensor.
+    fn into_lazy_weight(self) -> LazyTensor;
+}
+
+impl WeightOperand for &LazyTensor {
+    fn into_lazy_weight(self) -> LazyTensor {
+        self.clone()
+    }
+}
+
+impl WeightOperand for &Tensor {
+    fn into_lazy_weight(self) -> LazyTensor {
+        leaf(self, None)
+    }
+}
+
+impl WeightOperand for Tensor {
+    fn into_lazy_weight(self) -> LazyTensor {
         leaf(&self, None)
     }
 }
