@@ -947,3 +947,51 @@ fn tchs_generic_binary_cross_entropy_compiles_unchanged() {
         .unwrap();
     assert!(eager.allclose(&lazily, 1e-12, 1e-12, false), "{eager} vs {lazily}");
 }
+
+/// vae's reparameterization as tch writes it, `mu + std.randn_like() * std`, in code written
+/// once: from the same seed, a step in micro-batches draws the eager step's noise (drawn for the
+/// whole batch when recorded) and gets its loss and gradients. Run in a child process, alone:
+/// other tests' draws from the global generator would fall between the seed and the noise.
+#[test]
+fn randn_like_draws_the_eager_steps_noise_in_a_split_step() {
+    use toma::lazy::{Layer, Operators, TensorOps};
+    if std::env::var_os("TOMA_RANDN_LIKE_CHILD").is_none() {
+        let out = crate::support::child::run(
+            "idioms::randn_like_draws_the_eager_steps_noise_in_a_split_step",
+            "TOMA_RANDN_LIKE_CHILD",
+            "1",
+        );
+        out.assert_finished("randn-like ");
+        return;
+    }
+    fn loss<T: TensorOps + Operators>(mu: &nn::Linear, logvar: &nn::Linear, x: &T) -> T
+    where
+        nn::Linear: Layer<T>,
+    {
+        let (mu, logvar) = (x.apply(mu), x.apply(logvar));
+        let std = (logvar * 0.5).exp();
+        let z = mu + std.randn_like() * std + x.narrow(1, 0, 3).rand_like();
+        z.square().mean(None)
+    }
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let mu = nn::linear(vs.root() / "mu", 6, 3, Default::default());
+    let logvar = nn::linear(vs.root() / "logvar", 6, 3, Default::default());
+    vs.double();
+    let x = Tensor::randn([12, 6], (Kind::Double, Device::Cpu));
+    tch::manual_seed(77);
+    let eager = loss(&mu, &logvar, &x);
+    eager.backward();
+    let want: Vec<Tensor> = vs.trainable_variables().iter().map(|v| v.grad().copy()).collect();
+    for mut v in vs.trainable_variables() {
+        v.zero_grad();
+    }
+    tch::manual_seed(77);
+    let lazily = loss(&mu, &logvar, &lazy(&x, 0)).backward_with(&Options::new().micro_batch(4)).unwrap();
+    assert!((lazily - eager.double_value(&[])).abs() < 1e-12, "{lazily} vs {}", eager.double_value(&[]));
+    let mut worst: f64 = 0.0;
+    for (v, w) in vs.trainable_variables().iter().zip(&want) {
+        worst = worst.max((v.grad() - w).abs().max().double_value(&[]));
+    }
+    assert!(worst < 1e-12, "gradients differ by {worst:e}");
+    println!("\nrandn-like loss={lazily} worst={worst:e}");
+}

@@ -72,6 +72,8 @@ fn sample(name: &str) -> Option<LazyTensor> {
         "full_like" => x().full_like(0.5),
         "zeros_like" => x().zeros_like(),
         "ones_like" => x().ones_like(),
+        "randn_like" => x().randn_like(),
+        "rand_like" => x().rand_like(),
         "mish" => x().mish(),
         "masked_fill" => x().masked_fill(&mask(), 0.0),
         "where_self" => x().where_self(&mask(), &x()),

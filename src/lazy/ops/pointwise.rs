@@ -1176,6 +1176,53 @@ impl LazyTensor {
         Ok(record.flow(flow).not_differentiable().finish())
     }
 
+    /// Standard normal noise in the shape, kind and device of `self` (tch's `randn_like`). It is
+    /// drawn for the whole batch when recorded and enters the graph as an input (batched as
+    /// `self` is), each micro-batch taking its slice: a split step uses the numbers an eager step
+    /// draws at the same point from the same seed. A random op recorded before it (dropout)
+    /// draws when the step runs, so after it: the order of their draws differs from eager.
+    ///
+    /// # Errors
+    /// [`LazyError::Unsupported`] where the batch is folded into another dimension (draw the
+    /// noise with tch and pass it with `lazy(..)`); [`LazyError::Torch`] when the draw fails
+    /// (an integer kind).
+    pub fn f_randn_like(&self) -> Result<LazyTensor, LazyError> {
+        self.drawn_like("randn_like", |shape, options| Tensor::f_randn(shape, options))
+    }
+
+    /// Uniform noise from 0 (included) to 1 in the shape, kind and device of `self` (tch's
+    /// `rand_like`). It is drawn for the whole batch when recorded, as
+    /// [`f_randn_like`](Self::f_randn_like) is.
+    ///
+    /// # Errors
+    /// As [`f_randn_like`](Self::f_randn_like).
+    pub fn f_rand_like(&self) -> Result<LazyTensor, LazyError> {
+        self.drawn_like("rand_like", |shape, options| Tensor::f_rand(shape, options))
+    }
+
+    fn drawn_like(
+        &self,
+        op: &str,
+        draw: impl FnOnce(&[i64], (Kind, tch::Device)) -> Result<Tensor, TchError>,
+    ) -> Result<LazyTensor, LazyError> {
+        let m = &self.node.meta;
+        if matches!(m.flow, crate::lazy::graph::Flow::PerSample(bd) if bd.factor != 1) {
+            return Err(LazyError::Unsupported {
+                op: op.into(),
+                reason: "the batch is folded into another dimension here: draw the noise with tch for the whole batch and pass it with lazy(..)".into(),
+            });
+        }
+        let noise = draw(&m.shape, (m.kind, m.device)).map_err(|source| LazyError::Torch {
+            node: None,
+            op: op.into(),
+            source,
+        })?;
+        match m.batch() {
+            Some(bd) => LazyTensor::batched(&noise, bd.dim as i64),
+            None => Ok(LazyTensor::fixed(&noise)),
+        }
+    }
+
     /// Zeros in the shape, kind and device of `self`, per sample (tch's `zeros_like`).
     ///
     /// # Errors
