@@ -995,3 +995,42 @@ fn randn_like_draws_the_eager_steps_noise_in_a_split_step() {
     assert!(worst < 1e-12, "gradients differ by {worst:e}");
     println!("\nrandn-like loss={lazily} worst={worst:e}");
 }
+
+/// Cross-attention's learned queries, tch's way: a parameter passed through its layer, expanded
+/// to the batch, then multiplied with the batch's keys (`matmul`, `bmm`). The expand meets the
+/// batch in the product and is per sample there: micro-batches give the eager step's loss and
+/// gradients (1e-12, f64), the queries' gradient summed over all of them.
+#[test]
+fn learned_queries_expanded_over_the_batch_split_exactly() {
+    use toma::lazy::{Layer, TensorOps};
+    fn loss<T: TensorOps>(latents: &Tensor, proj: &nn::Linear, x: &T, bmm: bool) -> T
+    where
+        nn::Linear: Layer<T>,
+    {
+        let b = x.size()[0];
+        let queries = T::constant(&latents.apply(proj)).expand([b, -1, -1], false);
+        let keys = x.transpose(1, 2);
+        let scores = if bmm { queries.bmm(&keys) } else { queries.matmul(&keys) };
+        scores.softmax(-1, None).matmul(x).square().mean(None)
+    }
+    for bmm in [false, true] {
+        let mut vs = nn::VarStore::new(Device::Cpu);
+        let _ = vs.root().randn("latents", &[1, 4, 8], 0.0, 1.0);
+        let proj = nn::linear(vs.root() / "proj", 8, 8, Default::default());
+        vs.double();
+        let latents = vs.variables()["latents"].shallow_clone();
+        let x = Tensor::randn([10, 5, 8], (Kind::Double, Device::Cpu));
+        let eager = loss(&latents, &proj, &x, bmm);
+        eager.backward();
+        let want: Vec<Tensor> = vs.trainable_variables().iter().map(|v| v.grad().copy()).collect();
+        for mut v in vs.trainable_variables() {
+            v.zero_grad();
+        }
+        let value = loss(&latents, &proj, &lazy(&x, 0), bmm).backward_with(&Options::new().micro_batch(3)).unwrap();
+        assert!((value - eager.double_value(&[])).abs() < 1e-12, "bmm {bmm}: {value} vs {}", eager.double_value(&[]));
+        for (v, w) in vs.trainable_variables().iter().zip(&want) {
+            let diff = (v.grad() - w).abs().max().double_value(&[]);
+            assert!(diff < 1e-12, "bmm {bmm}: gradients differ by {diff:e}");
+        }
+    }
+}

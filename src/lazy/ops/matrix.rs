@@ -6,7 +6,7 @@ use std::rc::Rc;
 
 use tch::{Kind, TchError, Tensor};
 
-use super::layout::{Reshape, View};
+use super::layout::{adopt_batch_broadcasts, Reshape, View};
 use super::record::IntoLazy;
 use super::record::{combine_flows, same_device, Linearity, Record};
 use super::{arg, floating, kind_err, requires, same_kind, shape_err};
@@ -958,7 +958,14 @@ impl LazyTensor {
     /// different kinds, [`LazyError::Device`].
     pub fn f_matmul(&self, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
         let other = other.into_lazy();
-        let (a, b) = (&self.node, &other.node);
+        let mut pair = [self.node.clone(), other.node.clone()];
+        if pair.iter().all(|n| n.meta.shape.len() >= 3) {
+            // A parameter expanded to the batch (cross-attention's learned queries) meets
+            // batched values here: per sample, as in `+` and `cat`.
+            let out_len = pair[0].meta.shape.len().max(pair[1].meta.shape.len());
+            adopt_batch_broadcasts(&mut pair, out_len, true);
+        }
+        let (a, b) = (&pair[0], &pair[1]);
         let name = "matmul";
         let device = same_device(name, &[a, b])?;
         let (sa, sb) = (&a.meta.shape, &b.meta.shape);
@@ -1033,7 +1040,10 @@ impl LazyTensor {
                                 op: name.into(),
                                 lhs: sa.clone(),
                                 rhs: sb.clone(),
-                                reason: "a fixed operand has the batch's size along the batch dimension; wrap it with lazy(..)".into(),
+                                reason: "a fixed operand has the batch's size along the batch dimension: wrap data with lazy(..); \
+                                         a parameter expanded to the batch is per sample where the expand meets batched values \
+                                         (elementwise ops, cat, matmul, bmm): apply its layers first, then expand it"
+                                    .into(),
                             });
                         }
                     }
@@ -1054,7 +1064,11 @@ impl LazyTensor {
     /// [`LazyError::Shape`] for other shapes, [`LazyError::Kind`], [`LazyError::Device`].
     pub fn f_bmm(&self, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
         let other = other.into_lazy();
-        let (a, b) = (&self.node, &other.node);
+        let mut pair = [self.node.clone(), other.node.clone()];
+        if pair.iter().all(|n| n.meta.shape.len() == 3) {
+            adopt_batch_broadcasts(&mut pair, 3, true);
+        }
+        let (a, b) = (&pair[0], &pair[1]);
         let name = "bmm";
         let device = same_device(name, &[a, b])?;
         let (sa, sb) = (&a.meta.shape, &b.meta.shape);
