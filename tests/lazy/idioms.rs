@@ -1034,3 +1034,34 @@ fn learned_queries_expanded_over_the_batch_split_exactly() {
         }
     }
 }
+
+/// A Perceiver's cross-attention through `scaled_dot_product_attention`: learned queries (a
+/// parameter through its layer, expanded to the batch) attend over the batch's tokens; split
+/// exactly against eager (1e-12, f64).
+#[test]
+fn learned_queries_attend_over_the_batch_in_sdpa() {
+    use toma::lazy::TensorOps;
+    fn loss<T: TensorOps>(queries: &Tensor, x: &T) -> T {
+        let b = x.size()[0];
+        let q = T::constant(queries).expand([b, -1, -1, -1], false);
+        T::scaled_dot_product_attention(&q, x, x, None::<&T>, 0.0, false, None, false).square().mean(None)
+    }
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let _ = vs.root().randn("latents", &[1, 2, 4, 8], 0.0, 1.0);
+    let proj = nn::linear(vs.root() / "proj", 8, 8, Default::default());
+    vs.double();
+    let latents = vs.variables()["latents"].shallow_clone();
+    let x = Tensor::randn([10, 2, 5, 8], (Kind::Double, Device::Cpu));
+    let eager = loss(&latents.apply(&proj), &x);
+    eager.backward();
+    let want: Vec<Tensor> = vs.trainable_variables().iter().map(|v| v.grad().copy()).collect();
+    for mut v in vs.trainable_variables() {
+        v.zero_grad();
+    }
+    let value = loss(&latents.apply(&proj), &lazy(&x, 0)).backward_with(&Options::new().micro_batch(3)).unwrap();
+    assert!((value - eager.double_value(&[])).abs() < 1e-12, "{value} vs {}", eager.double_value(&[]));
+    for (v, w) in vs.trainable_variables().iter().zip(&want) {
+        let diff = (v.grad() - w).abs().max().double_value(&[]);
+        assert!(diff < 1e-12, "gradients differ by {diff:e}");
+    }
+}

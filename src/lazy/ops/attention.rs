@@ -135,7 +135,17 @@ impl LazyTensor {
         enable_gqa: bool,
     ) -> Result<LazyTensor, LazyError> {
         let name = "scaled_dot_product_attention";
-        let (q, k, v) = (query.into_lazy(), key.into_lazy(), value.into_lazy());
+        let (mut q, mut k, mut v) = (query.into_lazy(), key.into_lazy(), value.into_lazy());
+        let rank = q.node.meta.shape.len();
+        let leading = |t: &LazyTensor| t.node.meta.batch().is_none_or(|bd| bd.dim + 2 < rank);
+        if !enable_gqa && [&q, &k, &v].iter().all(|t| rank >= 3 && t.node.meta.shape.len() == rank && leading(t)) {
+            // Learned queries (or keys) expanded to the batch meet it here: per sample, as in
+            // `+`, `cat` and `matmul`.
+            let mut qkv = [q.node.clone(), k.node.clone(), v.node.clone()];
+            super::layout::adopt_batch_broadcasts(&mut qkv, rank, true);
+            let [nq, nk, nv] = qkv;
+            (q, k, v) = (LazyTensor { node: nq }, LazyTensor { node: nk }, LazyTensor { node: nv });
+        }
         let mask = attn_mask.map(IntoLazy::into_lazy);
         let mut nodes = vec![&q.node, &k.node, &v.node];
         if let Some(m) = &mask {
@@ -234,8 +244,10 @@ impl LazyTensor {
                         lhs: sq.clone(),
                         rhs: n.meta.shape.clone(),
                         reason: format!(
-                            "a fixed operand has the batch's size {full} along the batch dimension; wrap it with \
-                             toma::lazy::lazy(.., dim) so it is split with the batch"
+                            "a fixed operand has the batch's size {full} along the batch dimension: wrap data with \
+                             toma::lazy::lazy(.., dim) so it is split with the batch; a parameter expanded to the \
+                             batch is per sample where the expand meets batched values: apply its layers first, \
+                             then expand it"
                         ),
                     });
                 }
