@@ -737,10 +737,8 @@ fn group_norm_is_a_layer_that_splits_exactly() {
         .log_softmax(-1, None)
         .nll_loss(&y);
     eager.backward();
-    let grads: Vec<Tensor> = vs.trainable_variables().iter().map(|v| v.grad().copy()).collect();
-    for mut v in vs.trainable_variables() {
-        v.zero_grad();
-    }
+    let grads = crate::grad::grads(&vs);
+    crate::grad::zero_grads(&vs);
     let (lx, ly) = lazy((&x, &y), 0);
     let loss = lx
         .apply(&conv)
@@ -752,8 +750,9 @@ fn group_norm_is_a_layer_that_splits_exactly() {
         .nll_loss(&ly);
     let value = loss.backward_with(&Options::new().micro_batch(4)).unwrap();
     assert!((value - eager.double_value(&[])).abs() < 1e-12, "{value} lazily, {} eagerly", eager.double_value(&[]));
-    for (v, g) in vs.trainable_variables().iter().zip(&grads) {
-        let diff = (v.grad() - g).abs().max().double_value(&[]);
+    for (name, got) in crate::grad::grads(&vs) {
+        let g = &grads[&name];
+        let diff = (&got - g).abs().max().double_value(&[]);
         assert!(diff < 1e-12, "gradients differ by {diff:e}");
     }
 }
@@ -810,16 +809,15 @@ fn layers_take_lazy_values_by_the_same_method_call() {
     let x = Tensor::randn([9, 4], (Kind::Float, Device::Cpu));
     let eager = s.forward_t(&l.forward(&fc.forward(&x)), true).sum(Kind::Float);
     eager.backward();
-    let want: Vec<Tensor> = vs.trainable_variables().iter().map(|v| v.grad().copy()).collect();
-    for mut v in vs.trainable_variables() {
-        v.zero_grad();
-    }
+    let want = crate::grad::grads(&vs);
+    crate::grad::zero_grads(&vs);
     let lx = lazy(&x, 0);
     let loss = s.forward_t(&l.forward(&fc.forward(&lx)), true).sum(None);
     let value = loss.backward_with(&Options::new().micro_batch(2)).unwrap();
     assert!((value - eager.double_value(&[])).abs() < 1e-4, "{value} vs {}", eager.double_value(&[]));
-    for (v, w) in vs.trainable_variables().iter().zip(&want) {
-        assert!(v.grad().allclose(w, 1e-5, 1e-5, false));
+    for (name, got) in crate::grad::grads(&vs) {
+        let w = &want[&name];
+        assert!(got.allclose(w, 1e-5, 1e-5, false));
     }
 }
 
@@ -981,16 +979,15 @@ fn randn_like_draws_the_eager_steps_noise_in_a_split_step() {
     tch::manual_seed(77);
     let eager = loss(&mu, &logvar, &x);
     eager.backward();
-    let want: Vec<Tensor> = vs.trainable_variables().iter().map(|v| v.grad().copy()).collect();
-    for mut v in vs.trainable_variables() {
-        v.zero_grad();
-    }
+    let want = crate::grad::grads(&vs);
+    crate::grad::zero_grads(&vs);
     tch::manual_seed(77);
     let lazily = loss(&mu, &logvar, &lazy(&x, 0)).backward_with(&Options::new().micro_batch(4)).unwrap();
     assert!((lazily - eager.double_value(&[])).abs() < 1e-12, "{lazily} vs {}", eager.double_value(&[]));
     let mut worst: f64 = 0.0;
-    for (v, w) in vs.trainable_variables().iter().zip(&want) {
-        worst = worst.max((v.grad() - w).abs().max().double_value(&[]));
+    for (name, got) in crate::grad::grads(&vs) {
+        let w = &want[&name];
+        worst = worst.max((&got - w).abs().max().double_value(&[]));
     }
     assert!(worst < 1e-12, "gradients differ by {worst:e}");
     println!("\nrandn-like loss={lazily} worst={worst:e}");
@@ -1022,14 +1019,13 @@ fn learned_queries_expanded_over_the_batch_split_exactly() {
         let x = Tensor::randn([10, 5, 8], (Kind::Double, Device::Cpu));
         let eager = loss(&latents, &proj, &x, bmm);
         eager.backward();
-        let want: Vec<Tensor> = vs.trainable_variables().iter().map(|v| v.grad().copy()).collect();
-        for mut v in vs.trainable_variables() {
-            v.zero_grad();
-        }
+        let want = crate::grad::grads(&vs);
+        crate::grad::zero_grads(&vs);
         let value = loss(&latents, &proj, &lazy(&x, 0), bmm).backward_with(&Options::new().micro_batch(3)).unwrap();
         assert!((value - eager.double_value(&[])).abs() < 1e-12, "bmm {bmm}: {value} vs {}", eager.double_value(&[]));
-        for (v, w) in vs.trainable_variables().iter().zip(&want) {
-            let diff = (v.grad() - w).abs().max().double_value(&[]);
+        for (name, got) in crate::grad::grads(&vs) {
+            let w = &want[&name];
+            let diff = (&got - w).abs().max().double_value(&[]);
             assert!(diff < 1e-12, "bmm {bmm}: gradients differ by {diff:e}");
         }
     }
@@ -1054,14 +1050,13 @@ fn learned_queries_attend_over_the_batch_in_sdpa() {
     let x = Tensor::randn([10, 2, 5, 8], (Kind::Double, Device::Cpu));
     let eager = loss(&latents.apply(&proj), &x);
     eager.backward();
-    let want: Vec<Tensor> = vs.trainable_variables().iter().map(|v| v.grad().copy()).collect();
-    for mut v in vs.trainable_variables() {
-        v.zero_grad();
-    }
+    let want = crate::grad::grads(&vs);
+    crate::grad::zero_grads(&vs);
     let value = loss(&latents.apply(&proj), &lazy(&x, 0)).backward_with(&Options::new().micro_batch(3)).unwrap();
     assert!((value - eager.double_value(&[])).abs() < 1e-12, "{value} vs {}", eager.double_value(&[]));
-    for (v, w) in vs.trainable_variables().iter().zip(&want) {
-        let diff = (v.grad() - w).abs().max().double_value(&[]);
+    for (name, got) in crate::grad::grads(&vs) {
+        let w = &want[&name];
+        let diff = (&got - w).abs().max().double_value(&[]);
         assert!(diff < 1e-12, "gradients differ by {diff:e}");
     }
 }

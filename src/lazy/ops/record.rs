@@ -37,15 +37,9 @@ pub trait WeightOperand {
     fn into_lazy_weight(self) -> LazyTensor;
 }
 
-impl WeightOperand for &LazyTensor {
+impl<T: IntoLazy> WeightOperand for T {
     fn into_lazy_weight(self) -> LazyTensor {
-        self.clone()
-    }
-}
-
-impl WeightOperand for &Tensor {
-    fn into_lazy_weight(self) -> LazyTensor {
-        leaf(self, None)
+        self.into_lazy()
     }
 }
 
