@@ -193,3 +193,89 @@ fn a_step_that_cannot_split_is_planned_again_after_a_real_out_of_memory() {
     println!("{}", child.report);
     assert!(fields["replans"].parse::<usize>().unwrap() >= 1, "{fields:?}");
 }
+
+/// A split step's micro-batches add their gradients into `.grad` in place (it was none: tch's
+/// `zero_grad()`), so a micro-batch after the first runs with every gradient live. Under a cap
+/// that the first micro-batch fits and a later one does not, the later one runs out of memory
+/// for real: its half-added gradients cannot be told apart, so `.grad` goes back to none and
+/// the step starts again from its first sample at half the size. It completes with the eager
+/// step's loss and gradients (nothing counted twice).
+fn child_restart() {
+    const N: i64 = 8192;
+    const H: i64 = 2048;
+    const MICRO: i64 = 4096;
+    assert!(toma::memory::track_cpu_allocations());
+    events::record();
+    tch::manual_seed(0);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let r = vs.root();
+    let first = nn::linear(&r / "l0", IN, H, Default::default());
+    let hidden: Vec<nn::Linear> = (1..4).map(|i| nn::linear(&r / format!("l{i}"), H, H, Default::default())).collect();
+    let head = nn::linear(&r / "head", H, CLASSES, Default::default());
+    let x = Tensor::randn([N, IN], (Kind::Float, Device::Cpu));
+    let y = Tensor::randint(CLASSES, [N], (Kind::Int64, Device::Cpu));
+    let mut opt = {
+        use tch::nn::OptimizerConfig;
+        nn::Sgd::default().build(&vs, 0.0).unwrap()
+    };
+
+    let eager = {
+        let h = hidden.iter().fold(first.forward(&x).relu(), |h, l| l.forward(&h).relu());
+        head.forward(&h).cross_entropy_for_logits(&y)
+    };
+    eager.backward();
+    let eager_value = eager.double_value(&[]);
+    drop(eager);
+    let eager_grads: Vec<Tensor> = vs.trainable_variables().iter().map(|v| v.grad().copy()).collect();
+    opt.zero_grad();
+    assert!(vs.trainable_variables().iter().all(|v| !v.grad().defined()), "zero_grad sets .grad to none");
+
+    let loss = |x: &Tensor, y: &Tensor| {
+        let (lx, ly) = lazy((x, y), 0);
+        let h = hidden.iter().fold(lx.apply(&first).relu(), |h, l| h.apply(l).relu());
+        h.apply(&head).cross_entropy_for_logits(&ly)
+    };
+    let peak = |x: &Tensor, y: &Tensor, micro: i64| {
+        loss(x, y).plan(Mode::Backward, &Options::new().micro_batch(micro as usize)).unwrap().peak_bytes()
+    };
+    // The first micro-batch peaks as a whole batch of its size would; a later one holds every
+    // gradient beside it; a later one of half the size needs less than the first.
+    let first_peak = peak(&x.narrow(0, 0, MICRO), &y.narrow(0, 0, MICRO), MICRO);
+    let later = peak(&x, &y, MICRO);
+    let half = peak(&x, &y, MICRO / 2);
+    assert!(first_peak < later && half < first_peak, "first {first_peak}, later {later}, half {half}");
+    support::cap_memory(CpuCap::Data, (first_peak + later) as f64 / 2.0 / GIB);
+    let before = toma::memory::cpu_allocator_stats().unwrap().allocated;
+    let value = loss(&x, &y).backward_with(&Options::new().micro_batch(MICRO as usize));
+    let after = toma::memory::cpu_allocator_stats().unwrap().allocated;
+    let grads: i64 = vs.trainable_variables().iter().map(|v| 4 * v.numel() as i64).sum();
+    // The failed attempts left nothing behind: what is new is `.grad`, once.
+    assert_eq!(after as i64 - before as i64, grads, "bytes held after the step beyond the gradients");
+    let recorded = events::take();
+    let value = value.unwrap_or_else(|err| {
+        let seen: Vec<String> = recorded.iter().map(|e| format!("{:?}", e.fields)).collect();
+        panic!("{err}\n{}", seen.join("\n"))
+    });
+    let restarts = recorded.iter().filter(|e| e.field("message").contains("starts again from its first")).count();
+    let ooms = recorded.iter().filter(|e| e.is_caught_oom()).count();
+    assert!(restarts >= 1 && ooms >= 1, "the step started again after a real out-of-memory: {recorded:#?}");
+    assert!((value - eager_value).abs() <= 1e-4 * eager_value.abs(), "loss {value} lazily, {eager_value} eagerly");
+    let mut worst: f64 = 0.0;
+    for (v, e) in vs.trainable_variables().iter().zip(&eager_grads) {
+        worst = worst.max((v.grad() - e).abs().max().double_value(&[]) / e.abs().max().double_value(&[]).max(1e-12));
+    }
+    assert!(worst < 1e-3, "gradients differ from the eager step's by {worst:e}");
+    println!("{DONE} restarts={restarts} ooms={ooms} first={first_peak} later={later} half={half} worst={worst:.1e}");
+}
+
+#[test]
+fn a_split_step_starts_again_when_a_later_micro_batch_runs_out_of_memory() {
+    const TEST: &str = "a_split_step_starts_again_when_a_later_micro_batch_runs_out_of_memory";
+    if std::env::var(CHILD_ENV).is_ok() {
+        return child_restart();
+    }
+    let child = support::child::run(TEST, CHILD_ENV, "1");
+    let fields = child.assert_finished(DONE);
+    println!("{}", child.report);
+    assert!(fields["restarts"].parse::<usize>().unwrap() >= 1, "{fields:?}");
+}

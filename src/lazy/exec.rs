@@ -459,6 +459,7 @@ fn denominators(c: &Compiled, split: bool, options: &Options) -> Result<Vec<Opti
 fn run_chunks(
     p: &Prepared,
     options: &Options,
+    restart: bool,
     mut body: impl FnMut(i64, i64) -> Result<(), LazyError>,
 ) -> Result<(), LazyError> {
     // Each micro-batch is measured against its plan where an allocator counts.
@@ -487,7 +488,11 @@ fn run_chunks(
     };
     let n = p.c.batch.max(1) as usize;
     let mut updated = Updated::of(p);
-    let result = run_chunk_loop(p, options, n, |start: i64, b: i64| -> Result<(), LazyError> {
+    let result = run_chunk_loop(p, options, n, restart, |start: i64, b: i64| -> Result<(), LazyError> {
+        if start == 0 {
+            // The first micro-batch, or the step started again.
+            updated.clear();
+        }
         updated.restore();
         body(start, b)?;
         updated.add(b as f64 / n as f64);
@@ -531,6 +536,13 @@ impl Updated {
         }
     }
 
+    /// Forgets the updates summed so far.
+    fn clear(&mut self) {
+        for (_, _, sum) in &mut self.tensors {
+            *sum = None;
+        }
+    }
+
     fn add(&mut self, share: f64) {
         self.whole = share >= 1.0;
         if self.whole || self.tensors.is_empty() {
@@ -560,11 +572,14 @@ impl Updated {
     }
 }
 
-/// [`run_chunks`]'s loop: fixed micro-batches, or the retry engine's.
+/// [`run_chunks`]'s loop: fixed micro-batches, or the retry engine's. With `restart`, a
+/// micro-batch that runs out of memory after the first starts the whole range again (at the
+/// smaller size) instead of going on from where it failed.
 fn run_chunk_loop(
     p: &Prepared,
     options: &Options,
     n: usize,
+    restart: bool,
     mut body: impl FnMut(i64, i64) -> Result<(), LazyError>,
 ) -> Result<(), LazyError> {
     if !p.d.splittable || !options.retry {
@@ -582,10 +597,24 @@ fn run_chunk_loop(
     if let Some(kind) = options.cache {
         range = range.cache(kind);
     }
-    range.run(|start, end| {
+    let mut attempts = range.start();
+    while let Some((start, end)) = attempts.next_range() {
         tracing::debug!(start, end, "toma::lazy: micro-batch");
-        body(start as i64, (end - start) as i64)
-    })
+        let outcome = attempts.attempt(|| body(start as i64, (end - start) as i64));
+        attempts.finish(outcome)?;
+        let retried = attempts.next_range().is_some_and(|(at, _)| at == start);
+        if restart && retried && start > 0 {
+            // Micro-batches accumulate into `.grad` in place: a failed one spoiled the sum, so
+            // the step starts again from no gradients, at the smaller size.
+            tracing::info!(
+                failed_at = start,
+                micro_batch = attempts.step(),
+                "toma::lazy: a micro-batch ran out of memory; the step starts again from its first sample"
+            );
+            attempts.restart();
+        }
+    }
+    Ok(())
 }
 
 /// Runs a recorded graph once, whole, as the ops would have run eagerly (autograd included):
@@ -666,7 +695,7 @@ pub(crate) fn evaluate(output: &LazyTensor, options: &Options) -> Result<Tensor,
     let mut acc: Option<Tensor> = None;
     let out = p.c.len() - 1;
     let err = torch(out, "combine");
-    run_chunks(&p, options, |start, b| {
+    run_chunks(&p, options, false, |start, b| {
         let split = b < n;
         if split && dens.is_none() {
             dens = Some(denominators(&p.c, true, options)?);
@@ -825,10 +854,10 @@ fn backward_once(output: &LazyTensor, options: &Options) -> Result<f64, LazyErro
         }
     }
     let leaf: Vec<bool> = originals.iter().map(Tensor::is_leaf).collect();
-    // One micro-batch of the whole batch needs no second copy of the gradients: autograd
-    // accumulates straight into `.grad`, as plain tch does (the plan counts it so). A backward
-    // that fails half-way is undone by zeroing what it filled (there was nothing before),
-    // before the retry splits the batch.
+    // Where `.grad` starts as none, the micro-batches need no second copy of the gradients:
+    // autograd accumulates straight into `.grad`, as plain tch does (the plan counts it so). A
+    // micro-batch that fails leaves a sum that cannot be undone: `.grad` is set back to none
+    // and the step starts again from its first sample, at the smaller size.
     let direct = p.c.accumulates_in_place();
     let mut through: Vec<Option<Tensor>> = params.iter().map(|_| None).collect();
     let unsplit = vec![None; p.c.len()];
@@ -843,7 +872,10 @@ fn backward_once(output: &LazyTensor, options: &Options) -> Result<f64, LazyErro
         dens = Some(g.dens.clone());
     }
     let started = std::time::Instant::now();
-    run_chunks(&p, options, |start, b| {
+    run_chunks(&p, options, direct, |start, b| {
+        if start == 0 {
+            total = 0.0;
+        }
         if b < n && dens.is_none() {
             dens = Some(tch::no_grad(|| denominators(&p.c, true, options))?);
         }
@@ -865,21 +897,14 @@ fn backward_once(output: &LazyTensor, options: &Options) -> Result<f64, LazyErro
             (&chunk_stand_ins, &chunk_params)
         };
         let chunk = Chunk { start, b, split, frac: b as f64 / n_all as f64, dens, stand_ins };
-        let in_place = direct && b == n;
         let result = match &p.d.segments {
-            Some(segs) => recompute_chunk(&p.c, segs, &chunk, params, in_place),
-            None => plain_chunk(&p.c, &chunk, params, in_place),
+            Some(segs) => recompute_chunk(&p.c, segs, &chunk, params, direct),
+            None => plain_chunk(&p.c, &chunk, params, direct),
         };
-        if result.is_err() && in_place {
-            // What a backward into `.grad` filled before it failed is undone (there was
-            // nothing before), before the retry splits the batch.
-            let _no_grad = tch::no_grad_guard();
-            for param in params.iter() {
-                let mut grad = param.grad();
-                if grad.defined() {
-                    let _ = grad.f_zero_();
-                }
-            }
+        if result.is_err() && direct {
+            // `.grad` was none when the step began: so it is again, its memory freed for the
+            // smaller micro-batches.
+            clear_grads(params);
         }
         let (value, grads) = result?;
         let k = n_params.min(grads.len());
@@ -931,6 +956,17 @@ fn backward_once(output: &LazyTensor, options: &Options) -> Result<f64, LazyErro
     }
     output.node.stepped.set(Some(total));
     Ok(total)
+}
+
+/// Sets the parameters' `.grad` back to none (zeroes it where the shim is missing).
+fn clear_grads(params: &[Tensor]) {
+    let _no_grad = tch::no_grad_guard();
+    for param in params {
+        let mut grad = param.grad();
+        if grad.defined() && crate::memory::clear_grad(param).is_err() {
+            let _ = grad.f_zero_();
+        }
+    }
 }
 
 /// The global batch and denominators of a step run as one rank of [`Options::group`].

@@ -50,6 +50,13 @@ pub(crate) fn set_generator_state(device: Option<usize>, state: &[u8]) -> Result
     shim::set_generator_state(device, state)
 }
 
+/// Sets `tensor`'s `.grad` to none (tch can only zero it), so that autograd's next backward
+/// hands it the gradient it computed instead of adding into a zero buffer.
+#[cfg(feature = "tch")]
+pub(crate) fn clear_grad(tensor: &tch::Tensor) -> Result<(), AllocatorError> {
+    shim::clear_grad(tensor)
+}
+
 /// ATen's CPU capability as libtorch picked it (`"AVX512"`, `"AVX2"`, `"DEFAULT"`, ..; it honours
 /// `ATEN_CPU_CAPABILITY`), through the shim.
 #[cfg(feature = "tch")]

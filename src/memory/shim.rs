@@ -85,6 +85,7 @@ mod imp {
         fn toma_shim_generator_state(device: i64, buf: *mut u8, cap: i64, size: *mut i64) -> c_int;
         fn toma_shim_set_generator_state(device: i64, buf: *const u8, size: i64) -> c_int;
         fn toma_shim_cpu_capability(buf: *mut c_char, cap: i64, size: *mut i64) -> c_int;
+        fn toma_shim_clear_grad(tensor: *mut std::ffi::c_void) -> c_int;
         fn toma_shim_last_error() -> *const c_char;
     }
 
@@ -196,6 +197,12 @@ mod imp {
         Ok(String::from_utf8_lossy(bytes).into_owned())
     }
 
+    pub(in crate::memory) fn clear_grad(tensor: &tch::Tensor) -> Result<(), AllocatorError> {
+        // SAFETY: `as_ptr` is the `at::Tensor*` tch owns, alive for the borrow; the shim only
+        // resets the autograd metadata's gradient slot (libtorch locks nothing else for it).
+        check(unsafe { toma_shim_clear_grad(tensor.as_ptr() as *mut std::ffi::c_void) }, 0)
+    }
+
     pub(in crate::memory) fn set_generator_state(device: Option<usize>, state: &[u8]) -> Result<(), AllocatorError> {
         // SAFETY: as above; the shim reads `state.len()` bytes.
         check(
@@ -248,6 +255,10 @@ mod imp {
     }
     #[cfg(feature = "tch")]
     pub(in crate::memory) fn cpu_capability() -> Result<String, AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    #[cfg(feature = "tch")]
+    pub(in crate::memory) fn clear_grad(_tensor: &tch::Tensor) -> Result<(), AllocatorError> {
         Err(AllocatorError::NotBuilt)
     }
 }

@@ -232,7 +232,7 @@ impl Range {
             Operation::Chunked => "chunked",
         };
         let bar = Bar::start(self.progress, self.start, self.end, label);
-        RangeAttempts { sizer, position: self.start, end: self.end, auto, bar }
+        RangeAttempts { sizer, first: self.start, position: self.start, end: self.end, auto, bar }
     }
 
     /// Calls `body(start, end)` on consecutive sub-ranges covering `[start, end)` once each, in
@@ -286,6 +286,8 @@ impl Range {
 #[derive(Debug)]
 pub struct RangeAttempts {
     pub(super) sizer: Sizer,
+    /// Where the range starts: [`RangeAttempts::restart`] goes back to it.
+    first: usize,
     position: usize,
     end: usize,
     auto: Option<Box<Auto>>,
@@ -389,6 +391,14 @@ impl RangeAttempts {
         if self.position == self.end {
             self.stop();
         }
+    }
+
+    /// Goes back to the range's start, keeping the (smaller) step: for a body whose chunks
+    /// build one result in place, which a failed chunk spoiled (toma::lazy's gradients).
+    #[cfg(feature = "tch")]
+    pub(crate) fn restart(&mut self) {
+        tracing::debug!(from = self.position, to = self.first, step = self.sizer.size, "toma: range restarts");
+        self.position = self.first;
     }
 
     /// The chunk at `start` ran out of memory and will be retried at the (smaller) step.

@@ -362,6 +362,13 @@ int toma_shim_set_generator_state(int64_t device, const uint8_t* buf, int64_t si
   });
 }
 
+int toma_shim_clear_grad(void* tensor) {
+  return guarded([&]() -> int {
+    static_cast<at::Tensor*>(tensor)->mutable_grad().reset();
+    return TOMA_SHIM_OK;
+  });
+}
+
 int toma_shim_cpu_capability(char* buf, int64_t cap, int64_t* size) {
   return guarded([&]() -> int {
     const std::string capability = at::get_cpu_capability();

@@ -89,6 +89,10 @@ int toma_shim_generator_state(int64_t device, uint8_t* buf, int64_t cap, int64_t
 // Sets the state of that generator from `size` bytes that toma_shim_generator_state gave.
 int toma_shim_set_generator_state(int64_t device, const uint8_t* buf, int64_t size);
 
+// Sets the `.grad` of `tensor` (an `at::Tensor*`, as tch holds it) to none, as PyTorch's
+// `p.grad = None` and tch's `opt.zero_grad()` do: its memory goes back to the allocator.
+int toma_shim_clear_grad(void* tensor);
+
 // ATen's CPU capability (`at::get_cpu_capability()`: "AVX512", "AVX2", "DEFAULT", ..., which
 // honours ATEN_CPU_CAPABILITY): its length in `*size`, its bytes in `buf` when they fit `cap`.
 int toma_shim_cpu_capability(char* buf, int64_t cap, int64_t* size);

@@ -178,10 +178,19 @@ fn the_plan_prints_as_a_table_naming_the_peak() {
     assert!(text.contains(&format!("batch 9 -> micro-batch {b} x {} chunk(s)", 9usize.div_ceil(b))), "{text}");
     assert!(text.contains(&format!("at #{node} {name}")), "{text}");
     assert!(text.contains("<- peak"));
-    for op in ["conv2d", "max_pool2d", "layer_norm", "linear", "cross_entropy_for_logits", "grad += micro-batch"] {
+    for op in ["conv2d", "max_pool2d", "layer_norm", "linear", "cross_entropy_for_logits"] {
         assert!(text.contains(op), "{op} missing:\n{text}");
     }
     assert!(text.contains(&format!("[{b}, 4, 8, 8]")), "shapes at the micro-batch size");
+    // No `.grad` yet: autograd adds into it in place, no step of its own.
+    assert!(plan.accumulates_in_place() && text.contains("gradients: added into .grad in place"), "{text}");
+    assert!(!text.contains("grad += micro-batch"), "{text}");
+    // Gradients from an earlier step: each micro-batch's are added once its backward is done.
+    loss.backward_with(&Options::new()).unwrap();
+    let later = loss.plan(Mode::Backward, &Options::new().micro_batch(b)).unwrap();
+    let text = later.to_string();
+    assert!(!later.accumulates_in_place() && text.contains("grad += micro-batch"), "{text}");
+    assert!(text.contains("gradients: each micro-batch's kept apart"), "{text}");
 }
 
 #[test]

@@ -155,10 +155,13 @@ impl Compiled {
         Some((held, 2 * bytes.at(n, self.block)))
     }
 
-    /// Whether one micro-batch of the whole batch can let autograd accumulate straight into
-    /// `.grad`, with no second copy of the gradients: every parameter is a leaf without a
-    /// gradient yet (the first step, or after `opt.zero_grad()`), and no input requires a
-    /// gradient of its own. The executor does exactly this then, and the plan counts it so.
+    /// Whether every micro-batch can let autograd accumulate straight into `.grad`, with no
+    /// second copy of the gradients: every parameter is a leaf without a gradient yet (the first
+    /// step, or after `opt.zero_grad()`), and no input requires a gradient of its own. Nothing is
+    /// lost when a micro-batch fails: the step starts again from none. The executor does
+    /// exactly this then, and the plan counts it so. Otherwise each micro-batch's gradients
+    /// are computed apart and added once its backward is complete, so that a failed one leaves
+    /// the earlier gradients in `.grad` as they were.
     pub(crate) fn accumulates_in_place(&self) -> bool {
         *self.in_place.get_or_init(|| {
             self.nodes.iter().enumerate().all(|(i, node)| match node.op.source() {

@@ -50,6 +50,10 @@ pub struct Plan {
     /// The schedule, evaluated into steps when they are asked for.
     schedule: Schedule,
     new_grads: u64,
+    /// Whether micro-batches add into `.grad` in place ([`Plan::accumulates_in_place`]), and
+    /// the bytes of `.grad` a later micro-batch runs with then.
+    in_place: bool,
+    grad_bytes: u64,
     steps: OnceCell<Vec<Step>>,
     last_use: Vec<u32>,
     /// Bytes earlier runs of this graph measured above their plans, held in reserve at the
@@ -87,6 +91,16 @@ impl Plan {
     /// Whether the batch is split.
     pub fn splits(&self) -> bool {
         self.micro_batch < self.batch_size
+    }
+    /// Whether autograd adds each micro-batch's gradients straight into `.grad`, holding one
+    /// copy of them, as plain tch does: where every parameter's `.grad` is none when the step
+    /// begins (tch's `opt.zero_grad()`) and no input requires a gradient. A micro-batch that
+    /// runs out of memory then starts the step again from none, at a smaller size. Otherwise
+    /// each micro-batch's gradients are kept apart until its backward completes, then added,
+    /// so that a failed one leaves the earlier gradients in `.grad` as they were: a second copy
+    /// of them, counted in the peak.
+    pub fn accumulates_in_place(&self) -> bool {
+        self.in_place
     }
     /// The memory budget in bytes.
     pub fn budget(&self) -> u64 {
@@ -200,7 +214,8 @@ impl Plan {
         self.steps.get_or_init(|| {
             let mut steps = Vec::with_capacity(self.schedule.steps.len() + 1);
             let raw = self.schedule.eval(self.micro_batch as u64, Some(&mut steps));
-            if let Some((live, _, _)) = raw.accumulate {
+            // In place, autograd adds each gradient as it comes: no step of its own.
+            if let Some((live, _, _)) = raw.accumulate.filter(|_| !self.in_place) {
                 // Counted for all parameters that get a gradient unless that could change the
                 // peak: then for those without a `.grad()` only.
                 let during = live + self.new_grads;
@@ -365,6 +380,8 @@ pub(crate) fn detail(c: Compiled, decision: Decision) -> Plan {
         ops: OnceCell::new(),
         schedule: decision.schedule,
         new_grads,
+        in_place: decision.mode == Mode::Backward && c.accumulates_in_place(),
+        grad_bytes: c.param_grad_bytes,
         steps: OnceCell::new(),
         recomputed: decision.segments.as_ref().map_or_else(Vec::new, |s| s.recomputed(&c).collect()),
         segments: decision.segments.as_ref().map_or_else(Vec::new, |s| s.starts.iter().map(|&p| p as usize).collect()),
@@ -481,12 +498,26 @@ impl fmt::Display for Plan {
                 crate::svg::bytes(self.correction_bytes_per_sample() as f64)
             )?;
         }
-        if self.mode == Mode::Backward && self.splits() && self.new_grads > 0 {
+        if self.mode == Mode::Backward && self.splits() && self.in_place {
             writeln!(
                 f,
-                "the first micro-batch creates {} of .grad that does not exist yet (opt.zero_grad() sets it to none); \
-                 every later micro-batch runs with it, each step below that much higher: in the peak",
+                "gradients: added into .grad in place, one copy (it is none: opt.zero_grad()); every micro-batch after \
+                 the first runs with all {} of it, the table's steps being the first's: in the peak",
+                crate::svg::bytes(self.grad_bytes as f64)
+            )?;
+        } else if self.mode == Mode::Backward && self.splits() && self.new_grads > 0 {
+            writeln!(
+                f,
+                "gradients: each micro-batch's kept apart until its backward completes, then added (.grad holds \
+                 earlier gradients, which a failed micro-batch must leave as they were); the first creates {} of .grad \
+                 that does not exist yet, every later one runs with it: in the peak",
                 crate::svg::bytes(self.new_grads as f64)
+            )?;
+        } else if self.mode == Mode::Backward && self.splits() {
+            writeln!(
+                f,
+                "gradients: each micro-batch's kept apart until its backward completes, then added into .grad (it \
+                 holds earlier gradients, which a failed micro-batch must leave as they were): in the peak"
             )?;
         }
         writeln!(

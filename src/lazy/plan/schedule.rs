@@ -61,6 +61,11 @@ const RUN: u32 = 3 << 29;
 const END: u32 = 4 << 29;
 /// A CUDA reduction's staging buffer lives while the step runs (an index into `staged`).
 const STAGE: u32 = 5 << 29;
+/// Table entry `k` just became a parameter's gradient. A later micro-batch that accumulates in
+/// place adds it into `.grad` as its step ends and frees it (see [`Outcome::later`]).
+const GRAD: u32 = 6 << 29;
+/// Nothing: a [`GRAD`] event moved to a later contribution of the same gradient.
+const NOP: u32 = 7 << 29;
 const KIND: u32 = 7 << 29;
 
 /// A node whose op names no kernel call: nothing to price.
@@ -83,6 +88,8 @@ pub(crate) struct Schedule {
     training: bool,
     /// The block its device's allocator counts in.
     block: u64,
+    /// Table entries of the leaves' gradients: what `.grad` holds after a backward.
+    grads: Vec<u32>,
 }
 
 /// Builds a schedule's events, node by node: the forward of an op (with or without autograd)
@@ -108,6 +115,10 @@ struct Builder<'c> {
     held_view: Vec<bool>,
     /// The contributions of the step summed out of place (their nodes).
     out_of_place: Vec<u32>,
+    /// Table entries of the leaves' gradients ([`GRAD`] events).
+    grads: Vec<u32>,
+    /// Where each leaf's [`GRAD`] event is, by node.
+    grad_event: Vec<Option<usize>>,
 }
 
 /// What each node's kernel calls take on the graph's device, priced once for every schedule of
@@ -176,12 +187,14 @@ impl<'c> Builder<'c> {
             grad_of: vec![None; if training { n } else { 0 }],
             held_view: vec![false; if training { n } else { 0 }],
             out_of_place: Vec::new(),
+            grads: Vec::new(),
+            grad_event: vec![None; if training { n } else { 0 }],
         }
     }
 
     fn finish(self, training: bool) -> Schedule {
-        let Builder { table, staged, events, steps, c, .. } = self;
-        Schedule { table, staged, events, steps, training, block: c.block }
+        let Builder { table, staged, events, steps, c, grads, .. } = self;
+        Schedule { table, staged, events, steps, training, block: c.block, grads }
     }
 
     fn add_entry(&mut self, bytes: Work) -> Option<u32> {
@@ -307,6 +320,13 @@ impl<'c> Builder<'c> {
             if self.grad_of[target].is_some() {
                 // A second contribution: computed, then added into the first.
                 self.events.push(TRANSIENT | j as u32);
+                // A leaf's contributions are summed before autograd adds them into `.grad`:
+                // the sum is added with the last of them.
+                if let Some(at) = self.grad_event[target] {
+                    let event = std::mem::replace(&mut self.events[at], NOP);
+                    self.grad_event[target] = Some(self.events.len());
+                    self.events.push(event);
+                }
                 if std::mem::take(&mut self.held_view[target]) {
                     self.out_of_place.push(j as u32);
                 }
@@ -322,6 +342,12 @@ impl<'c> Builder<'c> {
                 self.grad_of[target] = Some((n + target) as u32);
                 self.pins[n + target] = 1;
                 self.events.push(ADD | j as u32);
+            }
+            if c.flags[target] & F_LEAF != 0 {
+                let k = self.grad_of[target].expect("set above") - n as u32;
+                self.grad_event[target] = Some(self.events.len());
+                self.events.push(GRAD | k);
+                self.grads.push(k);
             }
         }
         let price = self.prices.get(i);
@@ -435,8 +461,13 @@ impl Schedule {
         let table = &self.table;
         let (mut live, mut per) = (0u64, 0u64);
         let (mut transient, mut transient_per, mut allocated, mut during) = (0u64, 0u64, 0u64, 0u64);
-        let mut best = Outcome { peak: 0, peak_step: 0, peak_per_sample: 0, accumulate: None };
+        let mut best = Outcome { peak: 0, peak_step: 0, peak_per_sample: 0, accumulate: None, later: None };
         let mut step = 0usize;
+        // A later micro-batch accumulating in place: `.grad` is whole from its start, and each
+        // leaf gradient is added into it and freed once its step ends (`done` of them so far).
+        let grads: u64 = self.grads.iter().map(|&k| table[k as usize].at(b, self.block)).sum();
+        let (mut done, mut arrived) = (0u64, 0u64);
+        let mut later = (0u64, 0usize, 0u64);
         for &event in &self.events {
             let bytes = table.get((event & !KIND) as usize).copied().unwrap_or_default();
             match event & KIND {
@@ -460,6 +491,8 @@ impl Schedule {
                     transient += at;
                     transient_per += at / b.max(1);
                 }
+                GRAD => arrived += bytes.at(b, self.block),
+                NOP => {}
                 RUN => {
                     // A step may run twice (a gradient's copy, then the op): its larger.
                     during = during.max(live + transient);
@@ -468,10 +501,15 @@ impl Schedule {
                         best.peak_step = step;
                         best.peak_per_sample = per + transient_per;
                     }
+                    let in_place = live.saturating_sub(done) + grads + transient;
+                    if in_place > later.0 {
+                        later = (in_place, step, per + transient_per);
+                    }
                     transient = 0;
                     transient_per = 0;
                 }
                 _ => {
+                    done += std::mem::take(&mut arrived);
                     if let Some(steps) = record.as_deref_mut() {
                         let (node, phase) = self.steps[step];
                         steps.push(Step { node: node as usize, phase, bytes: allocated, during, live });
@@ -486,6 +524,7 @@ impl Schedule {
             // Parameters without a `.grad()` get one (bytes the caller decides), then the
             // micro-batch's gradients are added in place.
             best.accumulate = Some((live, per, step));
+            best.later = Some(later);
         }
         best
     }
@@ -501,6 +540,12 @@ pub(crate) struct Outcome {
     pub(crate) peak_per_sample: u64,
     /// Bytes live before the accumulation step, its per-sample part and its step number.
     pub(crate) accumulate: Option<(u64, u64, usize)>,
+    /// A backward's peak, step and per-sample bytes in a micro-batch after the first when
+    /// micro-batches accumulate into `.grad` in place: the whole `.grad` live throughout, and
+    /// each gradient autograd computes live only until it is added in (as plain tch's
+    /// accumulation). The first micro-batch is the plain schedule: autograd keeps the
+    /// gradients it computed as `.grad`.
+    pub(crate) later: Option<(u64, usize, u64)>,
 }
 
 impl Outcome {
@@ -518,12 +563,23 @@ impl Outcome {
         }
     }
 
+    /// Micro-batches of a split accumulating into `.grad` in place: the larger of the first
+    /// micro-batch and a later one.
+    fn in_place(self, whole: bool) -> Outcome {
+        match self.later {
+            Some((peak, step, per)) if !whole && peak > self.peak => {
+                Outcome { peak, peak_step: step, peak_per_sample: per, ..self }
+            }
+            _ => self,
+        }
+    }
+
     /// The exact outcome at micro-batch `b`, asking which gradients exist only when the answer
-    /// changes the peak. At the whole batch, see [`Compiled::accumulates_in_place`].
+    /// changes the peak. See [`Compiled::accumulates_in_place`].
     pub(crate) fn resolve(self, c: &Compiled, b: u64) -> (Outcome, u64) {
         let whole = b >= c.batch.max(1) as u64;
-        let (outcome, new_grads) = if whole && c.accumulates_in_place() {
-            (self.with(0, whole), 0)
+        let (outcome, new_grads) = if c.accumulates_in_place() {
+            (self.in_place(whole), 0)
         } else {
             let (low, high) = (self.with(0, whole), self.with(c.param_grad_bytes, whole));
             if low.peak == high.peak {
@@ -540,8 +596,8 @@ impl Outcome {
     /// when needed.
     pub(crate) fn fits(self, c: &Compiled, budget: u64, b: u64) -> (bool, Outcome) {
         let whole = b >= c.batch.max(1) as u64;
-        let outcome = if whole && c.accumulates_in_place() {
-            self.with(0, whole)
+        let outcome = if c.accumulates_in_place() {
+            self.in_place(whole)
         } else {
             let high = self.with(c.param_grad_bytes, whole).holding_outputs(c, b);
             if high.peak <= budget {
