@@ -395,7 +395,7 @@ impl RangeAttempts {
 
     /// Goes back to the range's start, keeping the (smaller) step: for a body whose chunks
     /// build one result in place, which a failed chunk spoiled (toma::lazy's gradients).
-    #[cfg(feature = "tch")]
+    #[cfg_attr(not(feature = "tch"), allow(dead_code))]
     pub(crate) fn restart(&mut self) {
         tracing::debug!(from = self.position, to = self.first, step = self.sizer.size, "toma: range restarts");
         self.position = self.first;
