@@ -3399,3 +3399,138 @@ fn a_split_step_holds_one_copy_of_the_gradients() {
     assert!(chosen >= 6, "only {chosen} splits chosen");
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "split steps");
 }
+
+/// The zoo's whole steps on the CPU, as users train: `opt.backward_step_with(&loss, &options)`
+/// through toma's optimizer (its `zero_grad()` first, so `.grad` is none and micro-batches add
+/// into it in place), the graph recorded anew each step, under a budget about 60% of the whole
+/// step's: ResNet-18 in training (batch norm mixes samples: recomputed) and in eval (split),
+/// MobileNet-V2 in eval, two GPT-2 decoder blocks with dropout, and a 2-layer LSTM; SGD with
+/// momentum and Adam; the first step (which creates the optimizer's state) and a later one.
+/// Every step within 10% of its plan and never above the budget.
+#[test]
+fn zoo_whole_steps_peak_as_planned_under_a_budget() {
+    use toma::lazy::nn::{OptimizerConfig, RNN};
+    use toma::lazy::{models, vision};
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    tch::manual_seed(43);
+    type Loss = Box<dyn Fn() -> LazyTensor>;
+    type Build = Box<dyn Fn(&nn::VarStore) -> Loss>;
+    let cases: Vec<(&str, Build)> = vec![
+        (
+            "resnet18 train 48px b32",
+            Box::new(|vs| {
+                let net = vision::resnet18(&vs.root(), 10);
+                let x = Tensor::randn([32, 3, 48, 48], (Kind::Float, CPU));
+                let y = Tensor::randint(10, [32], (Kind::Int64, CPU));
+                Box::new(move || {
+                    let (lx, ly) = toma::lazy::lazy((&x, &y), 0);
+                    net.forward_t(&lx, true).cross_entropy_for_logits(&ly)
+                })
+            }),
+        ),
+        (
+            "resnet18 eval 48px b32",
+            Box::new(|vs| {
+                let net = vision::resnet18(&vs.root(), 10);
+                let x = Tensor::randn([32, 3, 48, 48], (Kind::Float, CPU));
+                let y = Tensor::randint(10, [32], (Kind::Int64, CPU));
+                Box::new(move || {
+                    let (lx, ly) = toma::lazy::lazy((&x, &y), 0);
+                    net.forward_t(&lx, false).cross_entropy_for_logits(&ly)
+                })
+            }),
+        ),
+        (
+            "mobilenet-v2 eval 32px b32",
+            Box::new(|vs| {
+                let net = vision::mobilenet_v2(&vs.root(), 10);
+                let x = Tensor::randn([32, 3, 32, 32], (Kind::Float, CPU));
+                let y = Tensor::randint(10, [32], (Kind::Int64, CPU));
+                Box::new(move || {
+                    let (lx, ly) = toma::lazy::lazy((&x, &y), 0);
+                    net.forward_t(&lx, false).cross_entropy_for_logits(&ly)
+                })
+            }),
+        ),
+        (
+            "gpt-2 2 blocks 128 wide, 64 positions, dropout, b32",
+            Box::new(|vs| {
+                let r = vs.root();
+                let config = models::BlockConfig::gpt2(128, 4);
+                let blocks: Vec<models::DecoderBlock> =
+                    (0..2).map(|i| models::DecoderBlock::new(&r / "h" / i, config)).collect();
+                let head = nn::linear(&r / "head", 128, 10, Default::default());
+                let x = Tensor::randn([32, 64, 128], (Kind::Float, CPU));
+                let y = Tensor::randint(10, [32], (Kind::Int64, CPU));
+                Box::new(move || {
+                    let (lx, ly) = toma::lazy::lazy((&x, &y), 0);
+                    let h = blocks.iter().fold(lx, |h, b| b.forward_t(&h, true));
+                    h.mean_dim(1, false, None).apply(&head).cross_entropy_for_logits(&ly)
+                })
+            }),
+        ),
+        (
+            "lstm 2 layers 128 units, 24 steps, b32",
+            Box::new(|vs| {
+                let r = vs.root();
+                let config = nn::RNNConfig { num_layers: 2, batch_first: true, ..Default::default() };
+                let lstm = toma::lazy::nn::lstm(&r / "lstm", 32, 128, config);
+                let head = nn::linear(&r / "head", 128, 32, Default::default());
+                let x = Tensor::randn([32, 24, 32], (Kind::Float, CPU));
+                let y = Tensor::randint(32, [32, 24], (Kind::Int64, CPU));
+                Box::new(move || {
+                    let (lx, ly) = toma::lazy::lazy((&x, &y), 0);
+                    let (out, _) = lstm.seq(&lx);
+                    out.apply(&head).view([-1, 32]).cross_entropy_for_logits(&ly.view([-1]))
+                })
+            }),
+        ),
+    ];
+    let mut rows = Rows::default();
+    let (mut split, mut recomputed) = (0, 0);
+    for (name, build) in &cases {
+        // Warm-up: lazily created kernels' state, not measured.
+        let warm = nn::VarStore::new(CPU);
+        let warm_loss = build(&warm);
+        warm_loss().backward_with(&Options::new()).expect("a warm-up step");
+        for (optimizer, sgd) in [("SGD momentum", true), ("Adam", false)] {
+            let vs = nn::VarStore::new(CPU);
+            let loss = build(&vs);
+            let mut opt = if sgd {
+                nn::Sgd { momentum: 0.9, ..Default::default() }.build(&vs, 1e-3).unwrap()
+            } else {
+                nn::Adam::default().build(&vs, 1e-3).unwrap()
+            };
+            let whole = opt.plan_step(&loss(), &Options::new().budget(u64::MAX / 4)).expect("a plan");
+            // 60% of the whole step's peak, or 5% above the lowest any plan reaches (the
+            // optimizer's step, or the least recomputing can do) where that is more.
+            let lowest = match opt.plan_step(&loss(), &Options::new().budget(1)) {
+                Err(toma::lazy::LazyError::DoesNotFit { peak, .. }) => peak,
+                other => panic!("{name}: nothing fits one byte: {other:?}"),
+            };
+            let budget = (whole.peak_bytes() * 3 / 5).max(lowest * 21 / 20);
+            let options = Options::new().budget(budget);
+            for step in 0..2 {
+                let l = loss();
+                let plan = opt.plan_step(&l, &options).unwrap_or_else(|e| panic!("{name} {optimizer}: {e}"));
+                let before = memory::cpu_allocator_stats().unwrap().allocated;
+                assert!(memory::reset_cpu_peak());
+                let value = opt.f_backward_step_with(&l, &options).expect("a step");
+                let measured = memory::cpu_allocator_stats().unwrap().peak_allocated - before;
+                assert!(value.is_finite(), "{name} {optimizer} step {step}: loss {value}");
+                split += usize::from(plan.splits());
+                recomputed += usize::from(plan.recomputes());
+                let how = match (plan.splits(), plan.recomputes()) {
+                    (_, true) => format!("recomputing {} segments", plan.segments().len()),
+                    (true, false) => format!("{} x {}", plan.chunks(), plan.micro_batch()),
+                    _ => "whole".to_string(),
+                };
+                rows.push(format!("{name} {optimizer} step {step} ({how})"), plan.peak_bytes(), measured);
+                assert!(measured <= budget, "{name} {optimizer} step {step}: {measured} B above the budget {budget} B");
+            }
+        }
+    }
+    assert!(split >= 2 && recomputed >= 2, "{split} split and {recomputed} recomputed steps");
+    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "zoo steps");
+}
