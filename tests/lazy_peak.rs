@@ -851,10 +851,11 @@ fn a_budget_gets_the_largest_micro_batch_that_fits() {
 /// plan (`Optimizer::plan_step`): the backward and the optimizer's step after it, whose state a
 /// first step creates and whose temporaries every step makes. A parameter-heavy MLP in f64
 /// (where the optimizer's step is the peak) whole and in micro-batches of 16, and a generated
-/// CNN in f32, for SGD with momentum (and Nesterov with weight decay), Adam (with weight decay),
-/// AdamW (and AMSGrad) and RMSprop (centered, with momentum): three steps each, the first
-/// included, every one within 10%. Before the optimizer's step was planned, the first Adam step
-/// of such an MLP peaked at about twice its plan.
+/// CNN in f32 and recomputing in f64 under a budget, for SGD with momentum (and Nesterov with
+/// weight decay), Adam (with weight decay), AdamW (and AMSGrad) and RMSprop (centered, with
+/// momentum): three steps each, the first included, every one within 10% (and under the
+/// budget). Before the optimizer's step was planned, the first Adam step of such an MLP peaked
+/// at about twice its plan.
 #[test]
 fn whole_steps_peak_as_planned() {
     use toma::lazy::nn::OptimizerConfig;
@@ -882,7 +883,7 @@ fn whole_steps_peak_as_planned() {
         ),
     ];
     for (name, build) in &configs {
-        for model in ["mlp f64", "mlp f64 x4", "cnn f32"] {
+        for model in ["mlp f64", "mlp f64 x4", "cnn f32", "cnn f64 recomputed"] {
             let mut vs = nn::VarStore::new(CPU);
             let loss: Box<dyn Fn() -> LazyTensor> = if model.starts_with("mlp") {
                 let r = vs.root();
@@ -900,12 +901,30 @@ fn whole_steps_peak_as_planned() {
                     h.apply(&layers[3]).log_softmax(-1, None).nll_loss(&ly)
                 })
             } else {
-                let loss = arch.loss(&mut vs, arch.batch);
+                let kind = if model.contains("f64") { Kind::Double } else { Kind::Float };
+                let loss = arch.loss_as(&mut vs, arch.batch, kind, false);
                 Box::new(move || loss.shallow_clone())
             };
             let micro = if model.ends_with("x4") { 16 } else { 64 };
-            let options = Options::new().micro_batch(micro).allow_batch_mixing(true);
             let mut opt = build(&vs);
+            let mut budget = None;
+            let options = if model.ends_with("recomputed") {
+                // Recomputing under a budget between the least it reaches and the whole step.
+                let whole = opt.plan_step(&loss(), &Options::new().budget(u64::MAX / 4)).unwrap();
+                let options = Options::new().recompute(toma::lazy::Recompute::Always);
+                let lowest = match opt.plan_step(&loss(), &options.clone().budget(1)) {
+                    Err(toma::lazy::LazyError::DoesNotFit { peak, .. }) => peak,
+                    other => panic!("{name} {model}: nothing fits one byte: {other:?}"),
+                };
+                let b = (lowest * 21 / 20).max(whole.peak_bytes() * 3 / 4);
+                budget = Some(b);
+                let options = options.budget(b);
+                let plan = opt.plan_step(&loss(), &options).unwrap();
+                assert!(plan.recomputes(), "{name} {model}: {plan}");
+                options
+            } else {
+                Options::new().micro_batch(micro).allow_batch_mixing(true)
+            };
             for step in 0..3 {
                 let l = loss();
                 let plan = opt.plan_step(&l, &options).expect("a plan");
@@ -921,6 +940,9 @@ fn whole_steps_peak_as_planned() {
                 assert!(read <= 4, "{name} {model} step {step}: reading the loss allocated {read} times");
                 let at = if plan.optimizer_peak_bytes() > plan.peak_bytes() / 2 { "optimizer" } else { "backward" };
                 rows.push(format!("{name} {model} step {step} ({at})"), plan.peak_bytes(), measured);
+                if let Some(budget) = budget {
+                    assert!(measured <= budget, "{name} {model} step {step}: {measured} B over the budget {budget} B");
+                }
             }
         }
     }
