@@ -23,6 +23,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
 LAYERS = [
     ["hash", "error", "policy", "svg", "progress"],
     ["memory"],
+    ["autocast"],
     ["oom"],
     ["cache"],
     ["dist"],

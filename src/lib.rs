@@ -68,6 +68,9 @@
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+#[cfg(feature = "tch")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
+pub mod autocast;
 pub mod cache;
 #[cfg(feature = "dist")]
 #[cfg_attr(docsrs, doc(cfg(feature = "dist")))]
@@ -87,6 +90,9 @@ mod progress;
 mod retry;
 mod svg;
 
+#[cfg(feature = "tch")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
+pub use autocast::autocast;
 pub use cache::{default_cache, set_default_cache, CacheKind};
 pub use error::ConfigError;
 pub use oom::OutOfMemory;

@@ -622,6 +622,8 @@ fn run_chunk_loop(
 /// the graph is walked directly (a step records a handful of ops; compiling a plan would cost
 /// more than running them).
 pub(crate) fn run_eagerly(output: &LazyTensor) -> Result<Tensor, LazyError> {
+    // The graph carries its casts: libtorch's autocast must not cast again while it runs.
+    let _suspended = crate::autocast::Suspended::new();
     use std::collections::HashMap;
     // Inputs have smaller ids: visiting by id runs every input before its users.
     let mut nodes: Vec<&std::rc::Rc<super::graph::Node>> = vec![&output.node];
@@ -671,6 +673,8 @@ pub(crate) fn run_eagerly(output: &LazyTensor) -> Result<Tensor, LazyError> {
 
 /// Computes the value of `output` (no gradients recorded).
 pub(crate) fn evaluate(output: &LazyTensor, options: &Options) -> Result<Tensor, LazyError> {
+    // The graph carries its casts: libtorch's autocast must not cast again while it runs.
+    let _suspended = crate::autocast::Suspended::new();
     // An input or a constant is its own value: nothing to plan or run (the denominators of a
     // split loss ask for the targets this way).
     if let Some(Source::Input { tensor, .. } | Source::Leaf { tensor, .. }) = output.node.op.source() {
@@ -760,6 +764,8 @@ const REPLANS: usize = 3;
 /// into `.grad` is zeroed, running statistics and the generator are as they were. When no lower
 /// plan exists or runs, the first error is returned.
 pub(crate) fn backward(output: &LazyTensor, options: &Options) -> Result<f64, LazyError> {
+    // The graph carries its casts: libtorch's autocast must not cast again while it runs.
+    let _suspended = crate::autocast::Suspended::new();
     let first = match backward_once(output, options) {
         Err(err) if options.retry && err.is_out_of_memory() => err,
         other => return other,
@@ -1071,6 +1077,8 @@ fn accumulate(
 /// Runs the first micro-batch of `micro_batch` samples and reports, per op, what the executor
 /// produced and held.
 pub(crate) fn trace(output: &LazyTensor, mode: Mode, micro_batch: usize) -> Result<Vec<TracedOp>, LazyError> {
+    // The graph carries its casts: libtorch's autocast must not cast again while it runs.
+    let _suspended = crate::autocast::Suspended::new();
     let c = plan::compile(output)?;
     let n = c.batch;
     let b = (micro_batch.max(1) as i64).min(n.max(1));

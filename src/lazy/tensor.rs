@@ -240,6 +240,8 @@ impl LazyTensor {
     /// [`LazyError::DoesNotFit`] when even one sample exceeds the budget, and
     /// [`LazyError::MixesBatch`] / [`LazyError::NotSplittable`] as evaluation would report them.
     pub fn plan(&self, mode: Mode, options: &Options) -> Result<Plan, LazyError> {
+        // Calibration's kernels measure the graph's own kinds, not libtorch's casts of them.
+        let _suspended = crate::autocast::Suspended::new();
         plan::plan(self, mode, options)
     }
 

@@ -57,6 +57,20 @@ pub(crate) fn clear_grad(tensor: &tch::Tensor) -> Result<(), AllocatorError> {
     shim::clear_grad(tensor)
 }
 
+/// libtorch's autocast state of this thread for a device type (c10's numbering: 0 the CPU, 1
+/// CUDA): enabled, and the lower-precision dtype (c10's `ScalarType` number).
+#[cfg(feature = "tch")]
+pub(crate) fn autocast_state(device_type: i32) -> Result<(bool, i32), AllocatorError> {
+    shim::autocast_state(device_type)
+}
+
+/// Sets libtorch's autocast state for a device type; `nest` counts a region in (> 0) or out
+/// (< 0: the cast cache is cleared when no region is left).
+#[cfg(feature = "tch")]
+pub(crate) fn set_autocast(device_type: i32, enabled: bool, dtype: i32, nest: i32) -> Result<(), AllocatorError> {
+    shim::set_autocast(device_type, enabled, dtype, nest)
+}
+
 /// ATen's CPU capability as libtorch picked it (`"AVX512"`, `"AVX2"`, `"DEFAULT"`, ..; it honours
 /// `ATEN_CPU_CAPABILITY`), through the shim.
 #[cfg(feature = "tch")]

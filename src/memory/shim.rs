@@ -86,6 +86,8 @@ mod imp {
         fn toma_shim_set_generator_state(device: i64, buf: *const u8, size: i64) -> c_int;
         fn toma_shim_cpu_capability(buf: *mut c_char, cap: i64, size: *mut i64) -> c_int;
         fn toma_shim_clear_grad(tensor: *mut std::ffi::c_void) -> c_int;
+        fn toma_shim_autocast_state(device_type: c_int, enabled: *mut c_int, dtype: *mut c_int) -> c_int;
+        fn toma_shim_autocast_set(device_type: c_int, enabled: c_int, dtype: c_int, nest: c_int) -> c_int;
         fn toma_shim_last_error() -> *const c_char;
     }
 
@@ -203,6 +205,23 @@ mod imp {
         check(unsafe { toma_shim_clear_grad(tensor.as_ptr() as *mut std::ffi::c_void) }, 0)
     }
 
+    pub(in crate::memory) fn autocast_state(device_type: i32) -> Result<(bool, i32), AllocatorError> {
+        let (mut enabled, mut dtype) = (0, 0);
+        // SAFETY: as above; the shim writes both integers.
+        check(unsafe { toma_shim_autocast_state(device_type, &mut enabled, &mut dtype) }, 0)?;
+        Ok((enabled != 0, dtype))
+    }
+
+    pub(in crate::memory) fn set_autocast(
+        device_type: i32,
+        enabled: bool,
+        dtype: i32,
+        nest: i32,
+    ) -> Result<(), AllocatorError> {
+        // SAFETY: as above.
+        check(unsafe { toma_shim_autocast_set(device_type, c_int::from(enabled), dtype, nest) }, 0)
+    }
+
     pub(in crate::memory) fn set_generator_state(device: Option<usize>, state: &[u8]) -> Result<(), AllocatorError> {
         // SAFETY: as above; the shim reads `state.len()` bytes.
         check(
@@ -259,6 +278,14 @@ mod imp {
     }
     #[cfg(feature = "tch")]
     pub(in crate::memory) fn clear_grad(_tensor: &tch::Tensor) -> Result<(), AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    #[cfg(feature = "tch")]
+    pub(in crate::memory) fn autocast_state(_device_type: i32) -> Result<(bool, i32), AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    #[cfg(feature = "tch")]
+    pub(in crate::memory) fn set_autocast(_: i32, _: bool, _: i32, _: i32) -> Result<(), AllocatorError> {
         Err(AllocatorError::NotBuilt)
     }
 }

@@ -5,6 +5,7 @@
 #include <ATen/Context.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/Version.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/Tensor.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
@@ -365,6 +366,29 @@ int toma_shim_set_generator_state(int64_t device, const uint8_t* buf, int64_t si
 int toma_shim_clear_grad(void* tensor) {
   return guarded([&]() -> int {
     static_cast<at::Tensor*>(tensor)->mutable_grad().reset();
+    return TOMA_SHIM_OK;
+  });
+}
+
+int toma_shim_autocast_state(int device_type, int* enabled, int* dtype) {
+  return guarded([&]() -> int {
+    const auto type = static_cast<c10::DeviceType>(device_type);
+    *enabled = at::autocast::is_autocast_enabled(type) ? 1 : 0;
+    *dtype = static_cast<int>(at::autocast::get_autocast_dtype(type));
+    return TOMA_SHIM_OK;
+  });
+}
+
+int toma_shim_autocast_set(int device_type, int enabled, int dtype, int nest) {
+  return guarded([&]() -> int {
+    const auto type = static_cast<c10::DeviceType>(device_type);
+    at::autocast::set_autocast_enabled(type, enabled != 0);
+    at::autocast::set_autocast_dtype(type, static_cast<c10::ScalarType>(dtype));
+    if (nest > 0) {
+      at::autocast::increment_nesting();
+    } else if (nest < 0 && at::autocast::decrement_nesting() == 0) {
+      at::autocast::clear_cache();
+    }
     return TOMA_SHIM_OK;
   });
 }

@@ -93,6 +93,14 @@ int toma_shim_set_generator_state(int64_t device, const uint8_t* buf, int64_t si
 // `p.grad = None` and tch's `opt.zero_grad()` do: its memory goes back to the allocator.
 int toma_shim_clear_grad(void* tensor);
 
+// The autocast state of this thread for a device type (`device_type`: c10's DeviceType, 0 the
+// CPU, 1 CUDA): whether it is enabled and its lower-precision dtype (c10's ScalarType).
+int toma_shim_autocast_state(int device_type, int* enabled, int* dtype);
+
+// Sets that state. `nest` > 0 counts one level of nesting in; < 0 counts one out and clears
+// libtorch's cast cache when no level is left, as PyTorch's context manager does; 0 neither.
+int toma_shim_autocast_set(int device_type, int enabled, int dtype, int nest);
+
 // ATen's CPU capability (`at::get_cpu_capability()`: "AVX512", "AVX2", "DEFAULT", ..., which
 // honours ATEN_CPU_CAPABILITY): its length in `*size`, its bytes in `buf` when they fit `cap`.
 int toma_shim_cpu_capability(char* buf, int64_t cap, int64_t* size);

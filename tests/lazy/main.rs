@@ -4,6 +4,7 @@
 mod support;
 
 mod api;
+mod autocast;
 mod grad;
 mod idioms;
 mod machine;

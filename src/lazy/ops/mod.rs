@@ -26,6 +26,7 @@ use super::shape;
 use record::{unary_flow, Linearity};
 
 pub(crate) mod attention;
+pub(crate) mod autocast;
 pub(crate) mod custom;
 pub(crate) mod layout;
 pub(crate) mod loss;
@@ -84,7 +85,7 @@ pub(crate) fn floating(op: &str, n: &Node) -> Result<(), LazyError> {
 }
 
 pub(crate) fn same_kind(op: &str, a: &Node, b: &Node) -> Result<(), LazyError> {
-    if a.meta.kind == b.meta.kind {
+    if a.meta.kind == b.meta.kind || autocast::mixes(a, b) {
         Ok(())
     } else {
         Err(kind_err(

@@ -9,6 +9,8 @@ use crate::lazy::error::LazyError;
 use crate::lazy::graph::{BatchDim, Bytes, Cost, Flow, LazyTensor, Meta, Node, Operation, Param, ParamKey, Source};
 use crate::lazy::shape;
 
+use super::autocast;
+
 /// What an op takes as a tensor operand: a `&LazyTensor`, or a `&tch::Tensor`, recorded as a
 /// fixed operand (a parameter or a constant, without a batch dimension). References only, as
 /// tch's methods take them (`x.matmul(&w)`).
@@ -117,7 +119,23 @@ impl Record {
         self
     }
 
-    pub(crate) fn finish(self) -> LazyTensor {
+    pub(crate) fn finish(mut self) -> LazyTensor {
+        // In an autocast region, the casts libtorch would insert (none for most ops).
+        if let Some(target) = autocast::target(self.device, self.op.name(), self.inputs.iter().map(|n| n.meta.kind)) {
+            for input in &mut self.inputs {
+                if autocast::eligible(input.meta.kind) && input.meta.kind != target {
+                    *input = Cast::record(input, target);
+                }
+            }
+            if autocast::eligible(self.kind) {
+                self.kind = target;
+            }
+        }
+        self.finish_as_is()
+    }
+
+    /// [`finish`](Self::finish) without autocast's casts.
+    fn finish_as_is(self) -> LazyTensor {
         let requires_grad =
             self.differentiable && shape::is_floating(self.kind) && self.inputs.iter().any(|n| n.meta.requires_grad);
         let strides = self.strides.unwrap_or_else(|| shape::contiguous_strides(&self.shape));
@@ -134,6 +152,35 @@ impl Record {
         let op = self.op;
         let cost = cost(&*op, &self.inputs, &meta);
         LazyTensor { node: Node::new(op, self.inputs, meta, cost) }
+    }
+}
+
+/// A cast an autocast region inserts before an op, as libtorch's autocast does (`to_kind`,
+/// named `autocast` in plans).
+struct Cast {
+    kind: Kind,
+}
+
+impl Operation for Cast {
+    fn name(&self) -> &'static str {
+        "autocast"
+    }
+
+    fn run(&self, ins: &[&Tensor], _cx: &crate::lazy::graph::RunCx<'_>) -> Result<Tensor, tch::TchError> {
+        ins[0].f_to_kind(self.kind)
+    }
+}
+
+impl Cast {
+    /// `input` in `kind`, keeping its layout (as `to` does a dense tensor's) and batch flow.
+    fn record(input: &Rc<Node>, kind: Kind) -> Rc<Node> {
+        let m = &input.meta;
+        let flow = unary_flow("autocast", input, &m.shape, Some, Linearity::Structural);
+        // A cast of a value the batch flows through is as any elementwise op's; the flow of
+        // an input is always one a unary op accepts.
+        let flow = flow.unwrap_or((m.flow, m.mixes.clone()));
+        let record = Record::new(Cast { kind }, vec![input.clone()], m.shape.clone(), kind, m.device).flow(flow);
+        Record { strides: Some(m.strides.clone()), ..record }.finish_as_is().node
     }
 }
 

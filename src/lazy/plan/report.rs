@@ -457,6 +457,23 @@ impl fmt::Display for Plan {
             self.why,
             self.estimated_time_ratio()
         )?;
+        let casts: Vec<Kind> = self.facts.iter().filter(|f| f.name == "autocast").map(|f| f.kind).collect();
+        if !casts.is_empty() {
+            let mut counted: Vec<(Kind, usize)> = Vec::new();
+            for kind in casts {
+                match counted.iter_mut().find(|(k, _)| *k == kind) {
+                    Some((_, n)) => *n += 1,
+                    None => counted.push((kind, 1)),
+                }
+            }
+            let said: Vec<String> =
+                counted.iter().map(|(k, n)| format!("{n} cast{} to {k:?}", if *n == 1 { "" } else { "s" })).collect();
+            writeln!(
+                f,
+                "autocast: {}, recorded in the region as libtorch's autocast inserts them; their copies in the peak",
+                said.join(", ")
+            )?;
+        }
         if let Some((name, bytes)) = self.optimizer {
             let verdict = if bytes > self.peak { "the step's peak" } else { "below the backward's peak" };
             writeln!(
