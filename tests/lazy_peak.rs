@@ -3572,7 +3572,8 @@ fn autocast_steps_peak_as_planned() {
     tch::manual_seed(47);
     let mut rows = Rows::default();
     type Loss = Box<dyn Fn() -> LazyTensor>;
-    let models: Vec<(&str, i64, Box<dyn Fn(&nn::VarStore, &Tensor, &Tensor) -> Loss>)> = vec![
+    type Build = Box<dyn Fn(&nn::VarStore, &Tensor, &Tensor) -> Loss>;
+    let models: Vec<(&str, i64, Build)> = vec![
         (
             "mlp",
             32,
