@@ -35,7 +35,7 @@ LAYERS = [
     ["lazy::cost"],
     ["lazy::plan"],
     ["lazy::exec"],
-    ["lazy::tensor", "lazy::nn", "lazy::rnn", "lazy::optim", "lazy::index", "lazy::tensor_ops", "lazy::wrap"],
+    ["lazy::tensor", "lazy::nn", "lazy::rnn", "lazy::optim", "lazy::scaler", "lazy::index", "lazy::tensor_ops", "lazy::wrap"],
     ["lazy::vision", "lazy::models"],
 ]
 

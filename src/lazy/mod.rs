@@ -70,6 +70,7 @@ pub mod optim;
 mod options;
 mod plan;
 mod rnn;
+pub mod scaler;
 mod shape;
 mod tch_compat;
 mod tensor;
@@ -92,6 +93,7 @@ pub use ops::{Fallible, LayoutOps, LossOps, MatrixOps, NormOps, PointwiseOps, Re
 pub use optim::Loss;
 pub use options::{Calibrate, Options, Recompute};
 pub use plan::{remember_corrections, Mode, Phase, Plan, PlanOp, Step};
+pub use scaler::{GradScaler, ScaledStep};
 pub use tensor::{OpCosts, Split};
 pub use tensor_ops::{Arithmetic, Operators, TensorOps};
 pub use wrap::{lazy, try_lazy, BatchDimArg, Lazify};

@@ -44,6 +44,7 @@ pub use tch::nn::*;
 
 pub use super::optim::{Optimizer, OptimizerConfig};
 pub use super::rnn::{gru, lstm, LazyGRUState, LazyLSTMState, GRU, LSTM, RNN};
+pub use super::scaler::{GradScaler, ScaledStep};
 
 use super::error::LazyError;
 use super::tch_compat;

@@ -189,6 +189,17 @@ pub trait Loss {
     #[doc(hidden)]
     fn step(&self, opt: &mut Optimizer, clip: ClipSetting, options: Option<&Options>)
         -> Result<Self::Value, LazyError>;
+
+    /// Gradients set to none, then the backward pass of the loss times `scale` (a
+    /// [`GradScaler`](crate::lazy::nn::GradScaler)'s); no step. A lazy loss's value is the
+    /// unscaled one.
+    #[doc(hidden)]
+    fn backward_scaled(
+        &self,
+        opt: &mut Optimizer,
+        scale: f64,
+        options: Option<&Options>,
+    ) -> Result<Self::Value, LazyError>;
 }
 
 #[doc(hidden)]
@@ -197,6 +208,13 @@ pub struct ClipSetting(Clip);
 
 impl Loss for Tensor {
     type Value = ();
+
+    fn backward_scaled(&self, opt: &mut Optimizer, scale: f64, _: Option<&Options>) -> Result<(), LazyError> {
+        opt.opt.zero_grad();
+        let scaled =
+            self.f_mul_scalar(scale).map_err(|source| LazyError::Torch { node: None, op: "mul".into(), source })?;
+        scaled.f_backward().map_err(|source| LazyError::Torch { node: None, op: "backward".into(), source })
+    }
 
     fn step(&self, opt: &mut Optimizer, clip: ClipSetting, _: Option<&Options>) -> Result<(), LazyError> {
         match clip.0 {
@@ -212,6 +230,16 @@ impl Loss for Tensor {
 
 impl Loss for LazyTensor {
     type Value = f64;
+
+    fn backward_scaled(&self, opt: &mut Optimizer, scale: f64, options: Option<&Options>) -> Result<f64, LazyError> {
+        opt.opt.zero_grad();
+        let options = opt.with_step(options.unwrap_or(&Options::default()));
+        let scaled = self.f_mul_scalar(scale)?;
+        let value = scaled.backward_with(&options)? / scale;
+        // Read afterwards, the loss is the step's (unscaled) value.
+        self.node.stepped.set(Some(value));
+        Ok(value)
+    }
 
     fn step(&self, opt: &mut Optimizer, clip: ClipSetting, options: Option<&Options>) -> Result<f64, LazyError> {
         // As tch's step: gradients set to none first, so the plan counts their creation.
@@ -271,6 +299,17 @@ impl Optimizer {
         /// As [`backward_step`](Self::backward_step), the gradients' total norm clipped to
         /// `max` before the step: tch's `backward_step_clip_norm`.
         backward_step_clip_norm f_backward_step_clip_norm f_backward_step_clip_norm_with (max) Clip::Norm(max);
+    }
+
+    /// The parameters at `build` (their gradients are what a step reads), for the scaler.
+    pub(crate) fn parameters(&self) -> &[Tensor] {
+        &self.params
+    }
+
+    /// tch's step, as after a backward; the optimizer's state exists then.
+    pub(crate) fn step_after_backward(&mut self) {
+        self.opt.step();
+        self.stepped = true;
     }
 
     /// tch's optimizer.

@@ -224,3 +224,92 @@ fn tch_kinds_autocast_does_not_lower_to_are_refused() {
     let err = toma::autocast::AutocastGuard::new(CPU, Kind::Double).unwrap_err();
     assert!(err.to_string().contains("Kind::BFloat16 or Kind::Half"), "{err}");
 }
+
+/// toma's SGD (its steps take lazy losses), learning rate 0.1.
+fn toma_sgd(vs: &nn::VarStore) -> toma::lazy::nn::Optimizer {
+    <nn::Sgd as toma::lazy::nn::OptimizerConfig>::build(nn::Sgd::default(), vs, 0.1).unwrap()
+}
+
+fn mlp_loss(net: &Net, x: &Tensor, y: &Tensor) -> toma::lazy::LazyTensor {
+    let (lx, ly) = lazy((x, y), 0);
+    net.loss(&lx, &ly)
+}
+
+/// A power-of-two scale is exact: in `Float`, three scaled steps (whole, then in micro-batches)
+/// leave the parameters bit-identical to three plain steps.
+#[test]
+fn a_scaled_step_in_float_is_the_plain_step() {
+    use toma::lazy::nn::GradScaler;
+    for micro in [None, Some(4)] {
+        let plain_vs = nn::VarStore::new(CPU);
+        let plain_net = Net::new(&plain_vs, "mlp");
+        let mut scaled_vs = nn::VarStore::new(CPU);
+        let scaled_net = Net::new(&scaled_vs, "mlp");
+        scaled_vs.copy(&plain_vs).unwrap();
+        let (x, y) = plain_net.data(8);
+        let options = micro.map_or_else(Options::new, |m| Options::new().micro_batch(m));
+        let mut plain_opt = toma_sgd(&plain_vs);
+        let mut scaled_opt = toma_sgd(&scaled_vs);
+        let mut scaler = GradScaler::new();
+        for step in 0..3 {
+            let plain = plain_opt.f_backward_step_with(&mlp_loss(&plain_net, &x, &y), &options).unwrap();
+            let scaled = scaler.backward_step_with(&mut scaled_opt, &mlp_loss(&scaled_net, &x, &y), &options).unwrap();
+            assert!(scaled.stepped && scaled.scale == 65536.0, "{micro:?} step {step}: {scaled:?}");
+            assert_eq!(plain, scaled.value, "{micro:?} step {step}: the loss, unscaled");
+            for (a, b) in values(&plain_vs).iter().zip(&values(&scaled_vs)) {
+                assert!(a.equal(b), "{micro:?} step {step}: parameters differ");
+            }
+        }
+    }
+}
+
+/// An infinity in one sample of the second micro-batch makes that micro-batch's gradients
+/// infinite: the whole step is skipped (no parameter moves), the scale halves; the next clean
+/// step steps, and two finite steps in a row double the scale (`growth(2.0, 2)`).
+#[test]
+fn an_overflow_in_one_micro_batch_skips_the_whole_step() {
+    use toma::lazy::nn::GradScaler;
+    let vs = nn::VarStore::new(CPU);
+    let net = Net::new(&vs, "mlp");
+    let (x, y) = net.data(8);
+    let bad = x.copy();
+    let _ = bad.get(6).get(3).fill_(f64::INFINITY);
+    let mut opt = toma_sgd(&vs);
+    let mut scaler = GradScaler::new().with_scale(1024.0).unwrap().growth(2.0, 2).unwrap();
+    let options = Options::new().micro_batch(4);
+    let before = values(&vs);
+    let step = scaler.backward_step_with(&mut opt, &mlp_loss(&net, &bad, &y), &options).unwrap();
+    assert!(!step.stepped && step.scale == 1024.0 && scaler.scale() == 512.0, "{step:?}");
+    for (a, b) in before.iter().zip(&values(&vs)) {
+        assert!(a.equal(b), "a skipped step moves nothing");
+    }
+    for expected in [512.0, 1024.0] {
+        let step = scaler.backward_step_with(&mut opt, &mlp_loss(&net, &x, &y), &options).unwrap();
+        assert!(step.stepped && step.value.is_finite(), "{step:?}");
+        assert_eq!(scaler.scale(), expected);
+    }
+    assert!(!before[0].equal(&values(&vs)[0]), "clean steps step");
+    assert!(GradScaler::new().with_scale(0.0).is_err() && GradScaler::new().growth(1.0, 3).is_err());
+}
+
+/// `Half` on the CPU: a region in `Half` with the scaler, three steps of the MLP, split in two:
+/// the products run in `Half`, the loss is finite and the steps step.
+#[test]
+fn half_autocast_with_the_scaler_trains_on_the_cpu() {
+    use toma::lazy::nn::GradScaler;
+    let vs = nn::VarStore::new(CPU);
+    let net = Net::new(&vs, "mlp");
+    let (x, y) = net.data(8);
+    let mut opt = toma_sgd(&vs);
+    let mut scaler = GradScaler::new();
+    let mut losses = Vec::new();
+    for _ in 0..3 {
+        let loss = toma::autocast(CPU, Kind::Half, || mlp_loss(&net, &x, &y));
+        let plan = loss.plan(Mode::Backward, &Options::new()).unwrap();
+        assert!(plan.ops().iter().any(|o| o.name == "linear" && o.kind == Kind::Half), "{plan}");
+        let step = scaler.backward_step_with(&mut opt, &loss, &Options::new().micro_batch(4)).unwrap();
+        assert!(step.stepped, "{step:?}");
+        losses.push(step.value);
+    }
+    assert!(losses.iter().all(|l| l.is_finite()) && losses[2] < losses[0], "{losses:?}");
+}
