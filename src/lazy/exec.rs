@@ -960,6 +960,9 @@ fn backward_once(output: &LazyTensor, options: &Options) -> Result<f64, LazyErro
         group.all_reduce_sum(&defined)?;
         total = group.all_reduce_f64("toma.lazy/loss", crate::dist::Reduce::Sum, &[total])?[0];
     }
+    // The micro-batches' sum, in the loss's kind: what reading the loss gives, and what one
+    // whole-batch step computes.
+    let total = in_kind(total, output.node.meta.kind).map_err(&err)?;
     output.node.stepped.set(Some(total));
     Ok(total)
 }
@@ -972,6 +975,15 @@ fn clear_grads(params: &[Tensor]) {
         if grad.defined() && crate::memory::clear_grad(param).is_err() {
             let _ = grad.f_zero_();
         }
+    }
+}
+
+/// `value` rounded to `kind`, as a scalar tensor of that kind holds it.
+fn in_kind(value: f64, kind: Kind) -> Result<f64, TchError> {
+    match kind {
+        Kind::Double => Ok(value),
+        Kind::Float => Ok(value as f32 as f64),
+        _ => Tensor::f_from_slice(&[value])?.f_to_kind(kind)?.f_double_value(&[]),
     }
 }
 

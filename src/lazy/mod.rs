@@ -53,9 +53,44 @@
 //! # Plan, then verify
 //!
 //! Micro-batches run under the retry engine ([`Range`](crate::Range)): one that still runs out
-//! of memory is halved and redone (its gradients are added only after its backward completed,
-//! so nothing counts twice), and the size that worked is remembered in toma's cache, per graph
-//! shape. A `tracing` info event reports each plan (peak, budget, micro-batch, chunks).
+//! of memory is halved, and the size that worked is remembered in toma's cache, per graph
+//! shape. Nothing counts twice: where `.grad` was none when the step began (`zero_grad()`),
+//! micro-batches add into it in place (one copy of the gradients, as plain tch accumulating)
+//! and a failure sets it back to none and starts the step again at the smaller size; where it
+//! held gradients, each micro-batch's are added only once its backward completed
+//! ([`Plan::accumulates_in_place`]). A `tracing` info event reports each plan (peak, budget,
+//! micro-batch, chunks).
+//!
+//! # Mixed precision
+//!
+//! Record the step inside [`toma::autocast`](crate::autocast()) (the CPU in `BFloat16` or
+//! `Half`, CUDA in either; tch's own `tch::autocast` on CUDA is read too). Each op libtorch's
+//! autocast lists for the device gets the casts it would insert, as `autocast` nodes: products
+//! and convolutions in the lower precision, losses (and on CUDA norms, softmax, `exp`, ..) in
+//! `Float`. The graph then runs at `backward()`, after the region, and computes what eager
+//! autocast computes: an unsplit step is bit-identical to it. The plan counts the 16-bit copies
+//! autograd saves (and prints `autocast: N casts to BFloat16`). In `Half`, scale the loss with
+//! [`GradScaler`]:
+//!
+//! ```
+//! use tch::{Device, Kind, Tensor};
+//! use toma::lazy::{lazy, nn, nn::GradScaler, nn::OptimizerConfig, Mode, Options};
+//!
+//! let vs = nn::VarStore::new(Device::Cpu);
+//! let (l1, l2) = (nn::linear(vs.root() / "l1", 16, 64, Default::default()), nn::linear(vs.root() / "l2", 64, 4, Default::default()));
+//! let mut opt = nn::AdamW::default().build(&vs, 1e-3)?;
+//! let mut scaler = GradScaler::new();
+//! let x = Tensor::randn([64, 16], (Kind::Float, Device::Cpu));
+//! let y = Tensor::randint(4, [64], (Kind::Int64, Device::Cpu));
+//! let loss = toma::autocast(Device::Cpu, Kind::Half, || {
+//!     let (x, y) = lazy((&x, &y), 0);
+//!     x.apply(&l1).relu().apply(&l2).cross_entropy_for_logits(&y)
+//! });
+//! assert!(loss.plan(Mode::Backward, &Options::new())?.to_string().contains("casts to Half"));
+//! let step = scaler.backward_step(&mut opt, &loss)?; // the parameters stay Float
+//! assert!(step.stepped && step.value.is_finite());
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 mod cost;
 mod error;
