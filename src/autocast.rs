@@ -107,16 +107,23 @@ thread_local! {
 /// libtorch's own state where something else enabled it (tch's `tch::autocast` on CUDA).
 pub(crate) fn active(device: Device) -> Option<Kind> {
     let t = DeviceType::of(device)?;
-    if let Some(kind) = REGIONS.with(|r| r.get()[t.slot()]) {
-        return Some(kind);
+    region(t).or_else(|| opened_by_tch(t))
+}
+
+/// toma's open region on `device`, if any: a thread-local read.
+pub(crate) fn region(device: DeviceType) -> Option<Kind> {
+    REGIONS.with(|r| r.get()[device.slot()])
+}
+
+/// A CUDA region that tch's own `tch::autocast` opened (libtorch's state; a call into it).
+pub(crate) fn opened_by_tch(device: DeviceType) -> Option<Kind> {
+    if device != DeviceType::Cuda {
+        return None;
     }
-    // Only CUDA: tch's own autocast sets it, and asking libtorch costs a call per op.
-    if t == DeviceType::Cuda {
-        if let Ok((true, dtype)) = crate::memory::autocast_state(t.c10()) {
-            return kind_of_c10(dtype);
-        }
+    match crate::memory::autocast_state(device.c10()) {
+        Ok((true, dtype)) => kind_of_c10(dtype),
+        _ => None,
     }
-    None
 }
 
 /// An open autocast region; it closes when dropped, restoring what was before. Not `Send`:

@@ -1716,3 +1716,137 @@ fn zoo_gradients_on_the_gpu_match_the_cpu() {
     }
     assert!(failures.is_empty(), "zoo gradients off: {failures:#?}");
 }
+
+// ---------------------------------------------------------------------------------------------
+// 14. Mixed precision on the card: steps recorded in a `toma::autocast` region (CUDA's lists)
+// against eager autocast, their plans against the allocator, and Half with the GradScaler.
+
+/// The MLP, the CNN and the transformer block of test 4, recorded in a CUDA autocast region in
+/// `Half` and in `BFloat16` (parameters in `Float`): the lazy step's loss and gradients against
+/// eager autocast's (the same kernels: equal up to cuBLAS's and cuDNN's own choices), its plan
+/// against the allocator's peak (test 4's tolerances: for convolutions only an overestimate
+/// fails), and three `GradScaler` steps of AdamW in `Half`, whole and in 4 micro-batches, each
+/// stepped with a finite loss.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-run.sh runs it with TOMA_CUDA_TESTS=1"]
+fn autocast_steps_on_the_gpu() {
+    use toma::lazy::nn::{GradScaler, OptimizerConfig};
+    let Some(_gpu) = gpu("autocast_steps_on_the_gpu") else { return };
+    warm_up();
+    tch::manual_seed(14);
+    let mut failures = Vec::new();
+    for kind in [Kind::Half, Kind::BFloat16] {
+        for (model, batch) in [("mlp", 1024i64), ("cnn", 256), ("transformer", 32)] {
+            let vs = nn::VarStore::new(CUDA);
+            let y = Tensor::randint(10, [batch], (Kind::Int64, CUDA));
+            type Run = Box<dyn Fn(bool) -> (Option<Tensor>, Option<LazyTensor>)>;
+            let run: Run = match model {
+                "mlp" => {
+                    let (m, x, y) = (mlp(&vs), Tensor::randn([batch, 1024], (Kind::Float, CUDA)), y.shallow_clone());
+                    Box::new(move |lazily| {
+                        if lazily {
+                            (None, Some(mlp_lazy(&m, &x, &y)))
+                        } else {
+                            (Some(mlp_eager(&m, &x, &y)), None)
+                        }
+                    })
+                }
+                "cnn" => {
+                    let (m, x, y) =
+                        (cnn(&vs), Tensor::randn([batch, 3, 64, 64], (Kind::Float, CUDA)), y.shallow_clone());
+                    Box::new(move |lazily| {
+                        if lazily {
+                            (None, Some(cnn_lazy(&m, &x, &y)))
+                        } else {
+                            (Some(cnn_eager(&m, &x, &y)), None)
+                        }
+                    })
+                }
+                _ => {
+                    let (m, x, y) = (block(&vs), Tensor::randn([batch, T, D], (Kind::Float, CUDA)), y.shallow_clone());
+                    Box::new(move |lazily| {
+                        if lazily {
+                            (None, Some(block_lazy(&m, &x, &y)))
+                        } else {
+                            (Some(block_eager(&m, &x, &y)), None)
+                        }
+                    })
+                }
+            };
+            let clear = |vs: &nn::VarStore| {
+                for v in vs.trainable_variables() {
+                    let _ = v.grad().f_zero_();
+                }
+            };
+            // Warm-up, then eager autocast's loss and gradients.
+            let (Some(e), _) = toma::autocast(CUDA, kind, || run(false)) else { unreachable!() };
+            e.backward();
+            clear(&vs);
+            let (Some(e), _) = toma::autocast(CUDA, kind, || run(false)) else { unreachable!() };
+            e.backward();
+            let eager_loss = e.double_value(&[]);
+            let eager = gradients(&vs);
+            clear(&vs);
+            let (_, Some(l)) = toma::autocast(CUDA, kind, || run(true)) else { unreachable!() };
+            let (planned, measured, plan) = planned_and_measured(&l, batch as usize);
+            let lazy_loss = f64::try_from(&l).expect("the step's loss");
+            let difference = relative_difference(&eager, &gradients(&vs));
+            let error = (planned as f64 - measured as f64) / measured as f64;
+            let name = format!("{model} {kind:?} batch {batch}");
+            println!(
+                "autocast {name}: loss eager {eager_loss} lazy {lazy_loss}; gradients differ by {difference:.1e}; \
+                 planned {} measured {} ({:+.1}%)",
+                mib(planned),
+                mib(measured),
+                100.0 * error
+            );
+            let error = format!("{:+.1}%", 100.0 * error);
+            let difference_text = format!("{difference:.1e}");
+            report(
+                "autocast",
+                &[
+                    ("model", &model),
+                    ("kind", &format!("{kind:?}")),
+                    ("batch", &batch),
+                    ("planned", &mib(planned)),
+                    ("measured", &mib(measured)),
+                    ("error", &error),
+                    ("gradients", &difference_text),
+                ],
+            );
+            let (p, m) = (planned as f64, measured as f64);
+            if p > m * (1.0 + OVER_TOLERANCE) + SLACK as f64 || (model != "cnn" && !within(planned, measured)) {
+                failures.push(format!("{name}: planned {planned} measured {measured}\n{plan}"));
+            }
+            if difference > 1e-2 || (lazy_loss - eager_loss).abs() > 1e-2 * eager_loss.abs() {
+                failures.push(format!("{name}: loss {lazy_loss} vs {eager_loss}, gradients {difference:e}"));
+            }
+            if kind == Kind::Half {
+                let mut opt = nn::AdamW::default().build(&vs, 1e-4).unwrap();
+                let mut scaler = GradScaler::new();
+                for micro in [batch as usize, batch as usize / 4] {
+                    for step in 0..3 {
+                        let (_, Some(l)) = toma::autocast(CUDA, kind, || run(true)) else { unreachable!() };
+                        let options = Options::new().micro_batch(micro);
+                        match scaler.backward_step_with(&mut opt, &l, &options) {
+                            Ok(s) if s.value.is_finite() => {
+                                report(
+                                    "autocast-scaler",
+                                    &[
+                                        ("model", &model),
+                                        ("micro", &micro),
+                                        ("step", &step),
+                                        ("stepped", &s.stepped),
+                                        ("scale", &s.scale),
+                                    ],
+                                );
+                            }
+                            other => failures.push(format!("{name} scaled step {step} micro {micro}: {other:?}")),
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

@@ -143,8 +143,14 @@ pub(crate) fn mixes(a: &Node, b: &Node) -> bool {
 /// given its inputs' kinds; `None` when no region is open there, autocast does not list the
 /// op, or (promoting) the inputs agree already. The op's output takes that kind too.
 pub(crate) fn target(device: Device, name: &str, mut kinds: impl Iterator<Item = Kind>) -> Option<Kind> {
-    let policy = policy(DeviceType::of(device)?, name)?;
-    let lower = crate::autocast::active(device)?;
+    // Most ops are recorded outside any region: a thread-local read says so first.
+    let t = DeviceType::of(device)?;
+    let region = crate::autocast::region(t);
+    if region.is_none() && t == DeviceType::Cpu {
+        return None;
+    }
+    let policy = policy(t, name)?;
+    let lower = region.or_else(|| crate::autocast::opened_by_tch(t))?;
     match policy {
         Policy::Lower => Some(lower),
         Policy::Float => Some(Kind::Float),
