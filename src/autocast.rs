@@ -226,6 +226,16 @@ mod tests {
         assert!(matches!(err, AutocastError::Device { .. }), "{err}");
     }
 
+    /// tch's own `tch::autocast` enables libtorch's CUDA autocast in `Half`: lazy recording
+    /// on CUDA reads it (a thread-local flag: no device needed to check).
+    #[test]
+    fn a_cuda_region_tch_opened_is_read() {
+        assert_eq!(active(Device::Cuda(0)), None);
+        tch::autocast(true, || assert_eq!(active(Device::Cuda(0)), Some(Kind::Half)));
+        assert_eq!(active(Device::Cuda(0)), None);
+        assert_eq!(active(Device::Cpu), None, "tch's region is CUDA's only");
+    }
+
     #[test]
     fn regions_nest_and_restore() {
         assert_eq!(active(Device::Cpu), None);

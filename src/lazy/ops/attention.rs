@@ -243,12 +243,7 @@ impl LazyTensor {
                         op: name.into(),
                         lhs: sq.clone(),
                         rhs: n.meta.shape.clone(),
-                        reason: format!(
-                            "a fixed operand has the batch's size {full} along the batch dimension: wrap data with \
-                             toma::lazy::lazy(.., dim) so it is split with the batch; a parameter expanded to the \
-                             batch is per sample where the expand meets batched values: apply its layers first, \
-                             then expand it"
-                        ),
+                        reason: super::NOT_WRAPPED.into(),
                     });
                 }
             }

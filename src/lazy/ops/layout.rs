@@ -264,6 +264,42 @@ impl Operation for Expand {
     }
 }
 
+/// A fixed value derived from a broadcast over the batch (a learned latent array expanded to
+/// the batch, then passed through layers): each micro-batch reads its own rows of it, so that
+/// it meets the micro-batch's values and its gradient is the micro-batch's share. The value
+/// itself is computed whole (a view of it; its gradient is a new tensor).
+pub(crate) struct BatchSlice {
+    dim: i64,
+}
+
+impl Operation for BatchSlice {
+    fn name(&self) -> &'static str {
+        "batch_slice"
+    }
+
+    fn run(&self, ins: &[&Tensor], cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_narrow(self.dim, cx.start, cx.b)
+    }
+}
+
+/// Whether fixed `node` holds, along a dimension of `size`, copies that an `expand` or `repeat`
+/// made (itself or an op on it): a broadcast of parameters, not data that was not wrapped.
+fn derived_from_broadcast(node: &Rc<Node>, size: i64) -> bool {
+    let mut stack = vec![node.clone()];
+    let mut seen = 0;
+    while let Some(n) = stack.pop() {
+        seen += 1;
+        if seen > 256 || n.meta.flow != Flow::Fixed {
+            continue;
+        }
+        if matches!(n.op.name(), "expand" | "repeat") && n.meta.shape.contains(&size) {
+            return true;
+        }
+        stack.extend(n.inputs.iter().filter(|i| i.meta.shape.contains(&size)).cloned());
+    }
+    false
+}
+
 /// Fixed operands that `expand` broadcast to the batch's size along the batch dimension (a
 /// learned CLS token, `T::constant(&cls).expand([b, -1, -1])`, or `.repeat([b, 1, 1])`),
 /// re-recorded as per-sample broadcasts: the same expand (a repeat: the expand copied),
@@ -282,12 +318,24 @@ pub(crate) fn adopt_batch_broadcasts(nodes: &mut [Rc<Node>], out_len: usize, rig
     for node in nodes.iter_mut() {
         let m = &node.meta;
         let repeat = node.op.name() == "repeat";
-        if m.flow != Flow::Fixed || !(node.op.name() == "expand" || repeat) {
+        if m.flow != Flow::Fixed {
             continue;
         }
         let offset = out_len as i64 - m.shape.len() as i64;
         let at = if right_aligned { dim as i64 - offset } else { dim as i64 };
         if at < 0 || m.shape.get(at as usize) != Some(&bd.size) {
+            continue;
+        }
+        if !(node.op.name() == "expand" || repeat) {
+            // Layers after the broadcast: each micro-batch takes its rows of their output.
+            if derived_from_broadcast(node, bd.size) {
+                let batched = BatchDim { dim: at as usize, size: bd.size, factor: 1 };
+                let sliced = Record::new(BatchSlice { dim: at }, vec![node.clone()], m.shape.clone(), m.kind, m.device)
+                    .flow((Flow::PerSample(batched), None))
+                    .view(m.strides.clone())
+                    .finish();
+                *node = sliced.node;
+            }
             continue;
         }
         if repeat {

@@ -1040,10 +1040,7 @@ impl LazyTensor {
                                 op: name.into(),
                                 lhs: sa.clone(),
                                 rhs: sb.clone(),
-                                reason: "a fixed operand has the batch's size along the batch dimension: wrap data with lazy(..); \
-                                         a parameter expanded to the batch is per sample where the expand meets batched values \
-                                         (elementwise ops, cat, matmul, bmm): apply its layers first, then expand it"
-                                    .into(),
+                                reason: super::NOT_WRAPPED.into(),
                             });
                         }
                     }

@@ -68,6 +68,12 @@ pub(crate) fn arg(op: &str, shape: &[i64], reason: impl Into<String>) -> LazyErr
     LazyError::Argument { op: op.into(), shape: shape.to_vec(), reason: reason.into() }
 }
 
+/// Why a fixed operand with the batch's size along the batch dimension is refused where it
+/// meets batched values: it looks like data that was not wrapped.
+pub(crate) const NOT_WRAPPED: &str = "a fixed operand has the batch's size along the batch dimension and is not a \
+     broadcast of parameters (an `expand` or `repeat` to the batch, and layers after it, are per sample): wrap data \
+     with lazy(..)";
+
 pub(crate) fn shape_err(op: &str, lhs: &[i64], rhs: &[i64], reason: impl Into<String>) -> LazyError {
     LazyError::Shape { op: op.into(), lhs: lhs.to_vec(), rhs: rhs.to_vec(), reason: reason.into() }
 }
