@@ -226,14 +226,18 @@ mod tests {
         assert!(matches!(err, AutocastError::Device { .. }), "{err}");
     }
 
-    /// tch's own `tch::autocast` enables libtorch's CUDA autocast in `Half`: lazy recording
-    /// on CUDA reads it (a thread-local flag: no device needed to check).
+    /// tch's own `tch::autocast` enables libtorch's CUDA autocast in `Half` (on a machine with
+    /// CUDA; elsewhere it does nothing): lazy recording on CUDA reads that state. Set here as
+    /// tch sets it (a thread-local flag: no device needed).
     #[test]
-    fn a_cuda_region_tch_opened_is_read() {
+    fn a_cuda_region_opened_outside_toma_is_read() {
         assert_eq!(active(Device::Cuda(0)), None);
-        tch::autocast(true, || assert_eq!(active(Device::Cuda(0)), Some(Kind::Half)));
+        let before = crate::memory::autocast_state(1).unwrap();
+        crate::memory::set_autocast(1, true, 5, 0).unwrap();
+        assert_eq!(active(Device::Cuda(0)), Some(Kind::Half));
+        assert_eq!(active(Device::Cpu), None, "that region is CUDA's only");
+        crate::memory::set_autocast(1, before.0, before.1, 0).unwrap();
         assert_eq!(active(Device::Cuda(0)), None);
-        assert_eq!(active(Device::Cpu), None, "tch's region is CUDA's only");
     }
 
     #[test]
