@@ -946,7 +946,8 @@ fn tchs_generic_binary_cross_entropy_compiles_unchanged() {
     assert!(eager.allclose(&lazily, 1e-12, 1e-12, false), "{eager} vs {lazily}");
 }
 
-/// vae's reparameterization as tch writes it, `mu + std.randn_like() * std`, in code written
+/// vae's reparameterization as tch writes it, `mu + std.randn_like() * std` (and a `bernoulli`
+/// mask of computed probabilities), in code written
 /// once: from the same seed, a step in micro-batches draws the eager step's noise (drawn for the
 /// whole batch when recorded) and gets its loss and gradients. Run in a child process, alone:
 /// other tests' draws from the global generator would fall between the seed and the noise.
@@ -969,7 +970,10 @@ fn randn_like_draws_the_eager_steps_noise_in_a_split_step() {
         let (mu, logvar) = (x.apply(mu), x.apply(logvar));
         let std = (logvar * 0.5).exp();
         let z = mu + std.randn_like() * std + x.narrow(1, 0, 3).rand_like();
-        z.square().mean(None)
+        // A mask drawn with probabilities the step computes: libtorch's CPU kernel draws a
+        // uniform per element, as `bernoulli` does lazily (drawn when recorded).
+        let keep = x.narrow(1, 3, 3).sigmoid().bernoulli();
+        (z * keep).square().mean(None)
     }
     let mut vs = nn::VarStore::new(Device::Cpu);
     let mu = nn::linear(vs.root() / "mu", 6, 3, Default::default());

@@ -74,6 +74,7 @@ fn sample(name: &str) -> Option<LazyTensor> {
         "ones_like" => x().ones_like(),
         "randn_like" => x().randn_like(),
         "rand_like" => x().rand_like(),
+        "bernoulli" => x().sigmoid().bernoulli(),
         "mish" => x().mish(),
         "masked_fill" => x().masked_fill(&mask(), 0.0),
         "where_self" => x().where_self(&mask(), &x()),

@@ -1200,6 +1200,22 @@ impl LazyTensor {
         self.drawn_like("rand_like", |shape, options| Tensor::f_rand(shape, options))
     }
 
+    /// Zeros and ones drawn with the probabilities in `self` (tch's `bernoulli`), as libtorch's
+    /// CPU kernel draws them: a uniform number per element, drawn for the whole batch when
+    /// recorded ([`f_rand_like`](Self::f_rand_like)), compared with its probability. On the CPU
+    /// in `Float` and `Double` these are the numbers tch's `bernoulli` draws from the same seed
+    /// (checked bit for bit); in other kinds and on CUDA, whose kernels draw otherwise, the same
+    /// distribution. A split step uses the whole batch's draws. Not differentiable.
+    ///
+    /// # Errors
+    /// As [`f_rand_like`](Self::f_rand_like); [`LazyError::Kind`] for probabilities that are not
+    /// floating-point.
+    pub fn f_bernoulli(&self) -> Result<LazyTensor, LazyError> {
+        super::floating("bernoulli", &self.node)?;
+        let uniform = self.f_rand_like()?;
+        uniform.f_lt_tensor(self)?.f_to_kind(self.node.meta.kind)
+    }
+
     fn drawn_like(
         &self,
         op: &str,
