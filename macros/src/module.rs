@@ -1,4 +1,6 @@
-//! `#[toma::lazy::module]` on a custom layer's `impl Module for X { fn forward(&self, xs:
+//! `#[toma::lazy::module]` on a model's inherent `impl` or a free `fn` over `Tensor`s: each such
+//! method's body in a hidden trait implemented for both tensor kinds, the method generic over
+//! them (`generic_impl`, `generic_fn`). And on a custom layer's `impl Module for X { fn forward(&self, xs:
 //! &Tensor) -> Tensor { .. } }` (or `impl ModuleT` with `forward_t(&self, xs: &Tensor, train:
 //! bool)`): the one body serves tch's trait and toma's lazy one. The body is emitted twice,
 //! once with `xs: &Tensor` and once with `xs: &LazyTensor`; tch's tensor methods have the same
@@ -13,10 +15,18 @@ pub(crate) fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<Toke
     if !args.is_empty() {
         return Err(syn::Error::new_spanned(args, "#[toma::lazy::module] takes no arguments"));
     }
+    // An inherent `impl` or a free `fn` over `Tensor`s: made generic over both kinds.
+    if let Ok(f) = syn::parse2::<syn::ItemFn>(item.clone()) {
+        return generic_fn(f);
+    }
     let block: ItemImpl = syn::parse2(item)?;
+    if block.trait_.is_none() {
+        return generic_impl(block);
+    }
     let usage =
-        "#[toma::lazy::module] goes on `impl Module for X { fn forward(&self, xs: &Tensor) -> Tensor { .. } }` \
-                 or `impl ModuleT for X { fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor { .. } }`";
+        "#[toma::lazy::module] goes on `impl Module for X { fn forward(&self, xs: &Tensor) -> Tensor { .. } }`, \
+                 `impl ModuleT for X { fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor { .. } }`, \
+                 an inherent `impl X { .. }` or a `fn` whose methods take or give `Tensor`s";
     if block.trait_.is_none() {
         return Err(syn::Error::new_spanned(&block.self_ty, usage));
     }
@@ -117,4 +127,155 @@ pub(crate) fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<Toke
             }
         }
     })
+}
+
+/// The generic parameter that stands for the tensor kind in the methods made generic.
+const KIND: &str = "__TomaTensor";
+
+/// Replaces every type path `Tensor` (as written: `Tensor`, `tch::Tensor`) in `ty` by `with`;
+/// whether one was.
+fn replace_tensor(ty: &mut syn::Type, with: &syn::Type) -> bool {
+    use syn::{GenericArgument, PathArguments, Type};
+    match ty {
+        Type::Path(p) if p.qself.is_none() => {
+            let last = p.path.segments.last().expect("a path has a segment");
+            if last.ident == "Tensor" && matches!(last.arguments, PathArguments::None) {
+                *ty = with.clone();
+                return true;
+            }
+            let mut any = false;
+            for seg in p.path.segments.iter_mut() {
+                if let PathArguments::AngleBracketed(args) = &mut seg.arguments {
+                    for arg in args.args.iter_mut() {
+                        if let GenericArgument::Type(t) = arg {
+                            any |= replace_tensor(t, with);
+                        }
+                    }
+                }
+            }
+            any
+        }
+        Type::Reference(r) => replace_tensor(&mut r.elem, with),
+        Type::Tuple(t) => t.elems.iter_mut().fold(false, |any, e| replace_tensor(e, with) | any),
+        Type::Slice(s) => replace_tensor(&mut s.elem, with),
+        Type::Array(a) => replace_tensor(&mut a.elem, with),
+        Type::Paren(p) => replace_tensor(&mut p.elem, with),
+        _ => false,
+    }
+}
+
+/// `sig` with its `Tensor`s replaced by `with`; `None` when it names none.
+fn sig_with(sig: &syn::Signature, with: &syn::Type) -> Option<syn::Signature> {
+    let mut sig = sig.clone();
+    let mut any = false;
+    for arg in sig.inputs.iter_mut() {
+        if let FnArg::Typed(t) = arg {
+            any |= replace_tensor(&mut t.ty, with);
+        }
+    }
+    if let ReturnType::Type(_, ty) = &mut sig.output {
+        any |= replace_tensor(ty, with);
+    }
+    any.then_some(sig)
+}
+
+/// The names of `sig`'s arguments (besides `self`), to pass them on.
+fn arg_names(sig: &syn::Signature) -> syn::Result<Vec<syn::Ident>> {
+    sig.inputs
+        .iter()
+        .filter_map(|arg| match arg {
+            FnArg::Typed(t) => Some(match &*t.pat {
+                Pat::Ident(p) => Ok(p.ident.clone()),
+                other => Err(syn::Error::new_spanned(other, "#[toma::lazy::module]: a plain name is expected here")),
+            }),
+            FnArg::Receiver(_) => None,
+        })
+        .collect()
+}
+
+fn lazy_kind() -> syn::Type {
+    syn::parse_quote!(::toma::lazy::LazyTensor)
+}
+
+/// A free `fn` over `Tensor`s: a hidden trait with the body once per tensor kind (the body as
+/// written for tch's `Tensor`, and again for `LazyTensor`), and the `fn` itself generic over the
+/// kinds, dispatching to it.
+fn generic_fn(f: syn::ItemFn) -> syn::Result<TokenStream2> {
+    let kind: syn::Type = syn::parse_str(KIND).expect("an identifier");
+    let this: syn::Type = syn::parse_quote!(Self);
+    let usage = "#[toma::lazy::module] on a fn: its arguments or result name `Tensor`";
+    let Some(mut decl) = sig_with(&f.sig, &this) else {
+        return Err(syn::Error::new_spanned(&f.sig, usage));
+    };
+    let lazy_sig = sig_with(&f.sig, &lazy_kind()).expect("it names a Tensor");
+    let mut wrapper = sig_with(&f.sig, &kind).expect("it names a Tensor");
+    let name = &f.sig.ident;
+    let trait_ident = quote::format_ident!("__TomaFn_{}", name);
+    decl.ident = name.clone();
+    wrapper.generics.params.push(syn::parse_quote!(#kind: #trait_ident));
+    let args = arg_names(&f.sig)?;
+    let (vis, attrs, body, sig) = (&f.vis, &f.attrs, &f.block, &f.sig);
+    Ok(quote! {
+        #[doc(hidden)]
+        #[allow(non_camel_case_types)]
+        pub trait #trait_ident: ::std::marker::Sized {
+            #decl;
+        }
+        impl #trait_ident for ::tch::Tensor {
+            #sig #body
+        }
+        impl #trait_ident for ::toma::lazy::LazyTensor {
+            #lazy_sig #body
+        }
+        #(#attrs)*
+        #vis #wrapper {
+            <#kind as #trait_ident>::#name(#(#args),*)
+        }
+    })
+}
+
+/// An inherent `impl` whose methods take or give `Tensor`s: each such method's body goes into a
+/// hidden trait implemented once per tensor kind, and the method itself becomes generic over the
+/// kinds, dispatching to it. Other methods stay as they are.
+fn generic_impl(mut block: ItemImpl) -> syn::Result<TokenStream2> {
+    let kind: syn::Type = syn::parse_str(KIND).expect("an identifier");
+    let k: syn::Ident = syn::parse_str(KIND).expect("an identifier");
+    let self_ty = block.self_ty.clone();
+    let type_name = match &*self_ty {
+        syn::Type::Path(p) => p.path.segments.last().map(|s| s.ident.to_string()).unwrap_or_default(),
+        _ => String::new(),
+    };
+    let (impl_generics, _, where_clause) = block.generics.split_for_impl();
+    let mut extra = TokenStream2::new();
+    for item in block.items.iter_mut() {
+        let ImplItem::Fn(f) = item else { continue };
+        let Some(decl) = sig_with(&f.sig, &kind) else { continue };
+        let lazy_sig = sig_with(&f.sig, &lazy_kind()).expect("it names a Tensor");
+        let name = f.sig.ident.clone();
+        let trait_ident = quote::format_ident!("__Toma{}_{}", type_name, name);
+        let (sig, body, attrs) = (&f.sig, &f.block, &f.attrs);
+        extra.extend(quote! {
+            #[doc(hidden)]
+            #[allow(non_camel_case_types)]
+            pub trait #trait_ident<#k> {
+                #decl;
+            }
+            impl #impl_generics #trait_ident<::tch::Tensor> for #self_ty #where_clause {
+                #(#attrs)*
+                #sig #body
+            }
+            impl #impl_generics #trait_ident<::toma::lazy::LazyTensor> for #self_ty #where_clause {
+                #(#attrs)*
+                #lazy_sig #body
+            }
+        });
+        let mut wrapper = decl.clone();
+        wrapper.generics.params.push(syn::parse_quote!(#k));
+        wrapper.generics.make_where_clause().predicates.push(syn::parse_quote!(Self: #trait_ident<#k>));
+        let args = arg_names(&f.sig)?;
+        let receiver = f.sig.receiver().map(|_| quote!(self,));
+        f.sig = wrapper;
+        f.block = syn::parse_quote!({ <Self as #trait_ident<#k>>::#name(#receiver #(#args),*) });
+    }
+    Ok(quote!(#block #extra))
 }

@@ -169,4 +169,46 @@ pub use wrap::{lazy, try_lazy, BatchDimArg, Lazify};
 /// tch's impl is written with the types and trait path as the user wrote them, so a port's
 /// `use tch::Tensor` and `use toma::lazy::nn::ModuleT` stay used (no warnings under
 /// `-D warnings`).
+///
+/// # On a model's own methods and functions
+///
+/// On an inherent `impl` block (tch-rs's `impl VAE { fn encode(&self, xs: &Tensor) -> (Tensor,
+/// Tensor) .. }`) or on a free `fn` over tensors (its `fn loss(..) -> Tensor`), each method or
+/// function whose arguments or result name `Tensor` serves both kinds: its body, as written,
+/// is compiled once for `Tensor` and once with `LazyTensor` in its place (in a hidden trait),
+/// and the method becomes generic over the two, so `vae.forward(&lazy(&x, 0))` records and
+/// `vae.decode(&noise)` on a `Tensor` runs eagerly, with the same method call. Methods that name
+/// no `Tensor` (`new`) stay as they are.
+///
+/// ```
+/// use tch::{Device, Kind, Tensor};
+/// use toma::lazy::{lazy, nn, nn::Module};
+///
+/// struct Vae { enc: nn::Linear, dec: nn::Linear }
+///
+/// #[toma::lazy::module]
+/// impl Vae {
+///     fn encode(&self, xs: &Tensor) -> Tensor {
+///         self.enc.forward(xs).relu()
+///     }
+///     fn forward(&self, xs: &Tensor) -> (Tensor, Tensor) {
+///         let h = self.encode(xs);
+///         (self.dec.forward(&h).sigmoid(), h)
+///     }
+/// }
+///
+/// #[toma::lazy::module]
+/// fn loss(recon: &Tensor, x: &Tensor) -> Tensor {
+///     recon.mse_loss(x, tch::Reduction::Sum)
+/// }
+///
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// let vae = Vae { enc: nn::linear(vs.root() / "e", 8, 4, Default::default()), dec: nn::linear(vs.root() / "d", 4, 8, Default::default()) };
+/// let x = Tensor::rand([16, 8], (Kind::Float, Device::Cpu));
+/// let eager = loss(&vae.forward(&x).0, &x);
+/// let lx = lazy(&x, 0);
+/// let lazily = loss(&vae.forward(&lx).0, &lx);
+/// assert!((lazily.backward()? - eager.double_value(&[])).abs() < 1e-4);
+/// # Ok::<(), toma::lazy::LazyError>(())
+/// ```
 pub use toma_macros::module;

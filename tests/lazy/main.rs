@@ -13,6 +13,7 @@ mod op_table;
 mod ops;
 mod pictures;
 mod plan;
+mod ported_vae;
 mod rnn;
 mod vision;
 mod written_once;
