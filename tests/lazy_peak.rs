@@ -3553,7 +3553,9 @@ fn zoo_whole_steps_peak_as_planned_under_a_budget() {
             }
         }
     }
-    assert!(split >= 2 && recomputed >= 2, "{split} split and {recomputed} recomputed steps");
+    // Which of splitting and recomputing is faster depends on the machine's kernels; ResNet-18
+    // in training may only recompute.
+    assert!(recomputed >= 2 && split + recomputed >= 8, "{split} split and {recomputed} recomputed steps");
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "zoo steps");
 }
 
