@@ -178,6 +178,7 @@ fn lazy_training_step() -> Result<(usize, usize), Box<dyn std::error::Error>> {
 /// batch, the same statistics, within the budget.
 fn recomputed_training_step() -> Result<(usize, usize), Box<dyn std::error::Error>> {
     use tch::nn::{self, OptimizerConfig};
+    use toma::lazy::nn::ModuleT;
     use toma::lazy::{lazy, Mode, Options};
     const N: i64 = 98_304;
     tch::manual_seed(0);

@@ -412,27 +412,9 @@ impl Sequential {
     }
 
     shared_methods!();
-
-    /// The sequence applied to `xs`, a `Tensor` (eagerly) or a [`LazyTensor`] (recorded), as
-    /// tch's `forward`; panics with a recording error, as tch panics with its own (use
-    /// [`LazyTensor::f_apply`] for the error).
-    #[track_caller]
-    pub fn forward<T>(&self, xs: &T) -> T
-    where
-        Self: Layer<T>,
-    {
-        Layer::forward(self, xs)
-    }
 }
 
 impl SequentialT {
-    /// The accuracy of the logits on `xs` against `ys`, in batches of `batch_size` on
-    /// device `d`, in evaluation mode: tch's `ModuleT::batch_accuracy_for_logits`, here so that
-    /// it is found with this module's `ModuleT` imported instead of tch's.
-    pub fn batch_accuracy_for_logits(&self, xs: &Tensor, ys: &Tensor, d: tch::Device, batch_size: i64) -> f64 {
-        nn::ModuleT::batch_accuracy_for_logits(self, xs, ys, d, batch_size)
-    }
-
     /// Appends a layer (`nn::Linear`, `nn::BatchNorm`, another sequence, ..), as tch's `add`.
     // Named as tch's `SequentialT::add`, on purpose.
     #[allow(clippy::should_implement_trait)]
@@ -448,16 +430,6 @@ impl SequentialT {
     pub fn add_fn_t<F: Fn(&LazyTensor, bool) -> LazyTensor + Send + 'static>(mut self, f: F) -> Self {
         self.steps.push_fn(move |xs, train| Ok(f(xs, train)));
         self
-    }
-
-    /// The sequence applied to `xs`, in training mode when `train`, as tch's `forward_t`;
-    /// panics with a recording error (use [`LazyTensor::f_apply_t`] for the error).
-    #[track_caller]
-    pub fn forward_t<T>(&self, xs: &T, train: bool) -> T
-    where
-        Self: LayerT<T>,
-    {
-        LayerT::forward_t(self, xs, train)
     }
 }
 

@@ -409,7 +409,7 @@ fn running_statistics_move_once_per_split_step() {
 mod fast_resnet {
     use tch::{Device, Kind, Tensor};
     use toma::lazy::lazy;
-    use toma::lazy::nn::{self, FuncT, OptimizerConfig, SequentialT};
+    use toma::lazy::nn::{self, FuncT, ModuleT, OptimizerConfig, SequentialT};
 
     fn conv_bn(vs: &nn::Path, c_in: i64, c_out: i64) -> SequentialT {
         let conv2d_cfg = nn::ConvConfig { padding: 1, bias: false, ..Default::default() };
