@@ -54,7 +54,6 @@ EAGER = {
     "Tensor::rand": "builds an input or constant",
     "Tensor::randn_like": "builds an input or constant",
     "Tensor::from_slice": "builds an input or constant",
-    "to": "moves an input before the step",
     "device": "a query, the same on both",
     "kind": "a query, the same on both",
     "size": "a query, the same on both",

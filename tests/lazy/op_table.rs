@@ -69,6 +69,7 @@ fn sample(name: &str) -> Option<LazyTensor> {
         "log_sigmoid" => x().log_sigmoid(),
         "detach" => x().detach(),
         "to_device" => x().to_device(Device::Cpu),
+        "to" => x().to(Device::Cpu),
         "full_like" => x().full_like(0.5),
         "zeros_like" => x().zeros_like(),
         "ones_like" => x().ones_like(),

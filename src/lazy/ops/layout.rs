@@ -1835,6 +1835,14 @@ impl LazyTensor {
         ))
     }
 
+    /// The value on `device`, as tch's `to(device)`: [`f_to_device`](Self::f_to_device).
+    ///
+    /// # Errors
+    /// As [`f_to_device`](Self::f_to_device).
+    pub fn f_to(&self, device: tch::Device) -> Result<LazyTensor, LazyError> {
+        self.f_to_device(device)
+    }
+
     /// The same value, cut from autograd (tch's `detach`): no gradient flows back through it.
     /// A view: it costs nothing.
     ///
