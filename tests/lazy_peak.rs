@@ -3438,42 +3438,27 @@ fn zoo_whole_steps_peak_as_planned_under_a_budget() {
     tch::manual_seed(43);
     type Loss = Box<dyn Fn() -> LazyTensor>;
     type Build = Box<dyn Fn(&nn::VarStore) -> Loss>;
+    /// A vision net's cross-entropy on 32 random images of `side` pixels.
+    fn images<N: 'static>(net: N, side: i64, train: bool, forward: fn(&N, &LazyTensor, bool) -> LazyTensor) -> Loss {
+        let x = Tensor::randn([32, 3, side, side], (Kind::Float, CPU));
+        let y = Tensor::randint(10, [32], (Kind::Int64, CPU));
+        Box::new(move || {
+            let (lx, ly) = toma::lazy::lazy((&x, &y), 0);
+            forward(&net, &lx, train).cross_entropy_for_logits(&ly)
+        })
+    }
     let cases: Vec<(&str, Build)> = vec![
         (
             "resnet18 train 48px b32",
-            Box::new(|vs| {
-                let net = vision::resnet18(&vs.root(), 10);
-                let x = Tensor::randn([32, 3, 48, 48], (Kind::Float, CPU));
-                let y = Tensor::randint(10, [32], (Kind::Int64, CPU));
-                Box::new(move || {
-                    let (lx, ly) = toma::lazy::lazy((&x, &y), 0);
-                    net.forward_t(&lx, true).cross_entropy_for_logits(&ly)
-                })
-            }),
+            Box::new(|vs| images(vision::resnet18(&vs.root(), 10), 48, true, |n, x, t| n.forward_t(x, t))),
         ),
         (
             "resnet18 eval 48px b32",
-            Box::new(|vs| {
-                let net = vision::resnet18(&vs.root(), 10);
-                let x = Tensor::randn([32, 3, 48, 48], (Kind::Float, CPU));
-                let y = Tensor::randint(10, [32], (Kind::Int64, CPU));
-                Box::new(move || {
-                    let (lx, ly) = toma::lazy::lazy((&x, &y), 0);
-                    net.forward_t(&lx, false).cross_entropy_for_logits(&ly)
-                })
-            }),
+            Box::new(|vs| images(vision::resnet18(&vs.root(), 10), 48, false, |n, x, t| n.forward_t(x, t))),
         ),
         (
             "mobilenet-v2 eval 32px b32",
-            Box::new(|vs| {
-                let net = vision::mobilenet_v2(&vs.root(), 10);
-                let x = Tensor::randn([32, 3, 32, 32], (Kind::Float, CPU));
-                let y = Tensor::randint(10, [32], (Kind::Int64, CPU));
-                Box::new(move || {
-                    let (lx, ly) = toma::lazy::lazy((&x, &y), 0);
-                    net.forward_t(&lx, false).cross_entropy_for_logits(&ly)
-                })
-            }),
+            Box::new(|vs| images(vision::mobilenet_v2(&vs.root(), 10), 32, false, |n, x, t| n.forward_t(x, t))),
         ),
         (
             "gpt-2 2 blocks 128 wide, 64 positions, dropout, b32",

@@ -96,10 +96,6 @@ fn values(vs: &nn::VarStore) -> Vec<Tensor> {
     vs.trainable_variables().iter().map(|v| v.copy()).collect()
 }
 
-fn grads(vs: &nn::VarStore) -> Vec<Tensor> {
-    vs.trainable_variables().iter().map(|v| v.grad().copy()).collect()
-}
-
 /// Three SGD steps of `which` after `zero_grad()`, eagerly under autocast and lazily recorded in
 /// the region (in micro-batches of `micro` where given, else whole): the lazy run's losses,
 /// gradients and parameters against eager autocast's, bit for bit when whole; split, against
@@ -147,8 +143,8 @@ fn three_steps(which: &str, micro: Option<i64>) {
         };
         let lazy_loss = loss.backward_with(&options).unwrap();
         let what = format!("{which} step {step} micro {micro:?}");
-        let (eg, lg) = (grads(&eager_vs), grads(&lazy_vs));
-        for (e, l) in eg.iter().zip(&lg) {
+        let (eg, lg) = (crate::grad::grads(&eager_vs), crate::grad::grads(&lazy_vs));
+        for (e, l) in eg.values().zip(lg.values()) {
             assert_eq!(l.kind(), Kind::Float, "{what}: gradients in the parameters' kind");
             if micro.is_none() {
                 assert!(e.equal(l), "{what}: gradients differ by {}", (e - l).abs().max());

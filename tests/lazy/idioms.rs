@@ -1114,10 +1114,8 @@ fn a_latent_array_through_layers_before_it_meets_the_batch_splits_exactly() {
         let y = Tensor::randint(3, [10], (Kind::Int64, Device::Cpu));
         let eager = perceiver_loss(&x, &y, &latents, &layers, &norm, sdpa);
         eager.backward();
-        let want: Vec<(String, Tensor)> = vs.variables().into_iter().map(|(n, t)| (n, t.grad().copy())).collect();
-        for (_, t) in vs.variables() {
-            let _ = t.grad().zero_();
-        }
+        let want = crate::grad::grads(&vs);
+        crate::grad::zero_grads(&vs);
         let (lx, ly) = lazy((&x, &y), 0);
         let loss = perceiver_loss(&lx, &ly, &latents, &layers, &norm, sdpa);
         let options = Options::new().micro_batch(3);
@@ -1125,10 +1123,9 @@ fn a_latent_array_through_layers_before_it_meets_the_batch_splits_exactly() {
         assert!((value - eager.double_value(&[])).abs() <= 1e-9 * value.abs(), "sdpa {sdpa}: loss {value}");
         // Relative to the largest gradient of all: the keys' bias has a gradient of zero up to
         // rounding (softmax ignores a constant added to every score).
-        let scale = want.iter().map(|(_, w)| w.abs().max().double_value(&[])).fold(1e-12, f64::max);
-        let variables = vs.variables();
-        for (name, w) in &want {
-            let off = (w - variables[name].grad()).abs().max().double_value(&[]) / scale;
+        let scale = want.values().map(|w| w.abs().max().double_value(&[])).fold(1e-12, f64::max);
+        for (name, got) in crate::grad::grads(&vs) {
+            let off = (&want[&name] - got).abs().max().double_value(&[]) / scale;
             assert!(off < 1e-9, "sdpa {sdpa}: {name} differs by {off:e}");
         }
     }

@@ -26,21 +26,25 @@ pub(crate) enum Policy {
     Promote,
 }
 
-/// CUDA's lists (libtorch registers them for CUDA, XPU and others).
+/// Products, convolutions and attention: lower precision on both device types.
+const LOWER: &[&str] = &[
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
+    "prelu",
+    "matmul",
+    "bmm",
+    "baddbmm",
+    "linear",
+    "scaled_dot_product_attention",
+];
+
+/// CUDA's lists besides [`LOWER`] (libtorch registers them for CUDA, XPU and others).
 const CUDA: &[(&str, Policy)] = &[
-    ("conv1d", Policy::Lower),
-    ("conv2d", Policy::Lower),
-    ("conv3d", Policy::Lower),
-    ("conv_transpose1d", Policy::Lower),
-    ("conv_transpose2d", Policy::Lower),
-    ("conv_transpose3d", Policy::Lower),
-    ("prelu", Policy::Lower),
-    ("matmul", Policy::Lower),
-    ("bmm", Policy::Lower),
-    ("baddbmm", Policy::Lower),
-    ("linear", Policy::Lower),
     ("einsum", Policy::Lower),
-    ("scaled_dot_product_attention", Policy::Lower),
     ("acos", Policy::Float),
     ("asin", Policy::Float),
     ("cosh", Policy::Float),
@@ -84,21 +88,9 @@ const CUDA: &[(&str, Policy)] = &[
     ("scatter_add", Policy::Promote),
 ];
 
-/// The CPU's lists (`AutocastCPU` in libtorch's `autocast_mode.cpp`): fewer ops in `Float`;
-/// `softmax`, `layer_norm` and `sum` run in the kind that reaches them.
+/// The CPU's lists besides [`LOWER`] (`AutocastCPU` in libtorch's `autocast_mode.cpp`): fewer
+/// ops in `Float`; `softmax`, `layer_norm` and `sum` run in the kind that reaches them.
 const CPU: &[(&str, Policy)] = &[
-    ("conv1d", Policy::Lower),
-    ("conv2d", Policy::Lower),
-    ("conv3d", Policy::Lower),
-    ("conv_transpose1d", Policy::Lower),
-    ("conv_transpose2d", Policy::Lower),
-    ("conv_transpose3d", Policy::Lower),
-    ("prelu", Policy::Lower),
-    ("matmul", Policy::Lower),
-    ("bmm", Policy::Lower),
-    ("baddbmm", Policy::Lower),
-    ("linear", Policy::Lower),
-    ("scaled_dot_product_attention", Policy::Lower),
     ("avg_pool3d", Policy::Float),
     ("max_pool3d", Policy::Float),
     ("prod", Policy::Float),
@@ -120,6 +112,9 @@ const CPU: &[(&str, Policy)] = &[
 
 /// The policy of op `name` on `device`, if autocast casts it there.
 pub(crate) fn policy(device: DeviceType, name: &str) -> Option<Policy> {
+    if LOWER.contains(&name) {
+        return Some(Policy::Lower);
+    }
     let list = match device {
         DeviceType::Cpu => CPU,
         DeviceType::Cuda => CUDA,
@@ -175,7 +170,7 @@ mod tests {
     #[test]
     fn each_list_names_an_op_once() {
         for list in [CPU, CUDA] {
-            let mut names: Vec<&str> = list.iter().map(|(n, _)| *n).collect();
+            let mut names: Vec<&str> = list.iter().map(|(n, _)| *n).chain(LOWER.iter().copied()).collect();
             names.sort_unstable();
             let before = names.len();
             names.dedup();
