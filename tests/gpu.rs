@@ -27,7 +27,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use support::models::*;
-use support::Recorder;
+use support::{MeasuredPlan, Recorder};
 use tch::nn;
 use tch::{Device, Kind, TchError, Tensor};
 use toma::cpu_memory::CpuCap;
@@ -453,7 +453,7 @@ const SLACK: u64 = 32 * MIB;
 /// (printed when the two disagree).
 fn planned_and_measured(loss: &LazyTensor, batch: usize) -> (u64, u64, String) {
     let options = Options::new().micro_batch(batch);
-    let plan = loss.plan(Mode::Backward, &options).expect("a plan");
+    let plan = loss.measured_plan(Mode::Backward, &options).expect("a plan");
     assert!(!plan.splits(), "the whole batch is planned: {plan}");
     tch::Cuda::synchronize(0);
     let before = stats().allocated;
@@ -579,7 +579,7 @@ fn plans_hold_on_a_filled_card() {
         for &batch in batches {
             let loss = build(batch);
             let options = Options::new().micro_batch(batch as usize).retry(false);
-            let planned = loss.plan(Mode::Backward, &options).expect("a plan").peak_bytes();
+            let planned = loss.measured_plan(Mode::Backward, &options).expect("a plan").peak_bytes();
             memory::release_cached_blocks();
             tch::Cuda::synchronize(0);
             let usable = memory::cuda_usable_memory(0).expect("usable memory");
@@ -650,7 +650,7 @@ fn reduction_staging_matches_the_allocator() {
         let x = Tensor::randn(shape, (Kind::Float, CUDA));
         let sum = toma::lazy::lazy(&x, 0).sum_dim_intlist(dims, false, None);
         let options = Options::new().micro_batch(shape[0] as usize);
-        let planned = sum.plan(Mode::Forward, &options).expect("a plan").peak_bytes();
+        let planned = sum.measured_plan(Mode::Forward, &options).expect("a plan").peak_bytes();
         let _ = sum.to_tensor_with(&options).expect("warm-up"); // kernels loaded, not measured
         tch::Cuda::synchronize(0);
         let before = stats().allocated;
@@ -1144,7 +1144,7 @@ fn recomputing_on_the_gpu() {
     warm_up();
     tch::manual_seed(25);
     let whole_plan = |loss: &LazyTensor| {
-        loss.plan(Mode::Backward, &Options::new().recompute(Recompute::Never).budget(u64::MAX / 4))
+        loss.measured_plan(Mode::Backward, &Options::new().recompute(Recompute::Never).budget(u64::MAX / 4))
             .expect("a plan")
             .full_batch_peak_bytes()
     };
@@ -1170,9 +1170,9 @@ fn recomputing_on_the_gpu() {
     let (budget, options) = (55..=90)
         .step_by(5)
         .map(|percent| (whole * percent / 100, Options::new().budget(whole * percent / 100)))
-        .find(|(_, o)| loss.plan(Mode::Backward, o).is_ok())
+        .find(|(_, o)| loss.measured_plan(Mode::Backward, o).is_ok())
         .expect("a budget that recomputing meets");
-    let plan = loss.plan(Mode::Backward, &options).expect("a recomputing plan");
+    let plan = loss.measured_plan(Mode::Backward, &options).expect("a recomputing plan");
     tch::Cuda::synchronize(0);
     let before = stats().allocated;
     assert!(memory::reset_cuda_peak(0));
@@ -1196,7 +1196,7 @@ fn recomputing_on_the_gpu() {
             let o = Options::new().budget(if p == 100 { u64::MAX / 4 } else { whole * p / 100 });
             (format!("{p}%"), o)
         }) {
-            let Ok(again) = loss.plan(Mode::Backward, &o) else { continue };
+            let Ok(again) = loss.measured_plan(Mode::Backward, &o) else { continue };
             for (_, t) in gpu_vs.variables() {
                 let mut g = t.grad();
                 if g.defined() {
@@ -1264,7 +1264,7 @@ fn recomputing_on_the_gpu() {
                 [("split", Recompute::Never), ("recompute", Recompute::Always), ("auto", Recompute::Auto)]
             {
                 let options = Options::new().budget(budget).recompute(recompute);
-                let Ok(plan) = lazy_loss().plan(Mode::Backward, &options) else {
+                let Ok(plan) = lazy_loss().measured_plan(Mode::Backward, &options) else {
                     fields.push((label.into(), "none".into()));
                     continue;
                 };
@@ -1500,8 +1500,10 @@ fn zoo_on_a_filled_card(which: ZooKind, size: i64, train: bool, first: i64, kind
     // then the batch whose whole step needs about 2.5 times what the filled card leaves.
     let mut whole = |n: i64| {
         let (x, y) = model.data(n, kind, CUDA);
-        let plan = opt.plan_step(&model.lazy_loss(&x, &y, train), &unbounded).expect("a plan");
-        (plan.full_batch_peak_bytes(), plan.calibration().clone())
+        let loss = model.lazy_loss(&x, &y, train);
+        let calibration = loss.calibrate(Mode::Backward, &unbounded).expect("calibration");
+        let plan = opt.plan_step(&loss, &unbounded).expect("a plan");
+        (plan.full_batch_peak_bytes(), calibration)
     };
     let started = Instant::now();
     let (p1, calibration) = whole(first);
@@ -1532,6 +1534,11 @@ fn zoo_on_a_filled_card(which: ZooKind, size: i64, train: bool, first: i64, kind
             Tensor::f_empty([usable.saturating_sub(ZOO_LEFT) as i64], (Kind::Uint8, CUDA)).expect("the filler");
         let loss = model.lazy_loss(&x, &y, train);
         let options = Options::new();
+        // What the step measures before it runs, measured before its plan is asked for.
+        if let Err(err) = loss.calibrate(Mode::Backward, &options) {
+            failures.push(format!("{name} step {step}: no calibration: {}", first_line(&err)));
+            break;
+        }
         let plan = match opt.plan_step(&loss, &options) {
             Ok(plan) => plan,
             Err(err) => {
@@ -1668,18 +1675,18 @@ fn zoo_gradients_on_the_gpu_match_the_cpu() {
             let loss = gpu_model.lazy_loss(&x.to_device(CUDA), &y.to_device(CUDA), train);
             let options = if train && matches!(which, ZooKind::ResNet18 | ZooKind::MobileNetV2) {
                 let whole = loss
-                    .plan(Mode::Backward, &Options::new().budget(u64::MAX / 4))
+                    .measured_plan(Mode::Backward, &Options::new().budget(u64::MAX / 4))
                     .expect("a plan")
                     .full_batch_peak_bytes();
                 // The smallest budget of these that recomputing meets.
                 (3..10)
                     .map(|tenths| Options::new().budget(whole * tenths / 10))
-                    .find(|o| loss.plan(Mode::Backward, o).is_ok_and(|p| p.recomputes()))
+                    .find(|o| loss.measured_plan(Mode::Backward, o).is_ok_and(|p| p.recomputes()))
                     .expect("a budget that recomputing meets")
             } else {
                 Options::new().micro_batch(n as usize / 4)
             };
-            let plan = loss.plan(Mode::Backward, &options).expect("a plan");
+            let plan = loss.measured_plan(Mode::Backward, &options).expect("a plan");
             let value = loss.backward_with(&options).expect("the lazy step");
             tch::Cuda::synchronize(0);
             let cpu_value = cpu_loss.double_value(&[]);

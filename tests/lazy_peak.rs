@@ -10,6 +10,7 @@
 mod support;
 
 use support::models::*;
+use support::MeasuredPlan;
 use tch::nn;
 use tch::{Device, Kind, Tensor};
 use toma::lazy::{LazyTensor, Mode, Options};
@@ -25,7 +26,7 @@ const OVER_TOLERANCE: f64 = 0.10;
 /// The plan's peak for forward and backward of the whole batch, and the peak the counter saw
 /// above what was live before (inputs, parameters).
 fn planned_and_measured(loss: &LazyTensor, batch: usize) -> (u64, u64) {
-    let plan = loss.plan(Mode::Backward, &Options::new().micro_batch(batch)).expect("a plan");
+    let plan = loss.measured_plan(Mode::Backward, &Options::new().micro_batch(batch)).expect("a plan");
     assert!(!plan.splits(), "the whole batch is planned: {plan}");
     planned_and_measured_at(loss, batch)
 }
@@ -34,7 +35,7 @@ fn planned_and_measured(loss: &LazyTensor, batch: usize) -> (u64, u64) {
 /// counter saw running them.
 fn planned_and_measured_at(loss: &LazyTensor, micro: usize) -> (u64, u64) {
     let options = Options::new().micro_batch(micro);
-    let plan = loss.plan(Mode::Backward, &options).expect("a plan");
+    let plan = loss.measured_plan(Mode::Backward, &options).expect("a plan");
     let before = memory::cpu_allocator_stats().expect("tracking").allocated;
     assert!(memory::reset_cpu_peak());
     loss.backward_with(&options).expect("forward and backward");
@@ -686,7 +687,7 @@ fn train_recorded_anew(
             zero_in_place(vs);
         }
         let l = loss();
-        let planned = l.plan(Mode::Backward, options).expect("a plan").peak_bytes();
+        let planned = l.measured_plan(Mode::Backward, options).expect("a plan").peak_bytes();
         let before = memory::cpu_allocator_stats().unwrap().allocated;
         assert!(memory::reset_cpu_peak());
         l.backward_with(options).expect("forward and backward");
@@ -712,7 +713,7 @@ fn train_as_users_do(
         } else {
             zero_in_place(vs);
         }
-        let planned = loss.plan(Mode::Backward, options).expect("a plan").peak_bytes();
+        let planned = loss.measured_plan(Mode::Backward, options).expect("a plan").peak_bytes();
         let before = memory::cpu_allocator_stats().expect("tracking").allocated;
         assert!(memory::reset_cpu_peak());
         loss.backward_with(options).expect("forward and backward");
@@ -766,7 +767,7 @@ fn train_generated_models(manual_seed: i64, seed: u64, calibrate: toma::lazy::Ca
         let mut vs = nn::VarStore::new(CPU);
         let loss = arch.loss_as(&mut vs, arch.batch, kind, frozen);
         if calibrate == Calibrate::Always {
-            let plan = loss.plan(Mode::Backward, &options).expect("a plan");
+            let plan = loss.measured_plan(Mode::Backward, &options).expect("a plan");
             let cal = plan.calibration();
             assert!(cal.measured + cal.remembered > 0 && cal.unmeasured == 0, "{cal:?}\n{plan}");
         }
@@ -811,7 +812,7 @@ fn a_budget_gets_the_largest_micro_batch_that_fits() {
         for b in SIZES {
             reset(&mut opt);
             let options = base.clone().micro_batch(b);
-            let planned = loss.plan(Mode::Backward, &options).expect("a plan").peak_bytes();
+            let planned = loss.measured_plan(Mode::Backward, &options).expect("a plan").peak_bytes();
             let before = memory::cpu_allocator_stats().unwrap().allocated;
             assert!(memory::reset_cpu_peak());
             loss.backward_with(&options).expect("forward and backward");
@@ -829,7 +830,7 @@ fn a_budget_gets_the_largest_micro_batch_that_fits() {
                 continue;
             }
             reset(&mut opt);
-            let plan = loss.plan(Mode::Backward, &base.clone().budget(budget)).expect("a plan");
+            let plan = loss.measured_plan(Mode::Backward, &base.clone().budget(budget)).expect("a plan");
             checked += 1;
             if plan.micro_batch() != SIZES[fits] {
                 wrong.push(format!(
@@ -907,6 +908,8 @@ fn whole_steps_peak_as_planned() {
             };
             let micro = if model.ends_with("x4") { 16 } else { 64 };
             let mut opt = build(&vs);
+            // What the first step measures before it runs, measured before its plan is asked for.
+            loss().calibrate(Mode::Backward, &Options::new()).unwrap();
             let mut budget = None;
             let options = if model.ends_with("recomputed") {
                 // Recomputing under a budget between the least it reaches and the whole step.
@@ -1083,9 +1086,10 @@ fn calibration_cost_report() {
         let inputs = model.inputs(n);
         let options = Options::new().calibrate(calibrate).budget(u64::MAX / 4);
         let started = std::time::Instant::now();
-        let plan = model.loss(&inputs).plan(Mode::Backward, &options).unwrap();
+        let loss = model.loss(&inputs);
+        let cal = loss.calibrate(Mode::Backward, &options).unwrap();
+        let plan = loss.plan(Mode::Backward, &options).unwrap();
         let first = started.elapsed();
-        let cal = plan.calibration().clone();
         let started = std::time::Instant::now();
         let again = model.loss(&inputs).plan(Mode::Backward, &options).unwrap();
         let anew = started.elapsed();
@@ -1138,7 +1142,8 @@ fn rules_against_calibration_on_this_machine() {
         if arch.later_step {
             loss.backward_with(&options).expect("a first step");
         }
-        let by_rules = loss.plan(Mode::Backward, &options.clone().calibrate(Calibrate::Never)).unwrap().peak_bytes();
+        let by_rules =
+            loss.measured_plan(Mode::Backward, &options.clone().calibrate(Calibrate::Never)).unwrap().peak_bytes();
         let (planned, measured) = planned_and_measured_at(&loss, arch.batch as usize);
         rules.push(error(by_rules, measured));
         calibrated.push(error(planned, measured));
@@ -1180,11 +1185,11 @@ fn generated_models_recomputed_in_training_loops() {
         let mut vs = nn::VarStore::new(CPU);
         let loss = arch.loss_as(&mut vs, arch.batch, kind, false);
         let whole = loss
-            .plan(Mode::Backward, &Options::new().recompute(Recompute::Never).budget(u64::MAX / 4))
+            .measured_plan(Mode::Backward, &Options::new().recompute(Recompute::Never).budget(u64::MAX / 4))
             .expect("a plan")
             .full_batch_peak_bytes();
         let options = Options::new().budget(whole * 6 / 10).recompute(Recompute::Always);
-        let Ok(plan) = loss.plan(Mode::Backward, &options) else {
+        let Ok(plan) = loss.measured_plan(Mode::Backward, &options) else {
             // Nothing fits 60% (a convolution's scratch space alone can be more): not this test's.
             continue;
         };
@@ -1237,11 +1242,11 @@ fn a_plan_that_was_low_is_corrected_for_later_steps() {
         let h = toma::lazy::lazy(&x, 0).apply(&fc);
         hidden.apply(&[&h]).unwrap().relu().sum(None)
     };
-    let whole = step().plan(Mode::Backward, &rules().budget(u64::MAX / 4)).unwrap();
+    let whole = step().measured_plan(Mode::Backward, &rules().budget(u64::MAX / 4)).unwrap();
     assert_eq!(whole.correction_bytes_per_sample(), 0, "a graph never run has no correction");
     let budget = whole.peak_bytes() * 3 / 2;
     let options = rules().budget(budget);
-    let first = step().plan(Mode::Backward, &options).unwrap();
+    let first = step().measured_plan(Mode::Backward, &options).unwrap();
     assert!(!first.splits(), "{first}");
     let before = memory::cpu_allocator_stats().unwrap().allocated;
     assert!(memory::reset_cpu_peak());
@@ -1249,7 +1254,7 @@ fn a_plan_that_was_low_is_corrected_for_later_steps() {
     let measured = memory::cpu_allocator_stats().unwrap().peak_allocated - before;
     assert!(measured > budget, "the hidden scratch breaks the plan: measured {measured}, budget {budget}");
 
-    let second = step().plan(Mode::Backward, &options).unwrap();
+    let second = step().measured_plan(Mode::Backward, &options).unwrap();
     let shown = second.to_string();
     // The scratch is 8 KiB a sample; the plan's own peak (in the backward) covers part of it.
     assert!(second.correction_bytes_per_sample() >= 1 << 10, "{shown}");
@@ -1291,15 +1296,14 @@ fn corrections_remembered_in_a_file_reach_the_next_process() {
         let fc = nn::linear(vs.root() / "fc", 256, 256, Default::default());
         let x = Tensor::randn([64, 256], (Kind::Float, CPU));
         let loss = hidden.apply(&[&toma::lazy::lazy(&x, 0).apply(&fc)]).unwrap().relu().sum(None);
-        let whole = loss.plan(Mode::Backward, &rules().budget(u64::MAX / 4)).unwrap();
+        let whole = loss.measured_plan(Mode::Backward, &rules().budget(u64::MAX / 4)).unwrap();
         let options = rules().budget(whole.peak_bytes() * 3);
-        let plan = loss.plan(Mode::Backward, &options).unwrap();
+        let plan = loss.measured_plan(Mode::Backward, &options).unwrap();
         if what == "run" {
             loss.backward_with(&options).unwrap();
         }
         // Calibration (the op is a user's: no rule knows it) is remembered in the same file.
-        let calibrated = loss.plan(Mode::Backward, &Options::new().budget(whole.peak_bytes() * 3)).unwrap();
-        let cal = calibrated.calibration();
+        let cal = loss.calibrate(Mode::Backward, &Options::new().budget(whole.peak_bytes() * 3)).unwrap();
         // On a line of its own: the harness printed the test name without a newline.
         println!(
             "\nCHILD-DONE correction={} held={} measured={} remembered={}",
@@ -1371,7 +1375,7 @@ fn an_op_no_rule_knows_is_measured_before_its_first_step() {
         let loss = hidden.apply(&[&toma::lazy::lazy(&x, 0).apply(&fc)]).unwrap().relu().sum(None);
         for how in [Calibrate::Auto, Calibrate::Never] {
             let options = Options::new().micro_batch(micro).calibrate(how);
-            let plan = loss.plan(Mode::Backward, &options).unwrap();
+            let plan = loss.measured_plan(Mode::Backward, &options).unwrap();
             let before = memory::cpu_allocator_stats().unwrap().allocated;
             assert!(memory::reset_cpu_peak());
             loss.backward_with(&options).unwrap();
@@ -1417,7 +1421,7 @@ fn a_thread_count_the_rules_were_not_read_on_is_calibrated() {
         arch.loss_as(&mut warm, 2, kind, false).backward_with(&Options::new()).expect("a warm-up step");
         let mut vs = nn::VarStore::new(CPU);
         let loss = arch.loss_as(&mut vs, arch.batch, kind, false);
-        let plan = loss.plan(Mode::Backward, &options).expect("a plan");
+        let plan = loss.measured_plan(Mode::Backward, &options).expect("a plan");
         let cal = plan.calibration();
         assert!(cal.measured + cal.remembered > 0, "convolutions on 3 threads are measured: {plan}");
         let opt = nn::Sgd::default().build(&vs, 1e-3).unwrap();
@@ -1639,17 +1643,17 @@ fn a_fixed_excess_is_held_whole_at_smaller_micro_batches() {
     };
     // A first run, unconstrained, measures the excess.
     let unconstrained = rules().budget(u64::MAX / 4);
-    let whole = step().plan(Mode::Backward, &unconstrained).unwrap();
+    let whole = step().measured_plan(Mode::Backward, &unconstrained).unwrap();
     let before = memory::cpu_allocator_stats().unwrap().allocated;
     assert!(memory::reset_cpu_peak());
     step().backward_with(&unconstrained).unwrap();
     let excess = memory::cpu_allocator_stats().unwrap().peak_allocated - before - whole.peak_bytes();
     assert!(excess > WORKSPACE as u64 / 2, "the workspace breaks the plan: {excess}");
     // It fits beside half the batch, not beside the whole: the plan splits, and holds all of it.
-    let one = step().plan(Mode::Backward, &rules().micro_batch(1)).unwrap();
+    let one = step().measured_plan(Mode::Backward, &rules().micro_batch(1)).unwrap();
     let budget = excess + (whole.peak_bytes() + one.peak_bytes()) / 2;
     let options = rules().budget(budget);
-    let second = step().plan(Mode::Backward, &options).unwrap();
+    let second = step().measured_plan(Mode::Backward, &options).unwrap();
     let shown = second.to_string();
     assert!(second.splits(), "{shown}");
     assert!(second.correction_bytes() >= excess, "the excess is held whole: {shown}");
@@ -1756,7 +1760,7 @@ fn generated_transformers_and_forward_plans_calibrated() {
         let h = if decoder { dec.forward_t(&lx, train) } else { encoder.forward_t(&lx, None, train) };
         let loss = h.apply(&head).view([-1, 50]).cross_entropy_for_logits(&ly.view([-1]));
         let options = calibrated.clone().micro_batch((batch as usize / chunks).max(1));
-        let plan = loss.plan(Mode::Backward, &options).expect("a plan");
+        let plan = loss.measured_plan(Mode::Backward, &options).expect("a plan");
         assert!(plan.calibration().measured + plan.calibration().remembered > 0, "{plan}");
         let before = memory::cpu_allocator_stats().expect("tracking").allocated;
         assert!(memory::reset_cpu_peak());
@@ -1779,7 +1783,7 @@ fn generated_transformers_and_forward_plans_calibrated() {
                 _ => logits.sum_dim_intlist(-1, false, None),
             };
             let options = calibrated.clone().micro_batch(micro);
-            let planned = out.plan(Mode::Forward, &options).expect("a plan").peak_bytes();
+            let planned = out.measured_plan(Mode::Forward, &options).expect("a plan").peak_bytes();
             let before = memory::cpu_allocator_stats().expect("tracking").allocated;
             assert!(memory::reset_cpu_peak());
             let value = out.to_tensor_with(&options).expect("a value");
@@ -1846,18 +1850,18 @@ fn generated_transformers_recomputed_as_planned() {
         }
         let loss = h.apply(&head).view([-1, 50]).cross_entropy_for_logits(&ly.view([-1]));
         let whole = loss
-            .plan(Mode::Backward, &Options::new().recompute(Recompute::Never).budget(u64::MAX / 4))
+            .measured_plan(Mode::Backward, &Options::new().recompute(Recompute::Never).budget(u64::MAX / 4))
             .expect("a plan")
             .full_batch_peak_bytes();
         let options = Options::new().budget(whole * 6 / 10).recompute(Recompute::Always);
-        let Ok(plan) = loss.plan(Mode::Backward, &options) else { continue };
+        let Ok(plan) = loss.measured_plan(Mode::Backward, &options) else { continue };
         // Warm-up: lazily created kernels' state, not measured.
         loss.backward_with(&options).expect("a warm-up step");
         let before = memory::cpu_allocator_stats().expect("tracking").allocated;
         assert!(memory::reset_cpu_peak());
         loss.backward_with(&options).expect("forward and backward");
         let measured = memory::cpu_allocator_stats().expect("tracking").peak_allocated - before;
-        let planned = loss.plan(Mode::Backward, &options).expect("a plan").peak_bytes();
+        let planned = loss.measured_plan(Mode::Backward, &options).expect("a plan").peak_bytes();
         let describe = format!(
             "{} d{d} h{heads} t{t} p{dropout} {kind:?} b{batch}: {} segments{}",
             if decoder { "decoder" } else { "encoder" },
@@ -2016,7 +2020,7 @@ fn convolution_plan_corpus() {
         };
         let Ok(y) = y else { continue };
         let loss = y.relu().sum(None);
-        if loss.plan(Mode::Backward, &Options::new().budget(u64::MAX)).is_ok() {
+        if loss.measured_plan(Mode::Backward, &Options::new().budget(u64::MAX)).is_ok() {
             planned += 1;
         }
     }
@@ -2049,7 +2053,7 @@ fn forward_only_plans_hold_what_is_concatenated() {
                 _ => logits.sum_dim_intlist(-1, false, None),
             };
             let options = Options::new().micro_batch(micro);
-            let planned = out.plan(Mode::Forward, &options).expect("a plan").peak_bytes();
+            let planned = out.measured_plan(Mode::Forward, &options).expect("a plan").peak_bytes();
             let before = memory::cpu_allocator_stats().expect("tracking").allocated;
             assert!(memory::reset_cpu_peak());
             let value = out.to_tensor_with(&options).expect("a value");
@@ -3075,7 +3079,7 @@ fn einsum_peaks_as_planned() {
             let (planned, measured) = planned_and_measured_at(&lazy_loss(), micro);
             rows.push(format!("einsum {equation} micro {micro}"), planned, measured);
         }
-        let planned = lazy_loss().plan(Mode::Backward, &Options::new().micro_batch(16)).unwrap().peak_bytes();
+        let planned = lazy_loss().measured_plan(Mode::Backward, &Options::new().micro_batch(16)).unwrap().peak_bytes();
         let before = memory::cpu_allocator_stats().expect("tracking").allocated;
         assert!(memory::reset_cpu_peak());
         {
@@ -3370,7 +3374,7 @@ fn a_split_step_holds_one_copy_of_the_gradients() {
         });
         clear(&vs);
         let options = Options::new().micro_batch(micro as usize);
-        let planned = whole_lazy.plan(Mode::Backward, &options).unwrap().peak_bytes();
+        let planned = whole_lazy.measured_plan(Mode::Backward, &options).unwrap().peak_bytes();
         let split = peak(&mut || {
             whole_lazy.backward_with(&options).unwrap();
         });
@@ -3406,7 +3410,7 @@ fn a_split_step_holds_one_copy_of_the_gradients() {
         for fraction in [0.9, 0.7] {
             let options = Options::new().budget((whole as f64 * fraction) as u64);
             clear(&vs);
-            let Ok(plan) = loss.plan(Mode::Backward, &options) else { continue };
+            let Ok(plan) = loss.measured_plan(Mode::Backward, &options) else { continue };
             if !plan.splits() || plan.recomputes() {
                 continue;
             }
@@ -3610,10 +3614,10 @@ fn autocast_steps_peak_as_planned() {
         opt.zero_grad();
         cast().backward().unwrap();
         opt.zero_grad();
-        let full = loss().plan(Mode::Backward, &Options::new()).unwrap().peak_bytes();
-        let whole = cast().plan(Mode::Backward, &Options::new()).unwrap().peak_bytes();
+        let full = loss().measured_plan(Mode::Backward, &Options::new()).unwrap().peak_bytes();
+        let whole = cast().measured_plan(Mode::Backward, &Options::new()).unwrap().peak_bytes();
         let recompute = Options::new().recompute(Recompute::Always).budget(whole * 3 / 4);
-        let recomputes = cast().plan(Mode::Backward, &recompute).is_ok_and(|p| p.recomputes());
+        let recomputes = cast().measured_plan(Mode::Backward, &recompute).is_ok_and(|p| p.recomputes());
         let mut ways = vec![("whole", Options::new()), ("split", Options::new().micro_batch(*n as usize / 2))];
         if recomputes {
             ways.push(("recomputed", recompute));
@@ -3622,7 +3626,7 @@ fn autocast_steps_peak_as_planned() {
             for step in 0..3 {
                 opt.zero_grad();
                 let l = cast();
-                let plan = l.plan(Mode::Backward, &options).unwrap();
+                let plan = l.measured_plan(Mode::Backward, &options).unwrap();
                 let before = memory::cpu_allocator_stats().unwrap().allocated;
                 assert!(memory::reset_cpu_peak());
                 l.backward_with(&options).unwrap();

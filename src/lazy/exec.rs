@@ -7,7 +7,7 @@ use super::cost::CostModel;
 use super::error::LazyError;
 use super::graph::{Flow, LazyTensor, RunCx, Share, Source};
 use super::options::Options;
-use super::plan::{self, Compiled, Corrections, Decision, Mode, Segments};
+use super::plan::{self, Compiled, Corrections, Decision, Measure, Mode, Segments};
 use crate::oom::OutOfMemory;
 use crate::retry::Range;
 
@@ -397,9 +397,9 @@ struct Prepared {
 
 fn prepare(output: &LazyTensor, mode: Mode, options: &Options) -> Result<Prepared, LazyError> {
     let c = plan::compile(output)?;
-    let d = plan::decide(&c, mode, options)?;
+    let d = plan::decide(&c, mode, options, Measure::Now)?;
     let chunks = (c.batch as usize).div_ceil(d.micro_batch);
-    let calibration = c.calibration();
+    let calibration = d.evidence.calibration();
     tracing::info!(
         mode = ?mode,
         op = c.output().op.name(),
@@ -474,7 +474,13 @@ fn run_chunks(
         if let Some(peak) = peak {
             let measured = peak.saturating_sub(before);
             let planned = p.d.peak_at(&p.c, b as u64);
-            if let Some(reserve) = Corrections::process().record(&p.c, p.d.mode, b as u64, planned, measured) {
+            if let Some(reserve) = Corrections::process().record(
+                &p.c,
+                (p.d.mode, p.d.evidence.calibrated_any()),
+                b as u64,
+                planned,
+                measured,
+            ) {
                 tracing::warn!(
                     micro_batch = b,
                     planned,

@@ -35,7 +35,10 @@ pub enum Recompute {
 /// the instruction set oneDNN uses, the threads), and so is a call no rule knows (a
 /// [`CustomOp`](crate::lazy::CustomOp)). The call runs alone at 1, 2, 8, 32 and 128 samples
 /// on stand-in inputs under the allocator counter (every power of two between where one line
-/// does not fit them), and the plan uses what the counter saw. A call is measured once per
+/// does not fit them), and the plan uses what the counter saw. A step measures before it plans;
+/// [`LazyTensor::plan`](crate::lazy::LazyTensor::plan) runs nothing, and finds what
+/// [`LazyTensor::calibrate`](crate::lazy::LazyTensor::calibrate) or an earlier step measured
+/// (what it lacks, it prices by rules and says so). A call is measured once per
 /// shape in a process (and across processes with
 /// [`remember_corrections`](crate::lazy::remember_corrections)); the printed plan says how many
 /// calls were measured, what that took, how many the rules priced and for which machine.
@@ -46,7 +49,7 @@ pub enum Calibrate {
     /// Measure the calls no rule read on this machine prices, where an allocator counts.
     #[default]
     Auto,
-    /// Never measure: rules only (plans run nothing before the step).
+    /// Never measure: rules only (steps run nothing before they run the graph).
     Never,
     /// Measure every call a rule prices, validated or not, and every custom op: what a plan
     /// would be on a machine where no rule was read.
@@ -225,6 +228,7 @@ impl Options {
     /// toma::memory::track_cpu_allocations();
     /// let x = Tensor::randn([64, 32], (Kind::Float, Device::Cpu));
     /// let y = op.apply(&[&lazy(&x, 0)])?.sum(None);
+    /// y.calibrate(Mode::Forward, &Options::new())?;
     /// let measured = y.plan(Mode::Forward, &Options::new())?;
     /// let rules = y.plan(Mode::Forward, &Options::new().calibrate(Calibrate::Never))?;
     /// assert_eq!(measured.calibration().measured + measured.calibration().remembered, 1);

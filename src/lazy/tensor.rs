@@ -234,15 +234,45 @@ impl LazyTensor {
     }
 
     /// The memory plan of computing this value ([`Mode::Forward`]) or of forward and backward
-    /// ([`Mode::Backward`]). Runs nothing.
+    /// ([`Mode::Backward`]). Runs nothing: kernel calls no rule read on this machine prices are
+    /// priced by what [`calibrate`](Self::calibrate) or an earlier step measured, and where
+    /// nothing was, by their rules, which the plan says ([`Plan::calibration`]). The same graph
+    /// with the same measurements plans the same.
     ///
     /// # Errors
     /// [`LazyError::DoesNotFit`] when even one sample exceeds the budget, and
     /// [`LazyError::MixesBatch`] / [`LazyError::NotSplittable`] as evaluation would report them.
     pub fn plan(&self, mode: Mode, options: &Options) -> Result<Plan, LazyError> {
+        plan::plan(self, mode, options)
+    }
+
+    /// Measures the kernel calls of this value's plan (in `mode`) that no rule read on this
+    /// machine prices, as the first step would ([`Options::calibrate`] says which): each alone,
+    /// on stand-in inputs, where an allocator counts (on CUDA, or on the CPU after
+    /// [`track_cpu_allocations`](crate::memory::track_cpu_allocations)). Later plans and steps
+    /// of graphs with these calls find them measured. libtorch's random generator is left as
+    /// it was.
+    ///
+    /// ```
+    /// use tch::{Device, Kind, Tensor};
+    /// use toma::lazy::{lazy, Mode, Options};
+    ///
+    /// let x = Tensor::randn([8, 3, 10, 10], (Kind::Float, Device::Cpu));
+    /// let w = Tensor::randn([4, 3, 3, 3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    /// let loss = lazy(&x, 0).conv2d(&w, None::<&Tensor>, 1, 1, 1, 1).sum(Kind::Float);
+    /// let measured = loss.calibrate(Mode::Backward, &Options::new())?;
+    /// let plan = loss.plan(Mode::Backward, &Options::new())?;
+    /// // What was measured now is found by the plan.
+    /// assert_eq!(plan.calibration().remembered, measured.measured + measured.remembered);
+    /// # Ok::<(), toma::lazy::LazyError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`LazyError::NotScalar`] for [`Mode::Backward`] of a value that is not a scalar.
+    pub fn calibrate(&self, mode: Mode, options: &Options) -> Result<crate::lazy::Calibration, LazyError> {
         // Calibration's kernels measure the graph's own kinds, not libtorch's casts of them.
         let _suspended = crate::autocast::Suspended::new();
-        plan::plan(self, mode, options)
+        plan::calibrate(self, mode, options)
     }
 
     /// The first element's value as `f64`, computed (tch's `double_value`).

@@ -84,6 +84,8 @@ fn auto_measures_convolutions_on_any_machine_but_the_rules_one() {
     let x = Tensor::randn([16, 3, 12, 12], (Kind::Float, Device::Cpu));
     let w = Tensor::randn([8, 3, 3, 3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
     let loss = lazy(&x, 0).conv2d(&w, None::<&Tensor>, 1, 1, 1, 1).relu().sum(Kind::Float);
+    // A plan runs nothing; calibrating measures what it will find.
+    loss.calibrate(Mode::Backward, &Options::new()).unwrap();
     let plan = loss.plan(Mode::Backward, &Options::new()).unwrap();
     let cal = plan.calibration();
     let here = CpuMachine::host();
@@ -102,4 +104,49 @@ fn auto_measures_convolutions_on_any_machine_but_the_rules_one() {
     let never = loss.plan(Mode::Backward, &Options::new().calibrate(Calibrate::Never)).unwrap();
     assert!(never.calibration().is_empty(), "{:?}", never.calibration());
     println!("\nauto-measures measured={measured} by_rules={}", cal.by_rules);
+}
+
+/// A plan runs no kernel, even where calls want measuring (`Calibrate::Always`): it says what
+/// it lacks and prices those calls by their rules. `calibrate` measures them; a plan then finds
+/// them, still running nothing, and plans the same every time it is asked. In a child process,
+/// as above.
+#[test]
+fn a_plan_runs_nothing_and_says_what_it_lacks() {
+    if std::env::var_os("TOMA_PLAN_RUNS_NOTHING_CHILD").is_none() {
+        let out =
+            child::run("machine::a_plan_runs_nothing_and_says_what_it_lacks", "TOMA_PLAN_RUNS_NOTHING_CHILD", "1");
+        out.assert_finished("runs-nothing ");
+        return;
+    }
+    assert!(toma::memory::track_cpu_allocations());
+    let allocations = || toma::memory::cpu_allocator_stats().expect("tracking").allocations;
+    let x = Tensor::randn([16, 3, 12, 12], (Kind::Float, Device::Cpu));
+    let w = Tensor::randn([8, 3, 3, 3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let loss = lazy(&x, 0).conv2d(&w, None::<&Tensor>, 1, 1, 1, 1).relu().sum(Kind::Float);
+    let always = Options::new().calibrate(Calibrate::Always);
+
+    let before = allocations();
+    let lacking = loss.plan(Mode::Backward, &always).unwrap();
+    assert_eq!(allocations(), before, "a plan allocated, so it ran something\n{lacking}");
+    let cal = lacking.calibration();
+    assert!(cal.unmeasured >= 1 && cal.measured + cal.remembered == 0, "{cal:?}");
+    let why = cal.why_unmeasured.as_deref().unwrap_or_default();
+    assert!(why.contains("calibrate"), "the plan says how to measure what it lacks: {why}");
+    assert!(lacking.to_string().contains("not calibrated"), "{lacking}");
+
+    let measured = loss.calibrate(Mode::Backward, &always).unwrap();
+    assert!(measured.measured >= 1, "{measured:?}");
+    assert!(allocations() > before, "calibration runs the calls it measures");
+
+    let before = allocations();
+    let found = loss.plan(Mode::Backward, &always).unwrap();
+    let again = loss.plan(Mode::Backward, &always).unwrap();
+    assert_eq!(allocations(), before, "a plan allocated, so it ran something\n{found}");
+    let cal = found.calibration();
+    assert_eq!((cal.measured, cal.unmeasured), (0, 0), "{cal:?}");
+    assert_eq!(cal.remembered, measured.measured + measured.remembered, "{cal:?}");
+    // The same graph with the same evidence: the same plan, every figure and line of it.
+    assert_eq!(found.to_string(), again.to_string());
+    assert_eq!(format!("{:?}", found.steps()), format!("{:?}", again.steps()));
+    println!("\nruns-nothing lacking={} measured={}", lacking.calibration().unmeasured, measured.measured);
 }

@@ -9,6 +9,29 @@ use std::task::{Context, Poll, Wake, Waker};
 #[cfg(feature = "tch")]
 pub mod models;
 
+/// A plan as the step makes it: what the step would measure first (calls no rule read on this
+/// machine prices) is measured, then planned. A plan alone runs nothing.
+#[cfg(feature = "tch")]
+pub trait MeasuredPlan {
+    fn measured_plan(
+        &self,
+        mode: toma::lazy::Mode,
+        options: &toma::lazy::Options,
+    ) -> Result<toma::lazy::Plan, toma::lazy::LazyError>;
+}
+
+#[cfg(feature = "tch")]
+impl MeasuredPlan for toma::lazy::LazyTensor {
+    fn measured_plan(
+        &self,
+        mode: toma::lazy::Mode,
+        options: &toma::lazy::Options,
+    ) -> Result<toma::lazy::Plan, toma::lazy::LazyError> {
+        self.calibrate(mode, options)?;
+        self.plan(mode, options)
+    }
+}
+
 /// Warms libtorch up (its thread pool, its first allocations) and caps `kind` at what is in
 /// use now plus `headroom_gib`. Returns the headroom in bytes. For child processes only: a cap
 /// cannot be raised again.

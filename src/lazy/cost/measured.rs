@@ -259,8 +259,15 @@ fn call_hash(call: &KernelCall<'_>) -> u64 {
 }
 
 /// Measures what `nodes` need measured under `how`, or finds it measured; `model` says which
-/// calls its rules were validated for.
-pub(crate) fn calibrate(nodes: &[Rc<Node>], model: &CostModel, training: bool, how: Calibrate) -> Rc<Calibrated> {
+/// calls its rules were validated for. Without `measure`, only finds: nothing runs, and what
+/// was never measured is counted unmeasured, with the reason.
+pub(crate) fn calibrate(
+    nodes: &[Rc<Node>],
+    model: &CostModel,
+    training: bool,
+    how: Calibrate,
+    measure: bool,
+) -> Rc<Calibrated> {
     if how == Calibrate::Never || nodes.is_empty() {
         return Rc::new(Calibrated::empty(training));
     }
@@ -274,7 +281,7 @@ pub(crate) fn calibrate(nodes: &[Rc<Node>], model: &CostModel, training: bool, h
         let summary = Calibration { measured: 0, remembered: found, elapsed: Duration::ZERO, ..cal.summary.clone() };
         return Rc::new(Calibrated { summary, by_node: cal.by_node.clone(), training, new: Vec::new() });
     }
-    let cal = Rc::new(measure_graph(nodes, model, training, how, threads));
+    let cal = Rc::new(measure_graph(nodes, model, training, how, threads, measure));
     // Graphs whose calls could not all be measured are tried again (a counter may start).
     if cal.summary.unmeasured == 0 {
         CALIBRATED.with(|c| {
@@ -289,12 +296,20 @@ pub(crate) fn calibrate(nodes: &[Rc<Node>], model: &CostModel, training: bool, h
 }
 
 impl Calibrated {
-    fn empty(training: bool) -> Calibrated {
+    /// Nothing measured: every node priced by its rules.
+    pub(crate) fn empty(training: bool) -> Calibrated {
         Calibrated { summary: Calibration::default(), by_node: Rc::new([]), training, new: Vec::new() }
     }
 }
 
-fn measure_graph(nodes: &[Rc<Node>], model: &CostModel, training: bool, how: Calibrate, threads: u64) -> Calibrated {
+fn measure_graph(
+    nodes: &[Rc<Node>],
+    model: &CostModel,
+    training: bool,
+    how: Calibrate,
+    threads: u64,
+    may_measure: bool,
+) -> Calibrated {
     let mut cal = Calibrated::empty(training);
     let mut by_node = Vec::new();
     let mut calls: Vec<KernelCall<'_>> = Vec::new();
@@ -326,7 +341,7 @@ fn measure_graph(nodes: &[Rc<Node>], model: &CostModel, training: bool, how: Cal
         Some(Device::Cuda(i)) => Some(i),
         _ => None,
     };
-    let counter = PeakCounter::for_device(device);
+    let counter = if may_measure { PeakCounter::for_device(device) } else { None };
     let started = Instant::now();
     let mut generator = None;
     // Found ones are read under one lock; the others are measured without it.
@@ -357,6 +372,12 @@ fn measure_graph(nodes: &[Rc<Node>], model: &CostModel, training: bool, how: Cal
             None => {
                 let Some(counter) = counter else {
                     cal.summary.unmeasured += 1;
+                    if !may_measure {
+                        cal.summary.why_unmeasured.get_or_insert_with(|| {
+                            "a plan runs nothing: LazyTensor::calibrate, or the first step, measures it".into()
+                        });
+                        continue;
+                    }
                     cal.summary.why_unmeasured.get_or_insert_with(|| {
                         "no allocator counts: call toma::memory::track_cpu_allocations() to measure CPU kernels".into()
                     });

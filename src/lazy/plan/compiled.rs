@@ -8,11 +8,9 @@ use std::rc::Rc;
 
 use tch::Device;
 
-use crate::lazy::cost::measured::{self, Calibrated};
 use crate::lazy::cost::{CostModel, Work};
 use crate::lazy::error::LazyError;
 use crate::lazy::graph::{Bytes, Flow, LazyTensor, Node, ParamKey, Source};
-use crate::lazy::options::Calibrate;
 use crate::lazy::shape;
 
 /// The graph of one output, compiled for planning and running: nodes in topological order
@@ -40,9 +38,6 @@ pub(crate) struct Compiled {
     /// Whether a backward of the whole batch accumulates straight into `.grad`: see
     /// [`Compiled::accumulates_in_place`].
     pub(super) in_place: OnceCell<bool>,
-    /// What calibration measured of the nodes no validated rule prices, once a plan asked
-    /// ([`Compiled::calibrate`]).
-    pub(super) calibrated: OnceCell<Rc<Calibrated>>,
     /// Full batch size (1 when nothing is batched).
     pub(crate) batch: i64,
     /// How the device prices kernel calls, and the block its allocator counts in.
@@ -74,21 +69,6 @@ pub(super) const F_GRAD_COPY: u8 = 64;
 pub(super) const F_GRAD_DENSE: u8 = 128;
 
 impl Compiled {
-    /// Measures the nodes no validated rule prices (under `how`), once per graph: later
-    /// schedules price them by what was measured. Returns what was measured now, for a file.
-    pub(crate) fn calibrate(&self, training: bool, how: Calibrate) -> &[(u64, measured::Measured)] {
-        if let Some(cal) = self.calibrated.get() {
-            debug_assert_eq!(cal.training(), training, "a graph is calibrated in one mode");
-            return &[];
-        }
-        &self.calibrated.get_or_init(|| measured::calibrate(&self.nodes, &self.model, training, how)).new[..]
-    }
-
-    /// What calibration did for this graph's plans.
-    pub(crate) fn calibration(&self) -> measured::Calibration {
-        self.calibrated.get().map(|c| c.summary.clone()).unwrap_or_default()
-    }
-
     pub(crate) fn len(&self) -> usize {
         self.nodes.len()
     }
@@ -359,7 +339,6 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
         param_grad_bytes,
         undefined_grad_bytes: OnceCell::new(),
         in_place: OnceCell::new(),
-        calibrated: OnceCell::new(),
         batch: batch.unwrap_or(1),
         model,
         block,

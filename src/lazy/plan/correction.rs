@@ -51,7 +51,7 @@ impl Reserve {
     }
 
     /// Records `excess` at `b`; whether the reserve changed.
-    fn add(&mut self, b: u64, excess: u64) -> bool {
+    pub(super) fn add(&mut self, b: u64, excess: u64) -> bool {
         match self.points.iter_mut().find(|(seen, _)| *seen == b) {
             Some((_, e)) if *e >= excess => false,
             Some((_, e)) => {
@@ -247,26 +247,34 @@ impl Corrections {
 
     /// The graph, device and mode, and whether calibration priced any of its nodes: an excess
     /// over the rules' plan is not one over the measured plan.
-    fn key(c: &Compiled, mode: Mode) -> u64 {
+    fn key(c: &Compiled, mode: Mode, calibrated: bool) -> u64 {
         let device = match c.device() {
             Device::Cuda(i) => i as u64 + 1,
             _ => 0,
         };
-        let calibrated = u64::from(c.calibrated.get().is_some_and(|cal| !cal.by_node().is_empty()));
+        let calibrated = u64::from(calibrated);
         crate::hash::mix(c.fingerprint ^ crate::hash::mix(device << 2 | calibrated << 1 | mode as u64))
     }
 
-    /// What this graph's plans hold in reserve.
-    pub(crate) fn of(&self, c: &Compiled, mode: Mode) -> Reserve {
+    /// What this graph's plans hold in reserve (`calibrated`: whether calibration priced any
+    /// of its nodes).
+    pub(crate) fn of(&self, c: &Compiled, mode: Mode, calibrated: bool) -> Reserve {
         let map = self.by_graph.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        map.get(&Self::key(c, mode)).cloned().unwrap_or_default()
+        map.get(&Self::key(c, mode, calibrated)).cloned().unwrap_or_default()
     }
 
     /// After a micro-batch of `b` samples: the allocator measured `measured` bytes above what
     /// was in use when it started, where the plan said `planned`. A measurement more than 2%
     /// over the plan is remembered, so that later plans of the graph hold; returns the reserve
     /// at `b` when it changed.
-    pub(crate) fn record(&self, c: &Compiled, mode: Mode, b: u64, planned: u64, measured: u64) -> Option<u64> {
+    pub(crate) fn record(
+        &self,
+        c: &Compiled,
+        (mode, calibrated): (Mode, bool),
+        b: u64,
+        planned: u64,
+        measured: u64,
+    ) -> Option<u64> {
         if (measured as f64) <= planned as f64 * TOLERANCE {
             return None;
         }
@@ -274,7 +282,7 @@ impl Corrections {
         if map.len() >= CAPACITY {
             map.clear();
         }
-        let key = Self::key(c, mode);
+        let key = Self::key(c, mode, calibrated);
         let reserve = map.entry(key).or_default();
         let changed = reserve.add(b.max(1), measured - planned).then(|| reserve.at(b.max(1)));
         drop(map);

@@ -28,6 +28,7 @@
 
 mod compiled;
 mod correction;
+mod evidence;
 mod recompute;
 mod report;
 mod schedule;
@@ -37,12 +38,14 @@ mod time;
 
 pub(crate) use compiled::Compiled;
 pub(crate) use correction::Corrections;
+pub(crate) use evidence::{Evidence, Machine, Measure};
 pub(crate) use recompute::Segments;
 pub use report::{Plan, PlanOp};
 pub use schedule::{Mode, Phase, Step};
-pub(crate) use search::{decide, Decision};
+pub(crate) use search::Decision;
 pub(crate) use time::{Choice, Timings};
 
+use super::cost::measured::Calibration;
 use super::error::LazyError;
 use super::graph::LazyTensor;
 use super::options::Options;
@@ -76,12 +79,32 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
     Ok(c)
 }
 
-/// Plans `output` in `mode` under `options`.
+/// What a step does before it runs: gathers the evidence (measuring what is missing where
+/// `measure` allows) and the machine, then plans with them.
+pub(crate) fn decide(c: &Compiled, mode: Mode, options: &Options, measure: Measure) -> Result<Decision, LazyError> {
+    let evidence = Evidence::gather(c, mode, options, measure);
+    search::plan(c, mode, options, &Machine::now(options, c.device()), &evidence)
+}
+
+/// Plans `output` in `mode` under `options` with the evidence at hand: runs nothing.
 pub(crate) fn plan(output: &LazyTensor, mode: Mode, options: &Options) -> Result<Plan, LazyError> {
+    let c = compile_for(output, mode)?;
+    let decision = decide(&c, mode, options, Measure::Never)?;
+    Ok(report::detail(c, decision))
+}
+
+/// Measures what no rule read on this machine prices in the plan of `output` in `mode`
+/// (under `options.calibrate`), for later plans and steps to find.
+pub(crate) fn calibrate(output: &LazyTensor, mode: Mode, options: &Options) -> Result<Calibration, LazyError> {
+    let c = compile_for(output, mode)?;
+    Ok(Evidence::gather(&c, mode, options, Measure::Now).calibration())
+}
+
+/// [`compile`], refusing a backward of what is not a scalar.
+fn compile_for(output: &LazyTensor, mode: Mode) -> Result<Compiled, LazyError> {
     let c = compile(output)?;
     if mode == Mode::Backward && !output.node.meta.shape.is_empty() && output.numel() != 1 {
         return Err(LazyError::NotScalar { op: output.op_name().into(), shape: output.size() });
     }
-    let decision = decide(&c, mode, options)?;
-    Ok(report::detail(c, decision))
+    Ok(c)
 }

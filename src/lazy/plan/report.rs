@@ -385,7 +385,7 @@ pub(crate) fn detail(c: Compiled, decision: Decision) -> Plan {
         steps: OnceCell::new(),
         recomputed: decision.segments.as_ref().map_or_else(Vec::new, |s| s.recomputed(&c).collect()),
         segments: decision.segments.as_ref().map_or_else(Vec::new, |s| s.starts.iter().map(|&p| p as usize).collect()),
-        calibration: c.calibration(),
+        calibration: decision.evidence.calibration(),
         last_use: c.last_use,
         correction: decision.reserved,
         why: decision.why,

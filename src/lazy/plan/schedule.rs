@@ -7,6 +7,7 @@ use super::compiled::{
 };
 use super::recompute::{Segments, HELD};
 use crate::lazy::cost::cuda::ReduceStaging;
+use crate::lazy::cost::measured::Calibrated;
 use crate::lazy::cost::{Price, Work};
 
 /// What a plan covers.
@@ -130,11 +131,11 @@ pub(crate) struct Prices {
 }
 
 impl Prices {
-    pub(crate) fn of(c: &Compiled) -> Prices {
+    /// The prices of `c`'s nodes: by their rules, or by what `calibrated` measured of them.
+    pub(crate) fn of(c: &Compiled, calibrated: &Calibrated) -> Prices {
         let mut calls = Vec::new();
-        let calibrated = c.calibrated.get();
         // Measured nodes, by position: walked alongside the nodes.
-        let mut measured = calibrated.map_or(&[][..], |cal| cal.by_node()).iter().peekable();
+        let mut measured = calibrated.by_node().iter().peekable();
         let mut priced: Vec<Price> = Vec::with_capacity(c.nodes.iter().filter(|x| x.cost.kernel_calls).count());
         let slot: Vec<u32> = c
             .nodes
@@ -146,9 +147,9 @@ impl Prices {
                     return NOT_PRICED;
                 }
                 let rule = if node.cost.kernel_calls { c.model.price(node, &mut calls) } else { Price::default() };
-                priced.push(match (m, calibrated) {
-                    (Some(m), Some(cal)) => m.price(rule, cal.training()),
-                    _ => rule,
+                priced.push(match m {
+                    Some(m) => m.price(rule, calibrated.training()),
+                    None => rule,
                 });
                 (priced.len() - 1) as u32
             })
@@ -385,10 +386,11 @@ impl<'c> Builder<'c> {
 }
 
 impl Schedule {
-    pub(crate) fn build(c: &Compiled, mode: Mode) -> Schedule {
+    /// The plain schedule of `c` in `mode`, its kernel calls priced as `calibrated` says.
+    pub(crate) fn build(c: &Compiled, mode: Mode, calibrated: &Calibrated) -> Schedule {
         let n = c.len();
         let training = mode == Mode::Backward;
-        let prices = Prices::of(c);
+        let prices = Prices::of(c, calibrated);
         let mut b = Builder::new(c, &prices, training);
         for i in 0..n {
             b.forward(i, training, &c.last_use, Phase::Forward);

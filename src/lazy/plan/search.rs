@@ -1,13 +1,12 @@
 //! The search: the budget, the largest micro-batch whose peak fits it, and whether the batch
 //! may be split at all.
 
-use tch::Device;
-
 use super::compiled::Compiled;
-use super::correction::{Corrections, Reserve};
+use super::evidence::{Evidence, Machine};
 use super::recompute::{Cuts, Segments};
 use super::schedule::{Mode, Outcome, Prices, Schedule};
 use super::time;
+use crate::lazy::cost::measured::Calibrated;
 use crate::lazy::error::LazyError;
 use crate::lazy::graph::Flow;
 use crate::lazy::options::{Options, Recompute};
@@ -39,6 +38,8 @@ pub(crate) struct Decision {
     /// The optimizer's step after the backward (`Options::step`): its name, and the peak it
     /// reaches (the gradients, the state it creates, its temporaries).
     pub(crate) optimizer: Option<(&'static str, u64)>,
+    /// What the plan was made with: calibration, the reserve, measured speeds.
+    pub(crate) evidence: Evidence,
 }
 
 impl Decision {
@@ -51,10 +52,18 @@ impl Decision {
     }
 }
 
-/// The budget, the micro-batch, recomputation and the split check: what planning and running
-/// both decide. A correction learned from earlier runs of the same graph ([`Corrections`])
-/// shrinks the budget the schedule is held to.
-pub(crate) fn decide(c: &Compiled, mode: Mode, options: &Options) -> Result<Decision, LazyError> {
+/// The plan of `c` in `mode` under `options`, on `machine`, with `evidence`: the budget, the
+/// micro-batch, recomputation and the split check. A function of its arguments: it runs no
+/// kernel and reads no store (gathering the evidence does that, before). A correction learned
+/// from earlier runs of the same graph (`evidence.reserve`) shrinks the budget the schedule is
+/// held to.
+pub(crate) fn plan(
+    c: &Compiled,
+    mode: Mode,
+    options: &Options,
+    machine: &Machine,
+    evidence: &Evidence,
+) -> Result<Decision, LazyError> {
     let step = options.step.as_ref().filter(|_| mode == Mode::Backward);
     // The optimizer's step runs once the backward has let its activations go: beside the
     // gradients it made, the state a first step creates and the step's temporaries.
@@ -69,7 +78,7 @@ pub(crate) fn decide(c: &Compiled, mode: Mode, options: &Options) -> Result<Deci
             .collect();
         (step.name, c.undefined_grad_bytes() + step.bytes(|a| reached.contains(&a)))
     });
-    let mut d = match decide_pass(c, mode, options) {
+    let mut d = match plan_pass(c, mode, options, machine, evidence) {
         // What the whole step needs, not less: the optimizer's peak where it is the higher.
         Err(LazyError::DoesNotFit { peak, budget, .. }) if step_peak.is_some_and(|(_, p)| p > peak) => {
             let (name, p) = step_peak.expect("checked");
@@ -93,21 +102,24 @@ fn step_does_not_fit(c: &Compiled, name: &str, peak: u64, budget: u64) -> LazyEr
     fits_nowhere(c, peak, (c.len() - 1, format!("{name} step")), budget, 0, whole, None, Some(why.into()))
 }
 
-/// [`decide`] for the forward and backward passes.
-fn decide_pass(c: &Compiled, mode: Mode, options: &Options) -> Result<Decision, LazyError> {
-    // Calls no validated rule prices are measured first: every schedule below prices them so.
-    let measured_now = c.calibrate(mode == Mode::Backward, options.calibrate);
-    Corrections::process().remember_calibrations(measured_now);
-    let schedule = Schedule::build(c, mode);
-    let budget = budget(options, c.device());
-    let correction = Corrections::process().of(c, mode);
+/// [`plan`] for the forward and backward passes.
+fn plan_pass(
+    c: &Compiled,
+    mode: Mode,
+    options: &Options,
+    machine: &Machine,
+    evidence: &Evidence,
+) -> Result<Decision, LazyError> {
+    let schedule = Schedule::build(c, mode, &evidence.calibrated);
+    let budget = machine.budget;
+    let correction = &evidence.reserve;
     let n = c.batch.max(1) as u64;
     let may_recompute = mode == Mode::Backward
         && options.recompute != Recompute::Never
         && options.micro_batch.is_none()
-        && generator_replays();
+        && machine.replays;
     if may_recompute && !schedule.simulate(n).fits(c, budget.saturating_sub(correction.at(n)), n).0 {
-        return recomputing(c, mode, options, schedule, budget, &correction);
+        return recomputing(c, mode, options, schedule, budget, evidence);
     }
     let why = if options.micro_batch.is_some() {
         "the micro-batch was asked for (Options::micro_batch)"
@@ -116,20 +128,7 @@ fn decide_pass(c: &Compiled, mode: Mode, options: &Options) -> Result<Decision, 
     } else {
         "the largest micro-batch that fits, recomputing nothing"
     };
-    split_decision(c, mode, options, schedule, None, budget, &correction, why.into())
-}
-
-/// Whether a recomputed segment can replay libtorch's random generator (toma's shim is built):
-/// without it nothing is recomputed, and plans split as before.
-fn generator_replays() -> bool {
-    static REPLAYS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *REPLAYS.get_or_init(|| {
-        let replays = crate::memory::generator_state(None).is_ok();
-        if !replays {
-            tracing::warn!("toma::lazy: the libtorch shim is not built: plans split and never recompute");
-        }
-        replays
-    })
+    split_decision(c, mode, options, schedule, None, budget, evidence, why.into())
 }
 
 /// The plan of a backward whose whole batch does not fit as it is: micro-batches, recomputed
@@ -140,8 +139,9 @@ fn recomputing(
     options: &Options,
     schedule: Schedule,
     budget: u64,
-    correction: &Reserve,
+    evidence: &Evidence,
 ) -> Result<Decision, LazyError> {
+    let correction = &evidence.reserve;
     let n = c.batch.max(1) as u64;
     let held = budget.saturating_sub(correction.at(n));
     let refused =
@@ -149,7 +149,7 @@ fn recomputing(
             .err()
             .map(|e| split_refusal(&e));
     let split_allowed = refused.is_none() && options.retry;
-    let (fit, lowest) = search_segments(c, n, held);
+    let (fit, lowest) = search_segments(c, &evidence.calibrated, n, held);
     let plain_seconds = time::step_seconds(c, n, None);
     // What the whole batch would peak at as it is: the plan's "whole batch" figure.
     let plain = schedule.simulate(n).resolve(c, n).0;
@@ -171,6 +171,7 @@ fn recomputing(
             why,
             seconds: (seconds, plain_seconds),
             optimizer: None,
+            evidence: evidence.clone(),
         }
     };
     if let Some(refused) = refused {
@@ -198,7 +199,7 @@ fn recomputing(
             schedule.clone(),
             None,
             budget,
-            correction,
+            evidence,
             "the largest micro-batch that fits, recomputing nothing".into(),
         )
     };
@@ -209,7 +210,7 @@ fn recomputing(
             let why = format!(
                 "neither micro-batches nor recomputing alone fits: {count} segments recomputed, in micro-batches"
             );
-            split_decision(c, mode, options, sched, Some(segments), budget, correction, why)
+            split_decision(c, mode, options, sched, Some(segments), budget, evidence, why)
         })
     };
     match (options.recompute, fit) {
@@ -234,9 +235,7 @@ fn recomputing(
         },
         (_, Some(fit)) => {
             // Estimates scaled by what earlier steps of this graph measured, where they did.
-            let timings = time::Timings::process();
-            let (split_factor, recompute_factor) =
-                (timings.factor(c, time::Choice::Split), timings.factor(c, time::Choice::Recompute));
+            let (split_factor, recompute_factor) = (evidence.speed.split, evidence.speed.recompute);
             let recompute_prior = time::step_seconds(c, n, Some(&fit.0));
             match split() {
                 Ok(mut d) => {
@@ -244,15 +243,14 @@ fn recomputing(
                     // Ratios to one reference, the prior's plain whole-batch step (what
                     // `Plan::estimated_time_ratio` reports); what measured steps of this graph
                     // showed scales the comparison, and is said apart.
-                    let measured =
-                        if timings.measured(c, time::Choice::Split) || timings.measured(c, time::Choice::Recompute) {
-                            format!(
-                                ", scaled by what earlier steps of this graph measured ({split_factor:.2}x and \
+                    let measured = if evidence.speed.measured {
+                        format!(
+                            ", scaled by what earlier steps of this graph measured ({split_factor:.2}x and \
                                  {recompute_factor:.2}x the estimates)"
-                            )
-                        } else {
-                            String::new()
-                        };
+                        )
+                    } else {
+                        String::new()
+                    };
                     let (split_ratio, recompute_ratio) = (split_prior / plain_seconds, recompute_prior / plain_seconds);
                     if split_prior * split_factor <= recompute_prior * recompute_factor {
                         d.why = format!(
@@ -349,11 +347,12 @@ fn split_refusal(e: &LazyError) -> String {
 #[allow(clippy::type_complexity)]
 fn search_segments(
     c: &Compiled,
+    calibrated: &Calibrated,
     b: u64,
     held: u64,
 ) -> (Option<(Segments, Schedule, (Outcome, u64))>, Option<(Segments, Schedule, (Outcome, u64))>) {
     let cuts = Cuts::new(c);
-    let prices = Prices::of(c);
+    let prices = Prices::of(c, calibrated);
     // Past about 2·sqrt(n) segments, the boundaries outweigh what a segment saves.
     let most = (2.0 * (c.len() as f64).sqrt()) as usize + 4;
     let mut lowest: Option<(Segments, Schedule, (Outcome, u64))> = None;
@@ -406,9 +405,10 @@ fn split_decision(
     schedule: Schedule,
     segments: Option<Segments>,
     budget: u64,
-    correction: &Reserve,
+    evidence: &Evidence,
     why: String,
 ) -> Result<Decision, LazyError> {
+    let correction = &evidence.reserve;
     // Held whole at fewer samples (an excess may be fixed); where nothing fits so, the excess
     // is taken as per-sample, and the run measures which it was.
     let chosen = match choose(c, &schedule, budget, &|b| correction.at(b), options) {
@@ -462,20 +462,8 @@ fn split_decision(
         why,
         seconds,
         optimizer: None,
+        evidence: evidence.clone(),
     })
-}
-
-/// The budget in bytes: the user's, or the free memory of the device less the margin.
-pub(crate) fn budget(options: &Options, device: Device) -> u64 {
-    if let Some(b) = options.budget {
-        return b;
-    }
-    let free = match device {
-        // The driver's free bytes plus what libtorch's caching allocator holds unused.
-        Device::Cuda(i) => crate::memory::cuda_usable_memory(i).unwrap_or_else(crate::cpu_memory::available_cpu_memory),
-        _ => crate::cpu_memory::available_cpu_memory(),
-    };
-    (free as f64 * (1.0 - options.margin)) as u64
 }
 
 /// The chosen micro-batch and the peak there.

@@ -7,6 +7,7 @@ use std::sync::{Mutex, OnceLock};
 
 use super::compiled::Compiled;
 use super::schedule::{Mode, Schedule, Step};
+use crate::lazy::cost::measured::Calibrated;
 
 fn file() -> Option<&'static Mutex<std::fs::File>> {
     static FILE: OnceLock<Option<Mutex<std::fs::File>>> = OnceLock::new();
@@ -43,7 +44,9 @@ pub(super) fn write(c: &Compiled) {
     sizes.dedup();
     let mut out = format!("{structure:016x} n={n} ops={}", c.len());
     for mode in [Mode::Forward, Mode::Backward] {
-        let schedule = Schedule::build(c, mode);
+        // Rules only: what a snapshot compares is the planner, not this machine's measurements.
+        let rules = Calibrated::empty(mode == Mode::Backward);
+        let schedule = Schedule::build(c, mode, &rules);
         for &b in &sizes {
             let mut steps: Vec<Step> = Vec::new();
             schedule.eval(b, Some(&mut steps));

@@ -98,7 +98,7 @@ impl Timings {
 mod tests {
     use super::{Choice, Timings};
     use crate::lazy::options::{Options, Recompute};
-    use crate::lazy::plan::{compile, decide, Mode};
+    use crate::lazy::plan::{compile, decide, Measure, Mode};
     use tch::{Device, Kind, Tensor};
 
     /// Measured step times steer the choice between splitting and recomputing for their graph.
@@ -113,19 +113,19 @@ mod tests {
         }
         let loss = h.sum(None);
         let c = compile(&loss).unwrap();
-        let whole = decide(&c, Mode::Backward, &Options::new().budget(u64::MAX / 4)).unwrap().peak;
+        let whole = decide(&c, Mode::Backward, &Options::new().budget(u64::MAX / 4), Measure::Never).unwrap().peak;
         let options = Options::new().budget(whole * 8 / 10).recompute(Recompute::Auto);
         let timings = Timings::process();
         assert_eq!(timings.factor(&c, Choice::Split), 1.0);
         // One kind measured: its factor is the machine's scale for both.
         timings.record(&c, Choice::Split, 3.0, 1.0);
         assert_eq!((timings.factor(&c, Choice::Split), timings.factor(&c, Choice::Recompute)), (3.0, 3.0));
-        let prior = decide(&c, Mode::Backward, &options).unwrap();
+        let prior = decide(&c, Mode::Backward, &options, Measure::Never).unwrap();
         // Splitting measured 100 times slower than recomputing: recompute.
         timings.record(&c, Choice::Recompute, 0.01, 1.0);
         timings.record(&c, Choice::Recompute, 0.01, 1.0);
         timings.record(&c, Choice::Split, 300.0, 1.0);
-        let slow_split = decide(&c, Mode::Backward, &options).unwrap();
+        let slow_split = decide(&c, Mode::Backward, &options, Measure::Never).unwrap();
         assert!(slow_split.segments.is_some(), "{}", slow_split.why);
         assert!(slow_split.why.contains("measured"), "{}", slow_split.why);
         // And the other way round.
@@ -133,7 +133,7 @@ mod tests {
             timings.record(&c, Choice::Recompute, 1000.0, 1.0);
             timings.record(&c, Choice::Split, 0.01, 1.0);
         }
-        let slow_recompute = decide(&c, Mode::Backward, &options).unwrap();
+        let slow_recompute = decide(&c, Mode::Backward, &options, Measure::Never).unwrap();
         assert!(slow_recompute.segments.is_none() && slow_recompute.micro_batch < 1024, "{}", slow_recompute.why);
         // The prior's choice was one of the two.
         assert!(prior.segments.is_some() || prior.micro_batch < 1024);

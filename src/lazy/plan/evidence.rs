@@ -1,0 +1,178 @@
+//! What planning reads besides the graph, gathered before it: the machine as it is now, and
+//! the evidence measurement and earlier runs left. Gathering may run kernels (calibration) and
+//! reads the process's stores; [`plan`](super::search::plan) reads only these values, so the
+//! same graph with the same evidence plans the same.
+
+use std::rc::Rc;
+
+use tch::Device;
+
+use super::compiled::Compiled;
+use super::correction::{Corrections, Reserve};
+use super::schedule::Mode;
+use super::time::{Choice, Timings};
+use crate::lazy::cost::measured::{self, Calibrated, Calibration};
+use crate::lazy::options::Options;
+
+/// The machine as a plan sees it: the budget it is held to, and whether a recomputed segment
+/// can replay libtorch's random generator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Machine {
+    /// The user's budget, or the device's free memory less the margin, in bytes.
+    pub(crate) budget: u64,
+    /// Whether recomputing is possible (toma's shim can save and restore the generator).
+    pub(crate) replays: bool,
+}
+
+impl Machine {
+    /// The machine now, for `options` on `device`: its free memory is read once, here.
+    pub(crate) fn now(options: &Options, device: Device) -> Machine {
+        Machine { budget: budget(options, device), replays: generator_replays() }
+    }
+}
+
+/// The budget in bytes: the user's, or the free memory of the device less the margin.
+fn budget(options: &Options, device: Device) -> u64 {
+    if let Some(b) = options.budget {
+        return b;
+    }
+    let free = match device {
+        // The driver's free bytes plus what libtorch's caching allocator holds unused.
+        Device::Cuda(i) => crate::memory::cuda_usable_memory(i).unwrap_or_else(crate::cpu_memory::available_cpu_memory),
+        _ => crate::cpu_memory::available_cpu_memory(),
+    };
+    (free as f64 * (1.0 - options.margin)) as u64
+}
+
+/// Whether a recomputed segment can replay libtorch's random generator: toma's shim is built
+/// (without it nothing is recomputed, and plans split as before). Known at build time, so
+/// that asking costs no call into libtorch.
+fn generator_replays() -> bool {
+    if !cfg!(toma_shim) {
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        WARNED.call_once(|| {
+            tracing::warn!("toma::lazy: the libtorch shim is not built: plans split and never recompute")
+        });
+    }
+    cfg!(toma_shim)
+}
+
+/// Whether gathering evidence may run kernels to measure what no rule read here prices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Measure {
+    /// Measure what is missing (a step, or an explicit calibration).
+    Now,
+    /// Only find what was measured earlier (a plan asked for: it runs nothing).
+    Never,
+}
+
+/// What measurement and earlier runs found about one graph in one mode.
+#[derive(Clone, Debug)]
+pub(crate) struct Evidence {
+    /// The kernel calls measured for this graph (or found measured), by node.
+    pub(crate) calibrated: Rc<Calibrated>,
+    /// What earlier runs measured above their plans ([`Corrections`]).
+    pub(crate) reserve: Reserve,
+    /// How fast earlier steps of this graph ran against their estimates.
+    pub(crate) speed: Speed,
+}
+
+/// Measured over estimated seconds of this graph's steps, per kind of plan ([`Timings`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Speed {
+    pub(crate) split: f64,
+    pub(crate) recompute: f64,
+    /// Whether either factor was measured (rather than the prior's 1).
+    pub(crate) measured: bool,
+}
+
+impl Evidence {
+    /// Gathers the evidence for planning `c` in `mode` under `options`: calibration (measuring
+    /// what is missing where `measure` allows, and remembering it), the graph's reserve and its
+    /// measured speeds.
+    pub(crate) fn gather(c: &Compiled, mode: Mode, options: &Options, measure: Measure) -> Evidence {
+        let training = mode == Mode::Backward;
+        let calibrated = measured::calibrate(&c.nodes, &c.model, training, options.calibrate, measure == Measure::Now);
+        Corrections::process().remember_calibrations(&calibrated.new);
+        let reserve = Corrections::process().of(c, mode, !calibrated.by_node().is_empty());
+        let timings = Timings::process();
+        let speed = Speed {
+            split: timings.factor(c, Choice::Split),
+            recompute: timings.factor(c, Choice::Recompute),
+            measured: timings.measured(c, Choice::Split) || timings.measured(c, Choice::Recompute),
+        };
+        Evidence { calibrated, reserve, speed }
+    }
+
+    /// No evidence: rules only, nothing in reserve, the prior's speeds.
+    #[cfg(test)]
+    pub(crate) fn none(mode: Mode) -> Evidence {
+        Evidence {
+            calibrated: Rc::new(Calibrated::empty(mode == Mode::Backward)),
+            reserve: Reserve::default(),
+            speed: Speed { split: 1.0, recompute: 1.0, measured: false },
+        }
+    }
+
+    /// What calibration did for the plan.
+    pub(crate) fn calibration(&self) -> Calibration {
+        self.calibrated.summary.clone()
+    }
+
+    /// Whether calibration priced any node: an excess over the rules' plan is not one over the
+    /// measured plan, so the two keep separate reserves.
+    pub(crate) fn calibrated_any(&self) -> bool {
+        !self.calibrated.by_node().is_empty()
+    }
+}
+
+#[cfg(all(test, feature = "tch"))]
+mod tests {
+    use super::{Evidence, Machine};
+    use crate::lazy::options::Options;
+    use crate::lazy::plan::{compile, search, Mode};
+    use tch::{Device, Kind, Tensor};
+
+    /// Planning is a function of the graph, the machine and the evidence: the same three give
+    /// the same plan, and other evidence another.
+    #[test]
+    fn the_same_evidence_plans_the_same() {
+        let w = Tensor::randn([64, 64], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let x = Tensor::randn([256, 64], (Kind::Float, Device::Cpu));
+        let mut h = crate::lazy::lazy(&x, 0);
+        for _ in 0..6 {
+            h = h.matmul(&w).relu();
+        }
+        let loss = h.sum(None);
+        let c = compile(&loss).unwrap();
+        let options = Options::new();
+        let evidence = Evidence::none(Mode::Backward);
+        let whole =
+            search::plan(&c, Mode::Backward, &options, &Machine { budget: u64::MAX / 4, replays: false }, &evidence)
+                .unwrap()
+                .peak;
+        let machine = Machine { budget: whole / 2, replays: true };
+        let summary = |d: &search::Decision| {
+            (
+                d.micro_batch,
+                d.peak,
+                d.full_peak,
+                d.reserved,
+                d.segments.as_ref().map(|s| s.starts.clone()),
+                d.why.clone(),
+            )
+        };
+        let first = search::plan(&c, Mode::Backward, &options, &machine, &evidence).unwrap();
+        let second = search::plan(&c, Mode::Backward, &options, &machine, &evidence).unwrap();
+        assert_eq!(summary(&first), summary(&second));
+        assert!(first.micro_batch < 256 || first.segments.is_some(), "half the whole batch's peak: {}", first.why);
+        // Other evidence: earlier runs measured far above the plan at every size.
+        let mut measured_over = evidence.clone();
+        for b in [1u64, 256] {
+            measured_over.reserve.add(b, whole / 4);
+        }
+        let held = search::plan(&c, Mode::Backward, &options, &machine, &measured_over).unwrap();
+        assert_ne!(summary(&held), summary(&first), "a reserve changes the plan");
+        assert_eq!(held.reserved, measured_over.reserve.at(held.micro_batch as u64));
+    }
+}
