@@ -1,16 +1,18 @@
 //! Plan memory up front, run in micro-batches, get the full batch's gradients.
 //!
-//! Wrap the inputs with [`lazy`]; every op on them (tch's names: `relu`, `matmul`, `conv2d`,
-//! `cross_entropy_for_logits`, ..) is recorded, shape-checked at once, and run only when a
-//! value is needed. Then:
+//! The retry half of toma finds a batch size by failing; `toma::lazy` finds it before anything
+//! runs. Wrap the inputs with [`lazy`]; every op on them (tch's names: `relu`, `matmul`,
+//! `conv2d`, `cross_entropy_for_logits`, ..) is recorded, shape-checked at once, and run only
+//! when a value is needed. Then:
 //!
 //! - [`LazyTensor::backward`] plans the peak memory of forward and backward, picks the largest
 //!   micro-batch that fits (the whole batch when it fits: no split), runs forward and backward
 //!   per micro-batch and accumulates parameter gradients — equal to one full-batch backward,
 //!   mean-reduced losses included — and returns the full-batch loss;
-//! - [`LazyTensor::to_tensor`] (and `Display`, `Debug`, `f64::try_from`, `double_value`)
-//!   computes a value, concatenating micro-batch outputs along the batch dimension;
-//! - [`LazyTensor::plan`] shows the plan without running anything; [`Plan`] prints as a table.
+//! - [`LazyTensor::to_tensor`] (and `Display`, `f64::try_from`, `double_value`) computes a
+//!   value, concatenating micro-batch outputs along the batch dimension;
+//! - [`LazyTensor::plan`] shows the plan without running anything; [`Plan`] prints as a table
+//!   and draws itself ([`Plan::to_svg`]).
 //!
 //! ```
 //! use tch::{nn, nn::OptimizerConfig, Device, Kind, Tensor};
@@ -36,6 +38,22 @@
 //! # Ok::<(), toma::lazy::LazyError>(())
 //! ```
 //!
+//! # What a plan counts
+//!
+//! A plan is the **peak** of a schedule of forward and backward, not a sum: tensor lifetimes,
+//! what autograd saves, parameter gradients, the optimizer's step when toma's optimizer takes it
+//! (below), and on CUDA the caching allocator's 512-byte blocks. Each op names the kernel calls it
+//! makes, and a cost model of the device prices their scratch space (oneDNN's convolutions phase
+//! by phase on x86, cuDNN's workspace and ATen's reduction staging on CUDA). When the whole batch
+//! does not fit, the plan takes the largest power-of-two micro-batch whose peak fits the budget:
+//! the device's free memory less [`Options::safety_margin`], or [`Options::budget`]. Planning a
+//! 96-layer transformer graph (3,850 ops) takes under a millisecond on a 2-core CPU.
+//!
+//! Reading a value does not re-run a step: a loss read after its `backward` or `backward_step` is
+//! the step's value (no forward with the updated parameters, no random numbers drawn). Shape,
+//! kind and device queries run nothing, and neither does `Debug` (it prints op, shape, kind,
+//! device and batch dimension), so `dbg!` and `?x` in a log line are safe.
+//!
 //! # What splits, and what does not
 //!
 //! A value's samples are followed through every op: elementwise ops, products, convolutions,
@@ -45,21 +63,192 @@
 //! (`loss + 0.01 * l2`). Ops that mix samples — batch norm in training mode, softmax or layer
 //! norm over the batch dimension, a batch statistic used per sample — make splitting change
 //! the result: when the batch does not fit, a backward recomputes activations instead and keeps
-//! the whole batch together ([`Recompute`]); where that does not fit either, or a forward must
-//! split, they are refused naming the op ([`LazyError::DoesNotFit`], [`LazyError::MixesBatch`]),
-//! unless [`Options::allow_batch_mixing`] says otherwise. Nothing is ever run
-//! eagerly on the full batch behind your back: an op the graph cannot plan is an error.
+//! the whole batch together ([Recompute instead of split](#recompute-instead-of-split)); where
+//! that does not fit either, or a forward must split, they are refused naming the op
+//! ([`LazyError::DoesNotFit`], [`LazyError::MixesBatch`]), unless
+//! [`Options::allow_batch_mixing`] says otherwise. Nothing is ever run eagerly on the full batch
+//! behind your back: an op the graph cannot plan is an error, and [`CustomOp`] adds your own op
+//! with a shape rule. `docs/ops.md` in the repository lists every op and layer, generated from
+//! the code: how micro-batches treat it and what the planner charges it
+//! ([`LazyTensor::op_costs`]).
 //!
 //! # Plan, then verify
 //!
 //! Micro-batches run under the retry engine ([`Range`](crate::Range)): one that still runs out
 //! of memory is halved, and the size that worked is remembered in toma's cache, per graph
-//! shape. Nothing counts twice: where `.grad` was none when the step began (`zero_grad()`),
-//! micro-batches add into it in place (one copy of the gradients, as plain tch accumulating)
-//! and a failure sets it back to none and starts the step again at the smaller size; where it
-//! held gradients, each micro-batch's are added only once its backward completed
-//! ([`Plan::accumulates_in_place`]). A `tracing` info event reports each plan (peak, budget,
-//! micro-batch, chunks).
+//! shape. A step that may not be split is planned again under a lower budget, recomputing more.
+//!
+//! Nothing counts twice, and the gradients are held once. Where `.grad` was none when the step
+//! began (the first step, or after `zero_grad()`, which sets it to none), micro-batches let
+//! autograd add straight into it, as plain tch does when it accumulates; a micro-batch that runs
+//! out of memory spoils that sum, so `.grad` is set back to none and the step starts again from
+//! its first sample at half the size. Where `.grad` held gradients, each micro-batch's are kept
+//! apart until its backward completed and then added, so a failure leaves them as they were
+//! ([`Plan::accumulates_in_place`] says which). An unsplit step peaks like plain tch, within 5%.
+//!
+//! Where an allocator counts (CUDA, or the CPU after
+//! [`track_cpu_allocations`](crate::memory::track_cpu_allocations)), every micro-batch's peak is
+//! measured against its plan. A run that peaked above its plan (an op whose temporaries the
+//! planner cannot see: a `CustomOp`, a kernel that changed) leaves its excess with the graph, and
+//! the graph's later plans hold it in reserve ([`Plan::correction_bytes`], a `verified:` line in
+//! the printed plan). An excess may be fixed (a workspace, gradient buffers) or per sample: each
+//! measurement bounds it at every micro-batch (at most itself at fewer samples, at most in
+//! proportion at more) and the reserve is the tightest bound, so a fixed excess is held whole when
+//! the plan goes smaller, and a second size measured tells the parts apart.
+//! [`remember_corrections`]`(path)` keeps the corrections and calibrations across processes: it
+//! reads what the file holds for this machine (libtorch's release, its threads, the architecture,
+//! the first CUDA card's multiprocessors) and appends every new measurement; once this machine's
+//! lines pass 4096 and twice what they hold, the file is rewritten with what they hold. A
+//! `tracing` info event reports each plan (peak, budget, micro-batch, chunks).
+//!
+//! # Measure first; rules are the prior
+//!
+//! The rules that price kernel calls were read on one machine
+//! ([`CpuMachine::rules_read_on`]: libtorch 2.11 with oneDNN 3.10.2 on AVX-512 with BF16, 1 and 2
+//! threads, in the kinds `docs/performance.md` names). The memory of a convolution depends on the
+//! kernels oneDNN picks, and those depend on its instruction set (with AVX2 it blocks channels by
+//! 8, not 16). So wherever an allocator counts, a plan measures every call whose memory depends
+//! on the library's kernel choice, and takes the rules only where they were read on exactly this
+//! machine ([`Options::calibrate`], [`Calibrate::Auto`] by default). Measured calls are:
+//!
+//! - convolutions of every form, unless the libtorch release, oneDNN's instruction set and the
+//!   threads are those the rules were read on ([`CpuMachine::host`] reads oneDNN's instruction
+//!   set as oneDNN does, `ONEDNN_MAX_CPU_ISA` or `DNNL_MAX_CPU_ISA` included; the printed plan
+//!   names both machines);
+//! - on CUDA, every convolution (cuDNN's workspace depends on the card, the engine and the
+//!   library release). Products keep their rules there: cuBLAS takes its workspace once per
+//!   handle, and a `linear`'s bias gradient stages a reduction buffer that grows with the rows
+//!   unlike any line through the sizes measured;
+//! - `BFloat16` convolutions and products, whose rules do not price every form closely, and a
+//!   `Float` convolution whose kernel covers its whole input (oneDNN's inner product);
+//! - anything on another libtorch release, and ops no rule knows (a [`CustomOp`]).
+//!
+//! Rules price the rest, plans for another machine ([`LazyTensor::op_costs_on`]), and plans
+//! where no allocator counts.
+//!
+//! A measured call runs alone on stand-ins at 1, 2, 8, 32 and 128 samples (the sizes below its
+//! batch, and the batch itself) under the allocator counter: forward, and in a backward plan its
+//! backward from a gradient of ones. The stand-ins are its real inputs and parameters where it
+//! reads them, and ones, `true` or zeros of the recorded shape and stride order elsewhere.
+//! Running statistics are copied first, and libtorch's generator is restored afterwards; without
+//! toma's libtorch shim nothing is measured. What the node kept, its scratch and its backward's
+//! scratch become its price: a line through the two largest sizes, raised so it is under none of
+//! the sizes from two on; one sample is kept apart. Where that line misses a size by more than 2%,
+//! every power of two between 2 and the largest size is measured too and the price follows the
+//! measurements, so a budget gets the largest micro-batch that fits, not one lower. A call is
+//! measured once per process for each op and settings, per-sample shapes, layouts, kinds,
+//! device, mode and thread count.
+//!
+//! [`Plan::calibration`] returns what calibration did, and the printed plan says it:
+//! `calibrated: 3 kernel call(s) measured in 2.1 ms, 0 measured earlier, 2 priced by rules read
+//! on this machine`, then `machine: oneDNN avx2, 2 thread(s), libtorch 2.11; rules read on oneDNN
+//! avx512_core_bf16, 2 thread(s), libtorch 2.11`. A line `not calibrated: ...` says when calls
+//! needed measuring and could not be, because no allocator counts on the CPU before
+//! `track_cpu_allocations()` or a call failed on stand-ins. [`Calibrate::Never`] keeps planning
+//! free of any run (a `CustomOp`'s function then runs only in the step); [`Calibrate::Always`]
+//! measures every call, which shows what a plan would be where no rule was read.
+//!
+//! # Recompute instead of split
+//!
+//! When the whole batch does not fit, a backward plan may also drop saved activations after the
+//! forward and compute them again just before their backward, segment by segment: the whole batch
+//! stays together. That is the only way to fit a model that mixes samples — batch norm in
+//! training (tch's own CIFAR ResNet), a contrastive loss over `z₁ · z₂ᵀ` — without changing what
+//! it computes: batch statistics, running statistics and the loss stay the full batch's, where
+//! splitting would change them. [`Options::recompute`] has an example; [`Plan::recomputes`],
+//! [`Plan::segments`] and [`Plan::reason`] say what a plan chose.
+//!
+//! - **How**: the graph is cut into segments near equal shares of its activations, each cut where
+//!   the fewest bytes cross it. Every segment but the last runs without autograd, keeping only the
+//!   values later segments read; then, last to first, each runs again with autograd and its
+//!   backward follows at once, from the gradients later segments sent to its values. The plan is
+//!   the executor's schedule of exactly that (the `re-fwd` rows of the printed plan), so its peak
+//!   is checked against the allocator like any other.
+//! - **Bit for bit**: a recomputed segment first restores libtorch's random generator as it was
+//!   when the segment first ran (dropout draws the same mask), and after the step the generator
+//!   and every running statistic are as one forward left them. Recomputing is not thread-safe
+//!   against other threads drawing random numbers during the step (PyTorch's checkpoint shares
+//!   that limit).
+//! - **Choosing**: [`Recompute::Auto`] keeps the whole batch when it fits; otherwise, where
+//!   splitting is ruled out (an op mixes samples and `allow_batch_mixing` is off), it recomputes;
+//!   where both fit, it takes the lower estimated step time (ops launched and bytes made, priced
+//!   by the device's cost model: on a GPU many small micro-batches lose to a few recomputed
+//!   segments; on a CPU splitting is rarely slower), scaled by what earlier steps of the same
+//!   graph measured: every split or recomputing step is timed against its estimate, and once both
+//!   kinds ran, the choice follows this machine's times. Where neither alone fits, it recomputes
+//!   in micro-batches. [`Recompute::Always`] recomputes before it splits; [`Recompute::Never`]
+//!   only splits. The printed plan says which and why (`why:`), with the estimate.
+//! - **Errors that tell the truth**: when nothing fits, [`LazyError::DoesNotFit`] gives the
+//!   lowest peak any allowed plan reaches, where, and how (micro-batch, segments), and the op that
+//!   rules out splitting.
+//!
+//! Recomputing at half a step's peak costs 1.18× to 1.31× a plain step on a 2-core CPU
+//! (`cargo bench --bench lazy_recompute`; `docs/performance.md` has the tables).
+//!
+//! # Write the model once
+//!
+//! [`TensorOps`] names tch's tensor methods (`f_` and panicking forms, tch's signatures), and
+//! both `tch::Tensor` (plain delegation) and [`LazyTensor`] implement it; [`Layer`]/[`LayerT`] do
+//! the same for tch's layers. One model definition then serves eager inference and planned
+//! training, with the same `VarStore`:
+//!
+//! ```
+//! use tch::{Device, Kind, Tensor};
+//! use toma::lazy::{lazy, nn, Layer, Options, TensorOps};
+//!
+//! fn loss<T: TensorOps>(l1: &nn::Linear, l2: &nn::Linear, x: &T, y: &T) -> T
+//! where
+//!     nn::Linear: Layer<T>,
+//! {
+//!     x.apply(l1).relu().apply(l2).cross_entropy_for_logits(y)
+//! }
+//!
+//! let vs = nn::VarStore::new(Device::Cpu);
+//! let (l1, l2) = (nn::linear(vs.root() / "l1", 8, 16, Default::default()), nn::linear(vs.root() / "l2", 16, 4, Default::default()));
+//! let (x, y) = (Tensor::randn([32, 8], (Kind::Float, Device::Cpu)), Tensor::randint(4, [32], (Kind::Int64, Device::Cpu)));
+//! let eager = loss(&l1, &l2, &x, &y).double_value(&[]);        // a tch::Tensor, as ever
+//! let (lx, ly) = lazy((&x, &y), 0);
+//! let planned = loss(&l1, &l2, &lx, &ly).backward_with(&Options::new().micro_batch(8))?;
+//! assert!((eager - planned).abs() < 1e-5);                     // 4 micro-batches, one loss
+//! # Ok::<(), toma::lazy::LazyError>(())
+//! ```
+//!
+//! - **tch's idioms, with the import changed.** [`nn`] re-exports all of tch's `nn`, so `use
+//!   toma::lazy::nn;` in place of `use tch::nn;` keeps `nn::linear`, `nn::VarStore`, `nn::AdamW`
+//!   and the rest, and adds what runs lazily: [`nn::seq`] / [`nn::seq_t`] (tch's `Sequential`s for
+//!   both tensor kinds), [`nn::func`] / [`nn::func_t`] (a closure over `&LazyTensor`),
+//!   `nn::ModuleT` and `nn::Module` that name both kinds (so `fn block(p: nn::Path) -> impl
+//!   nn::ModuleT` is unchanged), [`nn::lstm`] / [`nn::gru`] with tch's variables (the recurrence
+//!   recorded per time step lazily), and [`nn::OptimizerConfig`], whose `build` gives tch's
+//!   optimizer wrapped so that `opt.backward_step_clip(&loss, 0.5)` takes a lazy loss.
+//! - **The budget covers the whole step.** The plan of a step through toma's optimizer
+//!   ([`nn::Optimizer::plan_step`]) includes the optimizer's step after the backward: every
+//!   gradient, the state a first step creates and the step's temporaries (SGD with momentum,
+//!   Nesterov and weight decay; Adam, AdamW, AMSGrad; RMSprop, centered or with momentum). A step
+//!   that cannot fit is refused before anything runs, the error naming the step and what it
+//!   needs.
+//! - **A custom layer** keeps its one `impl Module for X { fn forward(&self, xs: &Tensor) ->
+//!   Tensor { .. } }` with [`#[toma::lazy::module]`](macro@module) above it: the body serves
+//!   tch's trait as written and the lazy one over `&LazyTensor`.
+//! - **tch's argument forms** compile unchanged inside a generic function: tuple shapes
+//!   (`x.view((b, -1))`), integer lists as tch's `IntList` (`-1`, `[0, 2, 1]`, `&dims`, `None` for
+//!   "all dims"), `i(..)` indexing (`x.i((.., 1..3, -1))`), operators on `Tensor`s owned or
+//!   borrowed on either side. Constants such as masks enter generic code through
+//!   [`TensorOps::constant`]. A parameter expanded to the batch (a ViT's CLS token) is recorded as
+//!   a per-sample broadcast: each micro-batch expands it to its own size, and its gradient sums
+//!   over all of them.
+//! - **Written-once models**: [`vision`] has tch's ResNets (18/34/50), VGGs (11/13/16/19, with
+//!   and without batch norm), AlexNet, MobileNet-V2 and EfficientNet-B0 under tch's variable
+//!   names (its weights load); [`models`] has a GPT-2 decoder block and an encoder block.
+//! - A panicking op reports the user's line (`#[track_caller]` all the way through). On edition
+//!   2024, a `-> impl ModuleT` built from a `nn::Path` captures its borrow unless written `->
+//!   impl ModuleT + use<>`, with tch's types as with toma's.
+//!
+//! `docs/porting.md` in the repository walks an `nn::seq()` MLP, tch's resnet18, a transformer
+//! block, and tch's own minGPT and fast-ResNet idioms over. `docs/tch-example-methods.csv` lists
+//! every `Tensor` method tch-rs's own examples call (106) and says which run lazily: 68 do, 38 are
+//! not graph ops by nature (reading values, in-place updates of parameters or optimizer state,
+//! constructors of inputs; each with its reason), none is missing.
 //!
 //! # Mixed precision
 //!
@@ -68,9 +257,10 @@
 //! autocast lists for the device gets the casts it would insert, as `autocast` nodes: products
 //! and convolutions in the lower precision, losses (and on CUDA norms, softmax, `exp`, ..) in
 //! `Float`. The graph then runs at `backward()`, after the region, and computes what eager
-//! autocast computes: an unsplit step is bit-identical to it. The plan counts the 16-bit copies
+//! autocast computes: an unsplit step is bit-identical to it; a split one equals the same
+//! micro-batches run eagerly under autocast and summed. The plan counts the 16-bit copies
 //! autograd saves (and prints `autocast: N casts to BFloat16`). In `Half`, scale the loss with
-//! [`GradScaler`]:
+//! [`GradScaler`] (tch has none); an overflow in one micro-batch skips the whole step:
 //!
 //! ```
 //! use tch::{Device, Kind, Tensor};
@@ -91,6 +281,13 @@
 //! assert!(step.stepped && step.value.is_finite());
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+//!
+//! # Over many ranks
+//!
+//! Under [`Options::group`] (feature `dist`) each rank plans its own micro-batch under its own
+//! budget (mixed cards), mean losses are weighed by the *global* sample or target count, and the
+//! parameters' gradients are summed across ranks: every rank ends with the gradient of one
+//! backward over the union of all batches. See [`toma::dist`](crate::dist).
 
 mod cost;
 mod error;
