@@ -3,7 +3,7 @@
 # (its lib folder is the libtorch the binaries load), no Rust and no network. Unpacks the
 # bundle, runs every binary with TOMA_CUDA_TESTS=1, then Python toma on the side-by-side
 # workload (when the bundle carries its wheel), and ends with a Markdown summary to paste into
-# the README. Exits non-zero when a binary or the Python half fails.
+# docs/gpu.md. Exits non-zero when a binary or the Python half fails.
 #
 #   scripts/gpu-run.sh [gpu-bundle/toma-gpu-tests.tar.xz]
 #

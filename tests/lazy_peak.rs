@@ -1070,10 +1070,10 @@ impl CostModel {
 
 /// What calibration costs, each model in a fresh process (`TOMA_CALIBRATION_COST`): the first
 /// plan (measuring what its options ask), the same graph planned again, the graph recorded anew
-/// (as a training loop's next step), and one plain eager step for scale. The README's figures.
+/// (as a training loop's next step), and one plain eager step for scale. The figures in docs/performance.md.
 /// `cargo test --release --all-features --test lazy_peak calibration_cost -- --ignored --nocapture`.
 #[test]
-#[ignore = "a report: what calibration costs (the README's figures)"]
+#[ignore = "a report: what calibration costs (docs/performance.md's figures)"]
 fn calibration_cost_report() {
     use toma::lazy::Calibrate;
     if let Ok(what) = std::env::var("TOMA_CALIBRATION_COST") {
@@ -1121,7 +1121,7 @@ fn calibration_cost_report() {
 /// The evidence for measuring first, on whatever machine runs it: 32 generated CNNs at their
 /// batch, whole, each planned by rules alone (`Calibrate::Never`) and by default (`Auto`:
 /// calibrated wherever the rules were not read on this machine) against one measured step.
-/// Prints both ranges and how many rules-alone plans miss by more than 10%; the README's table
+/// Prints both ranges and how many rules-alone plans miss by more than 10%; docs/performance.md's table
 /// holds what it printed per instruction set (`ONEDNN_MAX_CPU_ISA=AVX2` or `AVX` emulates
 /// them). `cargo test --all-features --test lazy_peak rules_against -- --ignored --nocapture`.
 #[test]

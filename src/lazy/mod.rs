@@ -107,9 +107,10 @@
 //! ([`CpuMachine::rules_read_on`]: libtorch 2.11 with oneDNN 3.10.2 on AVX-512 with BF16, 1 and 2
 //! threads, in the kinds `docs/performance.md` names). The memory of a convolution depends on the
 //! kernels oneDNN picks, and those depend on its instruction set (with AVX2 it blocks channels by
-//! 8, not 16). So wherever an allocator counts, a plan measures every call whose memory depends
-//! on the library's kernel choice, and takes the rules only where they were read on exactly this
-//! machine ([`Options::calibrate`], [`Calibrate::Auto`] by default). Measured calls are:
+//! 8, not 16). So wherever an allocator counts, a step measures every call whose memory depends
+//! on the library's kernel choice before it plans, and takes the rules only where they were read
+//! on exactly this machine ([`Options::calibrate`], [`Calibrate::Auto`] by default). Measured
+//! calls are:
 //!
 //! - convolutions of every form, unless the libtorch release, oneDNN's instruction set and the
 //!   threads are those the rules were read on ([`CpuMachine::host`] reads oneDNN's instruction
@@ -139,12 +140,34 @@
 //! measured once per process for each op and settings, per-sample shapes, layouts, kinds,
 //! device, mode and thread count.
 //!
+//! Planning is a function of the graph, the machine and that evidence: the step gathers the
+//! evidence (measuring), then plans with it. [`LazyTensor::plan`] runs nothing: it finds what
+//! [`LazyTensor::calibrate`] or an earlier step measured, and prices what was never measured by
+//! its rules, saying so. To see the plan the first step will make, calibrate first:
+//!
+//! ```
+//! use tch::{Device, Kind, Tensor};
+//! use toma::lazy::{lazy, Mode, Options};
+//!
+//! toma::memory::track_cpu_allocations(); // the CPU's allocator counts from here
+//! let x = Tensor::randn([16, 3, 12, 12], (Kind::Float, Device::Cpu));
+//! let w = Tensor::randn([8, 3, 3, 3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+//! let loss = lazy(&x, 0).conv2d(&w, None::<&Tensor>, 1, 1, 1, 1).relu().sum(Kind::Float);
+//! let options = Options::new();
+//! let first = loss.plan(Mode::Backward, &options)?; // runs nothing
+//! loss.calibrate(Mode::Backward, &options)?; // measures what no rule read here prices
+//! let step = loss.plan(Mode::Backward, &options)?; // what the step will plan
+//! assert_eq!(step.calibration().unmeasured, 0);
+//! assert!(first.calibration().unmeasured >= step.calibration().unmeasured);
+//! # Ok::<(), toma::lazy::LazyError>(())
+//! ```
+//!
 //! [`Plan::calibration`] returns what calibration did, and the printed plan says it:
 //! `calibrated: 3 kernel call(s) measured in 2.1 ms, 0 measured earlier, 2 priced by rules read
 //! on this machine`, then `machine: oneDNN avx2, 2 thread(s), libtorch 2.11; rules read on oneDNN
 //! avx512_core_bf16, 2 thread(s), libtorch 2.11`. A line `not calibrated: ...` says when calls
-//! needed measuring and could not be, because no allocator counts on the CPU before
-//! `track_cpu_allocations()` or a call failed on stand-ins. [`Calibrate::Never`] keeps planning
+//! needed measuring and were not: a plan runs nothing, no allocator counts on the CPU before
+//! `track_cpu_allocations()`, or a call failed on stand-ins. [`Calibrate::Never`] keeps planning
 //! free of any run (a `CustomOp`'s function then runs only in the step); [`Calibrate::Always`]
 //! measures every call, which shows what a plan would be where no rule was read.
 //!

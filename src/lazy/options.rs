@@ -140,7 +140,7 @@ impl Options {
     /// allocator reserves more, and a card filled to its last GiBs can refuse a large block
     /// while enough memory is free in pieces. On an H200 a recomputed ResNet-18 planned at 89%
     /// of what was left ran out so under the default allocator and ran at 0.0% of its plan with
-    /// `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` (README, GPU). Without that setting,
+    /// `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` (`docs/gpu.md`). Without that setting,
     /// keep back more where single activations are a large share of the budget.
     ///
     /// # Panics
