@@ -32,6 +32,34 @@ impl Hasher for PassThrough {
     }
 }
 
+/// A [`Hasher`] over [`mix`], for keys derived from data (`#[derive(Hash)]`): stable across
+/// processes of one build, so that keys written to a file are found again.
+#[derive(Default)]
+pub(crate) struct Mixer(u64);
+
+impl Hasher for Mixer {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.0 = mix(self.0 ^ u64::from_le_bytes(word));
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = mix(self.0 ^ v);
+    }
+}
+
+/// `value`'s hash by [`Mixer`].
+pub(crate) fn hash_of(value: &impl std::hash::Hash) -> u64 {
+    let mut h = Mixer::default();
+    value.hash(&mut h);
+    h.finish()
+}
+
 /// A call site's hash.
 pub(crate) fn location_hash(location: &Location<'_>) -> u64 {
     // The file's text, not its address: one call site may be compiled into several codegen

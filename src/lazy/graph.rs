@@ -409,14 +409,22 @@ pub(crate) enum KernelCall<'a> {
     /// A matrix product (`mm`, `addmm`, `bmm`) and, when the output requires a gradient, the
     /// products of its backward.
     Product(Product<'a>),
-    /// A dropout in training, which keeps its mask (`elements` of the input's `kind`: as large as
-    /// the input, or one per sample and channel for the feature forms).
-    DropoutMask { elements: (u64, u64), kind: Kind },
-    /// `log_sigmoid`, whose kernel may keep a buffer as large as its input (`elements` of `kind`).
-    LogSigmoid { elements: (u64, u64), kind: Kind },
-    /// `rms_norm` of `input` elements of `kind`, normalized over rows of `row` elements, with or
-    /// without a weight.
-    RmsNorm { input: (u64, u64), row: u64, weight: bool, kind: Kind },
+}
+
+/// What a call's memory depends on besides its operands' shapes (which calibration's key hashes
+/// apart, the batch size aside): which call it is and its settings.
+impl std::hash::Hash for KernelCall<'_> {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        std::mem::discriminant(self).hash(h);
+        match self {
+            KernelCall::Keeps { elements, kind } | KernelCall::SavedCopy { elements, kind } => (elements, kind).hash(h),
+            KernelCall::Temporaries { forward, backward } => (forward, backward).hash(h),
+            KernelCall::Reduction { mask, backward, of: _ } => (mask, backward).hash(h),
+            KernelCall::ReducedPrecisionMean { elements } => elements.hash(h),
+            KernelCall::Convolution(c) => c.settings().hash(h),
+            KernelCall::Product(p) => (p.k, p.batched, p.b_column_major, p.grads).hash(h),
+        }
+    }
 }
 
 /// A convolution as a kernel call: its operands' facts and its settings over the spatial
@@ -440,6 +448,13 @@ pub(crate) struct Convolution<'a> {
 }
 
 impl Convolution<'_> {
+    /// Its settings, operands aside.
+    #[allow(clippy::type_complexity)]
+    fn settings(&self) -> (&[i64], &[i64], &[i64], i64, [bool; 4]) {
+        let flags = [self.transposed, self.bias, self.input_grad, self.bias_grad_only];
+        (self.stride, self.padding, self.dilation, self.groups, flags)
+    }
+
     pub(crate) fn strided(&self) -> bool {
         self.stride.iter().any(|&s| s != 1)
     }

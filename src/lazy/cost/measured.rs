@@ -196,7 +196,7 @@ fn key<'a>(node: &'a Node, training: bool, threads: u64, calls: &mut Vec<KernelC
         calls.clear();
         node.op.kernels(&node.inputs, &node.meta, calls);
         for call in calls.iter() {
-            h = mix(h ^ call_hash(call));
+            h = mix(h ^ crate::hash::hash_of(call));
         }
         // Measured up to a batch below the largest size: a line no larger batch may reuse.
         h = mix(h ^ largest_size(node) as u64);
@@ -227,35 +227,6 @@ const RECENT: usize = 64;
 
 thread_local! {
     static CALIBRATED: std::cell::RefCell<Vec<(u64, Rc<Calibrated>)>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// The settings a kernel call names, hashed (its operands' shapes are the node's, hashed apart).
-fn call_hash(call: &KernelCall<'_>) -> u64 {
-    use crate::hash::mix;
-    let list = |h: u64, v: &[i64]| v.iter().fold(mix(h ^ 0x11), |h, &x| mix(h ^ x as u64));
-    let pair = |tag: u64, (a, b): (u64, u64)| mix(mix(tag ^ a) ^ b.rotate_left(17));
-    match call {
-        KernelCall::Keeps { elements, kind } => pair(1 ^ (*kind as u64) << 8, *elements),
-        KernelCall::SavedCopy { elements, kind } => pair(2 ^ (*kind as u64) << 8, *elements),
-        KernelCall::Temporaries { forward, backward } => mix(pair(3, *forward) ^ pair(4, *backward)),
-        KernelCall::Reduction { mask, backward, .. } => mix(5 ^ mask << 8 ^ u64::from(*backward) << 1),
-        KernelCall::ReducedPrecisionMean { elements } => pair(6, *elements),
-        KernelCall::Convolution(c) => {
-            let flags = [c.transposed, c.bias, c.input_grad, c.bias_grad_only];
-            let bits = flags.iter().enumerate().fold(0u64, |b, (i, &f)| b | u64::from(f) << i);
-            let h = list(list(list(mix(7 ^ bits << 8 ^ (c.groups as u64) << 16), c.stride), c.padding), c.dilation);
-            mix(h)
-        }
-        KernelCall::Product(p) => {
-            let bits = u64::from(p.batched) | u64::from(p.b_column_major) << 1 | u64::from(p.grads[0]) << 2;
-            mix(8 ^ (bits | u64::from(p.grads[1]) << 3) << 8 ^ (p.k as u64) << 16)
-        }
-        KernelCall::DropoutMask { elements, kind } => pair(9 ^ (*kind as u64) << 8, *elements),
-        KernelCall::LogSigmoid { elements, kind } => pair(10 ^ (*kind as u64) << 8, *elements),
-        KernelCall::RmsNorm { input, row, weight, kind } => {
-            mix(pair(11 ^ (*kind as u64) << 8, *input) ^ row << 1 ^ u64::from(*weight))
-        }
-    }
 }
 
 /// Measures what `nodes` need measured under `how`, or finds it measured; `model` says which

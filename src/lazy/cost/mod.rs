@@ -184,25 +184,6 @@ impl CostModel {
                         }
                     }
                 }
-                KernelCall::DropoutMask { elements, kind } => {
-                    // libtorch's composite dropout keeps a mask in the input's kind; CUDA's
-                    // fused one keeps booleans, but it is not read on a card yet: priced alike.
-                    keep(*elements, *kind)
-                }
-                KernelCall::LogSigmoid { elements, kind } => {
-                    // The CPU kernel keeps a buffer as large as its input (CUDA's is empty, not
-                    // read on a card yet: priced alike).
-                    keep(*elements, *kind)
-                }
-                KernelCall::RmsNorm { input: (a, c), row, weight, kind } => {
-                    // libtorch's CPU rms_norm is composite: autograd keeps the inverse root
-                    // mean square per row and, with a weight, the normalized input; it squares
-                    // the input before its mean, and its backward builds input-sized terms.
-                    // (Not read on a card: priced alike.)
-                    let (a, c, row) = (*a, *c, (*row).max(1));
-                    keep(if *weight { (a + a / row, c + c / row) } else { (a / row, c / row) }, *kind);
-                    scratch.add((a, c), (a, c));
-                }
             }
         }
         price.kept = kept.into();

@@ -166,13 +166,15 @@ impl Operation for RmsNorm {
     }
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], _meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        // libtorch's rms_norm is composite: autograd keeps the inverse root mean square per row
+        // and, with a weight, the normalized input; it squares the input before its mean, and
+        // its backward builds input-sized terms.
         let input = &inputs[0].meta;
-        calls.push(KernelCall::RmsNorm {
-            input: input.numel_parts(),
-            row: shape::numel(&self.normalized_shape).max(1) as u64,
-            weight: self.weight,
-            kind: input.kind,
-        });
+        let (a, c) = input.numel_parts();
+        let row = shape::numel(&self.normalized_shape).max(1) as u64;
+        let kept = if self.weight { (a + a / row, c + c / row) } else { (a / row, c / row) };
+        calls.push(KernelCall::Keeps { elements: kept, kind: input.kind });
+        calls.push(KernelCall::Temporaries { forward: (a, c), backward: (a, c) });
     }
 }
 

@@ -165,7 +165,7 @@ impl Unary {
             Unary::Reciprocal => row("reciprocal", Promoted, Output, 2),
             // `grad * 2/√π · exp(-x²)`.
             Unary::Erf => row("erf", Promoted, Input, 4),
-            // Its kernel's buffer is the cost layer's (`KernelCall::LogSigmoid`).
+            // Its kernel keeps a buffer as large as its input (see `kernels`).
             Unary::LogSigmoid => row("log_sigmoid", Floating, Input, 0),
         }
     }
@@ -229,7 +229,9 @@ impl Operation for Unary {
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
         if let Unary::LogSigmoid = self {
             let input = &inputs[0].meta;
-            calls.push(KernelCall::LogSigmoid { elements: input.numel_parts(), kind: input.kind });
+            // libtorch's kernel keeps a buffer as large as its input for the backward (the CPU's;
+            // CUDA's is empty, not read on a card yet: kept alike).
+            calls.push(KernelCall::Keeps { elements: input.numel_parts(), kind: input.kind });
         }
         if !meta.requires_grad {
             return;
@@ -457,7 +459,9 @@ impl Operation for Dropout {
         let input = &inputs[0].meta;
         let (a, c) = input.numel_parts();
         let per = self.kind.mask_fraction(&input.shape);
-        calls.push(KernelCall::DropoutMask { elements: (a / per, c / per), kind: input.kind });
+        // libtorch's composite dropout keeps the mask in the input's kind (CUDA's fused one keeps
+        // booleans, not read on a card yet: kept alike).
+        calls.push(KernelCall::Keeps { elements: (a / per, c / per), kind: input.kind });
         // Alpha dropout is `x · mask + b`: the product is a temporary as large as the input,
         // and `b` is as large as the mask.
         if matches!(self.kind, DropoutKind::Alpha | DropoutKind::FeatureAlpha) {
