@@ -358,6 +358,28 @@ impl Operation for Unfold {
 /// Output shape of 3-D pooling of a `[C, D, H, W]` or `[N, C, D, H, W]` input, as libtorch
 /// checks it (`dilation` all 1 for average pooling, which also takes no input smaller than its
 /// kernel, padded or not).
+/// A pooling window's kernel, stride (the kernel's where empty) and padding, `D` values each
+/// (one value means it along every dimension), as libtorch reads them; an average pooling's
+/// divisor (`Some(..)`) may not be 0.
+#[allow(clippy::type_complexity)]
+fn window<const D: usize>(
+    kernel: &impl IntList,
+    stride: &impl IntList,
+    padding: &impl IntList,
+    divisor_override: Option<Option<i64>>,
+) -> Result<([i64; D], [i64; D], [i64; D]), String> {
+    let kernel = shape::spatial::<D>(kernel.as_slice(), "kernel_size")?;
+    let stride = match stride.as_slice() {
+        [] => kernel,
+        s => shape::spatial::<D>(s, "stride")?,
+    };
+    let padding = shape::spatial::<D>(padding.as_slice(), "padding")?;
+    if divisor_override == Some(Some(0)) {
+        return Err("divisor must be not zero".into());
+    }
+    Ok((kernel, stride, padding))
+}
+
 fn pool3d_shape(
     input: &[i64],
     kernel: [i64; 3],
@@ -568,12 +590,7 @@ impl LazyTensor {
         let n = &self.node;
         let name = "max_pool3d";
         let a = |r: String| arg(name, &n.meta.shape, r);
-        let kernel = shape::spatial::<3>(kernel_size.as_slice(), "kernel_size").map_err(a)?;
-        let stride = match stride.as_slice() {
-            [] => kernel,
-            s => shape::spatial::<3>(s, "stride").map_err(a)?,
-        };
-        let padding = shape::spatial::<3>(padding.as_slice(), "padding").map_err(a)?;
+        let (kernel, stride, padding) = window::<3>(&kernel_size, &stride, &padding, None).map_err(a)?;
         let dilation = shape::spatial::<3>(dilation.as_slice(), "dilation").map_err(a)?;
         let out = pool3d_shape(&n.meta.shape, kernel, stride, padding, dilation, ceil_mode, false).map_err(a)?;
         let nd = out.len();
@@ -599,16 +616,9 @@ impl LazyTensor {
         let n = &self.node;
         let name = "avg_pool3d";
         let a = |r: String| arg(name, &n.meta.shape, r);
-        let kernel = shape::spatial::<3>(kernel_size.as_slice(), "kernel_size").map_err(a)?;
-        let stride = match stride.as_slice() {
-            [] => kernel,
-            s => shape::spatial::<3>(s, "stride").map_err(a)?,
-        };
-        let padding = shape::spatial::<3>(padding.as_slice(), "padding").map_err(a)?;
         let divisor_override = divisor_override.into();
-        if divisor_override == Some(0) {
-            return Err(a("divisor must be not zero".into()));
-        }
+        let (kernel, stride, padding) =
+            window::<3>(&kernel_size, &stride, &padding, Some(divisor_override)).map_err(a)?;
         floating(name, n)?;
         let out = pool3d_shape(&n.meta.shape, kernel, stride, padding, [1; 3], ceil_mode, true).map_err(a)?;
         let nd = out.len();
@@ -978,10 +988,7 @@ impl LazyTensor {
         let n = &self.node;
         let name = "max_pool2d";
         let a = |r: String| arg(name, &n.meta.shape, r);
-        let kernel = shape::pair(kernel.as_slice(), "kernel_size").map_err(a)?;
-        let stride =
-            if stride.as_slice().is_empty() { kernel } else { shape::pair(stride.as_slice(), "stride").map_err(a)? };
-        let padding = shape::pair(padding.as_slice(), "padding").map_err(a)?;
+        let (kernel, stride, padding) = window::<2>(&kernel, &stride, &padding, None).map_err(a)?;
         let dilation = shape::pair(dilation.as_slice(), "dilation").map_err(a)?;
         let out = shape::pool2d(&n.meta.shape, kernel, stride, padding, dilation, ceil_mode).map_err(a)?;
         let flow = self.pool_flow(name, &out)?;
@@ -1006,14 +1013,8 @@ impl LazyTensor {
         let n = &self.node;
         let name = "avg_pool2d";
         let a = |r: String| arg(name, &n.meta.shape, r);
-        let kernel = shape::pair(kernel.as_slice(), "kernel_size").map_err(a)?;
-        let stride =
-            if stride.as_slice().is_empty() { kernel } else { shape::pair(stride.as_slice(), "stride").map_err(a)? };
-        let padding = shape::pair(padding.as_slice(), "padding").map_err(a)?;
         let divisor_override = divisor_override.into();
-        if divisor_override == Some(0) {
-            return Err(a("divisor must be not zero".into()));
-        }
+        let (kernel, stride, padding) = window::<2>(&kernel, &stride, &padding, Some(divisor_override)).map_err(a)?;
         floating(name, n)?;
         let out = shape::pool2d(&n.meta.shape, kernel, stride, padding, [1, 1], ceil_mode).map_err(a)?;
         let flow = self.pool_flow(name, &out)?;
