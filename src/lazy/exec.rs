@@ -819,70 +819,20 @@ fn backward_once(output: &LazyTensor, options: &Options) -> Result<f64, LazyErro
     let _entered = span.enter();
     let p = prepare(output, Mode::Backward, options)?;
     let n = p.c.batch;
-    // One tensor per parameter, however many leaves hold it. A fixed operand computed eagerly
-    // from parameters (`w.tr()`) is not a leaf: micro-batches see a detached stand-in, whose
-    // gradient is summed here and sent back through the operand's own graph once at the end
-    // (differentiating through it per micro-batch would count the parameters behind it again).
-    let mut originals: Vec<Tensor> = Vec::new();
-    let mut params: Vec<Tensor> = Vec::new();
-    let mut stand_ins: Vec<Option<Tensor>> = (0..p.c.len()).map(|_| None).collect();
-    // Each parameter's position in `params`, at its first leaf.
-    let mut slot: Vec<Option<usize>> = vec![None; p.c.len()];
-    for (i, first) in p.c.param.iter().enumerate() {
-        let Some(first) = first.map(|f| f as usize) else { continue };
-        if first == i {
-            let Some(Source::Leaf { tensor, .. }) = p.c.nodes[i].op.source() else {
-                unreachable!("parameters are leaves")
-            };
-            slot[i] = Some(params.len());
-            params.push(if tensor.is_leaf() {
-                tensor.shallow_clone()
-            } else {
-                tensor.detach().set_requires_grad(true)
-            });
-            originals.push(tensor.shallow_clone());
-        }
-        let k = slot[first].expect("a parameter's first leaf comes before its other leaves");
-        if !originals[k].is_leaf() {
-            stand_ins[i] = Some(params[k].shallow_clone());
-        }
-    }
-    // Inputs that require a gradient: an input of the user's own (`x.requires_grad`), or one
-    // computed from parameters (a learned token expanded to the batch, wrapped with `lazy`).
-    // Their gradients are asked for with the parameters': a leaf's into its `.grad`; another's
-    // through a detached stand-in, sent back through its own graph at the end.
-    // Each micro-batch asks for the gradient of its own slice of the input (a detached leaf
-    // in the input's place), not of the whole input: a gradient of the whole would be the
-    // batch's size, mostly zeros, for every micro-batch.
-    let n_params = params.len();
-    let mut inputs: Vec<(usize, i64)> = Vec::new();
-    for (i, node) in p.c.nodes.iter().enumerate() {
-        if let Some(Source::Input { tensor, dim }) = node.op.source() {
-            if tensor.requires_grad() {
-                inputs.push((i, *dim as i64));
-                params.push(tensor.shallow_clone());
-                originals.push(tensor.shallow_clone());
-            }
-        }
-    }
-    let leaf: Vec<bool> = originals.iter().map(Tensor::is_leaf).collect();
+    let wrt = Wrt::of(&p.c);
     // Where `.grad` starts as none, the micro-batches need no second copy of the gradients:
     // autograd accumulates straight into `.grad`, as plain tch does (the plan counts it so). A
     // micro-batch that fails leaves a sum that cannot be undone: `.grad` is set back to none
     // and the step starts again from its first sample, at the smaller size.
     let direct = p.c.accumulates_in_place();
-    let mut through: Vec<Option<Tensor>> = params.iter().map(|_| None).collect();
+    let mut through: Vec<Option<Tensor>> = wrt.params.iter().map(|_| None).collect();
     let unsplit = vec![None; p.c.len()];
-    let mut dens: Option<Vec<Option<f64>>> = None;
-    let out = p.c.len() - 1;
-    let err = torch(out, "backward");
+    let err = torch(p.c.len() - 1, "backward");
     let mut total = 0.0;
     // One rank of several: every share is of the global batch, every denominator global.
     let global = group_weights(&p.c, options)?;
     let n_all = global.as_ref().map_or(n, |g| g.batch);
-    if let Some(g) = &global {
-        dens = Some(g.dens.clone());
-    }
+    let mut dens: Option<Vec<Option<f64>>> = global.map(|g| g.dens);
     let started = std::time::Instant::now();
     run_chunks(&p, options, direct, |start, b| {
         if start == 0 {
@@ -892,57 +842,137 @@ fn backward_once(output: &LazyTensor, options: &Options) -> Result<f64, LazyErro
             dens = Some(tch::no_grad(|| denominators(&p.c, true, options))?);
         }
         let dens = dens.as_deref().unwrap_or(&unsplit);
-        let split = b < n_all;
-        let mut chunk_stand_ins;
-        let mut chunk_params;
-        let (stand_ins, params) = if inputs.is_empty() {
-            (&stand_ins, &params)
-        } else {
-            chunk_stand_ins = stand_ins.iter().map(|t| t.as_ref().map(Tensor::shallow_clone)).collect::<Vec<_>>();
-            chunk_params = params.iter().map(Tensor::shallow_clone).collect::<Vec<_>>();
-            for (j, &(i, dim)) in inputs.iter().enumerate() {
-                let slice =
-                    originals[n_params + j].f_narrow(dim, start, b).map_err(&err)?.detach().set_requires_grad(true);
-                chunk_stand_ins[i] = Some(slice.shallow_clone());
-                chunk_params[n_params + j] = slice;
-            }
-            (&chunk_stand_ins, &chunk_params)
-        };
-        let chunk = Chunk { start, b, split, frac: b as f64 / n_all as f64, dens, stand_ins };
-        let result = match &p.d.segments {
-            Some(segs) => recompute_chunk(&p.c, segs, &chunk, params, direct),
-            None => plain_chunk(&p.c, &chunk, params, direct),
-        };
-        if result.is_err() && direct {
-            // `.grad` was none when the step began: so it is again, its memory freed for the
-            // smaller micro-batches.
-            clear_grads(params);
-        }
-        let (value, grads) = result?;
-        let k = n_params.min(grads.len());
-        accumulate(&params[..k], &leaf[..k], &grads[..k], &mut through[..k]).map_err(&err)?;
-        if grads.len() > n_params {
-            let slices =
-                inputs.iter().zip(&grads[n_params..]).zip(&originals[n_params..]).zip(&mut through[n_params..]);
-            accumulate_slices(slices, start, b).map_err(&err)?;
-        }
+        let sliced = wrt.sliced(start, b).map_err(&err)?;
+        let (stand_ins, params) = sliced.as_ref().map_or((&wrt.stand_ins, &wrt.params), |(s, p)| (s, p));
+        let chunk = Chunk { start, b, split: b < n_all, frac: b as f64 / n_all as f64, dens, stand_ins };
+        let (value, grads) = micro_batch(&p, &chunk, params, direct)?;
+        wrt.add(&grads, &mut through, start, b).map_err(&err)?;
         total += value;
         Ok(())
     })?;
-    // The step's time against its estimate: later choices between splitting and recomputing
-    // for this graph follow what this machine measured.
-    let choice = match (&p.d.segments, p.d.micro_batch < n as usize) {
-        (Some(_), _) => Some(plan::Choice::Recompute),
-        (None, true) => Some(plan::Choice::Split),
-        (None, false) => None,
-    };
-    if let Some(choice) = choice {
-        plan::Timings::process().record(&p.c, choice, started.elapsed().as_secs_f64(), p.d.seconds.0);
+    record_time(&p, started);
+    wrt.send_through(&through).map_err(&err)?;
+    #[cfg(feature = "dist")]
+    if let Some(group) = options.group.as_ref().filter(|g| g.world_size() > 1) {
+        total = wrt.all_reduce(group, total)?;
     }
-    if through.iter().any(Option::is_some) {
+    // The micro-batches' sum, in the loss's kind: what reading the loss gives, and what one
+    // whole-batch step computes.
+    let total = in_kind(total, output.node.meta.kind).map_err(&err)?;
+    output.node.stepped.set(Some(total));
+    Ok(total)
+}
+
+/// What a backward asks gradients of: one tensor per parameter, however many leaves hold it,
+/// then the inputs that require a gradient.
+///
+/// A fixed operand computed eagerly from parameters (`w.tr()`) is not a leaf: micro-batches see
+/// a detached stand-in, whose gradient is summed and sent back through the operand's own graph
+/// once at the end (differentiating through it per micro-batch would count the parameters
+/// behind it again). An input that requires a gradient (the user's own, or one computed from
+/// parameters and wrapped with `lazy`) is asked per micro-batch for the gradient of its own
+/// slice (a detached leaf in its place), not of the whole input, which would be the batch's
+/// size, mostly zeros, for every micro-batch.
+struct Wrt {
+    /// The tensors as the user holds them: parameters, then inputs.
+    originals: Vec<Tensor>,
+    /// What autograd differentiates: a leaf parameter itself, a detached stand-in of another;
+    /// the inputs whole (each micro-batch slices them: [`Wrt::sliced`]).
+    params: Vec<Tensor>,
+    /// By node: the stand-in a leaf reads instead of its tensor.
+    stand_ins: Vec<Option<Tensor>>,
+    /// `params[..n_params]` are the parameters.
+    n_params: usize,
+    /// The inputs that require a gradient: node and batch dimension.
+    inputs: Vec<(usize, i64)>,
+    /// Whether each original is a leaf (its gradient lands in its `.grad`).
+    leaf: Vec<bool>,
+}
+
+impl Wrt {
+    fn of(c: &Compiled) -> Wrt {
+        let mut originals: Vec<Tensor> = Vec::new();
+        let mut params: Vec<Tensor> = Vec::new();
+        let mut stand_ins: Vec<Option<Tensor>> = (0..c.len()).map(|_| None).collect();
+        // Each parameter's position in `params`, at its first leaf.
+        let mut slot: Vec<Option<usize>> = vec![None; c.len()];
+        for (i, first) in c.param.iter().enumerate() {
+            let Some(first) = first.map(|f| f as usize) else { continue };
+            if first == i {
+                let Some(Source::Leaf { tensor, .. }) = c.nodes[i].op.source() else {
+                    unreachable!("parameters are leaves")
+                };
+                slot[i] = Some(params.len());
+                params.push(if tensor.is_leaf() {
+                    tensor.shallow_clone()
+                } else {
+                    tensor.detach().set_requires_grad(true)
+                });
+                originals.push(tensor.shallow_clone());
+            }
+            let k = slot[first].expect("a parameter's first leaf comes before its other leaves");
+            if !originals[k].is_leaf() {
+                stand_ins[i] = Some(params[k].shallow_clone());
+            }
+        }
+        let n_params = params.len();
+        let mut inputs: Vec<(usize, i64)> = Vec::new();
+        for (i, node) in c.nodes.iter().enumerate() {
+            if let Some(Source::Input { tensor, dim }) = node.op.source() {
+                if tensor.requires_grad() {
+                    inputs.push((i, *dim as i64));
+                    params.push(tensor.shallow_clone());
+                    originals.push(tensor.shallow_clone());
+                }
+            }
+        }
+        let leaf = originals.iter().map(Tensor::is_leaf).collect();
+        Wrt { originals, params, stand_ins, n_params, inputs, leaf }
+    }
+
+    /// The stand-ins and tensors of the micro-batch of `b` samples from `start`, where inputs
+    /// require a gradient (each its own slice); `None`: the step's own serve.
+    #[allow(clippy::type_complexity)]
+    fn sliced(&self, start: i64, b: i64) -> Result<Option<(Vec<Option<Tensor>>, Vec<Tensor>)>, TchError> {
+        if self.inputs.is_empty() {
+            return Ok(None);
+        }
+        let mut stand_ins: Vec<Option<Tensor>> =
+            self.stand_ins.iter().map(|t| t.as_ref().map(Tensor::shallow_clone)).collect();
+        let mut params: Vec<Tensor> = self.params.iter().map(Tensor::shallow_clone).collect();
+        for (j, &(i, dim)) in self.inputs.iter().enumerate() {
+            let slice = self.originals[self.n_params + j].f_narrow(dim, start, b)?.detach().set_requires_grad(true);
+            stand_ins[i] = Some(slice.shallow_clone());
+            params[self.n_params + j] = slice;
+        }
+        Ok(Some((stand_ins, params)))
+    }
+
+    /// Adds a micro-batch's gradients (`grads`, by position in `params`) into the sums: the
+    /// parameters' and, for inputs, their slice's rows.
+    fn add(&self, grads: &[Tensor], through: &mut [Option<Tensor>], start: i64, b: i64) -> Result<(), TchError> {
+        let k = self.n_params.min(grads.len());
+        accumulate(&self.params[..k], &self.leaf[..k], &grads[..k], &mut through[..k])?;
+        if grads.len() > self.n_params {
+            let slices = self
+                .inputs
+                .iter()
+                .zip(&grads[self.n_params..])
+                .zip(&self.originals[self.n_params..])
+                .zip(&mut through[self.n_params..]);
+            accumulate_slices(slices, start, b)?;
+        }
+        Ok(())
+    }
+
+    /// Sends the gradients summed for stand-ins back through their tensors' own graphs, once.
+    fn send_through(&self, through: &[Option<Tensor>]) -> Result<(), TchError> {
+        if through.iter().all(Option::is_none) {
+            return Ok(());
+        }
         tch::with_grad(|| -> Result<(), TchError> {
             let mut sum: Option<Tensor> = None;
-            for (p, g) in originals.iter().zip(&through) {
+            for (p, g) in self.originals.iter().zip(through) {
                 if let Some(g) = g {
                     // d/dp sum(p * g) = g: autograd carries g on through p's own graph.
                     let term = p.f_mul(g)?.f_sum(Kind::Double)?;
@@ -954,23 +984,55 @@ fn backward_once(output: &LazyTensor, options: &Options) -> Result<f64, LazyErro
             }
             sum.expect("some gradient").f_backward()
         })
-        .map_err(&err)?;
     }
+
+    /// Every rank's share is in its own `.grad`: their sum is the union's gradient, and the
+    /// losses' sum the union's loss. Parameters only: an input's gradient is the rank's own.
     #[cfg(feature = "dist")]
-    if let Some(group) = options.group.as_ref().filter(|g| g.world_size() > 1) {
-        // Every rank's share is in its own `.grad`: their sum is the union's gradient.
-        // Parameters only: an input's gradient is the rank's own.
-        let grads: Vec<Tensor> =
-            params.iter().zip(&leaf).take(n_params).filter(|&(_, &l)| l).map(|(p, _)| p.grad()).collect();
+    fn all_reduce(&self, group: &crate::dist::Group, total: f64) -> Result<f64, LazyError> {
+        let grads: Vec<Tensor> = self
+            .params
+            .iter()
+            .zip(&self.leaf)
+            .take(self.n_params)
+            .filter(|&(_, &l)| l)
+            .map(|(p, _)| p.grad())
+            .collect();
         let defined: Vec<&Tensor> = grads.iter().filter(|g| g.defined()).collect();
         group.all_reduce_sum(&defined)?;
-        total = group.all_reduce_f64("toma.lazy/loss", crate::dist::Reduce::Sum, &[total])?[0];
+        Ok(group.all_reduce_f64("toma.lazy/loss", crate::dist::Reduce::Sum, &[total])?[0])
     }
-    // The micro-batches' sum, in the loss's kind: what reading the loss gives, and what one
-    // whole-batch step computes.
-    let total = in_kind(total, output.node.meta.kind).map_err(&err)?;
-    output.node.stepped.set(Some(total));
-    Ok(total)
+}
+
+/// One micro-batch's forward and backward, as planned (plain or recomputing): its loss share
+/// and the gradients not accumulated into `.grad`.
+fn micro_batch(
+    p: &Prepared,
+    chunk: &Chunk<'_>,
+    params: &[Tensor],
+    direct: bool,
+) -> Result<(f64, Vec<Tensor>), LazyError> {
+    let result = match &p.d.segments {
+        Some(segs) => recompute_chunk(&p.c, segs, chunk, params, direct),
+        None => plain_chunk(&p.c, chunk, params, direct),
+    };
+    if result.is_err() && direct {
+        // `.grad` was none when the step began: so it is again, its memory freed for the
+        // smaller micro-batches.
+        clear_grads(params);
+    }
+    result
+}
+
+/// The step's time against its estimate, as evidence: later choices between splitting and
+/// recomputing for this graph follow what this machine measured.
+fn record_time(p: &Prepared, started: std::time::Instant) {
+    let choice = match (&p.d.segments, p.d.micro_batch < p.c.batch as usize) {
+        (Some(_), _) => plan::Choice::Recompute,
+        (None, true) => plan::Choice::Split,
+        (None, false) => return,
+    };
+    plan::Timings::process().record(&p.c, choice, started.elapsed().as_secs_f64(), p.d.seconds.0);
 }
 
 /// Sets the parameters' `.grad` back to none (zeroes it where the shim is missing).
