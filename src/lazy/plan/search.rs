@@ -131,6 +131,10 @@ fn plan_pass(
     split_decision(c, mode, options, schedule, None, budget, evidence, why.into())
 }
 
+/// A recomputing plan the segment search found: the segments, their schedule and the
+/// simulation at the whole batch.
+type Found = (Segments, Schedule, (Outcome, u64));
+
 /// The plan of a backward whose whole batch does not fit as it is: micro-batches, recomputed
 /// segments, or both, by [`Options::recompute`] and the estimated step time.
 fn recomputing(
@@ -141,140 +145,184 @@ fn recomputing(
     budget: u64,
     evidence: &Evidence,
 ) -> Result<Decision, LazyError> {
-    let correction = &evidence.reserve;
     let n = c.batch.max(1) as u64;
-    let held = budget.saturating_sub(correction.at(n));
-    let refused =
-        check_split(c, mode, &Choice { micro_batch: 1, peak: 0, full_peak: 0, outcome: None }, budget, options)
-            .err()
-            .map(|e| split_refusal(&e));
-    let split_allowed = refused.is_none() && options.retry;
+    let held = budget.saturating_sub(evidence.reserve.at(n));
+    let one = Choice { micro_batch: 1, peak: 0, full_peak: 0, outcome: None };
+    let refused = check_split(c, mode, &one, budget, options).err().map(|e| split_refusal(&e));
     let (fit, lowest) = search_segments(c, &evidence.calibrated, n, held);
-    let plain_seconds = time::step_seconds(c, n, None);
     // What the whole batch would peak at as it is: the plan's "whole batch" figure.
     let plain = schedule.simulate(n).resolve(c, n).0;
-    let full_peak = plain.peak;
-    let whole = |(segments, schedule, outcome): (Segments, Schedule, (Outcome, u64)), why: String| {
-        let seconds = time::step_seconds(c, n, Some(&segments));
-        Decision {
-            mode,
-            budget,
-            micro_batch: n as usize,
-            peak: outcome.0.peak,
-            full_peak,
-            // A micro-batch that runs out of memory may be halved where the result allows it.
-            splittable: split_allowed && n > 1,
-            reserved: correction.at(n),
-            outcome,
-            schedule,
-            segments: Some(segments),
-            why,
-            seconds: (seconds, plain_seconds),
-            optimizer: None,
-            evidence: evidence.clone(),
-        }
+    let strategies = Strategies {
+        c,
+        mode,
+        options,
+        budget,
+        evidence,
+        n,
+        full_peak: plain.peak,
+        plain_seconds: time::step_seconds(c, n, None),
+        split_allowed: refused.is_none() && options.retry,
+        schedule,
     };
     if let Some(refused) = refused {
-        if let Some(fit) = fit {
-            let why = format!(
-                "the whole batch does not fit and splitting is ruled out ({refused}): {} segments recomputed keep the batch together",
-                fit.0.count()
-            );
-            return Ok(whole(fit, why));
-        }
-        // Nothing fits: the lowest peak of the plans allowed (the whole batch, recomputing or not).
-        let (peak, step, sched, segments) = match &lowest {
-            Some((seg, sched, o)) if o.0.peak < plain.peak => {
-                (o.0.peak, o.0.peak_step, sched, Some(seg.count() as u32))
-            }
-            _ => (plain.peak, plain.peak_step, &schedule, None),
-        };
-        return Err(does_not_fit(c, sched, peak, step, budget, correction.at(n), n as usize, segments, Some(refused)));
+        return strategies.unsplit(fit, lowest, plain, refused);
     }
-    let split = || {
-        split_decision(
-            c,
-            mode,
-            options,
-            schedule.clone(),
-            None,
-            budget,
-            evidence,
-            "the largest micro-batch that fits, recomputing nothing".into(),
-        )
-    };
-    // Both, where neither alone fits: the recomputing plan with the lowest peak, split.
-    let both = |lowest: Option<(Segments, Schedule, (Outcome, u64))>| {
-        lowest.map(|(segments, sched, _)| {
-            let count = segments.count();
-            let why = format!(
-                "neither micro-batches nor recomputing alone fits: {count} segments recomputed, in micro-batches"
-            );
-            split_decision(c, mode, options, sched, Some(segments), budget, evidence, why)
-        })
-    };
     match (options.recompute, fit) {
         (Recompute::Always, Some(fit)) => {
             let why =
                 format!("Recompute::Always: {} segments recomputed instead of splitting the batch", fit.0.count());
-            Ok(whole(fit, why))
+            Ok(strategies.whole(fit, why))
         }
         // Recomputing in micro-batches first; where that fails too, plain micro-batches.
-        (Recompute::Always, None) => match both(lowest) {
+        (Recompute::Always, None) => match strategies.both(lowest) {
             Some(Ok(d)) => Ok(d),
-            Some(Err(e)) => split().map_err(|s| lower(e, s)),
-            None => split(),
+            Some(Err(e)) => strategies.split().map_err(|s| lower(e, s)),
+            None => strategies.split(),
         },
-        (_, None) => match split() {
+        (_, None) => match strategies.split() {
             Ok(d) => Ok(d),
-            Err(e @ LazyError::DoesNotFit { .. }) => match both(lowest) {
+            Err(e @ LazyError::DoesNotFit { .. }) => match strategies.both(lowest) {
                 Some(result) => result.map_err(|b| lower(b, e)),
                 None => Err(e),
             },
             Err(e) => Err(e),
         },
-        (_, Some(fit)) => {
-            // Estimates scaled by what earlier steps of this graph measured, where they did.
-            let (split_factor, recompute_factor) = (evidence.speed.split, evidence.speed.recompute);
-            let recompute_prior = time::step_seconds(c, n, Some(&fit.0));
-            match split() {
-                Ok(mut d) => {
-                    let split_prior = time::step_seconds(c, d.micro_batch as u64, None);
-                    // Ratios to one reference, the prior's plain whole-batch step (what
-                    // `Plan::estimated_time_ratio` reports); what measured steps of this graph
-                    // showed scales the comparison, and is said apart.
-                    let measured = if evidence.speed.measured {
-                        format!(
-                            ", scaled by what earlier steps of this graph measured ({split_factor:.2}x and \
-                                 {recompute_factor:.2}x the estimates)"
-                        )
-                    } else {
-                        String::new()
-                    };
-                    let (split_ratio, recompute_ratio) = (split_prior / plain_seconds, recompute_prior / plain_seconds);
-                    if split_prior * split_factor <= recompute_prior * recompute_factor {
-                        d.why = format!(
-                            "micro-batches of {} are estimated faster ({split_ratio:.2}x a plain whole-batch step) than \
-                             recomputing {} segments ({recompute_ratio:.2}x){measured}",
-                            d.micro_batch,
-                            fit.0.count(),
-                        );
-                        return Ok(d);
-                    }
-                    let why = format!(
-                        "recomputing {} segments is estimated faster ({recompute_ratio:.2}x a plain whole-batch step) \
-                         than micro-batches of {} ({split_ratio:.2}x){measured}",
-                        fit.0.count(),
-                        d.micro_batch,
-                    );
-                    Ok(whole(fit, why))
-                }
-                Err(_) => {
-                    let why = format!("only recomputing fits: {} segments", fit.0.count());
-                    Ok(whole(fit, why))
-                }
-            }
+        (_, Some(fit)) => strategies.fastest(fit),
+    }
+}
+
+/// The ways a backward whose whole batch does not fit may run, each a decision: the whole
+/// batch recomputing segments, micro-batches, or both; and which of the first two is faster.
+struct Strategies<'a> {
+    c: &'a Compiled,
+    mode: Mode,
+    options: &'a Options,
+    budget: u64,
+    evidence: &'a Evidence,
+    /// The whole batch, its peak as it is, and the estimated seconds of its plain step.
+    n: u64,
+    full_peak: u64,
+    plain_seconds: f64,
+    /// Whether a micro-batch that runs out of memory may be halved.
+    split_allowed: bool,
+    /// The plain schedule.
+    schedule: Schedule,
+}
+
+impl Strategies<'_> {
+    /// The whole batch, recomputing `fit`'s segments.
+    fn whole(&self, (segments, schedule, outcome): Found, why: String) -> Decision {
+        let n = self.n;
+        let seconds = time::step_seconds(self.c, n, Some(&segments));
+        Decision {
+            mode: self.mode,
+            budget: self.budget,
+            micro_batch: n as usize,
+            peak: outcome.0.peak,
+            full_peak: self.full_peak,
+            // A micro-batch that runs out of memory may be halved where the result allows it.
+            splittable: self.split_allowed && n > 1,
+            reserved: self.evidence.reserve.at(n),
+            outcome,
+            schedule,
+            segments: Some(segments),
+            why,
+            seconds: (seconds, self.plain_seconds),
+            optimizer: None,
+            evidence: self.evidence.clone(),
         }
+    }
+
+    /// Micro-batches, recomputing nothing.
+    fn split(&self) -> Result<Decision, LazyError> {
+        let why = "the largest micro-batch that fits, recomputing nothing";
+        split_decision(
+            self.c,
+            self.mode,
+            self.options,
+            self.schedule.clone(),
+            None,
+            self.budget,
+            self.evidence,
+            why.into(),
+        )
+    }
+
+    /// Both, where neither alone fits: the recomputing plan with the lowest peak, split.
+    fn both(&self, lowest: Option<Found>) -> Option<Result<Decision, LazyError>> {
+        lowest.map(|(segments, sched, _)| {
+            let count = segments.count();
+            let why = format!(
+                "neither micro-batches nor recomputing alone fits: {count} segments recomputed, in micro-batches"
+            );
+            split_decision(self.c, self.mode, self.options, sched, Some(segments), self.budget, self.evidence, why)
+        })
+    }
+
+    /// Splitting is ruled out (`refused` says why): the whole batch recomputing, or the lowest
+    /// peak of the plans allowed.
+    fn unsplit(
+        &self,
+        fit: Option<Found>,
+        lowest: Option<Found>,
+        plain: Outcome,
+        refused: String,
+    ) -> Result<Decision, LazyError> {
+        if let Some(fit) = fit {
+            let why = format!(
+                "the whole batch does not fit and splitting is ruled out ({refused}): {} segments recomputed keep the batch together",
+                fit.0.count()
+            );
+            return Ok(self.whole(fit, why));
+        }
+        let (peak, step, sched, segments) = match &lowest {
+            Some((seg, sched, o)) if o.0.peak < plain.peak => {
+                (o.0.peak, o.0.peak_step, sched, Some(seg.count() as u32))
+            }
+            _ => (plain.peak, plain.peak_step, &self.schedule, None),
+        };
+        let (n, reserved) = (self.n as usize, self.evidence.reserve.at(self.n));
+        Err(does_not_fit(self.c, sched, peak, step, self.budget, reserved, n, segments, Some(refused)))
+    }
+
+    /// Recomputing `fit` or micro-batches, whichever is estimated faster; estimates scaled by
+    /// what earlier steps of this graph measured, where they did.
+    fn fastest(&self, fit: Found) -> Result<Decision, LazyError> {
+        let speed = &self.evidence.speed;
+        let recompute_prior = time::step_seconds(self.c, self.n, Some(&fit.0));
+        let Ok(mut d) = self.split() else {
+            let why = format!("only recomputing fits: {} segments", fit.0.count());
+            return Ok(self.whole(fit, why));
+        };
+        let split_prior = time::step_seconds(self.c, d.micro_batch as u64, None);
+        // Ratios to one reference, the prior's plain whole-batch step (what
+        // `Plan::estimated_time_ratio` reports); what measured steps of this graph showed
+        // scales the comparison, and is said apart.
+        let measured = if speed.measured {
+            format!(
+                ", scaled by what earlier steps of this graph measured ({:.2}x and {:.2}x the estimates)",
+                speed.split, speed.recompute
+            )
+        } else {
+            String::new()
+        };
+        let (split_ratio, recompute_ratio) = (split_prior / self.plain_seconds, recompute_prior / self.plain_seconds);
+        if split_prior * speed.split <= recompute_prior * speed.recompute {
+            d.why = format!(
+                "micro-batches of {} are estimated faster ({split_ratio:.2}x a plain whole-batch step) than \
+                 recomputing {} segments ({recompute_ratio:.2}x){measured}",
+                d.micro_batch,
+                fit.0.count(),
+            );
+            return Ok(d);
+        }
+        let why = format!(
+            "recomputing {} segments is estimated faster ({recompute_ratio:.2}x a plain whole-batch step) \
+             than micro-batches of {} ({split_ratio:.2}x){measured}",
+            fit.0.count(),
+            d.micro_batch,
+        );
+        Ok(self.whole(fit, why))
     }
 }
 
@@ -344,19 +392,13 @@ fn split_refusal(e: &LazyError) -> String {
 /// The recomputing plan that fits `held` at `b` with the lowest estimated time, and the plan
 /// with the lowest peak among those tried. For each size of the last segment (the one that
 /// does not run twice) against the others', the fewest segments that fit recompute the least.
-#[allow(clippy::type_complexity)]
-fn search_segments(
-    c: &Compiled,
-    calibrated: &Calibrated,
-    b: u64,
-    held: u64,
-) -> (Option<(Segments, Schedule, (Outcome, u64))>, Option<(Segments, Schedule, (Outcome, u64))>) {
+fn search_segments(c: &Compiled, calibrated: &Calibrated, b: u64, held: u64) -> (Option<Found>, Option<Found>) {
     let cuts = Cuts::new(c);
     let prices = Prices::of(c, calibrated);
     // Past about 2·sqrt(n) segments, the boundaries outweigh what a segment saves.
     let most = (2.0 * (c.len() as f64).sqrt()) as usize + 4;
-    let mut lowest: Option<(Segments, Schedule, (Outcome, u64))> = None;
-    let mut best: Option<(f64, (Segments, Schedule, (Outcome, u64)))> = None;
+    let mut lowest: Option<Found> = None;
+    let mut best: Option<(f64, Found)> = None;
     let mut tried: Vec<Vec<u32>> = Vec::new();
     // A larger last segment leaves less to the others: it needs at least as many segments as
     // equal shares did, so its counts start where theirs fit.
