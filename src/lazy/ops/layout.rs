@@ -53,76 +53,46 @@ impl Operation for Reshape {
     }
 }
 
-/// Two dimensions swapped (a view).
-pub(crate) struct Transpose {
-    dim0: i64,
-    dim1: i64,
+/// Ops whose output is their input's storage (a view, or the value itself) and whose input's
+/// gradient is a view of the output's: alike but for their name and how they run, so one table.
+pub(crate) enum Alias {
+    /// Two dimensions swapped.
+    Transpose { dim0: i64, dim1: i64 },
+    /// The dimensions reordered.
+    Permute(Vec<i64>),
+    /// A dimension of size 1 inserted.
+    Unsqueeze(i64),
+    /// Dimensions of size 1 removed.
+    Squeeze(Vec<i64>),
+    /// The value on its own device: the value itself (tch returns a tensor already there as
+    /// it is).
+    ToDevice(tch::Device),
+    /// A contiguous copy where the strides need one, else the value itself.
+    Contiguous,
 }
 
-impl Operation for Transpose {
+impl Operation for Alias {
     fn name(&self) -> &'static str {
-        "transpose"
+        match self {
+            Alias::Transpose { .. } => "transpose",
+            Alias::Permute(_) => "permute",
+            Alias::Unsqueeze(_) => "unsqueeze",
+            Alias::Squeeze(_) => "squeeze",
+            Alias::ToDevice(_) => "to_device",
+            Alias::Contiguous => "contiguous",
+        }
     }
 
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        ins[0].f_transpose(self.dim0, self.dim1)
-    }
-
-    fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
-        true
-    }
-}
-
-/// The dimensions reordered (a view).
-pub(crate) struct Permute {
-    dims: Vec<i64>,
-}
-
-impl Operation for Permute {
-    fn name(&self) -> &'static str {
-        "permute"
-    }
-
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        ins[0].f_permute(self.dims.as_slice())
-    }
-
-    fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
-        true
-    }
-}
-
-/// A dimension of size 1 inserted (a view).
-pub(crate) struct Unsqueeze {
-    dim: i64,
-}
-
-impl Operation for Unsqueeze {
-    fn name(&self) -> &'static str {
-        "unsqueeze"
-    }
-
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        ins[0].f_unsqueeze(self.dim)
-    }
-
-    fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
-        true
-    }
-}
-
-/// Dimensions of size 1 removed (a view).
-pub(crate) struct Squeeze {
-    dims: Vec<i64>,
-}
-
-impl Operation for Squeeze {
-    fn name(&self) -> &'static str {
-        "squeeze"
-    }
-
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        ins[0].f_squeeze_dims(self.dims.as_slice())
+        let x = ins[0];
+        match self {
+            Alias::Transpose { dim0, dim1 } => x.f_transpose(*dim0, *dim1),
+            Alias::Permute(dims) => x.f_permute(dims.as_slice()),
+            Alias::Unsqueeze(dim) => x.f_unsqueeze(*dim),
+            Alias::Squeeze(dims) => x.f_squeeze_dims(dims.as_slice()),
+            Alias::ToDevice(device) => x.f_to_device(*device),
+            Alias::Contiguous => x.f_contiguous(),
+        }
     }
 
     fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
@@ -163,42 +133,6 @@ impl Operation for ToKind {
 
     fn grad_aliases(&self, _i: usize, inputs: &[Rc<Node>], _meta: &Meta) -> bool {
         inputs[0].meta.kind == self.kind
-    }
-}
-
-/// The value on its own device: the value itself (tch returns a tensor already there as it is).
-pub(crate) struct ToDevice {
-    device: tch::Device,
-}
-
-impl Operation for ToDevice {
-    fn name(&self) -> &'static str {
-        "to_device"
-    }
-
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        ins[0].f_to_device(self.device)
-    }
-
-    fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
-        true
-    }
-}
-
-/// A contiguous copy (or the value itself).
-pub(crate) struct Contiguous;
-
-impl Operation for Contiguous {
-    fn name(&self) -> &'static str {
-        "contiguous"
-    }
-
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        ins[0].f_contiguous()
-    }
-
-    fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
-        true
     }
 }
 
@@ -763,7 +697,10 @@ impl LazyTensor {
             })
         };
         let flow = unary_flow("transpose", n, &s, map, Linearity::Structural)?;
-        Ok(Record::new(Transpose { dim0, dim1 }, vec![n.clone()], s, m.kind, m.device).flow(flow).view(st).finish())
+        Ok(Record::new(Alias::Transpose { dim0, dim1 }, vec![n.clone()], s, m.kind, m.device)
+            .flow(flow)
+            .view(st)
+            .finish())
     }
 
     /// Reorders the dimensions (a view).
@@ -786,7 +723,7 @@ impl LazyTensor {
         let s: Vec<i64> = wrapped.iter().map(|&d| m.shape[d]).collect();
         let st: Vec<i64> = wrapped.iter().map(|&d| m.strides[d]).collect();
         let flow = unary_flow("permute", n, &s, |d| wrapped.iter().position(|&w| w == d), Linearity::Structural)?;
-        Ok(Record::new(Permute { dims }, vec![n.clone()], s, m.kind, m.device).flow(flow).view(st).finish())
+        Ok(Record::new(Alias::Permute(dims), vec![n.clone()], s, m.kind, m.device).flow(flow).view(st).finish())
     }
 
     /// Inserts a dimension of size 1 at `dim` (a view).
@@ -802,7 +739,7 @@ impl LazyTensor {
         s.insert(u, 1);
         st.insert(u, stride);
         let flow = unary_flow("unsqueeze", n, &s, |d| Some(if u <= d { d + 1 } else { d }), Linearity::Structural)?;
-        Ok(Record::new(Unsqueeze { dim }, vec![n.clone()], s, m.kind, m.device).flow(flow).view(st).finish())
+        Ok(Record::new(Alias::Unsqueeze(dim), vec![n.clone()], s, m.kind, m.device).flow(flow).view(st).finish())
     }
 
     fn f_squeeze_impl(&self, dims: Vec<usize>) -> Result<LazyTensor, LazyError> {
@@ -819,7 +756,7 @@ impl LazyTensor {
             unary_flow("squeeze", n, &s, |d| keep.iter().position(|&k| k == d), Linearity::Structural)?
         };
         let dims: Vec<i64> = gone.iter().map(|&d| d as i64).collect();
-        Ok(Record::new(Squeeze { dims }, vec![n.clone()], s, m.kind, m.device).flow(flow).view(st).finish())
+        Ok(Record::new(Alias::Squeeze(dims), vec![n.clone()], s, m.kind, m.device).flow(flow).view(st).finish())
     }
 
     /// Removes every dimension of size 1 (a view), as recorded: a micro-batch of one sample
@@ -1822,7 +1759,7 @@ impl LazyTensor {
         if device == m.device {
             let flow = same_shape_flow("to_device", n, Linearity::Structural)?;
             let record =
-                Record::new(ToDevice { device }, vec![n.clone()], m.shape.clone(), m.kind, m.device).flow(flow);
+                Record::new(Alias::ToDevice(device), vec![n.clone()], m.shape.clone(), m.kind, m.device).flow(flow);
             return Ok(record.view(m.strides.clone()).finish());
         }
         Err(arg(
@@ -1864,7 +1801,7 @@ impl LazyTensor {
         let n = &self.node;
         let m = &n.meta;
         let flow = same_shape_flow("contiguous", n, Linearity::Structural)?;
-        let record = Record::new(Contiguous, vec![n.clone()], m.shape.clone(), m.kind, m.device).flow(flow);
+        let record = Record::new(Alias::Contiguous, vec![n.clone()], m.shape.clone(), m.kind, m.device).flow(flow);
         Ok(if shape::is_contiguous(&m.shape, &m.strides) { record.view(m.strides.clone()) } else { record }.finish())
     }
 
