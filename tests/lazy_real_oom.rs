@@ -166,20 +166,7 @@ fn child_replan() {
     let replans = recorded.iter().filter(|e| e.field("message").contains("planning it again")).count();
     assert!(replans >= 1, "the step was planned again: {recorded:#?}");
     assert!((value - eager_value).abs() <= 1e-4 * eager_value.abs(), "loss {value} lazily, {eager_value} eagerly");
-    // Compared 64 rows at a time: under the cap, glibc's heap is fragmented by the failures, and
-    // a check that needs whole-layer temporaries can fail where the step did not.
-    let mut worst: f64 = 0.0;
-    for (v, e) in vs.trainable_variables().iter().zip(&eager_grads) {
-        let (g, rows) = (v.grad(), e.size()[0]);
-        let (mut diff, mut scale) = (0f64, 1e-12f64);
-        for start in (0..rows).step_by(64) {
-            let len = 64.min(rows - start);
-            let (gs, es) = (g.narrow(0, start, len), e.narrow(0, start, len));
-            diff = diff.max((&gs - &es).abs().max().double_value(&[]));
-            scale = scale.max(es.abs().max().double_value(&[]));
-        }
-        worst = worst.max(diff / scale);
-    }
+    let worst = worst_difference(&vs, &eager_grads);
     assert!(worst < 1e-3, "gradients differ from the eager step's by {worst:e}");
     // Once, as the eager step moved them: the failed attempt left nothing behind.
     let off = (&bn.running_mean - &eager_running).abs().max().double_value(&[]);
@@ -202,6 +189,26 @@ fn a_step_that_cannot_split_is_planned_again_after_a_real_out_of_memory() {
     let fields = child.assert_finished(DONE);
     println!("{}", child.report);
     assert!(fields["replans"].parse::<usize>().unwrap() >= 1, "{fields:?}");
+}
+
+/// The largest difference of a parameter's gradient from the eager one, relative to the eager
+/// one's largest entry. Compared 64 rows at a time: under the cap, glibc's heap is fragmented
+/// by the failures, and a check that needs whole-layer temporaries can fail where the step did
+/// not.
+fn worst_difference(vs: &nn::VarStore, eager_grads: &[Tensor]) -> f64 {
+    let mut worst: f64 = 0.0;
+    for (v, e) in vs.trainable_variables().iter().zip(eager_grads) {
+        let (g, rows) = (v.grad(), e.size()[0]);
+        let (mut diff, mut scale) = (0f64, 1e-12f64);
+        for start in (0..rows).step_by(64) {
+            let len = 64.min(rows - start);
+            let (gs, es) = (g.narrow(0, start, len), e.narrow(0, start, len));
+            diff = diff.max((&gs - &es).abs().max().double_value(&[]));
+            scale = scale.max(es.abs().max().double_value(&[]));
+        }
+        worst = worst.max(diff / scale);
+    }
+    worst
 }
 
 /// A split step's micro-batches add their gradients into `.grad` in place (it was none: tch's
@@ -270,20 +277,7 @@ fn child_restart() {
     let ooms = recorded.iter().filter(|e| e.is_caught_oom()).count();
     assert!(restarts >= 1 && ooms >= 1, "the step started again after a real out-of-memory: {recorded:#?}");
     assert!((value - eager_value).abs() <= 1e-4 * eager_value.abs(), "loss {value} lazily, {eager_value} eagerly");
-    // Compared 64 rows at a time: under the cap, glibc's heap is fragmented by the failures, and
-    // a check that needs whole-layer temporaries can fail where the step did not.
-    let mut worst: f64 = 0.0;
-    for (v, e) in vs.trainable_variables().iter().zip(&eager_grads) {
-        let (g, rows) = (v.grad(), e.size()[0]);
-        let (mut diff, mut scale) = (0f64, 1e-12f64);
-        for start in (0..rows).step_by(64) {
-            let len = 64.min(rows - start);
-            let (gs, es) = (g.narrow(0, start, len), e.narrow(0, start, len));
-            diff = diff.max((&gs - &es).abs().max().double_value(&[]));
-            scale = scale.max(es.abs().max().double_value(&[]));
-        }
-        worst = worst.max(diff / scale);
-    }
+    let worst = worst_difference(&vs, &eager_grads);
     assert!(worst < 1e-3, "gradients differ from the eager step's by {worst:e}");
     println!("{DONE} restarts={restarts} ooms={ooms} first={first_peak} later={later} half={half} worst={worst:.1e}");
 }
