@@ -34,9 +34,11 @@ impl Hasher for PassThrough {
 
 /// A [`Hasher`] over [`mix`], for keys derived from data (`#[derive(Hash)]`): stable across
 /// processes of one build, so that keys written to a file are found again.
+#[cfg(feature = "tch")]
 #[derive(Default)]
 pub(crate) struct Mixer(u64);
 
+#[cfg(feature = "tch")]
 impl Hasher for Mixer {
     fn finish(&self) -> u64 {
         self.0
@@ -54,6 +56,7 @@ impl Hasher for Mixer {
 }
 
 /// `value`'s hash by [`Mixer`].
+#[cfg(feature = "tch")]
 pub(crate) fn hash_of(value: &impl std::hash::Hash) -> u64 {
     let mut h = Mixer::default();
     value.hash(&mut h);
