@@ -133,7 +133,8 @@
 //! chunk is measured again and refines the fit.
 //!
 //! ```
-//! # #[cfg(feature = "tch")] {
+//! # #[cfg(not(feature = "tch"))] fn main() {}
+//! # #[cfg(feature = "tch")] fn main() -> Result<(), tch::TchError> {
 //! use tch::{Device, Kind, TchError, Tensor};
 //! use toma::{CacheKind, Range};
 //!
@@ -150,8 +151,8 @@
 //! result?;
 //! let auto = report.auto.unwrap();
 //! assert!(auto.probes >= 2 && auto.step <= 128 && auto.over_budget == 0);
+//! # Ok(())
 //! # }
-//! # Ok::<(), tch::TchError>(())
 //! ```
 //!
 //! - **Probes.** The steps go 1, then at most 16 times the largest chunk measured so far, then the
