@@ -19,7 +19,7 @@
 //! ```
 //!
 //! This page is the manual of the retry half. The planning half, which sizes micro-batches before
-//! anything runs, is [`lazy`]; ranks that retry together are [`dist`] (feature `dist`).
+//! anything runs, is [`lazy`]; ranks that retry together are `toma::dist` (feature `dist`).
 //!
 //! - Attributes: [`batch`], [`range`], [`chunked`] (feature `macros`, on `fn` and `async fn`).
 //! - Immediate blocks: [`execute::batch`], [`execute::range`], [`execute::chunked`].
@@ -316,7 +316,7 @@
 //! - `anyhow`: `OutOfMemory for anyhow::Error`, looking through its context chain.
 //! - `progress`: a progress bar on stderr for `range` and `chunked` calls that ask for one
 //!   ([`Range::progress`], `progress = true` on the attributes); see [`Progress`].
-//! - `dist`: [`dist`], ranks that agree on sizes through c10d's TCPStore, and a Gloo gradient
+//! - `dist`: `toma::dist`, ranks that agree on sizes through c10d's TCPStore, and a Gloo gradient
 //!   all-reduce (a C++ shim against libtorch's c10d headers).
 //!
 //! ## Tracing

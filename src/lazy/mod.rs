@@ -307,10 +307,10 @@
 //!
 //! # Over many ranks
 //!
-//! Under [`Options::group`] (feature `dist`) each rank plans its own micro-batch under its own
+//! Under `Options::group` (feature `dist`) each rank plans its own micro-batch under its own
 //! budget (mixed cards), mean losses are weighed by the *global* sample or target count, and the
 //! parameters' gradients are summed across ranks: every rank ends with the gradient of one
-//! backward over the union of all batches. See [`toma::dist`](crate::dist).
+//! backward over the union of all batches. See `toma::dist`.
 
 mod cost;
 mod error;
