@@ -58,10 +58,9 @@ fn shares_storage(out: &Tensor, input: &Tensor) -> bool {
 /// Runs node `i` on the micro-batch, weighting what a split sum needs weighted.
 fn run_node(c: &Compiled, i: usize, ins: &[&Tensor], chunk: &Chunk<'_>) -> Result<Tensor, LazyError> {
     let node = &c.nodes[i];
-    let rules = &node.op;
-    let err = torch(i, rules.name());
+    let err = torch(i, node.name());
     if let Some(Some(stand_in)) = chunk.stand_ins.get(i) {
-        return match node.op.source() {
+        return match node.source() {
             // A whole input's stand-in is narrowed; a micro-batch's own slice already is.
             Some(Source::Input { dim, .. }) if stand_in.size().get(*dim) != Some(&chunk.b) => {
                 stand_in.f_narrow(*dim as i64, chunk.start, chunk.b).map_err(err)
@@ -79,11 +78,11 @@ fn run_node(c: &Compiled, i: usize, ins: &[&Tensor], chunk: &Chunk<'_>) -> Resul
             den: chunk.dens[i],
             reduces_batch: node.inputs.iter().any(|x| x.meta.batch().is_some()),
         };
-        if let Some(result) = rules.run_share(ins, node, &share) {
+        if let Some(result) = node.op().and_then(|op| op.run_share(ins, node, &share)) {
             return result.map_err(err);
         }
         // `sum + fixed`: the fixed part must count once over all micro-batches.
-        if rules.adds_fixed() && node.inputs.iter().any(|x| x.meta.flow == Flow::Fixed) {
+        if node.facts.adds_fixed && node.inputs.iter().any(|x| x.meta.flow == Flow::Fixed) {
             let scaled: Vec<Tensor> = node
                 .inputs
                 .iter()
@@ -100,11 +99,11 @@ fn run_node(c: &Compiled, i: usize, ins: &[&Tensor], chunk: &Chunk<'_>) -> Resul
                 .collect::<Result<_, _>>()
                 .map_err(&err)?;
             let refs: Vec<&Tensor> = scaled.iter().collect();
-            return rules.run(&refs, &share.cx).map_err(err);
+            return node.run(&refs, &share.cx).map_err(err);
         }
-        return rules.run(ins, &share.cx).map_err(err);
+        return node.run(ins, &share.cx).map_err(err);
     }
-    rules.run(ins, &cx).map_err(err)
+    node.run(ins, &cx).map_err(err)
 }
 
 /// Runs the forward pass of one micro-batch, dropping each value after its last use.
@@ -119,7 +118,7 @@ fn forward_chunk(c: &Compiled, chunk: &Chunk<'_>, mut trace: Option<&mut Vec<Tra
             let actual = out.size();
             if !node.meta.matches_at(chunk.b, &actual) {
                 let expected = node.meta.shape_at(chunk.b);
-                return Err(LazyError::ShapeRule { node: i, op: node.op.name().into(), expected, actual });
+                return Err(LazyError::ShapeRule { node: i, op: node.name().into(), expected, actual });
             }
             if let Some(t) = trace.as_deref_mut() {
                 let leaf = node.is_source();
@@ -130,7 +129,7 @@ fn forward_chunk(c: &Compiled, chunk: &Chunk<'_>, mut trace: Option<&mut Vec<Tra
                     let block = CostModel::of(out.device()).block();
                     (out.numel() as u64 * out.kind().elt_size_in_bytes() as u64).div_ceil(block) * block
                 };
-                t.push(TracedOp { node: i, name: node.op.name().into(), shape: actual, bytes, held: Vec::new() });
+                t.push(TracedOp { node: i, name: node.name().into(), shape: actual, bytes, held: Vec::new() });
             }
             out
         };
@@ -159,8 +158,8 @@ fn cuda_ordinal(device: tch::Device) -> Option<usize> {
 fn updated_tensors(c: &Compiled) -> Vec<Tensor> {
     let mut tensors = Vec::new();
     for node in &c.nodes {
-        for k in node.op.updated_inputs(node.inputs.len()) {
-            if let Some(Source::Leaf { tensor, .. }) = node.inputs[k].op.source() {
+        for k in node.facts.updated.clone() {
+            if let Some(Source::Leaf { tensor, .. }) = node.inputs[k].source() {
                 tensors.push(tensor.shallow_clone());
             }
         }
@@ -272,7 +271,7 @@ fn recompute_segments(
         let node = &c.nodes[i];
         if !node.meta.matches_at(chunk.b, &actual) {
             let expected = node.meta.shape_at(chunk.b);
-            return Err(LazyError::ShapeRule { node: i, op: node.op.name().into(), expected, actual });
+            return Err(LazyError::ShapeRule { node: i, op: node.name().into(), expected, actual });
         }
         Ok(out)
     };
@@ -402,7 +401,7 @@ fn prepare(output: &LazyTensor, mode: Mode, options: &Options) -> Result<Prepare
     let calibration = d.evidence.calibration();
     tracing::info!(
         mode = ?mode,
-        op = c.output().op.name(),
+        op = c.output().name(),
         batch = c.batch,
         micro_batch = d.micro_batch,
         chunks,
@@ -427,7 +426,7 @@ fn denominators(c: &Compiled, split: bool, options: &Options) -> Result<Vec<Opti
         return Ok(dens);
     }
     for (i, node) in c.nodes.iter().enumerate() {
-        let Some(ignore) = node.op.counted_targets() else {
+        let Some(ignore) = node.facts.counted_targets else {
             continue;
         };
         if !c.global[i] {
@@ -639,7 +638,7 @@ pub(crate) fn run_eagerly(output: &LazyTensor) -> Result<Tensor, LazyError> {
     let mut batch = None;
     while k < nodes.len() {
         let node = nodes[k];
-        if let Some(Source::Input { .. }) = node.op.source() {
+        if let Some(Source::Input { .. }) = node.source() {
             batch = node.meta.batch().map(|bd| bd.size);
         }
         for input in &node.inputs {
@@ -662,9 +661,8 @@ pub(crate) fn run_eagerly(output: &LazyTensor) -> Result<Tensor, LazyError> {
     let mut values: HashMap<u64, Tensor> = HashMap::with_capacity(nodes.len());
     for (i, node) in nodes.iter().enumerate() {
         let ins: Vec<&Tensor> = node.inputs.iter().map(|x| &values[&x.id]).collect();
-        let rules = &node.op;
         let cx = RunCx { meta: &node.meta, start: 0, b };
-        let out = rules.run(&ins, &cx).map_err(torch(i, rules.name()))?;
+        let out = node.run(&ins, &cx).map_err(torch(i, node.name()))?;
         for input in &node.inputs {
             let left = uses.get_mut(&input.id).expect("counted");
             *left -= 1;
@@ -683,7 +681,7 @@ pub(crate) fn evaluate(output: &LazyTensor, options: &Options) -> Result<Tensor,
     let _suspended = crate::autocast::Suspended::new();
     // An input or a constant is its own value: nothing to plan or run (the denominators of a
     // split loss ask for the targets this way).
-    if let Some(Source::Input { tensor, .. } | Source::Leaf { tensor, .. }) = output.node.op.source() {
+    if let Some(Source::Input { tensor, .. } | Source::Leaf { tensor, .. }) = output.node.source() {
         return Ok(tensor.shallow_clone());
     }
     // A loss read after its step: the value the step computed, nothing run again.
@@ -899,7 +897,7 @@ impl Wrt {
         for (i, first) in c.param.iter().enumerate() {
             let Some(first) = first.map(|f| f as usize) else { continue };
             if first == i {
-                let Some(Source::Leaf { tensor, .. }) = c.nodes[i].op.source() else {
+                let Some(Source::Leaf { tensor, .. }) = c.nodes[i].source() else {
                     unreachable!("parameters are leaves")
                 };
                 slot[i] = Some(params.len());
@@ -918,7 +916,7 @@ impl Wrt {
         let n_params = params.len();
         let mut inputs: Vec<(usize, i64)> = Vec::new();
         for (i, node) in c.nodes.iter().enumerate() {
-            if let Some(Source::Input { tensor, dim }) = node.op.source() {
+            if let Some(Source::Input { tensor, dim }) = node.source() {
                 if tensor.requires_grad() {
                     inputs.push((i, *dim as i64));
                     params.push(tensor.shallow_clone());

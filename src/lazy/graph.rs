@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use tch::{Device, Kind, TchError, Tensor};
 
+use super::facts::OpFacts;
 use super::shape;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -94,9 +95,11 @@ impl Meta {
 pub(crate) struct Node {
     /// Creation order: inputs always have smaller ids, so sorting by id is a topological order.
     pub(crate) id: u64,
-    pub(crate) op: Box<dyn Operation>,
+    pub(crate) kind: NodeKind,
     pub(crate) inputs: Vec<Rc<Node>>,
     pub(crate) meta: Meta,
+    /// What its op declared when it was recorded (a source's: none of note).
+    pub(crate) facts: OpFacts,
     pub(crate) cost: Cost,
     /// What identifies the node's measurement in the cost layer's calibration, worked out the
     /// first time a plan asks (recording does not pay for it).
@@ -107,18 +110,77 @@ pub(crate) struct Node {
     pub(crate) stepped: std::cell::Cell<Option<f64>>,
 }
 
+/// What a node is: a value already in memory, or an op over other nodes.
+pub(crate) enum NodeKind {
+    Source(Source),
+    Op(Box<dyn Operation>),
+}
+
+impl NodeKind {
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            NodeKind::Source(Source::Input { .. }) => "input",
+            NodeKind::Source(Source::Leaf { .. }) => "leaf",
+            NodeKind::Op(op) => op.name(),
+        }
+    }
+}
+
 impl Node {
-    pub(crate) fn new(op: Box<dyn Operation>, inputs: Vec<Rc<Node>>, meta: Meta, cost: Cost) -> Rc<Node> {
+    pub(crate) fn new(kind: NodeKind, inputs: Vec<Rc<Node>>, meta: Meta, facts: OpFacts, cost: Cost) -> Rc<Node> {
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         Rc::new(Node {
             id,
-            op,
+            kind,
             inputs,
             meta,
+            facts,
             cost,
             calibration_key: std::cell::OnceCell::new(),
             stepped: std::cell::Cell::new(None),
         })
+    }
+
+    /// The op's name, as tch calls the method (`input` and `leaf` for sources).
+    pub(crate) fn name(&self) -> &'static str {
+        self.kind.name()
+    }
+
+    /// Where the value comes from, for inputs and fixed leaves (`None` for ops).
+    pub(crate) fn source(&self) -> Option<&Source> {
+        match &self.kind {
+            NodeKind::Source(source) => Some(source),
+            NodeKind::Op(_) => None,
+        }
+    }
+
+    /// The op, for nodes that are not sources.
+    pub(crate) fn op(&self) -> Option<&dyn Operation> {
+        match &self.kind {
+            NodeKind::Source(_) => None,
+            NodeKind::Op(op) => Some(&**op),
+        }
+    }
+
+    /// An input or a fixed leaf: already in memory.
+    pub(crate) fn is_source(&self) -> bool {
+        matches!(self.kind, NodeKind::Source(_))
+    }
+
+    /// Its value on one micro-batch, from its inputs'.
+    pub(crate) fn run(&self, ins: &[&Tensor], cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        match &self.kind {
+            NodeKind::Source(Source::Input { tensor, dim }) => tensor.f_narrow(*dim as i64, cx.start, cx.b),
+            NodeKind::Source(Source::Leaf { tensor, .. }) => Ok(tensor.shallow_clone()),
+            NodeKind::Op(op) => op.run(ins, cx),
+        }
+    }
+
+    /// What its kernels do besides computing the output (nothing, for sources).
+    pub(crate) fn kernels<'a>(&'a self, calls: &mut Vec<KernelCall<'a>>) {
+        if let NodeKind::Op(op) = &self.kind {
+            op.kernels(&self.inputs, &self.meta, calls);
+        }
     }
 }
 
@@ -150,14 +212,6 @@ pub(crate) struct Cost {
     pub(crate) out: Bytes,
     /// Its value as a fresh tensor: what its gradient costs.
     pub(crate) grad: Bytes,
-    /// Inputs autograd keeps for the backward (bit k: input k; inputs past 64 are never saved).
-    pub(crate) saved: u64,
-    /// Inputs whose gradient is a view of the output's (bit k: input k; past 64: `alias_rest`).
-    pub(crate) grad_alias: u64,
-    /// Inputs whose gradient is a view of a tensor the backward made (bit k: input k; never
-    /// past 64): see [`Operation::grad_view`].
-    pub(crate) grad_view: u64,
-    pub(crate) alias_rest: bool,
     /// The output is a view of input 0 with its dimensions reordered (a transpose, a permute):
     /// its backward hands the gradient on permuted.
     pub(crate) permutes: bool,
@@ -216,18 +270,6 @@ pub(crate) struct Param {
     pub(crate) is_leaf: bool,
 }
 
-impl Node {
-    /// The op's name, as tch calls the method.
-    pub(crate) fn name(&self) -> &'static str {
-        self.op.name()
-    }
-
-    /// An input or a fixed leaf: already in memory.
-    pub(crate) fn is_source(&self) -> bool {
-        self.op.source().is_some()
-    }
-}
-
 impl Drop for Node {
     fn drop(&mut self) {
         // Iterative: a deep model's graph would overflow the stack if dropped recursively.
@@ -250,113 +292,33 @@ pub struct LazyTensor {
     pub(crate) node: Rc<Node>,
 }
 
-/// Everything an op knows about itself. Defaults describe an op that saves nothing, allocates
-/// nothing but its output, and needs no rewrite in a split run.
-pub(crate) trait Operation {
+/// What an op is, for the planner: its name, the facts it declares once when recorded, and
+/// the kernel calls it makes. How it runs is [`Run`].
+pub(crate) trait Operation: Run {
     /// The op's name, as tch calls the method.
     fn name(&self) -> &'static str;
 
-    /// Runs the op on one micro-batch.
-    fn run(&self, ins: &[&Tensor], cx: &RunCx<'_>) -> Result<Tensor, TchError>;
-
-    /// The inputs the op updates in place when it runs (batch norm's running statistics in
-    /// training), of the op's `n_inputs`. In a split step the executor restores them before
-    /// each micro-batch and applies the micro-batches' updates once, weighted by their shares,
-    /// as one step over the whole batch does.
-    fn updated_inputs(&self, n_inputs: usize) -> std::ops::Range<usize> {
-        n_inputs..n_inputs
-    }
-
-    /// Whether the op takes part in autograd at all.
-    fn differentiable(&self) -> bool {
-        true
-    }
-
-    /// Whether autograd keeps input `i` alive until this op's backward, given which inputs
-    /// require a gradient. Only asked when the output requires a gradient.
-    fn saves_input(&self, _i: usize, _inputs: &[Rc<Node>]) -> bool {
-        false
-    }
-
-    /// Whether autograd keeps the output alive until this op's backward.
-    fn saves_output(&self) -> bool {
-        false
-    }
-
-    /// Whether the gradient for input `i` is a view of the output's gradient (no allocation).
-    fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
-        false
-    }
-
-    /// Whether the gradient for input `i` is a view of a tensor the backward made (`linear`'s
-    /// weight gradient: a product, transposed). A parameter whose first gradient (in the
-    /// backward's order) is a view, or a view of the output's ([`grad_aliases`]), is summed
-    /// out of place when a second arrives: autograd adds into its buffer in place only when it
-    /// holds the tensor's last reference and its storage's.
-    ///
-    /// [`grad_aliases`]: Operation::grad_aliases
-    fn grad_view(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
-        false
-    }
-
-    /// The shape the backward reshapes the output's gradient to before its kernels run
-    /// (`None`: it takes the gradient as it comes). A gradient that arrives permuted (through a
-    /// transpose downstream) cannot always be viewed so: libtorch copies it.
-    fn grad_reshape(&self, _inputs: &[Rc<Node>], _meta: &Meta) -> Option<Vec<i64>> {
-        None
-    }
-
-    /// What the plan depends on beyond the op's name and its output's kind, shape and strides
-    /// (which the graph's fingerprint holds already): settings that size its buffers without
-    /// showing in the output (`ctc_loss`'s longest target). 0 for most ops.
-    fn sizing_hash(&self) -> u64 {
-        0
-    }
-
-    /// Whether the backward reads the output's gradient densely: one that arrives broadcast
-    /// (a `sum`'s backward expands the loss's gradient, stride 0) is copied first, as large as
-    /// the output. Elementwise backward kernels read it as it is (libtorch 2.11, CPU).
-    fn grad_dense(&self, _meta: &Meta) -> bool {
-        false
-    }
-
-    /// Whether the backward reads the output's gradient contiguous: one that arrives permuted
-    /// (through a transpose or permute downstream) is copied beside it while the backward runs.
-    fn grad_contiguous(&self) -> bool {
-        false
+    /// What the op declares about itself, once, when it is recorded (see [`OpFacts`]). The
+    /// default: it saves nothing, makes a fresh gradient for each input and updates none.
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len())
     }
 
     /// What the op's kernels do besides computing the output, for the cost layer to price on
     /// the device a plan is made for: buffers autograd keeps, temporaries, reductions,
     /// convolutions.
     fn kernels<'a>(&'a self, _inputs: &'a [Rc<Node>], _meta: &'a Meta, _calls: &mut Vec<KernelCall<'a>>) {}
+}
 
-    /// Whether [`kernels`](Self::kernels) says all the op takes: false for ops whose kernels
-    /// nobody read (a user's own function), which a calibrating plan measures.
-    fn kernels_known(&self) -> bool {
-        true
-    }
+/// How an op runs, for the executor: on one micro-batch, and in a split run its share of a
+/// value summed over micro-batches.
+pub(crate) trait Run {
+    /// Runs the op on one micro-batch.
+    fn run(&self, ins: &[&Tensor], cx: &RunCx<'_>) -> Result<Tensor, TchError>;
 
     /// In a split run, when the op's value is summed over micro-batches: its share of the
     /// full batch's value, or `None` to run it as is.
     fn run_share(&self, _ins: &[&Tensor], _node: &Node, _share: &Share) -> Option<Result<Tensor, TchError>> {
-        None
-    }
-
-    /// Whether the op adds its operands, so that a fixed operand of a sum over micro-batches
-    /// must be weighted by each micro-batch's share.
-    fn adds_fixed(&self) -> bool {
-        false
-    }
-
-    /// For a mean over counted targets (input 1, weighted by input 2 when there is one): the
-    /// ignored index. A split run divides every share by the full batch's count.
-    fn counted_targets(&self) -> Option<i64> {
-        None
-    }
-
-    /// Where the value comes from, for inputs and fixed leaves (`None` for ops).
-    fn source(&self) -> Option<&Source> {
         None
     }
 }
@@ -376,7 +338,7 @@ pub(crate) struct Share<'a> {
     pub(crate) cx: RunCx<'a>,
     /// The micro-batch's fraction of the batch.
     pub(crate) frac: f64,
-    /// The full batch's count, for ops with [`Operation::counted_targets`].
+    /// The full batch's count, for ops with `OpFacts::counted_targets`.
     pub(crate) den: Option<f64>,
     /// Whether an input is per-sample (the op reduces over the batch here).
     pub(crate) reduces_batch: bool,
@@ -520,24 +482,4 @@ pub(crate) enum Source {
     Input { tensor: Tensor, dim: usize },
     /// A fixed tensor: a parameter (`param` when it requires a gradient) or a constant.
     Leaf { tensor: Tensor, param: Option<Box<Param>> },
-}
-
-impl Operation for Source {
-    fn name(&self) -> &'static str {
-        match self {
-            Source::Input { .. } => "input",
-            Source::Leaf { .. } => "leaf",
-        }
-    }
-
-    fn run(&self, _ins: &[&Tensor], cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        match self {
-            Source::Input { tensor, dim } => tensor.f_narrow(*dim as i64, cx.start, cx.b),
-            Source::Leaf { tensor, .. } => Ok(tensor.shallow_clone()),
-        }
-    }
-
-    fn source(&self) -> Option<&Source> {
-        Some(self)
-    }
 }

@@ -315,6 +315,7 @@
 mod cost;
 mod error;
 mod exec;
+mod facts;
 mod graph;
 mod index;
 mod int_list;

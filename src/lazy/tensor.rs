@@ -149,8 +149,8 @@ impl LazyTensor {
                 .iter()
                 .map(|x| shape::numel(&x.meta.shape).max(0) as u64 * x.meta.kind.elt_size_in_bytes() as u64)
                 .collect(),
-            saves_output: meta.requires_grad && self.node.op.saves_output(),
-            saved_inputs: (0..self.node.inputs.len().min(64)).filter(|k| cost.saved >> k & 1 == 1).collect(),
+            saves_output: self.node.facts.saves_output,
+            saved_inputs: self.node.facts.saved.iter().collect(),
             saved_extra: priced(&price.kept),
             scratch: priced(&price.forward),
             backward_scratch: priced(&price.backward),

@@ -189,12 +189,12 @@ fn key<'a>(node: &'a Node, training: bool, threads: u64, calls: &mut Vec<KernelC
             Device::Cuda(i) => i as u64 + 1,
             _ => 0,
         };
-        let mut h = crate::hash::hash_bytes(node.op.sizing_hash(), node.op.name().as_bytes());
+        let mut h = crate::hash::hash_bytes(node.facts.sizing, node.name().as_bytes());
         h = mix(h ^ (device << 24));
         // What the rules see of the op's settings (a loss's flags change its temporaries; a
         // convolution's padding, its kernel), so that two ops alike in shapes stay apart.
         calls.clear();
-        node.op.kernels(&node.inputs, &node.meta, calls);
+        node.kernels(calls);
         for call in calls.iter() {
             h = mix(h ^ crate::hash::hash_of(call));
         }
@@ -289,13 +289,13 @@ fn measure_graph(
         if node.is_source() {
             continue;
         }
-        let known = node.op.kernels_known();
+        let known = node.facts.kernels_known;
         if known && !node.cost.kernel_calls {
             continue;
         }
         let wants = how == Calibrate::Always || !known || {
             calls.clear();
-            node.op.kernels(&node.inputs, &node.meta, &mut calls);
+            node.kernels(&mut calls);
             calls.iter().any(|call| !model.validated(call))
         };
         if wants {
@@ -335,9 +335,7 @@ fn measure_graph(
                 Some(m)
             }
             Some(None) => {
-                cal.summary
-                    .why_unmeasured
-                    .get_or_insert_with(|| format!("{} failed on stand-in inputs", node.op.name()));
+                cal.summary.why_unmeasured.get_or_insert_with(|| format!("{} failed on stand-in inputs", node.name()));
                 None
             }
             None => {
@@ -369,14 +367,14 @@ fn measure_graph(
                     .unwrap_or_else(|_| Err("it panicked".into()));
                 match result {
                     Ok(m) => {
-                        tracing::debug!(op = node.op.name(), key, ?m, "toma::lazy: measured a kernel call");
+                        tracing::debug!(op = node.name(), key, ?m, "toma::lazy: measured a kernel call");
                         cal.summary.measured += 1;
                         cal.new.push((key, m));
                         insert(key, Some(m));
                         Some(m)
                     }
                     Err(why) => {
-                        tracing::debug!(op = node.op.name(), %why, "toma::lazy: could not measure a kernel call");
+                        tracing::debug!(op = node.name(), %why, "toma::lazy: could not measure a kernel call");
                         // An out-of-memory may pass: only a call that fails otherwise is not
                         // tried again.
                         if !crate::oom::is_out_of_memory_message(&why) {
@@ -384,7 +382,7 @@ fn measure_graph(
                         }
                         cal.summary
                             .why_unmeasured
-                            .get_or_insert_with(|| format!("{} on stand-in inputs: {why}", node.op.name()));
+                            .get_or_insert_with(|| format!("{} on stand-in inputs: {why}", node.name()));
                         None
                     }
                 }
@@ -464,7 +462,7 @@ fn measure(node: &Node, counter: PeakCounter, training: bool, block: u64) -> Res
         }
         points.sort_by_key(|p| p.0);
     }
-    tracing::trace!(op = node.op.name(), ?points, "toma::lazy: a kernel call measured at each size");
+    tracing::trace!(op = node.name(), ?points, "toma::lazy: a kernel call measured at each size");
     let [kept, forward, backward] = parts.map(|f| priced(&series(&points, f)));
     Ok(Measured { kept, forward, backward })
 }
@@ -518,7 +516,7 @@ fn rounded(bytes: u64, block: u64) -> u64 {
 /// flows) its backward from a gradient of ones.
 fn probe(node: &Node, b: i64, counter: PeakCounter, training: bool, block: u64) -> Result<Point, String> {
     let grad_of = |x: &Meta| training && x.requires_grad && shape::is_floating(x.kind);
-    let updated = node.op.updated_inputs(node.inputs.len());
+    let updated = node.facts.updated.clone();
     let ins = node
         .inputs
         .iter()
@@ -545,7 +543,7 @@ fn probe(node: &Node, b: i64, counter: PeakCounter, training: bool, block: u64) 
     }
     let _end = End(counter, previous);
     (|| -> Result<Point, String> {
-        let run = || node.op.run(&refs, &cx);
+        let run = || node.run(&refs, &cx);
         let out = if training { tch::with_grad(run) } else { tch::no_grad(run) }.map_err(|e| e.to_string())?;
         let (peak, after) = (counter.peak().ok_or(UNREAD)?, counter.in_use().ok_or(UNREAD)?);
         let out_bytes = bytes(node.cost.out);
@@ -553,7 +551,7 @@ fn probe(node: &Node, b: i64, counter: PeakCounter, training: bool, block: u64) 
         let forward = peak.saturating_sub(before + out_bytes + kept);
         let wrt: Vec<(usize, &Tensor)> =
             ins.iter().enumerate().filter(|(k, _)| grad_of(&node.inputs[*k].meta)).collect();
-        if !training || !out.requires_grad() || !node.op.differentiable() || wrt.is_empty() {
+        if !training || !out.requires_grad() || !node.facts.differentiable || wrt.is_empty() {
             return Ok(Point { kept, forward, backward: 0 });
         }
         let seed = out.f_ones_like().map_err(|e| e.to_string())?;
@@ -570,7 +568,7 @@ fn probe(node: &Node, b: i64, counter: PeakCounter, training: bool, block: u64) 
         drop((grads, seed));
         // What the schedule counts beside the scratch: the output's gradient, and each input's
         // that is not a view of it.
-        let aliases = |k: usize| if k < 64 { node.cost.grad_alias & (1 << k) != 0 } else { node.cost.alias_rest };
+        let aliases = |k: usize| node.facts.grad_alias.contains(k);
         let grads: u64 = wrt.iter().filter(|(k, _)| !aliases(*k)).map(|(k, _)| bytes(node.inputs[*k].cost.grad)).sum();
         let backward = peak.saturating_sub(before + bytes(node.cost.grad) + grads);
         Ok(Point { kept, forward, backward })
@@ -584,8 +582,8 @@ fn probe(node: &Node, b: i64, counter: PeakCounter, training: bool, block: u64) 
 /// expanded.
 fn stand_in(x: &Node, b: i64) -> Result<Tensor, tch::TchError> {
     let short = x.meta.batch().is_some_and(|bd| bd.size < b);
-    if let Some(source) = x.op.source().filter(|_| !short) {
-        let t = crate::lazy::graph::Operation::run(source, &[], &RunCx { meta: &x.meta, start: 0, b })?;
+    if x.is_source() && !short {
+        let t = x.run(&[], &RunCx { meta: &x.meta, start: 0, b })?;
         return Ok(t.detach());
     }
     let meta = &x.meta;

@@ -120,7 +120,7 @@ impl CostModel {
     /// What `node`'s kernel calls take on this device (`calls` is a buffer to reuse).
     pub(crate) fn price<'a>(&self, node: &'a Node, calls: &mut Vec<KernelCall<'a>>) -> Price {
         calls.clear();
-        node.op.kernels(&node.inputs, &node.meta, calls);
+        node.kernels(calls);
         self.price_calls(&node.inputs, &node.meta, calls)
     }
 

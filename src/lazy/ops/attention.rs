@@ -17,7 +17,8 @@ use super::record::{combine_flows, same_device, Linearity, Record};
 use super::{arg, floating, kind_err, same_kind, shape_err};
 use crate::lazy::error::LazyError;
 use crate::lazy::error::OrPanic;
-use crate::lazy::graph::{Flow, KernelCall, Meta, Node, Operation, RunCx};
+use crate::lazy::facts::OpFacts;
+use crate::lazy::graph::{Flow, KernelCall, Meta, Node, Operation, Run, RunCx};
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
 
@@ -61,22 +62,6 @@ impl Operation for Attention {
         "scaled_dot_product_attention"
     }
 
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        let Attention { dropout_p, is_causal, scale, enable_gqa, .. } = self;
-        let (query, key, value, mask) = (ins[0], ins[1], ins[2], ins.get(3).copied());
-        Tensor::f_scaled_dot_product_attention(query, key, value, mask, *dropout_p, *is_causal, *scale, *enable_gqa)
-    }
-
-    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
-        // The fused kernels keep query, key, value and the mask; the composite path keeps the
-        // value (its scaled query and key are extras).
-        self.fused() || i == 2
-    }
-
-    fn saves_output(&self) -> bool {
-        self.fused()
-    }
-
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
         if self.fused() {
             // One log-sum-exp per query row, in the accumulation kind.
@@ -103,6 +88,24 @@ impl Operation for Attention {
             forward: (wa, wc),
             backward: ((2 * wa).saturating_sub(ga), (2 * wc).saturating_sub(gc)),
         });
+    }
+
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len())
+            .saves(|i| {
+                // The fused kernels keep query, key, value and the mask; the composite path keeps the
+                // value (its scaled query and key are extras).
+                self.fused() || i == 2
+            })
+            .saves_output(self.fused())
+    }
+}
+
+impl Run for Attention {
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let Attention { dropout_p, is_causal, scale, enable_gqa, .. } = self;
+        let (query, key, value, mask) = (ins[0], ins[1], ins[2], ins.get(3).copied());
+        Tensor::f_scaled_dot_product_attention(query, key, value, mask, *dropout_p, *is_causal, *scale, *enable_gqa)
     }
 }
 

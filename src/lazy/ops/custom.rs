@@ -9,7 +9,8 @@ use tch::{Device, Kind, TchError, Tensor};
 
 use super::record::{same_device, Record};
 use crate::lazy::error::LazyError;
-use crate::lazy::graph::{BatchDim, Flow, LazyTensor, Node, Operation, RunCx};
+use crate::lazy::facts::OpFacts;
+use crate::lazy::graph::{BatchDim, Flow, LazyTensor, Meta, Node, Operation, Run, RunCx};
 
 /// What autograd keeps alive for a custom op's backward; the planner counts it until the
 /// backward of the op has run.
@@ -186,24 +187,21 @@ fn intern(name: String) -> &'static str {
 }
 
 impl Operation for CustomOp {
-    /// A user's function: what it takes besides its output is not known until measured.
-    fn kernels_known(&self) -> bool {
-        false
-    }
-
     fn name(&self) -> &'static str {
         self.name
     }
 
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len())
+            .saves(|_i| matches!(self.saves, Saves::Inputs | Saves::InputsAndOutput))
+            .saves_output(matches!(self.saves, Saves::Output | Saves::InputsAndOutput))
+            // A user's function: what it takes besides its output is not known until measured.
+            .kernels_unknown()
+    }
+}
+
+impl Run for CustomOp {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         (self.run)(ins)
-    }
-
-    fn saves_input(&self, _i: usize, _inputs: &[Rc<Node>]) -> bool {
-        matches!(self.saves, Saves::Inputs | Saves::InputsAndOutput)
-    }
-
-    fn saves_output(&self) -> bool {
-        matches!(self.saves, Saves::Output | Saves::InputsAndOutput)
     }
 }

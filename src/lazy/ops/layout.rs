@@ -10,7 +10,8 @@ use super::record::{combine_flows, same_device, unary_flow, Linearity, Record};
 use super::{arg, kind_err, requires, same_shape_flow, shape_err};
 use crate::lazy::error::LazyError;
 use crate::lazy::error::OrPanic;
-use crate::lazy::graph::{BatchDim, Flow, KernelCall, Meta, Node, Operation, RunCx};
+use crate::lazy::facts::OpFacts;
+use crate::lazy::graph::{BatchDim, Flow, KernelCall, Meta, Node, Operation, Run, RunCx};
 use crate::lazy::int_list::IntList;
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
@@ -24,16 +25,14 @@ impl Operation for View {
         self.0
     }
 
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).grad_aliases(|_i| true).grad_reshape(Some(inputs[0].meta.shape.clone()))
+    }
+}
+
+impl Run for View {
     fn run(&self, ins: &[&Tensor], cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         ins[0].f_view(cx.meta.shape_at(cx.b).as_slice())
-    }
-
-    fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
-        true
-    }
-
-    fn grad_reshape(&self, inputs: &[Rc<Node>], _meta: &Meta) -> Option<Vec<i64>> {
-        Some(inputs[0].meta.shape.clone())
     }
 }
 
@@ -44,7 +43,9 @@ impl Operation for Reshape {
     fn name(&self) -> &'static str {
         "reshape"
     }
+}
 
+impl Run for Reshape {
     fn run(&self, ins: &[&Tensor], cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         // Recorded as a copy (the full batch's strides allowed no view), so later views were
         // recorded against a contiguous result: a micro-batch's strides can let libtorch
@@ -83,6 +84,12 @@ impl Operation for Alias {
         }
     }
 
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).grad_aliases(|_i| true)
+    }
+}
+
+impl Run for Alias {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         let x = ins[0];
         match self {
@@ -93,10 +100,6 @@ impl Operation for Alias {
             Alias::ToDevice(device) => x.f_to_device(*device),
             Alias::Contiguous => x.f_contiguous(),
         }
-    }
-
-    fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
-        true
     }
 }
 
@@ -111,7 +114,9 @@ impl Operation for Narrow {
     fn name(&self) -> &'static str {
         "narrow"
     }
+}
 
+impl Run for Narrow {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         ins[0].f_narrow(self.dim, self.start, self.length)
     }
@@ -127,12 +132,14 @@ impl Operation for ToKind {
         "to_kind"
     }
 
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).grad_aliases(|_i| inputs[0].meta.kind == self.kind)
+    }
+}
+
+impl Run for ToKind {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         ins[0].f_to_kind(self.kind)
-    }
-
-    fn grad_aliases(&self, _i: usize, inputs: &[Rc<Node>], _meta: &Meta) -> bool {
-        inputs[0].meta.kind == self.kind
     }
 }
 
@@ -143,7 +150,9 @@ impl Operation for Detach {
     fn name(&self) -> &'static str {
         "detach"
     }
+}
 
+impl Run for Detach {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         ins[0].f_detach()
     }
@@ -160,16 +169,14 @@ impl Operation for Cat {
         "cat"
     }
 
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).grad_aliases(|_i| true).adds_fixed(true)
+    }
+}
+
+impl Run for Cat {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         Tensor::f_cat(ins, self.dim)
-    }
-
-    fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
-        true
-    }
-
-    fn adds_fixed(&self) -> bool {
-        true
     }
 }
 
@@ -182,10 +189,6 @@ impl Operation for Expand {
         "expand"
     }
 
-    fn run(&self, ins: &[&Tensor], cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        ins[0].f_expand(cx.meta.shape_at(cx.b).as_slice(), false)
-    }
-
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
         if meta.requires_grad {
             let input = &inputs[0].meta;
@@ -195,6 +198,12 @@ impl Operation for Expand {
             );
             calls.push(KernelCall::Reduction { of: meta, mask, backward: true });
         }
+    }
+}
+
+impl Run for Expand {
+    fn run(&self, ins: &[&Tensor], cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_expand(cx.meta.shape_at(cx.b).as_slice(), false)
     }
 }
 
@@ -210,7 +219,9 @@ impl Operation for BatchSlice {
     fn name(&self) -> &'static str {
         "batch_slice"
     }
+}
 
+impl Run for BatchSlice {
     fn run(&self, ins: &[&Tensor], cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         ins[0].f_narrow(self.dim, cx.start, cx.b)
     }
@@ -226,7 +237,7 @@ fn derived_from_broadcast(node: &Rc<Node>, size: i64) -> bool {
         if seen > 256 || n.meta.flow != Flow::Fixed {
             continue;
         }
-        if matches!(n.op.name(), "expand" | "repeat") && n.meta.shape.contains(&size) {
+        if matches!(n.name(), "expand" | "repeat") && n.meta.shape.contains(&size) {
             return true;
         }
         stack.extend(n.inputs.iter().filter(|i| i.meta.shape.contains(&size)).cloned());
@@ -251,7 +262,7 @@ pub(crate) fn adopt_batch_broadcasts(nodes: &mut [Rc<Node>], out_len: usize, rig
     }
     for node in nodes.iter_mut() {
         let m = &node.meta;
-        let repeat = node.op.name() == "repeat";
+        let repeat = node.name() == "repeat";
         if m.flow != Flow::Fixed {
             continue;
         }
@@ -260,7 +271,7 @@ pub(crate) fn adopt_batch_broadcasts(nodes: &mut [Rc<Node>], out_len: usize, rig
         if at < 0 || m.shape.get(at as usize) != Some(&bd.size) {
             continue;
         }
-        if !(node.op.name() == "expand" || repeat) {
+        if !(node.name() == "expand" || repeat) {
             // Layers after the broadcast: each micro-batch takes its rows of their output.
             if derived_from_broadcast(node, bd.size) {
                 let batched = BatchDim { dim: at as usize, size: bd.size, factor: 1 };
@@ -319,7 +330,9 @@ impl Operation for Roll {
     fn name(&self) -> &'static str {
         "roll"
     }
+}
 
+impl Run for Roll {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         ins[0].f_roll(self.shifts.as_slice(), self.dims.as_slice())
     }
@@ -336,12 +349,14 @@ impl Operation for OneHot {
         "one_hot"
     }
 
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).differentiable(false)
+    }
+}
+
+impl Run for OneHot {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         ins[0].f_one_hot(self.classes)
-    }
-
-    fn differentiable(&self) -> bool {
-        false
     }
 }
 
@@ -355,7 +370,9 @@ impl Operation for Flip {
     fn name(&self) -> &'static str {
         "flip"
     }
+}
 
+impl Run for Flip {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         ins[0].f_flip(self.dims.as_slice())
     }
@@ -370,7 +387,9 @@ impl Operation for Repeat {
     fn name(&self) -> &'static str {
         "repeat"
     }
+}
 
+impl Run for Repeat {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         ins[0].f_repeat(self.repeats.as_slice())
     }
@@ -387,12 +406,14 @@ impl Operation for IndexSelect {
         "index_select"
     }
 
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).saves(|i| i == 1)
+    }
+}
+
+impl Run for IndexSelect {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         ins[0].f_index_select(self.dim, ins[1])
-    }
-
-    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
-        i == 1
     }
 }
 
@@ -408,12 +429,14 @@ impl Operation for Gather {
         "gather"
     }
 
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).saves(|i| i == 1)
+    }
+}
+
+impl Run for Gather {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         ins[0].f_gather(self.dim, ins[1], self.sparse_grad)
-    }
-
-    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
-        i == 1
     }
 }
 
@@ -435,20 +458,18 @@ impl Operation for Scatter {
         }
     }
 
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).saves(|i| i == 1).grad_aliases(|i| self.add && i == 0)
+    }
+}
+
+impl Run for Scatter {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         if self.add {
             ins[0].f_scatter_add(self.dim, ins[1], ins[2])
         } else {
             ins[0].f_scatter(self.dim, ins[1], ins[2])
         }
-    }
-
-    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
-        i == 1
-    }
-
-    fn grad_aliases(&self, i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
-        self.add && i == 0
     }
 }
 
@@ -463,16 +484,14 @@ impl Operation for IndexAdd {
         "index_add"
     }
 
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).saves(|i| i == 1).grad_aliases(|i| i == 0)
+    }
+}
+
+impl Run for IndexAdd {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         ins[0].f_index_add(self.dim, ins[1], ins[2])
-    }
-
-    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
-        i == 1
-    }
-
-    fn grad_aliases(&self, i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
-        i == 0
     }
 }
 
@@ -492,22 +511,6 @@ pub(crate) struct IndexPut {
 impl Operation for IndexPut {
     fn name(&self) -> &'static str {
         "index_put"
-    }
-
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        let mut given = ins[2..].iter();
-        let indices: Vec<Option<&Tensor>> =
-            self.given.iter().map(|&g| if g { given.next().copied() } else { None }).collect();
-        ins[0].f_index_put(&indices, ins[1], self.accumulate)
-    }
-
-    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
-        // Not `values`: autograd keeps only its kind and sizes for `zeros_like(values)`.
-        i >= 2
-    }
-
-    fn grad_aliases(&self, i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
-        i == 0 && self.accumulate
     }
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
@@ -531,6 +534,24 @@ impl Operation for IndexPut {
             calls.push(KernelCall::Temporaries { forward: (0, 0), backward });
         }
     }
+
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len())
+            .saves(|i| {
+                // Not `values`: autograd keeps only its kind and sizes for `zeros_like(values)`.
+                i >= 2
+            })
+            .grad_aliases(|i| i == 0 && self.accumulate)
+    }
+}
+
+impl Run for IndexPut {
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let mut given = ins[2..].iter();
+        let indices: Vec<Option<&Tensor>> =
+            self.given.iter().map(|&g| if g { given.next().copied() } else { None }).collect();
+        ins[0].f_index_put(&indices, ins[1], self.accumulate)
+    }
 }
 
 /// `self` with its entries where a mask is true taken from `source`, in order. Operands:
@@ -546,14 +567,6 @@ const MASKED_SELECT_INDEX_BYTES: u64 = 16;
 impl Operation for MaskedScatter {
     fn name(&self) -> &'static str {
         "masked_scatter"
-    }
-
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        ins[0].f_masked_scatter(ins[1], ins[2])
-    }
-
-    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
-        i == 1
     }
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
@@ -572,6 +585,16 @@ impl Operation for MaskedScatter {
             calls.push(KernelCall::Temporaries { forward: (0, 0), backward: (0, scratch) });
         }
     }
+
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).saves(|i| i == 1)
+    }
+}
+
+impl Run for MaskedScatter {
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_masked_scatter(ins[1], ins[2])
+    }
 }
 
 /// Padding of the trailing dimensions, as tch's `pad`.
@@ -585,7 +608,9 @@ impl Operation for Pad {
     fn name(&self) -> &'static str {
         "pad"
     }
+}
 
+impl Run for Pad {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         ins[0].f_pad(self.pad.as_slice(), self.mode, self.value)
     }

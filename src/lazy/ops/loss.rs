@@ -14,7 +14,8 @@ use super::record::{broadcast_flows, combine_flows, same_device, Linearity, Reco
 use super::{arg, floating, kind_err, same_kind, shape_err};
 use crate::lazy::error::LazyError;
 use crate::lazy::error::OrPanic;
-use crate::lazy::graph::{Flow, KernelCall, Meta, Node, Operation, RunCx, Share, Source};
+use crate::lazy::facts::OpFacts;
+use crate::lazy::graph::{Flow, KernelCall, Meta, Node, Operation, Run, RunCx, Share, Source};
 use crate::lazy::int_list::IntList;
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
@@ -33,15 +34,6 @@ impl Operation for CrossEntropy {
         "cross_entropy_for_logits"
     }
 
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        cross_entropy(ins[0], ins[1], self.reduction, self.ignore_index, self.label_smoothing)
-    }
-
-    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
-        // The targets; the log-probabilities are kept apart.
-        i == 1
-    }
-
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], _meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
         let input = &inputs[0].meta;
         let x = input.numel_parts();
@@ -54,6 +46,21 @@ impl Operation for CrossEntropy {
         }
     }
 
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len())
+            .saves(|i| {
+                // The targets; the log-probabilities are kept apart.
+                i == 1
+            })
+            .counted_targets(matches!(self.reduction, Reduction::Mean).then_some(self.ignore_index))
+    }
+}
+
+impl Run for CrossEntropy {
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        cross_entropy(ins[0], ins[1], self.reduction, self.ignore_index, self.label_smoothing)
+    }
+
     fn run_share(&self, ins: &[&Tensor], _node: &Node, share: &Share) -> Option<Result<Tensor, TchError>> {
         if !share.reduces_batch || !matches!(self.reduction, Reduction::Mean) {
             return None;
@@ -63,10 +70,6 @@ impl Operation for CrossEntropy {
             cross_entropy(ins[0], ins[1], Reduction::Sum, self.ignore_index, self.label_smoothing)
                 .and_then(|s| s.f_div_scalar(den)),
         )
-    }
-
-    fn counted_targets(&self) -> Option<i64> {
-        matches!(self.reduction, Reduction::Mean).then_some(self.ignore_index)
     }
 }
 
@@ -82,12 +85,16 @@ impl Operation for Nll {
         "nll_loss"
     }
 
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len())
+            .saves(|_i| true)
+            .counted_targets(matches!(self.reduction, Reduction::Mean).then_some(self.ignore_index))
+    }
+}
+
+impl Run for Nll {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         ins[0].f_nll_loss(ins[1], ins.get(2).copied(), self.reduction, self.ignore_index)
-    }
-
-    fn saves_input(&self, _i: usize, _inputs: &[Rc<Node>]) -> bool {
-        true
     }
 
     fn run_share(&self, ins: &[&Tensor], _node: &Node, share: &Share) -> Option<Result<Tensor, TchError>> {
@@ -100,10 +107,6 @@ impl Operation for Nll {
                 .f_nll_loss(ins[1], ins.get(2).copied(), Reduction::Sum, self.ignore_index)
                 .and_then(|s| s.f_div_scalar(den)),
         )
-    }
-
-    fn counted_targets(&self) -> Option<i64> {
-        matches!(self.reduction, Reduction::Mean).then_some(self.ignore_index)
     }
 }
 
@@ -159,23 +162,6 @@ impl Operation for ElementwiseLoss {
         }
     }
 
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        let loss = self.loss.compute(ins[0], ins[1], self.reduction)?;
-        // libtorch (2.11) reduces `mse_loss` and `smooth_l1_loss` into the first element of
-        // their unreduced values: the scalar would hold an input-sized buffer until the loss
-        // is dropped (after the backward). A copy of the scalar lets it go now.
-        if matches!(self.loss, Elementwise::Mse | Elementwise::SmoothL1 { .. }) && loss.dim() == 0 {
-            let mut own = loss.f_empty_like()?;
-            own.f_copy_(&loss)?;
-            return Ok(own);
-        }
-        Ok(loss)
-    }
-
-    fn saves_input(&self, _i: usize, _inputs: &[Rc<Node>]) -> bool {
-        true
-    }
-
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], _meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
         let input = &inputs[0].meta;
         let x = input.numel_parts();
@@ -196,6 +182,25 @@ impl Operation for ElementwiseLoss {
             _ => return,
         };
         calls.push(KernelCall::Temporaries { forward: times(k), backward: (0, 0) });
+    }
+
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).saves(|_i| true)
+    }
+}
+
+impl Run for ElementwiseLoss {
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let loss = self.loss.compute(ins[0], ins[1], self.reduction)?;
+        // libtorch (2.11) reduces `mse_loss` and `smooth_l1_loss` into the first element of
+        // their unreduced values: the scalar would hold an input-sized buffer until the loss
+        // is dropped (after the backward). A copy of the scalar lets it go now.
+        if matches!(self.loss, Elementwise::Mse | Elementwise::SmoothL1 { .. }) && loss.dim() == 0 {
+            let mut own = loss.f_empty_like()?;
+            own.f_copy_(&loss)?;
+            return Ok(own);
+        }
+        Ok(loss)
     }
 
     fn run_share(&self, ins: &[&Tensor], node: &Node, share: &Share) -> Option<Result<Tensor, TchError>> {
@@ -284,22 +289,6 @@ impl Operation for CompositeLoss {
         self.loss.name()
     }
 
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        self.loss.compute(ins, self.reduction)
-    }
-
-    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
-        match self.loss {
-            // The products of the two operands.
-            Composite::CosineEmbedding { .. } => i < 2,
-            // Autograd keeps copies (the difference's negated target, the distances' operands).
-            Composite::MarginRanking { .. } | Composite::TripletMargin { .. } => false,
-            Composite::Bce => true,
-            // The target, as the factor of the input (or of its logarithm).
-            Composite::PoissonNll { .. } => i == 1,
-        }
-    }
-
     fn kernels<'a>(&'a self, _inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
         let u = self.unit;
         let times = |k: u64| (k * u.0, k * u.1);
@@ -334,6 +323,26 @@ impl Operation for CompositeLoss {
             calls.push(KernelCall::SavedCopy { elements: kept, kind: meta.kind });
         }
         calls.push(KernelCall::Temporaries { forward, backward });
+    }
+
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).saves(|i| {
+            match self.loss {
+                // The products of the two operands.
+                Composite::CosineEmbedding { .. } => i < 2,
+                // Autograd keeps copies (the difference's negated target, the distances' operands).
+                Composite::MarginRanking { .. } | Composite::TripletMargin { .. } => false,
+                Composite::Bce => true,
+                // The target, as the factor of the input (or of its logarithm).
+                Composite::PoissonNll { .. } => i == 1,
+            }
+        })
+    }
+}
+
+impl Run for CompositeLoss {
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        self.loss.compute(ins, self.reduction)
     }
 
     fn run_share(&self, ins: &[&Tensor], _node: &Node, share: &Share) -> Option<Result<Tensor, TchError>> {
@@ -403,27 +412,12 @@ impl Ctc {
 }
 
 impl Operation for Ctc {
-    /// `log_alpha` is sized by the longest target, which the output's shape does not show.
-    fn sizing_hash(&self) -> u64 {
-        self.alpha.0 ^ self.alpha.1.rotate_left(32)
-    }
-
     fn name(&self) -> &'static str {
         if self.lists.is_some() {
             "ctc_loss"
         } else {
             "ctc_loss_tensor"
         }
-    }
-
-    fn run(&self, ins: &[&Tensor], cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        self.compute(ins, cx, self.reduction)
-    }
-
-    fn saves_input(&self, i: usize, inputs: &[Rc<Node>]) -> bool {
-        // The log-probabilities, and the targets unless libtorch converts them (the copy is
-        // kept instead).
-        i == 0 || (i == 1 && inputs[1].meta.kind == Kind::Int64)
     }
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], _meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
@@ -437,6 +431,23 @@ impl Operation for Ctc {
             calls.push(KernelCall::SavedCopy { elements: self.targets_copy, kind: Kind::Int64 });
         }
         calls.push(KernelCall::Temporaries { forward: (0, 0), backward: a });
+    }
+
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len())
+            .saves(|i| {
+                // The log-probabilities, and the targets unless libtorch converts them (the copy is
+                // kept instead).
+                i == 0 || (i == 1 && inputs[1].meta.kind == Kind::Int64)
+            })
+            // `log_alpha` is sized by the longest target, which the output's shape does not show.
+            .sizing(self.alpha.0 ^ self.alpha.1.rotate_left(32))
+    }
+}
+
+impl Run for Ctc {
+    fn run(&self, ins: &[&Tensor], cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        self.compute(ins, cx, self.reduction)
     }
 
     fn run_share(&self, ins: &[&Tensor], _node: &Node, share: &Share) -> Option<Result<Tensor, TchError>> {
@@ -1331,7 +1342,7 @@ impl LazyTensor {
 
     /// The longest target of lengths that are an input or a constant (read once, when recorded).
     fn longest(lengths: &Rc<Node>) -> Option<i64> {
-        let tensor = match lengths.op.source()? {
+        let tensor = match lengths.source()? {
             Source::Input { tensor, .. } | Source::Leaf { tensor, .. } => tensor,
         };
         if tensor.numel() == 0 {

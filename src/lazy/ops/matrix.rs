@@ -12,7 +12,8 @@ use super::record::{combine_flows, same_device, Linearity, Record};
 use super::{arg, floating, kind_err, requires, same_kind, shape_err};
 use crate::lazy::error::LazyError;
 use crate::lazy::error::OrPanic;
-use crate::lazy::graph::{BatchDim, Flow, KernelCall, Meta, Node, Operation, Product, RunCx};
+use crate::lazy::facts::OpFacts;
+use crate::lazy::graph::{BatchDim, Flow, KernelCall, Meta, Node, Operation, Product, Run, RunCx};
 use crate::lazy::int_list::IntListOption;
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
@@ -61,47 +62,9 @@ impl Matmul {
     }
 }
 
-impl Operation for Matmul {
-    fn grad_dense(&self, _meta: &Meta) -> bool {
-        true
-    }
-
-    fn name(&self) -> &'static str {
-        if self.bmm {
-            "bmm"
-        } else {
-            "matmul"
-        }
-    }
-
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        if self.bmm {
-            ins[0].f_bmm(ins[1])
-        } else {
-            ins[0].f_matmul(ins[1])
-        }
-    }
-
-    fn saves_input(&self, i: usize, inputs: &[Rc<Node>]) -> bool {
-        // An operand copied for the kernel is saved as its copy (see `kernels`), not itself.
-        factors_saved(i, 0, 1, inputs) && !self.path.copies(i)
-    }
-
-    fn grad_view(&self, i: usize, inputs: &[Rc<Node>], _meta: &Meta) -> bool {
-        // `mm` hands a column-major matrix (`w.tr()`) its gradient column-major: a product,
-        // transposed. Its operands: both matrices as they are, or a batch folded and `b`.
-        let mm = match self.path {
-            _ if self.bmm => false,
-            MatmulPath::Direct => inputs.iter().all(|x| x.meta.shape.len() == 2),
-            MatmulPath::Fold { folded: 0, transposed: false, squeezed: None, .. } => i == 1,
-            _ => false,
-        };
-        let m = &inputs[i].meta;
-        mm && m.shape.len() == 2 && m.strides[0] == 1 && m.strides[1] == m.shape[0] && m.shape[1] > 1
-    }
-
-    fn grad_reshape(&self, inputs: &[Rc<Node>], meta: &Meta) -> Option<Vec<i64>> {
-        // `bmm`'s or `mm`'s result was viewed as the output: its gradient is viewed back.
+impl Matmul {
+    /// `bmm`'s or `mm`'s result was viewed as the output: its gradient is viewed back.
+    fn grad_shape(&self, inputs: &[Rc<Node>], meta: &Meta) -> Option<Vec<i64>> {
         let (a, b) = (&inputs[0].meta.shape, &inputs[1].meta.shape);
         let (out, p) = (&meta.shape, *meta.shape.last()?);
         match self.path {
@@ -113,6 +76,16 @@ impl Operation for Matmul {
                 Some(vec![shape::numel(&out[..out.len() - 2]), n, p])
             }
             _ => None,
+        }
+    }
+}
+
+impl Operation for Matmul {
+    fn name(&self) -> &'static str {
+        if self.bmm {
+            "bmm"
+        } else {
+            "matmul"
         }
     }
 
@@ -149,6 +122,38 @@ impl Operation for Matmul {
             b_column_major: column_major,
             grads: [requires(inputs, 0), requires(inputs, 1)],
         }));
+    }
+
+    fn facts(&self, inputs: &[Rc<Node>], meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len())
+            .saves(|i| {
+                // An operand copied for the kernel is saved as its copy (see `kernels`), not itself.
+                factors_saved(i, 0, 1, inputs) && !self.path.copies(i)
+            })
+            .grad_views(|i| {
+                // `mm` hands a column-major matrix (`w.tr()`) its gradient column-major: a product,
+                // transposed. Its operands: both matrices as they are, or a batch folded and `b`.
+                let mm = match self.path {
+                    _ if self.bmm => false,
+                    MatmulPath::Direct => inputs.iter().all(|x| x.meta.shape.len() == 2),
+                    MatmulPath::Fold { folded: 0, transposed: false, squeezed: None, .. } => i == 1,
+                    _ => false,
+                };
+                let m = &inputs[i].meta;
+                mm && m.shape.len() == 2 && m.strides[0] == 1 && m.strides[1] == m.shape[0] && m.shape[1] > 1
+            })
+            .grad_reshape(self.grad_shape(inputs, meta))
+            .grad_dense(true)
+    }
+}
+
+impl Run for Matmul {
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        if self.bmm {
+            ins[0].f_bmm(ins[1])
+        } else {
+            ins[0].f_matmul(ins[1])
+        }
     }
 }
 
@@ -321,32 +326,8 @@ impl MatmulPath {
 pub(crate) struct Linear;
 
 impl Operation for Linear {
-    fn grad_dense(&self, _meta: &Meta) -> bool {
-        true
-    }
-
     fn name(&self) -> &'static str {
         "linear"
-    }
-
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        ins[0].f_linear(ins[1], ins.get(2).copied())
-    }
-
-    fn saves_input(&self, i: usize, inputs: &[Rc<Node>]) -> bool {
-        factors_saved(i, 0, 1, inputs)
-    }
-
-    fn grad_view(&self, i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
-        // The product runs on `weight.t()`: its gradient is transposed back, a view.
-        i == 1
-    }
-
-    fn grad_reshape(&self, inputs: &[Rc<Node>], meta: &Meta) -> Option<Vec<i64>> {
-        // Inputs of three or more dimensions are folded into a matrix for one product, whose
-        // result is viewed as the output.
-        let p = *meta.shape.last()?;
-        (inputs[0].meta.shape.len() >= 3).then(|| vec![shape::numel(&meta.shape) / p.max(1), p])
     }
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
@@ -367,6 +348,30 @@ impl Operation for Linear {
             }));
         }
     }
+
+    fn facts(&self, inputs: &[Rc<Node>], meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len())
+            .saves(|i| factors_saved(i, 0, 1, inputs))
+            .grad_views(|i| {
+                // The product runs on `weight.t()`: its gradient is transposed back, a view.
+                i == 1
+            })
+            // Inputs of three or more dimensions are folded into a matrix for one product, whose
+            // result is viewed as the output.
+            .grad_reshape(
+                meta.shape
+                    .last()
+                    .filter(|_| inputs[0].meta.shape.len() >= 3)
+                    .map(|&p| vec![shape::numel(&meta.shape) / p.max(1), p]),
+            )
+            .grad_dense(true)
+    }
+}
+
+impl Run for Linear {
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_linear(ins[1], ins.get(2).copied())
+    }
 }
 
 /// `beta * input + alpha * (batch1 @ batch2)`. Operands: input, batch1, batch2.
@@ -376,26 +381,8 @@ pub(crate) struct Baddbmm {
 }
 
 impl Operation for Baddbmm {
-    fn grad_dense(&self, _meta: &Meta) -> bool {
-        true
-    }
-
     fn name(&self) -> &'static str {
         "baddbmm"
-    }
-
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        let (input, batch1, batch2) = (ins[0], ins[1], ins[2]);
-        input.f_baddbmm(batch1, batch2, self.beta, self.alpha)
-    }
-
-    fn saves_input(&self, i: usize, inputs: &[Rc<Node>]) -> bool {
-        factors_saved(i, 1, 2, inputs)
-    }
-
-    fn grad_aliases(&self, i: usize, inputs: &[Rc<Node>], meta: &Meta) -> bool {
-        // autograd hands `input` the output's gradient itself when it is not scaled or summed.
-        i == 0 && self.beta == 1.0 && inputs[0].meta.shape == meta.shape
     }
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
@@ -404,6 +391,23 @@ impl Operation for Baddbmm {
             let mask = shape::broadcast_mask(&inputs[0].meta.shape, &meta.shape);
             calls.push(KernelCall::Reduction { of: meta, mask, backward: true });
         }
+    }
+
+    fn facts(&self, inputs: &[Rc<Node>], meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len())
+            .saves(|i| factors_saved(i, 1, 2, inputs))
+            .grad_aliases(|i| {
+                // autograd hands `input` the output's gradient itself when it is not scaled or summed.
+                i == 0 && self.beta == 1.0 && inputs[0].meta.shape == meta.shape
+            })
+            .grad_dense(true)
+    }
+}
+
+impl Run for Baddbmm {
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let (input, batch1, batch2) = (ins[0], ins[1], ins[2]);
+        input.f_baddbmm(batch1, batch2, self.beta, self.alpha)
     }
 }
 
@@ -418,14 +422,18 @@ impl Operation for Embedding {
         "embedding"
     }
 
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).saves(|i| {
+            // The indices, to scatter the gradient back.
+            i == 1
+        })
+    }
+}
+
+impl Run for Embedding {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         let (weight, indices) = (ins[0], ins[1]);
         Tensor::f_embedding(weight, indices, self.padding_idx, self.scale_grad_by_freq, false)
-    }
-
-    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
-        // The indices, to scatter the gradient back.
-        i == 1
     }
 }
 

@@ -3,17 +3,19 @@
 //! op sits in its family's file:
 //!
 //! - **its rules**, in one type per op (or one row per op, for the many unary and binary
-//!   elementwise ops) implementing [`Operation`](crate::lazy::graph::Operation): how it runs on
-//!   a micro-batch, what autograd keeps, which input gradients are views, the kernel calls it
-//!   makes (for the cost layer to price on the plan's device), and how a split run computes
-//!   its share of a value summed over the batch;
+//!   elementwise ops) implementing [`Operation`](crate::lazy::graph::Operation): its facts,
+//!   stated once as data ([`OpFacts`](crate::lazy::facts::OpFacts): what autograd keeps, which
+//!   input gradients are views, what it updates in place) and the kernel calls it makes (for
+//!   the cost layer to price on the plan's device); and [`Run`](crate::lazy::graph::Run): how
+//!   it runs on a micro-batch, and how a split run computes its share of a value summed over
+//!   the batch;
 //! - **its recording**: the public `f_op` method on [`LazyTensor`](crate::lazy::LazyTensor),
 //!   with its checks, the output's shape, kind and batch flow, in the family's
 //!   `#[toma_macros::tensor_methods(..)]` block, which writes the panicking twin `op` and the
 //!   family's trait ([`PointwiseOps`], ..) from that one signature.
 //!
-//! Adding an op touches only its family's file: a type with its `Operation` impl, and its
-//! `f_op` method. `record` turns a recorded op into a node (batch flow, device-independent
+//! Adding an op touches only its family's file: a type with its `Operation` and `Run` impls, and
+//! its `f_op` method. `record` turns a recorded op into a node (batch flow, device-independent
 //! costs).
 
 use std::rc::Rc;

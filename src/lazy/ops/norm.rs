@@ -8,7 +8,8 @@ use super::record::IntoLazy;
 use super::record::{combine_flows, same_device, Linearity, Record};
 use super::{arg, floating, same_kind, shape_err};
 use crate::lazy::error::LazyError;
-use crate::lazy::graph::{KernelCall, Meta, Node, Operation, RunCx};
+use crate::lazy::facts::OpFacts;
+use crate::lazy::graph::{KernelCall, Meta, Node, Operation, Run, RunCx};
 use crate::lazy::int_list::IntList;
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
@@ -52,24 +53,25 @@ impl Operation for BatchNorm {
         "batch_norm"
     }
 
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).saves(|_i| true).updates({
+            let n_inputs = inputs.len();
+            // The running mean and variance come last, when there are any; evaluation reads them.
+            let first = 1 + usize::from(self.affine.weight) + usize::from(self.affine.bias);
+            if self.training && n_inputs >= first + 2 {
+                first..first + 2
+            } else {
+                n_inputs..n_inputs
+            }
+        })
+    }
+}
+
+impl Run for BatchNorm {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         let (weight, bias, running) = self.affine.split(ins);
         let (mean, var) = (running.first().copied(), running.get(1).copied());
         Tensor::f_batch_norm(ins[0], weight, bias, mean, var, self.training, self.momentum, self.eps, true)
-    }
-
-    fn updated_inputs(&self, n_inputs: usize) -> std::ops::Range<usize> {
-        // The running mean and variance come last, when there are any; evaluation reads them.
-        let first = 1 + usize::from(self.affine.weight) + usize::from(self.affine.bias);
-        if self.training && n_inputs >= first + 2 {
-            first..first + 2
-        } else {
-            n_inputs..n_inputs
-        }
-    }
-
-    fn saves_input(&self, _i: usize, _inputs: &[Rc<Node>]) -> bool {
-        true
     }
 }
 
@@ -81,21 +83,8 @@ pub(crate) struct LayerNorm {
 }
 
 impl Operation for LayerNorm {
-    fn grad_dense(&self, _meta: &Meta) -> bool {
-        true
-    }
-
     fn name(&self) -> &'static str {
         "layer_norm"
-    }
-
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        let (weight, bias, _) = self.affine.split(ins);
-        Tensor::f_layer_norm(ins[0], self.normalized_shape.as_slice(), weight, bias, self.eps, true)
-    }
-
-    fn saves_input(&self, _i: usize, _inputs: &[Rc<Node>]) -> bool {
-        true
     }
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], _meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
@@ -104,6 +93,17 @@ impl Operation for LayerNorm {
         let rows = shape::numel(&self.normalized_shape).max(1) as u64;
         let (a, c) = input.numel_parts();
         calls.push(KernelCall::Keeps { elements: (2 * a / rows, 2 * c / rows), kind: stat_kind(input) });
+    }
+
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).saves(|_i| true).grad_dense(true)
+    }
+}
+
+impl Run for LayerNorm {
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let (weight, bias, _) = self.affine.split(ins);
+        Tensor::f_layer_norm(ins[0], self.normalized_shape.as_slice(), weight, bias, self.eps, true)
     }
 }
 
@@ -115,21 +115,8 @@ pub(crate) struct GroupNorm {
 }
 
 impl Operation for GroupNorm {
-    fn grad_dense(&self, _meta: &Meta) -> bool {
-        true
-    }
-
     fn name(&self) -> &'static str {
         "group_norm"
-    }
-
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        let (weight, bias, _) = self.affine.split(ins);
-        ins[0].f_group_norm(self.num_groups, weight, bias, self.eps, true)
-    }
-
-    fn saves_input(&self, _i: usize, _inputs: &[Rc<Node>]) -> bool {
-        true
     }
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], _meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
@@ -141,6 +128,17 @@ impl Operation for GroupNorm {
             None => (0, 2 * groups * input.shape.first().copied().unwrap_or(1).max(1) as u64),
         };
         calls.push(KernelCall::Keeps { elements, kind: stat_kind(input) });
+    }
+
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).saves(|_i| true).grad_dense(true)
+    }
+}
+
+impl Run for GroupNorm {
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let (weight, bias, _) = self.affine.split(ins);
+        ins[0].f_group_norm(self.num_groups, weight, bias, self.eps, true)
     }
 }
 
@@ -156,15 +154,6 @@ impl Operation for RmsNorm {
         "rms_norm"
     }
 
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        let weight = if self.weight { ins.get(1).copied() } else { None };
-        ins[0].f_rms_norm(self.normalized_shape.as_slice(), weight, self.eps)
-    }
-
-    fn saves_input(&self, _i: usize, _inputs: &[Rc<Node>]) -> bool {
-        true
-    }
-
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], _meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
         // libtorch's rms_norm is composite: autograd keeps the inverse root mean square per row
         // and, with a weight, the normalized input; it squares the input before its mean, and
@@ -175,6 +164,17 @@ impl Operation for RmsNorm {
         let kept = if self.weight { (a + a / row, c + c / row) } else { (a / row, c / row) };
         calls.push(KernelCall::Keeps { elements: kept, kind: input.kind });
         calls.push(KernelCall::Temporaries { forward: (a, c), backward: (a, c) });
+    }
+
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).saves(|_i| true)
+    }
+}
+
+impl Run for RmsNorm {
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let weight = if self.weight { ins.get(1).copied() } else { None };
+        ins[0].f_rms_norm(self.normalized_shape.as_slice(), weight, self.eps)
     }
 }
 

@@ -10,7 +10,8 @@ use super::record::IntoLazy;
 use super::record::{broadcast_flows, same_device, Linearity, Record};
 use super::{arg, floating, kind_err, requires, same_shape_flow, shape_err};
 use crate::lazy::error::LazyError;
-use crate::lazy::graph::{KernelCall, Meta, Node, Operation, RunCx, Share};
+use crate::lazy::facts::OpFacts;
+use crate::lazy::graph::{KernelCall, Meta, Node, Operation, Run, RunCx, Share};
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
 
@@ -205,25 +206,8 @@ impl Unary {
 }
 
 impl Operation for Unary {
-    /// The exact `gelu`'s `Float`/`BFloat16` backward kernel reads its gradient densely.
-    fn grad_dense(&self, meta: &Meta) -> bool {
-        matches!(self, Unary::Gelu(a) if a == "none") && matches!(meta.kind, Kind::Float | Kind::BFloat16)
-    }
-
     fn name(&self) -> &'static str {
         self.rules().name
-    }
-
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        Unary::run(self, ins[0])
-    }
-
-    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
-        i == 0 && self.rules().keeps == Keeps::Input
-    }
-
-    fn saves_output(&self) -> bool {
-        self.rules().keeps == Keeps::Output
     }
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
@@ -251,6 +235,22 @@ impl Operation for Unary {
         if backward != (0, 0) {
             calls.push(KernelCall::Temporaries { forward: (0, 0), backward });
         }
+    }
+
+    fn facts(&self, inputs: &[Rc<Node>], meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len())
+            .saves(|i| i == 0 && self.rules().keeps == Keeps::Input)
+            .saves_output(self.rules().keeps == Keeps::Output)
+            // The exact `gelu`'s `Float`/`BFloat16` backward kernel reads its gradient densely.
+            .grad_dense(
+                matches!(self, Unary::Gelu(a) if a == "none") && matches!(meta.kind, Kind::Float | Kind::BFloat16),
+            )
+    }
+}
+
+impl Run for Unary {
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        Unary::run(self, ins[0])
     }
 }
 
@@ -298,33 +298,6 @@ impl Operation for TensorBinary {
         self.op.name()
     }
 
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        self.op.run(ins[0], ins[1])
-    }
-
-    fn differentiable(&self) -> bool {
-        !self.op.is_comparison()
-    }
-
-    fn saves_input(&self, i: usize, inputs: &[Rc<Node>]) -> bool {
-        self.op.saves(i, |j| requires(inputs, j))
-    }
-
-    fn saves_output(&self) -> bool {
-        self.op == Binary::Pow
-    }
-
-    fn grad_aliases(&self, i: usize, inputs: &[Rc<Node>], meta: &Meta) -> bool {
-        // The output's gradient itself, where no broadcast must be summed away (and no sign
-        // flipped).
-        let same_shape = |j: usize| inputs.get(j).is_some_and(|n| n.meta.shape == meta.shape);
-        match self.op {
-            Binary::Add => same_shape(i),
-            Binary::Sub => i == 0 && same_shape(0),
-            _ => false,
-        }
-    }
-
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
         // A broadcast operand's gradient: the output gradient summed over the broadcast
         // dimensions.
@@ -356,8 +329,28 @@ impl Operation for TensorBinary {
         }
     }
 
-    fn adds_fixed(&self) -> bool {
-        matches!(self.op, Binary::Add | Binary::Sub)
+    fn facts(&self, inputs: &[Rc<Node>], meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len())
+            .differentiable(!self.op.is_comparison())
+            .saves(|i| self.op.saves(i, |j| requires(inputs, j)))
+            .saves_output(self.op == Binary::Pow)
+            .grad_aliases(|i| {
+                // The output's gradient itself, where no broadcast must be summed away (and no sign
+                // flipped).
+                let same_shape = |j: usize| inputs.get(j).is_some_and(|n| n.meta.shape == meta.shape);
+                match self.op {
+                    Binary::Add => same_shape(i),
+                    Binary::Sub => i == 0 && same_shape(0),
+                    _ => false,
+                }
+            })
+            .adds_fixed(matches!(self.op, Binary::Add | Binary::Sub))
+    }
+}
+
+impl Run for TensorBinary {
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        self.op.run(ins[0], ins[1])
     }
 }
 
@@ -384,22 +377,6 @@ impl Operation for Scalar {
         }
     }
 
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        scalar_op(ins[0], self.op, self.scalar, self.reversed, self.integral)
-    }
-
-    fn differentiable(&self) -> bool {
-        !self.op.is_comparison()
-    }
-
-    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
-        self.op == Binary::Pow && i == 0
-    }
-
-    fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
-        matches!(self.op, Binary::Add | Binary::Sub) && !self.reversed
-    }
-
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
         match (self.op, self.reversed) {
             // The reciprocal between `1 / x` and the multiplication.
@@ -415,6 +392,19 @@ impl Operation for Scalar {
             }
             _ => {}
         }
+    }
+
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len())
+            .differentiable(!self.op.is_comparison())
+            .saves(|i| self.op == Binary::Pow && i == 0)
+            .grad_aliases(|_i| matches!(self.op, Binary::Add | Binary::Sub) && !self.reversed)
+    }
+}
+
+impl Run for Scalar {
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        scalar_op(ins[0], self.op, self.scalar, self.reversed, self.integral)
     }
 
     fn run_share(&self, ins: &[&Tensor], _node: &Node, share: &Share) -> Option<Result<Tensor, TchError>> {
@@ -434,20 +424,6 @@ pub(crate) struct Dropout {
 impl Operation for Dropout {
     fn name(&self) -> &'static str {
         self.kind.name()
-    }
-
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        let (x, p, train) = (ins[0], self.p, self.train);
-        match self.kind {
-            DropoutKind::Plain => x.f_dropout(p, train),
-            DropoutKind::Feature => x.f_feature_dropout(p, train),
-            DropoutKind::Alpha => x.f_alpha_dropout(p, train),
-            DropoutKind::FeatureAlpha => x.f_feature_alpha_dropout(p, train),
-        }
-    }
-
-    fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
-        !self.train || self.p == 0.0
     }
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
@@ -470,6 +446,22 @@ impl Operation for Dropout {
             calls.push(KernelCall::Temporaries { forward: (a + a / per, c + c / per), backward: (0, 0) });
         }
     }
+
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).grad_aliases(|_i| !self.train || self.p == 0.0)
+    }
+}
+
+impl Run for Dropout {
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let (x, p, train) = (ins[0], self.p, self.train);
+        match self.kind {
+            DropoutKind::Plain => x.f_dropout(p, train),
+            DropoutKind::Feature => x.f_feature_dropout(p, train),
+            DropoutKind::Alpha => x.f_alpha_dropout(p, train),
+            DropoutKind::FeatureAlpha => x.f_feature_alpha_dropout(p, train),
+        }
+    }
 }
 
 /// `value` where a mask is true. Operands: x, mask (Bool, broadcast to x), kept for the
@@ -483,13 +475,15 @@ impl Operation for MaskedFill {
         "masked_fill"
     }
 
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).saves(|i| i == 1)
+    }
+}
+
+impl Run for MaskedFill {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         let (x, mask) = (ins[0], ins[1]);
         x.f_masked_fill(mask, self.value)
-    }
-
-    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
-        i == 1
     }
 }
 
@@ -502,13 +496,15 @@ impl Operation for Where {
         "where_self"
     }
 
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).saves(|i| i == 0)
+    }
+}
+
+impl Run for Where {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         let (condition, x, y) = (ins[0], ins[1], ins[2]);
         x.f_where_self(condition, y)
-    }
-
-    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
-        i == 0
     }
 }
 
@@ -526,7 +522,9 @@ impl Operation for Triangle {
             "tril"
         }
     }
+}
 
+impl Run for Triangle {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         if self.upper {
             ins[0].f_triu(self.diagonal)
@@ -579,7 +577,9 @@ impl Operation for FullLike {
     fn name(&self) -> &'static str {
         "full_like"
     }
+}
 
+impl Run for FullLike {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         Tensor::f_full(ins[0].size(), self.value, (ins[0].kind(), ins[0].device()))
     }

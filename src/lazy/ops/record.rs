@@ -6,7 +6,10 @@ use std::rc::Rc;
 use tch::{Device, Kind, Tensor};
 
 use crate::lazy::error::LazyError;
-use crate::lazy::graph::{BatchDim, Bytes, Cost, Flow, LazyTensor, Meta, Node, Operation, Param, ParamKey, Source};
+use crate::lazy::facts::OpFacts;
+use crate::lazy::graph::{
+    BatchDim, Bytes, Cost, Flow, LazyTensor, Meta, Node, NodeKind, Operation, Param, ParamKey, Run, Source,
+};
 use crate::lazy::shape;
 
 use super::autocast;
@@ -149,9 +152,10 @@ impl Record {
             alias: self.alias,
             mixes: self.mixes,
         };
-        let op = self.op;
-        let cost = cost(&*op, &self.inputs, &meta);
-        LazyTensor { node: Node::new(op, self.inputs, meta, cost) }
+        let facts = self.op.facts(&self.inputs, &meta).recorded(meta.requires_grad);
+        let kind = NodeKind::Op(self.op);
+        let cost = cost(&kind, &facts, &self.inputs, &meta);
+        LazyTensor { node: Node::new(kind, self.inputs, meta, facts, cost) }
     }
 }
 
@@ -165,7 +169,9 @@ impl Operation for Cast {
     fn name(&self) -> &'static str {
         "autocast"
     }
+}
 
+impl Run for Cast {
     fn run(&self, ins: &[&Tensor], _cx: &crate::lazy::graph::RunCx<'_>) -> Result<Tensor, tch::TchError> {
         ins[0].f_to_kind(self.kind)
     }
@@ -201,7 +207,7 @@ pub(crate) fn leaf(tensor: &Tensor, batch: Option<usize>) -> LazyTensor {
         mixes: None,
         shape,
     };
-    let op: Box<dyn Operation> = Box::new(match batch {
+    let kind = NodeKind::Source(match batch {
         Some(dim) => Source::Input { tensor: tensor.shallow_clone(), dim },
         None => {
             let param =
@@ -209,8 +215,9 @@ pub(crate) fn leaf(tensor: &Tensor, batch: Option<usize>) -> LazyTensor {
             Source::Leaf { tensor: tensor.shallow_clone(), param }
         }
     });
-    let cost = cost(&*op, &[], &meta);
-    LazyTensor { node: Node::new(op, Vec::new(), meta, cost) }
+    let facts = OpFacts::new(0).recorded(meta.requires_grad);
+    let cost = cost(&kind, &facts, &[], &meta);
+    LazyTensor { node: Node::new(kind, Vec::new(), meta, facts, cost) }
 }
 
 /// Checks that all operands live on one device; gives it back.
@@ -379,36 +386,26 @@ pub(crate) fn unary_flow(
 
 /// What a node costs in memory whatever the device, from its op's rules: worked out once, when
 /// it is recorded.
-fn cost(op: &dyn Operation, inputs: &[Rc<Node>], meta: &Meta) -> Cost {
+fn cost(kind: &NodeKind, facts: &OpFacts, inputs: &[Rc<Node>], meta: &Meta) -> Cost {
     let elements = meta.numel_parts();
     let grad = Bytes::of(elements, meta.kind);
-    let leaf = op.source().is_some();
-    let rules = op;
-    let out = if leaf || meta.alias { Bytes::default() } else { grad };
-    let (mut saved, mut grad_alias, mut grad_view) = (0u64, 0u64, 0u64);
-    for k in 0..inputs.len().min(64) {
-        if meta.requires_grad && rules.saves_input(k, inputs) {
-            saved |= 1 << k;
+    let out = if matches!(kind, NodeKind::Source(_)) || meta.alias { Bytes::default() } else { grad };
+    let kernel_calls = match kind {
+        NodeKind::Op(op) => {
+            let mut calls = Vec::new();
+            op.kernels(inputs, meta, &mut calls);
+            !calls.is_empty()
         }
-        if rules.grad_aliases(k, inputs, meta) {
-            grad_alias |= 1 << k;
-        }
-        if rules.grad_view(k, inputs, meta) {
-            grad_view |= 1 << k;
-        }
-    }
-    let alias_rest = inputs.len() > 64 && rules.grad_aliases(64, inputs, meta);
-    let mut calls = Vec::new();
-    op.kernels(inputs, meta, &mut calls);
-    let kernel_calls = !calls.is_empty();
+        NodeKind::Source(_) => false,
+    };
     // What the plan depends on: the op, kind, shape, layout (a transposed operand takes
     // another matmul path) and whether a gradient flows (frozen layers save nothing).
-    let tag = crate::hash::hash_bytes(op.sizing_hash(), op.name().as_bytes());
+    let tag = crate::hash::hash_bytes(facts.sizing, kind.name().as_bytes());
     let mut hash = crate::hash::mix(tag ^ meta.kind as u64 ^ (u64::from(meta.requires_grad) << 32));
     for (&s, &st) in meta.shape.iter().zip(&meta.strides) {
         hash = crate::hash::mix(crate::hash::mix(hash ^ s as u64) ^ st as u64);
     }
     let permutes = meta.alias
         && inputs.first().is_some_and(|x| shape::permutes(&x.meta.shape, &x.meta.strides, &meta.shape, &meta.strides));
-    Cost { out, grad, saved, grad_alias, grad_view, alias_rest, permutes, kernel_calls, hash }
+    Cost { out, grad, permutes, kernel_calls, hash }
 }

@@ -9,7 +9,8 @@ use super::record::{broadcast_flows, combine_flows, same_device, unary_flow, Int
 use super::{arg, floating, kind_err, requires, same_kind, same_shape_flow, shape_err};
 use crate::lazy::error::LazyError;
 use crate::lazy::error::OrPanic;
-use crate::lazy::graph::{BatchDim, Flow, KernelCall, Meta, Node, Operation, RunCx, Share};
+use crate::lazy::facts::OpFacts;
+use crate::lazy::graph::{BatchDim, Flow, KernelCall, Meta, Node, Operation, Run, RunCx, Share};
 use crate::lazy::int_list::{IntList, IntListOption};
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
@@ -70,25 +71,23 @@ impl Operation for Norm {
         "norm"
     }
 
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        if meta.requires_grad && self.p == 1.0 {
+            calls.push(KernelCall::Temporaries { forward: (0, 0), backward: inputs[0].meta.numel_parts() });
+        }
+    }
+
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).saves(|i| i == 0).saves_output(true)
+    }
+}
+
+impl Run for Norm {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         match &self.dims {
             None if self.p == 2.0 => ins[0].f_norm(),
             None => ins[0].f_norm_scalaropt_dim(self.p, (0..ins[0].dim() as i64).collect::<Vec<_>>(), false),
             Some(dims) => ins[0].f_norm_scalaropt_dim(self.p, dims.as_slice(), self.keepdim),
-        }
-    }
-
-    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
-        i == 0
-    }
-
-    fn saves_output(&self) -> bool {
-        true
-    }
-
-    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
-        if meta.requires_grad && self.p == 1.0 {
-            calls.push(KernelCall::Temporaries { forward: (0, 0), backward: inputs[0].meta.numel_parts() });
         }
     }
 }
@@ -114,16 +113,18 @@ impl Operation for Cumsum {
         "cumsum"
     }
 
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        ins[0].f_cumsum(self.dim, self.kind)
-    }
-
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
         let trivial = meta.shape.is_empty() || meta.shape.iter().product::<i64>() <= 1;
         if meta.requires_grad && !trivial && inputs[0].meta.shape.get(self.dim as usize) != Some(&1) {
             let (a, c) = meta.numel_parts();
             calls.push(KernelCall::Temporaries { forward: (0, 0), backward: (2 * a, 2 * c) });
         }
+    }
+}
+
+impl Run for Cumsum {
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_cumsum(self.dim, self.kind)
     }
 }
 
@@ -142,18 +143,6 @@ impl Operation for Cumprod {
         "cumprod"
     }
 
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        ins[0].f_cumprod(self.dim, self.kind)
-    }
-
-    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
-        i == 0
-    }
-
-    fn saves_output(&self) -> bool {
-        true
-    }
-
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
         let input = &inputs[0].meta;
         let trivial = shape::numel(&input.shape) <= 1 || input.shape.get(self.dim as usize).is_some_and(|&s| s <= 1);
@@ -164,6 +153,16 @@ impl Operation for Cumprod {
             let elements = (3 * a + a.div_ceil(e), 3 * c + c.div_ceil(e));
             calls.push(KernelCall::Temporaries { forward: (0, 0), backward: elements });
         }
+    }
+
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).saves(|i| i == 0).saves_output(true)
+    }
+}
+
+impl Run for Cumprod {
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_cumprod(self.dim, self.kind)
     }
 }
 
@@ -187,18 +186,6 @@ impl Operation for Sort {
         }
     }
 
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        let (values, indices) = match self.stable {
-            Some(stable) => ins[0].f_sort_stable(stable, self.dim, self.descending)?,
-            None => ins[0].f_sort(self.dim, self.descending)?,
-        };
-        Ok(if self.values { values } else { indices })
-    }
-
-    fn differentiable(&self) -> bool {
-        self.values
-    }
-
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
         let (a, c) = meta.numel_parts();
         let input = inputs[0].meta.kind;
@@ -212,6 +199,20 @@ impl Operation for Sort {
             let elements = ((a * other).div_ceil(e), (c * other).div_ceil(e));
             calls.push(KernelCall::Temporaries { forward: elements, backward: (0, 0) });
         }
+    }
+
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).differentiable(self.values)
+    }
+}
+
+impl Run for Sort {
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let (values, indices) = match self.stable {
+            Some(stable) => ins[0].f_sort_stable(stable, self.dim, self.descending)?,
+            None => ins[0].f_sort(self.dim, self.descending)?,
+        };
+        Ok(if self.values { values } else { indices })
     }
 }
 
@@ -235,21 +236,23 @@ impl Operation for TopK {
         }
     }
 
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        let (values, indices) = ins[0].f_topk(self.k, self.dim, self.largest, self.sorted)?;
-        Ok(if self.values { values } else { indices })
-    }
-
-    fn differentiable(&self) -> bool {
-        self.values
-    }
-
     fn kernels<'a>(&'a self, _inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
         // The positions, made beside the values: kept for the backward, else freed at once.
         let positions = meta.numel_parts();
         if self.values && meta.requires_grad {
             calls.push(KernelCall::Keeps { elements: positions, kind: Kind::Int64 });
         }
+    }
+
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).differentiable(self.values)
+    }
+}
+
+impl Run for TopK {
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let (values, indices) = ins[0].f_topk(self.k, self.dim, self.largest, self.sorted)?;
+        Ok(if self.values { values } else { indices })
     }
 }
 
@@ -270,16 +273,18 @@ impl Operation for ArgExtreme {
         }
     }
 
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).differentiable(false)
+    }
+}
+
+impl Run for ArgExtreme {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         if self.max {
             ins[0].f_argmax(self.dim, self.keepdim)
         } else {
             ins[0].f_argmin(self.dim, self.keepdim)
         }
-    }
-
-    fn differentiable(&self) -> bool {
-        false
     }
 }
 
@@ -294,22 +299,6 @@ pub(crate) struct Reduction {
 impl Operation for Reduction {
     fn name(&self) -> &'static str {
         self.op.rules().name
-    }
-
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        reduce(ins[0], self.op, self.dims.as_deref(), self.keepdim, self.kind)
-    }
-
-    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
-        i == 0 && self.op.rules().keeps_input
-    }
-
-    fn saves_output(&self) -> bool {
-        self.op.rules().keeps_output
-    }
-
-    fn grad_aliases(&self, _i: usize, _inputs: &[Rc<Node>], _meta: &Meta) -> bool {
-        self.op.rules().expands_grad
     }
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], _meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
@@ -329,6 +318,19 @@ impl Operation for Reduction {
         if self.op == ReduceOp::Mean && self.dims.is_some() && matches!(of.kind, Kind::Half | Kind::BFloat16) {
             calls.push(KernelCall::ReducedPrecisionMean { elements: of.numel_parts() });
         }
+    }
+
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len())
+            .saves(|i| i == 0 && self.op.rules().keeps_input)
+            .saves_output(self.op.rules().keeps_output)
+            .grad_aliases(|_i| self.op.rules().expands_grad)
+    }
+}
+
+impl Run for Reduction {
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        reduce(ins[0], self.op, self.dims.as_deref(), self.keepdim, self.kind)
     }
 
     fn run_share(&self, ins: &[&Tensor], node: &Node, share: &Share) -> Option<Result<Tensor, TchError>> {
@@ -354,10 +356,6 @@ pub(crate) struct Softmax {
 }
 
 impl Operation for Softmax {
-    fn grad_dense(&self, _meta: &Meta) -> bool {
-        true
-    }
-
     fn name(&self) -> &'static str {
         if self.log {
             "log_softmax"
@@ -366,16 +364,18 @@ impl Operation for Softmax {
         }
     }
 
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).saves_output(true).grad_dense(true)
+    }
+}
+
+impl Run for Softmax {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         if self.log {
             ins[0].f_log_softmax(self.dim, self.kind)
         } else {
             ins[0].f_softmax(self.dim, self.kind)
         }
-    }
-
-    fn saves_output(&self) -> bool {
-        true
     }
 }
 
@@ -398,14 +398,6 @@ impl Operation for CosineSimilarity {
         "cosine_similarity"
     }
 
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        Tensor::f_cosine_similarity(ins[0], ins[1], self.dim, self.eps)
-    }
-
-    fn saves_input(&self, i: usize, inputs: &[Rc<Node>]) -> bool {
-        requires(inputs, i)
-    }
-
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
         // Elements of the broadcast operands: the output's, times the reduced dimension's size.
         let shapes = (&inputs[0].meta.shape, &inputs[1].meta.shape);
@@ -418,6 +410,16 @@ impl Operation for CosineSimilarity {
         calls.push(KernelCall::Keeps { elements: times(with_grad, 2 * with_grad), kind: meta.kind });
         let backward = if with_grad > 0 { times(4 - with_grad, 0) } else { (0, 0) };
         calls.push(KernelCall::Temporaries { forward: times(3 - with_grad, 4 - 2 * with_grad), backward });
+    }
+
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).saves(|i| requires(inputs, i))
+    }
+}
+
+impl Run for CosineSimilarity {
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        Tensor::f_cosine_similarity(ins[0], ins[1], self.dim, self.eps)
     }
 }
 

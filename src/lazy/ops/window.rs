@@ -9,7 +9,8 @@ use super::record::IntoLazy;
 use super::record::{combine_flows, same_device, unary_flow, Linearity, Record};
 use super::{arg, floating, requires, same_kind, shape_err};
 use crate::lazy::error::LazyError;
-use crate::lazy::graph::{Convolution, Flow, KernelCall, Meta, Node, Operation, RunCx};
+use crate::lazy::facts::OpFacts;
+use crate::lazy::graph::{Convolution, Flow, KernelCall, Meta, Node, Operation, Run, RunCx};
 use crate::lazy::int_list::IntList;
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
@@ -23,7 +24,7 @@ pub(crate) struct Conv<const D: usize> {
     groups: i64,
 }
 
-/// A convolution's settings, hashed: what [`Operation::sizing_hash`] says of it.
+/// A convolution's settings, hashed: what its `OpFacts::sizing` says.
 fn settings_hash(lists: &[&[i64]], groups: i64) -> u64 {
     let mut h = crate::hash::mix(groups as u64);
     for list in lists {
@@ -68,40 +69,12 @@ fn conv_saves(i: usize, inputs: &[Rc<Node>]) -> bool {
 }
 
 impl<const D: usize> Operation for Conv<D> {
-    /// Padding and dilation pick kernels (and their scratch) that the shapes do not show: a
-    /// 3×3 padded 1 and one padded 2 and dilated 2 map the same sizes.
-    fn sizing_hash(&self) -> u64 {
-        settings_hash(&[&self.stride, &self.padding, &self.dilation], self.groups)
-    }
-
-    fn grad_contiguous(&self) -> bool {
-        true
-    }
-
-    fn grad_dense(&self, _meta: &Meta) -> bool {
-        true
-    }
-
     fn name(&self) -> &'static str {
         match D {
             1 => "conv1d",
             2 => "conv2d",
             _ => "conv3d",
         }
-    }
-
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        let (x, weight, bias) = (ins[0], ins[1], ins.get(2).copied());
-        let (stride, padding, dilation) = (&self.stride[..], &self.padding[..], &self.dilation[..]);
-        match D {
-            1 => x.f_conv1d(weight, bias, stride, padding, dilation, self.groups),
-            2 => x.f_conv2d(weight, bias, stride, padding, dilation, self.groups),
-            _ => x.f_conv3d(weight, bias, stride, padding, dilation, self.groups),
-        }
-    }
-
-    fn saves_input(&self, i: usize, inputs: &[Rc<Node>]) -> bool {
-        conv_saves(i, inputs)
     }
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
@@ -111,6 +84,28 @@ impl<const D: usize> Operation for Conv<D> {
         if meta.shape.len() == D + 2 && requires(inputs, 2) && meta.requires_grad {
             let mask = shape::dims_mask((0..meta.shape.len()).filter(|&d| d != 1));
             calls.push(KernelCall::Reduction { of: meta, mask, backward: true });
+        }
+    }
+
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len())
+            .saves(|i| conv_saves(i, inputs))
+            .grad_dense(true)
+            .grad_contiguous(true)
+            // Padding and dilation pick kernels (and their scratch) that the shapes do not show: a
+            // 3×3 padded 1 and one padded 2 and dilated 2 map the same sizes.
+            .sizing(settings_hash(&[&self.stride, &self.padding, &self.dilation], self.groups))
+    }
+}
+
+impl<const D: usize> Run for Conv<D> {
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let (x, weight, bias) = (ins[0], ins[1], ins.get(2).copied());
+        let (stride, padding, dilation) = (&self.stride[..], &self.padding[..], &self.dilation[..]);
+        match D {
+            1 => x.f_conv1d(weight, bias, stride, padding, dilation, self.groups),
+            2 => x.f_conv2d(weight, bias, stride, padding, dilation, self.groups),
+            _ => x.f_conv3d(weight, bias, stride, padding, dilation, self.groups),
         }
     }
 }
@@ -126,29 +121,26 @@ pub(crate) struct ConvTranspose2d {
 }
 
 impl Operation for ConvTranspose2d {
-    fn sizing_hash(&self) -> u64 {
-        settings_hash(&[&self.stride, &self.padding, &self.output_padding, &self.dilation], self.groups)
-    }
-
-    fn grad_dense(&self, _meta: &Meta) -> bool {
-        true
-    }
-
     fn name(&self) -> &'static str {
         "conv_transpose2d"
     }
 
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        calls.push(convolution(inputs, meta, [&self.stride, &self.padding, &self.dilation], self.groups, true));
+    }
+
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len())
+            .saves(|i| conv_saves(i, inputs))
+            .grad_dense(true)
+            .sizing(settings_hash(&[&self.stride, &self.padding, &self.output_padding, &self.dilation], self.groups))
+    }
+}
+
+impl Run for ConvTranspose2d {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         let (x, weight, bias) = (ins[0], ins[1], ins.get(2).copied());
         x.f_conv_transpose2d(weight, bias, self.stride, self.padding, self.output_padding, self.groups, self.dilation)
-    }
-
-    fn saves_input(&self, i: usize, inputs: &[Rc<Node>]) -> bool {
-        conv_saves(i, inputs)
-    }
-
-    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
-        calls.push(convolution(inputs, meta, [&self.stride, &self.padding, &self.dilation], self.groups, true));
     }
 }
 
@@ -162,10 +154,6 @@ pub(crate) struct MaxPool<const D: usize> {
 }
 
 impl<const D: usize> Operation for MaxPool<D> {
-    fn grad_dense(&self, _meta: &Meta) -> bool {
-        true
-    }
-
     fn name(&self) -> &'static str {
         if D == 3 {
             "max_pool3d"
@@ -174,6 +162,17 @@ impl<const D: usize> Operation for MaxPool<D> {
         }
     }
 
+    fn kernels<'a>(&'a self, _inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        // One int64 index per output element.
+        calls.push(KernelCall::Keeps { elements: meta.numel_parts(), kind: Kind::Int64 });
+    }
+
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).saves(|i| i == 0).grad_dense(true)
+    }
+}
+
+impl<const D: usize> Run for MaxPool<D> {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         let (k, s, p, d) = (&self.kernel[..], &self.stride[..], &self.padding[..], &self.dilation[..]);
         if D == 3 {
@@ -181,15 +180,6 @@ impl<const D: usize> Operation for MaxPool<D> {
         } else {
             ins[0].f_max_pool2d(k, s, p, d, self.ceil_mode)
         }
-    }
-
-    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
-        i == 0
-    }
-
-    fn kernels<'a>(&'a self, _inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
-        // One int64 index per output element.
-        calls.push(KernelCall::Keeps { elements: meta.numel_parts(), kind: Kind::Int64 });
     }
 }
 
@@ -204,10 +194,6 @@ pub(crate) struct AvgPool<const D: usize> {
 }
 
 impl<const D: usize> Operation for AvgPool<D> {
-    fn grad_dense(&self, _meta: &Meta) -> bool {
-        true
-    }
-
     fn name(&self) -> &'static str {
         if D == 3 {
             "avg_pool3d"
@@ -216,6 +202,12 @@ impl<const D: usize> Operation for AvgPool<D> {
         }
     }
 
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).saves(|i| i == 0).grad_dense(true)
+    }
+}
+
+impl<const D: usize> Run for AvgPool<D> {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         let AvgPool { kernel, stride, padding, ceil_mode, count_include_pad, divisor_override } = self;
         let (k, s, p) = (&kernel[..], &stride[..], &padding[..]);
@@ -224,10 +216,6 @@ impl<const D: usize> Operation for AvgPool<D> {
         } else {
             ins[0].f_avg_pool2d(k, s, p, *ceil_mode, *count_include_pad, *divisor_override)
         }
-    }
-
-    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
-        i == 0
     }
 }
 
@@ -241,12 +229,14 @@ impl Operation for AdaptiveAvgPool2d {
         "adaptive_avg_pool2d"
     }
 
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).saves(|i| i == 0)
+    }
+}
+
+impl Run for AdaptiveAvgPool2d {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         ins[0].f_adaptive_avg_pool2d(self.output)
-    }
-
-    fn saves_input(&self, i: usize, _inputs: &[Rc<Node>]) -> bool {
-        i == 0
     }
 }
 
@@ -261,7 +251,9 @@ impl Operation for UpsampleNearest2d {
     fn name(&self) -> &'static str {
         "upsample_nearest2d"
     }
+}
 
+impl Run for UpsampleNearest2d {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         ins[0].f_upsample_nearest2d(self.output, self.scales[0], self.scales[1])
     }
@@ -279,7 +271,9 @@ impl Operation for UpsampleBilinear2d {
     fn name(&self) -> &'static str {
         "upsample_bilinear2d"
     }
+}
 
+impl Run for UpsampleBilinear2d {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         ins[0].f_upsample_bilinear2d(self.output, self.align_corners, self.scales[0], self.scales[1])
     }
@@ -297,7 +291,9 @@ impl Operation for UpsampleNearest1d {
     fn name(&self) -> &'static str {
         "upsample_nearest1d"
     }
+}
 
+impl Run for UpsampleNearest1d {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         ins[0].f_upsample_nearest1d([self.output], self.scales)
     }
@@ -320,18 +316,20 @@ impl Operation for PixelShuffle {
         }
     }
 
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], _meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        let x = &inputs[0].meta;
+        if !shape::is_contiguous(&x.shape, &x.strides) {
+            calls.push(KernelCall::Temporaries { forward: x.numel_parts(), backward: (0, 0) });
+        }
+    }
+}
+
+impl Run for PixelShuffle {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         if self.unshuffle {
             ins[0].f_pixel_unshuffle(self.factor)
         } else {
             ins[0].f_pixel_shuffle(self.factor)
-        }
-    }
-
-    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], _meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
-        let x = &inputs[0].meta;
-        if !shape::is_contiguous(&x.shape, &x.strides) {
-            calls.push(KernelCall::Temporaries { forward: x.numel_parts(), backward: (0, 0) });
         }
     }
 }
@@ -349,7 +347,9 @@ impl Operation for Unfold {
     fn name(&self) -> &'static str {
         "unfold"
     }
+}
 
+impl Run for Unfold {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         ins[0].f_unfold(self.dim, self.size, self.step)
     }

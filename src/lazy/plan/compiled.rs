@@ -24,8 +24,8 @@ pub(crate) struct Compiled {
     pub(crate) last_use: Vec<u32>,
     /// Storage each node's value lives in (its own position, or its view base's).
     pub(super) root: Vec<u32>,
-    /// Per-node facts the schedules read often: the `F_*` bits.
-    pub(super) flags: Vec<u8>,
+    /// Per-node facts the schedules read often.
+    pub(super) flags: Vec<Flags>,
     /// For parameters that require a gradient: the position of the first leaf holding the
     /// same tensor (so that one parameter used twice has one gradient).
     pub(crate) param: Vec<Option<u32>>,
@@ -48,25 +48,27 @@ pub(crate) struct Compiled {
     pub(crate) global: Vec<bool>,
 }
 
-/// The node requires a gradient.
-pub(super) const F_REQUIRES_GRAD: u8 = 1;
-/// Autograd keeps the node's output for its backward.
-pub(super) const F_SAVES_OUTPUT: u8 = 2;
-/// An input or a fixed leaf (already in memory).
-pub(super) const F_LEAF: u8 = 4;
-/// The op takes part in autograd.
-pub(super) const F_DIFFERENTIABLE: u8 = 8;
-/// Gradients of inputs past the 64th are views of the output's.
-pub(super) const F_ALIAS_REST: u8 = 16;
-/// The output is a new allocation (not a view, an input or a parameter).
-pub(super) const F_ALLOCATES: u8 = 32;
-/// The backward copies the output's gradient: it arrives permuted (through a transpose
-/// downstream) and the op views it in a shape those strides do not allow.
-pub(super) const F_GRAD_COPY: u8 = 64;
-/// The backward reads the output's gradient densely and it arrives broadcast (below a `sum`),
-/// or contiguous and it arrives permuted (a convolution read as tokens): a copy lives while the
-/// backward runs.
-pub(super) const F_GRAD_DENSE: u8 = 128;
+/// Per-node facts the schedules read often, worked out when the graph is compiled.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Flags {
+    /// The node requires a gradient.
+    pub(super) requires_grad: bool,
+    /// Autograd keeps the node's output for its backward.
+    pub(super) saves_output: bool,
+    /// An input or a fixed leaf (already in memory).
+    pub(super) leaf: bool,
+    /// The op takes part in autograd.
+    pub(super) differentiable: bool,
+    /// The output is a new allocation (not a view, an input or a parameter).
+    pub(super) allocates: bool,
+    /// The backward copies the output's gradient: it arrives permuted (through a transpose
+    /// downstream) and the op views it in a shape those strides do not allow.
+    pub(super) grad_copy: bool,
+    /// The backward reads the output's gradient densely and it arrives broadcast (below a
+    /// `sum`), or contiguous and it arrives permuted (a convolution read as tokens): a copy
+    /// lives while the backward runs.
+    pub(super) grad_dense: bool,
+}
 
 impl Compiled {
     pub(crate) fn len(&self) -> usize {
@@ -103,7 +105,7 @@ impl Compiled {
                 .reached_params
                 .iter()
                 .map(|&i| &self.nodes[i as usize])
-                .filter(|node| match node.op.source() {
+                .filter(|node| match node.source() {
                     // A non-leaf's gradient is summed in a buffer of toma's (see exec).
                     Some(Source::Leaf { tensor, param: Some(p) }) => !p.is_leaf || !tensor.grad().defined(),
                     _ => false,
@@ -111,7 +113,7 @@ impl Compiled {
                 .map(|node| Work::from(node.cost.grad).at(1, self.block))
                 .sum();
             let inputs: u64 = input_grads(&self.nodes)
-                .filter(|node| match node.op.source() {
+                .filter(|node| match node.source() {
                     Some(Source::Input { tensor, .. }) => !tensor.is_leaf() || !tensor.grad().defined(),
                     _ => false,
                 })
@@ -144,7 +146,7 @@ impl Compiled {
     /// the earlier gradients in `.grad` as they were.
     pub(crate) fn accumulates_in_place(&self) -> bool {
         *self.in_place.get_or_init(|| {
-            self.nodes.iter().enumerate().all(|(i, node)| match node.op.source() {
+            self.nodes.iter().enumerate().all(|(i, node)| match node.source() {
                 Some(Source::Leaf { tensor, param: Some(_) }) => {
                     self.param[i].is_none_or(|first| first as usize != i)
                         || (tensor.is_leaf() && !tensor.grad().defined())
@@ -161,7 +163,7 @@ fn device_of(nodes: &[Rc<Node>]) -> Device {
     let output = nodes.last().expect("a graph has its output");
     nodes
         .iter()
-        .find(|n| matches!(n.op.source(), Some(Source::Input { .. })))
+        .find(|n| matches!(n.source(), Some(Source::Input { .. })))
         .map_or(output.meta.device, |n| n.meta.device)
 }
 
@@ -199,7 +201,7 @@ impl Index {
 /// Collects the graph of `output` in topological order and precomputes what planning needs.
 /// The inputs that require their own gradient (the executor fills theirs, see exec).
 fn input_grads(nodes: &[Rc<Node>]) -> impl Iterator<Item = &Rc<Node>> {
-    nodes.iter().filter(|node| matches!(node.op.source(), Some(Source::Input { tensor, .. }) if tensor.requires_grad()))
+    nodes.iter().filter(|node| matches!(node.source(), Some(Source::Input { tensor, .. }) if tensor.requires_grad()))
 }
 
 pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
@@ -251,19 +253,20 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
         }
         root.push(if node.meta.alias { root[pos(&node.inputs[0]) as usize] } else { i as u32 });
         let cost = &node.cost;
-        flags.push(
-            (u8::from(cost.out != Bytes::default()) * F_ALLOCATES)
-                | (u8::from(node.meta.requires_grad) * F_REQUIRES_GRAD)
-                | (u8::from(node.meta.requires_grad && node.op.saves_output()) * F_SAVES_OUTPUT)
-                | (u8::from(node.inputs.is_empty()) * F_LEAF)
-                | (u8::from(node.op.differentiable()) * F_DIFFERENTIABLE)
-                | (u8::from(cost.alias_rest) * F_ALIAS_REST),
-        );
+        flags.push(Flags {
+            requires_grad: node.meta.requires_grad,
+            saves_output: node.facts.saves_output,
+            leaf: node.inputs.is_empty(),
+            differentiable: node.facts.differentiable,
+            allocates: cost.out != Bytes::default(),
+            grad_copy: false,
+            grad_dense: false,
+        });
         if cost.permutes || broadcasts_grad(node) {
             starts.push(i as u32);
         }
         fingerprint = crate::hash::mix(fingerprint ^ node.cost.hash);
-        match node.op.source() {
+        match node.source() {
             Some(Source::Input { .. }) => {
                 let size = node.meta.batch().map_or(1, |bd| bd.size);
                 if size == 0 {
@@ -307,12 +310,12 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
     let mut reach = vec![false; n];
     reach[n - 1] = found[n - 1].meta.requires_grad;
     for i in (0..n).rev() {
-        if !reach[i] || flags[i] & (F_LEAF | F_DIFFERENTIABLE) != F_DIFFERENTIABLE {
+        if !reach[i] || flags[i].leaf || !flags[i].differentiable {
             continue;
         }
         for &j in edges(i) {
             let j = j as usize;
-            if flags[j] & F_REQUIRES_GRAD != 0 {
+            if flags[j].requires_grad {
                 reach[param[j].map_or(j, |p| p as usize)] = true;
             }
         }
@@ -352,20 +355,19 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
 fn broadcasts_grad(node: &Node) -> bool {
     node.inputs.len() == 1
         && !node.meta.alias
-        && node.cost.grad_alias & 1 != 0
+        && node.facts.grad_alias.contains(0)
         && shape::numel(&node.inputs[0].meta.shape) > shape::numel(&node.meta.shape)
 }
 
-/// Marks the nodes whose backward copies its output's gradient ([`F_GRAD_COPY`],
-/// [`F_GRAD_DENSE`]). A value
-/// used once gets its gradient as its consumer makes it: a transpose or permute hands on its
+/// Marks the nodes whose backward copies its output's gradient ([`Flags::grad_copy`],
+/// [`Flags::grad_dense`]). A value used once gets its gradient as its consumer makes it: a transpose or permute hands on its
 /// own gradient reordered, a reduction that expands its gradient a broadcast one, a view its
 /// own viewed (when the strides allow), a pass-through op (an addition) its own; every other
 /// op makes a new, contiguous one. So gradients arrive permuted where attention's heads were
 /// split by a transpose, and an op that views its gradient as a batch of matrices (`matmul`,
 /// `linear`, `view`) must copy it first; they arrive broadcast below a `sum`, and an op whose
 /// backward reads its gradient densely copies that one.
-fn grad_copies(found: &[Rc<Node>], inputs: &[u32], offsets: &[u32], flags: &mut [u8], starts: &[u32]) {
+fn grad_copies(found: &[Rc<Node>], inputs: &[u32], offsets: &[u32], flags: &mut [Flags], starts: &[u32]) {
     if starts.is_empty() {
         return;
     }
@@ -382,7 +384,7 @@ fn grad_copies(found: &[Rc<Node>], inputs: &[u32], offsets: &[u32], flags: &mut 
     for &start in starts.iter().rev() {
         work.push(start as usize);
         while let Some(k) = work.pop() {
-            if std::mem::replace(&mut visited[k], true) || flags[k] & F_REQUIRES_GRAD == 0 {
+            if std::mem::replace(&mut visited[k], true) || !flags[k].requires_grad {
                 continue;
             }
             let node = &found[k];
@@ -390,30 +392,28 @@ fn grad_copies(found: &[Rc<Node>], inputs: &[u32], offsets: &[u32], flags: &mut 
             // Its gradient's strides, read once (every consumer of them is this node).
             let own = strides.remove(&k);
             let viewed = |g: &[i64]| {
-                node.op
-                    .grad_reshape(&node.inputs, out)
-                    .is_none_or(|to| shape::view_strides(&out.shape, g, &to).is_some())
+                node.facts.grad_reshape.as_deref().is_none_or(|to| shape::view_strides(&out.shape, g, to).is_some())
             };
             let broadcast = |g: &[i64]| g.iter().zip(&out.shape).any(|(&st, &size)| st == 0 && size > 1);
             let permuted = |g: &[i64]| !shape::is_contiguous(&out.shape, g);
-            let dense = node.op.grad_dense(out) && own.as_deref().is_some_and(broadcast);
-            if !out.alias && (dense || node.op.grad_contiguous() && own.as_deref().is_some_and(permuted)) {
-                flags[k] |= F_GRAD_DENSE;
+            let dense = node.facts.grad_dense && own.as_deref().is_some_and(broadcast);
+            if !out.alias && (dense || node.facts.grad_contiguous && own.as_deref().is_some_and(permuted)) {
+                flags[k].grad_dense = true;
                 continue;
             }
             if own.as_deref().is_some_and(|g| !viewed(g)) {
                 // The copy is contiguous: nothing permuted is handed on.
-                flags[k] |= F_GRAD_COPY;
+                flags[k].grad_copy = true;
                 continue;
             }
             let expands = broadcasts_grad(node);
             for (e, &j) in inputs[offsets[k] as usize..offsets[k + 1] as usize].iter().enumerate() {
                 let j = j as usize;
-                if uses[j] != 1 || flags[j] & F_REQUIRES_GRAD == 0 {
+                if uses[j] != 1 || !flags[j].requires_grad {
                     continue;
                 }
                 let input = &node.inputs[e].meta;
-                let passes = e < 64 && node.cost.grad_alias & (1 << e) != 0;
+                let passes = node.facts.grad_alias.contains(e);
                 let handed = if node.cost.permutes && e == 0 {
                     shape::permutation(&input.shape, &input.strides, &out.shape, &out.strides).map(|p| {
                         let g = own.clone().unwrap_or_else(|| shape::contiguous_strides(&out.shape));
@@ -428,7 +428,7 @@ fn grad_copies(found: &[Rc<Node>], inputs: &[u32], offsets: &[u32], flags: &mut 
                 } else if let Some(g) = &own {
                     if out.alias && e == 0 {
                         // A view's backward views the gradient as its input's shape.
-                        let view = node.op.grad_reshape(&node.inputs, out).as_deref() == Some(&input.shape[..]);
+                        let view = node.facts.grad_reshape.as_deref() == Some(&input.shape[..]);
                         view.then(|| shape::view_strides(&out.shape, g, &input.shape)).flatten()
                     } else {
                         (passes && input.shape == out.shape).then(|| g.clone())

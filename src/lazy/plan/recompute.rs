@@ -8,7 +8,7 @@
 //! but the last. Cuts go where the fewest bytes cross them, near equal shares of the
 //! activations: a chain of layers is cut between layers, a residual block's skip is carried.
 
-use super::compiled::{Compiled, F_ALLOCATES, F_LEAF};
+use super::compiled::Compiled;
 use crate::lazy::cost::Work;
 
 /// A value held to the end of its segment's run (read by a later segment, or the output).
@@ -63,7 +63,7 @@ impl Segments {
 
     /// The ops that run twice: every op before the last segment.
     pub(crate) fn recomputed<'a>(&'a self, c: &'a Compiled) -> impl Iterator<Item = usize> + 'a {
-        (0..*self.starts.last().expect("at least one segment") as usize).filter(|&i| c.flags[i] & F_LEAF == 0)
+        (0..*self.starts.last().expect("at least one segment") as usize).filter(|&i| !c.flags[i].leaf)
     }
 }
 
@@ -79,7 +79,7 @@ impl Cuts {
     pub(crate) fn new(c: &Compiled) -> Cuts {
         let n = c.len();
         let per = |i: usize| {
-            if c.flags[i] & F_ALLOCATES != 0 {
+            if c.flags[i].allocates {
                 Work::from(c.nodes[i].cost.out).per
             } else {
                 0

@@ -44,7 +44,7 @@ pub struct Plan {
     peak_step: usize,
     full_batch_peak: u64,
     per_sample_at_peak: u64,
-    facts: Vec<OpFacts>,
+    facts: Vec<OpRow>,
     shapes: Vec<i64>,
     ops: OnceCell<Vec<PlanOp>>,
     /// The schedule, evaluated into steps when they are asked for.
@@ -354,8 +354,8 @@ pub(crate) fn detail(c: Compiled, decision: Decision) -> Plan {
         if let Some(bd) = batch {
             shapes[start + bd.dim] = b as i64 * bd.factor;
         }
-        let name = node.op.name();
-        facts.push(OpFacts {
+        let name = node.name();
+        facts.push(OpRow {
             name,
             shape_start: start as u32,
             shape_len: node.meta.shape.len() as u32,
@@ -397,7 +397,7 @@ pub(crate) fn detail(c: Compiled, decision: Decision) -> Plan {
 /// What a plan keeps of each op until its table is asked for (compact: a large graph's plan
 /// is built often and read rarely).
 #[derive(Clone, Debug)]
-struct OpFacts {
+struct OpRow {
     /// The op's name (custom ops' names are interned: static too).
     name: &'static str,
     shape_start: u32,

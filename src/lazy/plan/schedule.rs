@@ -1,10 +1,7 @@
 //! The schedule of one mode: which tensors are allocated and freed at each step, as the
 //! executor runs them, and its evaluation at a micro-batch size.
 
-use super::compiled::{
-    Compiled, F_ALIAS_REST, F_ALLOCATES, F_DIFFERENTIABLE, F_GRAD_COPY, F_GRAD_DENSE, F_LEAF, F_REQUIRES_GRAD,
-    F_SAVES_OUTPUT,
-};
+use super::compiled::Compiled;
 use super::recompute::{Segments, HELD};
 use crate::lazy::cost::cuda::ReduceStaging;
 use crate::lazy::cost::measured::Calibrated;
@@ -111,7 +108,7 @@ struct Builder<'c> {
     pins: Vec<u32>,
     /// The storage of each value's gradient, once one arrived.
     grad_of: Vec<Option<u32>>,
-    /// Leaves whose gradient so far is a view (see `Operation::grad_view`): autograd sums the
+    /// Leaves whose gradient so far is a view (see `OpFacts::grad_view`): autograd sums the
     /// next contribution out of place. The sum is a fresh tensor: later ones go in place.
     held_view: Vec<bool>,
     /// The contributions of the step summed out of place (their nodes).
@@ -218,7 +215,7 @@ impl<'c> Builder<'c> {
         let n = self.c.len();
         if s >= n {
             self.events.push(FREE | (s - n) as u32);
-        } else if self.c.flags[s] & F_ALLOCATES != 0 {
+        } else if self.c.flags[s].allocates {
             self.events.push(FREE | s as u32);
         }
     }
@@ -236,7 +233,7 @@ impl<'c> Builder<'c> {
     fn forward(&mut self, i: usize, training: bool, last: &[u32], phase: Phase) {
         let c = self.c;
         let r = c.root[i] as usize;
-        if r == i && c.flags[i] & F_ALLOCATES != 0 {
+        if r == i && c.flags[i].allocates {
             self.events.push(ADD | i as u32);
         }
         let price = self.prices.get(i);
@@ -255,12 +252,12 @@ impl<'c> Builder<'c> {
         self.events.push(RUN);
         // The executor holds the value until its last use; views hold their base.
         self.pins[r] += 1;
-        if training && c.flags[i] & F_SAVES_OUTPUT != 0 {
+        if training && c.flags[i].saves_output {
             self.pins[r] += 1;
         }
         let ins = c.input_slice(i);
         for (k, &j) in ins.iter().enumerate() {
-            if training && k < 64 && c.nodes[i].cost.saved & (1 << k) != 0 {
+            if training && c.nodes[i].facts.saved.contains(k) {
                 self.pins[c.root[j as usize] as usize] += 1;
             }
         }
@@ -278,7 +275,7 @@ impl<'c> Builder<'c> {
     fn seed(&mut self) {
         let n = self.c.len();
         let out = n - 1;
-        if self.c.flags[out] & F_REQUIRES_GRAD != 0 {
+        if self.c.flags[out].requires_grad {
             self.grad_of[out] = Some((n + out) as u32);
             self.pins[n + out] = 1;
             self.events.push(ADD | out as u32);
@@ -289,27 +286,26 @@ impl<'c> Builder<'c> {
     fn backward(&mut self, i: usize) {
         let c = self.c;
         let n = c.len();
-        let requires = |i: usize| c.flags[i] & F_REQUIRES_GRAD != 0;
+        let requires = |i: usize| c.flags[i].requires_grad;
         let Some(g) = self.grad_of[i] else {
             return;
         };
-        if c.flags[i] & F_LEAF != 0 {
+        if c.flags[i].leaf {
             return;
         }
         // A permuted gradient copied to be viewed as the op needs, before its kernels run
         // (in a view's backward of its own): the copy replaces the gradient.
-        if c.flags[i] & F_GRAD_COPY != 0 {
+        if c.flags[i].grad_copy {
             self.events.push(TRANSIENT | i as u32);
             self.events.push(RUN);
         }
         // A broadcast gradient's dense copy, made by the backward itself: it lives while the
         // backward runs, beside what it allocates.
-        if c.flags[i] & F_GRAD_DENSE != 0 {
+        if c.flags[i].grad_dense {
             self.events.push(TRANSIENT | i as u32);
         }
-        let alias_mask = c.nodes[i].cost.grad_alias;
-        let view_mask = alias_mask | c.nodes[i].cost.grad_view;
-        let differentiable = c.flags[i] & F_DIFFERENTIABLE != 0;
+        let facts = &c.nodes[i].facts;
+        let differentiable = c.flags[i].differentiable;
         let ins = c.input_slice(i);
         for (k, &j) in ins.iter().enumerate() {
             let j = j as usize;
@@ -317,7 +313,7 @@ impl<'c> Builder<'c> {
                 continue;
             }
             let target = c.param[j].map_or(j, |p| p as usize);
-            let alias = if k < 64 { alias_mask & (1 << k) != 0 } else { c.flags[i] & F_ALIAS_REST != 0 };
+            let alias = facts.grad_alias.contains(k);
             if self.grad_of[target].is_some() {
                 // A second contribution: computed, then added into the first.
                 self.events.push(TRANSIENT | j as u32);
@@ -333,8 +329,8 @@ impl<'c> Builder<'c> {
                 }
                 continue;
             }
-            if c.flags[target] & F_LEAF != 0 {
-                self.held_view[target] = if k < 64 { view_mask & (1 << k) != 0 } else { alias };
+            if c.flags[target].leaf {
+                self.held_view[target] = alias || facts.grad_view.contains(k);
             }
             if alias {
                 self.grad_of[target] = Some(g);
@@ -344,7 +340,7 @@ impl<'c> Builder<'c> {
                 self.pins[n + target] = 1;
                 self.events.push(ADD | j as u32);
             }
-            if c.flags[target] & F_LEAF != 0 {
+            if c.flags[target].leaf {
                 let k = self.grad_of[target].expect("set above") - n as u32;
                 self.grad_event[target] = Some(self.events.len());
                 self.events.push(GRAD | k);
@@ -361,11 +357,11 @@ impl<'c> Builder<'c> {
         self.release(g as usize);
         if requires(i) {
             for (k, &j) in ins.iter().enumerate() {
-                if k < 64 && c.nodes[i].cost.saved & (1 << k) != 0 {
+                if facts.saved.contains(k) {
                     self.release(c.root[j as usize] as usize);
                 }
             }
-            if c.flags[i] & F_SAVES_OUTPUT != 0 {
+            if c.flags[i].saves_output {
                 self.release(c.root[i] as usize);
             }
             if let Some(k) = self.extra_at[i] {
@@ -429,7 +425,7 @@ impl Schedule {
             } else {
                 // `value · gradient`, one value at a time: a temporary of the value's size.
                 for o in range.clone() {
-                    if held[o] == HELD && b.grad_of[o].is_some() && c.flags[o] & F_LEAF == 0 {
+                    if held[o] == HELD && b.grad_of[o].is_some() && !c.flags[o].leaf {
                         b.events.push(TRANSIENT | o as u32);
                         b.events.push(RUN);
                         b.events.push(END);
@@ -450,7 +446,7 @@ impl Schedule {
             // So are earlier segments' values whose first reader (the last to run again) this
             // segment was.
             for j in 0..range.start {
-                if segments.first_reader[j] == s as u32 && c.flags[j] & F_LEAF == 0 {
+                if segments.first_reader[j] == s as u32 && !c.flags[j].leaf {
                     b.release(c.root[j] as usize);
                 }
             }

@@ -71,7 +71,7 @@ pub(crate) fn plan(
         let reached: std::collections::HashSet<usize> = c
             .reached_params
             .iter()
-            .filter_map(|&i| match c.nodes[i as usize].op.source() {
+            .filter_map(|&i| match c.nodes[i as usize].source() {
                 Some(crate::lazy::graph::Source::Leaf { tensor, .. }) => Some(tensor.data_ptr() as usize),
                 _ => None,
             })
@@ -340,7 +340,7 @@ fn does_not_fit(
     split_refused: Option<String>,
 ) -> LazyError {
     let (node, _) = schedule.step_node(c, step);
-    let at = (node, c.nodes[node].op.name().to_owned());
+    let at = (node, c.nodes[node].name().to_owned());
     fits_nowhere(c, peak, at, budget, reserved, micro_batch, segments, split_refused)
 }
 
@@ -358,7 +358,7 @@ fn fits_nowhere(
     split_refused: Option<String>,
 ) -> LazyError {
     LazyError::DoesNotFit {
-        op: c.output().op.name().into(),
+        op: c.output().name().into(),
         peak,
         peak_node,
         peak_op,
@@ -590,7 +590,7 @@ fn check_split(c: &Compiled, mode: Mode, choice: &Choice, budget: u64, options: 
         if !options.allow_batch_mixing {
             return Err(LazyError::MixesBatch {
                 node: pos,
-                op: node.op.name().into(),
+                op: node.name().into(),
                 reason: node.meta.mixes.clone().unwrap_or_default(),
                 batch: c.batch as usize,
                 peak: choice.full_peak,
@@ -600,7 +600,7 @@ fn check_split(c: &Compiled, mode: Mode, choice: &Choice, budget: u64, options: 
         }
     }
     let refuse = |reason: &str| {
-        Err(LazyError::NotSplittable { op: out.op.name().into(), shape: out.meta.shape.clone(), reason: reason.into() })
+        Err(LazyError::NotSplittable { op: out.name().into(), shape: out.meta.shape.clone(), reason: reason.into() })
     };
     match (out.meta.flow, mode) {
         (Flow::Opaque, _) => refuse("its value depends on the whole batch at once"),

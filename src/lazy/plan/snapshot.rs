@@ -28,7 +28,7 @@ pub(super) fn write(c: &Compiled) {
         let inputs: Vec<usize> = c.inputs(i).collect();
         line.push_str(&format!(
             "{}{:?}{:?}{:?}{:?}{:?};",
-            node.op.name(),
+            node.name(),
             node.meta.shape,
             node.meta.kind,
             node.meta.device,

@@ -2,7 +2,7 @@
 //! runs and the bytes they make, priced by the device's cost model
 //! ([`CostModel::op_seconds`](crate::lazy::cost::CostModel::op_seconds)).
 
-use super::compiled::{Compiled, F_LEAF};
+use super::compiled::Compiled;
 use super::recompute::Segments;
 use crate::lazy::cost::Work;
 
@@ -17,7 +17,7 @@ pub(crate) fn step_seconds(c: &Compiled, b: u64, segments: Option<&Segments>) ->
         let mut again = (0.0, 0.0);
         let recompute_before = segments.map_or(0, |s| *s.starts.last().expect("one") as usize);
         for (i, node) in c.nodes.iter().enumerate() {
-            if c.flags[i] & F_LEAF != 0 {
+            if c.flags[i].leaf {
                 continue;
             }
             let out = Work::from(node.cost.out).at(b, 1) as f64;

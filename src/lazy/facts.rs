@@ -1,0 +1,237 @@
+//! What an op declares about itself, once, when it is recorded: what autograd keeps for its
+//! backward, how gradients reach its inputs, what it updates in place, and how a split run
+//! weights it. The planner, the cost layer and the executor read these facts as data; no one
+//! asks the op again.
+//!
+//! An op states them in its `Operation::facts`, starting from [`OpFacts::new`] (an op that
+//! saves nothing, makes fresh gradients and updates nothing):
+//!
+//! ```text
+//! fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+//!     OpFacts::new(inputs.len()).saves(|i| i == 0).saves_output(true)
+//! }
+//! ```
+
+use std::ops::Range;
+
+/// A set of an op's input positions, as many as the op has (`cat` of a thousand tensors).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct InputSet {
+    /// Positions below 64, one bit each: what almost every op needs, without an allocation.
+    low: u64,
+    /// Positions from 64 on, ascending.
+    high: Vec<usize>,
+}
+
+impl InputSet {
+    /// The positions below `n` for which `f` holds.
+    fn of(n: usize, mut f: impl FnMut(usize) -> bool) -> InputSet {
+        let mut set = InputSet::default();
+        for k in 0..n {
+            if f(k) {
+                set.insert(k);
+            }
+        }
+        set
+    }
+
+    fn insert(&mut self, k: usize) {
+        if k < 64 {
+            self.low |= 1 << k;
+        } else if self.high.last().is_none_or(|&last| last < k) {
+            self.high.push(k);
+        } else if let Err(at) = self.high.binary_search(&k) {
+            self.high.insert(at, k);
+        }
+    }
+
+    pub(crate) fn contains(&self, k: usize) -> bool {
+        if k < 64 {
+            self.low >> k & 1 == 1
+        } else {
+            self.high.binary_search(&k).is_ok()
+        }
+    }
+
+    /// The positions, ascending.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..64).filter(|&k| self.low >> k & 1 == 1).chain(self.high.iter().copied())
+    }
+
+    fn clear(&mut self) {
+        self.low = 0;
+        self.high.clear();
+    }
+}
+
+/// Everything the planner and the executor know about a recorded op besides its output's
+/// `Meta` and the device's kernels. Built with the methods below; [`new`](Self::new)
+/// describes an op that saves nothing, makes a fresh gradient for each input and updates none.
+#[derive(Clone, Debug)]
+pub(crate) struct OpFacts {
+    /// Whether the op takes part in autograd at all (`argmax` does not).
+    pub(crate) differentiable: bool,
+    /// Inputs autograd keeps alive until the op's backward (none when the output requires no
+    /// gradient).
+    pub(crate) saved: InputSet,
+    /// Whether autograd keeps the output until the op's backward (never when it requires no
+    /// gradient).
+    pub(crate) saves_output: bool,
+    /// Inputs whose gradient is a view of the output's (no allocation).
+    pub(crate) grad_alias: InputSet,
+    /// Inputs whose gradient is a view of a tensor the backward made (`linear`'s weight
+    /// gradient: a product, transposed). A parameter whose first gradient (in the backward's
+    /// order) is a view, of either kind, is summed out of place when a second arrives: autograd
+    /// adds into its buffer in place only when it holds the tensor's last reference and its
+    /// storage's.
+    pub(crate) grad_view: InputSet,
+    /// The shape the backward views the output's gradient as before its kernels run (`None`:
+    /// it takes the gradient as it comes). A gradient that arrives permuted (through a
+    /// transpose downstream) cannot always be viewed so: libtorch copies it.
+    pub(crate) grad_reshape: Option<Vec<i64>>,
+    /// Whether the backward reads the output's gradient densely: one that arrives broadcast (a
+    /// `sum`'s backward expands the loss's gradient, stride 0) is copied first, as large as the
+    /// output. Elementwise backward kernels read it as it is (libtorch 2.11, CPU).
+    pub(crate) grad_dense: bool,
+    /// Whether the backward reads the output's gradient contiguous: one that arrives permuted
+    /// (through a transpose or permute downstream) is copied beside it while the backward runs.
+    pub(crate) grad_contiguous: bool,
+    /// The inputs the op updates in place when it runs (batch norm's running statistics in
+    /// training). In a split step the executor restores them before each micro-batch and
+    /// applies the micro-batches' updates once, weighted by their shares, as one step over the
+    /// whole batch does.
+    pub(crate) updated: Range<usize>,
+    /// Whether the op adds its operands, so that a fixed operand of a sum over micro-batches
+    /// must be weighted by each micro-batch's share.
+    pub(crate) adds_fixed: bool,
+    /// For a mean over counted targets (input 1, weighted by input 2 when there is one): the
+    /// ignored index. A split run divides every share by the full batch's count.
+    pub(crate) counted_targets: Option<i64>,
+    /// What the plan depends on beyond the op's name and its output's kind, shape and strides
+    /// (which the graph's fingerprint holds already): settings that size its buffers without
+    /// showing in the output (`ctc_loss`'s longest target). 0 for most ops.
+    pub(crate) sizing: u64,
+    /// Whether the op's kernel calls say all it takes: false for ops whose kernels nobody read
+    /// (a user's own function), which a calibrating plan measures.
+    pub(crate) kernels_known: bool,
+    /// How many inputs the op has.
+    n: usize,
+}
+
+impl OpFacts {
+    /// An op of `n` inputs that saves nothing, makes a fresh gradient for each input and
+    /// updates none.
+    pub(crate) fn new(n: usize) -> OpFacts {
+        OpFacts {
+            differentiable: true,
+            saved: InputSet::default(),
+            saves_output: false,
+            grad_alias: InputSet::default(),
+            grad_view: InputSet::default(),
+            grad_reshape: None,
+            grad_dense: false,
+            grad_contiguous: false,
+            updated: n..n,
+            adds_fixed: false,
+            counted_targets: None,
+            sizing: 0,
+            kernels_known: true,
+            n,
+        }
+    }
+
+    /// Autograd keeps input `i` when `saved(i)`, given which inputs require a gradient (it
+    /// keeps nothing when the output requires none).
+    pub(crate) fn saves(mut self, saved: impl FnMut(usize) -> bool) -> Self {
+        self.saved = InputSet::of(self.n, saved);
+        self
+    }
+
+    pub(crate) fn saves_output(mut self, saves: bool) -> Self {
+        self.saves_output = saves;
+        self
+    }
+
+    /// Input `i`'s gradient is a view of the output's when `alias(i)`.
+    pub(crate) fn grad_aliases(mut self, alias: impl FnMut(usize) -> bool) -> Self {
+        self.grad_alias = InputSet::of(self.n, alias);
+        self
+    }
+
+    /// Input `i`'s gradient is a view of a tensor the backward made when `view(i)`.
+    pub(crate) fn grad_views(mut self, view: impl FnMut(usize) -> bool) -> Self {
+        self.grad_view = InputSet::of(self.n, view);
+        self
+    }
+
+    pub(crate) fn grad_reshape(mut self, shape: Option<Vec<i64>>) -> Self {
+        self.grad_reshape = shape;
+        self
+    }
+
+    pub(crate) fn grad_dense(mut self, dense: bool) -> Self {
+        self.grad_dense = dense;
+        self
+    }
+
+    pub(crate) fn grad_contiguous(mut self, contiguous: bool) -> Self {
+        self.grad_contiguous = contiguous;
+        self
+    }
+
+    pub(crate) fn differentiable(mut self, differentiable: bool) -> Self {
+        self.differentiable = differentiable;
+        self
+    }
+
+    pub(crate) fn updates(mut self, inputs: Range<usize>) -> Self {
+        self.updated = inputs;
+        self
+    }
+
+    pub(crate) fn adds_fixed(mut self, adds: bool) -> Self {
+        self.adds_fixed = adds;
+        self
+    }
+
+    pub(crate) fn counted_targets(mut self, ignore_index: Option<i64>) -> Self {
+        self.counted_targets = ignore_index;
+        self
+    }
+
+    pub(crate) fn sizing(mut self, hash: u64) -> Self {
+        self.sizing = hash;
+        self
+    }
+
+    pub(crate) fn kernels_unknown(mut self) -> Self {
+        self.kernels_known = false;
+        self
+    }
+
+    /// The facts of an op whose output requires a gradient or not: autograd saves nothing
+    /// for one that does not.
+    pub(crate) fn recorded(mut self, requires_grad: bool) -> Self {
+        if !requires_grad {
+            self.saved.clear();
+            self.saves_output = false;
+        }
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::InputSet;
+
+    #[test]
+    fn an_input_set_has_no_cap() {
+        let set = InputSet::of(1000, |k| k % 3 == 0 || k == 63);
+        for k in 0..1000 {
+            assert_eq!(set.contains(k), k % 3 == 0 || k == 63, "position {k}");
+        }
+        assert_eq!(set.iter().count(), 334);
+        assert!(!set.contains(5000));
+        assert_eq!(InputSet::of(70, |_| false), InputSet::default());
+    }
+}
