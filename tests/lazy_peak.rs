@@ -2285,6 +2285,48 @@ fn cumsum_and_topk_peak_as_planned() {
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "cumsum and topk models");
 }
 
+/// `var`, `std` and `glu` after a scaling by a parameter (so that their backward, not the
+/// weights, makes the peak): the temporaries of libtorch's `var_backward`, `std`'s kept output,
+/// `glu`'s kept input, against the allocator, whole and in micro-batches, f32 and f64; and a
+/// hand-made layer norm in a model.
+#[test]
+fn var_std_and_glu_peak_as_planned() {
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    let n = 16i64;
+    let mut rows = Rows::default();
+    for kind in [Kind::Float, Kind::Double] {
+        for op in ["var", "std", "var all", "std over 1", "layer norm", "glu", "glu over 1"] {
+            for micro in [16usize, 4] {
+                let mut vs = nn::VarStore::new(CPU);
+                let scale = vs.root().randn("scale", &[64, 64], 1.0, 0.1);
+                let l1 = nn::linear(vs.root() / "l1", 64, 64, Default::default());
+                if kind == Kind::Double {
+                    vs.double();
+                }
+                let x = Tensor::randn([n, 64, 64], (kind, CPU));
+                let h = toma::lazy::lazy(&x, 0) * &scale;
+                let h = match op {
+                    "var" => h.var_dim([-1], true, false),
+                    "std" => h.std_dim([-1, -2], false, true),
+                    "var all" => h.view([-1, 64 * 64]).var_dim([-1], true, false),
+                    "std over 1" => h.std_dim([1], true, false),
+                    "glu" => h.glu(-1),
+                    "glu over 1" => h.glu(1).sigmoid(),
+                    _ => {
+                        let h = h.apply(&l1);
+                        let centred = &h - h.mean_dim([-1], true, None);
+                        (centred / (h.var_dim([-1], false, true) + 1e-5).sqrt()).tanh()
+                    }
+                };
+                let (planned, measured) = planned_and_measured_at(&h.sum(None), micro);
+                rows.push(format!("{op} {kind:?} micro {micro}"), planned, measured);
+            }
+        }
+    }
+    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "var, std and glu");
+}
+
 /// `cumprod` and `sort` in a model: cumprod's backward (three temporaries as large as its input
 /// and a mask), sort's kept positions, the stable sort's too, against the allocator, whole and
 /// in micro-batches, f32 and f64.

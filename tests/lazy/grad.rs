@@ -630,6 +630,26 @@ fn more_pointwise_ops_match_the_full_batch() {
     check_mlp_loss(13, 11, &[2, 5], loss::<Tensor>, loss::<LazyTensor>);
 }
 
+/// The variance and standard deviation over features (a hand-made layer norm) and a gated
+/// linear unit: micro-batched gradients equal the full batch's.
+#[test]
+fn var_std_and_glu_match_the_full_batch() {
+    use toma::lazy::TensorOps;
+    fn loss<T: TensorOps>(x: &T, y: &T, l1: &nn::Linear, l2: &nn::Linear) -> T
+    where
+        nn::Linear: toma::lazy::Layer<T>,
+    {
+        let h = x.apply(l1);
+        let centred = h.sub(&h.mean_dim([-1], true, None));
+        let h = centred.div(&h.var_dim([-1], false, true).add_scalar(1e-5).sqrt());
+        let h = h.add(&h.tanh().std_dim([-1], true, true));
+        // Gated: the features doubled, then halved by `glu`.
+        let h = T::cat(&[&h, &h.sin()], -1).glu(-1);
+        h.apply(l2).log_softmax(-1, None).nll_loss(y)
+    }
+    check_mlp_loss(19, 12, &[5, 12], loss::<Tensor>, loss::<LazyTensor>);
+}
+
 /// `detach` cuts the gradient as tch's does: `h · stop(h)` has the gradient `stop(h)` only,
 /// micro-batched or not.
 #[test]

@@ -766,6 +766,44 @@ proptest! {
     }
 
     #[test]
+    fn glu_along_any_dim(a in shape(4, 4), dim in -5i64..5, scalar in any::<bool>(), micro in 1usize..5) {
+        // Doubled sizes, so that most dimensions can be halved (a 1 stays odd: refused).
+        let a: Vec<i64> = a.iter().map(|&s| if s == 1 { 1 } else { 2 * s }).collect();
+        let t = if scalar { randn(&a).sum(Kind::Float) } else { randn(&a) };
+        let rank = t.dim() as i64;
+        let split = if dim.rem_euclid(rank.max(1)) == 0 { Split::Refused } else { Split::Exact };
+        let l = if scalar { toma::lazy::LazyTensor::fixed(&t) } else { lazy(&t, 0) };
+        agree(&format!("glu {a:?} dim {dim} scalar {scalar}"), t.f_glu(dim), l.f_glu(dim), micro, split)?;
+    }
+
+    #[test]
+    fn var_and_std_over_any_dims(
+        a in shape(4, 4),
+        dims in prop::option::of(prop::collection::vec(-4i64..4, 0..3)),
+        unbiased in any::<bool>(),
+        keepdim in any::<bool>(),
+        sqrt in any::<bool>(),
+        micro in 1usize..5,
+    ) {
+        let t = randn(&a);
+        // Over the batch dimension (or all) they mix samples: evaluated whole, refused when split.
+        let rank = a.len() as i64;
+        let over_batch = match &dims {
+            None => true,
+            Some(d) if d.is_empty() => true,
+            Some(d) => d.iter().any(|&d| d.rem_euclid(rank.max(1)) == 0 && d >= -rank && d < rank),
+        };
+        let split = if over_batch { Split::Refused } else { Split::Exact };
+        let (eager, lazy_t) = match (&dims, sqrt) {
+            (None, false) => (t.f_var(unbiased), lazy(&t, 0).f_var(unbiased)),
+            (None, true) => (t.f_std(unbiased), lazy(&t, 0).f_std(unbiased)),
+            (Some(d), false) => (t.f_var_dim(d.as_slice(), unbiased, keepdim), lazy(&t, 0).f_var_dim(d, unbiased, keepdim)),
+            (Some(d), true) => (t.f_std_dim(d.as_slice(), unbiased, keepdim), lazy(&t, 0).f_std_dim(d, unbiased, keepdim)),
+        };
+        agree(&format!("var/std {a:?} dims {dims:?} unbiased {unbiased} keepdim {keepdim} sqrt {sqrt}"), eager, lazy_t, micro, split)?;
+    }
+
+    #[test]
     fn cosine_similarity_broadcasting_along_any_dim(
         (a, b) in shape(4, 4).prop_flat_map(|a| broadcast_partner(a, true)),
         both in any::<bool>(),

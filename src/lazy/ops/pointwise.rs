@@ -7,11 +7,11 @@ use tch::{Kind, TchError, Tensor};
 
 use super::layout::adopt_batch_broadcasts;
 use super::record::IntoLazy;
-use super::record::{broadcast_flows, same_device, Linearity, Record};
+use super::record::{broadcast_flows, same_device, unary_flow, Linearity, Record};
 use super::{arg, floating, kind_err, requires, same_shape_flow, shape_err};
 use crate::lazy::error::LazyError;
 use crate::lazy::facts::OpFacts;
-use crate::lazy::graph::{KernelCall, Meta, Node, Operation, Run, RunCx, Share};
+use crate::lazy::graph::{Flow, KernelCall, Meta, Node, Operation, Run, RunCx, Share};
 use crate::lazy::shape;
 use crate::lazy::LazyTensor;
 
@@ -534,6 +534,29 @@ impl Run for Triangle {
     }
 }
 
+/// The gated linear unit along `dim`: the first half times the sigmoid of the second. Autograd
+/// keeps the input; libtorch's backward writes both halves of the input's gradient in place,
+/// without temporaries (CPU and CUDA).
+pub(crate) struct Glu {
+    dim: i64,
+}
+
+impl Operation for Glu {
+    fn name(&self) -> &'static str {
+        "glu"
+    }
+
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).saves(|i| i == 0)
+    }
+}
+
+impl Run for Glu {
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_glu(self.dim)
+    }
+}
+
 fn scalar_op(a: &Tensor, op: Binary, s: f64, reversed: bool, integral: bool) -> Result<Tensor, TchError> {
     if integral {
         // libtorch's own promotion for an integer scalar (the value is a recorded i64).
@@ -855,6 +878,34 @@ impl LazyTensor {
         let kind = shape::result_kind(x.meta.kind, x.meta.shape.len(), y.meta.kind, y.meta.shape.len());
         let flow = broadcast_flows(name, &[c, x, y], &out, Linearity::Nonlinear)?;
         Ok(Record::new(Where, vec![c.clone(), x.clone(), y.clone()], out, kind, device).flow(flow).finish())
+    }
+
+    /// The gated linear unit along `dim` (tch's `glu`): the first half of `dim` times the
+    /// sigmoid of the second, halving it. Along the batch dimension it mixes samples.
+    ///
+    /// # Errors
+    /// [`LazyError::Kind`] for a non-floating tensor; [`LazyError::Argument`] for a bad
+    /// dimension or one of odd size.
+    pub fn f_glu(&self, dim: i64) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let m = &n.meta;
+        floating("glu", n)?;
+        if m.shape.is_empty() {
+            return Err(arg("glu", &m.shape, "needs at least one dimension to halve"));
+        }
+        let d = shape::wrap_dim(dim, m.shape.len()).map_err(|r| arg("glu", &m.shape, r))?;
+        if m.shape[d] % 2 != 0 {
+            return Err(arg("glu", &m.shape, format!("halves dimension {d}, whose size {} is odd", m.shape[d])));
+        }
+        let mut out = m.shape.clone();
+        out[d] /= 2;
+        let flow = match m.batch() {
+            Some(bd) if bd.dim == d => {
+                (Flow::Opaque, Some(format!("gates samples by others: it halves the batch dimension {d}")))
+            }
+            _ => unary_flow("glu", n, &out, Some, Linearity::Nonlinear)?,
+        };
+        Ok(Record::new(Glu { dim }, vec![n.clone()], out, m.kind, m.device).flow(flow).finish())
     }
 
     fn f_triangle(&self, upper: bool, diagonal: i64) -> Result<LazyTensor, LazyError> {

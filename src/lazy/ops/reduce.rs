@@ -92,6 +92,54 @@ impl Run for Norm {
     }
 }
 
+/// The variance over `dims` (all when `None`), or its square root (`std`), with Bessel's
+/// correction when `unbiased`. The forward is one pass (Welford's) without temporaries.
+/// Autograd keeps the input, and `std` its output; libtorch's `var_backward` makes
+/// `(2 / dof) * grad` and the mean (each as large as the output) and `x - mean` (as large as
+/// the input) beside the input's gradient, and `std_backward` first divides the gradient by
+/// twice the output (one more as large as the output).
+pub(crate) struct Variance {
+    dims: Option<Vec<i64>>,
+    unbiased: bool,
+    keepdim: bool,
+    sqrt: bool,
+}
+
+impl Operation for Variance {
+    fn name(&self) -> &'static str {
+        match (self.sqrt, self.dims.is_some()) {
+            (false, false) => "var",
+            (false, true) => "var_dim",
+            (true, false) => "std",
+            (true, true) => "std_dim",
+        }
+    }
+
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        OpFacts::new(inputs.len()).saves(|i| i == 0).saves_output(self.sqrt)
+    }
+
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        if meta.requires_grad {
+            let (x, out) = (inputs[0].meta.numel_parts(), meta.numel_parts());
+            let outs = 2 + u64::from(self.sqrt);
+            calls.push(KernelCall::Temporaries { forward: (0, 0), backward: (x.0 + outs * out.0, x.1 + outs * out.1) });
+        }
+    }
+}
+
+impl Run for Variance {
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let x = ins[0];
+        match (&self.dims, self.sqrt) {
+            (None, false) => x.f_var(self.unbiased),
+            (None, true) => x.f_std(self.unbiased),
+            (Some(dims), false) => x.f_var_dim(dims.as_slice(), self.unbiased, self.keepdim),
+            (Some(dims), true) => x.f_std_dim(dims.as_slice(), self.unbiased, self.keepdim),
+        }
+    }
+}
+
 /// A reduction's wrapped dimensions, its recorded `dims` and its output shape.
 type ReductionShape = (Vec<usize>, Option<Vec<i64>>, Vec<i64>);
 
@@ -959,6 +1007,67 @@ impl LazyTensor {
     /// [`LazyError::Argument`] for bad dimensions or an empty one.
     pub fn f_amax(&self, dims: impl IntList, keepdim: bool) -> Result<LazyTensor, LazyError> {
         self.f_reduce(ReduceOp::Amax, Some(dims.as_slice()), keepdim, None)
+    }
+
+    fn f_variance(
+        &self,
+        dims: Option<&[i64]>,
+        unbiased: bool,
+        keepdim: bool,
+        sqrt: bool,
+    ) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let m = &n.meta;
+        let name = if sqrt { "std" } else { "var" };
+        if !shape::is_floating(m.kind) {
+            return Err(kind_err(name, m.kind, &m.shape, "var and std need a floating-point tensor"));
+        }
+        let (reduced, dims, out) = self.reduction_shape(name, dims, keepdim)?;
+        let what = if sqrt { "standard deviation" } else { "variance" };
+        let flow = match m.flow {
+            Flow::PerSample(bd) if reduced.contains(&bd.dim) => {
+                (Flow::Opaque, Some(format!("takes a {what} over the batch dimension {}", bd.dim)))
+            }
+            Flow::PerSample(bd) => (Flow::PerSample(kept_batch(bd, &reduced, keepdim)), None),
+            Flow::Sum | Flow::Max => (Flow::Opaque, Some(format!("takes a {what} of a value combined over the batch"))),
+            other => (other, None),
+        };
+        let op = Variance { dims, unbiased, keepdim, sqrt };
+        Ok(Record::new(op, vec![n.clone()], out, m.kind, m.device).flow(flow).finish())
+    }
+
+    /// The variance of all entries (tch's `var`), with Bessel's correction when `unbiased`.
+    /// Over the batch it mixes samples.
+    ///
+    /// # Errors
+    /// [`LazyError::Kind`] for an integer tensor.
+    pub fn f_var(&self, unbiased: bool) -> Result<LazyTensor, LazyError> {
+        self.f_variance(None, unbiased, false, false)
+    }
+
+    /// The variance over `dims` (all when `None`), as tch's `var_dim`. Over the batch dimension
+    /// it mixes samples.
+    ///
+    /// # Errors
+    /// As [`f_var`](Self::f_var), and bad dimensions.
+    pub fn f_var_dim(&self, dim: impl IntListOption, unbiased: bool, keepdim: bool) -> Result<LazyTensor, LazyError> {
+        self.f_variance(self.dims_or_all(dim.as_option(), keepdim).as_deref(), unbiased, keepdim, false)
+    }
+
+    /// The standard deviation of all entries (tch's `std`), as [`f_var`](Self::f_var).
+    ///
+    /// # Errors
+    /// [`LazyError::Kind`] for an integer tensor.
+    pub fn f_std(&self, unbiased: bool) -> Result<LazyTensor, LazyError> {
+        self.f_variance(None, unbiased, false, true)
+    }
+
+    /// The standard deviation over `dims` (tch's `std_dim`), as [`f_var_dim`](Self::f_var_dim).
+    ///
+    /// # Errors
+    /// As [`f_var_dim`](Self::f_var_dim).
+    pub fn f_std_dim(&self, dim: impl IntListOption, unbiased: bool, keepdim: bool) -> Result<LazyTensor, LazyError> {
+        self.f_variance(self.dims_or_all(dim.as_option(), keepdim).as_deref(), unbiased, keepdim, true)
     }
 
     /// `log(sum(exp(x)))` over `dims`, computed stably (tch's `logsumexp`). Over the batch
