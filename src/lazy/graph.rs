@@ -9,6 +9,7 @@ use tch::{Device, Kind, TchError, Tensor};
 
 use super::facts::OpFacts;
 use super::shape;
+use super::size::{Bytes, Elements};
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -81,12 +82,12 @@ impl Meta {
             })
     }
 
-    /// Elements per sample and elements that do not scale with the batch: `numel(b) = a b + c`.
-    pub(crate) fn numel_parts(&self) -> (u64, u64) {
+    /// Its elements at a micro-batch: per sample, or fixed when nothing is batched.
+    pub(crate) fn elements(&self) -> Elements {
         let total = shape::numel(&self.shape).max(0) as u64;
         match self.batch() {
-            Some(bd) if bd.size > 0 => (total / bd.size as u64, 0),
-            _ => (0, total),
+            Some(bd) if bd.size > 0 => Elements::line(total / bd.size as u64, 0),
+            _ => Elements::line(0, total),
         }
     }
 }
@@ -181,25 +182,6 @@ impl Node {
         if let NodeKind::Op(op) = &self.kind {
             op.kernels(&self.inputs, &self.meta, calls);
         }
-    }
-}
-
-/// `per * b + fixed` bytes at a micro-batch of `b` samples.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct Bytes {
-    pub(crate) per: u64,
-    pub(crate) fixed: u64,
-}
-
-impl Bytes {
-    pub(crate) fn of(elements: (u64, u64), kind: Kind) -> Bytes {
-        let e = kind.elt_size_in_bytes() as u64;
-        Bytes { per: elements.0 * e, fixed: elements.1 * e }
-    }
-
-    /// The bytes at the full batch `n`.
-    pub(crate) fn at(self, n: u64) -> u64 {
-        self.per * n + self.fixed
     }
 }
 
@@ -349,23 +331,23 @@ pub(crate) struct Share<'a> {
 /// library and its threads: the cost layer's models).
 pub(crate) enum KernelCall<'a> {
     /// Autograd keeps a tensor the op makes until the op's backward (max-pooling's indices, a
-    /// norm's statistics): `(per sample, fixed)` elements of `kind`. Only when the output
+    /// norm's statistics): its elements, of `kind`. Only when the output
     /// requires a gradient.
-    Keeps { elements: (u64, u64), kind: Kind },
+    Keeps { elements: Elements, kind: Kind },
     /// A copy of an operand the op makes for its kernel and autograd saves for the op's
     /// backward (`matmul`'s operand folded or batched by a copy): kept until the backward when
     /// the output requires a gradient, freed as the op returns in a run without autograd.
-    SavedCopy { elements: (u64, u64), kind: Kind },
+    SavedCopy { elements: Elements, kind: Kind },
     /// Temporaries of a composite kernel, while the forward runs and while the backward runs:
-    /// `(per sample, fixed)` elements of the op's first input's kind. Composite kernels are
+    /// elements of the op's first input's kind. Composite kernels are
     /// libtorch's formulas over other ops: as large on every device.
-    Temporaries { forward: (u64, u64), backward: (u64, u64) },
+    Temporaries { forward: Elements, backward: Elements },
     /// A reduction of a tensor shaped like `of` over the dimensions whose bit is set in `mask`,
     /// in the forward, or in the backward (of the output's gradient).
     Reduction { of: &'a Meta, mask: u64, backward: bool },
     /// A mean over some dimensions of a `Half`/`BFloat16` tensor of `elements`: libtorch's CPU
     /// kernel sums a `Float` copy of it (CUDA accumulates in registers).
-    ReducedPrecisionMean { elements: (u64, u64) },
+    ReducedPrecisionMean { elements: Elements },
     /// A convolution, plain or transposed.
     Convolution(Convolution<'a>),
     /// A matrix product (`mm`, `addmm`, `bmm`) and, when the output requires a gradient, the

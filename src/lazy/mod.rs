@@ -328,6 +328,7 @@ mod plan;
 mod rnn;
 pub mod scaler;
 mod shape;
+mod size;
 mod tch_compat;
 mod tensor;
 mod tensor_ops;

@@ -131,7 +131,7 @@ impl LazyTensor {
             .chain(&self.node.inputs)
             .find_map(|n| n.meta.batch().map(|bd| bd.size as u64))
             .unwrap_or(1);
-        let total = |b: &super::graph::Bytes| b.at(batch);
+        let total = |b: &super::size::Bytes| b.at(batch);
         let priced = |w: &Work| w.per * batch + w.fixed;
         let split = match (&meta.mixes, meta.flow) {
             (Some(reason), _) => Split::Mixes(reason.clone()),

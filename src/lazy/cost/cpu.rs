@@ -12,6 +12,7 @@ use super::onednn::OneDnn;
 use super::work::{batch_of, chord, Scratch};
 use crate::lazy::graph::{Convolution, KernelCall, Product};
 use crate::lazy::shape;
+use crate::lazy::size::Elements;
 
 /// libtorch's rule: a 1×1 unstrided convolution of fewer samples than this, on one thread,
 /// stays native.
@@ -148,8 +149,8 @@ impl Cpu {
         };
         let n = batch_of(p.out);
         let forward = chord(n, |b| at(b, false));
-        let backward = if p.out.requires_grad { chord(n, |b| at(b, true)) } else { ((0, 0), 0) };
-        Scratch::of(forward, backward)
+        let backward = if p.out.requires_grad { chord(n, |b| at(b, true)) } else { Elements::ZERO };
+        Scratch { forward, backward }
     }
 
     /// A convolution's scratch: oneDNN's, or libtorch's native kernels'.
@@ -162,12 +163,7 @@ impl Cpu {
         // convolution runs, and again when its backward runs (autograd keeps the view).
         let x = c.input;
         if !shape::is_contiguous(&x.shape, &x.strides) {
-            let parts = x.numel_parts();
-            scratch.add(parts, parts);
-            if let Some((f, b)) = &mut scratch.single {
-                let one = parts.0 + parts.1;
-                (*f, *b) = (*f + one, *b + one);
-            }
+            scratch = scratch.plus(Scratch::both(x.elements()));
         }
         scratch
     }
@@ -189,26 +185,21 @@ impl Cpu {
             // frozen weight's is made and dropped.
             if c.bias_grad_only {
                 let w = shape::numel(&c.weight.shape).max(0) as u64;
-                scratch.add((0, 0), (0, w));
-                if let Some((_, b)) = &mut scratch.single {
-                    *b += w;
-                }
+                scratch.backward = scratch.backward.plus(Elements::line(0, w));
             }
             // A `Float` micro-batch of one that libtorch runs natively: im2col's columns there.
             let float = c.output.kind == Kind::Float;
             if float && n > 1 && c.output.batch().is_some() && !self.uses_onednn(c, 1, per_sample) {
                 let cols = columns(c);
-                scratch.single = Some((cols, cols));
+                scratch =
+                    Scratch { forward: scratch.forward.with_one(cols), backward: scratch.backward.with_one(cols) };
             }
             return scratch;
         }
         let mut scratch = native(c);
         // Only the bias's gradient: the native backward sums the output's gradient, no columns.
         if c.bias_grad_only && !c.input_grad {
-            scratch.backward = (0, 0);
-            if let Some((_, b)) = &mut scratch.single {
-                *b = 0;
-            }
+            scratch.backward = Elements::ZERO;
         }
         scratch
     }
@@ -235,9 +226,9 @@ impl Cpu {
             return native_transposed(c);
         }
         let elem = c.output.kind.elt_size_in_bytes().max(1) as u64;
-        let (x, w, y) = (c.input.numel_parts(), c.weight.numel_parts(), c.output.numel_parts());
-        let moved = (x.0 + w.0 + y.0, x.1 + w.1 + y.1);
-        Scratch { forward: moved, backward: (moved.0, moved.1 + NATIVE_TRANSPOSED_BACKWARD_FIXED / elem), single: None }
+        let (x, w, y) = (c.input.elements(), c.weight.elements(), c.output.elements());
+        let moved = x.plus(w).plus(y);
+        Scratch { forward: moved, backward: moved.plus(Elements::line(0, NATIVE_TRANSPOSED_BACKWARD_FIXED / elem)) }
     }
 }
 
@@ -265,7 +256,7 @@ fn native(c: &Convolution<'_>) -> Scratch {
     if c.dilated() {
         // libtorch's dilated kernel fills one sample's columns at a time.
         let cols = columns(c);
-        return Scratch { forward: (0, cols), backward: (0, cols), single: None };
+        return Scratch::both(Elements::line(0, cols));
     }
     im2col(c)
 }
@@ -279,10 +270,10 @@ pub(crate) fn im2col(c: &Convolution<'_>) -> Scratch {
     }
     let batched = c.batched();
     let work = match c.output.batch() {
-        Some(_) if batched => (cols, 0),
-        _ => (0, cols * if batched { c.output.shape[0] as u64 } else { 1 }),
+        Some(_) if batched => Elements::line(cols, 0),
+        _ => Elements::line(0, cols * if batched { c.output.shape[0] as u64 } else { 1 }),
     };
-    Scratch { forward: work, backward: work, single: None }
+    Scratch::both(work)
 }
 
 /// libtorch's native transposed convolution (`slow_conv_transpose2d`, for the kinds oneDNN
@@ -299,24 +290,25 @@ fn native_transposed(c: &Convolution<'_>) -> Scratch {
     let input_positions = shape::numel(&c.input.shape[c.input.shape.len() - spatial..]).max(0) as u64;
     let channels = out[out.len() - spatial - 1].max(0) as u64 / groups;
     let columns = channels * shape::numel(c.kernel()).max(0) as u64 * input_positions;
-    let (xp, yp) = (c.input.numel_parts(), c.output.numel_parts());
+    let (xp, yp) = (c.input.elements(), c.output.elements());
     let n = batch_of(c.output);
     if groups == 1 {
-        let per_sample = if c.output.batch().is_some() { (columns, 0) } else { (0, columns * n) };
-        return Scratch { forward: per_sample, backward: (0, columns), single: None };
+        let per_sample =
+            if c.output.batch().is_some() { Elements::line(columns, 0) } else { Elements::line(0, columns * n) };
+        return Scratch { forward: per_sample, backward: Elements::line(0, columns) };
     }
     // A group's channels of one sample are contiguous already: slices are copied from two on.
     let slice = |elements: u64, k: u64| if k > 1 { elements / groups } else { 0 };
-    let forward = chord(n, |k| slice(xp.0 * k + xp.1, k) + columns * k);
+    let forward = chord(n, |k| slice(xp.at(k), k) + columns * k);
     let backward = chord(n, |k| {
-        let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
+        let (x, y) = (xp.at(k), yp.at(k));
         if c.input_grad {
             columns + slice(y, k) + slice(x, k)
         } else {
             columns + slice(x, k) * (groups - 1)
         }
     });
-    Scratch::of(forward, backward)
+    Scratch { forward, backward }
 }
 
 /// libtorch's native grouped convolution (kinds oneDNN does not take, `Double` among them): one
@@ -327,7 +319,7 @@ fn native_transposed(c: &Convolution<'_>) -> Scratch {
 /// allocator's trace, libtorch 2.11).
 fn native_grouped(c: &Convolution<'_>) -> Scratch {
     let groups = c.groups.max(1) as u64;
-    let (xp, yp) = (c.input.numel_parts(), c.output.numel_parts());
+    let (xp, yp) = (c.input.elements(), c.output.elements());
     let w = shape::numel(&c.weight.shape).max(0) as u64;
     let columns = columns(c) / groups;
     let n = batch_of(c.output);
@@ -336,16 +328,16 @@ fn native_grouped(c: &Convolution<'_>) -> Scratch {
     // A group's channels of one sample are contiguous already: slices are copied from two on.
     let slice = |elements: u64, k: u64| if k > 1 { elements / groups } else { 0 };
     let forward = chord(n, |k| {
-        let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
+        let (x, y) = (xp.at(k), yp.at(k));
         y.max(slice(x, k) + cols(k))
     });
     let backward = chord(n, |k| {
-        let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
+        let (x, y) = (xp.at(k), yp.at(k));
         let group = slice(y, k) + slice(x, k) + cols(k);
         let pieces = if c.input_grad { x + w } else { w };
         group.max(pieces)
     });
-    Scratch::of(forward, backward)
+    Scratch { forward, backward }
 }
 
 /// Whether libtorch's oneDNN takes `BFloat16` convolutions on this CPU.

@@ -23,6 +23,7 @@
 use super::cpu::im2col;
 use super::work::Scratch;
 use crate::lazy::graph::{BatchDim, Convolution, Meta};
+use crate::lazy::size::Elements;
 
 /// The allocation granularity of the CUDA caching allocator.
 pub const BLOCK: u64 = 512;
@@ -59,27 +60,25 @@ impl Cuda {
     /// A convolution's scratch: cuDNN's bound for a batched one (both operands reordered, and
     /// a fixed workspace), libtorch's native kernel for a single unbatched sample.
     pub(crate) fn convolution(&self, c: &Convolution<'_>) -> Scratch {
-        let (x, y) = (c.input.numel_parts(), c.output.numel_parts());
+        let (x, y) = (c.input.elements(), c.output.elements());
         let elem = c.output.kind.elt_size_in_bytes().max(1) as u64;
         let (forward, backward) = CONV_WORKSPACE_FIXED;
         if c.transposed {
             // Run as a convolution's backward: input, weight and output moved, and the
             // workspace.
-            let w = c.weight.numel_parts();
-            let moved = (x.0 + w.0 + y.0, x.1 + w.1 + y.1);
+            let w = c.weight.elements();
+            let moved = x.plus(w).plus(y);
             return Scratch {
-                forward: (moved.0, moved.1 + forward / elem),
-                backward: (moved.0, moved.1 + (32 << 10) / elem + backward / elem),
-                single: None,
+                forward: moved.plus(Elements::line(0, forward / elem)),
+                backward: moved.plus(Elements::line(0, (32 << 10) / elem + backward / elem)),
             };
         }
         if !c.batched() {
             return im2col(c);
         }
         Scratch {
-            forward: (x.0 + y.0, x.1 + y.1 + forward / elem),
-            backward: (x.0 + y.0, x.1 + y.1 + backward / elem),
-            single: None,
+            forward: x.plus(y).plus(Elements::line(0, forward / elem)),
+            backward: x.plus(y).plus(Elements::line(0, backward / elem)),
         }
     }
 }

@@ -531,7 +531,7 @@ fn probe(node: &Node, b: i64, counter: PeakCounter, training: bool, block: u64) 
         .map_err(|e| e.to_string())?;
     let refs: Vec<&Tensor> = ins.iter().collect();
     let cx = RunCx { meta: &node.meta, start: 0, b };
-    let bytes = |b_: crate::lazy::graph::Bytes| rounded(b_.per * b as u64 + b_.fixed, block);
+    let bytes = |b_: crate::lazy::size::Bytes| rounded(b_.per * b as u64 + b_.fixed, block);
     const UNREAD: &str = "the allocator counter cannot be read";
     let (before, previous) = counter.start().ok_or(UNREAD)?;
     // The counter's earlier peak comes back however this ends (an op that panics included).

@@ -24,9 +24,10 @@ pub(crate) mod work;
 
 use std::rc::Rc;
 
-use tch::{Device, Kind};
+use tch::Device;
 
-use super::graph::{Bytes, KernelCall, Meta, Node};
+use super::graph::{KernelCall, Meta, Node};
+use super::size::Bytes;
 use cuda::ReduceStaging;
 use work::Scratch;
 pub(crate) use work::Work;
@@ -130,26 +131,27 @@ impl CostModel {
         if calls.is_empty() {
             return price;
         }
+        // In elements of the op's first input's kind; what a convolution or a product takes
+        // at one sample rides along in each size.
         let mut scratch = Scratch::default();
-        // A convolution's (or a product's) value at one sample, and its line's there.
-        let mut conv_at_one: Option<((u64, u64), (u64, u64))> = None;
-        let mut kept = Bytes::default();
-        let mut unsaved = Bytes::default();
-        let mut keep = |elements: (u64, u64), kind: Kind| {
-            if meta.requires_grad {
-                let b = Bytes::of(elements, kind);
-                kept = Bytes { per: kept.per + b.per, fixed: kept.fixed + b.fixed };
-            }
-        };
+        let mut kept = Bytes::ZERO;
+        let mut unsaved = Bytes::ZERO;
         for call in calls {
             match call {
-                KernelCall::Keeps { elements, kind } => keep(*elements, *kind),
-                KernelCall::SavedCopy { elements, kind } => {
-                    keep(*elements, *kind);
-                    let b = Bytes::of(*elements, *kind);
-                    unsaved = Bytes { per: unsaved.per + b.per, fixed: unsaved.fixed + b.fixed };
+                KernelCall::Keeps { elements, kind } => {
+                    if meta.requires_grad {
+                        kept = kept.plus(elements.bytes(*kind));
+                    }
                 }
-                KernelCall::Temporaries { forward, backward } => scratch.add(*forward, *backward),
+                KernelCall::SavedCopy { elements, kind } => {
+                    if meta.requires_grad {
+                        kept = kept.plus(elements.bytes(*kind));
+                    }
+                    unsaved = unsaved.plus(elements.bytes(*kind));
+                }
+                KernelCall::Temporaries { forward, backward } => {
+                    scratch = scratch.plus(Scratch { forward: *forward, backward: *backward });
+                }
                 KernelCall::Reduction { of, mask, backward } => {
                     if let CostModel::Cuda(gpu) = self {
                         if let Some(s) = gpu.reduction(of, *mask) {
@@ -157,10 +159,10 @@ impl CostModel {
                         }
                     }
                 }
-                KernelCall::ReducedPrecisionMean { elements: (a, c) } => {
+                KernelCall::ReducedPrecisionMean { elements } => {
                     if let CostModel::Cpu(_) = self {
                         // A `Float` copy: twice the elements of a 2-byte kind, forward only.
-                        scratch.add((2 * a, 2 * c), (0, 0));
+                        scratch.forward = scratch.forward.plus(elements.times(2));
                     }
                 }
                 KernelCall::Convolution(c) => {
@@ -168,20 +170,11 @@ impl CostModel {
                         CostModel::Cpu(cpu) => cpu.convolution(c),
                         CostModel::Cuda(gpu) => gpu.convolution(c),
                     };
-                    scratch.add(s.forward, s.backward);
-                    if let Some(one) = s.single {
-                        let line = (s.forward.0 + s.forward.1, s.backward.0 + s.backward.1);
-                        conv_at_one = Some((one, line));
-                    }
+                    scratch = scratch.plus(s);
                 }
                 KernelCall::Product(p) => {
                     if let CostModel::Cpu(cpu) = self {
-                        let s = cpu.product(p);
-                        scratch.add(s.forward, s.backward);
-                        if let Some(one) = s.single {
-                            let line = (s.forward.0 + s.forward.1, s.backward.0 + s.backward.1);
-                            conv_at_one = Some((one, line));
-                        }
+                        scratch = scratch.plus(cpu.product(p));
                     }
                 }
             }
@@ -189,16 +182,8 @@ impl CostModel {
         price.kept = kept.into();
         price.unsaved = unsaved.into();
         let in_kind = inputs.first().map_or(meta.kind, |x| x.meta.kind);
-        let (forward, backward) = (Bytes::of(scratch.forward, in_kind), Bytes::of(scratch.backward, in_kind));
-        price.forward = forward.into();
-        price.backward = backward.into();
-        // At one sample: the other calls' lines there, and the convolution's own value.
-        if let Some(((f, b), (f_line, b_line))) = conv_at_one {
-            let e = in_kind.elt_size_in_bytes() as u64;
-            let at_one = |(per, fixed): (u64, u64), line: u64, own: u64| (per + fixed).saturating_sub(line) + own;
-            price.forward.single = at_one(scratch.forward, f_line, f) * e;
-            price.backward.single = at_one(scratch.backward, b_line, b) * e;
-        }
+        price.forward = scratch.forward.bytes(in_kind).into();
+        price.backward = scratch.backward.bytes(in_kind).into();
         price
     }
 }

@@ -15,6 +15,7 @@
 use super::work::{batch_of, chord, Scratch};
 use crate::lazy::graph::Convolution;
 use crate::lazy::shape;
+use crate::lazy::size::Elements;
 
 /// The libtorch release the rules were read on (it bundles oneDNN 3.10.2).
 pub(crate) const READ_ON: (u32, u32) = (2, 11);
@@ -126,7 +127,7 @@ impl OneDnn {
         let (cb, cin, cout) = (l.block, l.cin, l.cout);
         let pad = Layouts::pad;
         let w = shape::numel(weight).max(0) as u64;
-        let (xp, yp) = (c.input.numel_parts(), c.output.numel_parts());
+        let (xp, yp) = (c.input.elements(), c.output.elements());
         let threads = self.threads;
         let n = batch_of(c.output);
         let kib = |k: u64| Self::kib(k, elem);
@@ -143,7 +144,7 @@ impl OneDnn {
                 + GEMM_FIXED_BYTES / elem
         };
         let forward = chord(n, |k| {
-            let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
+            let (x, y) = (xp.at(k), yp.at(k));
             if pad_beyond {
                 return gemm_columns(k);
             }
@@ -176,7 +177,7 @@ impl OneDnn {
             |k: u64| threads.min(k) * cin * shape::numel(kernel).max(0) as u64 * l.positions + GEMM_FIXED_BYTES / elem;
         let columns = cin * shape::numel(kernel).max(0) as u64 * l.positions;
         let backward = chord(n, |k| {
-            let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
+            let (x, y) = (xp.at(k), yp.at(k));
             let data = if data_gemm {
                 data_columns(k).max(x).saturating_sub(w)
             } else if input_grad && pad_beyond {
@@ -206,7 +207,7 @@ impl OneDnn {
             let weights = (y_r + x_r + w_blk + scratchpad + l.unit_stride_copy()).saturating_sub(w);
             weights.max(w_blk).max(data)
         });
-        Scratch::of(forward, backward)
+        Scratch { forward, backward }
     }
 
     /// A grouped convolution's scratch, phase by phase. Layouts pad channels to blocks of the
@@ -228,7 +229,7 @@ impl OneDnn {
         let kernel = &weight[2..];
         let cin = (weight[1] * groups.max(1)).max(1);
         let o = c.output.shape[1].max(1);
-        let (xp, yp) = (c.input.numel_parts(), c.output.numel_parts());
+        let (xp, yp) = (c.input.elements(), c.output.elements());
         let w = shape::numel(weight).max(0) as u64;
         let elem = c.output.kind.elt_size_in_bytes().max(1) as u64;
         let n = batch_of(c.output);
@@ -256,7 +257,7 @@ impl OneDnn {
         let positions_per_kernel = shape::numel(kernel).max(0) as u64;
         let w_r = positions_per_kernel * if depthwise { y_ch } else { y_ch * x_ch / groups.max(1) as u64 };
         let forward = chord(n, |k| {
-            let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
+            let (x, y) = (xp.at(k), yp.at(k));
             let (x_r, y_r) = (x / cin_u * x_ch, y / o_u * y_ch);
             (x_r + w_r + y_r + copies).saturating_sub(y).max(y_r)
         });
@@ -274,7 +275,7 @@ impl OneDnn {
         let positions = shape::numel(&c.output.shape[2..]).max(0) as u64;
         let columns = per_group * positions_per_kernel * positions;
         let backward = chord(n, |k| {
-            let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
+            let (x, y) = (xp.at(k), yp.at(k));
             let (x_r, y_r) = (x / cin_u * x_ch, y / o_u * y_ch);
             let data = if input_grad { blocked_input_grad(y_r, w_r, x_r, x, w) } else { 0 };
             let weights = if gemm && volumetric {
@@ -288,7 +289,7 @@ impl OneDnn {
             };
             data.max(weights)
         });
-        Scratch::of(forward, backward)
+        Scratch { forward, backward }
     }
 
     /// A depthwise 3-D convolution's scratch, phase by phase: oneDNN 3.10.2 has no blocked 3-D
@@ -301,24 +302,24 @@ impl OneDnn {
     /// gradient is the gemm's too (`gemm_weight_grad_3d`).
     fn depthwise_3d(&self, c: &Convolution<'_>, input_grad: bool) -> Scratch {
         let weight = &c.weight.shape;
-        let (xp, yp) = (c.input.numel_parts(), c.output.numel_parts());
+        let (xp, yp) = (c.input.elements(), c.output.elements());
         let w = shape::numel(weight).max(0) as u64;
         let elem = c.output.kind.elt_size_in_bytes().max(1) as u64;
         let n = batch_of(c.output);
         let w_r = Layouts::pad(w, c.output.shape[1].max(1) as u64, self.block);
         let forward = chord(n, |k| {
-            let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
+            let (x, y) = (xp.at(k), yp.at(k));
             (x + w_r + y).max(3 * y) - y
         });
         let (columns, slice) = Self::slice_columns(c);
         let data_columns = self.threads * columns + GEMM_FIXED_BYTES / elem;
         let weights = self.gemm_weight_grad_3d(w, columns, slice, elem);
         let backward = chord(n, |k| {
-            let x = xp.0 * k + xp.1;
+            let x = xp.at(k);
             let data = if input_grad { x.max(data_columns).saturating_sub(w) } else { 0 };
             data.max(weights)
         });
-        Scratch::of(forward, backward)
+        Scratch { forward, backward }
     }
 
     /// A 3-D convolution's gemm columns for one depth slice of its output (a group's input
@@ -363,19 +364,19 @@ impl OneDnn {
         let cin = input[1].max(1) as u64;
         let w = shape::numel(&c.weight.shape).max(0) as u64;
         let padded_cin = if cin <= block { block } else { cin.div_ceil(2 * block) * 2 * block };
-        let (x, y) = (c.input.numel_parts(), c.output.numel_parts());
+        let (x, y) = (c.input.elements(), c.output.elements());
         let scratchpad =
             self.brgconv_strided_scratchpad(c.output.shape[1].max(1) as u64, &input[2..], c.stride, c.padding, elem);
         let fixed = w * padded_cin / cin - w + scratchpad;
         let n = batch_of(c.output);
         let backward = chord(n, |k| {
-            let at = |(a, c): (u64, u64)| a * k + c;
+            // The lines at `k` (a weight gradient's own value at one sample aside).
+            let at = |e: Elements| e.per * k + e.fixed;
             let data = at(y) + fixed;
             let copies = (2 * at(x)).saturating_sub(w);
             at(weights.backward).max(data).max(copies)
         });
-        let forward_one = weights.single.map_or(weights.forward.0 + weights.forward.1, |(f, _)| f);
-        Scratch::of((weights.forward, forward_one), backward)
+        Scratch { forward: weights.forward, backward }
     }
 
     /// `brgconv_strided`'s scratchpad, in elements of `elem` bytes: fixed buffers, and per
@@ -417,14 +418,14 @@ impl OneDnn {
         let (cin, cout) = (weight[0].max(1) as u64, c.output.shape[1].max(1) as u64);
         let w = shape::numel(weight).max(0) as u64;
         let w_blk = pad(pad(w, cin, cb), cout, cb);
-        let (xp, yp) = (c.input.numel_parts(), c.output.numel_parts());
+        let (xp, yp) = (c.input.elements(), c.output.elements());
         let n = batch_of(c.output);
         let strided = c.strided();
         // The strided kernel's scratchpad: as a strided convolution's input gradient, on the
         // input's channels over the padded output's grid.
         let scratchpad = self.brgconv_strided_scratchpad(cin, &c.output.shape[2..], c.stride, c.padding, elem);
         let forward = chord(n, |k| {
-            let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
+            let (x, y) = (xp.at(k), yp.at(k));
             if strided {
                 (scratchpad + x + pad(w, cout, 2 * cb)).max(2 * y)
             } else {
@@ -439,7 +440,7 @@ impl OneDnn {
         let kb = if cb == 16 && (PLAIN_INPUT_CHANNELS..cb).contains(&cout) { cb / 2 } else { cb };
         let w_weights = if plain { pad(w, cin, kb) } else { pad(pad(w, cin, kb), cout, kb) };
         let backward = chord(n, |k| {
-            let (x, y) = (xp.0 * k + xp.1, yp.0 * k + yp.1);
+            let (x, y) = (xp.at(k), yp.at(k));
             let (y_w, x_w) = (if plain { 0 } else { pad(y, cout, kb) }, pad(x, cin, kb));
             let scratchpad = ((x + y) / 10).min(Self::kib(WEIGHT_GRAD_SCRATCHPAD_MAX_KIB, elem));
             let weights = (y_w + x_w + w_weights + scratchpad).saturating_sub(w);
@@ -448,7 +449,7 @@ impl OneDnn {
             let data = if c.input_grad { blocked_input_grad(y_r, w_blk, x_r, x, w) } else { 0 };
             weights.max(data).max(w_weights)
         });
-        Scratch::of(forward, backward)
+        Scratch { forward, backward }
     }
 }
 

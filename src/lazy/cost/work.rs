@@ -1,13 +1,15 @@
-//! What a price is made of: bytes that grow with the micro-batch (and may differ at one
-//! sample), and the element counts the convolution models work in.
+//! What a price is made of: a size in bytes (`crate::lazy::size::Bytes`) as the planner reads
+//! it, rounded to the allocator's blocks and, where calibration measured it, following the
+//! measurement between sizes; and the scratch space the convolution models work out in elements.
 
-use crate::lazy::graph::{Bytes, Meta};
+use crate::lazy::graph::Meta;
+use crate::lazy::size::{Bytes, Elements};
 
-/// Bytes a kernel takes at a micro-batch of `b` samples: `per * b + fixed`, except at one
-/// sample when `single` is set (not 0): a single sample may run with another kernel (libtorch's
-/// native convolution where oneDNN runs a batch), or split among threads otherwise. A measured
-/// price may also carry its [`Curve`]: then the bytes between its sizes follow the measurement
-/// (and the line, an upper bound, serves what reads only `per` and `fixed`).
+/// Bytes a kernel takes at a micro-batch of `b` samples, as the planner reads them: a [`Bytes`]
+/// size (`per * b + fixed`, and `single` at one sample when not 0) with, for a measured price,
+/// its [`Curve`]: then the bytes between its sizes follow the measurement (and the line, an
+/// upper bound, serves what reads only `per` and `fixed`). Kept flat and `Copy` for the
+/// planner's inner loop.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Work {
     pub(crate) per: u64,
@@ -126,49 +128,47 @@ impl Curve {
 }
 
 impl From<Bytes> for Work {
+    /// A size as priced: its value at one sample kept (0 when it has none, as a `Work` says).
     fn from(bytes: Bytes) -> Work {
-        Work::line(bytes.per, bytes.fixed)
+        Work { single: bytes.one.unwrap_or(0), ..Work::line(bytes.per, bytes.fixed) }
     }
 }
 
-/// Scratch space in elements of the node's input kind, `(per sample, fixed)`, forward and
-/// backward, and what it is at one sample when the line does not say (a single sample runs
-/// another way): what the convolution models compute (their rules are in elements; bytes come last, as
-/// the allocator sees them).
+/// Scratch space in elements of the node's input kind, forward and backward, each with its
+/// value at one sample where a single sample runs another way: what the convolution models
+/// compute (their rules are in elements; bytes come last, as the allocator sees them).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Scratch {
-    pub(crate) forward: (u64, u64),
-    pub(crate) backward: (u64, u64),
-    pub(crate) single: Option<(u64, u64)>,
+    pub(crate) forward: Elements,
+    pub(crate) backward: Elements,
 }
 
 impl Scratch {
-    /// Scratch of two chords ([`chord`]), forward and backward.
-    pub(crate) fn of(forward: ((u64, u64), u64), backward: ((u64, u64), u64)) -> Scratch {
-        Scratch { forward: forward.0, backward: backward.0, single: Some((forward.1, backward.1)) }
+    /// The same in both passes.
+    pub(crate) fn both(elements: Elements) -> Scratch {
+        Scratch { forward: elements, backward: elements }
     }
 
-    /// `(per, fixed)` elements added to both passes.
-    pub(crate) fn add(&mut self, forward: (u64, u64), backward: (u64, u64)) {
-        self.forward = (self.forward.0 + forward.0, self.forward.1 + forward.1);
-        self.backward = (self.backward.0 + backward.0, self.backward.1 + backward.1);
+    /// Both taken at once.
+    pub(crate) fn plus(self, other: Scratch) -> Scratch {
+        Scratch { forward: self.forward.plus(other.forward), backward: self.backward.plus(other.backward) }
     }
 }
 
 /// A cost that is not linear in the micro-batch (`at(k)` at `k` samples: the larger of linear
 /// costs, convex from two samples on), as the chord of its graph between two samples and the
-/// full batch `n`, exact at both ends and above it in between, where micro-batches fall, and its
-/// value at one sample apart (a single sample may take more than the chord says: threads split
-/// one sample otherwise). `((per sample, fixed), at one sample)`.
-pub(crate) fn chord(n: u64, at: impl Fn(u64) -> u64) -> ((u64, u64), u64) {
+/// full batch `n`, exact at both ends and above it in between, where micro-batches fall, with
+/// its value at one sample apart (a single sample may take more than the chord says: threads
+/// split one sample otherwise).
+pub(crate) fn chord(n: u64, at: impl Fn(u64) -> u64) -> Elements {
     let one = at(1);
     if n <= 2 {
         let slope = if n == 2 { at(2).saturating_sub(one) } else { 0 };
-        return ((slope, one.saturating_sub(slope)), one);
+        return Elements::line(slope, one.saturating_sub(slope)).with_one(one);
     }
     let two = at(2);
     let slope = at(n).saturating_sub(two).div_ceil(n - 2);
-    ((slope, two.saturating_sub(2 * slope)), one)
+    Elements::line(slope, two.saturating_sub(2 * slope)).with_one(one)
 }
 
 /// The batch a cost is planned at (1 when the value has no batch dimension).

@@ -20,6 +20,7 @@ use crate::lazy::error::OrPanic;
 use crate::lazy::facts::OpFacts;
 use crate::lazy::graph::{Flow, KernelCall, Meta, Node, Operation, Run, RunCx};
 use crate::lazy::shape;
+use crate::lazy::size::Elements;
 use crate::lazy::LazyTensor;
 
 /// Scaled dot-product attention. Operands: query, key, value, optional mask. `fused`:
@@ -50,11 +51,11 @@ fn fused(q: &[i64], k: &[i64], v: &[i64], dropout_p: f64, enable_gqa: bool) -> b
         && (k[1] == q[1] || (enable_gqa && k[1] > 0 && q[1] % k[1] == 0))
 }
 
-/// Elements `(per sample, fixed)` of a tensor shaped like `out` with its last size `last`.
-fn like(out: &Meta, last: i64) -> (u64, u64) {
-    let (a, c) = out.numel_parts();
+/// The elements of a tensor shaped like `out` with its last size `last`.
+fn like(out: &Meta, last: i64) -> Elements {
+    let (a, c) = out.elements().parts();
     let ev = out.shape.last().copied().unwrap_or(1).max(1) as u64;
-    (a / ev * last.max(0) as u64, c / ev * last.max(0) as u64)
+    Elements::line(a / ev * last.max(0) as u64, c / ev * last.max(0) as u64)
 }
 
 impl Operation for Attention {
@@ -72,21 +73,24 @@ impl Operation for Attention {
         // Scaled query and key, and the attention weights after the softmax (and dropout,
         // whose mask is as large).
         let s = inputs[1].meta.shape[inputs[1].meta.shape.len() - 2];
-        let (wa, wc) = like(meta, s);
+        let (wa, wc) = like(meta, s).parts();
         let Attention { dropout_p, .. } = self;
         let copies = if *dropout_p > 0.0 { 3 } else { 1 };
-        let ((qa, qc), (ka, kc)) = (inputs[0].meta.numel_parts(), inputs[1].meta.numel_parts());
-        calls.push(KernelCall::Keeps { elements: (qa + ka + copies * wa, qc + kc + copies * wc), kind: meta.kind });
+        let ((qa, qc), (ka, kc)) = (inputs[0].meta.elements().parts(), inputs[1].meta.elements().parts());
+        calls.push(KernelCall::Keeps {
+            elements: Elements::line(qa + ka + copies * wa, qc + kc + copies * wc),
+            kind: meta.kind,
+        });
         // The scores before the softmax live beside it. In the backward, the weights'
         // gradient and the softmax's gradient live together: what the backward takes above
         // what it keeps is the larger of the input gradients and `2 w` (measured: within 11%).
-        let (ga, gc) = inputs[..3].iter().fold((0, 0), |(a, c), n| {
-            let (na, nc) = n.meta.numel_parts();
+        let (ga, gc) = inputs[..3].iter().fold((0u64, 0u64), |(a, c), n| {
+            let (na, nc) = n.meta.elements().parts();
             (a + na, c + nc)
         });
         calls.push(KernelCall::Temporaries {
-            forward: (wa, wc),
-            backward: ((2 * wa).saturating_sub(ga), (2 * wc).saturating_sub(gc)),
+            forward: Elements::line(wa, wc),
+            backward: Elements::line((2 * wa).saturating_sub(ga), (2 * wc).saturating_sub(gc)),
         });
     }
 

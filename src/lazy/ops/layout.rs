@@ -14,6 +14,7 @@ use crate::lazy::facts::OpFacts;
 use crate::lazy::graph::{BatchDim, Flow, KernelCall, Meta, Node, Operation, Run, RunCx};
 use crate::lazy::int_list::IntList;
 use crate::lazy::shape;
+use crate::lazy::size::Elements;
 use crate::lazy::LazyTensor;
 
 /// A view to the node's shape (no copy); its input's gradient is the output's, viewed. Named
@@ -520,18 +521,18 @@ impl Operation for IndexPut {
         let values = &inputs[1].meta;
         // `self`'s gradient first, with `zeros_like(values)` written into the copy of the
         // output's; freed before `values`' gradient, at least as large, is made.
-        let mut backward = if requires(inputs, 0) && !self.accumulate { values.numel_parts() } else { (0, 0) };
+        let mut backward = if requires(inputs, 0) && !self.accumulate { values.elements() } else { Elements::ZERO };
         if requires(inputs, 1) {
-            backward = (0, 0);
+            backward = Elements::ZERO;
             if values.shape != self.indexed.shape {
                 // The gradient at the indices, before it is summed down to `values`.
-                backward = self.indexed.numel_parts();
+                backward = self.indexed.elements();
                 let mask = shape::broadcast_mask(&values.shape, &self.indexed.shape);
                 calls.push(KernelCall::Reduction { of: &self.indexed, mask, backward: true });
             }
         }
-        if backward != (0, 0) {
-            calls.push(KernelCall::Temporaries { forward: (0, 0), backward });
+        if backward != Elements::ZERO {
+            calls.push(KernelCall::Temporaries { forward: Elements::ZERO, backward });
         }
     }
 
@@ -582,7 +583,7 @@ impl Operation for MaskedScatter {
             let selected = out.min(source);
             let indices = (out * MASKED_SELECT_INDEX_BYTES).div_ceil(elt);
             let scratch = (selected + indices).saturating_sub(source).max(source);
-            calls.push(KernelCall::Temporaries { forward: (0, 0), backward: (0, scratch) });
+            calls.push(KernelCall::Temporaries { forward: Elements::ZERO, backward: Elements::line(0, scratch) });
         }
     }
 

@@ -18,6 +18,7 @@ use crate::lazy::facts::OpFacts;
 use crate::lazy::graph::{Flow, KernelCall, Meta, Node, Operation, Run, RunCx, Share, Source};
 use crate::lazy::int_list::IntList;
 use crate::lazy::shape;
+use crate::lazy::size::Elements;
 use crate::lazy::LazyTensor;
 
 /// Cross-entropy of logits against class indices. Operands: logits, targets. A mean is over
@@ -36,13 +37,13 @@ impl Operation for CrossEntropy {
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], _meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
         let input = &inputs[0].meta;
-        let x = input.numel_parts();
+        let x = input.elements();
         // The log-probabilities between log_softmax and nll_loss.
         calls.push(KernelCall::Keeps { elements: x, kind: input.kind });
         // With label smoothing, the backward adds the uniform part's gradient, a tensor as
         // large as the logits, to the targets' one.
         if self.label_smoothing > 0.0 {
-            calls.push(KernelCall::Temporaries { forward: (0, 0), backward: x });
+            calls.push(KernelCall::Temporaries { forward: Elements::ZERO, backward: x });
         }
     }
 
@@ -164,8 +165,8 @@ impl Operation for ElementwiseLoss {
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], _meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
         let input = &inputs[0].meta;
-        let x = input.numel_parts();
-        let times = |k: u64| (k * x.0, k * x.1);
+        let x = input.elements();
+        let times = |k: u64| x.times(k);
         let reduced = !matches!(self.reduction, Reduction::None);
         // Input-sized temporaries of the forward, as libtorch 2.11's allocator counts them
         // (`tests/lazy_peak.rs::elementwise_losses_peak_as_planned`); the backward makes the
@@ -181,7 +182,7 @@ impl Operation for ElementwiseLoss {
             (Elementwise::KlDiv { .. }, false) => 2,
             _ => return,
         };
-        calls.push(KernelCall::Temporaries { forward: times(k), backward: (0, 0) });
+        calls.push(KernelCall::Temporaries { forward: times(k), backward: Elements::ZERO });
     }
 
     fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
@@ -278,10 +279,10 @@ pub(crate) struct CompositeLoss {
     reduction: Reduction,
     /// Elements of the full batch's unreduced loss: a split mean divides each share's sum by it.
     count: f64,
-    /// `(per sample, fixed)` elements of the operands' broadcast shape.
-    unit: (u64, u64),
-    /// `(per sample, fixed)` elements of the unreduced loss.
-    rows: (u64, u64),
+    /// Elements of the operands' broadcast shape.
+    unit: Elements,
+    /// Elements of the unreduced loss.
+    rows: Elements,
 }
 
 impl Operation for CompositeLoss {
@@ -290,22 +291,21 @@ impl Operation for CompositeLoss {
     }
 
     fn kernels<'a>(&'a self, _inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
-        let u = self.unit;
-        let times = |k: u64| (k * u.0, k * u.1);
+        let times = |k: u64| self.unit.times(k);
         let reduced = u64::from(!matches!(self.reduction, Reduction::None));
         let mean = u64::from(matches!(self.reduction, Reduction::Mean));
         // (kept by autograd, forward temporaries, backward temporaries)
         let (kept, forward, backward) = match self.loss {
             // The products, one at a time; the norms, cosines and masks, a row each; the
             // backward's products of the gradient with each operand.
-            Composite::CosineEmbedding { .. } => ((10 * self.rows.0, 10 * self.rows.1), times(1), times(2)),
+            Composite::CosineEmbedding { .. } => (self.rows.times(10), times(1), times(2)),
             // The negated target and the clamped value (copied: clamped in place); the
             // difference and the product, the sum before the clamp when reduced.
-            Composite::MarginRanking { .. } => (times(2), times(1 + reduced), (0, 0)),
+            Composite::MarginRanking { .. } => (times(2), times(1 + reduced), Elements::ZERO),
             // Each distance's operand `x1 - x2 + eps` (a third with `swap`); the difference.
-            Composite::TripletMargin { swap, .. } => (times(2 + u64::from(swap)), times(1), (0, 0)),
+            Composite::TripletMargin { swap, .. } => (times(2 + u64::from(swap)), times(1), Elements::ZERO),
             // The unreduced loss, when reduced (freed by the copy of the scalar).
-            Composite::Bce => ((0, 0), times(reduced), (0, 0)),
+            Composite::Bce => (Elements::ZERO, times(reduced), Elements::ZERO),
             // `exp(x)` (or `x + eps`, the logarithm's operand); the product, the difference
             // (and the logarithm), and Stirling's term on the target, five more.
             Composite::PoissonNll { log_input, full, .. } => {
@@ -319,7 +319,7 @@ impl Operation for CompositeLoss {
                 (times(1), times(k + reduced), times(1 + mean))
             }
         };
-        if kept != (0, 0) {
+        if kept != Elements::ZERO {
             calls.push(KernelCall::SavedCopy { elements: kept, kind: meta.kind });
         }
         calls.push(KernelCall::Temporaries { forward, backward });
@@ -381,13 +381,12 @@ pub(crate) struct Ctc {
     lists: Option<CtcLengths>,
     /// Whether the log-probabilities are split with the batch (their dimension 1).
     batched: bool,
-    /// `(per sample, fixed)` elements of libtorch's `log_alpha` (`[N, T, 2 L + 1]`, `L` the
-    /// longest target), and of the per-sample losses and their clamped target lengths.
-    alpha: (u64, u64),
-    per_sample: (u64, u64),
-    /// `(per sample, fixed)` elements of targets libtorch converts to `Int64` (none when they
-    /// are `Int64`).
-    targets_copy: (u64, u64),
+    /// Elements of libtorch's `log_alpha` (`[N, T, 2 L + 1]`, `L` the longest target), and of
+    /// the per-sample losses and their clamped target lengths.
+    alpha: Elements,
+    per_sample: Elements,
+    /// Elements of targets libtorch converts to `Int64` (none when they are `Int64`).
+    targets_copy: Elements,
 }
 
 impl Ctc {
@@ -425,12 +424,12 @@ impl Operation for Ctc {
         // the forward makes `log_alpha` and the per-sample losses, which autograd keeps; the
         // backward makes `log_beta`, as large as `log_alpha`, beside the input's gradient.
         let kind = inputs[0].meta.kind;
-        let (a, s) = (self.alpha, self.per_sample);
-        calls.push(KernelCall::SavedCopy { elements: (a.0 + s.0, a.1 + s.1), kind });
-        if self.targets_copy != (0, 0) {
+        let a = self.alpha;
+        calls.push(KernelCall::SavedCopy { elements: a.plus(self.per_sample), kind });
+        if self.targets_copy != Elements::ZERO {
             calls.push(KernelCall::SavedCopy { elements: self.targets_copy, kind: Kind::Int64 });
         }
-        calls.push(KernelCall::Temporaries { forward: (0, 0), backward: a });
+        calls.push(KernelCall::Temporaries { forward: Elements::ZERO, backward: a });
     }
 
     fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
@@ -441,7 +440,7 @@ impl Operation for Ctc {
                 i == 0 || (i == 1 && inputs[1].meta.kind == Kind::Int64)
             })
             // `log_alpha` is sized by the longest target, which the output's shape does not show.
-            .sizing(self.alpha.0 ^ self.alpha.1.rotate_left(32))
+            .sizing(self.alpha.per ^ self.alpha.fixed.rotate_left(32))
     }
 }
 
@@ -824,8 +823,8 @@ impl LazyTensor {
         let parts = |shape: &[i64]| {
             let total = shape::numel(shape).max(0) as u64;
             match flow {
-                Flow::PerSample(bd) if bd.size > 0 => (total / bd.size as u64, 0),
-                _ => (0, total),
+                Flow::PerSample(bd) if bd.size > 0 => Elements::line(total / bd.size as u64, 0),
+                _ => Elements::line(0, total),
             }
         };
         let op =
@@ -1245,9 +1244,9 @@ impl LazyTensor {
         let parts = |total: i64| {
             let total = total.max(0) as u64;
             if split {
-                (total / n as u64, 0)
+                Elements::line(total / n as u64, 0)
             } else {
-                (0, total)
+                Elements::line(0, total)
             }
         };
         let op = Ctc {
@@ -1258,7 +1257,7 @@ impl LazyTensor {
             batched,
             alpha: parts(n * t * (2 * longest + 1)),
             per_sample: parts(2 * n),
-            targets_copy: if tg.meta.kind == Kind::Int64 { (0, 0) } else { tg.meta.numel_parts() },
+            targets_copy: if tg.meta.kind == Kind::Int64 { Elements::ZERO } else { tg.meta.elements() },
         };
         let per = if ls.len() == 3 { vec![n] } else { vec![] };
         let (flow, out) = match (flow, reduction) {

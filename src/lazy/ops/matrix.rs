@@ -16,6 +16,7 @@ use crate::lazy::facts::OpFacts;
 use crate::lazy::graph::{BatchDim, Flow, KernelCall, Meta, Node, Operation, Product, Run, RunCx};
 use crate::lazy::int_list::IntListOption;
 use crate::lazy::shape;
+use crate::lazy::size::Elements;
 use crate::lazy::LazyTensor;
 
 /// Each of two factors is kept for the other's gradient.
@@ -29,16 +30,21 @@ fn factors_saved(i: usize, a: usize, b: usize, inputs: &[Rc<Node>]) -> bool {
 pub(crate) struct Matmul {
     bmm: bool,
     path: MatmulPath,
-    /// Each operand's copy, and the other temporaries forward and backward: `(per sample,
-    /// fixed)` elements.
-    copies: [(u64, u64); 2],
-    forward: (u64, u64),
-    backward: (u64, u64),
+    /// Each operand's copy, and the other temporaries forward and backward.
+    copies: [Elements; 2],
+    forward: Elements,
+    backward: Elements,
 }
 
 impl Matmul {
     fn bmm() -> Matmul {
-        Matmul { bmm: true, path: MatmulPath::Direct, copies: [(0, 0); 2], forward: (0, 0), backward: (0, 0) }
+        Matmul {
+            bmm: true,
+            path: MatmulPath::Direct,
+            copies: [Elements::ZERO; 2],
+            forward: Elements::ZERO,
+            backward: Elements::ZERO,
+        }
     }
 
     fn product(a: &Meta, b: &Meta) -> Matmul {
@@ -49,7 +55,7 @@ impl Matmul {
         let (one, two) = (path.elements(&a.shape_at(1), &b.shape_at(1)), path.elements(&a.shape_at(2), &b.shape_at(2)));
         let line = |f: &dyn Fn(&MatmulElements) -> u64| {
             let per = f(&two).saturating_sub(f(&one));
-            (per, f(&one).saturating_sub(per))
+            Elements::line(per, f(&one).saturating_sub(per))
         };
         let grads = [a.requires_grad, b.requires_grad];
         Matmul {
@@ -91,14 +97,14 @@ impl Operation for Matmul {
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
         // A copy is what `bmm` or `mm` saves for the other operand's gradient.
-        for (i, &elements) in self.copies.iter().enumerate().filter(|(_, e)| **e != (0, 0)) {
+        for (i, &elements) in self.copies.iter().enumerate().filter(|(_, e)| **e != Elements::ZERO) {
             if requires(inputs, 1 - i) && meta.requires_grad {
                 calls.push(KernelCall::SavedCopy { elements, kind: meta.kind });
             } else {
-                calls.push(KernelCall::Temporaries { forward: elements, backward: (0, 0) });
+                calls.push(KernelCall::Temporaries { forward: elements, backward: Elements::ZERO });
             }
         }
-        if self.forward != (0, 0) || self.backward != (0, 0) {
+        if self.forward != Elements::ZERO || self.backward != Elements::ZERO {
             calls.push(KernelCall::Temporaries { forward: self.forward, backward: self.backward });
         }
         // The product itself: one `mm` (operands as they are, or the larger folded), or a

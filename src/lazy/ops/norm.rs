@@ -12,6 +12,7 @@ use crate::lazy::facts::OpFacts;
 use crate::lazy::graph::{KernelCall, Meta, Node, Operation, Run, RunCx};
 use crate::lazy::int_list::IntList;
 use crate::lazy::shape;
+use crate::lazy::size::Elements;
 use crate::lazy::LazyTensor;
 
 /// Which optional operands a normalization has after its input (`x, [weight], [bias], ..`).
@@ -91,8 +92,8 @@ impl Operation for LayerNorm {
         // Mean and inverse standard deviation per normalized row (two of them).
         let input = &inputs[0].meta;
         let rows = shape::numel(&self.normalized_shape).max(1) as u64;
-        let (a, c) = input.numel_parts();
-        calls.push(KernelCall::Keeps { elements: (2 * a / rows, 2 * c / rows), kind: stat_kind(input) });
+        let (a, c) = input.elements().parts();
+        calls.push(KernelCall::Keeps { elements: Elements::line(2 * a / rows, 2 * c / rows), kind: stat_kind(input) });
     }
 
     fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
@@ -124,8 +125,8 @@ impl Operation for GroupNorm {
         let input = &inputs[0].meta;
         let groups = self.num_groups as u64;
         let elements = match input.batch() {
-            Some(_) => (2 * groups, 0),
-            None => (0, 2 * groups * input.shape.first().copied().unwrap_or(1).max(1) as u64),
+            Some(_) => Elements::line(2 * groups, 0),
+            None => Elements::line(0, 2 * groups * input.shape.first().copied().unwrap_or(1).max(1) as u64),
         };
         calls.push(KernelCall::Keeps { elements, kind: stat_kind(input) });
     }
@@ -159,11 +160,12 @@ impl Operation for RmsNorm {
         // and, with a weight, the normalized input; it squares the input before its mean, and
         // its backward builds input-sized terms.
         let input = &inputs[0].meta;
-        let (a, c) = input.numel_parts();
+        let (a, c) = input.elements().parts();
         let row = shape::numel(&self.normalized_shape).max(1) as u64;
-        let kept = if self.weight { (a + a / row, c + c / row) } else { (a / row, c / row) };
+        let kept =
+            if self.weight { Elements::line(a + a / row, c + c / row) } else { Elements::line(a / row, c / row) };
         calls.push(KernelCall::Keeps { elements: kept, kind: input.kind });
-        calls.push(KernelCall::Temporaries { forward: (a, c), backward: (a, c) });
+        calls.push(KernelCall::Temporaries { forward: Elements::line(a, c), backward: Elements::line(a, c) });
     }
 
     fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {

@@ -13,6 +13,7 @@ use crate::lazy::error::LazyError;
 use crate::lazy::facts::OpFacts;
 use crate::lazy::graph::{Flow, KernelCall, Meta, Node, Operation, Run, RunCx, Share};
 use crate::lazy::shape;
+use crate::lazy::size::Elements;
 use crate::lazy::LazyTensor;
 
 /// Unary elementwise ops.
@@ -215,25 +216,25 @@ impl Operation for Unary {
             let input = &inputs[0].meta;
             // libtorch's kernel keeps a buffer as large as its input for the backward (the CPU's;
             // CUDA's is empty, not read on a card yet: kept alike).
-            calls.push(KernelCall::Keeps { elements: input.numel_parts(), kind: input.kind });
+            calls.push(KernelCall::Keeps { elements: input.elements(), kind: input.kind });
         }
         if !meta.requires_grad {
             return;
         }
-        let (a, c) = meta.numel_parts();
+        let (a, c) = meta.elements().parts();
         let backward = match self {
             Unary::Clamp { min, max } => {
                 let masks = u64::from(min.is_some()) + u64::from(max.is_some());
                 let elem = meta.kind.elt_size_in_bytes().max(1) as u64;
-                ((masks * a).div_ceil(elem), (masks * c).div_ceil(elem))
+                Elements::line((masks * a).div_ceil(elem), (masks * c).div_ceil(elem))
             }
             _ => {
                 let k = self.rules().backward;
-                (k * a, k * c)
+                Elements::line(k * a, k * c)
             }
         };
-        if backward != (0, 0) {
-            calls.push(KernelCall::Temporaries { forward: (0, 0), backward });
+        if backward != Elements::ZERO {
+            calls.push(KernelCall::Temporaries { forward: Elements::ZERO, backward });
         }
     }
 
@@ -324,8 +325,11 @@ impl Operation for TensorBinary {
             };
         }
         if full > 0 {
-            let (a, c) = meta.numel_parts();
-            calls.push(KernelCall::Temporaries { forward: (0, 0), backward: (full * a, full * c) });
+            let (a, c) = meta.elements().parts();
+            calls.push(KernelCall::Temporaries {
+                forward: Elements::ZERO,
+                backward: Elements::line(full * a, full * c),
+            });
         }
     }
 
@@ -382,13 +386,13 @@ impl Operation for Scalar {
             // The reciprocal between `1 / x` and the multiplication.
             (Binary::Div, true) => {
                 let input = &inputs[0].meta;
-                calls.push(KernelCall::Keeps { elements: input.numel_parts(), kind: input.kind });
+                calls.push(KernelCall::Keeps { elements: input.elements(), kind: input.kind });
             }
             // `grad * (e * x.pow(e - 1))`: the power and its scaled copy, both as large as the
             // value.
             (Binary::Pow, false) if meta.requires_grad && self.scalar != 0.0 => {
-                let (a, c) = meta.numel_parts();
-                calls.push(KernelCall::Temporaries { forward: (0, 0), backward: (2 * a, 2 * c) });
+                let (a, c) = meta.elements().parts();
+                calls.push(KernelCall::Temporaries { forward: Elements::ZERO, backward: Elements::line(2 * a, 2 * c) });
             }
             _ => {}
         }
@@ -433,17 +437,20 @@ impl Operation for Dropout {
         // The mask: as large as the input, or one value per sample and channel for the
         // feature forms.
         let input = &inputs[0].meta;
-        let (a, c) = input.numel_parts();
+        let (a, c) = input.elements().parts();
         let per = self.kind.mask_fraction(&input.shape);
         // libtorch's composite dropout keeps the mask in the input's kind (CUDA's fused one keeps
         // booleans, not read on a card yet: kept alike).
-        calls.push(KernelCall::Keeps { elements: (a / per, c / per), kind: input.kind });
+        calls.push(KernelCall::Keeps { elements: Elements::line(a / per, c / per), kind: input.kind });
         // Alpha dropout is `x · mask + b`: the product is a temporary as large as the input,
         // and `b` is as large as the mask.
         if matches!(self.kind, DropoutKind::Alpha | DropoutKind::FeatureAlpha) {
-            let (a, c) = meta.numel_parts();
+            let (a, c) = meta.elements().parts();
             let per = self.kind.mask_fraction(&meta.shape);
-            calls.push(KernelCall::Temporaries { forward: (a + a / per, c + c / per), backward: (0, 0) });
+            calls.push(KernelCall::Temporaries {
+                forward: Elements::line(a + a / per, c + c / per),
+                backward: Elements::ZERO,
+            });
         }
     }
 

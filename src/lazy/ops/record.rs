@@ -8,9 +8,10 @@ use tch::{Device, Kind, Tensor};
 use crate::lazy::error::LazyError;
 use crate::lazy::facts::OpFacts;
 use crate::lazy::graph::{
-    BatchDim, Bytes, Cost, Flow, LazyTensor, Meta, Node, NodeKind, Operation, Param, ParamKey, Run, Source,
+    BatchDim, Cost, Flow, LazyTensor, Meta, Node, NodeKind, Operation, Param, ParamKey, Run, Source,
 };
 use crate::lazy::shape;
+use crate::lazy::size::Bytes;
 
 use super::autocast;
 
@@ -387,8 +388,8 @@ pub(crate) fn unary_flow(
 /// What a node costs in memory whatever the device, from its op's rules: worked out once, when
 /// it is recorded.
 fn cost(kind: &NodeKind, facts: &OpFacts, inputs: &[Rc<Node>], meta: &Meta) -> Cost {
-    let elements = meta.numel_parts();
-    let grad = Bytes::of(elements, meta.kind);
+    let elements = meta.elements();
+    let grad = elements.bytes(meta.kind);
     let out = if matches!(kind, NodeKind::Source(_)) || meta.alias { Bytes::default() } else { grad };
     let kernel_calls = match kind {
         NodeKind::Op(op) => {

@@ -13,6 +13,7 @@ use crate::lazy::facts::OpFacts;
 use crate::lazy::graph::{BatchDim, Flow, KernelCall, Meta, Node, Operation, Run, RunCx, Share};
 use crate::lazy::int_list::{IntList, IntListOption};
 use crate::lazy::shape;
+use crate::lazy::size::Elements;
 use crate::lazy::LazyTensor;
 
 /// What a reduction computes.
@@ -73,7 +74,7 @@ impl Operation for Norm {
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
         if meta.requires_grad && self.p == 1.0 {
-            calls.push(KernelCall::Temporaries { forward: (0, 0), backward: inputs[0].meta.numel_parts() });
+            calls.push(KernelCall::Temporaries { forward: Elements::ZERO, backward: inputs[0].meta.elements() });
         }
     }
 
@@ -121,9 +122,9 @@ impl Operation for Variance {
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
         if meta.requires_grad {
-            let (x, out) = (inputs[0].meta.numel_parts(), meta.numel_parts());
+            let (x, out) = (inputs[0].meta.elements(), meta.elements());
             let outs = 2 + u64::from(self.sqrt);
-            calls.push(KernelCall::Temporaries { forward: (0, 0), backward: (x.0 + outs * out.0, x.1 + outs * out.1) });
+            calls.push(KernelCall::Temporaries { forward: Elements::ZERO, backward: x.plus(out.times(outs)) });
         }
     }
 }
@@ -164,8 +165,8 @@ impl Operation for Cumsum {
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
         let trivial = meta.shape.is_empty() || meta.shape.iter().product::<i64>() <= 1;
         if meta.requires_grad && !trivial && inputs[0].meta.shape.get(self.dim as usize) != Some(&1) {
-            let (a, c) = meta.numel_parts();
-            calls.push(KernelCall::Temporaries { forward: (0, 0), backward: (2 * a, 2 * c) });
+            let (a, c) = meta.elements().parts();
+            calls.push(KernelCall::Temporaries { forward: Elements::ZERO, backward: Elements::line(2 * a, 2 * c) });
         }
     }
 }
@@ -195,11 +196,11 @@ impl Operation for Cumprod {
         let input = &inputs[0].meta;
         let trivial = shape::numel(&input.shape) <= 1 || input.shape.get(self.dim as usize).is_some_and(|&s| s <= 1);
         if meta.requires_grad && !trivial {
-            let (a, c) = input.numel_parts();
+            let (a, c) = input.elements().parts();
             let e = input.kind.elt_size_in_bytes() as u64;
             // Three in the input's kind, and the mask of zeros (one byte each).
-            let elements = (3 * a + a.div_ceil(e), 3 * c + c.div_ceil(e));
-            calls.push(KernelCall::Temporaries { forward: (0, 0), backward: elements });
+            let elements = Elements::line(3 * a + a.div_ceil(e), 3 * c + c.div_ceil(e));
+            calls.push(KernelCall::Temporaries { forward: Elements::ZERO, backward: elements });
         }
     }
 
@@ -235,17 +236,17 @@ impl Operation for Sort {
     }
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
-        let (a, c) = meta.numel_parts();
+        let (a, c) = meta.elements().parts();
         let input = inputs[0].meta.kind;
         if self.values && meta.requires_grad {
             // The positions, made beside the values and kept for the backward.
-            calls.push(KernelCall::Keeps { elements: (a, c), kind: Kind::Int64 });
+            calls.push(KernelCall::Keeps { elements: Elements::line(a, c), kind: Kind::Int64 });
         } else {
             // The other output, freed as the op returns (in the input's kind's elements).
             let e = input.elt_size_in_bytes() as u64;
             let other = if self.values { 8 } else { e };
-            let elements = ((a * other).div_ceil(e), (c * other).div_ceil(e));
-            calls.push(KernelCall::Temporaries { forward: elements, backward: (0, 0) });
+            let elements = Elements::line((a * other).div_ceil(e), (c * other).div_ceil(e));
+            calls.push(KernelCall::Temporaries { forward: elements, backward: Elements::ZERO });
         }
     }
 
@@ -286,7 +287,7 @@ impl Operation for TopK {
 
     fn kernels<'a>(&'a self, _inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
         // The positions, made beside the values: kept for the backward, else freed at once.
-        let positions = meta.numel_parts();
+        let positions = meta.elements();
         if self.values && meta.requires_grad {
             calls.push(KernelCall::Keeps { elements: positions, kind: Kind::Int64 });
         }
@@ -353,8 +354,11 @@ impl Operation for Reduction {
         let of = &inputs[0].meta;
         let k = self.op.rules().temporaries;
         if k > 0 {
-            let (a, c) = of.numel_parts();
-            calls.push(KernelCall::Temporaries { forward: (k * a, k * c), backward: (k * a, k * c) });
+            let (a, c) = of.elements().parts();
+            calls.push(KernelCall::Temporaries {
+                forward: Elements::line(k * a, k * c),
+                backward: Elements::line(k * a, k * c),
+            });
         }
         let rank = of.shape.len();
         // Checked when recorded: a wrapping error cannot happen here.
@@ -364,7 +368,7 @@ impl Operation for Reduction {
         };
         calls.push(KernelCall::Reduction { of, mask, backward: false });
         if self.op == ReduceOp::Mean && self.dims.is_some() && matches!(of.kind, Kind::Half | Kind::BFloat16) {
-            calls.push(KernelCall::ReducedPrecisionMean { elements: of.numel_parts() });
+            calls.push(KernelCall::ReducedPrecisionMean { elements: of.elements() });
         }
     }
 
@@ -451,12 +455,12 @@ impl Operation for CosineSimilarity {
         let shapes = (&inputs[0].meta.shape, &inputs[1].meta.shape);
         let full = shape::broadcast(shapes.0, shapes.1).unwrap_or_default();
         let along = shape::wrap_dim(self.dim, full.len()).map_or(1, |d| full[d].max(0) as u64);
-        let out = meta.numel_parts();
-        let operand = (out.0 * along, out.1 * along);
+        let out = meta.elements();
+        let operand = out.times(along);
         let with_grad = (0..2).filter(|&k| requires(inputs, k)).count() as u64;
-        let times = |x: u64, y: u64| (x * operand.0 + y * out.0, x * operand.1 + y * out.1);
+        let times = |x: u64, y: u64| operand.times(x).plus(out.times(y));
         calls.push(KernelCall::Keeps { elements: times(with_grad, 2 * with_grad), kind: meta.kind });
-        let backward = if with_grad > 0 { times(4 - with_grad, 0) } else { (0, 0) };
+        let backward = if with_grad > 0 { times(4 - with_grad, 0) } else { Elements::ZERO };
         calls.push(KernelCall::Temporaries { forward: times(3 - with_grad, 4 - 2 * with_grad), backward });
     }
 

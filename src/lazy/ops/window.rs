@@ -13,6 +13,7 @@ use crate::lazy::facts::OpFacts;
 use crate::lazy::graph::{Convolution, Flow, KernelCall, Meta, Node, Operation, Run, RunCx};
 use crate::lazy::int_list::IntList;
 use crate::lazy::shape;
+use crate::lazy::size::Elements;
 use crate::lazy::LazyTensor;
 
 /// A convolution over `D` spatial dimensions (`conv1d`, `conv2d`, `conv3d`). Operands: x,
@@ -164,7 +165,7 @@ impl<const D: usize> Operation for MaxPool<D> {
 
     fn kernels<'a>(&'a self, _inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
         // One int64 index per output element.
-        calls.push(KernelCall::Keeps { elements: meta.numel_parts(), kind: Kind::Int64 });
+        calls.push(KernelCall::Keeps { elements: meta.elements(), kind: Kind::Int64 });
     }
 
     fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
@@ -319,7 +320,7 @@ impl Operation for PixelShuffle {
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], _meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
         let x = &inputs[0].meta;
         if !shape::is_contiguous(&x.shape, &x.strides) {
-            calls.push(KernelCall::Temporaries { forward: x.numel_parts(), backward: (0, 0) });
+            calls.push(KernelCall::Temporaries { forward: x.elements(), backward: Elements::ZERO });
         }
     }
 }

@@ -10,8 +10,9 @@ use tch::Device;
 
 use crate::lazy::cost::{CostModel, Work};
 use crate::lazy::error::LazyError;
-use crate::lazy::graph::{Bytes, Flow, LazyTensor, Node, ParamKey, Source};
+use crate::lazy::graph::{Flow, LazyTensor, Node, ParamKey, Source};
 use crate::lazy::shape;
+use crate::lazy::size::Bytes;
 
 /// The graph of one output, compiled for planning and running: nodes in topological order
 /// and everything about them that does not depend on the micro-batch size.

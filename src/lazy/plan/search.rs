@@ -147,7 +147,7 @@ fn recomputing(
 ) -> Result<Decision, LazyError> {
     let n = c.batch.max(1) as u64;
     let held = budget.saturating_sub(evidence.reserve.at(n));
-    let one = Choice { micro_batch: 1, peak: 0, full_peak: 0, outcome: None };
+    let one = Fit { micro_batch: 1, peak: 0, full_peak: 0, outcome: None };
     let refused = check_split(c, mode, &one, budget, options).err().map(|e| split_refusal(&e));
     let (fit, lowest) = search_segments(c, &evidence.calibrated, n, held);
     // What the whole batch would peak at as it is: the plan's "whole batch" figure.
@@ -456,12 +456,8 @@ fn split_decision(
     let chosen = match choose(c, &schedule, budget, &|b| correction.at(b), options) {
         // No micro-batch fits, and splitting is ruled out anyway: that is the truer error.
         Err(LazyError::DoesNotFit { .. }) if c.batch > 1 => {
-            let one = Choice {
-                micro_batch: 1,
-                peak: 0,
-                full_peak: schedule.peak_at(c, c.batch.max(1) as u64),
-                outcome: None,
-            };
+            let one =
+                Fit { micro_batch: 1, peak: 0, full_peak: schedule.peak_at(c, c.batch.max(1) as u64), outcome: None };
             check_split(c, mode, &one, budget, options)?;
             choose(c, &schedule, budget, &|b| correction.at(b), options)
         }
@@ -508,8 +504,8 @@ fn split_decision(
     })
 }
 
-/// The chosen micro-batch and the peak there.
-struct Choice {
+/// The micro-batch a search settled on (the largest that fits) and the peak there.
+struct Fit {
     micro_batch: usize,
     peak: u64,
     full_peak: u64,
@@ -517,10 +513,10 @@ struct Choice {
     outcome: Option<(Outcome, u64)>,
 }
 
-impl Choice {
+impl Fit {
     /// A choice made elsewhere (to ask `check_split` about another size).
-    fn at(micro_batch: usize, like: &Choice) -> Choice {
-        Choice { micro_batch, peak: like.peak, full_peak: like.full_peak, outcome: None }
+    fn at(micro_batch: usize, like: &Fit) -> Fit {
+        Fit { micro_batch, peak: like.peak, full_peak: like.full_peak, outcome: None }
     }
 }
 
@@ -533,7 +529,7 @@ fn choose(
     budget: u64,
     reserve: &dyn Fn(u64) -> u64,
     options: &Options,
-) -> Result<Choice, LazyError> {
+) -> Result<Fit, LazyError> {
     let n = c.batch.max(1) as u64;
     // The budget the schedule at `b` is held to, less what measurement found the plan misses.
     let held = |b: u64| budget.saturating_sub(reserve(b));
@@ -543,10 +539,10 @@ fn choose(
     if let Some(forced) = options.micro_batch {
         let b = (forced.max(1) as u64).min(n);
         let resolved = schedule.simulate(b).resolve(c, b);
-        return Ok(Choice { micro_batch: b as usize, peak: resolved.0.peak, full_peak, outcome: Some(resolved) });
+        return Ok(Fit { micro_batch: b as usize, peak: resolved.0.peak, full_peak, outcome: Some(resolved) });
     }
     if full.fits(c, held(n), n).0 {
-        return Ok(Choice { micro_batch: n as usize, peak: full_peak, full_peak, outcome: Some(full_resolved) });
+        return Ok(Fit { micro_batch: n as usize, peak: full_peak, full_peak, outcome: Some(full_resolved) });
     }
     // A batch of one that does not fit has nothing smaller to try.
     if n == 1 {
@@ -577,11 +573,11 @@ fn choose(
         }
     };
     let resolved = best.resolve(c, 1u64 << lo);
-    Ok(Choice { micro_batch: 1 << lo, peak: resolved.0.peak, full_peak, outcome: Some(resolved) })
+    Ok(Fit { micro_batch: 1 << lo, peak: resolved.0.peak, full_peak, outcome: Some(resolved) })
 }
 
 /// Refuses to split what cannot be split; `Ok` when splitting is not needed or is allowed.
-fn check_split(c: &Compiled, mode: Mode, choice: &Choice, budget: u64, options: &Options) -> Result<(), LazyError> {
+fn check_split(c: &Compiled, mode: Mode, choice: &Fit, budget: u64, options: &Options) -> Result<(), LazyError> {
     if choice.micro_batch as i64 >= c.batch {
         return Ok(());
     }
@@ -614,8 +610,7 @@ fn check_split(c: &Compiled, mode: Mode, choice: &Choice, budget: u64, options: 
 /// Whether a micro-batch that runs out of memory may be halved. A choice that already splits
 /// passed `check_split`, whose verdict does not depend on the size, so only a whole-batch
 /// choice needs asking again.
-fn splittable(c: &Compiled, mode: Mode, choice: &Choice, budget: u64, options: &Options) -> bool {
+fn splittable(c: &Compiled, mode: Mode, choice: &Fit, budget: u64, options: &Options) -> bool {
     c.batch > 1
-        && ((choice.micro_batch as i64) < c.batch
-            || check_split(c, mode, &Choice::at(1, choice), budget, options).is_ok())
+        && ((choice.micro_batch as i64) < c.batch || check_split(c, mode, &Fit::at(1, choice), budget, options).is_ok())
 }
