@@ -37,21 +37,59 @@ impl Run for View {
     }
 }
 
-/// A reshape that copies (the input's strides allow no view).
-pub(crate) struct Reshape;
+/// Ops that rearrange their input's entries, as a view or a copy, and need nothing but their
+/// output and a fresh gradient for it: alike but for their name and how they run, so one table.
+pub(crate) enum Rearrange {
+    /// A reshape that copies (the input's strides allow no view).
+    Reshape,
+    /// `length` entries of `dim` from `start` (a view; its gradient is a new tensor).
+    Narrow { dim: i64, start: i64, length: i64 },
+    /// The same storage, cut from autograd.
+    Detach,
+    /// Entries shifted circularly by `shifts` along `dims` (the value flattened when `dims` is
+    /// empty); its gradient is the output's rolled back.
+    Roll { shifts: Vec<i64>, dims: Vec<i64> },
+    /// A copy with the order of the entries along `dims` reversed; its gradient is the
+    /// output's, flipped back.
+    Flip(Vec<i64>),
+    /// Copies repeated `repeats` times along each dimension.
+    Repeat(Vec<i64>),
+    /// A fixed value derived from a broadcast over the batch (a learned latent array expanded
+    /// to the batch, then passed through layers): each micro-batch reads its own rows of it
+    /// along `dim`, so that it meets the micro-batch's values and its gradient is the
+    /// micro-batch's share. The value itself is computed whole (a view of it).
+    BatchSlice { dim: i64 },
+}
 
-impl Operation for Reshape {
+impl Operation for Rearrange {
     fn name(&self) -> &'static str {
-        "reshape"
+        match self {
+            Rearrange::Reshape => "reshape",
+            Rearrange::Narrow { .. } => "narrow",
+            Rearrange::Detach => "detach",
+            Rearrange::Roll { .. } => "roll",
+            Rearrange::Flip(_) => "flip",
+            Rearrange::Repeat(_) => "repeat",
+            Rearrange::BatchSlice { .. } => "batch_slice",
+        }
     }
 }
 
-impl Run for Reshape {
+impl Run for Rearrange {
     fn run(&self, ins: &[&Tensor], cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        // Recorded as a copy (the full batch's strides allowed no view), so later views were
-        // recorded against a contiguous result: a micro-batch's strides can let libtorch
-        // return a strided view instead, which those views cannot take.
-        ins[0].f_reshape(cx.meta.shape_at(cx.b).as_slice())?.f_contiguous()
+        let x = ins[0];
+        match self {
+            // Recorded as a copy (the full batch's strides allowed no view), so later views were
+            // recorded against a contiguous result: a micro-batch's strides can let libtorch
+            // return a strided view instead, which those views cannot take.
+            Rearrange::Reshape => x.f_reshape(cx.meta.shape_at(cx.b).as_slice())?.f_contiguous(),
+            Rearrange::Narrow { dim, start, length } => x.f_narrow(*dim, *start, *length),
+            Rearrange::Detach => x.f_detach(),
+            Rearrange::Roll { shifts, dims } => x.f_roll(shifts.as_slice(), dims.as_slice()),
+            Rearrange::Flip(dims) => x.f_flip(dims.as_slice()),
+            Rearrange::Repeat(repeats) => x.f_repeat(repeats.as_slice()),
+            Rearrange::BatchSlice { dim } => x.f_narrow(*dim, cx.start, cx.b),
+        }
     }
 }
 
@@ -104,25 +142,6 @@ impl Run for Alias {
     }
 }
 
-/// `length` entries of `dim` from `start` (a view; its gradient is a new tensor).
-pub(crate) struct Narrow {
-    dim: i64,
-    start: i64,
-    length: i64,
-}
-
-impl Operation for Narrow {
-    fn name(&self) -> &'static str {
-        "narrow"
-    }
-}
-
-impl Run for Narrow {
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        ins[0].f_narrow(self.dim, self.start, self.length)
-    }
-}
-
 /// The value in another kind (the value itself when the kind is its own).
 pub(crate) struct ToKind {
     kind: Kind,
@@ -141,21 +160,6 @@ impl Operation for ToKind {
 impl Run for ToKind {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         ins[0].f_to_kind(self.kind)
-    }
-}
-
-/// The same storage, cut from autograd.
-pub(crate) struct Detach;
-
-impl Operation for Detach {
-    fn name(&self) -> &'static str {
-        "detach"
-    }
-}
-
-impl Run for Detach {
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        ins[0].f_detach()
     }
 }
 
@@ -208,26 +212,6 @@ impl Run for Expand {
     }
 }
 
-/// A fixed value derived from a broadcast over the batch (a learned latent array expanded to
-/// the batch, then passed through layers): each micro-batch reads its own rows of it, so that
-/// it meets the micro-batch's values and its gradient is the micro-batch's share. The value
-/// itself is computed whole (a view of it; its gradient is a new tensor).
-pub(crate) struct BatchSlice {
-    dim: i64,
-}
-
-impl Operation for BatchSlice {
-    fn name(&self) -> &'static str {
-        "batch_slice"
-    }
-}
-
-impl Run for BatchSlice {
-    fn run(&self, ins: &[&Tensor], cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        ins[0].f_narrow(self.dim, cx.start, cx.b)
-    }
-}
-
 /// Whether fixed `node` holds, along a dimension of `size`, copies that an `expand` or `repeat`
 /// made (itself or an op on it): a broadcast of parameters, not data that was not wrapped.
 fn derived_from_broadcast(node: &Rc<Node>, size: i64) -> bool {
@@ -276,10 +260,16 @@ pub(crate) fn adopt_batch_broadcasts(nodes: &mut [Rc<Node>], out_len: usize, rig
             // Layers after the broadcast: each micro-batch takes its rows of their output.
             if derived_from_broadcast(node, bd.size) {
                 let batched = BatchDim { dim: at as usize, size: bd.size, factor: 1 };
-                let sliced = Record::new(BatchSlice { dim: at }, vec![node.clone()], m.shape.clone(), m.kind, m.device)
-                    .flow((Flow::PerSample(batched), None))
-                    .view(m.strides.clone())
-                    .finish();
+                let sliced = Record::new(
+                    Rearrange::BatchSlice { dim: at },
+                    vec![node.clone()],
+                    m.shape.clone(),
+                    m.kind,
+                    m.device,
+                )
+                .flow((Flow::PerSample(batched), None))
+                .view(m.strides.clone())
+                .finish();
                 *node = sliced.node;
             }
             continue;
@@ -320,25 +310,6 @@ pub(crate) fn adopt_batch_broadcasts(nodes: &mut [Rc<Node>], out_len: usize, rig
     }
 }
 
-/// Entries shifted circularly by `shifts` along `dims` (the value flattened when `dims` is
-/// empty); its gradient is the output's rolled back (a new tensor).
-pub(crate) struct Roll {
-    shifts: Vec<i64>,
-    dims: Vec<i64>,
-}
-
-impl Operation for Roll {
-    fn name(&self) -> &'static str {
-        "roll"
-    }
-}
-
-impl Run for Roll {
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        ins[0].f_roll(self.shifts.as_slice(), self.dims.as_slice())
-    }
-}
-
 /// Class indices as one-hot rows along a new last dimension of `classes` entries (`Int64`,
 /// no gradient), as libtorch's `one_hot`.
 pub(crate) struct OneHot {
@@ -358,41 +329,6 @@ impl Operation for OneHot {
 impl Run for OneHot {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         ins[0].f_one_hot(self.classes)
-    }
-}
-
-/// A copy with the order of the entries along `dims` reversed; its gradient is the output's,
-/// flipped back (a new tensor).
-pub(crate) struct Flip {
-    dims: Vec<i64>,
-}
-
-impl Operation for Flip {
-    fn name(&self) -> &'static str {
-        "flip"
-    }
-}
-
-impl Run for Flip {
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        ins[0].f_flip(self.dims.as_slice())
-    }
-}
-
-/// Copies repeated `repeats` times along each dimension.
-pub(crate) struct Repeat {
-    repeats: Vec<i64>,
-}
-
-impl Operation for Repeat {
-    fn name(&self) -> &'static str {
-        "repeat"
-    }
-}
-
-impl Run for Repeat {
-    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
-        ins[0].f_repeat(self.repeats.as_slice())
     }
 }
 
@@ -653,7 +589,9 @@ impl LazyTensor {
                 "view size is not compatible with input tensor's size and stride (at least one dimension spans across \
                  two contiguous subspaces); use reshape instead",
             )),
-            None => Ok(Record::new(Reshape, vec![n.clone()], new_shape, m.kind, m.device).flow(flow).finish()),
+            None => {
+                Ok(Record::new(Rearrange::Reshape, vec![n.clone()], new_shape, m.kind, m.device).flow(flow).finish())
+            }
         }
     }
 
@@ -879,7 +817,7 @@ impl LazyTensor {
         } else {
             unary_flow("narrow", n, &s, Some, Linearity::Structural)?
         };
-        let op = Narrow { dim: d as i64, start, length };
+        let op = Rearrange::Narrow { dim: d as i64, start, length };
         Ok(Record::new(op, vec![n.clone()], s, m.kind, m.device).flow((flow, mixes)).view(m.strides.clone()).finish())
     }
 
@@ -1063,7 +1001,7 @@ impl LazyTensor {
                 mixes = Some(format!("moves entries between samples (the batch dimension {})", bd.dim));
             }
         }
-        Ok(Record::new(Roll { shifts, dims }, vec![n.clone()], m.shape.clone(), m.kind, m.device)
+        Ok(Record::new(Rearrange::Roll { shifts, dims }, vec![n.clone()], m.shape.clone(), m.kind, m.device)
             .flow((flow, mixes))
             .finish())
     }
@@ -1083,7 +1021,9 @@ impl LazyTensor {
         if let Some(bd) = m.batch().filter(|bd| wrapped.contains(&bd.dim)) {
             mixes = Some(format!("reverses the order of samples along the batch dimension {}", bd.dim));
         }
-        Ok(Record::new(Flip { dims }, vec![n.clone()], m.shape.clone(), m.kind, m.device).flow((flow, mixes)).finish())
+        Ok(Record::new(Rearrange::Flip(dims), vec![n.clone()], m.shape.clone(), m.kind, m.device)
+            .flow((flow, mixes))
+            .finish())
     }
 
     /// A copy repeated `repeats[i]` times along each dimension (tch's `repeat`; extra leading
@@ -1110,7 +1050,7 @@ impl LazyTensor {
             }
             _ => unary_flow("repeat", n, &out, |d| Some(d + offset), Linearity::Structural)?,
         };
-        Ok(Record::new(Repeat { repeats }, vec![n.clone()], out, m.kind, m.device).flow((flow, mixes)).finish())
+        Ok(Record::new(Rearrange::Repeat(repeats), vec![n.clone()], out, m.kind, m.device).flow((flow, mixes)).finish())
     }
 
     /// The entries of `index` (1-D, integers) along `dim`, as tch's `index_select`. Selecting
@@ -1815,7 +1755,7 @@ impl LazyTensor {
         let n = &self.node;
         let m = &n.meta;
         let flow = same_shape_flow("detach", n, Linearity::Structural)?;
-        let record = Record::new(Detach, vec![n.clone()], m.shape.clone(), m.kind, m.device).flow(flow);
+        let record = Record::new(Rearrange::Detach, vec![n.clone()], m.shape.clone(), m.kind, m.device).flow(flow);
         Ok(record.view(m.strides.clone()).not_differentiable().finish())
     }
 

@@ -6,7 +6,7 @@ use std::rc::Rc;
 
 use tch::{Kind, TchError, Tensor};
 
-use super::layout::{adopt_batch_broadcasts, Reshape, View};
+use super::layout::{adopt_batch_broadcasts, Rearrange, View};
 use super::record::IntoLazy;
 use super::record::{combine_flows, same_device, Linearity, Record};
 use super::{arg, floating, kind_err, requires, same_kind, shape_err};
@@ -831,7 +831,7 @@ fn folded(t: &LazyTensor, to: [i64; 3], groups: [usize; 3]) -> LazyTensor {
         Some(strides) => {
             Record::new(View("view"), inputs, shape, m.kind, m.device).flow((flow, None)).view(strides).finish()
         }
-        None => Record::new(Reshape, inputs, shape, m.kind, m.device).flow((flow, None)).finish(),
+        None => Record::new(Rearrange::Reshape, inputs, shape, m.kind, m.device).flow((flow, None)).finish(),
     }
 }
 

@@ -431,6 +431,71 @@ fn one_of(op: &str, shape: &[i64], values: &[i64], what: &str, default: Option<i
 
 #[toma_macros::tensor_methods(WindowOps, "Windows over spatial dimensions: convolutions, pooling, upsampling (a family of [`TensorOps`](crate::lazy::TensorOps)).")]
 impl LazyTensor {
+    // -----------------------------------------------------------------------------------------
+    // Convolutions
+
+    /// 1-D convolution, as tch's `conv1d`: `self` is `[N, C, L]` (or `[C, L]`), `weight`
+    /// `[O, C / groups, k]`; `stride`, `padding` and `dilation` take 1 value.
+    ///
+    /// # Errors
+    /// As [`f_conv2d`](Self::f_conv2d).
+    #[allow(clippy::too_many_arguments)]
+    pub fn f_conv1d(
+        &self,
+        #[fixed] weight: impl IntoLazy,
+        #[fixed] bias: Option<impl IntoLazy>,
+        stride: impl IntList,
+        padding: impl IntList,
+        dilation: impl IntList,
+        groups: i64,
+    ) -> Result<LazyTensor, LazyError> {
+        let (w, b) = (weight.into_lazy(), bias.map(IntoLazy::into_lazy));
+        let (stride, padding, dilation) = (stride.as_slice(), padding.as_slice(), dilation.as_slice());
+        self.convolution::<1>("conv1d", &w, b.as_ref(), [stride, padding, dilation], groups)
+    }
+
+    /// 2-D convolution, as tch's `conv2d`: `self` is `[N, C, H, W]` (or `[C, H, W]`), `weight`
+    /// `[O, C / groups, kh, kw]`; `stride`, `padding` and `dilation` take 1 or 2 values.
+    ///
+    /// # Errors
+    /// [`LazyError::Shape`] when input and weight do not fit, [`LazyError::Argument`] for bad
+    /// parameters, [`LazyError::Kind`], [`LazyError::Device`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn f_conv2d(
+        &self,
+        #[fixed] weight: impl IntoLazy,
+        #[fixed] bias: Option<impl IntoLazy>,
+        stride: impl IntList,
+        padding: impl IntList,
+        dilation: impl IntList,
+        groups: i64,
+    ) -> Result<LazyTensor, LazyError> {
+        let (w, b) = (weight.into_lazy(), bias.map(IntoLazy::into_lazy));
+        let (stride, padding, dilation) = (stride.as_slice(), padding.as_slice(), dilation.as_slice());
+        self.convolution::<2>("conv2d", &w, b.as_ref(), [stride, padding, dilation], groups)
+    }
+
+    /// 3-D convolution, as tch's `conv3d`: `self` is `[N, C, D, H, W]` (or `[C, D, H, W]`),
+    /// `weight` `[O, C / groups, kd, kh, kw]`; `stride`, `padding` and `dilation` take 1 or 3
+    /// values.
+    ///
+    /// # Errors
+    /// As [`f_conv2d`](Self::f_conv2d).
+    #[allow(clippy::too_many_arguments)]
+    pub fn f_conv3d(
+        &self,
+        #[fixed] weight: impl IntoLazy,
+        #[fixed] bias: Option<impl IntoLazy>,
+        stride: impl IntList,
+        padding: impl IntList,
+        dilation: impl IntList,
+        groups: i64,
+    ) -> Result<LazyTensor, LazyError> {
+        let (w, b) = (weight.into_lazy(), bias.map(IntoLazy::into_lazy));
+        let (stride, padding, dilation) = (stride.as_slice(), padding.as_slice(), dilation.as_slice());
+        self.convolution::<3>("conv3d", &w, b.as_ref(), [stride, padding, dilation], groups)
+    }
+
     /// 2-D transposed convolution, as tch's `conv_transpose2d`: `self` is `[N, C_in, H, W]` (or
     /// `[C_in, H, W]`), `weight` `[C_in, C_out / groups, kh, kw]`, `bias` `[C_out]`; `stride`,
     /// `padding`, `output_padding` and `dilation` take 1 or 2 values. Each output side is
@@ -508,70 +573,229 @@ impl LazyTensor {
         self.record_convolution(name, &w, b.as_ref(), out, 2, op)
     }
 
-    /// Bilinear upsampling of `[N, C, H, W]` to `output_size` (`[h, w]`), as tch's
-    /// `upsample_bilinear2d` (`align_corners`, and optional scales that change how output
-    /// positions map onto the input, as in libtorch).
+    /// Records a convolution over `D` spatial dimensions.
+    fn convolution<const D: usize>(
+        &self,
+        name: &'static str,
+        w: &LazyTensor,
+        b: Option<&LazyTensor>,
+        [stride, padding, dilation]: [&[i64]; 3],
+        groups: i64,
+    ) -> Result<LazyTensor, LazyError> {
+        let sx = &self.node.meta.shape;
+        let a = |r: String| arg(name, sx, r);
+        let stride = shape::spatial::<D>(stride, "stride").map_err(a)?;
+        let padding = shape::spatial::<D>(padding, "padding").map_err(a)?;
+        let dilation = shape::spatial::<D>(dilation, "dilation").map_err(a)?;
+        let sw = &w.node.meta.shape;
+        let out = shape::conv(sx, sw, b.map(|b| b.node.meta.shape.as_slice()), stride, padding, dilation, groups)
+            .map_err(|r| shape_err(name, sx, sw, r))?;
+        self.record_convolution(name, w, b, out, D, Conv::<D> { stride, padding, dilation, groups })
+    }
+
+    /// Records a convolution (plain or transposed) over `spatial` dimensions whose output shape
+    /// is already checked: one device, floating kinds, and only a batched input's first
+    /// dimension per-sample.
+    fn record_convolution(
+        &self,
+        name: &'static str,
+        w: &LazyTensor,
+        b: Option<&LazyTensor>,
+        out: Vec<i64>,
+        spatial: usize,
+        op: impl Operation + 'static,
+    ) -> Result<LazyTensor, LazyError> {
+        let x = &self.node;
+        let mut nodes = vec![x, &w.node];
+        if let Some(b) = b {
+            nodes.push(&b.node);
+        }
+        let device = same_device(name, &nodes)?;
+        floating(name, x)?;
+        for p in &nodes[1..] {
+            same_kind(name, x, p)?;
+        }
+        let batched = x.meta.shape.len() == spatial + 2;
+        let mapped: Vec<Option<usize>> = nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| n.meta.batch().filter(|bd| i == 0 && batched && bd.dim == 0).map(|_| 0))
+            .collect();
+        let flow = combine_flows(name, &nodes, &mapped, &out, Linearity::Nonlinear, false)?;
+        let inputs = nodes.into_iter().cloned().collect();
+        Ok(Record::new(op, inputs, out, x.meta.kind, device).flow(flow).finish())
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Pooling
+
+    /// 1-D max pooling over the last dimension of `[C, L]` or `[N, C, L]`, as tch's
+    /// `max_pool1d` (an empty `stride` means the kernel size). Recorded as libtorch computes
+    /// it with a gradient: a 2-D pooling of the `[.., 1, L]` view.
     ///
     /// # Errors
-    /// [`LazyError::Argument`] for a non 4-D input, a size below 1 or a scale that is not
-    /// positive, [`LazyError::Kind`] for integers.
-    pub fn f_upsample_bilinear2d(
+    /// [`LazyError::Argument`] for a list that is not one value, or what `max_pool2d` refuses.
+    pub fn f_max_pool1d(
         &self,
-        output_size: impl IntList,
-        align_corners: bool,
-        scales_h: impl Into<Option<f64>>,
-        scales_w: impl Into<Option<f64>>,
+        kernel: impl IntList,
+        stride: impl IntList,
+        padding: impl IntList,
+        dilation: impl IntList,
+        ceil_mode: bool,
+    ) -> Result<LazyTensor, LazyError> {
+        let name = "max_pool1d";
+        let (k, st, p) = self.window_1d(name, kernel.as_slice(), stride.as_slice(), padding.as_slice())?;
+        let d = one_of(name, &self.node.meta.shape, dilation.as_slice(), "dilation", None)?;
+        self.pooled_1d(name)?.f_max_pool2d([1, k], [1, st], [0, p], [1, d], ceil_mode)?.f_squeeze_dim(-2)
+    }
+
+    /// 1-D average pooling over the last dimension, as tch's `avg_pool1d` (libtorch's own
+    /// composite: a 2-D pooling of the `[.., 1, L]` view).
+    ///
+    /// # Errors
+    /// As [`f_max_pool1d`](Self::f_max_pool1d).
+    pub fn f_avg_pool1d(
+        &self,
+        kernel: impl IntList,
+        stride: impl IntList,
+        padding: impl IntList,
+        ceil_mode: bool,
+        count_include_pad: bool,
+    ) -> Result<LazyTensor, LazyError> {
+        let name = "avg_pool1d";
+        let (k, st, p) = self.window_1d(name, kernel.as_slice(), stride.as_slice(), padding.as_slice())?;
+        self.pooled_1d(name)?
+            .f_avg_pool2d([1, k], [1, st], [0, p], ceil_mode, count_include_pad, None)?
+            .f_squeeze_dim(-2)
+    }
+
+    /// 1-D adaptive average pooling to `output_size` entries, as tch's `adaptive_avg_pool1d`
+    /// (libtorch's composite over the `[.., 1, L]` view).
+    ///
+    /// # Errors
+    /// As [`f_max_pool1d`](Self::f_max_pool1d).
+    pub fn f_adaptive_avg_pool1d(&self, output_size: impl IntList) -> Result<LazyTensor, LazyError> {
+        let name = "adaptive_avg_pool1d";
+        let o = one_of(name, &self.node.meta.shape, output_size.as_slice(), "output_size", None)?;
+        self.pooled_1d(name)?.f_adaptive_avg_pool2d([1, o])?.f_squeeze_dim(-2)
+    }
+
+    /// A 1-D window's kernel, stride (the kernel's when empty) and padding, one value each.
+    fn window_1d(
+        &self,
+        name: &str,
+        kernel: &[i64],
+        stride: &[i64],
+        padding: &[i64],
+    ) -> Result<(i64, i64, i64), LazyError> {
+        let shape = &self.node.meta.shape;
+        let k = one_of(name, shape, kernel, "kernel_size", None)?;
+        Ok((k, one_of(name, shape, stride, "stride", Some(k))?, one_of(name, shape, padding, "padding", None)?))
+    }
+
+    /// The `[.., 1, L]` view a 1-D pooling runs on, for a 2-D or 3-D input.
+    fn pooled_1d(&self, name: &str) -> Result<LazyTensor, LazyError> {
+        let s = &self.node.meta.shape;
+        if s.len() != 2 && s.len() != 3 {
+            return Err(arg(name, s, format!("expected a 2-D or 3-D input, got {} dims", s.len())));
+        }
+        self.f_unsqueeze(-2)
+    }
+
+    /// 2-D max pooling, as tch's `max_pool2d` (an empty `stride` means the kernel size).
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for parameters libtorch refuses (a padding over half the
+    /// kernel, an output smaller than 1, ..).
+    pub fn f_max_pool2d(
+        &self,
+        kernel: impl IntList,
+        stride: impl IntList,
+        padding: impl IntList,
+        dilation: impl IntList,
+        ceil_mode: bool,
     ) -> Result<LazyTensor, LazyError> {
         let n = &self.node;
-        let name = "upsample_bilinear2d";
-        let scales = [scales_h.into(), scales_w.into()];
-        let (output, out) = self.upsampled(name, output_size.as_slice(), scales)?;
-        floating(name, n)?;
+        let name = "max_pool2d";
+        let a = |r: String| arg(name, &n.meta.shape, r);
+        let (kernel, stride, padding) = window::<2>(&kernel, &stride, &padding, None).map_err(a)?;
+        let dilation = shape::pair(dilation.as_slice(), "dilation").map_err(a)?;
+        let out = shape::pool2d(&n.meta.shape, kernel, stride, padding, dilation, ceil_mode).map_err(a)?;
         let flow = self.pool_flow(name, &out)?;
-        let op = UpsampleBilinear2d { output, align_corners, scales };
+        let op = MaxPool::<2> { kernel, stride, padding, dilation, ceil_mode };
         Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
     }
 
-    /// 2-D convolution, as tch's `conv2d`: `self` is `[N, C, H, W]` (or `[C, H, W]`), `weight`
-    /// `[O, C / groups, kh, kw]`; `stride`, `padding` and `dilation` take 1 or 2 values.
+    /// 2-D average pooling, as tch's `avg_pool2d` (an empty `stride` means the kernel size).
     ///
     /// # Errors
-    /// [`LazyError::Shape`] when input and weight do not fit, [`LazyError::Argument`] for bad
-    /// parameters, [`LazyError::Kind`], [`LazyError::Device`].
+    /// As [`f_max_pool2d`](Self::f_max_pool2d); also a `divisor_override` of 0.
     #[allow(clippy::too_many_arguments)]
-    pub fn f_conv2d(
+    pub fn f_avg_pool2d(
         &self,
-        #[fixed] weight: impl IntoLazy,
-        #[fixed] bias: Option<impl IntoLazy>,
+        kernel: impl IntList,
         stride: impl IntList,
         padding: impl IntList,
-        dilation: impl IntList,
-        groups: i64,
+        ceil_mode: bool,
+        count_include_pad: bool,
+        divisor_override: impl Into<Option<i64>>,
     ) -> Result<LazyTensor, LazyError> {
-        let (w, b) = (weight.into_lazy(), bias.map(IntoLazy::into_lazy));
-        let (stride, padding, dilation) = (stride.as_slice(), padding.as_slice(), dilation.as_slice());
-        self.convolution::<2>("conv2d", &w, b.as_ref(), [stride, padding, dilation], groups)
+        let n = &self.node;
+        let name = "avg_pool2d";
+        let a = |r: String| arg(name, &n.meta.shape, r);
+        let divisor_override = divisor_override.into();
+        let (kernel, stride, padding) = window::<2>(&kernel, &stride, &padding, Some(divisor_override)).map_err(a)?;
+        floating(name, n)?;
+        let out = shape::pool2d(&n.meta.shape, kernel, stride, padding, [1, 1], ceil_mode).map_err(a)?;
+        let flow = self.pool_flow(name, &out)?;
+        let op = AvgPool::<2> { kernel, stride, padding, ceil_mode, count_include_pad, divisor_override };
+        Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
     }
 
-    /// 3-D convolution, as tch's `conv3d`: `self` is `[N, C, D, H, W]` (or `[C, D, H, W]`),
-    /// `weight` `[O, C / groups, kd, kh, kw]`; `stride`, `padding` and `dilation` take 1 or 3
-    /// values.
+    /// 2-D max pooling over `ksize × ksize` windows, stride `ksize`, no padding, as tch's
+    /// `max_pool2d_default`.
     ///
     /// # Errors
-    /// As [`f_conv2d`](Self::f_conv2d).
-    #[allow(clippy::too_many_arguments)]
-    pub fn f_conv3d(
-        &self,
-        #[fixed] weight: impl IntoLazy,
-        #[fixed] bias: Option<impl IntoLazy>,
-        stride: impl IntList,
-        padding: impl IntList,
-        dilation: impl IntList,
-        groups: i64,
-    ) -> Result<LazyTensor, LazyError> {
-        let (w, b) = (weight.into_lazy(), bias.map(IntoLazy::into_lazy));
-        let (stride, padding, dilation) = (stride.as_slice(), padding.as_slice(), dilation.as_slice());
-        self.convolution::<3>("conv3d", &w, b.as_ref(), [stride, padding, dilation], groups)
+    /// As [`f_max_pool2d`](Self::f_max_pool2d).
+    #[lazy_only]
+    pub fn f_max_pool2d_default(&self, ksize: i64) -> Result<LazyTensor, LazyError> {
+        self.f_max_pool2d([ksize, ksize], [ksize, ksize], [0, 0], [1, 1], false)
+    }
+
+    /// 2-D pooling over `ksize × ksize` windows, stride `ksize`, no padding, exactly as tch's
+    /// `avg_pool2d_default`, which passes a divisor override of 1: each window's *sum*.
+    ///
+    /// # Errors
+    /// As [`f_avg_pool2d`](Self::f_avg_pool2d).
+    #[lazy_only]
+    pub fn f_avg_pool2d_default(&self, ksize: i64) -> Result<LazyTensor, LazyError> {
+        self.f_avg_pool2d([ksize, ksize], [ksize, ksize], [0, 0], false, true, 1)
+    }
+
+    /// 2-D adaptive average pooling to `output_size` (`[h, w]`).
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for a non 3-/4-D input or a bad size.
+    pub fn f_adaptive_avg_pool2d(&self, output_size: impl IntList) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let name = "adaptive_avg_pool2d";
+        let a = |r: String| arg(name, &n.meta.shape, r);
+        let output = self.output_pair(name, output_size.as_slice())?;
+        let s = &n.meta.shape;
+        if s.len() != 3 && s.len() != 4 {
+            return Err(a(format!("expected a 3-D or 4-D input, got {} dims", s.len())));
+        }
+        if s[s.len() - 3..].contains(&0) || output.iter().any(|&v| v < 0) {
+            return Err(a(format!("non-empty input and non-negative output size expected, got output {output:?}")));
+        }
+        floating(name, n)?;
+        let mut out = s.clone();
+        let nd = out.len();
+        out[nd - 2..].copy_from_slice(&output);
+        let flow = self.pool_flow(name, &out)?;
+        Ok(Record::new(AdaptiveAvgPool2d { output }, vec![n.clone()], out, n.meta.kind, n.meta.device)
+            .flow(flow)
+            .finish())
     }
 
     /// 3-D max pooling of `[N, C, D, H, W]` (or `[C, D, H, W]`), as tch's `max_pool3d` (an
@@ -628,77 +852,43 @@ impl LazyTensor {
         Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
     }
 
-    /// 1-D convolution, as tch's `conv1d`: `self` is `[N, C, L]` (or `[C, L]`), `weight`
-    /// `[O, C / groups, k]`; `stride`, `padding` and `dilation` take 1 value.
+    fn pool_flow(&self, name: &str, out: &[i64]) -> Result<(Flow, Option<String>), LazyError> {
+        let nd = self.node.meta.shape.len();
+        unary_flow(name, &self.node, out, |d| (d + 2 < nd).then_some(d), Linearity::Nonlinear)
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Upsampling
+
+    /// Nearest-neighbour upsampling of `[N, C, L]` to `output_size` (`[l]`), as tch's
+    /// `upsample_nearest1d`; `scales`, when given, sets the source step as in libtorch (the
+    /// output size is `output_size` either way).
     ///
     /// # Errors
-    /// As [`f_conv2d`](Self::f_conv2d).
-    #[allow(clippy::too_many_arguments)]
-    pub fn f_conv1d(
+    /// [`LazyError::Argument`] for a non 3-D or empty input, a size that is not one value of at
+    /// least 1, or a scale that is not positive.
+    pub fn f_upsample_nearest1d(
         &self,
-        #[fixed] weight: impl IntoLazy,
-        #[fixed] bias: Option<impl IntoLazy>,
-        stride: impl IntList,
-        padding: impl IntList,
-        dilation: impl IntList,
-        groups: i64,
+        output_size: impl IntList,
+        scales: impl Into<Option<f64>>,
     ) -> Result<LazyTensor, LazyError> {
-        let (w, b) = (weight.into_lazy(), bias.map(IntoLazy::into_lazy));
-        let (stride, padding, dilation) = (stride.as_slice(), padding.as_slice(), dilation.as_slice());
-        self.convolution::<1>("conv1d", &w, b.as_ref(), [stride, padding, dilation], groups)
-    }
-
-    /// Records a convolution over `D` spatial dimensions.
-    fn convolution<const D: usize>(
-        &self,
-        name: &'static str,
-        w: &LazyTensor,
-        b: Option<&LazyTensor>,
-        [stride, padding, dilation]: [&[i64]; 3],
-        groups: i64,
-    ) -> Result<LazyTensor, LazyError> {
-        let sx = &self.node.meta.shape;
-        let a = |r: String| arg(name, sx, r);
-        let stride = shape::spatial::<D>(stride, "stride").map_err(a)?;
-        let padding = shape::spatial::<D>(padding, "padding").map_err(a)?;
-        let dilation = shape::spatial::<D>(dilation, "dilation").map_err(a)?;
-        let sw = &w.node.meta.shape;
-        let out = shape::conv(sx, sw, b.map(|b| b.node.meta.shape.as_slice()), stride, padding, dilation, groups)
-            .map_err(|r| shape_err(name, sx, sw, r))?;
-        self.record_convolution(name, w, b, out, D, Conv::<D> { stride, padding, dilation, groups })
-    }
-
-    /// Records a convolution (plain or transposed) over `spatial` dimensions whose output shape
-    /// is already checked: one device, floating kinds, and only a batched input's first
-    /// dimension per-sample.
-    fn record_convolution(
-        &self,
-        name: &'static str,
-        w: &LazyTensor,
-        b: Option<&LazyTensor>,
-        out: Vec<i64>,
-        spatial: usize,
-        op: impl Operation + 'static,
-    ) -> Result<LazyTensor, LazyError> {
-        let x = &self.node;
-        let mut nodes = vec![x, &w.node];
-        if let Some(b) = b {
-            nodes.push(&b.node);
+        let n = &self.node;
+        let name = "upsample_nearest1d";
+        let shape = &n.meta.shape;
+        let a = |r: String| arg(name, shape, r);
+        let scales = scales.into();
+        let output = one_of(name, shape, output_size.as_slice(), "output_size", None)?;
+        if shape.len() != 3 || shape[1..].contains(&0) || output < 1 {
+            return Err(a(format!("expected a non-empty 3-D input and an output size of at least 1, got {output}")));
         }
-        let device = same_device(name, &nodes)?;
-        floating(name, x)?;
-        for p in &nodes[1..] {
-            same_kind(name, x, p)?;
+        if scales.is_some_and(|s| s.is_nan() || s <= 0.0) {
+            return Err(a(format!("scales must be positive, got {scales:?}")));
         }
-        let batched = x.meta.shape.len() == spatial + 2;
-        let mapped: Vec<Option<usize>> = nodes
-            .iter()
-            .enumerate()
-            .map(|(i, n)| n.meta.batch().filter(|bd| i == 0 && batched && bd.dim == 0).map(|_| 0))
-            .collect();
-        let flow = combine_flows(name, &nodes, &mapped, &out, Linearity::Nonlinear, false)?;
-        let inputs = nodes.into_iter().cloned().collect();
-        Ok(Record::new(op, inputs, out, x.meta.kind, device).flow(flow).finish())
+        let mut out = shape.clone();
+        out[2] = output;
+        let flow = unary_flow(name, n, &out, |d| (d < 2).then_some(d), Linearity::Nonlinear)?;
+        let op = UpsampleNearest1d { output, scales };
+        Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
     }
 
     /// Nearest-neighbour upsampling of `[N, C, H, W]` to `output_size` (`[h, w]`), as tch's
@@ -720,6 +910,30 @@ impl LazyTensor {
         let (output, out) = self.upsampled(name, output_size.as_slice(), scales)?;
         let flow = self.pool_flow(name, &out)?;
         let op = UpsampleNearest2d { output, scales };
+        Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
+    }
+
+    /// Bilinear upsampling of `[N, C, H, W]` to `output_size` (`[h, w]`), as tch's
+    /// `upsample_bilinear2d` (`align_corners`, and optional scales that change how output
+    /// positions map onto the input, as in libtorch).
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for a non 4-D input, a size below 1 or a scale that is not
+    /// positive, [`LazyError::Kind`] for integers.
+    pub fn f_upsample_bilinear2d(
+        &self,
+        output_size: impl IntList,
+        align_corners: bool,
+        scales_h: impl Into<Option<f64>>,
+        scales_w: impl Into<Option<f64>>,
+    ) -> Result<LazyTensor, LazyError> {
+        let n = &self.node;
+        let name = "upsample_bilinear2d";
+        let scales = [scales_h.into(), scales_w.into()];
+        let (output, out) = self.upsampled(name, output_size.as_slice(), scales)?;
+        floating(name, n)?;
+        let flow = self.pool_flow(name, &out)?;
+        let op = UpsampleBilinear2d { output, align_corners, scales };
         Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
     }
 
@@ -752,41 +966,8 @@ impl LazyTensor {
         Ok((output, out))
     }
 
-    fn pool_flow(&self, name: &str, out: &[i64]) -> Result<(Flow, Option<String>), LazyError> {
-        let nd = self.node.meta.shape.len();
-        unary_flow(name, &self.node, out, |d| (d + 2 < nd).then_some(d), Linearity::Nonlinear)
-    }
-
-    /// Nearest-neighbour upsampling of `[N, C, L]` to `output_size` (`[l]`), as tch's
-    /// `upsample_nearest1d`; `scales`, when given, sets the source step as in libtorch (the
-    /// output size is `output_size` either way).
-    ///
-    /// # Errors
-    /// [`LazyError::Argument`] for a non 3-D or empty input, a size that is not one value of at
-    /// least 1, or a scale that is not positive.
-    pub fn f_upsample_nearest1d(
-        &self,
-        output_size: impl IntList,
-        scales: impl Into<Option<f64>>,
-    ) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
-        let name = "upsample_nearest1d";
-        let shape = &n.meta.shape;
-        let a = |r: String| arg(name, shape, r);
-        let scales = scales.into();
-        let output = one_of(name, shape, output_size.as_slice(), "output_size", None)?;
-        if shape.len() != 3 || shape[1..].contains(&0) || output < 1 {
-            return Err(a(format!("expected a non-empty 3-D input and an output size of at least 1, got {output}")));
-        }
-        if scales.is_some_and(|s| s.is_nan() || s <= 0.0) {
-            return Err(a(format!("scales must be positive, got {scales:?}")));
-        }
-        let mut out = shape.clone();
-        out[2] = output;
-        let flow = unary_flow(name, n, &out, |d| (d < 2).then_some(d), Linearity::Nonlinear)?;
-        let op = UpsampleNearest1d { output, scales };
-        Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
-    }
+    // -----------------------------------------------------------------------------------------
+    // Rearranging: pixel shuffles and sliding windows
 
     /// Rearranges `[.., C·r², H, W]` into `[.., C, H·r, W·r]` (`r` the `upscale_factor`), as
     /// tch's `pixel_shuffle`. Per sample when the batch is a leading dimension; a batch along
@@ -878,174 +1059,5 @@ impl LazyTensor {
         };
         let op = Unfold { dim: d as i64, size, step };
         Ok(Record::new(op, vec![n.clone()], out, m.kind, m.device).flow((flow, mixes)).view(strides).finish())
-    }
-
-    /// 1-D max pooling over the last dimension of `[C, L]` or `[N, C, L]`, as tch's
-    /// `max_pool1d` (an empty `stride` means the kernel size). Recorded as libtorch computes
-    /// it with a gradient: a 2-D pooling of the `[.., 1, L]` view.
-    ///
-    /// # Errors
-    /// [`LazyError::Argument`] for a list that is not one value, or what `max_pool2d` refuses.
-    pub fn f_max_pool1d(
-        &self,
-        kernel: impl IntList,
-        stride: impl IntList,
-        padding: impl IntList,
-        dilation: impl IntList,
-        ceil_mode: bool,
-    ) -> Result<LazyTensor, LazyError> {
-        let name = "max_pool1d";
-        let (k, st, p) = self.window_1d(name, kernel.as_slice(), stride.as_slice(), padding.as_slice())?;
-        let d = one_of(name, &self.node.meta.shape, dilation.as_slice(), "dilation", None)?;
-        self.pooled_1d(name)?.f_max_pool2d([1, k], [1, st], [0, p], [1, d], ceil_mode)?.f_squeeze_dim(-2)
-    }
-
-    /// 1-D average pooling over the last dimension, as tch's `avg_pool1d` (libtorch's own
-    /// composite: a 2-D pooling of the `[.., 1, L]` view).
-    ///
-    /// # Errors
-    /// As [`f_max_pool1d`](Self::f_max_pool1d).
-    pub fn f_avg_pool1d(
-        &self,
-        kernel: impl IntList,
-        stride: impl IntList,
-        padding: impl IntList,
-        ceil_mode: bool,
-        count_include_pad: bool,
-    ) -> Result<LazyTensor, LazyError> {
-        let name = "avg_pool1d";
-        let (k, st, p) = self.window_1d(name, kernel.as_slice(), stride.as_slice(), padding.as_slice())?;
-        self.pooled_1d(name)?
-            .f_avg_pool2d([1, k], [1, st], [0, p], ceil_mode, count_include_pad, None)?
-            .f_squeeze_dim(-2)
-    }
-
-    /// 1-D adaptive average pooling to `output_size` entries, as tch's `adaptive_avg_pool1d`
-    /// (libtorch's composite over the `[.., 1, L]` view).
-    ///
-    /// # Errors
-    /// As [`f_max_pool1d`](Self::f_max_pool1d).
-    pub fn f_adaptive_avg_pool1d(&self, output_size: impl IntList) -> Result<LazyTensor, LazyError> {
-        let name = "adaptive_avg_pool1d";
-        let o = one_of(name, &self.node.meta.shape, output_size.as_slice(), "output_size", None)?;
-        self.pooled_1d(name)?.f_adaptive_avg_pool2d([1, o])?.f_squeeze_dim(-2)
-    }
-
-    /// A 1-D window's kernel, stride (the kernel's when empty) and padding, one value each.
-    fn window_1d(
-        &self,
-        name: &str,
-        kernel: &[i64],
-        stride: &[i64],
-        padding: &[i64],
-    ) -> Result<(i64, i64, i64), LazyError> {
-        let shape = &self.node.meta.shape;
-        let k = one_of(name, shape, kernel, "kernel_size", None)?;
-        Ok((k, one_of(name, shape, stride, "stride", Some(k))?, one_of(name, shape, padding, "padding", None)?))
-    }
-
-    /// The `[.., 1, L]` view a 1-D pooling runs on, for a 2-D or 3-D input.
-    fn pooled_1d(&self, name: &str) -> Result<LazyTensor, LazyError> {
-        let s = &self.node.meta.shape;
-        if s.len() != 2 && s.len() != 3 {
-            return Err(arg(name, s, format!("expected a 2-D or 3-D input, got {} dims", s.len())));
-        }
-        self.f_unsqueeze(-2)
-    }
-
-    /// 2-D max pooling over `ksize × ksize` windows, stride `ksize`, no padding, as tch's
-    /// `max_pool2d_default`.
-    ///
-    /// # Errors
-    /// As [`f_max_pool2d`](Self::f_max_pool2d).
-    #[lazy_only]
-    pub fn f_max_pool2d_default(&self, ksize: i64) -> Result<LazyTensor, LazyError> {
-        self.f_max_pool2d([ksize, ksize], [ksize, ksize], [0, 0], [1, 1], false)
-    }
-
-    /// 2-D pooling over `ksize × ksize` windows, stride `ksize`, no padding, exactly as tch's
-    /// `avg_pool2d_default`, which passes a divisor override of 1: each window's *sum*.
-    ///
-    /// # Errors
-    /// As [`f_avg_pool2d`](Self::f_avg_pool2d).
-    #[lazy_only]
-    pub fn f_avg_pool2d_default(&self, ksize: i64) -> Result<LazyTensor, LazyError> {
-        self.f_avg_pool2d([ksize, ksize], [ksize, ksize], [0, 0], false, true, 1)
-    }
-
-    /// 2-D max pooling, as tch's `max_pool2d` (an empty `stride` means the kernel size).
-    ///
-    /// # Errors
-    /// [`LazyError::Argument`] for parameters libtorch refuses (a padding over half the
-    /// kernel, an output smaller than 1, ..).
-    pub fn f_max_pool2d(
-        &self,
-        kernel: impl IntList,
-        stride: impl IntList,
-        padding: impl IntList,
-        dilation: impl IntList,
-        ceil_mode: bool,
-    ) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
-        let name = "max_pool2d";
-        let a = |r: String| arg(name, &n.meta.shape, r);
-        let (kernel, stride, padding) = window::<2>(&kernel, &stride, &padding, None).map_err(a)?;
-        let dilation = shape::pair(dilation.as_slice(), "dilation").map_err(a)?;
-        let out = shape::pool2d(&n.meta.shape, kernel, stride, padding, dilation, ceil_mode).map_err(a)?;
-        let flow = self.pool_flow(name, &out)?;
-        let op = MaxPool::<2> { kernel, stride, padding, dilation, ceil_mode };
-        Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
-    }
-
-    /// 2-D average pooling, as tch's `avg_pool2d` (an empty `stride` means the kernel size).
-    ///
-    /// # Errors
-    /// As [`f_max_pool2d`](Self::f_max_pool2d); also a `divisor_override` of 0.
-    #[allow(clippy::too_many_arguments)]
-    pub fn f_avg_pool2d(
-        &self,
-        kernel: impl IntList,
-        stride: impl IntList,
-        padding: impl IntList,
-        ceil_mode: bool,
-        count_include_pad: bool,
-        divisor_override: impl Into<Option<i64>>,
-    ) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
-        let name = "avg_pool2d";
-        let a = |r: String| arg(name, &n.meta.shape, r);
-        let divisor_override = divisor_override.into();
-        let (kernel, stride, padding) = window::<2>(&kernel, &stride, &padding, Some(divisor_override)).map_err(a)?;
-        floating(name, n)?;
-        let out = shape::pool2d(&n.meta.shape, kernel, stride, padding, [1, 1], ceil_mode).map_err(a)?;
-        let flow = self.pool_flow(name, &out)?;
-        let op = AvgPool::<2> { kernel, stride, padding, ceil_mode, count_include_pad, divisor_override };
-        Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
-    }
-
-    /// 2-D adaptive average pooling to `output_size` (`[h, w]`).
-    ///
-    /// # Errors
-    /// [`LazyError::Argument`] for a non 3-/4-D input or a bad size.
-    pub fn f_adaptive_avg_pool2d(&self, output_size: impl IntList) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
-        let name = "adaptive_avg_pool2d";
-        let a = |r: String| arg(name, &n.meta.shape, r);
-        let output = self.output_pair(name, output_size.as_slice())?;
-        let s = &n.meta.shape;
-        if s.len() != 3 && s.len() != 4 {
-            return Err(a(format!("expected a 3-D or 4-D input, got {} dims", s.len())));
-        }
-        if s[s.len() - 3..].contains(&0) || output.iter().any(|&v| v < 0) {
-            return Err(a(format!("non-empty input and non-negative output size expected, got output {output:?}")));
-        }
-        floating(name, n)?;
-        let mut out = s.clone();
-        let nd = out.len();
-        out[nd - 2..].copy_from_slice(&output);
-        let flow = self.pool_flow(name, &out)?;
-        Ok(Record::new(AdaptiveAvgPool2d { output }, vec![n.clone()], out, n.meta.kind, n.meta.device)
-            .flow(flow)
-            .finish())
     }
 }
