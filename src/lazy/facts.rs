@@ -64,6 +64,29 @@ impl InputSet {
     }
 }
 
+/// How an op's backward takes its output's gradient.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum GradReshape {
+    /// As it comes.
+    AsItComes,
+    /// Viewed in its first input's shape (a `view`'s backward): named, not copied, so that
+    /// recording a view allocates nothing more.
+    AsInput,
+    /// Viewed in this shape (a product's result viewed as its output).
+    As(Vec<i64>),
+}
+
+impl GradReshape {
+    /// The shape, for an op whose first input is shaped `first_input` (`None`: as it comes).
+    pub(crate) fn shape<'a>(&'a self, first_input: Option<&'a [i64]>) -> Option<&'a [i64]> {
+        match self {
+            GradReshape::AsItComes => None,
+            GradReshape::AsInput => first_input,
+            GradReshape::As(shape) => Some(shape),
+        }
+    }
+}
+
 /// Everything the planner and the executor know about a recorded op besides its output's
 /// `Meta` and the device's kernels. Built with the methods below; [`new`](Self::new)
 /// describes an op that saves nothing, makes a fresh gradient for each input and updates none.
@@ -85,10 +108,10 @@ pub(crate) struct OpFacts {
     /// adds into its buffer in place only when it holds the tensor's last reference and its
     /// storage's.
     pub(crate) grad_view: InputSet,
-    /// The shape the backward views the output's gradient as before its kernels run (`None`:
-    /// it takes the gradient as it comes). A gradient that arrives permuted (through a
-    /// transpose downstream) cannot always be viewed so: libtorch copies it.
-    pub(crate) grad_reshape: Option<Vec<i64>>,
+    /// The shape the backward views the output's gradient as before its kernels run. A
+    /// gradient that arrives permuted (through a transpose downstream) cannot always be viewed
+    /// so: libtorch copies it.
+    pub(crate) grad_reshape: GradReshape,
     /// Whether the backward reads the output's gradient densely: one that arrives broadcast (a
     /// `sum`'s backward expands the loss's gradient, stride 0) is copied first, as large as the
     /// output. Elementwise backward kernels read it as it is (libtorch 2.11, CPU).
@@ -128,7 +151,7 @@ impl OpFacts {
             saves_output: false,
             grad_alias: InputSet::default(),
             grad_view: InputSet::default(),
-            grad_reshape: None,
+            grad_reshape: GradReshape::AsItComes,
             grad_dense: false,
             grad_contiguous: false,
             updated: n..n,
@@ -164,8 +187,8 @@ impl OpFacts {
         self
     }
 
-    pub(crate) fn grad_reshape(mut self, shape: Option<Vec<i64>>) -> Self {
-        self.grad_reshape = shape;
+    pub(crate) fn grad_reshape(mut self, reshape: GradReshape) -> Self {
+        self.grad_reshape = reshape;
         self
     }
 

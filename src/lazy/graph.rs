@@ -177,6 +177,11 @@ impl Node {
         }
     }
 
+    /// The shape its backward views its output's gradient as (`None`: as it comes).
+    pub(crate) fn grad_reshape(&self) -> Option<&[i64]> {
+        self.facts.grad_reshape.shape(self.inputs.first().map(|x| &x.meta.shape[..]))
+    }
+
     /// What its kernels do besides computing the output (nothing, for sources).
     pub(crate) fn kernels<'a>(&'a self, calls: &mut Vec<KernelCall<'a>>) {
         if let NodeKind::Op(op) = &self.kind {

@@ -10,7 +10,7 @@ use super::record::{combine_flows, same_device, unary_flow, Linearity, Record};
 use super::{arg, kind_err, requires, same_shape_flow, shape_err};
 use crate::lazy::error::LazyError;
 use crate::lazy::error::OrPanic;
-use crate::lazy::facts::OpFacts;
+use crate::lazy::facts::{GradReshape, OpFacts};
 use crate::lazy::graph::{BatchDim, Flow, KernelCall, Meta, Node, Operation, Run, RunCx};
 use crate::lazy::int_list::IntList;
 use crate::lazy::shape;
@@ -27,7 +27,7 @@ impl Operation for View {
     }
 
     fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
-        OpFacts::new(inputs.len()).grad_aliases(|_i| true).grad_reshape(Some(inputs[0].meta.shape.clone()))
+        OpFacts::new(inputs.len()).grad_aliases(|_i| true).grad_reshape(GradReshape::AsInput)
     }
 }
 

@@ -12,7 +12,7 @@ use super::record::{combine_flows, same_device, Linearity, Record};
 use super::{arg, floating, kind_err, requires, same_kind, shape_err};
 use crate::lazy::error::LazyError;
 use crate::lazy::error::OrPanic;
-use crate::lazy::facts::OpFacts;
+use crate::lazy::facts::{GradReshape, OpFacts};
 use crate::lazy::graph::{BatchDim, Flow, KernelCall, Meta, Node, Operation, Product, Run, RunCx};
 use crate::lazy::int_list::IntListOption;
 use crate::lazy::shape;
@@ -148,7 +148,7 @@ impl Operation for Matmul {
                 let m = &inputs[i].meta;
                 mm && m.shape.len() == 2 && m.strides[0] == 1 && m.strides[1] == m.shape[0] && m.shape[1] > 1
             })
-            .grad_reshape(self.grad_shape(inputs, meta))
+            .grad_reshape(self.grad_shape(inputs, meta).map_or(GradReshape::AsItComes, GradReshape::As))
             .grad_dense(true)
     }
 }
@@ -364,12 +364,12 @@ impl Operation for Linear {
             })
             // Inputs of three or more dimensions are folded into a matrix for one product, whose
             // result is viewed as the output.
-            .grad_reshape(
-                meta.shape
-                    .last()
-                    .filter(|_| inputs[0].meta.shape.len() >= 3)
-                    .map(|&p| vec![shape::numel(&meta.shape) / p.max(1), p]),
-            )
+            .grad_reshape(match meta.shape.last() {
+                Some(&p) if inputs[0].meta.shape.len() >= 3 => {
+                    GradReshape::As(vec![shape::numel(&meta.shape) / p.max(1), p])
+                }
+                _ => GradReshape::AsItComes,
+            })
             .grad_dense(true)
     }
 }

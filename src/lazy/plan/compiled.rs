@@ -392,9 +392,8 @@ fn grad_copies(found: &[Rc<Node>], inputs: &[u32], offsets: &[u32], flags: &mut 
             let out = &node.meta;
             // Its gradient's strides, read once (every consumer of them is this node).
             let own = strides.remove(&k);
-            let viewed = |g: &[i64]| {
-                node.facts.grad_reshape.as_deref().is_none_or(|to| shape::view_strides(&out.shape, g, to).is_some())
-            };
+            let viewed =
+                |g: &[i64]| node.grad_reshape().is_none_or(|to| shape::view_strides(&out.shape, g, to).is_some());
             let broadcast = |g: &[i64]| g.iter().zip(&out.shape).any(|(&st, &size)| st == 0 && size > 1);
             let permuted = |g: &[i64]| !shape::is_contiguous(&out.shape, g);
             let dense = node.facts.grad_dense && own.as_deref().is_some_and(broadcast);
@@ -429,7 +428,7 @@ fn grad_copies(found: &[Rc<Node>], inputs: &[u32], offsets: &[u32], flags: &mut 
                 } else if let Some(g) = &own {
                     if out.alias && e == 0 {
                         // A view's backward views the gradient as its input's shape.
-                        let view = node.facts.grad_reshape.as_deref() == Some(&input.shape[..]);
+                        let view = node.grad_reshape() == Some(&input.shape[..]);
                         view.then(|| shape::view_strides(&out.shape, g, &input.shape)).flatten()
                     } else {
                         (passes && input.shape == out.shape).then(|| g.clone())
