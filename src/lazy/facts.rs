@@ -27,22 +27,15 @@ impl InputSet {
     /// The positions below `n` for which `f` holds.
     fn of(n: usize, mut f: impl FnMut(usize) -> bool) -> InputSet {
         let mut set = InputSet::default();
-        for k in 0..n {
-            if f(k) {
-                set.insert(k);
+        // Ascending: `high` stays sorted.
+        for k in (0..n).filter(|&k| f(k)) {
+            if k < 64 {
+                set.low |= 1 << k;
+            } else {
+                set.high.push(k);
             }
         }
         set
-    }
-
-    fn insert(&mut self, k: usize) {
-        if k < 64 {
-            self.low |= 1 << k;
-        } else if self.high.last().is_none_or(|&last| last < k) {
-            self.high.push(k);
-        } else if let Err(at) = self.high.binary_search(&k) {
-            self.high.insert(at, k);
-        }
     }
 
     pub(crate) fn contains(&self, k: usize) -> bool {
@@ -92,8 +85,6 @@ impl GradReshape {
 /// describes an op that saves nothing, makes a fresh gradient for each input and updates none.
 #[derive(Clone, Debug)]
 pub(crate) struct OpFacts {
-    /// Whether the op takes part in autograd at all (`argmax` does not).
-    pub(crate) differentiable: bool,
     /// Inputs autograd keeps alive until the op's backward (none when the output requires no
     /// gradient).
     pub(crate) saved: InputSet,
@@ -146,7 +137,6 @@ impl OpFacts {
     /// updates none.
     pub(crate) fn new(n: usize) -> OpFacts {
         OpFacts {
-            differentiable: true,
             saved: InputSet::default(),
             saves_output: false,
             grad_alias: InputSet::default(),
@@ -199,11 +189,6 @@ impl OpFacts {
 
     pub(crate) fn grad_contiguous(mut self, contiguous: bool) -> Self {
         self.grad_contiguous = contiguous;
-        self
-    }
-
-    pub(crate) fn differentiable(mut self, differentiable: bool) -> Self {
-        self.differentiable = differentiable;
         self
     }
 

@@ -551,7 +551,7 @@ fn probe(node: &Node, b: i64, counter: PeakCounter, training: bool, block: u64) 
         let forward = peak.saturating_sub(before + out_bytes + kept);
         let wrt: Vec<(usize, &Tensor)> =
             ins.iter().enumerate().filter(|(k, _)| grad_of(&node.inputs[*k].meta)).collect();
-        if !training || !out.requires_grad() || !node.facts.differentiable || wrt.is_empty() {
+        if !training || !out.requires_grad() || wrt.is_empty() {
             return Ok(Point { kept, forward, backward: 0 });
         }
         let seed = out.f_ones_like().map_err(|e| e.to_string())?;

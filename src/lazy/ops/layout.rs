@@ -320,10 +320,6 @@ impl Operation for OneHot {
     fn name(&self) -> &'static str {
         "one_hot"
     }
-
-    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
-        OpFacts::new(inputs.len()).differentiable(false)
-    }
 }
 
 impl Run for OneHot {

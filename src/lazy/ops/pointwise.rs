@@ -335,7 +335,6 @@ impl Operation for TensorBinary {
 
     fn facts(&self, inputs: &[Rc<Node>], meta: &Meta) -> OpFacts {
         OpFacts::new(inputs.len())
-            .differentiable(!self.op.is_comparison())
             .saves(|i| self.op.saves(i, |j| requires(inputs, j)))
             .saves_output(self.op == Binary::Pow)
             .grad_aliases(|i| {
@@ -400,7 +399,6 @@ impl Operation for Scalar {
 
     fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
         OpFacts::new(inputs.len())
-            .differentiable(!self.op.is_comparison())
             .saves(|i| self.op == Binary::Pow && i == 0)
             .grad_aliases(|_i| matches!(self.op, Binary::Add | Binary::Sub) && !self.reversed)
     }

@@ -249,10 +249,6 @@ impl Operation for Sort {
             calls.push(KernelCall::Temporaries { forward: elements, backward: Elements::ZERO });
         }
     }
-
-    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
-        OpFacts::new(inputs.len()).differentiable(self.values)
-    }
 }
 
 impl Run for Sort {
@@ -292,10 +288,6 @@ impl Operation for TopK {
             calls.push(KernelCall::Keeps { elements: positions, kind: Kind::Int64 });
         }
     }
-
-    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
-        OpFacts::new(inputs.len()).differentiable(self.values)
-    }
 }
 
 impl Run for TopK {
@@ -320,10 +312,6 @@ impl Operation for ArgExtreme {
         } else {
             "argmin"
         }
-    }
-
-    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
-        OpFacts::new(inputs.len()).differentiable(false)
     }
 }
 

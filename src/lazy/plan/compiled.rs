@@ -58,8 +58,6 @@ pub(super) struct Flags {
     pub(super) saves_output: bool,
     /// An input or a fixed leaf (already in memory).
     pub(super) leaf: bool,
-    /// The op takes part in autograd.
-    pub(super) differentiable: bool,
     /// The output is a new allocation (not a view, an input or a parameter).
     pub(super) allocates: bool,
     /// The backward copies the output's gradient: it arrives permuted (through a transpose
@@ -258,7 +256,6 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
             requires_grad: node.meta.requires_grad,
             saves_output: node.facts.saves_output,
             leaf: node.inputs.is_empty(),
-            differentiable: node.facts.differentiable,
             allocates: cost.out != Bytes::default(),
             grad_copy: false,
             grad_dense: false,
@@ -311,7 +308,7 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
     let mut reach = vec![false; n];
     reach[n - 1] = found[n - 1].meta.requires_grad;
     for i in (0..n).rev() {
-        if !reach[i] || flags[i].leaf || !flags[i].differentiable {
+        if !reach[i] || flags[i].leaf {
             continue;
         }
         for &j in edges(i) {

@@ -305,11 +305,12 @@ impl<'c> Builder<'c> {
             self.events.push(TRANSIENT | i as u32);
         }
         let facts = &c.nodes[i].facts;
-        let differentiable = c.flags[i].differentiable;
         let ins = c.input_slice(i);
         for (k, &j) in ins.iter().enumerate() {
             let j = j as usize;
-            if !requires(j) || !differentiable {
+            // Only ops whose output requires a gradient get one: `argmax`, the comparisons and
+            // the other ops outside autograd record outputs that require none.
+            if !requires(j) {
                 continue;
             }
             let target = c.param[j].map_or(j, |p| p as usize);
