@@ -851,8 +851,9 @@ fn a_budget_gets_the_largest_micro_batch_that_fits() {
 /// The whole step users run, `opt.backward_step(&loss)` through toma's optimizer, against its
 /// plan (`Optimizer::plan_step`): the backward and the optimizer's step after it, whose state a
 /// first step creates and whose temporaries every step makes. A parameter-heavy MLP in f64
-/// (where the optimizer's step is the peak) whole and in micro-batches of 16, and a generated
-/// CNN in f32 and recomputing in f64 under a budget, for SGD with momentum (and Nesterov with
+/// (where the optimizer's step is the peak) whole and in micro-batches of 16, a gated f32 MLP
+/// (`var_dim`, `glu`, dropout, `std_dim`) in micro-batches of 16, and a generated CNN in f32
+/// and recomputing in f64 under a budget, for SGD with momentum (and Nesterov with
 /// weight decay), Adam (with weight decay), AdamW (and AMSGrad) and RMSprop (centered, with
 /// momentum): three steps each, the first included, every one within 10% (and under the
 /// budget). Before the optimizer's step was planned, the first Adam step of such an MLP peaked
@@ -884,9 +885,27 @@ fn whole_steps_peak_as_planned() {
         ),
     ];
     for (name, build) in &configs {
-        for model in ["mlp f64", "mlp f64 x4", "cnn f32", "cnn f64 recomputed"] {
+        for model in ["mlp f64", "mlp f64 x4", "gated f32 x4", "cnn f32", "cnn f64 recomputed"] {
             let mut vs = nn::VarStore::new(CPU);
-            let loss: Box<dyn Fn() -> LazyTensor> = if model.starts_with("mlp") {
+            let loss: Box<dyn Fn() -> LazyTensor> = if model.starts_with("gated") {
+                // A hand-made layer norm (`var_dim`), a gated linear unit, dropout and a
+                // deviation over features: ops added after the planner was read.
+                let r = vs.root();
+                let (l0, l1) = (
+                    nn::linear(&r / "l0", 256, 512, Default::default()),
+                    nn::linear(&r / "l1", 256, 10, Default::default()),
+                );
+                let x = Tensor::randn([64, 256], (Kind::Float, CPU));
+                let y = Tensor::randint(10, [64], (Kind::Int64, CPU));
+                Box::new(move || {
+                    let (lx, ly) = toma::lazy::lazy((&x, &y), 0);
+                    let h = lx.apply(&l0);
+                    let h = (&h - h.mean_dim([-1], true, None)) / (h.var_dim([-1], false, true) + 1e-5).sqrt();
+                    let h = h.glu(-1).dropout(0.1, true);
+                    let h = &h + h.std_dim([-1], true, true);
+                    h.apply(&l1).log_softmax(-1, None).nll_loss(&ly)
+                })
+            } else if model.starts_with("mlp") {
                 let r = vs.root();
                 let layers: Vec<nn::Linear> = [(256, 512), (512, 512), (512, 512), (512, 10)]
                     .iter()
