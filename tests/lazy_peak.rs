@@ -2406,9 +2406,9 @@ fn norms_peak_as_planned() {
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "norm models");
 }
 
-/// tch's recurrent layers, recorded step by step: a char-RNN (one-hot input, 2-layer LSTM) and
-/// a GRU encoder-decoder (embeddings, so the inputs of the recurrence require gradients), whole
-/// and in micro-batches, f32 and f64.
+/// tch's recurrent layers, each sequence one op on libtorch's fused kernel, priced by
+/// calibration: a char-RNN (one-hot input, 2-layer LSTM) and a GRU encoder-decoder (embeddings,
+/// so the inputs of the recurrence require gradients), whole and in micro-batches, f32 and f64.
 #[test]
 fn recurrent_models_peak_as_planned() {
     use toma::lazy::nn::RNN;
@@ -2477,6 +2477,21 @@ fn recurrent_models_peak_as_planned() {
         let loss = out.select(1, -1).apply(&head).cross_entropy_for_logits(&ly);
         let (planned, measured) = planned_and_measured_at(&loss, micro);
         rows.push(format!("bidirectional lstm, dropout, gru micro {micro}"), planned, measured);
+    }
+    // The bench's char-RNN (issue 41's medium size): 64 features, 128 units, 32 steps, batch 64,
+    // libtorch's fused kernel (oneDNN's in f32), whole and in micro-batches of 16.
+    for micro in [64usize, 16] {
+        use toma::lazy::nn::RNN;
+        let vs = nn::VarStore::new(CPU);
+        let lstm = toma::lazy::nn::lstm(vs.root() / "lstm", 64, 128, Default::default());
+        let head = nn::linear(vs.root() / "head", 128, 64, Default::default());
+        let xs = Tensor::randn([64, 32, 64], (Kind::Float, CPU));
+        let ys = Tensor::randint(64, [64, 32], (Kind::Int64, CPU));
+        let (lx, ly) = toma::lazy::lazy((&xs, &ys), 0);
+        let (out, _) = lstm.seq(&lx);
+        let loss = out.apply(&head).view([-1, 64]).cross_entropy_for_logits(&ly.view([-1]));
+        let (planned, measured) = planned_and_measured_at(&loss, micro);
+        rows.push(format!("char-rnn 64-128 T 32 f32 micro {micro}"), planned, measured);
     }
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "recurrent models");
 }

@@ -241,8 +241,8 @@
 //!   and the rest, and adds what runs lazily: [`nn::seq`] / [`nn::seq_t`] (tch's `Sequential`s for
 //!   both tensor kinds), [`nn::func`] / [`nn::func_t`] (a closure over `&LazyTensor`),
 //!   `nn::ModuleT` and `nn::Module` that name both kinds (so `fn block(p: nn::Path) -> impl
-//!   nn::ModuleT` is unchanged), [`nn::lstm`] / [`nn::gru`] with tch's variables (the recurrence
-//!   recorded per time step lazily), and [`nn::OptimizerConfig`], whose `build` gives tch's
+//!   nn::ModuleT` is unchanged), [`nn::lstm`] / [`nn::gru`] with tch's variables (a sequence one op on
+//!   libtorch's fused kernel lazily too), and [`nn::OptimizerConfig`], whose `build` gives tch's
 //!   optimizer wrapped so that `opt.backward_step_clip(&loss, 0.5)` takes a lazy loss.
 //! - **The budget covers the whole step.** The plan of a step through toma's optimizer
 //!   ([`nn::Optimizer::plan_step`]) includes the optimizer's step after the backward: every

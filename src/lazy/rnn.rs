@@ -3,10 +3,14 @@
 //! tch keeps an LSTM's weights private, so these layers create the same variables tch does
 //! (same names, shapes, initializers and order: a checkpoint of either loads into the other)
 //! and keep them. On a `Tensor` they call libtorch's
-//! fused `lstm`/`gru`, exactly as tch's layers do. On a [`LazyTensor`] they record the
-//! recurrence from the ops the planner already prices: per time step a linear map of the input
-//! and of the hidden state, the gates, and the new state. A recurrence mixes time steps, never
-//! samples, so the step splits by batch like any per-sample op.
+//! fused `lstm`/`gru`, exactly as tch's layers do. On a [`LazyTensor`] a sequence (`seq`,
+//! `seq_init`) is one op that runs the same fused kernel on each micro-batch, its memory
+//! measured by calibration (the kernel's workspace and what it keeps for its backward); the
+//! output and final states are views of its value. A recurrence mixes time steps, never
+//! samples, so it splits by batch like any per-sample op. Steps the user takes (`step`) are
+//! recorded from small ops (per step a linear map of the input and of the hidden state, the
+//! gates, the new state), and so is a sequence in an autocast region, whose products autocast
+//! casts one by one.
 
 use std::borrow::Borrow;
 
@@ -14,6 +18,7 @@ use tch::nn::{self as tnn, Init, Path, RNNConfig};
 use tch::{Device, Kind, Tensor};
 
 use super::error::{LazyError, OrPanic};
+use super::ops::recurrent::{Cell, Recurrent};
 use super::LazyTensor;
 
 /// A recurrent layer over tensors of type `T` (`Tensor` or [`LazyTensor`]): tch's `RNN`
@@ -37,10 +42,12 @@ use super::LazyTensor;
 /// # Ok::<(), toma::lazy::LazyError>(())
 /// ```
 ///
-/// Lazily, the recurrence is recorded step by step from small ops: a long sequence makes a
-/// large graph (about 12 nodes per step, layer and direction), and the backward of each step's
-/// input selection writes a zeroed copy of the whole input when the input requires its
-/// gradient (an embedding's output, say), as libtorch's `select` does.
+/// Lazily, `seq` and `seq_init` record one op on libtorch's fused kernel, however long the
+/// sequence (its memory measured by calibration: call
+/// [`track_cpu_allocations`](crate::memory::track_cpu_allocations) on a CPU; until measured it is
+/// priced by a prior of each step's gates and states). `step` records the step from small ops
+/// (about 12 per layer and direction): a loop of steps makes a graph as long as the loop. As in
+/// tch, a `batch_first` output is a transposed view (libtorch runs time first).
 #[allow(clippy::upper_case_acronyms)]
 pub trait RNN<T = Tensor> {
     /// The state carried from step to step.
@@ -55,29 +62,6 @@ pub trait RNN<T = Tensor> {
 
     /// The whole sequence from `state`.
     fn seq_init(&self, input: &T, state: &Self::State) -> (T, Self::State);
-}
-
-/// Which recurrence: the gates per hidden unit and libtorch's name for it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Cell {
-    Lstm,
-    Gru,
-}
-
-impl Cell {
-    fn gates(self) -> i64 {
-        match self {
-            Cell::Lstm => 4,
-            Cell::Gru => 3,
-        }
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            Cell::Lstm => "lstm",
-            Cell::Gru => "gru",
-        }
-    }
 }
 
 /// The weights of one layer and direction.
@@ -227,9 +211,78 @@ impl Weights {
         }
     }
 
-    /// The recorded sequence: the output and each layer-and-direction's final states (one
-    /// list per state tensor: `h`, and `c` for an LSTM).
+    /// The sequence as one op on libtorch's fused kernel, or step by step where an autocast
+    /// region would cast the steps' products (the fused kernel's casts are libtorch's own).
     fn record(&self, input: &LazyTensor, h0: &Hidden, c0: Option<&Hidden>) -> Result<Recorded, LazyError> {
+        let kind = input.kind();
+        let cast = super::ops::autocast::target(self.device, "linear", std::iter::once(kind));
+        if cast.is_some_and(|k| k != kind) {
+            return self.record_steps(input, h0, c0);
+        }
+        self.record_fused(input, h0, c0)
+    }
+
+    /// The sequence as one node running libtorch's `lstm` / `gru`, whose packed value the
+    /// output and the final states are views of.
+    fn record_fused(&self, input: &LazyTensor, h0: &Hidden, c0: Option<&Hidden>) -> Result<Recorded, LazyError> {
+        let (batch, time) = self.check_input(input)?;
+        let want = self.state_shape(batch);
+        let mut states = Vec::new();
+        for h in std::iter::once(h0).chain(c0) {
+            match h {
+                Hidden::Zero { shape, .. } if *shape == want => {}
+                Hidden::Given(t) if t.size() == want => states.push(t.clone()),
+                other => {
+                    return Err(LazyError::Shape {
+                        op: self.cell.name().into(),
+                        lhs: other.shape(),
+                        rhs: want,
+                        reason: "the state must be [layers * directions, batch, hidden] for this input".into(),
+                    })
+                }
+            }
+        }
+        // Both states given, or both zero (an LSTM's come in pairs).
+        if !states.is_empty() && states.len() != self.cell.states() as usize {
+            states = std::iter::once(h0).chain(c0).map(Hidden::value).collect();
+        }
+        let c = self.config;
+        let op = Recurrent {
+            cell: self.cell,
+            layers: c.num_layers,
+            hidden: self.hidden,
+            bidirectional: c.bidirectional,
+            batch_first: c.batch_first,
+            has_biases: c.has_biases,
+            dropout: c.dropout,
+            train: c.train,
+            given_state: !states.is_empty(),
+        };
+        let weights: Vec<LazyTensor> = self.flat().into_iter().map(LazyTensor::fixed).collect();
+        let packed = op.record(input, &states, &weights)?;
+        let output = packed.f_narrow(0, 0, time)?;
+        let output = if c.batch_first { output.f_transpose(0, 1)? } else { output };
+        let (layers, directions) = (c.num_layers, self.directions());
+        let state = |k: i64| -> Result<LazyTensor, LazyError> {
+            let s = packed.f_narrow(0, time + k * layers, layers)?;
+            if directions == 1 {
+                return Ok(s);
+            }
+            s.f_view([layers, batch, directions, self.hidden])?.f_permute([0, 2, 1, 3])?.f_reshape([
+                layers * directions,
+                batch,
+                self.hidden,
+            ])
+        };
+        let h = state(0)?;
+        let c = if self.cell == Cell::Lstm { Some(state(1)?) } else { None };
+        Ok(Recorded { output, h, c })
+    }
+
+    /// The recorded sequence, step by step from small ops: the output and each
+    /// layer-and-direction's final states (one list per state tensor: `h`, and `c` for an
+    /// LSTM).
+    fn record_steps(&self, input: &LazyTensor, h0: &Hidden, c0: Option<&Hidden>) -> Result<Recorded, LazyError> {
         let (batch, time) = self.check_input(input)?;
         let time_dim = self.time_dim();
         let mut steps: Vec<LazyTensor> = (0..time).map(|t| input.f_select(time_dim, t)).collect::<Result<_, _>>()?;
@@ -523,8 +576,10 @@ macro_rules! recurrent_layer {
 
             #[track_caller]
             fn step(&self, input: &LazyTensor, state: &$lazy_state) -> $lazy_state {
+                // Steps the user takes are recorded as such, from small ops (no packing of a
+                // one-step sequence's states).
                 let input = input.f_unsqueeze(1).or_panic();
-                self.f_seq_init(&input, state).or_panic().1
+                self.recorded(&input, state, true).or_panic().1
             }
 
             #[track_caller]
@@ -657,7 +712,21 @@ impl LSTM {
         input: &LazyTensor,
         state: &LazyLSTMState,
     ) -> Result<(LazyTensor, LazyLSTMState), LazyError> {
-        let r = self.weights.record(input, &state.h, Some(&state.c))?;
+        self.recorded(input, state, false)
+    }
+
+    /// The sequence on the fused kernel, or step by step.
+    fn recorded(
+        &self,
+        input: &LazyTensor,
+        state: &LazyLSTMState,
+        steps: bool,
+    ) -> Result<(LazyTensor, LazyLSTMState), LazyError> {
+        let r = if steps {
+            self.weights.record_steps(input, &state.h, Some(&state.c))?
+        } else {
+            self.weights.record(input, &state.h, Some(&state.c))?
+        };
         let c = r.c.unwrap_or_else(|| unreachable!("an LSTM records its cell state"));
         Ok((r.output, LazyLSTMState::new(r.h, c)))
     }
@@ -674,7 +743,21 @@ impl GRU {
         input: &LazyTensor,
         state: &LazyGRUState,
     ) -> Result<(LazyTensor, LazyGRUState), LazyError> {
-        let r = self.weights.record(input, &state.0, None)?;
+        self.recorded(input, state, false)
+    }
+
+    /// The sequence on the fused kernel, or step by step.
+    fn recorded(
+        &self,
+        input: &LazyTensor,
+        state: &LazyGRUState,
+        steps: bool,
+    ) -> Result<(LazyTensor, LazyGRUState), LazyError> {
+        let r = if steps {
+            self.weights.record_steps(input, &state.0, None)?
+        } else {
+            self.weights.record(input, &state.0, None)?
+        };
         Ok((r.output, LazyGRUState::new(r.h)))
     }
 }

@@ -404,8 +404,9 @@ fn table() -> String {
         "\n## Layers\n\nWhat `LazyTensor::apply` / `apply_t` take (from the `impl LazyModule for` and \
          `impl LazyModuleT for` lines of `src/lazy/*.rs`, and the models' `both_modules!` lists), and the \
          recurrent layers of `toma::lazy::nn` (`recurrent_layer!`), whose `seq`, `seq_init` and `step` take a \
-         `LazyTensor`; each records the ops above, so its micro-batch rule and memory are theirs (a \
-         recurrence mixes time steps, not samples: it splits by batch).\n\n| layer | file |\n|---|---|\n",
+         `LazyTensor`; each records the ops above, so its micro-batch rule and memory are theirs, except a \
+         recurrent layer's `seq` and `seq_init`: one `lstm` or `gru` op on libtorch's fused kernel (`ops/recurrent.rs`), \
+         per sample (a recurrence mixes time steps, not samples), its memory measured by calibration.\n\n| layer | file |\n|---|---|\n",
     );
     let lazy_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/lazy");
     let mut files: Vec<_> =

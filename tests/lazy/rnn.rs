@@ -279,3 +279,92 @@ fn tchs_sampling_loop_compiles_unchanged() {
     let (lstm, linear) = char_rnn_as_tch_writes_it::model(&vs, 7);
     assert_eq!(char_rnn_as_tch_writes_it::sample(&lstm, &linear, 7).len(), 5);
 }
+
+/// The ops of a recorded loss's plan, by name.
+fn op_names(loss: &LazyTensor) -> Vec<String> {
+    let plan = loss.plan(toma::lazy::Mode::Backward, &Options::new().calibrate(toma::lazy::Calibrate::Never)).unwrap();
+    plan.ops().iter().map(|op| op.name.to_string()).collect()
+}
+
+/// A sequence is one op on libtorch's fused kernel, however long; steps the user takes are
+/// recorded as steps.
+#[test]
+fn a_sequence_is_one_fused_op_and_steps_stay_steps() {
+    let vs = nn::VarStore::new(CPU);
+    let lstm = nn::lstm(vs.root() / "lstm", 3, 8, config(2, true, true, true));
+    let gru = nn::gru(vs.root() / "gru", 16, 8, Default::default());
+    let xs = Tensor::randn([4, 200, 3], (Kind::Float, CPU));
+    let lx = lazy(&xs, 0);
+    let (out, state) = lstm.seq(&lx);
+    let (out, _) = gru.seq_init(&out, &nn::LazyGRUState::new(state.h().narrow(0, 0, 1)));
+    let names = op_names(&out.sum(None));
+    assert_eq!(names.iter().filter(|n| *n == "lstm").count(), 1, "{names:?}");
+    assert_eq!(names.iter().filter(|n| *n == "gru").count(), 1, "{names:?}");
+    assert!(names.len() < 40, "{} ops for two recurrent layers over 200 steps: {names:?}", names.len());
+    let mut state = lstm.lazy_zero_state(4);
+    for t in 0..3 {
+        state = lstm.step(&lx.select(1, t), &state);
+    }
+    let names = op_names(&state.h().sum(None));
+    assert!(!names.iter().any(|n| n == "lstm"), "steps recorded on the fused kernel: {names:?}");
+    assert!(names.iter().any(|n| n == "sigmoid"), "{names:?}");
+}
+
+/// In `Float` (oneDNN's kernel on a CPU), whole and in micro-batches: the values, the states
+/// and the gradients of libtorch's own call.
+#[test]
+fn the_fused_kernel_in_float_matches_tch_whole_and_split() {
+    for (layers, bidi, batch_first, bias) in CONFIGS {
+        let what = format!("float lstm/gru layers {layers} bidirectional {bidi} batch_first {batch_first} bias {bias}");
+        let vs = nn::VarStore::new(CPU);
+        let lstm = nn::lstm(vs.root() / "lstm", 5, 7, config(layers, bidi, batch_first, bias));
+        let gru = nn::gru(vs.root() / "gru", 5, 7, config(layers, bidi, batch_first, bias));
+        let (b, t) = (6i64, 9i64);
+        let shape = if batch_first { [b, t, 5] } else { [t, b, 5] };
+        let xs = Tensor::randn(shape, (Kind::Float, CPU));
+        let batch_dim = if batch_first { 0 } else { 1 };
+        let eager = {
+            let (o1, s1) = RNN::<Tensor>::seq(&lstm, &xs);
+            let (o2, s2) = RNN::<Tensor>::seq(&gru, &xs);
+            (o1.square().sum(Kind::Float)
+                + o2.tanh().sum(Kind::Float)
+                + s1.c().sum(Kind::Float) * 0.5
+                + s2.value().sum(Kind::Float) * 0.25)
+                .copy()
+        };
+        let mut opt = nn::Sgd::default().build(&vs, 0.0).unwrap();
+        opt.zero_grad();
+        eager.backward();
+        let grads: Vec<(String, Tensor)> = vs.variables().into_iter().map(|(k, v)| (k, v.grad().copy())).collect();
+        for micro in [6usize, 4, 1] {
+            opt.zero_grad();
+            let lx = lazy(&xs, batch_dim);
+            let (o1, s1) = lstm.seq(&lx);
+            let (o2, s2) = gru.seq(&lx);
+            let loss = o1.square().sum(Kind::Float)
+                + o2.tanh().sum(Kind::Float)
+                + s1.c().sum(Kind::Float) * 0.5
+                + s2.h().sum(Kind::Float) * 0.25;
+            let value = loss.backward_with(&Options::new().micro_batch(micro)).unwrap();
+            let want = eager.double_value(&[]);
+            assert!((value - want).abs() < 1e-4 * want.abs().max(1.0), "{what} micro {micro}: {value} vs {want}");
+            for (name, g) in &grads {
+                let diff = (vs.variables()[name].grad() - g).abs().max().double_value(&[]);
+                assert!(diff < 1e-4, "{what} micro {micro}: gradient of {name} differs by {diff}");
+            }
+        }
+    }
+}
+
+/// In an autocast region the steps' products are cast as libtorch's autocast casts them, so
+/// the recurrence is recorded step by step there.
+#[test]
+fn an_autocast_region_records_the_steps() {
+    let vs = nn::VarStore::new(CPU);
+    let lstm = nn::lstm(vs.root() / "lstm", 3, 8, Default::default());
+    let xs = Tensor::randn([4, 5, 3], (Kind::Float, CPU));
+    let out = toma::autocast(CPU, Kind::BFloat16, || lstm.seq(&lazy(&xs, 0)).0);
+    let names = op_names(&out.sum(Kind::Float));
+    assert!(!names.iter().any(|n| n == "lstm"), "{names:?}");
+    assert!(names.iter().any(|n| n == "autocast"), "{names:?}");
+}

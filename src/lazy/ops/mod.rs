@@ -36,6 +36,7 @@ pub(crate) mod matrix;
 pub(crate) mod norm;
 pub(crate) mod pointwise;
 pub(crate) mod record;
+pub(crate) mod recurrent;
 pub(crate) mod reduce;
 pub(crate) mod window;
 
