@@ -139,8 +139,17 @@ pub(crate) fn cap_changes() -> u64 {
 /// Reads the kernel's figures fresh on every call (tens of microseconds); the retry engine's
 /// cache keys use a reading up to a second old instead.
 pub fn available_cpu_memory() -> u64 {
-    let system = imp::system_available().unwrap_or(u64::MAX);
-    CpuCap::ALL.iter().filter_map(|cap| cap.headroom()).fold(system, u64::min)
+    within_caps(system_available())
+}
+
+/// The system's available memory (`MemAvailable`), `u64::MAX` where it cannot be read.
+pub(super) fn system_available() -> u64 {
+    imp::system_available().unwrap_or(u64::MAX)
+}
+
+/// `bytes`, or less: the headroom under each cap that is set.
+pub(super) fn within_caps(bytes: u64) -> u64 {
+    CpuCap::ALL.iter().filter_map(|cap| cap.headroom()).fold(bytes, u64::min)
 }
 
 /// Whether CPU memory is short now: a cap ([`CpuCap`]) is set, or the system's available memory

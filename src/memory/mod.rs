@@ -34,6 +34,8 @@ pub use cuda_allocator::{
 };
 pub(crate) use cuda_allocator::{torch_device_count, work_device};
 pub(crate) use peak::PeakCounter;
+#[cfg(feature = "tch")]
+pub(crate) use reading::available_cpu_memory_for_plans;
 pub(crate) use reading::{free_memory_reading, free_memory_reading_for};
 pub use shim::AllocatorError;
 

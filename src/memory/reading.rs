@@ -31,8 +31,13 @@ impl Reading {
 
     /// The stored figure, or a fresh one from `read` when the stored one is missing or stale.
     fn get(&self, now: u64, read: impl FnOnce() -> u64) -> u64 {
+        self.get_within(now, SNAPSHOT_MAX_AGE, read)
+    }
+
+    /// As [`get`](Self::get), stale after `max_age`.
+    fn get_within(&self, now: u64, max_age: Duration, read: impl FnOnce() -> u64) -> u64 {
         let taken_at = self.taken_at.load(Ordering::Acquire);
-        if taken_at == 0 || now.saturating_sub(taken_at) > SNAPSHOT_MAX_AGE.as_nanos() as u64 {
+        if taken_at == 0 || now.saturating_sub(taken_at) > max_age.as_nanos() as u64 {
             // Several threads may refresh at once; each stores a valid reading, so no lock.
             let value = read();
             self.value.store(value, Ordering::Relaxed);
@@ -84,6 +89,31 @@ pub(crate) fn free_memory_reading_for(device: Option<usize>) -> (u64, Option<u64
     (cpu, gpu.filter(|&free| free != NO_READING))
 }
 
+/// How old the system's available memory may be when a plan reads it: a step shorter than
+/// this shares one reading with the steps around it.
+#[cfg(feature = "tch")]
+const PLAN_READING_MAX_AGE: Duration = Duration::from_millis(50);
+
+/// [`available_cpu_memory`] for a plan made every step: the system's `MemAvailable` from a
+/// shared reading up to [`PLAN_READING_MAX_AGE`] old (reading `/proc/meminfo` costs tens of
+/// microseconds, 1% of a small model's step), read again at once after a cap is set; the
+/// headroom under each cap that is set read fresh (the process's own usage moves with every
+/// allocation).
+#[cfg(feature = "tch")]
+pub(crate) fn available_cpu_memory_for_plans() -> u64 {
+    static CAPS: AtomicU64 = AtomicU64::new(0);
+    let now = epoch().elapsed().as_nanos() as u64 + 1;
+    let changes = cap_changes();
+    if CAPS.swap(changes, Ordering::AcqRel) != changes {
+        PLAN_READING.forget();
+    }
+    super::cpu::within_caps(PLAN_READING.get_within(now, PLAN_READING_MAX_AGE, super::cpu::system_available))
+}
+
+/// The system's figure plans share ([`available_cpu_memory_for_plans`]).
+#[cfg(feature = "tch")]
+static PLAN_READING: Reading = Reading::new();
+
 /// Forgets the shared readings so that the next key takes fresh ones.
 pub(crate) fn refresh_free_memory_reading() {
     CPU_READING.forget();
@@ -114,6 +144,38 @@ mod tests {
             again == taken && first == second
         });
         assert!(reused, "a reading taken within a second of the last was taken again");
+    }
+
+    #[cfg(all(feature = "tch", target_os = "linux"))]
+    #[test]
+    fn plans_share_a_recent_system_reading() {
+        // Without a cap in this process the figure is the shared system reading: read twice
+        // in a row (within 50 ms, a few tries as other tests run), the same bytes.
+        let total = std::fs::read_to_string("/proc/meminfo").unwrap();
+        let total: u64 = total
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .unwrap()
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .unwrap();
+        let shared = (0..5).any(|_| {
+            let t = std::time::Instant::now();
+            let a = available_cpu_memory_for_plans();
+            let taken = PLAN_READING.taken_at.load(Ordering::Acquire);
+            let b = available_cpu_memory_for_plans();
+            assert!(a > 0 && a <= total * 1024, "{a} bytes available of {total} KiB");
+            let again = PLAN_READING.taken_at.load(Ordering::Acquire);
+            taken == again && a == b && t.elapsed() < std::time::Duration::from_millis(50)
+        });
+        // Older than 50 ms: read again.
+        let taken = PLAN_READING.taken_at.load(Ordering::Acquire);
+        std::thread::sleep(std::time::Duration::from_millis(60));
+        available_cpu_memory_for_plans();
+        assert_ne!(PLAN_READING.taken_at.load(Ordering::Acquire), taken, "a reading 60 ms old was used");
+        assert!(shared, "two plans within 50 ms read the system's figure twice");
     }
 
     #[test]

@@ -25,7 +25,8 @@ pub(crate) struct Machine {
 }
 
 impl Machine {
-    /// The machine now, for `options` on `device`: its free memory is read once, here.
+    /// The machine now, for `options` on `device`: its free memory is read here (on a CPU, the
+    /// system's figure from a reading up to 50 ms old).
     pub(crate) fn now(options: &Options, device: Device) -> Machine {
         Machine { budget: budget(options, device), replays: generator_replays() }
     }
@@ -39,7 +40,8 @@ fn budget(options: &Options, device: Device) -> u64 {
     let free = match device {
         // The driver's free bytes plus what libtorch's caching allocator holds unused.
         Device::Cuda(i) => crate::memory::cuda_usable_memory(i).unwrap_or_else(crate::cpu_memory::available_cpu_memory),
-        _ => crate::cpu_memory::available_cpu_memory(),
+        // The system's figure shared by the steps of the last 50 ms, the caps' headroom fresh.
+        _ => crate::memory::available_cpu_memory_for_plans(),
     };
     (free as f64 * (1.0 - options.margin)) as u64
 }
