@@ -198,6 +198,15 @@ fn add_out_of_place(sum: &mut Option<Tensor>, g: Tensor) -> Result<(), TchError>
     Ok(())
 }
 
+/// A loss's value as `f64`: a scalar read as it is (no kernel, as tch's `double_value`),
+/// anything larger summed in `Double`.
+fn value_of(loss: &Tensor) -> Result<f64, TchError> {
+    if loss.numel() == 1 {
+        return loss.f_double_value(&[]);
+    }
+    loss.f_sum(Kind::Double)?.f_double_value(&[])
+}
+
 /// Runs one micro-batch's forward and backward at once: returns the loss and, unless `direct`
 /// (autograd accumulated into `.grad`), the parameters' gradients.
 fn plain_chunk(
@@ -209,7 +218,7 @@ fn plain_chunk(
     let err = torch(c.len() - 1, "backward");
     tch::with_grad(|| -> Result<(f64, Vec<Tensor>), LazyError> {
         let loss = forward_chunk(c, chunk, None)?;
-        let value = loss.f_sum(Kind::Double).and_then(|v| v.f_double_value(&[])).map_err(&err)?;
+        let value = value_of(&loss).map_err(&err)?;
         if direct && !params.is_empty() && loss.requires_grad() {
             loss.f_backward().map_err(&err)?;
             return Ok((value, Vec::new()));
@@ -325,7 +334,7 @@ fn recompute_segments(
                 let _no_grad = tch::no_grad_guard();
                 after_forward = Some((generator_state(device)?, stats.iter().map(Tensor::copy).collect()));
                 let loss = values[n - 1].take().expect("the output is held");
-                loss_value = loss.f_sum(Kind::Double).and_then(|v| v.f_double_value(&[])).map_err(&err)?;
+                loss_value = value_of(&loss).map_err(&err)?;
                 return Ok(loss.requires_grad().then_some(loss));
             }
             let mut sum: Option<Tensor> = None;
