@@ -15,7 +15,7 @@
 use std::ops::Range;
 
 /// A set of an op's input positions, as many as the op has (`cat` of a thousand tensors).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub(crate) struct InputSet {
     /// Positions below 64, one bit each: what almost every op needs, without an allocation.
     low: u64,
@@ -58,7 +58,7 @@ impl InputSet {
 }
 
 /// How an op's backward takes its output's gradient.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum GradReshape {
     /// As it comes.
     AsItComes,
@@ -83,7 +83,7 @@ impl GradReshape {
 /// Everything the planner and the executor know about a recorded op besides its output's
 /// `Meta` and the device's kernels. Built with the methods below; [`new`](Self::new)
 /// describes an op that saves nothing, makes a fresh gradient for each input and updates none.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Hash)]
 pub(crate) struct OpFacts {
     /// Inputs autograd keeps alive until the op's backward (none when the output requires no
     /// gradient).

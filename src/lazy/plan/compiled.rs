@@ -45,6 +45,10 @@ pub(crate) struct Compiled {
     pub(super) model: CostModel,
     pub(super) block: u64,
     pub(crate) fingerprint: u64,
+    /// The fingerprint with what else a plan reads of the graph: how nodes connect, where the
+    /// batch flows, what each op declared, which tensor each parameter is. Two graphs that
+    /// share it plan alike (the key of the last plan reused, `plan::decide`).
+    pub(crate) structure: u64,
     /// Sum-flow nodes that feed the output linearly (combined over micro-batches).
     pub(crate) global: Vec<bool>,
 }
@@ -240,6 +244,7 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
     let mut param = vec![None; n];
     let mut batch: Option<i64> = None;
     let mut fingerprint = 0x6c61_7a79u64;
+    let mut structure = 0u64;
     let leaves = found.iter().filter(|x| x.inputs.is_empty()).count();
     let mut params_seen: HashMap<&ParamKey, u32, BuildHasherDefault<crate::hash::PassThrough>> =
         HashMap::with_capacity_and_hasher(leaves, BuildHasherDefault::default());
@@ -249,7 +254,10 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
             let from = pos(input);
             last_use[from as usize] = i as u32;
             inputs.push(from);
+            structure = crate::hash::mix(structure ^ u64::from(from));
         }
+        let batch_at = node.meta.batch().map_or(0, |bd| (bd.dim as u64 + 1) << 40 ^ bd.factor as u64);
+        structure = crate::hash::mix(structure ^ crate::hash::hash_of(&node.facts) ^ batch_at);
         root.push(if node.meta.alias { root[pos(&node.inputs[0]) as usize] } else { i as u32 });
         let cost = &node.cost;
         flags.push(Flags {
@@ -285,6 +293,7 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
                 }
             }
             Some(Source::Leaf { param: Some(p), .. }) => {
+                structure = crate::hash::mix(structure ^ crate::hash::hash_of(&p.key));
                 param[i] = Some(*params_seen.entry(&p.key).or_insert(i as u32));
             }
             _ => {}
@@ -343,6 +352,7 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
         batch: batch.unwrap_or(1),
         model,
         block,
+        structure: crate::hash::mix(structure ^ fingerprint),
         fingerprint,
         global,
     })

@@ -31,6 +31,7 @@ mod correction;
 mod evidence;
 mod recompute;
 mod report;
+mod reuse;
 mod schedule;
 mod search;
 mod snapshot;
@@ -83,7 +84,13 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
 /// `measure` allows) and the machine, then plans with them.
 pub(crate) fn decide(c: &Compiled, mode: Mode, options: &Options, measure: Measure) -> Result<Decision, LazyError> {
     let evidence = Evidence::gather(c, mode, options, measure);
-    search::plan(c, mode, options, &Machine::now(options, c.device()), &evidence)
+    let machine = Machine::now(options, c.device());
+    if let Some(d) = reuse::find(c, mode, options, &machine, &evidence) {
+        return Ok(d);
+    }
+    let d = search::plan(c, mode, options, &machine, &evidence)?;
+    reuse::keep(c, mode, options, &machine, &evidence, &d);
+    Ok(d)
 }
 
 /// Plans `output` in `mode` under `options` with the evidence at hand: runs nothing.

@@ -14,6 +14,7 @@ use crate::lazy::options::{Options, Recompute};
 /// What planning decided for one output and mode: the budget, the micro-batch and the peak
 /// there, whether a micro-batch that runs out of memory may be halved, and the schedule that
 /// prices other micro-batches.
+#[derive(Clone)]
 pub(crate) struct Decision {
     pub(crate) mode: Mode,
     pub(crate) budget: u64,
