@@ -1,12 +1,21 @@
 //! The tax of `toma::lazy` when no split is needed: one training step plain in tch against the
 //! same step through `toma::lazy` whose plan runs the whole batch as one micro-batch, side by
-//! side, in time and in peak CPU memory (the counting allocator), on a small CNN (conv, relu,
-//! max-pool, linear, cross-entropy; batch 64 of 3×32×32), on an MLP whose parameters
-//! dominate its memory (1024 → 4096 → 4096 → 10, 84 MB of weights; batch 64), and on a
-//! minGPT-style model (two GPT-2 decoder blocks, width 128, 4 heads, 64 positions, dropout, a
-//! head over 256 tokens; batch 64), and on a char-RNN (an LSTM over 32 steps, libtorch's fused
-//! kernel plainly, recorded per step lazily; batch 64). Goal (issues 17, 27): within 5% of plain
-//! tch in each, the recurrent one aside (a recurrence recorded step by step against a fused kernel).
+//! side, in time and in peak CPU memory (the counting allocator), reported as ratios:
+//!
+//! - a small CNN (conv, relu, max-pool, linear, cross-entropy; batch 64 of 3×32×32);
+//! - an MLP whose parameters dominate its memory (1024 → 4096 → 4096 → 10, 84 MB of weights);
+//! - min-gpt at tch-rs's example's two sizes (issue 41): token and position embeddings, two GPT-2
+//!   decoder blocks of `toma::lazy::models`, a head over 65 tokens; tiny (32 wide, 16
+//!   positions, batch 8) and medium (128 wide, 64 positions, batch 32);
+//! - a char-RNN (an LSTM 64 → 128 over 32 steps, batch 64: libtorch's fused kernel both ways);
+//! - tch-rs's VAE (784 → 400 → 20, batch 64).
+//!
+//! When the plan splits: the CNN and the char-RNN in 4 micro-batches of 16 against the sum of 4
+//! plain steps of 16. And eager inference through ported code: a min-gpt-style model written
+//! with `toma::lazy::nn::func_t` closures run on a `Tensor`, against the same model in tch's
+//! `nn::func_t`, generating 50 tokens one at a time. Goals (issue 41): ≤ 1.15× on the tiny
+//! min-gpt, ≤ 1.05× on the medium one, the CNN and the VAE, ≤ 1.2× on the char-RNN, ≤ 1.03×
+//! eagerly.
 //!
 //! `cargo bench --bench lazy_tax`.
 
@@ -17,7 +26,8 @@ use criterion::{criterion_group, Criterion};
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 use toma::lazy::models::{BlockConfig, DecoderBlock};
-use toma::lazy::{lazy, Options};
+use toma::lazy::nn as lazy_nn;
+use toma::lazy::{lazy, Operators, Options, TensorOps};
 
 struct Cnn {
     c1: nn::Conv2D,
@@ -78,27 +88,33 @@ fn mlp_lazily(m: &Mlp, x: &Tensor, y: &Tensor) -> f64 {
     loss.backward_with(&Options::new()).unwrap()
 }
 
-/// A minGPT-style model: two GPT-2 decoder blocks of `toma::lazy::models` (written once over
-/// `TensorOps`: the same code runs eagerly and lazily), a head over 256 tokens, cross-entropy
-/// over every position.
+/// min-gpt: token and position embeddings, two GPT-2 decoder blocks of `toma::lazy::models`
+/// (written once over `TensorOps`: the same code runs eagerly and lazily), a head over 65
+/// tokens, cross-entropy over every position.
 struct Gpt {
+    tokens: nn::Embedding,
+    positions: Tensor,
     blocks: Vec<DecoderBlock>,
     head: nn::Linear,
 }
 
-const GPT_WIDTH: i64 = 128;
-const GPT_VOCAB: i64 = 256;
+const GPT_VOCAB: i64 = 65;
 
-fn gpt(vs: &nn::VarStore) -> Gpt {
-    let p = vs.root();
-    Gpt {
-        blocks: (0..2).map(|i| DecoderBlock::new(&p / "h" / i, BlockConfig::gpt2(GPT_WIDTH, 4))).collect(),
-        head: nn::linear(&p / "head", GPT_WIDTH, GPT_VOCAB, Default::default()),
+fn gpt_of(width: i64, positions: i64) -> impl Fn(&nn::VarStore) -> Gpt {
+    move |vs| {
+        let p = vs.root();
+        Gpt {
+            tokens: nn::embedding(&p / "tokens", GPT_VOCAB, width, Default::default()),
+            positions: p.zeros("positions", &[1, positions, width]),
+            blocks: (0..2).map(|i| DecoderBlock::new(&p / "h" / i, BlockConfig::gpt2(width, 4))).collect(),
+            head: nn::linear(&p / "head", width, GPT_VOCAB, Default::default()),
+        }
     }
 }
 
 fn gpt_plain(m: &Gpt, x: &Tensor, y: &Tensor) -> f64 {
-    let h = m.blocks.iter().fold(x.shallow_clone(), |h, b| b.forward_t(&h, true));
+    let h = x.apply(&m.tokens) + &m.positions;
+    let h = m.blocks.iter().fold(h, |h, b| b.forward_t(&h, true));
     let loss = h.apply(&m.head).view([-1, GPT_VOCAB]).cross_entropy_for_logits(&y.view([-1]));
     loss.backward();
     loss.double_value(&[])
@@ -106,13 +122,14 @@ fn gpt_plain(m: &Gpt, x: &Tensor, y: &Tensor) -> f64 {
 
 fn gpt_lazily(m: &Gpt, x: &Tensor, y: &Tensor) -> f64 {
     let (x, y) = lazy((x, y), 0);
-    let h = m.blocks.iter().fold(x, |h, b| b.forward_t(&h, true));
+    let h = x.apply(&m.tokens) + &m.positions;
+    let h = m.blocks.iter().fold(h, |h, b| b.forward_t(&h, true));
     let loss = h.apply(&m.head).view([-1, GPT_VOCAB]).cross_entropy_for_logits(&y.view([-1]));
     loss.backward_with(&Options::new()).unwrap()
 }
 
-/// A char-RNN: an LSTM over 32 steps of 64 features, a linear head per step. Plain tch runs
-/// libtorch's fused `lstm`; `toma::lazy` records the recurrence step by step.
+/// A char-RNN: an LSTM over 32 steps of 64 features, a linear head per step; libtorch's fused
+/// `lstm` both ways (lazily, one op on each micro-batch).
 struct CharRnn {
     lstm: toma::lazy::nn::LSTM,
     head: nn::Linear,
@@ -135,12 +152,63 @@ fn rnn_plain(m: &CharRnn, x: &Tensor, y: &Tensor) -> f64 {
     loss.double_value(&[])
 }
 
-fn rnn_lazily(m: &CharRnn, x: &Tensor, y: &Tensor) -> f64 {
+fn rnn_lazily_with(m: &CharRnn, x: &Tensor, y: &Tensor, options: &Options) -> f64 {
     use toma::lazy::nn::RNN;
     let (x, y) = lazy((x, y), 0);
     let (out, _) = m.lstm.seq(&x);
     let loss = out.apply(&m.head).view([-1, RNN_FEATURES]).cross_entropy_for_logits(&y.view([-1]));
-    loss.backward_with(&Options::new()).unwrap()
+    loss.backward_with(options).unwrap()
+}
+
+fn rnn_lazily(m: &CharRnn, x: &Tensor, y: &Tensor) -> f64 {
+    rnn_lazily_with(m, x, y, &Options::new())
+}
+
+/// tch-rs's VAE (784 → 400 → 20 → 400 → 784), its loss written once over `TensorOps`: summed
+/// binary cross-entropy of the reconstruction plus the KL term. `y` is unused.
+struct Vae {
+    fc1: nn::Linear,
+    fc21: nn::Linear,
+    fc22: nn::Linear,
+    fc3: nn::Linear,
+    fc4: nn::Linear,
+}
+
+fn vae(vs: &nn::VarStore) -> Vae {
+    let p = vs.root();
+    let c = Default::default;
+    Vae {
+        fc1: nn::linear(&p / "fc1", 784, 400, c()),
+        fc21: nn::linear(&p / "fc21", 400, 20, c()),
+        fc22: nn::linear(&p / "fc22", 400, 20, c()),
+        fc3: nn::linear(&p / "fc3", 20, 400, c()),
+        fc4: nn::linear(&p / "fc4", 400, 784, c()),
+    }
+}
+
+fn vae_loss<T: TensorOps + Operators>(m: &Vae, x: &T) -> T
+where
+    nn::Linear: toma::lazy::Layer<T>,
+{
+    let f = |l: &nn::Linear, x: &T| toma::lazy::Layer::forward(l, x);
+    let h = f(&m.fc1, x).relu();
+    let (mu, logvar) = (f(&m.fc21, &h), f(&m.fc22, &h));
+    let std = (logvar.shallow_clone() * 0.5).exp();
+    let z = std.randn_like() * &std + &mu;
+    let recon = f(&m.fc4, &f(&m.fc3, &z).relu()).sigmoid();
+    let bce = recon.binary_cross_entropy(x, None, tch::Reduction::Sum);
+    let kld = (mu.pow_tensor_scalar(2) + logvar.exp() - 1.0 - logvar).sum(Kind::Float) * 0.5;
+    bce + kld
+}
+
+fn vae_plain(m: &Vae, x: &Tensor, _: &Tensor) -> f64 {
+    let loss = vae_loss(m, x);
+    loss.backward();
+    loss.double_value(&[])
+}
+
+fn vae_lazily(m: &Vae, x: &Tensor, _: &Tensor) -> f64 {
+    vae_loss(m, &lazy(x, 0)).backward_with(&Options::new()).unwrap()
 }
 
 type Step<M> = fn(&M, &Tensor, &Tensor) -> f64;
@@ -149,12 +217,12 @@ type Step<M> = fn(&M, &Tensor, &Tensor) -> f64;
 fn compare<M>(
     c: &mut Criterion,
     name: &str,
-    build: fn(&nn::VarStore) -> M,
+    build: &dyn Fn(&nn::VarStore) -> M,
     x: &Tensor,
     y: &Tensor,
     plain: Step<M>,
     lazily: Step<M>,
-) {
+) -> (f64, f64) {
     // Peaks above what is in use, on a first step (no .grad yet) and a later one.
     let peak = |f: &dyn Fn() -> f64| {
         let before = toma::memory::cpu_allocator_stats().unwrap().allocated;
@@ -186,35 +254,47 @@ fn compare<M>(
     let vs = nn::VarStore::new(Device::Cpu);
     let m = build(&vs);
     let opt = std::cell::RefCell::new(nn::Sgd::default().build(&vs, 0.0).unwrap());
-    let zero = |_: &nn::VarStore| opt.borrow_mut().zero_grad();
-    let mut group = c.benchmark_group(format!("{name}_step_batch_64_unsplit"));
+    let zero = || opt.borrow_mut().zero_grad();
+    let mut group = c.benchmark_group(format!("{name}_step_unsplit"));
     group.bench_function("plain_tch", |b| {
         b.iter(|| {
-            zero(&vs);
+            zero();
             plain(&m, x, y)
         })
     });
     group.bench_function("toma_lazy", |b| {
         b.iter(|| {
-            zero(&vs);
+            zero();
             lazily(&m, x, y)
         })
     });
     group.finish();
+    let (p, l) = interleaved(
+        &|| {
+            zero();
+        },
+        &|| plain(&m, x, y),
+        &|| lazily(&m, x, y),
+    );
+    println!("ratio: {name} lazy step {:.3}x plain tch ({:.3} ms vs {:.3} ms)", l / p, l * 1e3, p * 1e3);
+    (p, l)
+}
 
-    // The ratio from interleaved runs (best of each), so that a busy moment hits both alike.
+/// Best-of times of `plain` and `lazily`, interleaved so that a busy moment hits both alike
+/// (`before` runs untimed before each).
+fn interleaved(before: &dyn Fn(), plain: &dyn Fn() -> f64, lazily: &dyn Fn() -> f64) -> (f64, f64) {
     let time = |f: &dyn Fn() -> f64| {
-        zero(&vs);
+        before();
         let start = Instant::now();
         black_box(f());
         start.elapsed().as_secs_f64()
     };
     let (mut p, mut l) = (f64::INFINITY, f64::INFINITY);
-    for _ in 0..20 {
-        p = p.min(time(&|| plain(&m, x, y)));
-        l = l.min(time(&|| lazily(&m, x, y)));
+    for _ in 0..30 {
+        p = p.min(time(plain));
+        l = l.min(time(lazily));
     }
-    println!("ratio: {name} lazy step {:.3}x plain tch ({:.2} ms vs {:.2} ms)", l / p, l * 1e3, p * 1e3);
+    (p, l)
 }
 
 fn tax(c: &mut Criterion) {
@@ -222,47 +302,135 @@ fn tax(c: &mut Criterion) {
     tch::manual_seed(0);
     let x = Tensor::randn([64, 3, 32, 32], (Kind::Float, Device::Cpu));
     let y = Tensor::randint(10, [64], (Kind::Int64, Device::Cpu));
-    compare(c, "cnn", cnn, &x, &y, plain, lazily);
-    split(&x, &y);
-    let x = Tensor::randn([64, 1024], (Kind::Float, Device::Cpu));
-    compare(c, "mlp", mlp, &x, &y, mlp_plain, mlp_lazily);
-    let x = Tensor::randn([64, 64, GPT_WIDTH], (Kind::Float, Device::Cpu));
-    let y = Tensor::randint(GPT_VOCAB, [64, 64], (Kind::Int64, Device::Cpu));
-    compare(c, "gpt", gpt, &x, &y, gpt_plain, gpt_lazily);
-    let x = Tensor::randn([64, 32, RNN_FEATURES], (Kind::Float, Device::Cpu));
-    let y = Tensor::randint(RNN_FEATURES, [64, 32], (Kind::Int64, Device::Cpu));
-    compare(c, "lstm", char_rnn, &x, &y, rnn_plain, rnn_lazily);
-}
-
-/// When the plan splits: the CNN step in 4 micro-batches of 16 through `toma::lazy`, against
-/// the sum of 4 plain steps of 16 (goal, issue 17: within 10%).
-fn split(x: &Tensor, y: &Tensor) {
-    let vs = nn::VarStore::new(Device::Cpu);
-    let m = cnn(&vs);
-    let mut opt = nn::Sgd::default().build(&vs, 0.0).unwrap();
-    let options = Options::new().micro_batch(16);
-    let lazy_split = || {
+    compare(c, "cnn", &cnn, &x, &y, plain, lazily);
+    split("cnn", &cnn, &x, &y, plain, |m, x, y, o| {
         let (lx, ly) = lazy((x, y), 0);
         let h = lx.apply(&m.c1).relu().max_pool2d([2, 2], [2, 2], [0, 0], [1, 1], false);
         let h = h.apply(&m.c2).relu().max_pool2d([2, 2], [2, 2], [0, 0], [1, 1], false);
-        let loss = h.flatten(1, -1).apply(&m.fc).cross_entropy_for_logits(&ly);
-        loss.backward_with(&options).unwrap()
-    };
+        h.flatten(1, -1).apply(&m.fc).cross_entropy_for_logits(&ly).backward_with(o).unwrap()
+    });
+    let x = Tensor::randn([64, 1024], (Kind::Float, Device::Cpu));
+    compare(c, "mlp", &mlp, &x, &y, mlp_plain, mlp_lazily);
+    for (name, width, positions, batch) in [("gpt_tiny", 32, 16, 8), ("gpt_medium", 128, 64, 32)] {
+        let x = Tensor::randint(GPT_VOCAB, [batch, positions], (Kind::Int64, Device::Cpu));
+        let y = Tensor::randint(GPT_VOCAB, [batch, positions], (Kind::Int64, Device::Cpu));
+        let (p, l) = compare(c, name, &gpt_of(width, positions), &x, &y, gpt_plain, gpt_lazily);
+        // The fixed cost per recorded op of a step that fits: the difference over the ops.
+        let vs = nn::VarStore::new(Device::Cpu);
+        let m = gpt_of(width, positions)(&vs);
+        let (lx, ly) = lazy((&x, &y), 0);
+        let h = m.blocks.iter().fold(lx.apply(&m.tokens) + &m.positions, |h, b| b.forward_t(&h, true));
+        let loss = h.apply(&m.head).view([-1, GPT_VOCAB]).cross_entropy_for_logits(&ly.view([-1]));
+        let ops = loss.plan(toma::lazy::Mode::Backward, &Options::new()).unwrap().ops().len();
+        println!("per op: {name} {ops} ops, {:.2} us more per op", (l - p) * 1e6 / ops as f64);
+    }
+    let x = Tensor::randn([64, 32, RNN_FEATURES], (Kind::Float, Device::Cpu));
+    let y = Tensor::randint(RNN_FEATURES, [64, 32], (Kind::Int64, Device::Cpu));
+    compare(c, "char_rnn", &char_rnn, &x, &y, rnn_plain, rnn_lazily);
+    split("char_rnn", &char_rnn, &x, &y, rnn_plain, rnn_lazily_with);
+    let x = Tensor::rand([64, 784], (Kind::Float, Device::Cpu));
+    compare(c, "vae", &vae, &x, &y, vae_plain, vae_lazily);
+    sampling();
+}
+
+/// When the plan splits: the step in 4 micro-batches of 16 through `toma::lazy`, against the
+/// sum of 4 plain steps of 16 (goal, issue 17: within 10%).
+fn split<M>(
+    name: &str,
+    build: &dyn Fn(&nn::VarStore) -> M,
+    x: &Tensor,
+    y: &Tensor,
+    plain: Step<M>,
+    lazily: fn(&M, &Tensor, &Tensor, &Options) -> f64,
+) {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let m = build(&vs);
+    let opt = std::cell::RefCell::new(nn::Sgd::default().build(&vs, 0.0).unwrap());
+    let options = Options::new().micro_batch(16);
     let plain_parts =
         || (0..4).map(|k| plain(&m, &x.narrow(0, 16 * k, 16), &y.narrow(0, 16 * k, 16)) * 0.25).sum::<f64>();
-    let mut time = |f: &dyn Fn() -> f64| {
-        opt.zero_grad();
-        let start = Instant::now();
-        black_box(f());
-        start.elapsed().as_secs_f64()
-    };
-    let (mut p, mut l) = (f64::INFINITY, f64::INFINITY);
-    for _ in 0..20 {
-        p = p.min(time(&plain_parts));
-        l = l.min(time(&lazy_split));
-    }
+    let (p, l) = interleaved(&|| opt.borrow_mut().zero_grad(), &plain_parts, &|| lazily(&m, x, y, &options));
     println!(
-        "ratio: cnn split 4 x 16, lazy {:.3}x the sum of 4 plain steps of 16 ({:.2} ms vs {:.2} ms)",
+        "ratio: {name} split 4 x 16, lazy {:.3}x the sum of 4 plain steps of 16 ({:.3} ms vs {:.3} ms)",
+        l / p,
+        l * 1e3,
+        p * 1e3
+    );
+}
+
+/// A min-gpt-style block as tch's example writes it, in `nn::func_t` closures: tch's over
+/// `&Tensor`, or toma's over `&LazyTensor` (the ported code), on the same variables.
+macro_rules! func_t_gpt {
+    ($nn:ident, $p:expr, $width:expr) => {{
+        let p = $p;
+        let (w, heads) = ($width, 4i64);
+        let tokens = nn::embedding(&p / "tokens", GPT_VOCAB, w, Default::default());
+        let blocks: Vec<_> = (0..2)
+            .map(|i| {
+                let q = &p / "h" / i;
+                let ln1 = nn::layer_norm(&q / "ln1", vec![w], Default::default());
+                let ln2 = nn::layer_norm(&q / "ln2", vec![w], Default::default());
+                let attn = nn::linear(&q / "attn", w, 3 * w, Default::default());
+                let proj = nn::linear(&q / "proj", w, w, Default::default());
+                let up = nn::linear(&q / "up", w, 4 * w, Default::default());
+                let down = nn::linear(&q / "down", 4 * w, w, Default::default());
+                $nn::func_t(move |xs, train| {
+                    let (b, t, c) = (xs.size()[0], xs.size()[1], xs.size()[2]);
+                    let qkv = xs.apply(&ln1).apply(&attn).split(c, 2);
+                    let q = qkv[0].view([b, t, heads, c / heads]).transpose(1, 2);
+                    let k = qkv[1].view([b, t, heads, c / heads]).transpose(1, 2);
+                    let v = qkv[2].view([b, t, heads, c / heads]).transpose(1, 2);
+                    let att = q.matmul(&k.transpose(-2, -1)) * (1.0 / ((c / heads) as f64).sqrt());
+                    let att = att.softmax(-1, Kind::Float).dropout(0.1, train);
+                    let y = att.matmul(&v).transpose(1, 2).contiguous().view([b, t, c]);
+                    let xs = xs + y.apply(&proj);
+                    let m = xs.apply(&ln2).apply(&up).gelu("none").apply(&down).dropout(0.1, train);
+                    xs + m
+                })
+            })
+            .collect();
+        let head = nn::linear(&p / "head", w, GPT_VOCAB, Default::default());
+        (tokens, blocks, head)
+    }};
+}
+
+/// Eager inference through ported code: 50 tokens generated one at a time (the whole prefix
+/// run each time, as min-gpt's `sample` does), through toma's `func_t` closures on a `Tensor`
+/// against tch's.
+fn sampling() {
+    tch::manual_seed(0);
+    let width = 32;
+    let vs = nn::VarStore::new(Device::Cpu);
+    let (tokens, blocks, head) = func_t_gpt!(lazy_nn, vs.root(), width);
+    let tch_vs = nn::VarStore::new(Device::Cpu);
+    let (t_tokens, t_blocks, t_head) = func_t_gpt!(nn, tch_vs.root(), width);
+    let mut tch_vs = tch_vs;
+    tch_vs.copy(&vs).unwrap();
+    let generate = |run: &dyn Fn(&Tensor) -> Tensor| {
+        let mut seq = Tensor::zeros([1, 1], (Kind::Int64, Device::Cpu));
+        for _ in 0..50 {
+            let logits = tch::no_grad(|| run(&seq));
+            let next = logits.select(1, -1).argmax(-1, true);
+            seq = Tensor::cat(&[&seq, &next], 1);
+        }
+        seq.int64_value(&[0, 50]) as f64
+    };
+    let ported = || {
+        generate(&|seq| {
+            let h = seq.apply(&tokens);
+            blocks.iter().fold(h, |h, b| tch::nn::ModuleT::forward_t(b, &h, false)).apply(&head)
+        })
+    };
+    let plain = || {
+        generate(&|seq| {
+            let h = seq.apply(&t_tokens);
+            t_blocks.iter().fold(h, |h, b| tch::nn::ModuleT::forward_t(b, &h, false)).apply(&t_head)
+        })
+    };
+    assert_eq!(ported(), plain(), "the same tokens");
+    let (p, l) = interleaved(&|| {}, &plain, &ported);
+    println!(
+        "ratio: eager sampling (50 tokens, func_t closures on a Tensor) {:.3}x plain tch ({:.3} ms vs {:.3} ms)",
         l / p,
         l * 1e3,
         p * 1e3
