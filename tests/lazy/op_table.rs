@@ -422,7 +422,7 @@ fn table() -> String {
                 if let Some(name) = lines[at + 1..].iter().map(|l| l.trim()).find(|l| !l.starts_with("///")) {
                     let name = name.trim_end_matches(',');
                     out.push_str(&format!(
-                        "| `{name}` (its `RNN<LazyTensor>`: recorded per time step) | `src/lazy/{stem}` |\n"
+                        "| `{name}` (its `RNN<LazyTensor>`: a sequence one fused op, `step` recorded from small ops) | `src/lazy/{stem}` |\n"
                     ));
                 }
                 continue;
