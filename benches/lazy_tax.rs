@@ -289,10 +289,14 @@ fn interleaved(before: &dyn Fn(), plain: &dyn Fn() -> f64, lazily: &dyn Fn() -> 
         black_box(f());
         start.elapsed().as_secs_f64()
     };
+    // At least 30 pairs and 3 seconds: a small step's best needs many tries on a busy machine.
     let (mut p, mut l) = (f64::INFINITY, f64::INFINITY);
-    for _ in 0..30 {
+    let started = Instant::now();
+    let mut pairs = 0;
+    while pairs < 30 || started.elapsed() < Duration::from_secs(3) {
         p = p.min(time(plain));
         l = l.min(time(lazily));
+        pairs += 1;
     }
     (p, l)
 }
