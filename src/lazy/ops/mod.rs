@@ -1,6 +1,7 @@
 //! The ops a graph can hold, one file per family (`pointwise`, `matrix`, `window`, `norm`,
-//! `layout`, `reduce`, `loss`, `attention`, and `custom` for users' own). Everything about an
-//! op sits in its family's file:
+//! `layout`, `reduce`, `loss`, `attention`, `recurrent` for a whole LSTM/GRU sequence on
+//! libtorch's fused kernel, and `custom` for users' own). Everything about an op sits in its
+//! family's file:
 //!
 //! - **its rules**, in one type per op (or one row per op, for the many unary and binary
 //!   elementwise ops) implementing [`Operation`](crate::lazy::graph::Operation): its facts,
