@@ -117,7 +117,43 @@ impl Weights {
                 dirs.push(Direction { w_ih, w_hh, b_ih, b_hh });
             }
         }
-        Weights { cell, dirs, in_dim, hidden, config, device: vs.device() }
+        let weights = Weights { cell, dirs, in_dim, hidden, config, device: vs.device() };
+        weights.flatten_for_cudnn();
+        weights
+    }
+
+    /// On CUDA, the weights moved into the one block cuDNN's kernel reads, as tch's layers do
+    /// when created (otherwise cuDNN copies them on every call). A failure leaves them as they
+    /// are: the kernel still runs, copying.
+    fn flatten_for_cudnn(&self) {
+        if !self.device.is_cuda() || !tch::Cuda::cudnn_is_available() {
+            return;
+        }
+        let c = self.config;
+        // libtorch's modes: 2 for an LSTM, 3 for a GRU; the stride counts each direction's tensors.
+        let mode = match self.cell {
+            Cell::Lstm => 2,
+            Cell::Gru => 3,
+        };
+        let stride = if c.has_biases { 4 } else { 2 };
+        let flat = self.flat();
+        // In place on the parameters: outside autograd, as PyTorch's `flatten_parameters` does.
+        let result = tch::no_grad(|| {
+            Tensor::f_internal_cudnn_rnn_flatten_weight(
+                &flat,
+                stride,
+                self.in_dim,
+                mode,
+                self.hidden,
+                0,
+                c.num_layers,
+                c.batch_first,
+                c.bidirectional,
+            )
+        });
+        if let Err(error) = result {
+            tracing::debug!(%error, "toma::lazy::nn: cuDNN could not flatten the recurrent weights");
+        }
     }
 
     fn directions(&self) -> i64 {
