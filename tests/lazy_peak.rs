@@ -885,9 +885,23 @@ fn whole_steps_peak_as_planned() {
         ),
     ];
     for (name, build) in &configs {
-        for model in ["mlp f64", "mlp f64 x4", "gated f32 x4", "cnn f32", "cnn f64 recomputed"] {
+        for model in
+            ["mlp f64", "mlp f64 x4", "gated f32 x4", "lstm f32", "lstm f32 x4", "cnn f32", "cnn f64 recomputed"]
+        {
             let mut vs = nn::VarStore::new(CPU);
-            let loss: Box<dyn Fn() -> LazyTensor> = if model.starts_with("gated") {
+            let loss: Box<dyn Fn() -> LazyTensor> = if model.starts_with("lstm") {
+                // A char-RNN on libtorch's fused kernel (one op, priced by calibration).
+                use toma::lazy::nn::RNN;
+                let lstm = toma::lazy::nn::lstm(vs.root() / "lstm", 32, 64, Default::default());
+                let head = nn::linear(vs.root() / "head", 64, 32, Default::default());
+                let x = Tensor::randn([64, 16, 32], (Kind::Float, CPU));
+                let y = Tensor::randint(32, [64, 16], (Kind::Int64, CPU));
+                Box::new(move || {
+                    let (lx, ly) = toma::lazy::lazy((&x, &y), 0);
+                    let (out, _) = lstm.seq(&lx);
+                    out.apply(&head).view([-1, 32]).cross_entropy_for_logits(&ly.view([-1]))
+                })
+            } else if model.starts_with("gated") {
                 // A hand-made layer norm (`var_dim`), a gated linear unit, dropout and a
                 // deviation over features: ops added after the planner was read.
                 let r = vs.root();
