@@ -309,9 +309,46 @@ fn interleaved(before: &dyn Fn(), plain: &dyn Fn() -> f64, lazily: &dyn Fn() -> 
     (p, l)
 }
 
+/// Whether `TOMA_TAX_ONLY` (names separated by commas: `cnn`, `mlp`, `gpt_tiny`, `gpt_medium`,
+/// `char_rnn`, `vae`, `sampling`) leaves out the model, to rerun one row.
+fn skipped(name: &str) -> bool {
+    std::env::var("TOMA_TAX_ONLY").is_ok_and(|only| !only.split(',').any(|n| n.trim() == name))
+}
+
 fn tax(c: &mut Criterion) {
     toma::memory::track_cpu_allocations();
     tch::manual_seed(0);
+    if !skipped("cnn") {
+        cnn_rows(c);
+    }
+    if !skipped("mlp") {
+        let x = Tensor::randn([64, 1024], (Kind::Float, Device::Cpu));
+        let y = Tensor::randint(10, [64], (Kind::Int64, Device::Cpu));
+        compare(c, "mlp", &mlp, &x, &y, mlp_plain, mlp_lazily);
+    }
+    for (name, width, positions, batch) in [("gpt_tiny", 32, 16, 8), ("gpt_medium", 128, 64, 32)] {
+        if !skipped(name) {
+            gpt_rows(c, name, width, positions, batch);
+        }
+    }
+    if !skipped("char_rnn") {
+        let x = Tensor::randn([64, 32, RNN_FEATURES], (Kind::Float, Device::Cpu));
+        let y = Tensor::randint(RNN_FEATURES, [64, 32], (Kind::Int64, Device::Cpu));
+        compare(c, "char_rnn", &char_rnn, &x, &y, rnn_plain, rnn_lazily);
+        split("char_rnn", &char_rnn, &x, &y, rnn_plain, rnn_lazily_with);
+    }
+    if !skipped("vae") {
+        let x = Tensor::rand([64, 784], (Kind::Float, Device::Cpu));
+        let y = Tensor::randint(10, [64], (Kind::Int64, Device::Cpu));
+        compare(c, "vae", &vae, &x, &y, vae_plain, vae_lazily);
+        split("vae", &vae, &x, &y, vae_plain, vae_lazily_with);
+    }
+    if !skipped("sampling") {
+        sampling();
+    }
+}
+
+fn cnn_rows(c: &mut Criterion) {
     let x = Tensor::randn([64, 3, 32, 32], (Kind::Float, Device::Cpu));
     let y = Tensor::randint(10, [64], (Kind::Int64, Device::Cpu));
     compare(c, "cnn", &cnn, &x, &y, plain, lazily);
@@ -321,9 +358,10 @@ fn tax(c: &mut Criterion) {
         let h = h.apply(&m.c2).relu().max_pool2d([2, 2], [2, 2], [0, 0], [1, 1], false);
         h.flatten(1, -1).apply(&m.fc).cross_entropy_for_logits(&ly).backward_with(o).unwrap()
     });
-    let x = Tensor::randn([64, 1024], (Kind::Float, Device::Cpu));
-    compare(c, "mlp", &mlp, &x, &y, mlp_plain, mlp_lazily);
-    for (name, width, positions, batch) in [("gpt_tiny", 32, 16, 8), ("gpt_medium", 128, 64, 32)] {
+}
+
+fn gpt_rows(c: &mut Criterion, name: &str, width: i64, positions: i64, batch: i64) {
+    {
         let x = Tensor::randint(GPT_VOCAB, [batch, positions], (Kind::Int64, Device::Cpu));
         let y = Tensor::randint(GPT_VOCAB, [batch, positions], (Kind::Int64, Device::Cpu));
         let (p, l) = compare(c, name, &gpt_of(width, positions), &x, &y, gpt_plain, gpt_lazily);
@@ -339,14 +377,6 @@ fn tax(c: &mut Criterion) {
             split(name, &gpt_of(width, positions), &x, &y, gpt_plain, gpt_lazily_with);
         }
     }
-    let x = Tensor::randn([64, 32, RNN_FEATURES], (Kind::Float, Device::Cpu));
-    let y = Tensor::randint(RNN_FEATURES, [64, 32], (Kind::Int64, Device::Cpu));
-    compare(c, "char_rnn", &char_rnn, &x, &y, rnn_plain, rnn_lazily);
-    split("char_rnn", &char_rnn, &x, &y, rnn_plain, rnn_lazily_with);
-    let x = Tensor::rand([64, 784], (Kind::Float, Device::Cpu));
-    compare(c, "vae", &vae, &x, &y, vae_plain, vae_lazily);
-    split("vae", &vae, &x, &y, vae_plain, vae_lazily_with);
-    sampling();
 }
 
 /// When the plan splits: the step in 4 micro-batches through `toma::lazy`, against the sum of

@@ -10,6 +10,10 @@
 //! written by hand). Per parameter, a tensor operand (`impl IntoLazy`) is `&Self` in the trait,
 //! an activation of the same kind, unless marked `#[fixed]`: then `&Tensor`, a parameter or
 //! constant. Integer lists (`impl IntList`, `impl IntListOption`) are handed to tch as slices.
+//!
+//! A trait method also starts with its direct path: on a value computed at once (the eager
+//! form of a `LazyTensor`, which toma's `nn::func` closures get on a `Tensor`) with operands
+//! that are tensors or such values, it calls tch's method and records nothing.
 
 use proc_macro2::{Span, TokenStream as TokenStream2};
 use quote::{format_ident, quote};
@@ -75,6 +79,8 @@ pub(crate) fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<Toke
             ));
         }
         let (decl, tch_impl, lazy_impl) = trait_method(f, &twin, &params, &fixed);
+        let eager = eager_path(f, &params);
+        f.block.stmts.insert(0, syn::parse2(eager)?);
         decls.push(decl);
         tch_impls.push(tch_impl);
         lazy_impls.push(lazy_impl);
@@ -300,4 +306,49 @@ fn trait_method(
         }
     };
     (decl, tch_impl, lazy_impl)
+}
+
+/// The statement a trait method starts with: on a value computed at once, tch's own method.
+fn eager_path(f: &ImplItemFn, params: &[(syn::Ident, Type)]) -> TokenStream2 {
+    let f_name = &f.sig.ident;
+    let op = f_name.to_string()[2..].to_string();
+    let (mut pats, mut exprs, mut args) = (Vec::new(), Vec::new(), Vec::new());
+    for (name, ty) in params {
+        let value = format_ident!("__eager_{}", name);
+        if is_impl(ty, "IntoLazy") {
+            pats.push(quote!(Some(#value)));
+            exprs.push(quote!(crate::lazy::ops::record::IntoLazy::eager_operand(&#name)));
+            args.push(quote!(#value));
+        } else if option_of(ty).is_some_and(|inner| is_impl(inner, "IntoLazy")) {
+            pats.push(quote!(Some(#value)));
+            exprs.push(quote!(crate::lazy::ops::record::eager_option(&#name)));
+            args.push(quote!(#value));
+        } else if is_impl(ty, "IntList") {
+            args.push(quote!(#name.as_slice()));
+        } else if is_impl(ty, "IntListOption") {
+            args.push(quote!(#name.as_option()));
+        } else {
+            args.push(quote!(#name));
+        }
+    }
+    let call = quote! {
+        return ::tch::Tensor::#f_name(__eager_self, #(#args),*)
+            .map(crate::lazy::LazyTensor::from_eager)
+            .map_err(crate::lazy::ops::eager_err(#op));
+    };
+    let body = if pats.is_empty() {
+        call
+    } else {
+        quote! {
+            #[allow(unused_parens)]
+            if let (#(#pats),*) = (#(#exprs),*) {
+                #call
+            }
+        }
+    };
+    quote! {
+        if let Some(__eager_self) = self.eager_value() {
+            #body
+        }
+    }
 }

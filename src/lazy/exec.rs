@@ -442,12 +442,12 @@ fn denominators(c: &Compiled, split: bool, options: &Options) -> Result<Vec<Opti
             continue;
         }
         // The targets are usually an input: evaluating them costs a narrow per micro-batch.
-        let targets = LazyTensor { node: node.inputs[1].clone() }.to_tensor_with(options)?;
+        let targets = LazyTensor::from_node(node.inputs[1].clone()).to_tensor_with(options)?;
         let err = torch(i, "nll_loss denominator");
         let counted = targets.f_ne(ignore).map_err(&err)?;
         let den = match node.inputs.get(2) {
             Some(w) => {
-                let w = LazyTensor { node: w.clone() }.to_tensor_with(options)?;
+                let w = LazyTensor::from_node(w.clone()).to_tensor_with(options)?;
                 let picked = w.f_index_select(0, &targets.f_clamp_min(0).map_err(&err)?).map_err(&err)?;
                 picked
                     .f_mul(&counted.f_to_kind(w.kind()).map_err(&err)?)
@@ -636,13 +636,16 @@ fn run_chunk_loop(
 /// the graph is walked directly (a step records a handful of ops; compiling a plan would cost
 /// more than running them).
 pub(crate) fn run_eagerly(output: &LazyTensor) -> Result<Tensor, LazyError> {
+    if let Some(value) = output.eager_value() {
+        return Ok(value.shallow_clone());
+    }
     // The graph carries its casts: libtorch's autocast must not cast again while it runs.
     let _suspended = crate::autocast::Suspended::new();
     use std::collections::HashMap;
     // Inputs have smaller ids: visiting by id runs every input before its users.
-    let mut nodes: Vec<&std::rc::Rc<super::graph::Node>> = vec![&output.node];
+    let mut nodes: Vec<&std::rc::Rc<super::graph::Node>> = vec![output.node()];
     let mut seen: HashMap<u64, usize> = HashMap::new();
-    seen.insert(output.node.id, 0);
+    seen.insert(output.node().id, 0);
     let mut k = 0;
     let mut batch = None;
     while k < nodes.len() {
@@ -681,21 +684,24 @@ pub(crate) fn run_eagerly(output: &LazyTensor) -> Result<Tensor, LazyError> {
         }
         values.insert(node.id, out);
     }
-    Ok(values.remove(&output.node.id).expect("the output ran"))
+    Ok(values.remove(&output.node().id).expect("the output ran"))
 }
 
 /// Computes the value of `output` (no gradients recorded).
 pub(crate) fn evaluate(output: &LazyTensor, options: &Options) -> Result<Tensor, LazyError> {
     // The graph carries its casts: libtorch's autocast must not cast again while it runs.
+    if let Some(value) = output.eager_value() {
+        return Ok(value.shallow_clone());
+    }
     let _suspended = crate::autocast::Suspended::new();
     // An input or a constant is its own value: nothing to plan or run (the denominators of a
     // split loss ask for the targets this way).
-    if let Some(Source::Input { tensor, .. } | Source::Leaf { tensor, .. }) = output.node.source() {
+    if let Some(Source::Input { tensor, .. } | Source::Leaf { tensor, .. }) = output.node().source() {
         return Ok(tensor.shallow_clone());
     }
     // A loss read after its step: the value the step computed, nothing run again.
-    if let Some(value) = output.node.stepped.get() {
-        let meta = &output.node.meta;
+    if let Some(value) = output.node().stepped.get() {
+        let meta = &output.node().meta;
         return Tensor::f_from_slice(&[value])
             .and_then(|t| t.f_to_kind(meta.kind)?.f_to_device(meta.device)?.f_reshape(&meta.shape))
             .map_err(|source| LazyError::Torch { node: None, op: "stepped value".into(), source });
@@ -865,8 +871,8 @@ fn backward_once(output: &LazyTensor, options: &Options) -> Result<f64, LazyErro
     }
     // The micro-batches' sum, in the loss's kind: what reading the loss gives, and what one
     // whole-batch step computes.
-    let total = in_kind(total, output.node.meta.kind).map_err(&err)?;
-    output.node.stepped.set(Some(total));
+    let total = in_kind(total, output.node().meta.kind).map_err(&err)?;
+    output.node().stepped.set(Some(total));
     Ok(total)
 }
 

@@ -13,6 +13,12 @@ use super::size::{Bytes, Elements};
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
+#[cfg(test)]
+thread_local! {
+    /// Nodes made on this thread, for tests of what records nothing.
+    pub(crate) static RECORDED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
 /// Where the batch sits in a per-sample value: dimension `dim` has `size * factor` entries,
 /// `factor` consecutive ones per sample (a flattened `[N, T, C] -> [N * T, C]` has factor `T`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -130,6 +136,8 @@ impl NodeKind {
 impl Node {
     pub(crate) fn new(kind: NodeKind, inputs: Vec<Rc<Node>>, meta: Meta, facts: OpFacts, cost: Cost) -> Rc<Node> {
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        #[cfg(test)]
+        RECORDED.with(|n| n.set(n.get() + 1));
         Rc::new(Node {
             id,
             kind,
@@ -140,6 +148,52 @@ impl Node {
             calibration_key: std::cell::OnceCell::new(),
             stepped: std::cell::Cell::new(None),
         })
+    }
+
+    /// A leaf: a batched input (`batch = Some(dim)`) or a fixed tensor (parameters, constants;
+    /// `eager` for one standing for a value computed at once).
+    pub(crate) fn leaf(tensor: &Tensor, batch: Option<usize>, eager: bool) -> Rc<Node> {
+        let shape = tensor.size();
+        let meta_flow = match batch {
+            Some(dim) => Flow::PerSample(BatchDim { dim, size: shape[dim], factor: 1 }),
+            None => Flow::Fixed,
+        };
+        let meta = Meta {
+            strides: tensor.stride(),
+            kind: tensor.kind(),
+            device: tensor.device(),
+            flow: meta_flow,
+            requires_grad: tensor.requires_grad(),
+            alias: false,
+            mixes: None,
+            shape,
+        };
+        let kind = NodeKind::Source(match batch {
+            Some(dim) => Source::Input { tensor: tensor.shallow_clone(), dim },
+            None => {
+                let param = meta
+                    .requires_grad
+                    .then(|| Box::new(Param { key: ParamKey::of(tensor), is_leaf: tensor.is_leaf() }));
+                Source::Leaf { tensor: tensor.shallow_clone(), param, eager }
+            }
+        });
+        let facts = OpFacts::new(0).recorded(meta.requires_grad);
+        let cost = Cost::of(&kind, &facts, &[], &meta);
+        Node::new(kind, Vec::new(), meta, facts, cost)
+    }
+
+    /// The value of a node whose inputs are fixed leaves (and the casts an autocast region put
+    /// before its op), run now, whole, as eager code would run it.
+    pub(crate) fn run_at_once(&self) -> Result<Tensor, TchError> {
+        // The graph carries its casts: libtorch's autocast must not cast again.
+        let _suspended = crate::autocast::Suspended::new();
+        self.value_now()
+    }
+
+    fn value_now(&self) -> Result<Tensor, TchError> {
+        let ins = self.inputs.iter().map(|x| x.value_now()).collect::<Result<Vec<_>, _>>()?;
+        let ins: Vec<&Tensor> = ins.iter().collect();
+        self.run(&ins, &RunCx { meta: &self.meta, start: 0, b: 1 })
     }
 
     /// The op's name, as tch calls the method (`input` and `leaf` for sources).
@@ -161,6 +215,16 @@ impl Node {
             NodeKind::Source(_) => None,
             NodeKind::Op(op) => Some(&**op),
         }
+    }
+
+    /// A fixed leaf standing for a value computed at once.
+    pub(crate) fn is_eager(&self) -> bool {
+        matches!(self.kind, NodeKind::Source(Source::Leaf { eager: true, .. }))
+    }
+
+    /// A fixed leaf: a parameter, a constant or a value computed at once.
+    pub(crate) fn is_fixed_leaf(&self) -> bool {
+        matches!(self.kind, NodeKind::Source(Source::Leaf { .. }))
     }
 
     /// An input or a fixed leaf: already in memory.
@@ -207,6 +271,36 @@ pub(crate) struct Cost {
     pub(crate) kernel_calls: bool,
     /// Hash of op, kind, shape, strides and whether a gradient flows, for graph fingerprints.
     pub(crate) hash: u64,
+}
+
+impl Cost {
+    /// What a node costs in memory whatever the device, from its op's rules: worked out once,
+    /// when it is recorded.
+    pub(crate) fn of(kind: &NodeKind, facts: &OpFacts, inputs: &[Rc<Node>], meta: &Meta) -> Cost {
+        let elements = meta.elements();
+        let grad = elements.bytes(meta.kind);
+        let out = if matches!(kind, NodeKind::Source(_)) || meta.alias { Bytes::default() } else { grad };
+        let kernel_calls = match kind {
+            NodeKind::Op(op) => {
+                let mut calls = Vec::new();
+                op.kernels(inputs, meta, &mut calls);
+                !calls.is_empty()
+            }
+            NodeKind::Source(_) => false,
+        };
+        // What the plan depends on: the op, kind, shape, layout (a transposed operand takes
+        // another matmul path) and whether a gradient flows (frozen layers save nothing).
+        let tag = crate::hash::hash_bytes(facts.sizing, kind.name().as_bytes());
+        let mut hash = crate::hash::mix(tag ^ meta.kind as u64 ^ (u64::from(meta.requires_grad) << 32));
+        for (&s, &st) in meta.shape.iter().zip(&meta.strides) {
+            hash = crate::hash::mix(crate::hash::mix(hash ^ s as u64) ^ st as u64);
+        }
+        let permutes = meta.alias
+            && inputs
+                .first()
+                .is_some_and(|x| shape::permutes(&x.meta.shape, &x.meta.strides, &meta.shape, &meta.strides));
+        Cost { out, grad, permutes, kernel_calls, hash }
+    }
 }
 
 /// What identifies one parameter among several leaves holding it (shallow clones of one
@@ -274,9 +368,60 @@ impl Drop for Node {
 /// the batch does not fit — only when asked for.
 ///
 /// Cloning is cheap (a reference count). Not `Send`: a graph belongs to one thread.
-#[derive(Clone)]
 pub struct LazyTensor {
-    pub(crate) node: Rc<Node>,
+    repr: Repr,
+}
+
+/// A recorded node, or a value computed at once: a closure written over `&LazyTensor` (toma's
+/// `nn::func`) applied to a `Tensor` runs each op as tch would, recording nothing and
+/// allocating nothing of its own.
+enum Repr {
+    Recorded(Rc<Node>),
+    /// The value, and the leaf that stands for it if a recorded op takes it (made once).
+    Eager {
+        tensor: Tensor,
+        leaf: std::cell::OnceCell<Rc<Node>>,
+    },
+}
+
+impl Clone for LazyTensor {
+    fn clone(&self) -> Self {
+        let repr = match &self.repr {
+            Repr::Recorded(node) => Repr::Recorded(node.clone()),
+            Repr::Eager { tensor, leaf } => Repr::Eager { tensor: tensor.shallow_clone(), leaf: leaf.clone() },
+        };
+        LazyTensor { repr }
+    }
+}
+
+impl LazyTensor {
+    pub(crate) fn from_node(node: Rc<Node>) -> LazyTensor {
+        LazyTensor { repr: Repr::Recorded(node) }
+    }
+
+    /// A value computed at once: ops on it run at once, as on a `Tensor`.
+    #[inline]
+    pub(crate) fn from_eager(tensor: Tensor) -> LazyTensor {
+        LazyTensor { repr: Repr::Eager { tensor, leaf: std::cell::OnceCell::new() } }
+    }
+
+    /// The value, when it was computed at once.
+    #[inline]
+    pub(crate) fn eager_value(&self) -> Option<&Tensor> {
+        match &self.repr {
+            Repr::Eager { tensor, .. } => Some(tensor),
+            Repr::Recorded(_) => None,
+        }
+    }
+
+    /// The node: for a value computed at once, a fixed leaf holding it.
+    #[inline]
+    pub(crate) fn node(&self) -> &Rc<Node> {
+        match &self.repr {
+            Repr::Recorded(node) => node,
+            Repr::Eager { tensor, leaf } => leaf.get_or_init(|| Node::leaf(tensor, None, true)),
+        }
+    }
 }
 
 /// What an op is, for the planner: its name, the facts it declares once when recorded, and
@@ -468,5 +613,11 @@ pub(crate) enum Source {
     /// A batched input, narrowed to each micro-batch along `dim`.
     Input { tensor: Tensor, dim: usize },
     /// A fixed tensor: a parameter (`param` when it requires a gradient) or a constant.
-    Leaf { tensor: Tensor, param: Option<Box<Param>> },
+    Leaf {
+        tensor: Tensor,
+        param: Option<Box<Param>>,
+        /// A value computed at once ([`LazyTensor`]'s eager form): an op taking only such
+        /// values and other leaves runs as soon as it is recorded.
+        eager: bool,
+    },
 }

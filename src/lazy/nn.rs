@@ -323,14 +323,14 @@ impl Steps {
         Ok(x)
     }
 
-    /// Each step eagerly: a layer by its own code, a function (or a lazy-only layer) recorded
-    /// on the value so far and run at once.
+    /// Each step eagerly: a layer by its own code, a function (or a lazy-only layer) on the
+    /// value so far in its eager form, each op run at once.
     fn run(&self, xs: &Tensor, train: bool) -> Result<Tensor, LazyError> {
         let mut x = xs.shallow_clone();
         for step in &self.0 {
             x = match step.eager(&x, train) {
                 Some(y) => y,
-                None => super::exec::run_eagerly(&step.record(&LazyTensor::fixed(&x), train)?)?,
+                None => super::exec::run_eagerly(&step.record(&LazyTensor::from_eager(x), train)?)?,
             };
         }
         Ok(x)
@@ -563,7 +563,9 @@ impl<M: nn::ModuleT + LazyModuleT + ?Sized> ModuleT for M {}
 
 /// A closure as a layer, as tch's `nn::Func`, for both kinds of tensor: the closure takes a
 /// `&LazyTensor` (tch's tensor methods are there by the same names), is recorded as written
-/// on a lazy tensor, and on a `Tensor` is recorded and run at once (eagerly, with autograd).
+/// on a lazy tensor, and on a `Tensor` runs as tch's closure would: each op calls tch's method
+/// at once (with autograd), nothing recorded. (An op with no such direct path, a rare one, is
+/// recorded and run at once.)
 pub struct Func<'a> {
     f: Box<dyn 'a + Fn(&LazyTensor) -> LazyTensor + Send>,
 }
@@ -618,10 +620,11 @@ pub fn func_t<'a, F: 'a + Fn(&LazyTensor, bool) -> LazyTensor + Send>(f: F) -> F
     FuncT { f: Box::new(f) }
 }
 
-/// Runs a recording on a tensor: its ops recorded on `xs` as a fixed operand and run at once.
+/// Runs a closure on a tensor: its ops run at once on `xs` (what it recorded, if anything, is
+/// run at the end).
 #[track_caller]
 fn record_and_run(xs: &Tensor, record: impl FnOnce(&LazyTensor) -> LazyTensor) -> Tensor {
-    super::exec::run_eagerly(&record(&LazyTensor::fixed(xs))).or_panic()
+    super::exec::run_eagerly(&record(&LazyTensor::from_eager(xs.shallow_clone()))).or_panic()
 }
 
 impl LazyModule for Func<'_> {
@@ -679,3 +682,49 @@ macro_rules! both_modules {
     )*};
 }
 pub(crate) use both_modules;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lazy::graph::RECORDED;
+    use tch::{Device, Kind};
+
+    fn recorded() -> u64 {
+        RECORDED.with(std::cell::Cell::get)
+    }
+
+    #[test]
+    fn a_func_on_a_tensor_records_nothing() {
+        let vs = VarStore::new(Device::Cpu);
+        let p = vs.root();
+        let (ln, qkv, proj) = (
+            layer_norm(&p / "ln", vec![8], Default::default()),
+            linear(&p / "qkv", 8, 24, Default::default()),
+            linear(&p / "proj", 8, 8, Default::default()),
+        );
+        let gamma = p.ones("gamma", &[8]);
+        let block = func_t(move |xs, train| {
+            let (b, t, c) = xs.size3().unwrap();
+            let parts = xs.apply(&ln).apply(&qkv).split(c, 2);
+            let heads = |x: &LazyTensor| x.view([b, t, 2, c / 2]).transpose(1, 2);
+            let (q, k, v) = (heads(&parts[0]), heads(&parts[1]), heads(&parts[2]));
+            let att = (q.matmul(&k.transpose(-2, -1)) * 0.5).softmax(-1, Kind::Float).dropout(0.1, train);
+            let y = att.matmul(&v).transpose(1, 2).contiguous().view([b, t, c]).apply(&proj);
+            (xs + y.gelu("none")) * &gamma - 1.0
+        });
+        let x = Tensor::randn([2, 5, 8], (Kind::Float, Device::Cpu));
+        let before = recorded();
+        let eager = x.apply_t(&block, false);
+        assert_eq!(recorded(), before, "the common ops call tch's methods directly");
+        let lazily = crate::lazy::lazy(&x, 0).apply_t(&block, false).to_tensor().unwrap();
+        assert!(recorded() > before, "a lazy tensor records");
+        assert!(eager.allclose(&lazily, 1e-5, 1e-5, false));
+        // An op without a direct path records one node and runs it at once: still eager.
+        let odd = func(|xs| (2 * xs).relu());
+        let before = recorded();
+        let y = x.apply(&odd);
+        assert!((1..=2).contains(&(recorded() - before)), "{} nodes", recorded() - before);
+        let expected: Tensor = 2 * &x;
+        assert!(y.allclose(&expected.relu(), 0.0, 0.0, false));
+    }
+}

@@ -237,7 +237,7 @@ impl Loss for LazyTensor {
         let scaled = self.f_mul_scalar(scale)?;
         let value = scaled.backward_with(&options)? / scale;
         // Read afterwards, the loss is the step's (unscaled) value.
-        self.node.stepped.set(Some(value));
+        self.node().stepped.set(Some(value));
         Ok(value)
     }
 

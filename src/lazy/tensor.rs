@@ -30,6 +30,15 @@ impl LazyTensor {
         leaf(tensor, None)
     }
 
+    /// `tensor` as the left operand of an operator whose right one is `other`: a fixed
+    /// operand, or a value computed at once when `other` is one.
+    fn operand_beside(tensor: &Tensor, other: &LazyTensor) -> LazyTensor {
+        match other.eager_value() {
+            Some(_) => LazyTensor::from_eager(tensor.shallow_clone()),
+            None => leaf(tensor, None),
+        }
+    }
+
     /// Another handle to the same value, as tch's `Tensor::shallow_clone` (a clone: a reference
     /// count), so that tch code calling it compiles unchanged.
     pub fn shallow_clone(&self) -> LazyTensor {
@@ -51,55 +60,75 @@ impl LazyTensor {
 
     /// The sizes, at the full batch. Runs nothing.
     pub fn size(&self) -> Vec<i64> {
-        self.node.meta.shape.clone()
+        if let Some(t) = self.eager_value() {
+            return t.size();
+        }
+        self.node().meta.shape.clone()
+    }
+
+    /// The sizes, borrowed where recorded.
+    pub(crate) fn shape(&self) -> std::borrow::Cow<'_, [i64]> {
+        match self.eager_value() {
+            Some(t) => std::borrow::Cow::Owned(t.size()),
+            None => std::borrow::Cow::Borrowed(&self.node().meta.shape),
+        }
     }
 
     /// The number of dimensions. Runs nothing.
     pub fn dim(&self) -> usize {
-        self.node.meta.shape.len()
+        if let Some(t) = self.eager_value() {
+            return t.dim();
+        }
+        self.node().meta.shape.len()
     }
 
     /// The number of elements at the full batch. Runs nothing.
     pub fn numel(&self) -> usize {
-        shape::numel(&self.node.meta.shape) as usize
+        shape::numel(&self.node().meta.shape) as usize
     }
 
     /// The element kind. Runs nothing.
     pub fn kind(&self) -> Kind {
-        self.node.meta.kind
+        if let Some(t) = self.eager_value() {
+            return t.kind();
+        }
+        self.node().meta.kind
     }
 
     /// The device. Runs nothing.
     pub fn device(&self) -> Device {
-        self.node.meta.device
+        if let Some(t) = self.eager_value() {
+            return t.device();
+        }
+        self.node().meta.device
     }
 
     /// Whether the value will require a gradient (some operand is a parameter that requires
     /// one). Runs nothing.
     pub fn requires_grad(&self) -> bool {
-        self.node.meta.requires_grad
+        self.node().meta.requires_grad
     }
 
     /// The batch dimension of a per-sample value, if it has one. Runs nothing.
     pub fn batch_dim(&self) -> Option<usize> {
-        self.node.meta.batch().map(|bd| bd.dim)
+        self.node().meta.batch().map(|bd| bd.dim)
     }
 
     /// The full batch size this value was recorded with, when it is per-sample. Runs nothing.
     pub fn batch_size(&self) -> Option<usize> {
-        self.node.meta.batch().map(|bd| bd.size as usize)
+        self.node().meta.batch().map(|bd| bd.size as usize)
     }
 
     /// The name of the op that produces this value (`"relu"`, `"conv2d"`, ..).
     pub fn op_name(&self) -> &str {
-        self.node.name()
+        self.node().name()
     }
 
     /// What the planner's rules charge the op that produced this value on its device (this
     /// machine's CPU, or its CUDA card), at the recorded batch size, and how a split treats it.
     /// Runs nothing (calibration does not run: these are the rules' figures).
     pub fn op_costs(&self) -> OpCosts {
-        self.costs_by(&CostModel::of(self.node.meta.device))
+        self.costs_by(&CostModel::of(self.node().meta.device))
     }
 
     /// [`op_costs`](Self::op_costs) as the rules price a CPU op on `machine`, whatever this one
@@ -124,11 +153,11 @@ impl LazyTensor {
 
     fn costs_by(&self, model: &CostModel) -> OpCosts {
         use super::graph::Flow;
-        let (meta, cost) = (&self.node.meta, &self.node.cost);
-        let price = model.price(&self.node, &mut Vec::new());
+        let (meta, cost) = (&self.node().meta, &self.node().cost);
+        let price = model.price(self.node(), &mut Vec::new());
         // Costs are kept per sample and fixed; the batch is the graph's (1 without one).
-        let batch = std::iter::once(&self.node)
-            .chain(&self.node.inputs)
+        let batch = std::iter::once(self.node())
+            .chain(&self.node().inputs)
             .find_map(|n| n.meta.batch().map(|bd| bd.size as u64))
             .unwrap_or(1);
         let total = |b: &super::size::Bytes| b.at(batch);
@@ -144,13 +173,13 @@ impl LazyTensor {
         OpCosts {
             output: total(&cost.out),
             operands: self
-                .node
+                .node()
                 .inputs
                 .iter()
                 .map(|x| shape::numel(&x.meta.shape).max(0) as u64 * x.meta.kind.elt_size_in_bytes() as u64)
                 .collect(),
-            saves_output: self.node.facts.saves_output,
-            saved_inputs: self.node.facts.saved.iter().collect(),
+            saves_output: self.node().facts.saves_output,
+            saved_inputs: self.node().facts.saved.iter().collect(),
             saved_extra: priced(&price.kept),
             scratch: priced(&price.forward),
             backward_scratch: priced(&price.backward),
@@ -159,7 +188,7 @@ impl LazyTensor {
     }
 
     pub(crate) fn meta(&self) -> &super::graph::Meta {
-        &self.node.meta
+        &self.node().meta
     }
 
     // -----------------------------------------------------------------------------------------
@@ -313,6 +342,9 @@ impl LazyTensor {
     /// # Errors
     /// The layer's recording error.
     pub fn f_apply<M: super::nn::LazyModule + ?Sized>(&self, module: &M) -> Result<LazyTensor, LazyError> {
+        if let Some(out) = self.eager_value().and_then(|t| module.eager_forward(t)) {
+            return Ok(LazyTensor::from_eager(out));
+        }
         module.lazy_forward(self)
     }
 
@@ -325,6 +357,9 @@ impl LazyTensor {
         module: &M,
         train: bool,
     ) -> Result<LazyTensor, LazyError> {
+        if let Some(out) = self.eager_value().and_then(|t| module.eager_forward_t(t, train)) {
+            return Ok(LazyTensor::from_eager(out));
+        }
         module.lazy_forward_t(self, train)
     }
 }
@@ -443,28 +478,28 @@ macro_rules! binary_operators {
             type Output = LazyTensor;
             #[track_caller]
             fn $method(self, rhs: &LazyTensor) -> LazyTensor {
-                LazyTensor::fixed(self).$f(rhs).or_panic()
+                LazyTensor::operand_beside(self, rhs).$f(rhs).or_panic()
             }
         }
         impl std::ops::$trait<LazyTensor> for &Tensor {
             type Output = LazyTensor;
             #[track_caller]
             fn $method(self, rhs: LazyTensor) -> LazyTensor {
-                LazyTensor::fixed(self).$f(&rhs).or_panic()
+                LazyTensor::operand_beside(self, &rhs).$f(&rhs).or_panic()
             }
         }
         impl std::ops::$trait<&LazyTensor> for Tensor {
             type Output = LazyTensor;
             #[track_caller]
             fn $method(self, rhs: &LazyTensor) -> LazyTensor {
-                LazyTensor::fixed(&self).$f(rhs).or_panic()
+                LazyTensor::operand_beside(&self, rhs).$f(rhs).or_panic()
             }
         }
         impl std::ops::$trait<LazyTensor> for Tensor {
             type Output = LazyTensor;
             #[track_caller]
             fn $method(self, rhs: LazyTensor) -> LazyTensor {
-                LazyTensor::fixed(&self).$f(&rhs).or_panic()
+                LazyTensor::operand_beside(&self, &rhs).$f(&rhs).or_panic()
             }
         }
         impl std::ops::$trait<f64> for &LazyTensor {

@@ -3,6 +3,7 @@
 //! operators with owned tensors on either side, `_default` pooling, and the optimizer's
 //! `backward_step_clip` on a lazy loss, against the same code run eagerly.
 
+use tch::nn as tch_nn;
 use tch::{Device, IndexOp, Kind, Tensor};
 use toma::lazy::nn::{self, ModuleT, OptimizerConfig};
 use toma::lazy::{lazy, LazyError, LazyTensor, Options};
@@ -158,6 +159,66 @@ fn a_func_on_tensors_keeps_autograd() {
     for (name, v) in vs.variables() {
         assert!(v.grad().defined(), "{name} got no gradient");
     }
+}
+
+/// One closure body for tch's `nn::func` and toma's: ops with a direct path to tch's method,
+/// and some without (integer scalars, a tensor on the left, indexing, `cat`, `topk`), which are
+/// recorded and run at once.
+macro_rules! mixed_body {
+    ($nn:ident, $t:ident, $l:expr, $bias:expr) => {{
+        let (l, bias) = ($l, $bias);
+        $nn::func(move |xs| {
+            let h = xs.apply(&l).tanh();
+            let h = &bias + h * 2 - 1;
+            let (top, _) = h.topk(2, -1, true, true);
+            let parts = h.chunk(2, -1);
+            let joined = $t::cat(&[&parts[1], &parts[0]], -1);
+            let h = (joined + h.i((.., 0..1)) * (1.0 / 3.0)) / top.i((.., 0..1)).exp();
+            let s: $t = 3 * h.softmax(-1, Kind::Float);
+            s.square()
+        })
+    }};
+}
+
+#[test]
+fn a_func_on_tensors_runs_as_tchs_closure() {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let l = nn::linear(vs.root() / "l", 3, 4, Default::default());
+    let bias = vs.root().randn("bias", &[4], 0.0, 1.0);
+    let ours = mixed_body!(
+        nn,
+        LazyTensor,
+        nn::Linear { ws: l.ws.shallow_clone(), bs: l.bs.as_ref().map(Tensor::shallow_clone) },
+        bias.shallow_clone()
+    );
+    let theirs = mixed_body!(tch_nn, Tensor, l, bias.shallow_clone());
+    let x = Tensor::randn([5, 3], (Kind::Float, Device::Cpu));
+    let (a, b) = (x.apply(&ours), x.apply(&theirs));
+    assert!(a.allclose(&b, 0.0, 0.0, false), "the same ops, the same values");
+    // Autograd as tch's: the same gradients.
+    let grads = |out: &Tensor| {
+        vs.trainable_variables().iter_mut().for_each(|v| v.zero_grad());
+        out.sum(Kind::Float).backward();
+        vs.trainable_variables().iter().map(|v| v.grad().copy()).collect::<Vec<_>>()
+    };
+    let (ga, gb) = (grads(&a), grads(&b));
+    assert!(ga.iter().zip(&gb).all(|(a, b)| a.allclose(b, 0.0, 0.0, false)));
+    // libtorch's autocast applies to it as to tch's closure.
+    let f = nn::func(|xs| xs.matmul(&xs.tr()) + 1);
+    let x = Tensor::randn([4, 3], (Kind::Float, Device::Cpu));
+    let y = toma::autocast(Device::Cpu, Kind::BFloat16, || x.apply(&f));
+    let expected = toma::autocast(Device::Cpu, Kind::BFloat16, || x.matmul(&x.tr()) + 1);
+    assert_eq!(y.kind(), Kind::BFloat16);
+    assert!(y.allclose(&expected, 0.0, 0.0, false));
+}
+
+#[test]
+fn a_failing_op_in_a_func_on_tensors_panics_as_tchs() {
+    let f = nn::func(|xs| xs.matmul(xs));
+    let x = Tensor::randn([4, 3], (Kind::Float, Device::Cpu));
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| x.apply(&f)));
+    let message = caught.err().and_then(|e| e.downcast_ref::<String>().cloned()).expect("a panic with a message");
+    assert!(message.contains("matmul") && message.contains("cannot be multiplied"), "{message}");
 }
 
 #[test]

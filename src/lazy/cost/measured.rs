@@ -684,7 +684,7 @@ mod tests {
         let conv = |n: i64, pad: i64, dil: i64| {
             let x = Tensor::zeros([n, 4, 8, 8], (Kind::Float, Device::Cpu));
             let y = crate::lazy::lazy(&x, 0).conv2d(&w, None::<&Tensor>, 1, pad, dil, 1);
-            key(&y.node, true, 2, &mut Vec::new())
+            key(y.node(), true, 2, &mut Vec::new())
         };
         assert_eq!(conv(128, 1, 1), conv(160, 1, 1));
         assert_ne!(conv(2, 1, 1), conv(128, 1, 1), "measured at 2 samples at most: not a line for 128");
@@ -692,7 +692,7 @@ mod tests {
         assert_ne!(conv(2, 1, 1), {
             let x = Tensor::zeros([2, 4, 8, 8], (Kind::Float, Device::Cpu));
             let y = crate::lazy::lazy(&x, 0).conv2d(&w, None::<&Tensor>, 1, 1, 1, 1);
-            key(&y.node, false, 2, &mut Vec::new())
+            key(y.node(), false, 2, &mut Vec::new())
         });
     }
 
@@ -702,10 +702,10 @@ mod tests {
         let x = Tensor::zeros([6, 4, 3], (Kind::Float, Device::Cpu));
         let lx = crate::lazy::lazy(&x, 0);
         let t = lx.transpose(1, 2);
-        let s = stand_in(&t.node, 2).unwrap();
+        let s = stand_in(t.node(), 2).unwrap();
         assert_eq!(s.size(), [2, 3, 4]);
         assert_eq!(s.stride(), [12, 1, 3]);
-        let s = stand_in(&lx.node, 2).unwrap();
+        let s = stand_in(lx.node(), 2).unwrap();
         assert_eq!(s.size(), [2, 4, 3], "an input, narrowed");
     }
 }

@@ -213,7 +213,7 @@ mod tests {
         let x = zeros(&[8, 12, 16, 16]).set_requires_grad(true);
         let w = zeros(&[20, 12, 3, 3]).set_requires_grad(true);
         let y = lazy(&x, 0).conv2d(&w, None::<&Tensor>, 1, 1, 1, 1);
-        let price = |model: &CostModel| model.price(&y.node, &mut Vec::new());
+        let price = |model: &CostModel| model.price(y.node(), &mut Vec::new());
         let machine = |isa, threads| CpuMachine { libtorch: Some(READ_ON), ..CpuMachine::new(isa, threads) };
         let avx512 = |threads| CostModel::Cpu(Cpu::of(&machine(CpuIsa::Avx512CoreBf16, threads)));
         let avx2 = CostModel::Cpu(Cpu::of(&machine(CpuIsa::Avx2, 2)));
@@ -239,12 +239,12 @@ mod tests {
         let x = zeros(&[1024, 16]);
         let (w, b) = (zeros(&[4096, 16]).set_requires_grad(true), zeros(&[4096]).set_requires_grad(true));
         let y = lazy(&x, 0).linear(&w, Some(&b));
-        let cuda = CostModel::Cuda(Cuda { gpu: H100 }).price(&y.node, &mut Vec::new());
+        let cuda = CostModel::Cuda(Cuda { gpu: H100 }).price(y.node(), &mut Vec::new());
         assert_eq!(cuda.staged.len(), 1);
         let (backward, staging) = &cuda.staged[0];
         assert!(*backward, "the bias gradient is summed in the backward");
         assert_eq!(staging.at(1024), 32 * MIB + BLOCK);
-        let cpu = CostModel::Cpu(Cpu::host().clone()).price(&y.node, &mut Vec::new());
+        let cpu = CostModel::Cpu(Cpu::host().clone()).price(y.node(), &mut Vec::new());
         assert!(cpu.staged.is_empty());
         assert_eq!((CostModel::Cuda(Cuda { gpu: H100 }).block(), CostModel::of(Device::Cpu).block()), (BLOCK, 1));
     }

@@ -143,23 +143,23 @@ impl LazyTensor {
     ) -> Result<LazyTensor, LazyError> {
         let name = "scaled_dot_product_attention";
         let (mut q, mut k, mut v) = (query.into_lazy(), key.into_lazy(), value.into_lazy());
-        let rank = q.node.meta.shape.len();
-        let leading = |t: &LazyTensor| t.node.meta.batch().is_none_or(|bd| bd.dim + 2 < rank);
-        if !enable_gqa && [&q, &k, &v].iter().all(|t| rank >= 3 && t.node.meta.shape.len() == rank && leading(t)) {
+        let rank = q.node().meta.shape.len();
+        let leading = |t: &LazyTensor| t.node().meta.batch().is_none_or(|bd| bd.dim + 2 < rank);
+        if !enable_gqa && [&q, &k, &v].iter().all(|t| rank >= 3 && t.node().meta.shape.len() == rank && leading(t)) {
             // Learned queries (or keys) expanded to the batch meet it here: per sample, as in
             // `+`, `cat` and `matmul`.
-            let mut qkv = [q.node.clone(), k.node.clone(), v.node.clone()];
+            let mut qkv = [q.node().clone(), k.node().clone(), v.node().clone()];
             super::layout::adopt_batch_broadcasts(&mut qkv, rank, true);
             let [nq, nk, nv] = qkv;
-            (q, k, v) = (LazyTensor { node: nq }, LazyTensor { node: nk }, LazyTensor { node: nv });
+            (q, k, v) = (LazyTensor::from_node(nq), LazyTensor::from_node(nk), LazyTensor::from_node(nv));
         }
         let mask = attn_mask.map(IntoLazy::into_lazy);
-        let mut nodes = vec![&q.node, &k.node, &v.node];
+        let mut nodes = vec![q.node(), k.node(), v.node()];
         if let Some(m) = &mask {
-            nodes.push(&m.node);
+            nodes.push(m.node());
         }
         let device = same_device(name, &nodes)?;
-        let (sq, sk, sv) = (&q.node.meta.shape, &k.node.meta.shape, &v.node.meta.shape);
+        let (sq, sk, sv) = (&q.node().meta.shape, &k.node().meta.shape, &v.node().meta.shape);
         if sq.len() < 2 || sk.len() < 2 || sv.len() < 2 {
             return Err(shape_err(name, sq, sk, "query, key and value need at least 2 dims"));
         }
@@ -197,19 +197,19 @@ impl LazyTensor {
         out.extend([l, sv[sv.len() - 1]]);
         let mut scores = lead;
         scores.extend([l, s]);
-        for n in [&q.node, &k.node] {
+        for n in [q.node(), k.node()] {
             floating(name, n)?;
         }
-        same_kind(name, &q.node, &k.node)?;
-        same_kind(name, &q.node, &v.node)?;
+        same_kind(name, q.node(), k.node())?;
+        same_kind(name, q.node(), v.node())?;
         if let Some(m) = &mask {
-            let mm = &m.node.meta;
-            if !matches!(mm.kind, Kind::Bool | Kind::Float) && mm.kind != q.node.meta.kind {
+            let mm = &m.node().meta;
+            if !matches!(mm.kind, Kind::Bool | Kind::Float) && mm.kind != q.node().meta.kind {
                 return Err(kind_err(
                     name,
                     mm.kind,
                     &mm.shape,
-                    format!("the mask must be Bool, Float or {:?} like the query", q.node.meta.kind),
+                    format!("the mask must be Bool, Float or {:?} like the query", q.node().meta.kind),
                 ));
             }
             match shape::broadcast(&mm.shape, &scores) {
@@ -261,7 +261,7 @@ impl LazyTensor {
         let fused = fused(sq, sk, sv, dropout_p, enable_gqa);
         let op = Attention { dropout_p, is_causal, scale: scale.into(), enable_gqa, fused };
         let inputs = nodes.into_iter().cloned().collect();
-        Ok(Record::new(op, inputs, out, q.node.meta.kind, device).flow((flow, mixes)).finish())
+        Ok(Record::new(op, inputs, out, q.node().meta.kind, device).flow((flow, mixes)).finish())
     }
 }
 

@@ -138,7 +138,7 @@ impl CustomOp {
     /// the batch where it cannot be (a dimension whose size is not a multiple of the batch),
     /// [`LazyError::Device`] for inputs on different devices.
     pub fn apply(&self, inputs: &[&LazyTensor]) -> Result<LazyTensor, LazyError> {
-        let nodes: Vec<_> = inputs.iter().map(|t| t.node.clone()).collect();
+        let nodes: Vec<_> = inputs.iter().map(|t| t.node().clone()).collect();
         if nodes.is_empty() {
             return Err(LazyError::Argument {
                 op: self.name.to_string(),

@@ -270,7 +270,7 @@ pub(crate) fn adopt_batch_broadcasts(nodes: &mut [Rc<Node>], out_len: usize, rig
                 .flow((Flow::PerSample(batched), None))
                 .view(m.strides.clone())
                 .finish();
-                *node = sliced.node;
+                *node = sliced.node().clone();
             }
             continue;
         }
@@ -291,7 +291,7 @@ pub(crate) fn adopt_batch_broadcasts(nodes: &mut [Rc<Node>], out_len: usize, rig
                 .view(strides)
                 .finish();
             if let Ok(copied) = expanded.f_contiguous() {
-                *node = copied.node;
+                *node = copied.node().clone();
             }
             continue;
         }
@@ -306,7 +306,7 @@ pub(crate) fn adopt_batch_broadcasts(nodes: &mut [Rc<Node>], out_len: usize, rig
             .flow((Flow::PerSample(batched), None))
             .view(m.strides.clone())
             .finish();
-        *node = lazy.node;
+        *node = lazy.node().clone();
     }
 }
 
@@ -568,7 +568,7 @@ impl LazyTensor {
     }
 
     fn f_reshape_impl(&self, name: &str, shape: &[i64], must_view: bool) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let m = &n.meta;
         let total = shape::numel(&m.shape);
         let new_shape = shape::infer_size(shape, total).map_err(|r| shape_err(name, &m.shape, shape, r))?;
@@ -615,7 +615,7 @@ impl LazyTensor {
     /// # Errors
     /// [`LazyError::Argument`] for bad dimensions.
     pub fn f_flatten(&self, start_dim: i64, end_dim: i64) -> Result<LazyTensor, LazyError> {
-        let s = &self.node.meta.shape;
+        let s = &self.node().meta.shape;
         let a = |r: String| arg("flatten", s, r);
         if s.is_empty() {
             shape::wrap_dim(start_dim, 0).and_then(|_| shape::wrap_dim(end_dim, 0)).map_err(a)?;
@@ -637,7 +637,7 @@ impl LazyTensor {
     /// # Errors
     /// [`LazyError::Argument`] for bad dimensions.
     pub fn f_transpose(&self, dim0: i64, dim1: i64) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let m = &n.meta;
         let a = |r: String| arg("transpose", &m.shape, r);
         let (d0, d1) =
@@ -668,7 +668,7 @@ impl LazyTensor {
     /// # Errors
     /// [`LazyError::Argument`] unless `dims` is a permutation of the dimensions.
     pub fn f_permute(&self, dims: impl IntList) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let m = &n.meta;
         let dims = dims.as_slice().to_vec();
         let a = |r: String| arg("permute", &m.shape, r);
@@ -691,7 +691,7 @@ impl LazyTensor {
     /// # Errors
     /// [`LazyError::Argument`] for a bad dimension.
     pub fn f_unsqueeze(&self, dim: i64) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let m = &n.meta;
         let u = shape::wrap_insert_dim(dim, m.shape.len()).map_err(|r| arg("unsqueeze", &m.shape, r))?;
         let (mut s, mut st) = (m.shape.clone(), m.strides.clone());
@@ -703,7 +703,7 @@ impl LazyTensor {
     }
 
     fn f_squeeze_impl(&self, dims: Vec<usize>) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let m = &n.meta;
         let gone: Vec<usize> = dims.into_iter().filter(|&d| m.shape.get(d) == Some(&1)).collect();
         let keep: Vec<usize> = (0..m.shape.len()).filter(|d| !gone.contains(d)).collect();
@@ -751,7 +751,7 @@ impl LazyTensor {
         end: impl Into<Option<i64>>,
         step: i64,
     ) -> Result<LazyTensor, LazyError> {
-        let s = &self.node.meta.shape;
+        let s = &self.node().meta.shape;
         let d = shape::wrap_dim(dim, s.len()).map_err(|r| arg("slice", s, r))?;
         if step != 1 {
             return Err(LazyError::Unsupported {
@@ -794,7 +794,7 @@ impl LazyTensor {
     /// # Errors
     /// [`LazyError::Argument`] for a range outside the dimension.
     pub fn f_narrow(&self, dim: i64, start: i64, length: i64) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let m = &n.meta;
         let a = |r: String| arg("narrow", &m.shape, r);
         if m.shape.is_empty() {
@@ -825,7 +825,10 @@ impl LazyTensor {
     #[lazy_only]
     #[no_twin]
     pub fn f_chunk(&self, chunks: i64, dim: i64) -> Result<Vec<LazyTensor>, LazyError> {
-        let shape = &self.node.meta.shape;
+        if let Some(t) = self.eager_value() {
+            return t.f_chunk(chunks, dim).map(eager_all).map_err(super::eager_err("chunk"));
+        }
+        let shape = &self.node().meta.shape;
         if chunks < 1 {
             return Err(arg("chunk", shape, format!("chunk expects `chunks` to be greater than 0, got: {chunks}")));
         }
@@ -843,7 +846,10 @@ impl LazyTensor {
     #[lazy_only]
     #[no_twin]
     pub fn f_split(&self, split_size: i64, dim: i64) -> Result<Vec<LazyTensor>, LazyError> {
-        let shape = &self.node.meta.shape;
+        if let Some(t) = self.eager_value() {
+            return t.f_split(split_size, dim).map(eager_all).map_err(super::eager_err("split"));
+        }
+        let shape = &self.node().meta.shape;
         let d = shape::wrap_dim(dim, shape.len()).map_err(|r| arg("split", shape, r))?;
         let size = shape[d];
         if split_size < 1 && size > 0 {
@@ -870,7 +876,7 @@ impl LazyTensor {
     /// [`LazyError::Shape`] for a size `self` cannot be expanded to.
     pub fn f_expand(&self, size: impl IntList, implicit: bool) -> Result<LazyTensor, LazyError> {
         let _ = implicit;
-        let n = &self.node;
+        let n = self.node();
         let m = &n.meta;
         let size = size.as_slice();
         let name = "expand";
@@ -940,7 +946,7 @@ impl LazyTensor {
     /// [`LazyError::Kind`] for indices that are not `Int64`; [`LazyError::Unsupported`] for
     /// `num_classes` below 1.
     pub fn f_one_hot(&self, num_classes: i64) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let m = &n.meta;
         if m.kind != Kind::Int64 {
             return Err(kind_err("one_hot", m.kind, &m.shape, "one_hot takes Int64 class indices"));
@@ -978,7 +984,7 @@ impl LazyTensor {
     /// # Errors
     /// [`LazyError::Argument`] for a bad dimension or `shifts` and `dims` of different lengths.
     pub fn f_roll(&self, shifts: impl IntList, dims: impl IntList) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let m = &n.meta;
         let name = "roll";
         let (shifts, dims) = (shifts.as_slice().to_vec(), dims.as_slice().to_vec());
@@ -1008,7 +1014,7 @@ impl LazyTensor {
     /// # Errors
     /// [`LazyError::Argument`] for a dimension out of range or given twice.
     pub fn f_flip(&self, dims: impl IntList) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let m = &n.meta;
         let name = "flip";
         let dims = dims.as_slice().to_vec();
@@ -1028,7 +1034,7 @@ impl LazyTensor {
     /// # Errors
     /// [`LazyError::Argument`] for fewer repeats than dimensions or a negative one.
     pub fn f_repeat(&self, repeats: impl IntList) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let m = &n.meta;
         let repeats = repeats.as_slice().to_vec();
         if repeats.len() < m.shape.len() {
@@ -1057,7 +1063,7 @@ impl LazyTensor {
     /// [`LazyError::Argument`] for a bad dimension, [`LazyError::Device`].
     pub fn f_index_select(&self, dim: i64, index: impl IntoLazy) -> Result<LazyTensor, LazyError> {
         let index = index.into_lazy();
-        let (x, i) = (&self.node, &index.node);
+        let (x, i) = (self.node(), index.node());
         let name = "index_select";
         let device = same_device(name, &[x, i])?;
         if !matches!(i.meta.kind, Kind::Int64 | Kind::Int) {
@@ -1092,7 +1098,7 @@ impl LazyTensor {
     /// [`LazyError::Device`].
     pub fn f_gather(&self, dim: i64, index: impl IntoLazy, sparse_grad: bool) -> Result<LazyTensor, LazyError> {
         let index = index.into_lazy();
-        let (x, i) = (&self.node, &index.node);
+        let (x, i) = (self.node(), index.node());
         let name = "gather";
         let device = same_device(name, &[x, i])?;
         if i.meta.kind != Kind::Int64 {
@@ -1157,7 +1163,7 @@ impl LazyTensor {
         src: &LazyTensor,
         add: bool,
     ) -> Result<LazyTensor, LazyError> {
-        let (x, i, s) = (&self.node, &index.node, &src.node);
+        let (x, i, s) = (self.node(), index.node(), src.node());
         let device = same_device(name, &[x, i, s])?;
         if i.meta.kind != Kind::Int64 {
             return Err(kind_err(
@@ -1214,7 +1220,7 @@ impl LazyTensor {
         verb: &str,
     ) -> Result<(Flow, Option<String>), LazyError> {
         let mapped: Vec<Option<usize>> = nodes.iter().map(|n| n.meta.batch().map(|bd| bd.dim)).collect();
-        let (flow, mixes) = combine_flows(name, nodes, &mapped, &self.node.meta.shape, Linearity::Nonlinear, false)?;
+        let (flow, mixes) = combine_flows(name, nodes, &mapped, &self.node().meta.shape, Linearity::Nonlinear, false)?;
         let batched: Vec<bool> = nodes.iter().map(|n| n.meta.batch().is_some()).collect();
         if !batched.contains(&true) {
             return Ok((flow, mixes));
@@ -1244,7 +1250,7 @@ impl LazyTensor {
     /// [`LazyError::Argument`] for a bad dimension; [`LazyError::Device`].
     pub fn f_index_add(&self, dim: i64, index: impl IntoLazy, source: impl IntoLazy) -> Result<LazyTensor, LazyError> {
         let (index, source) = (index.into_lazy(), source.into_lazy());
-        let (x, i, s) = (&self.node, &index.node, &source.node);
+        let (x, i, s) = (self.node(), index.node(), source.node());
         let name = "index_add";
         let device = same_device(name, &[x, i, s])?;
         let (xs, is, ss) = (&x.meta.shape, &i.meta.shape, &s.meta.shape);
@@ -1322,9 +1328,9 @@ impl LazyTensor {
         let values = values.into_lazy();
         let given: Vec<(usize, LazyTensor)> =
             indices.iter().enumerate().filter_map(|(k, i)| i.clone().map(|i| (k, i.into_lazy()))).collect();
-        let (x, v) = (&self.node, &values.node);
+        let (x, v) = (self.node(), values.node());
         let mut nodes = vec![x, v];
-        nodes.extend(given.iter().map(|(_, i)| &i.node));
+        nodes.extend(given.iter().map(|(_, i)| i.node()));
         let device = same_device(name, &nodes)?;
         let xs = &x.meta.shape;
         if indices.len() > xs.len() {
@@ -1340,7 +1346,7 @@ impl LazyTensor {
         }
         let mut joint: Vec<i64> = Vec::new();
         for (_, i) in &given {
-            let m = &i.node.meta;
+            let m = &i.node().meta;
             match m.kind {
                 Kind::Int64 | Kind::Int => {}
                 Kind::Bool | Kind::Uint8 => {
@@ -1408,7 +1414,7 @@ impl LazyTensor {
         };
         let refuse = |reason: &str| Ok::<_, LazyError>((Flow::Opaque, Some(format!("`index_put` {reason}"))));
         let lead = indexed.len() - v.meta.shape.len();
-        let (flow, indexed_flow) = if given.iter().any(|(_, i)| i.node.meta.batch().is_some()) {
+        let (flow, indexed_flow) = if given.iter().any(|(_, i)| i.node().meta.batch().is_some()) {
             (
                 refuse("picks with a per-sample index, whose entries may reach other samples; use fixed indices")?,
                 Flow::Opaque,
@@ -1494,7 +1500,7 @@ impl LazyTensor {
     /// [`LazyError::Shape`] when `self` and `mask` do not broadcast, [`LazyError::Device`].
     pub fn f_masked_scatter(&self, mask: impl IntoLazy, source: impl IntoLazy) -> Result<LazyTensor, LazyError> {
         let (mask, source) = (mask.into_lazy(), source.into_lazy());
-        let (x, m, s) = (&self.node, &mask.node, &source.node);
+        let (x, m, s) = (self.node(), mask.node(), source.node());
         let name = "masked_scatter";
         let device = same_device(name, &[x, m, s])?;
         if m.meta.kind != Kind::Bool {
@@ -1529,7 +1535,7 @@ impl LazyTensor {
     /// # Errors
     /// [`LazyError::Argument`] for a bad dimension or an index outside it.
     pub fn f_select(&self, dim: i64, index: i64) -> Result<LazyTensor, LazyError> {
-        let shape = &self.node.meta.shape;
+        let shape = &self.node().meta.shape;
         let d = shape::wrap_dim(dim, shape.len().max(1)).map_err(|r| arg("select", shape, r))?;
         let size = shape
             .get(d)
@@ -1562,7 +1568,7 @@ impl LazyTensor {
     /// [`LazyError::Argument`] for an odd or too long `pad`, an unknown mode, or a pad the mode
     /// cannot take (reflect: at least as large as the dimension).
     pub fn f_pad(&self, pad: impl IntList, mode: &str, value: impl Into<Option<f64>>) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let m = &n.meta;
         let pad = pad.as_slice().to_vec();
         let a = |r: String| arg("pad", &m.shape, r);
@@ -1637,7 +1643,7 @@ impl LazyTensor {
     /// As [`f_view`](Self::f_view); [`LazyError::Argument`] for a 0-dim tensor.
     #[lazy_only]
     pub fn f_flat_view(&self) -> Result<LazyTensor, LazyError> {
-        let s = &self.node.meta.shape;
+        let s = &self.node().meta.shape;
         let Some(&first) = s.first() else {
             return Err(arg("flat_view", s, "a 0-dim tensor has no leading dimension"));
         };
@@ -1649,7 +1655,7 @@ impl LazyTensor {
     /// # Errors
     /// [`LazyError::Argument`] for another number of dimensions.
     pub fn size1(&self) -> Result<i64, LazyError> {
-        match self.node.meta.shape[..] {
+        match self.shape()[..] {
             [a] => Ok(a),
             ref s => Err(arg("size1", s, "expected 1 dimension")),
         }
@@ -1660,7 +1666,7 @@ impl LazyTensor {
     /// # Errors
     /// [`LazyError::Argument`] for another number of dimensions.
     pub fn size2(&self) -> Result<(i64, i64), LazyError> {
-        match self.node.meta.shape[..] {
+        match self.shape()[..] {
             [a, b] => Ok((a, b)),
             ref s => Err(arg("size2", s, "expected 2 dimensions")),
         }
@@ -1671,7 +1677,7 @@ impl LazyTensor {
     /// # Errors
     /// [`LazyError::Argument`] for another number of dimensions.
     pub fn size3(&self) -> Result<(i64, i64, i64), LazyError> {
-        match self.node.meta.shape[..] {
+        match self.shape()[..] {
             [a, b, c] => Ok((a, b, c)),
             ref s => Err(arg("size3", s, "expected 3 dimensions")),
         }
@@ -1682,7 +1688,7 @@ impl LazyTensor {
     /// # Errors
     /// [`LazyError::Argument`] for another number of dimensions.
     pub fn size4(&self) -> Result<(i64, i64, i64, i64), LazyError> {
-        match self.node.meta.shape[..] {
+        match self.shape()[..] {
             [a, b, c, d] => Ok((a, b, c, d)),
             ref s => Err(arg("size4", s, "expected 4 dimensions")),
         }
@@ -1693,7 +1699,7 @@ impl LazyTensor {
     /// # Errors
     /// None in practice.
     pub fn f_to_kind(&self, kind: Kind) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let m = &n.meta;
         let linearity = if shape::is_floating(kind) { Linearity::Structural } else { Linearity::Nonlinear };
         let flow = same_shape_flow("to_kind", n, linearity)?;
@@ -1716,7 +1722,7 @@ impl LazyTensor {
     /// # Errors
     /// [`LazyError::Argument`] for another device: move the tensors before `lazy(..)`.
     pub fn f_to_device(&self, device: tch::Device) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let m = &n.meta;
         if device == m.device {
             let flow = same_shape_flow("to_device", n, Linearity::Structural)?;
@@ -1748,7 +1754,7 @@ impl LazyTensor {
     /// # Errors
     /// None in practice.
     pub fn f_detach(&self) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let m = &n.meta;
         let flow = same_shape_flow("detach", n, Linearity::Structural)?;
         let record = Record::new(Rearrange::Detach, vec![n.clone()], m.shape.clone(), m.kind, m.device).flow(flow);
@@ -1760,7 +1766,7 @@ impl LazyTensor {
     /// # Errors
     /// None in practice.
     pub fn f_contiguous(&self) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let m = &n.meta;
         let flow = same_shape_flow("contiguous", n, Linearity::Structural)?;
         let record = Record::new(Alias::Contiguous, vec![n.clone()], m.shape.clone(), m.kind, m.device).flow(flow);
@@ -1791,10 +1797,12 @@ impl LazyTensor {
         let d = shape::wrap_insert_dim(dim, s0.len()).map_err(|r| arg("stack", &s0, r))?;
         // A fixed operand broadcast to the batch is adopted before it is unsqueezed (`cat` then
         // meets a batched view, not the expand).
-        let mut nodes: Vec<Rc<Node>> = tensors.iter().map(|t| t.borrow().node.clone()).collect();
+        let mut nodes: Vec<Rc<Node>> = tensors.iter().map(|t| t.borrow().node().clone()).collect();
         adopt_batch_broadcasts(&mut nodes, s0.len(), false);
-        let parts =
-            nodes.into_iter().map(|node| LazyTensor { node }.f_unsqueeze(d as i64)).collect::<Result<Vec<_>, _>>()?;
+        let parts = nodes
+            .into_iter()
+            .map(|node| LazyTensor::from_node(node).f_unsqueeze(d as i64))
+            .collect::<Result<Vec<_>, _>>()?;
         Self::f_cat(&parts, d as i64)
     }
 
@@ -1811,18 +1819,18 @@ impl LazyTensor {
         let Some(first) = lazies.first() else {
             return Err(arg("cat", &[], "expected a non-empty list of tensors"));
         };
-        let mut owned: Vec<Rc<Node>> = lazies.iter().map(|t| t.node.clone()).collect();
-        adopt_batch_broadcasts(&mut owned, first.node.meta.shape.len(), false);
+        let mut owned: Vec<Rc<Node>> = lazies.iter().map(|t| t.node().clone()).collect();
+        adopt_batch_broadcasts(&mut owned, first.node().meta.shape.len(), false);
         let nodes: Vec<&Rc<Node>> = owned.iter().collect();
         let device = same_device("cat", &nodes)?;
-        let s0 = &first.node.meta.shape;
+        let s0 = &first.node().meta.shape;
         let d = shape::wrap_dim(dim, s0.len()).map_err(|r| arg("cat", s0, r))?;
         if s0.is_empty() {
             return Err(arg("cat", s0, "zero-dimensional tensors cannot be concatenated"));
         }
         let mut out = s0.clone();
         out[d] = 0;
-        let mut kind = first.node.meta.kind;
+        let mut kind = first.node().meta.kind;
         for n in &nodes {
             let s = &n.meta.shape;
             if s.len() != s0.len() || s.iter().zip(s0).enumerate().any(|(i, (a, b))| i != d && a != b) {
@@ -1876,4 +1884,9 @@ impl LazyTensor {
     pub fn stack<T: std::borrow::Borrow<LazyTensor>>(tensors: &[T], dim: i64) -> LazyTensor {
         Self::f_stack(tensors, dim).or_panic()
     }
+}
+
+/// Tensors computed at once, in their eager form.
+fn eager_all(tensors: Vec<Tensor>) -> Vec<LazyTensor> {
+    tensors.into_iter().map(LazyTensor::from_eager).collect()
 }

@@ -546,7 +546,7 @@ impl LazyTensor {
     pub fn f_cross_entropy_for_logits(&self, targets: impl IntoLazy) -> Result<LazyTensor, LazyError> {
         let t = targets.into_lazy();
         let name = "cross_entropy_for_logits";
-        let (x, tn) = (&self.node, &t.node);
+        let (x, tn) = (self.node(), t.node());
         let device = same_device(name, &[x, tn])?;
         Self::check_class_loss(name, x, tn)?;
         let flow = Self::class_loss_flow(name, x, tn, Reduction::Mean)?;
@@ -578,16 +578,16 @@ impl LazyTensor {
         // classes): the classes moved last and every position a row, as one `[N·d, C]` loss
         // whose mean over counted targets, sum, or per-position values (shaped back) are the
         // K-dimensional loss's.
-        let shape = self.node.meta.shape.clone();
+        let shape = self.node().meta.shape.clone();
         if shape.len() > 2 {
             let t = targets.into_lazy();
             let mut expected = shape.clone();
             expected.remove(1);
-            if t.node.meta.shape != expected {
+            if t.node().meta.shape != expected {
                 return Err(LazyError::Shape {
                     op: name.into(),
                     lhs: shape,
-                    rhs: t.node.meta.shape.clone(),
+                    rhs: t.node().meta.shape.clone(),
                     reason: "expected logits [N, C, d1, ..] with targets [N, d1, ..]".into(),
                 });
             }
@@ -601,7 +601,7 @@ impl LazyTensor {
         if !(0.0..=1.0).contains(&label_smoothing) {
             return Err(arg(
                 name,
-                &self.node.meta.shape,
+                &self.node().meta.shape,
                 format!("label_smoothing must lie in [0, 1], got {label_smoothing}"),
             ));
         }
@@ -609,15 +609,15 @@ impl LazyTensor {
             if label_smoothing != 0.0 {
                 return Err(arg(
                     name,
-                    &self.node.meta.shape,
+                    &self.node().meta.shape,
                     "label smoothing with class weights is not supported lazily; compute the smoothed term with log_softmax and mean_dim",
                 ));
             }
-            let kind = self.node.meta.kind;
+            let kind = self.node().meta.kind;
             return self.f_log_softmax(-1, kind)?.f_nll_loss(targets, weight, reduction, ignore_index);
         }
         let t = targets.into_lazy();
-        let (x, tn) = (&self.node, &t.node);
+        let (x, tn) = (self.node(), t.node());
         let device = same_device(name, &[x, tn])?;
         Self::check_class_loss(name, x, tn)?;
         if matches!(reduction, Reduction::Other(_)) {
@@ -664,24 +664,24 @@ impl LazyTensor {
         let t = targets.into_lazy();
         let w = weight.map(IntoLazy::into_lazy);
         let name = "nll_loss";
-        let (x, tn) = (&self.node, &t.node);
+        let (x, tn) = (self.node(), t.node());
         let mut nodes = vec![x, tn];
         if let Some(w) = &w {
-            nodes.push(&w.node);
+            nodes.push(w.node());
         }
         let device = same_device(name, &nodes)?;
         Self::check_class_loss(name, x, tn)?;
         if let Some(w) = &w {
             let c = *x.meta.shape.last().expect("checked");
-            if w.node.meta.shape != [c] || w.node.meta.flow != Flow::Fixed {
+            if w.node().meta.shape != [c] || w.node().meta.flow != Flow::Fixed {
                 return Err(shape_err(
                     name,
                     &x.meta.shape,
-                    &w.node.meta.shape,
+                    &w.node().meta.shape,
                     format!("weight must be a fixed [{c}]"),
                 ));
             }
-            same_kind(name, x, &w.node)?;
+            same_kind(name, x, w.node())?;
         }
         if matches!(reduction, Reduction::Other(_)) {
             return Err(arg(name, &x.meta.shape, "unknown reduction"));
@@ -725,11 +725,11 @@ impl LazyTensor {
             });
         }
         let t = target.into_lazy();
-        if t.node.meta.shape != self.node.meta.shape {
+        if t.node().meta.shape != self.node().meta.shape {
             return Err(shape_err(
                 "binary_cross_entropy_with_logits",
-                &self.node.meta.shape,
-                &t.node.meta.shape,
+                &self.node().meta.shape,
+                &t.node().meta.shape,
                 "the target must have the input's size",
             ));
         }
@@ -749,7 +749,7 @@ impl LazyTensor {
         if beta < 0.0 {
             return Err(arg(
                 "smooth_l1_loss",
-                &self.node.meta.shape,
+                &self.node().meta.shape,
                 "smooth_l1_loss does not support negative values for beta.",
             ));
         }
@@ -769,7 +769,7 @@ impl LazyTensor {
         if delta <= 0.0 {
             return Err(arg(
                 "huber_loss",
-                &self.node.meta.shape,
+                &self.node().meta.shape,
                 "huber_loss does not support non-positive values for delta.",
             ));
         }
@@ -786,7 +786,7 @@ impl LazyTensor {
         let t = target.into_lazy();
         let op = ElementwiseLoss { loss, reduction };
         let name = op.name();
-        let (x, tn) = (&self.node, &t.node);
+        let (x, tn) = (self.node(), t.node());
         let device = same_device(name, &[x, tn])?;
         let per = shape::broadcast(&x.meta.shape, &tn.meta.shape)
             .map_err(|r| shape_err(name, &x.meta.shape, &tn.meta.shape, r))?;
@@ -888,7 +888,7 @@ impl LazyTensor {
         let loss = Composite::CosineEmbedding { margin };
         let name = loss.name();
         let (a, b, t) = (input1.into_lazy(), input2.into_lazy(), target.into_lazy());
-        let (x1, x2, tn) = (&a.node, &b.node, &t.node);
+        let (x1, x2, tn) = (a.node(), b.node(), t.node());
         let device = same_device(name, &[x1, x2, tn])?;
         let (s1, s2, st) = (&x1.meta.shape, &x2.meta.shape, &tn.meta.shape);
         let rank = st.len() + 1;
@@ -940,7 +940,7 @@ impl LazyTensor {
         let loss = Composite::MarginRanking { margin };
         let name = loss.name();
         let (a, b, t) = (input1.into_lazy(), input2.into_lazy(), target.into_lazy());
-        let (x1, x2, tn) = (&a.node, &b.node, &t.node);
+        let (x1, x2, tn) = (a.node(), b.node(), t.node());
         let device = same_device(name, &[x1, x2, tn])?;
         let (s1, s2, st) = (&x1.meta.shape, &x2.meta.shape, &tn.meta.shape);
         floating(name, x1)?;
@@ -979,7 +979,7 @@ impl LazyTensor {
         let loss = Composite::TripletMargin { margin, p, eps, swap };
         let name = loss.name();
         let (a, b, c) = (anchor.into_lazy(), positive.into_lazy(), negative.into_lazy());
-        let (an, pn, nn) = (&a.node, &b.node, &c.node);
+        let (an, pn, nn) = (a.node(), b.node(), c.node());
         let device = same_device(name, &[an, pn, nn])?;
         let (sa, sp, sn) = (&an.meta.shape, &pn.meta.shape, &nn.meta.shape);
         if sa.len() != sp.len() || sa.len() != sn.len() || sa.is_empty() {
@@ -1028,10 +1028,10 @@ impl LazyTensor {
         let name = loss.name();
         let t = target.into_lazy();
         let w = weight.map(IntoLazy::into_lazy);
-        let (x, tn) = (&self.node, &t.node);
+        let (x, tn) = (self.node(), t.node());
         let mut nodes = vec![x, tn];
         if let Some(w) = &w {
-            nodes.push(&w.node);
+            nodes.push(w.node());
         }
         let device = same_device(name, &nodes)?;
         let sx = &x.meta.shape;
@@ -1041,11 +1041,11 @@ impl LazyTensor {
         floating(name, x)?;
         same_kind(name, x, tn)?;
         if let Some(w) = &w {
-            let ws = &w.node.meta.shape;
+            let ws = &w.node().meta.shape;
             if shape::broadcast(sx, ws).as_ref() != Ok(sx) {
                 return Err(shape_err(name, sx, ws, "the weight must broadcast to the input's size"));
             }
-            same_kind(name, x, &w.node)?;
+            same_kind(name, x, w.node())?;
         }
         let flow = broadcast_flows(name, &nodes, sx, Linearity::Nonlinear)?;
         let inputs = nodes.into_iter().cloned().collect();
@@ -1072,7 +1072,7 @@ impl LazyTensor {
         let loss = Composite::PoissonNll { log_input, full, eps };
         let name = loss.name();
         let t = target.into_lazy();
-        let (x, tn) = (&self.node, &t.node);
+        let (x, tn) = (self.node(), t.node());
         let device = same_device(name, &[x, tn])?;
         let per = shape::broadcast(&x.meta.shape, &tn.meta.shape)
             .map_err(|r| shape_err(name, &x.meta.shape, &tn.meta.shape, r))?;
@@ -1113,7 +1113,7 @@ impl LazyTensor {
     ) -> Result<LazyTensor, LazyError> {
         let (lp, tg) = (log_probs.into_lazy(), targets.into_lazy());
         let lengths = CtcLengthArgs::Lists(input_lengths.as_slice(), target_lengths.as_slice());
-        Self::ctc(&lp.node, &tg.node, lengths, blank, reduction, zero_infinity)
+        Self::ctc(lp.node(), tg.node(), lengths, blank, reduction, zero_infinity)
     }
 
     /// As [`f_ctc_loss`](Self::f_ctc_loss), with the lengths as integer tensors of one value a
@@ -1138,8 +1138,8 @@ impl LazyTensor {
     ) -> Result<LazyTensor, LazyError> {
         let (lp, tg) = (log_probs.into_lazy(), targets.into_lazy());
         let (il, tl) = (input_lengths.into_lazy(), target_lengths.into_lazy());
-        let lengths = CtcLengthArgs::Tensors(&il.node, &tl.node);
-        Self::ctc(&lp.node, &tg.node, lengths, blank, reduction, zero_infinity)
+        let lengths = CtcLengthArgs::Tensors(il.node(), tl.node());
+        Self::ctc(lp.node(), tg.node(), lengths, blank, reduction, zero_infinity)
     }
 
     /// Records a CTC loss, its lengths as lists or as tensors.

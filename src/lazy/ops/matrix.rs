@@ -804,7 +804,7 @@ fn permuted(t: &LazyTensor, dims: &[usize]) -> Result<LazyTensor, LazyError> {
 /// interleaved batch is always copied: a micro-batch narrowed out of the batch keeps the full
 /// batch's strides, which no view merges across.
 fn folded(t: &LazyTensor, to: [i64; 3], groups: [usize; 3]) -> LazyTensor {
-    let n = &t.node;
+    let n = t.node();
     let m = &n.meta;
     let mut interleaved = false;
     let flow = match m.flow {
@@ -881,7 +881,7 @@ fn sum_product(left: &LazyTensor, right: &LazyTensor, sum_dims: &[usize]) -> Res
     let batch_at = left.meta().batch().or(right.meta().batch());
     let a = folded(&permuted(&left, &left_order)?, [lro_size, lo_size, sum_size], [lro.len(), lo.len(), 0]);
     let b = folded(&permuted(&right, &right_order)?, [lro_size, sum_size, ro_size], [lro.len(), sum_dims.len(), 0]);
-    let (an, bn) = (&a.node, &b.node);
+    let (an, bn) = (a.node(), b.node());
     let kept = match (an.meta.batch(), bn.meta.batch()) {
         (Some(x), None) if x.dim < 2 => Some(x),
         (None, Some(y)) if y.dim != 1 => Some(y),
@@ -898,7 +898,7 @@ fn sum_product(left: &LazyTensor, right: &LazyTensor, sum_dims: &[usize]) -> Res
     .flow((step_flow(&[an, bn], kept), None))
     .finish();
     // Viewed as `[lro, lo, 1 per summed dimension, ro]`: the batch at its own position again.
-    let p = &product.node;
+    let p = product.node();
     let unfold_flow = match (p.meta.flow, batch_at) {
         (Flow::PerSample(_), Some(bd)) => match order.iter().position(|&d| d == bd.dim) {
             Some(at) => Flow::PerSample(BatchDim { dim: at, ..bd }),
@@ -930,7 +930,7 @@ impl LazyTensor {
     /// [`LazyError::Shape`] unless both are 1-D.
     pub fn f_outer(&self, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
         let other = other.into_lazy();
-        let (a, b) = (&self.node.meta.shape, &other.node.meta.shape);
+        let (a, b) = (&self.node().meta.shape, &other.node().meta.shape);
         if a.len() != 1 || b.len() != 1 {
             return Err(LazyError::Shape {
                 op: "outer".into(),
@@ -948,7 +948,7 @@ impl LazyTensor {
     /// [`LazyError::Shape`] unless both are 2-D and fit; as [`f_matmul`](Self::f_matmul).
     pub fn f_mm(&self, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
         let other = other.into_lazy();
-        let (a, b) = (&self.node.meta.shape, &other.node.meta.shape);
+        let (a, b) = (&self.node().meta.shape, &other.node().meta.shape);
         if a.len() != 2 || b.len() != 2 {
             return Err(LazyError::Shape {
                 op: "mm".into(),
@@ -972,7 +972,7 @@ impl LazyTensor {
     /// different kinds, [`LazyError::Device`].
     pub fn f_matmul(&self, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
         let other = other.into_lazy();
-        let mut pair = [self.node.clone(), other.node.clone()];
+        let mut pair = [self.node().clone(), other.node().clone()];
         if pair.iter().all(|n| n.meta.shape.len() >= 3) {
             // A parameter expanded to the batch (cross-attention's learned queries) meets
             // batched values here: per sample, as in `+` and `cat`.
@@ -1075,7 +1075,7 @@ impl LazyTensor {
     /// [`LazyError::Shape`] for other shapes, [`LazyError::Kind`], [`LazyError::Device`].
     pub fn f_bmm(&self, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
         let other = other.into_lazy();
-        let mut pair = [self.node.clone(), other.node.clone()];
+        let mut pair = [self.node().clone(), other.node().clone()];
         if pair.iter().all(|n| n.meta.shape.len() == 3) {
             adopt_batch_broadcasts(&mut pair, 3, true);
         }
@@ -1108,24 +1108,24 @@ impl LazyTensor {
         #[fixed] bias: Option<impl IntoLazy>,
     ) -> Result<LazyTensor, LazyError> {
         let (w, b) = (weight.into_lazy(), bias.map(IntoLazy::into_lazy));
-        let x = &self.node;
+        let x = self.node();
         let name = "linear";
-        let mut nodes = vec![x, &w.node];
+        let mut nodes = vec![x, w.node()];
         if let Some(b) = &b {
-            nodes.push(&b.node);
+            nodes.push(b.node());
         }
         let device = same_device(name, &nodes)?;
-        let (sx, sw) = (&x.meta.shape, &w.node.meta.shape);
+        let (sx, sw) = (&x.meta.shape, &w.node().meta.shape);
         if sx.is_empty() || sw.len() != 2 || sx[sx.len() - 1] != sw[1] {
             return Err(shape_err(name, sx, sw, "expected input [.., in] and weight [out, in]"));
         }
         if let Some(b) = &b {
-            if b.node.meta.shape != [sw[0]] {
-                return Err(shape_err(name, sw, &b.node.meta.shape, format!("bias must have shape [{}]", sw[0])));
+            if b.node().meta.shape != [sw[0]] {
+                return Err(shape_err(name, sw, &b.node().meta.shape, format!("bias must have shape [{}]", sw[0])));
             }
-            same_kind(name, x, &b.node)?;
+            same_kind(name, x, b.node())?;
         }
-        same_kind(name, x, &w.node)?;
+        same_kind(name, x, w.node())?;
         floating(name, x)?;
         let mut out = sx.clone();
         *out.last_mut().expect("non-empty") = sw[0];
@@ -1155,7 +1155,7 @@ impl LazyTensor {
         alpha: f64,
     ) -> Result<LazyTensor, LazyError> {
         let (b1, b2) = (batch1.into_lazy(), batch2.into_lazy());
-        let (x, m1, m2) = (&self.node, &b1.node, &b2.node);
+        let (x, m1, m2) = (self.node(), b1.node(), b2.node());
         let name = "baddbmm";
         let nodes = [x, m1, m2];
         let device = same_device(name, &nodes)?;
@@ -1212,7 +1212,7 @@ impl LazyTensor {
             });
         }
         let (w, i) = (weight.into_lazy(), indices.into_lazy());
-        let (wn, inn) = (&w.node, &i.node);
+        let (wn, inn) = (w.node(), i.node());
         let device = same_device(name, &[wn, inn])?;
         if wn.meta.shape.len() != 2 {
             return Err(shape_err(name, &wn.meta.shape, &inn.meta.shape, "the weight must be 2-D"));
@@ -1263,7 +1263,7 @@ impl LazyTensor {
         if operands.is_empty() {
             return Err(arg(name, &[], "must provide at least one operand"));
         }
-        let nodes: Vec<&Rc<Node>> = operands.iter().map(|t| &t.node).collect();
+        let nodes: Vec<&Rc<Node>> = operands.iter().map(|t| t.node()).collect();
         let device = same_device(name, &nodes)?;
         for n in &nodes[1..] {
             same_kind(name, nodes[0], n)?;
@@ -1362,7 +1362,7 @@ impl LazyTensor {
             last = last.f_sum_dim_intlist(dims.as_slice(), false, None)?;
         }
         // The contracted positions, all of size 1 now, viewed away.
-        let n = &last.node;
+        let n = last.node();
         let strides = shape::view_strides(&n.meta.shape, &n.meta.strides, &out_shape).expect("only ones are dropped");
         // libtorch's last step: the product viewed without its contracted dimensions (all of
         // size 1 by then), or itself; named `einsum`, it carries the einsum's batch rule.

@@ -16,8 +16,10 @@
 //!   family's trait ([`PointwiseOps`], ..) from that one signature.
 //!
 //! Adding an op touches only its family's file: a type with its `Operation` and `Run` impls, and
-//! its `f_op` method. `record` turns a recorded op into a node (batch flow, device-independent
-//! costs).
+//! its `f_op` method. `record` turns a recorded op into a node (its batch flow; its costs
+//! whatever the device are `graph`'s `Cost::of`). On a value computed at once (the eager form a
+//! `toma::lazy::nn::func` closure gets on a `Tensor`), a trait method calls tch's own method
+//! directly, and any other op is recorded and run at once.
 
 use std::rc::Rc;
 
@@ -67,6 +69,11 @@ impl Fallible for crate::lazy::LazyTensor {
 
 // ---------------------------------------------------------------------------------------------
 // Helpers the families record with.
+
+/// The error of tch's method called directly on a value computed at once.
+pub(crate) fn eager_err(op: &'static str) -> impl Fn(tch::TchError) -> LazyError {
+    move |source| LazyError::Torch { node: None, op: op.into(), source }
+}
 
 pub(crate) fn arg(op: &str, shape: &[i64], reason: impl Into<String>) -> LazyError {
     LazyError::Argument { op: op.into(), shape: shape.to_vec(), reason: reason.into() }

@@ -202,7 +202,7 @@ impl LazyTensor {
         momentum: f64,
         eps: f64,
     ) -> Result<LazyTensor, LazyError> {
-        let x = &self.node;
+        let x = self.node();
         let name = "batch_norm";
         let s = &x.meta.shape;
         if s.len() < 2 {
@@ -212,9 +212,9 @@ impl LazyTensor {
         let (w, b) = (weight.map(IntoLazy::into_lazy), bias.map(IntoLazy::into_lazy));
         let (rm, rv) = (running_mean.into_lazy(), running_var.into_lazy());
         let mut params: Vec<&Rc<Node>> = Vec::new();
-        params.extend(w.iter().map(|t| &t.node));
-        params.extend(b.iter().map(|t| &t.node));
-        params.extend([&rm.node, &rv.node]);
+        params.extend(w.iter().map(|t| t.node()));
+        params.extend(b.iter().map(|t| t.node()));
+        params.extend([rm.node(), rv.node()]);
         for p in &params {
             if p.meta.shape != [s[1]] {
                 return Err(shape_err(
@@ -278,7 +278,7 @@ impl LazyTensor {
         params: &[Option<LazyTensor>],
         op: impl Operation + 'static,
     ) -> Result<LazyTensor, LazyError> {
-        let x = &self.node;
+        let x = self.node();
         let s = &x.meta.shape;
         if norm.is_empty() || norm.len() > s.len() || s[s.len() - norm.len()..] != norm[..] {
             return Err(shape_err(name, s, &norm, "the input's trailing dimensions must equal normalized_shape"));
@@ -286,11 +286,11 @@ impl LazyTensor {
         floating(name, x)?;
         let mut nodes = vec![x];
         for p in params.iter().flatten() {
-            if p.node.meta.shape != norm {
-                return Err(shape_err(name, &norm, &p.node.meta.shape, "weight and bias must have normalized_shape"));
+            if p.node().meta.shape != norm {
+                return Err(shape_err(name, &norm, &p.node().meta.shape, "weight and bias must have normalized_shape"));
             }
-            same_kind(name, x, &p.node)?;
-            nodes.push(&p.node);
+            same_kind(name, x, p.node())?;
+            nodes.push(p.node());
         }
         let device = same_device(name, &nodes)?;
         let first_norm = s.len() - norm.len();
@@ -321,7 +321,7 @@ impl LazyTensor {
         cudnn_enabled: bool,
     ) -> Result<LazyTensor, LazyError> {
         let _ = cudnn_enabled;
-        let x = &self.node;
+        let x = self.node();
         let name = "group_norm";
         let s = &x.meta.shape;
         if s.len() < 2 {
@@ -338,11 +338,11 @@ impl LazyTensor {
         let (w, b) = (weight.map(IntoLazy::into_lazy), bias.map(IntoLazy::into_lazy));
         let mut nodes = vec![x];
         for p in w.iter().chain(b.iter()) {
-            if p.node.meta.shape != [s[1]] {
-                return Err(shape_err(name, s, &p.node.meta.shape, format!("weight and bias must be [{}]", s[1])));
+            if p.node().meta.shape != [s[1]] {
+                return Err(shape_err(name, s, &p.node().meta.shape, format!("weight and bias must be [{}]", s[1])));
             }
-            same_kind(name, x, &p.node)?;
-            nodes.push(&p.node);
+            same_kind(name, x, p.node())?;
+            nodes.push(p.node());
         }
         let device = same_device(name, &nodes)?;
         let mapped: Vec<Option<usize>> = nodes

@@ -618,7 +618,7 @@ impl LazyTensor {
     fn f_unary(&self, u: Unary) -> Result<LazyTensor, LazyError> {
         let rules = u.rules();
         let name = rules.name;
-        let n = &self.node;
+        let n = self.node();
         if let Unary::Gelu(approximate) = &u {
             floating(name, n)?;
             if approximate != "none" && approximate != "tanh" {
@@ -834,7 +834,7 @@ impl LazyTensor {
     }
     fn f_clamp_impl(&self, min: Option<f64>, max: Option<f64>) -> Result<LazyTensor, LazyError> {
         if min.is_some_and(f64::is_nan) || max.is_some_and(f64::is_nan) {
-            return Err(arg("clamp", &self.node.meta.shape, format!("a bound is NaN: min {min:?}, max {max:?}")));
+            return Err(arg("clamp", &self.node().meta.shape, format!("a bound is NaN: min {min:?}, max {max:?}")));
         }
         self.f_unary(Unary::Clamp { min, max })
     }
@@ -848,7 +848,7 @@ impl LazyTensor {
     /// with the batch's size along the batch dimension.
     pub fn f_masked_fill(&self, mask: impl IntoLazy, value: f64) -> Result<LazyTensor, LazyError> {
         let mask = mask.into_lazy();
-        let (x, m) = (&self.node, &mask.node);
+        let (x, m) = (self.node(), mask.node());
         let name = "masked_fill";
         let device = same_device(name, &[x, m])?;
         if m.meta.kind != Kind::Bool {
@@ -871,7 +871,7 @@ impl LazyTensor {
     /// do not broadcast, [`LazyError::Device`], [`LazyError::Batch`].
     pub fn f_where_self(&self, condition: impl IntoLazy, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
         let (condition, other) = (condition.into_lazy(), other.into_lazy());
-        let (c, x, y) = (&condition.node, &self.node, &other.node);
+        let (c, x, y) = (condition.node(), self.node(), other.node());
         let name = "where_self";
         let device = same_device(name, &[x, c, y])?;
         if c.meta.kind != Kind::Bool {
@@ -892,7 +892,7 @@ impl LazyTensor {
     /// [`LazyError::Kind`] for a non-floating tensor; [`LazyError::Argument`] for a bad
     /// dimension or one of odd size.
     pub fn f_glu(&self, dim: i64) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let m = &n.meta;
         floating("glu", n)?;
         if m.shape.is_empty() {
@@ -914,7 +914,7 @@ impl LazyTensor {
     }
 
     fn f_triangle(&self, upper: bool, diagonal: i64) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let op = Triangle { upper, diagonal };
         let name = op.name();
         let rank = n.meta.shape.len();
@@ -948,9 +948,9 @@ impl LazyTensor {
     fn f_binary(&self, op: Binary, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
         let other = other.into_lazy();
         let name = op.name();
-        let out = shape::broadcast(&self.node.meta.shape, &other.node.meta.shape)
-            .map_err(|r| shape_err(name, &self.node.meta.shape, &other.node.meta.shape, r))?;
-        let mut pair = [self.node.clone(), other.node.clone()];
+        let out = shape::broadcast(&self.node().meta.shape, &other.node().meta.shape)
+            .map_err(|r| shape_err(name, &self.node().meta.shape, &other.node().meta.shape, r))?;
+        let mut pair = [self.node().clone(), other.node().clone()];
         adopt_batch_broadcasts(&mut pair, out.len(), true);
         let [a, b] = &pair;
         let device = same_device(name, &[a, b])?;
@@ -981,8 +981,9 @@ impl LazyTensor {
     /// `self op s` for an integer `s` (the operators' `x + 1`): an integer tensor keeps its kind
     /// (true division aside), as in libtorch; a floating one is as with `s as f64`.
     pub(crate) fn f_int_scalar(&self, op: Binary, s: i64, reversed: bool) -> Result<LazyTensor, LazyError> {
-        let integral = shape::is_integral(self.node.meta.kind);
-        if integral && matches!(op, Binary::Add | Binary::Sub) && self.node.meta.flow == crate::lazy::graph::Flow::Sum {
+        let integral = shape::is_integral(self.node().meta.kind);
+        if integral && matches!(op, Binary::Add | Binary::Sub) && self.node().meta.flow == crate::lazy::graph::Flow::Sum
+        {
             return Err(LazyError::Unsupported {
                 op: op.name().into(),
                 reason: "an integer added to an integer value summed over the batch cannot be split exactly; \
@@ -994,7 +995,7 @@ impl LazyTensor {
     }
 
     fn f_scalar_of(&self, op: Binary, scalar: f64, reversed: bool, integral: bool) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let kind = match op {
             _ if op.is_comparison() => Kind::Bool,
             Binary::Div if integral => Kind::Float,
@@ -1229,7 +1230,7 @@ impl LazyTensor {
     /// # Errors
     /// None in practice.
     pub fn f_full_like(&self, fill_value: f64) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let m = &n.meta;
         let flow = same_shape_flow("full_like", n, Linearity::Nonlinear)?;
         let record = Record::new(FullLike { value: fill_value }, vec![n.clone()], m.shape.clone(), m.kind, m.device);
@@ -1271,9 +1272,9 @@ impl LazyTensor {
     /// As [`f_rand_like`](Self::f_rand_like); [`LazyError::Kind`] for probabilities that are not
     /// floating-point.
     pub fn f_bernoulli(&self) -> Result<LazyTensor, LazyError> {
-        super::floating("bernoulli", &self.node)?;
+        super::floating("bernoulli", self.node())?;
         let uniform = self.f_rand_like()?;
-        uniform.f_lt_tensor(self)?.f_to_kind(self.node.meta.kind)
+        uniform.f_lt_tensor(self)?.f_to_kind(self.node().meta.kind)
     }
 
     fn drawn_like(
@@ -1281,7 +1282,7 @@ impl LazyTensor {
         op: &str,
         draw: impl FnOnce(&[i64], (Kind, tch::Device)) -> Result<Tensor, TchError>,
     ) -> Result<LazyTensor, LazyError> {
-        let m = &self.node.meta;
+        let m = &self.node().meta;
         if matches!(m.flow, crate::lazy::graph::Flow::PerSample(bd) if bd.factor != 1) {
             return Err(LazyError::Unsupported {
                 op: op.into(),
@@ -1350,7 +1351,7 @@ impl LazyTensor {
     }
 
     fn dropout_as(&self, kind: DropoutKind, p: f64, train: bool) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let name = kind.name();
         if !(0.0..=1.0).contains(&p) {
             return Err(arg(

@@ -1,17 +1,14 @@
-//! Recording: a node about to be created, how the batch flows from an op's inputs to its
-//! output, and what the node costs, from its op's rules.
+//! Recording: a node about to be created, and how the batch flows from an op's inputs to its
+//! output. An op on values computed at once (toma's closures on a `Tensor`) runs as soon as it
+//! is recorded.
 
 use std::rc::Rc;
 
 use tch::{Device, Kind, Tensor};
 
 use crate::lazy::error::LazyError;
-use crate::lazy::facts::OpFacts;
-use crate::lazy::graph::{
-    BatchDim, Cost, Flow, LazyTensor, Meta, Node, NodeKind, Operation, Param, ParamKey, Run, Source,
-};
+use crate::lazy::graph::{BatchDim, Cost, Flow, LazyTensor, Meta, Node, NodeKind, Operation, Run};
 use crate::lazy::shape;
-use crate::lazy::size::Bytes;
 
 use super::autocast;
 
@@ -21,17 +18,43 @@ use super::autocast;
 pub trait IntoLazy {
     /// The operand as a lazy tensor.
     fn into_lazy(self) -> LazyTensor;
+
+    /// The operand's value when it needs no recording (a tensor, or a value computed at
+    /// once), for an op on a value computed at once to call tch's method directly.
+    #[doc(hidden)]
+    fn eager_operand(&self) -> Option<&Tensor> {
+        None
+    }
 }
 
 impl IntoLazy for &LazyTensor {
     fn into_lazy(self) -> LazyTensor {
         self.clone()
     }
+
+    #[inline]
+    fn eager_operand(&self) -> Option<&Tensor> {
+        self.eager_value()
+    }
 }
 
 impl IntoLazy for &Tensor {
     fn into_lazy(self) -> LazyTensor {
         leaf(self, None)
+    }
+
+    #[inline]
+    fn eager_operand(&self) -> Option<&Tensor> {
+        Some(self)
+    }
+}
+
+/// [`IntoLazy::eager_operand`] of an optional operand: `Some(None)` for none.
+#[inline]
+pub(crate) fn eager_option<T: IntoLazy>(operand: &Option<T>) -> Option<Option<&Tensor>> {
+    match operand {
+        None => Some(None),
+        Some(x) => x.eager_operand().map(Some),
     }
 }
 
@@ -124,6 +147,9 @@ impl Record {
     }
 
     pub(crate) fn finish(mut self) -> LazyTensor {
+        // An op on values computed at once (and parameters, constants) runs at once too: the
+        // ops without a direct path to tch's method (see `tensor_methods`) come here.
+        let now = self.inputs.iter().any(|n| n.is_eager()) && self.inputs.iter().all(|n| n.is_fixed_leaf());
         // In an autocast region, the casts libtorch would insert (none for most ops).
         if let Some(target) = autocast::target(self.device, self.op.name(), self.inputs.iter().map(|n| n.meta.kind)) {
             for input in &mut self.inputs {
@@ -135,7 +161,15 @@ impl Record {
                 self.kind = target;
             }
         }
-        self.finish_as_is()
+        let recorded = self.finish_as_is();
+        if now {
+            // On failure the op stays recorded: its error comes back where the value is asked
+            // for, from a call that returns it.
+            if let Ok(value) = recorded.node().run_at_once() {
+                return LazyTensor::from_eager(value);
+            }
+        }
+        recorded
     }
 
     /// [`finish`](Self::finish) without autocast's casts.
@@ -155,8 +189,8 @@ impl Record {
         };
         let facts = self.op.facts(&self.inputs, &meta).recorded(meta.requires_grad);
         let kind = NodeKind::Op(self.op);
-        let cost = cost(&kind, &facts, &self.inputs, &meta);
-        LazyTensor { node: Node::new(kind, self.inputs, meta, facts, cost) }
+        let cost = Cost::of(&kind, &facts, &self.inputs, &meta);
+        LazyTensor::from_node(Node::new(kind, self.inputs, meta, facts, cost))
     }
 }
 
@@ -187,38 +221,13 @@ impl Cast {
         // an input is always one a unary op accepts.
         let flow = flow.unwrap_or((m.flow, m.mixes.clone()));
         let record = Record::new(Cast { kind }, vec![input.clone()], m.shape.clone(), kind, m.device).flow(flow);
-        Record { strides: Some(m.strides.clone()), ..record }.finish_as_is().node
+        Record { strides: Some(m.strides.clone()), ..record }.finish_as_is().node().clone()
     }
 }
 
 /// A leaf: a batched input (`batch = Some(dim)`) or a fixed tensor (parameters, constants).
 pub(crate) fn leaf(tensor: &Tensor, batch: Option<usize>) -> LazyTensor {
-    let shape = tensor.size();
-    let meta_flow = match batch {
-        Some(dim) => Flow::PerSample(BatchDim { dim, size: shape[dim], factor: 1 }),
-        None => Flow::Fixed,
-    };
-    let meta = Meta {
-        strides: tensor.stride(),
-        kind: tensor.kind(),
-        device: tensor.device(),
-        flow: meta_flow,
-        requires_grad: tensor.requires_grad(),
-        alias: false,
-        mixes: None,
-        shape,
-    };
-    let kind = NodeKind::Source(match batch {
-        Some(dim) => Source::Input { tensor: tensor.shallow_clone(), dim },
-        None => {
-            let param =
-                meta.requires_grad.then(|| Box::new(Param { key: ParamKey::of(tensor), is_leaf: tensor.is_leaf() }));
-            Source::Leaf { tensor: tensor.shallow_clone(), param }
-        }
-    });
-    let facts = OpFacts::new(0).recorded(meta.requires_grad);
-    let cost = cost(&kind, &facts, &[], &meta);
-    LazyTensor { node: Node::new(kind, Vec::new(), meta, facts, cost) }
+    LazyTensor::from_node(Node::leaf(tensor, batch, false))
 }
 
 /// Checks that all operands live on one device; gives it back.
@@ -383,30 +392,4 @@ pub(crate) fn unary_flow(
 ) -> Result<(Flow, Option<String>), LazyError> {
     let mapped = [input.meta.batch().and_then(|bd| dim(bd.dim))];
     combine_flows(op, &[input], &mapped, out_shape, linearity, false)
-}
-
-/// What a node costs in memory whatever the device, from its op's rules: worked out once, when
-/// it is recorded.
-fn cost(kind: &NodeKind, facts: &OpFacts, inputs: &[Rc<Node>], meta: &Meta) -> Cost {
-    let elements = meta.elements();
-    let grad = elements.bytes(meta.kind);
-    let out = if matches!(kind, NodeKind::Source(_)) || meta.alias { Bytes::default() } else { grad };
-    let kernel_calls = match kind {
-        NodeKind::Op(op) => {
-            let mut calls = Vec::new();
-            op.kernels(inputs, meta, &mut calls);
-            !calls.is_empty()
-        }
-        NodeKind::Source(_) => false,
-    };
-    // What the plan depends on: the op, kind, shape, layout (a transposed operand takes
-    // another matmul path) and whether a gradient flows (frozen layers save nothing).
-    let tag = crate::hash::hash_bytes(facts.sizing, kind.name().as_bytes());
-    let mut hash = crate::hash::mix(tag ^ meta.kind as u64 ^ (u64::from(meta.requires_grad) << 32));
-    for (&s, &st) in meta.shape.iter().zip(&meta.strides) {
-        hash = crate::hash::mix(crate::hash::mix(hash ^ s as u64) ^ st as u64);
-    }
-    let permutes = meta.alias
-        && inputs.first().is_some_and(|x| shape::permutes(&x.meta.shape, &x.meta.strides, &meta.shape, &meta.strides));
-    Cost { out, grad, permutes, kernel_calls, hash }
 }

@@ -96,9 +96,9 @@ impl Recurrent {
         let name = self.cell.name();
         debug_assert_eq!(states.len(), self.state_inputs());
         let nodes: Vec<Rc<Node>> =
-            std::iter::once(input).chain(states).chain(weights).map(|t| t.node.clone()).collect();
+            std::iter::once(input).chain(states).chain(weights).map(|t| t.node().clone()).collect();
         let device = same_device(name, &nodes.iter().collect::<Vec<_>>())?;
-        let shape = &input.node.meta.shape;
+        let shape = &input.node().meta.shape;
         let (batch_dim, time_dim) = if self.batch_first { (0, 1) } else { (1, 0) };
         let packed =
             vec![shape[time_dim] + self.layers * self.cell.states(), shape[batch_dim], self.directions() * self.hidden];
@@ -114,7 +114,7 @@ impl Recurrent {
             .collect();
         let refs: Vec<&Rc<Node>> = nodes.iter().collect();
         let flow = combine_flows(name, &refs, &mapped, &packed, Linearity::Nonlinear, false)?;
-        Ok(Record::new(self, nodes, packed, input.node.meta.kind, device).flow(flow).finish())
+        Ok(Record::new(self, nodes, packed, input.node().meta.kind, device).flow(flow).finish())
     }
 
     /// The kernel's outputs as one value: the output time first, then each state tensor's

@@ -495,7 +495,7 @@ impl LazyTensor {
     }
 
     fn f_softmax_impl(&self, dim: i64, kind: Option<Kind>, log: bool) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let op = Softmax { dim, kind, log };
         let name = op.name();
         let d = shape::wrap_dim(dim, n.meta.shape.len()).map_err(|r| arg(name, &n.meta.shape, r))?;
@@ -537,7 +537,7 @@ impl LazyTensor {
     pub fn f_cosine_similarity(&self, x2: impl IntoLazy, dim: i64, eps: f64) -> Result<LazyTensor, LazyError> {
         let name = "cosine_similarity";
         let other = x2.into_lazy();
-        let (a, b) = (&self.node, &other.node);
+        let (a, b) = (self.node(), other.node());
         let device = same_device(name, &[a, b])?;
         floating(name, a)?;
         same_kind(name, a, b)?;
@@ -571,7 +571,7 @@ impl LazyTensor {
         keepdim: bool,
         kind: Option<Kind>,
     ) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let m = &n.meta;
         let name = op.rules().name;
         let a = |r: String| arg(name, &m.shape, r);
@@ -623,7 +623,7 @@ impl LazyTensor {
     /// A reduction's dimensions (wrapped), its `dims` as recorded (`None`: all, dropped) and
     /// its output shape. An empty list reduces every dimension, as in libtorch.
     fn reduction_shape(&self, name: &str, dims: Option<&[i64]>, keepdim: bool) -> Result<ReductionShape, LazyError> {
-        let shape = &self.node.meta.shape;
+        let shape = &self.node().meta.shape;
         let all = || (0..shape.len()).collect::<Vec<usize>>();
         let (reduced, dims) = match dims {
             Some(list) if !list.is_empty() => {
@@ -673,7 +673,7 @@ impl LazyTensor {
     }
 
     fn f_norm_impl(&self, p: f64, dims: Option<Vec<i64>>, keepdim: bool) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let m = &n.meta;
         if p != 1.0 && p != 2.0 {
             return Err(LazyError::Unsupported {
@@ -705,7 +705,11 @@ impl LazyTensor {
     /// [`LazyError::Argument`] for a bad dimension or a `k` larger than the dimension.
     #[lazy_only]
     pub fn f_topk(&self, k: i64, dim: i64, largest: bool, sorted: bool) -> Result<(LazyTensor, LazyTensor), LazyError> {
-        let n = &self.node;
+        if let Some(t) = self.eager_value() {
+            let (values, indices) = t.f_topk(k, dim, largest, sorted).map_err(super::eager_err("topk"))?;
+            return Ok((LazyTensor::from_eager(values), LazyTensor::from_eager(indices)));
+        }
+        let n = self.node();
         let m = &n.meta;
         let d = shape::wrap_dim(dim, m.shape.len().max(1)).map_err(|r| arg("topk", &m.shape, r))?;
         let size = m.shape.get(d).copied().unwrap_or(1);
@@ -744,7 +748,7 @@ impl LazyTensor {
     /// # Errors
     /// [`LazyError::Argument`] for a bad dimension.
     pub fn f_cumprod(&self, dim: i64, kind: impl Into<Option<Kind>>) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let m = &n.meta;
         let kind = kind.into();
         let d = shape::wrap_dim(dim, m.shape.len().max(1)).map_err(|r| arg("cumprod", &m.shape, r))?;
@@ -765,6 +769,10 @@ impl LazyTensor {
     /// [`LazyError::Argument`] for a bad dimension.
     #[lazy_only]
     pub fn f_sort(&self, dim: i64, descending: bool) -> Result<(LazyTensor, LazyTensor), LazyError> {
+        if let Some(t) = self.eager_value() {
+            let (values, indices) = t.f_sort(dim, descending).map_err(super::eager_err("sort"))?;
+            return Ok((LazyTensor::from_eager(values), LazyTensor::from_eager(indices)));
+        }
         self.f_sort_impl(None, dim, descending)
     }
 
@@ -780,6 +788,10 @@ impl LazyTensor {
         dim: i64,
         descending: bool,
     ) -> Result<(LazyTensor, LazyTensor), LazyError> {
+        if let Some(t) = self.eager_value() {
+            let (values, indices) = t.f_sort_stable(stable, dim, descending).map_err(super::eager_err("sort"))?;
+            return Ok((LazyTensor::from_eager(values), LazyTensor::from_eager(indices)));
+        }
         self.f_sort_impl(Some(stable), dim, descending)
     }
 
@@ -789,7 +801,7 @@ impl LazyTensor {
         dim: i64,
         descending: bool,
     ) -> Result<(LazyTensor, LazyTensor), LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let m = &n.meta;
         let name = if stable.is_some() { "sort_stable" } else { "sort" };
         let d = shape::wrap_dim(dim, m.shape.len().max(1)).map_err(|r| arg(name, &m.shape, r))?;
@@ -862,7 +874,7 @@ impl LazyTensor {
     /// # Errors
     /// [`LazyError::Argument`] for a bad dimension.
     pub fn f_cumsum(&self, dim: i64, kind: impl Into<Option<Kind>>) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let m = &n.meta;
         let kind = kind.into();
         let d = shape::wrap_dim(dim, m.shape.len().max(1)).map_err(|r| arg("cumsum", &m.shape, r))?;
@@ -905,7 +917,7 @@ impl LazyTensor {
     }
 
     fn f_arg_extreme(&self, max: bool, dim: Option<i64>, keepdim: bool) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let m = &n.meta;
         let op = ArgExtreme { max, dim, keepdim };
         let name = op.name();
@@ -1008,7 +1020,7 @@ impl LazyTensor {
         keepdim: bool,
         sqrt: bool,
     ) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let m = &n.meta;
         let name = if sqrt { "std" } else { "var" };
         if !shape::is_floating(m.kind) {

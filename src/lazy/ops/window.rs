@@ -518,7 +518,7 @@ impl LazyTensor {
     ) -> Result<LazyTensor, LazyError> {
         let name = "conv_transpose2d";
         let (w, b) = (weight.into_lazy(), bias.map(IntoLazy::into_lazy));
-        let sx = &self.node.meta.shape;
+        let sx = &self.node().meta.shape;
         let a = |r: String| arg(name, sx, r);
         let stride = shape::spatial::<2>(stride.as_slice(), "stride").map_err(a)?;
         let padding = shape::spatial::<2>(padding.as_slice(), "padding").map_err(a)?;
@@ -538,7 +538,7 @@ impl LazyTensor {
                 "output padding must be smaller than either stride or dilation, got output_padding {output_padding:?}, stride {stride:?}, dilation {dilation:?}"
             )));
         }
-        let sw = &w.node.meta.shape;
+        let sw = &w.node().meta.shape;
         let batched = sx.len() == 4;
         if !(batched || sx.len() == 3) || sw.len() != 4 {
             return Err(shape_err(name, sx, sw, "expected a 3-D or 4-D input and a 4-D weight"));
@@ -554,8 +554,8 @@ impl LazyTensor {
         }
         let c_out = sw[1] * groups;
         if let Some(b) = &b {
-            if b.node.meta.shape != [c_out] {
-                return Err(shape_err(name, sw, &b.node.meta.shape, format!("the bias must be [{c_out}]")));
+            if b.node().meta.shape != [c_out] {
+                return Err(shape_err(name, sw, &b.node().meta.shape, format!("the bias must be [{c_out}]")));
             }
         }
         let spatial: Vec<i64> = (0..2)
@@ -582,13 +582,13 @@ impl LazyTensor {
         [stride, padding, dilation]: [&[i64]; 3],
         groups: i64,
     ) -> Result<LazyTensor, LazyError> {
-        let sx = &self.node.meta.shape;
+        let sx = &self.node().meta.shape;
         let a = |r: String| arg(name, sx, r);
         let stride = shape::spatial::<D>(stride, "stride").map_err(a)?;
         let padding = shape::spatial::<D>(padding, "padding").map_err(a)?;
         let dilation = shape::spatial::<D>(dilation, "dilation").map_err(a)?;
-        let sw = &w.node.meta.shape;
-        let out = shape::conv(sx, sw, b.map(|b| b.node.meta.shape.as_slice()), stride, padding, dilation, groups)
+        let sw = &w.node().meta.shape;
+        let out = shape::conv(sx, sw, b.map(|b| b.node().meta.shape.as_slice()), stride, padding, dilation, groups)
             .map_err(|r| shape_err(name, sx, sw, r))?;
         self.record_convolution(name, w, b, out, D, Conv::<D> { stride, padding, dilation, groups })
     }
@@ -605,10 +605,10 @@ impl LazyTensor {
         spatial: usize,
         op: impl Operation + 'static,
     ) -> Result<LazyTensor, LazyError> {
-        let x = &self.node;
-        let mut nodes = vec![x, &w.node];
+        let x = self.node();
+        let mut nodes = vec![x, w.node()];
         if let Some(b) = b {
-            nodes.push(&b.node);
+            nodes.push(b.node());
         }
         let device = same_device(name, &nodes)?;
         floating(name, x)?;
@@ -645,7 +645,7 @@ impl LazyTensor {
     ) -> Result<LazyTensor, LazyError> {
         let name = "max_pool1d";
         let (k, st, p) = self.window_1d(name, kernel.as_slice(), stride.as_slice(), padding.as_slice())?;
-        let d = one_of(name, &self.node.meta.shape, dilation.as_slice(), "dilation", None)?;
+        let d = one_of(name, &self.node().meta.shape, dilation.as_slice(), "dilation", None)?;
         self.pooled_1d(name)?.f_max_pool2d([1, k], [1, st], [0, p], [1, d], ceil_mode)?.f_squeeze_dim(-2)
     }
 
@@ -676,7 +676,7 @@ impl LazyTensor {
     /// As [`f_max_pool1d`](Self::f_max_pool1d).
     pub fn f_adaptive_avg_pool1d(&self, output_size: impl IntList) -> Result<LazyTensor, LazyError> {
         let name = "adaptive_avg_pool1d";
-        let o = one_of(name, &self.node.meta.shape, output_size.as_slice(), "output_size", None)?;
+        let o = one_of(name, &self.node().meta.shape, output_size.as_slice(), "output_size", None)?;
         self.pooled_1d(name)?.f_adaptive_avg_pool2d([1, o])?.f_squeeze_dim(-2)
     }
 
@@ -688,14 +688,14 @@ impl LazyTensor {
         stride: &[i64],
         padding: &[i64],
     ) -> Result<(i64, i64, i64), LazyError> {
-        let shape = &self.node.meta.shape;
+        let shape = &self.node().meta.shape;
         let k = one_of(name, shape, kernel, "kernel_size", None)?;
         Ok((k, one_of(name, shape, stride, "stride", Some(k))?, one_of(name, shape, padding, "padding", None)?))
     }
 
     /// The `[.., 1, L]` view a 1-D pooling runs on, for a 2-D or 3-D input.
     fn pooled_1d(&self, name: &str) -> Result<LazyTensor, LazyError> {
-        let s = &self.node.meta.shape;
+        let s = &self.node().meta.shape;
         if s.len() != 2 && s.len() != 3 {
             return Err(arg(name, s, format!("expected a 2-D or 3-D input, got {} dims", s.len())));
         }
@@ -715,7 +715,7 @@ impl LazyTensor {
         dilation: impl IntList,
         ceil_mode: bool,
     ) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let name = "max_pool2d";
         let a = |r: String| arg(name, &n.meta.shape, r);
         let (kernel, stride, padding) = window::<2>(&kernel, &stride, &padding, None).map_err(a)?;
@@ -740,7 +740,7 @@ impl LazyTensor {
         count_include_pad: bool,
         divisor_override: impl Into<Option<i64>>,
     ) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let name = "avg_pool2d";
         let a = |r: String| arg(name, &n.meta.shape, r);
         let divisor_override = divisor_override.into();
@@ -777,7 +777,7 @@ impl LazyTensor {
     /// # Errors
     /// [`LazyError::Argument`] for a non 3-/4-D input or a bad size.
     pub fn f_adaptive_avg_pool2d(&self, output_size: impl IntList) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let name = "adaptive_avg_pool2d";
         let a = |r: String| arg(name, &n.meta.shape, r);
         let output = self.output_pair(name, output_size.as_slice())?;
@@ -812,7 +812,7 @@ impl LazyTensor {
         dilation: impl IntList,
         ceil_mode: bool,
     ) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let name = "max_pool3d";
         let a = |r: String| arg(name, &n.meta.shape, r);
         let (kernel, stride, padding) = window::<3>(&kernel_size, &stride, &padding, None).map_err(a)?;
@@ -838,7 +838,7 @@ impl LazyTensor {
         count_include_pad: bool,
         divisor_override: impl Into<Option<i64>>,
     ) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let name = "avg_pool3d";
         let a = |r: String| arg(name, &n.meta.shape, r);
         let divisor_override = divisor_override.into();
@@ -853,8 +853,8 @@ impl LazyTensor {
     }
 
     fn pool_flow(&self, name: &str, out: &[i64]) -> Result<(Flow, Option<String>), LazyError> {
-        let nd = self.node.meta.shape.len();
-        unary_flow(name, &self.node, out, |d| (d + 2 < nd).then_some(d), Linearity::Nonlinear)
+        let nd = self.node().meta.shape.len();
+        unary_flow(name, self.node(), out, |d| (d + 2 < nd).then_some(d), Linearity::Nonlinear)
     }
 
     // -----------------------------------------------------------------------------------------
@@ -872,7 +872,7 @@ impl LazyTensor {
         output_size: impl IntList,
         scales: impl Into<Option<f64>>,
     ) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let name = "upsample_nearest1d";
         let shape = &n.meta.shape;
         let a = |r: String| arg(name, shape, r);
@@ -905,7 +905,7 @@ impl LazyTensor {
         scales_w: impl Into<Option<f64>>,
     ) -> Result<LazyTensor, LazyError> {
         let scales = [scales_h.into(), scales_w.into()];
-        let n = &self.node;
+        let n = self.node();
         let name = "upsample_nearest2d";
         let (output, out) = self.upsampled(name, output_size.as_slice(), scales)?;
         let flow = self.pool_flow(name, &out)?;
@@ -927,7 +927,7 @@ impl LazyTensor {
         scales_h: impl Into<Option<f64>>,
         scales_w: impl Into<Option<f64>>,
     ) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let name = "upsample_bilinear2d";
         let scales = [scales_h.into(), scales_w.into()];
         let (output, out) = self.upsampled(name, output_size.as_slice(), scales)?;
@@ -939,9 +939,9 @@ impl LazyTensor {
 
     /// An `output_size` of two values (`[h, w]`), as the 2-D resizing ops take it.
     fn output_pair(&self, name: &str, output_size: &[i64]) -> Result<[i64; 2], LazyError> {
-        output_size
-            .try_into()
-            .map_err(|_| arg(name, &self.node.meta.shape, format!("output_size must be 2 values, got {output_size:?}")))
+        output_size.try_into().map_err(|_| {
+            arg(name, &self.node().meta.shape, format!("output_size must be 2 values, got {output_size:?}"))
+        })
     }
 
     /// An upsampling's checked output size and output shape: a non-empty 4-D input, sizes of at
@@ -952,7 +952,7 @@ impl LazyTensor {
         output_size: &[i64],
         scales: [Option<f64>; 2],
     ) -> Result<([i64; 2], Vec<i64>), LazyError> {
-        let shape = &self.node.meta.shape;
+        let shape = &self.node().meta.shape;
         let a = |r: String| arg(name, shape, r);
         let output = self.output_pair(name, output_size)?;
         if shape.len() != 4 || output.iter().any(|&v| v < 1) || shape[2..].contains(&0) {
@@ -991,7 +991,7 @@ impl LazyTensor {
     }
 
     fn pixel_shuffled(&self, name: &'static str, r: i64, unshuffle: bool) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let shape = &n.meta.shape;
         let a = |r: String| arg(name, shape, r);
         let nd = shape.len();
@@ -1032,7 +1032,7 @@ impl LazyTensor {
     /// [`LazyError::Argument`] for a bad dimension, a `size` outside `0..=` the dimension's
     /// size, or a `step` below 1.
     pub fn f_unfold(&self, dimension: i64, size: i64, step: i64) -> Result<LazyTensor, LazyError> {
-        let n = &self.node;
+        let n = self.node();
         let m = &n.meta;
         let name = "unfold";
         let a = |r: String| arg(name, &m.shape, r);

@@ -110,7 +110,7 @@ impl Compiled {
                 .map(|&i| &self.nodes[i as usize])
                 .filter(|node| match node.source() {
                     // A non-leaf's gradient is summed in a buffer of toma's (see exec).
-                    Some(Source::Leaf { tensor, param: Some(p) }) => !p.is_leaf || !tensor.grad().defined(),
+                    Some(Source::Leaf { tensor, param: Some(p), .. }) => !p.is_leaf || !tensor.grad().defined(),
                     _ => false,
                 })
                 .map(|node| Work::from(node.cost.grad).at(1, self.block))
@@ -150,7 +150,7 @@ impl Compiled {
     pub(crate) fn accumulates_in_place(&self) -> bool {
         *self.in_place.get_or_init(|| {
             self.nodes.iter().enumerate().all(|(i, node)| match node.source() {
-                Some(Source::Leaf { tensor, param: Some(_) }) => {
+                Some(Source::Leaf { tensor, param: Some(_), .. }) => {
                     self.param[i].is_none_or(|first| first as usize != i)
                         || (tensor.is_leaf() && !tensor.grad().defined())
                 }
@@ -210,10 +210,10 @@ fn input_grads(nodes: &[Rc<Node>]) -> impl Iterator<Item = &Rc<Node>> {
 pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
     // Depth-first collection; ids give the order (inputs are always created first). The
     // planner's own index says where each visited node was found.
-    let mut index = Index::new(output.node.id);
-    *index.slot(output.node.id) = 1;
-    let mut seen: Vec<(u64, &Rc<Node>)> = vec![(output.node.id, &output.node)];
-    let mut stack: Vec<&Rc<Node>> = vec![&output.node];
+    let mut index = Index::new(output.node().id);
+    *index.slot(output.node().id) = 1;
+    let mut seen: Vec<(u64, &Rc<Node>)> = vec![(output.node().id, output.node())];
+    let mut stack: Vec<&Rc<Node>> = vec![output.node()];
     while let Some(node) = stack.pop() {
         for input in &node.inputs {
             let slot = index.slot(input.id);

@@ -110,7 +110,7 @@ pub(crate) fn calibrate(output: &LazyTensor, mode: Mode, options: &Options) -> R
 /// [`compile`], refusing a backward of what is not a scalar.
 fn compile_for(output: &LazyTensor, mode: Mode) -> Result<Compiled, LazyError> {
     let c = compile(output)?;
-    if mode == Mode::Backward && !output.node.meta.shape.is_empty() && output.numel() != 1 {
+    if mode == Mode::Backward && !output.node().meta.shape.is_empty() && output.numel() != 1 {
         return Err(LazyError::NotScalar { op: output.op_name().into(), shape: output.size() });
     }
     Ok(c)
