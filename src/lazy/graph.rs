@@ -367,7 +367,8 @@ impl Drop for Node {
 /// kinds and batch dimension are known, and whose values are computed — in micro-batches when
 /// the batch does not fit — only when asked for.
 ///
-/// Cloning is cheap (a reference count). Not `Send`: a graph belongs to one thread.
+/// Cloning is cheap (a reference count; for the eager form a closure gets on a `Tensor`, a
+/// shallow clone of it). Not `Send`: a graph belongs to one thread.
 pub struct LazyTensor {
     repr: Repr,
 }
