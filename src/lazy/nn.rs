@@ -14,8 +14,8 @@
 //! A model built with [`seq`] is one definition for both uses: tch's `Module` runs it on a
 //! `Tensor` (`x.apply(&mlp)`), [`LazyModule`] records it on a [`LazyTensor`]
 //! (`lx.apply(&mlp)`). Its layers run eagerly as tch runs them; a function added with
-//! [`add_fn`](Sequential::add_fn) takes a `&LazyTensor`, so on a `Tensor` it is recorded and
-//! run at once (a few microseconds of recording per call, whole, with autograd as usual).
+//! [`add_fn`](Sequential::add_fn) takes a `&LazyTensor`; on a `Tensor` it gets the tensor's
+//! eager form, whose ops call tch's methods at once (nothing recorded, autograd as usual).
 //!
 //! ```
 //! use tch::{nn, nn::Module, Device, Kind, Tensor};
@@ -634,7 +634,7 @@ impl LazyModule for Func<'_> {
 }
 
 impl nn::Module for Func<'_> {
-    /// The closure recorded on `xs` and run at once.
+    /// The closure run on `xs`: each op calls tch's method at once.
     ///
     /// # Panics
     /// When an op of the closure fails, as tch's ops panic.
@@ -650,7 +650,7 @@ impl LazyModuleT for FuncT<'_> {
 }
 
 impl nn::ModuleT for FuncT<'_> {
-    /// The closure recorded on `xs` and run at once.
+    /// The closure run on `xs`: each op calls tch's method at once.
     ///
     /// # Panics
     /// When an op of the closure fails, as tch's ops panic.
