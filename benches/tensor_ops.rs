@@ -3,8 +3,8 @@
 //! that any wrapper cost would show); and a resnet18 forward, `toma::lazy::vision`'s (written
 //! once over the trait) against `tch::vision`'s on the same weights; and an MLP built with
 //! `toma::lazy::nn::seq()` run eagerly against the same one built with tch's `nn::seq()` (its
-//! layers run as tch's, its `add_fn` closures are recorded and run per call: that cost is what
-//! this measures). `cargo bench --bench tensor_ops`.
+//! layers run as tch's, its `add_fn` closures get the input's eager form and call tch's methods:
+//! what that costs over tch's closure is what this measures). `cargo bench --bench tensor_ops`.
 
 use std::hint::black_box;
 
@@ -95,7 +95,7 @@ fn bench(c: &mut Criterion) {
     let (d, g) =
         best_of(7, 2_000, &|| drop(nn::Module::forward(&theirs, &x)), &|| drop(nn::Module::forward(&ours, &x)));
     println!(
-        "ratio: nn::seq MLP 64x512 forward, toma::lazy::nn::seq / tch = {:.3} (best of 7 x 2000; {:.1} us per recorded closure)",
+        "ratio: nn::seq MLP 64x512 forward, toma::lazy::nn::seq / tch = {:.3} (best of 7 x 2000; {:.2} us more per closure call)",
         g / d,
         (g - d) / 2_000.0 * 1e6
     );
