@@ -891,16 +891,7 @@ fn whole_steps_peak_as_planned() {
             let mut vs = nn::VarStore::new(CPU);
             let loss: Box<dyn Fn() -> LazyTensor> = if model.starts_with("lstm") {
                 // A char-RNN on libtorch's fused kernel (one op, priced by calibration).
-                use toma::lazy::nn::RNN;
-                let lstm = toma::lazy::nn::lstm(vs.root() / "lstm", 32, 64, Default::default());
-                let head = nn::linear(vs.root() / "head", 64, 32, Default::default());
-                let x = Tensor::randn([64, 16, 32], (Kind::Float, CPU));
-                let y = Tensor::randint(32, [64, 16], (Kind::Int64, CPU));
-                Box::new(move || {
-                    let (lx, ly) = toma::lazy::lazy((&x, &y), 0);
-                    let (out, _) = lstm.seq(&lx);
-                    out.apply(&head).view([-1, 32]).cross_entropy_for_logits(&ly.view([-1]))
-                })
+                char_rnn(vs.root(), 32, 64, Default::default(), [64, 16])
             } else if model.starts_with("gated") {
                 // A hand-made layer norm (`var_dim`), a gated linear unit, dropout and a
                 // deviation over features: ops added after the planner was read.
@@ -2495,15 +2486,8 @@ fn recurrent_models_peak_as_planned() {
     // The bench's char-RNN (issue 41's medium size): 64 features, 128 units, 32 steps, batch 64,
     // libtorch's fused kernel (oneDNN's in f32), whole and in micro-batches of 16.
     for micro in [64usize, 16] {
-        use toma::lazy::nn::RNN;
         let vs = nn::VarStore::new(CPU);
-        let lstm = toma::lazy::nn::lstm(vs.root() / "lstm", 64, 128, Default::default());
-        let head = nn::linear(vs.root() / "head", 128, 64, Default::default());
-        let xs = Tensor::randn([64, 32, 64], (Kind::Float, CPU));
-        let ys = Tensor::randint(64, [64, 32], (Kind::Int64, CPU));
-        let (lx, ly) = toma::lazy::lazy((&xs, &ys), 0);
-        let (out, _) = lstm.seq(&lx);
-        let loss = out.apply(&head).view([-1, 64]).cross_entropy_for_logits(&ly.view([-1]));
+        let loss = char_rnn(vs.root(), 64, 128, Default::default(), [64, 32])();
         let (planned, measured) = planned_and_measured_at(&loss, micro);
         rows.push(format!("char-rnn 64-128 T 32 f32 micro {micro}"), planned, measured);
     }
@@ -3525,7 +3509,7 @@ fn a_split_step_holds_one_copy_of_the_gradients() {
 /// Every step within 10% of its plan and never above the budget.
 #[test]
 fn zoo_whole_steps_peak_as_planned_under_a_budget() {
-    use toma::lazy::nn::{OptimizerConfig, RNN};
+    use toma::lazy::nn::OptimizerConfig;
     use toma::lazy::{models, vision};
     let _serial = support::serial();
     assert!(memory::track_cpu_allocations());
@@ -3574,17 +3558,8 @@ fn zoo_whole_steps_peak_as_planned_under_a_budget() {
         (
             "lstm 2 layers 128 units, 24 steps, b32",
             Box::new(|vs| {
-                let r = vs.root();
                 let config = nn::RNNConfig { num_layers: 2, batch_first: true, ..Default::default() };
-                let lstm = toma::lazy::nn::lstm(&r / "lstm", 32, 128, config);
-                let head = nn::linear(&r / "head", 128, 32, Default::default());
-                let x = Tensor::randn([32, 24, 32], (Kind::Float, CPU));
-                let y = Tensor::randint(32, [32, 24], (Kind::Int64, CPU));
-                Box::new(move || {
-                    let (lx, ly) = toma::lazy::lazy((&x, &y), 0);
-                    let (out, _) = lstm.seq(&lx);
-                    out.apply(&head).view([-1, 32]).cross_entropy_for_logits(&ly.view([-1]))
-                })
+                char_rnn(vs.root(), 32, 128, config, [32, 24])
             }),
         ),
     ];
@@ -3735,4 +3710,25 @@ fn autocast_steps_peak_as_planned() {
         }
     }
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "autocast steps");
+}
+
+/// A char-RNN's loss on libtorch's fused LSTM: `features` in, `hidden` units, a linear head
+/// back to `features` classes, f32 inputs of `[batch, steps, features]`; recorded anew per call.
+fn char_rnn(
+    root: nn::Path,
+    features: i64,
+    hidden: i64,
+    config: nn::RNNConfig,
+    [batch, steps]: [i64; 2],
+) -> Box<dyn Fn() -> LazyTensor> {
+    use toma::lazy::nn::RNN;
+    let lstm = toma::lazy::nn::lstm(&root / "lstm", features, hidden, config);
+    let head = nn::linear(&root / "head", hidden, features, Default::default());
+    let x = Tensor::randn([batch, steps, features], (Kind::Float, CPU));
+    let y = Tensor::randint(features, [batch, steps], (Kind::Int64, CPU));
+    Box::new(move || {
+        let (lx, ly) = toma::lazy::lazy((&x, &y), 0);
+        let (out, _) = lstm.seq(&lx);
+        out.apply(&head).view([-1, features]).cross_entropy_for_logits(&ly.view([-1]))
+    })
 }

@@ -689,10 +689,10 @@ pub(crate) fn run_eagerly(output: &LazyTensor) -> Result<Tensor, LazyError> {
 
 /// Computes the value of `output` (no gradients recorded).
 pub(crate) fn evaluate(output: &LazyTensor, options: &Options) -> Result<Tensor, LazyError> {
-    // The graph carries its casts: libtorch's autocast must not cast again while it runs.
     if let Some(value) = output.eager_value() {
         return Ok(value.shallow_clone());
     }
+    // The graph carries its casts: libtorch's autocast must not cast again while it runs.
     let _suspended = crate::autocast::Suspended::new();
     // An input or a constant is its own value: nothing to plan or run (the denominators of a
     // split loss ask for the targets this way).
