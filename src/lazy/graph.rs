@@ -111,6 +111,10 @@ pub(crate) struct Node {
     /// What identifies the node's measurement in the cost layer's calibration, worked out the
     /// first time a plan asks (recording does not pay for it).
     pub(crate) calibration_key: std::cell::OnceCell<u64>,
+    /// Whether the op names any kernel call ([`Operation::kernels`]): the others need no
+    /// pricing when a plan is made. Kept by the first look at the node's calls (calibration's,
+    /// which lists them anyway), not worked out when recorded.
+    kernel_calls: std::cell::OnceCell<bool>,
     /// The value the last backward pass of this node computed (a loss after its step):
     /// evaluating the node returns it instead of running the forward again with parameters the
     /// step has since updated.
@@ -146,6 +150,7 @@ impl Node {
             facts,
             cost,
             calibration_key: std::cell::OnceCell::new(),
+            kernel_calls: std::cell::OnceCell::new(),
             stepped: std::cell::Cell::new(None),
         })
     }
@@ -252,6 +257,20 @@ impl Node {
             op.kernels(&self.inputs, &self.meta, calls);
         }
     }
+
+    /// Whether the op names any kernel call (asked once).
+    pub(crate) fn kernel_calls(&self) -> bool {
+        *self.kernel_calls.get_or_init(|| {
+            let mut calls = Vec::new();
+            self.kernels(&mut calls);
+            !calls.is_empty()
+        })
+    }
+
+    /// Keeps [`Node::kernel_calls`]'s answer, where a caller listed the calls anyway.
+    pub(crate) fn note_kernel_calls(&self, any: bool) {
+        let _ = self.kernel_calls.set(any);
+    }
 }
 
 /// What a node costs in memory whatever the device, worked out when it is recorded: its
@@ -266,9 +285,6 @@ pub(crate) struct Cost {
     /// The output is a view of input 0 with its dimensions reordered (a transpose, a permute):
     /// its backward hands the gradient on permuted.
     pub(crate) permutes: bool,
-    /// Whether the op names any kernel call ([`Operation::kernels`]): the others need no
-    /// pricing when a plan is made.
-    pub(crate) kernel_calls: bool,
     /// Hash of op, kind, shape, strides and whether a gradient flows, for graph fingerprints.
     pub(crate) hash: u64,
 }
@@ -280,14 +296,6 @@ impl Cost {
         let elements = meta.elements();
         let grad = elements.bytes(meta.kind);
         let out = if matches!(kind, NodeKind::Source(_)) || meta.alias { Bytes::default() } else { grad };
-        let kernel_calls = match kind {
-            NodeKind::Op(op) => {
-                let mut calls = Vec::new();
-                op.kernels(inputs, meta, &mut calls);
-                !calls.is_empty()
-            }
-            NodeKind::Source(_) => false,
-        };
         // What the plan depends on: the op, kind, shape, layout (a transposed operand takes
         // another matmul path) and whether a gradient flows (frozen layers save nothing).
         let tag = crate::hash::hash_bytes(facts.sizing, kind.name().as_bytes());
@@ -299,7 +307,7 @@ impl Cost {
             && inputs
                 .first()
                 .is_some_and(|x| shape::permutes(&x.meta.shape, &x.meta.strides, &meta.shape, &meta.strides));
-        Cost { out, grad, permutes, kernel_calls, hash }
+        Cost { out, grad, permutes, hash }
     }
 }
 

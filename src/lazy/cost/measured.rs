@@ -290,14 +290,13 @@ fn measure_graph(
             continue;
         }
         let known = node.facts.kernels_known;
-        if known && !node.cost.kernel_calls {
+        calls.clear();
+        node.kernels(&mut calls);
+        node.note_kernel_calls(!calls.is_empty());
+        if known && calls.is_empty() {
             continue;
         }
-        let wants = how == Calibrate::Always || !known || {
-            calls.clear();
-            node.kernels(&mut calls);
-            calls.iter().any(|call| !model.validated(call))
-        };
+        let wants = how == Calibrate::Always || !known || calls.iter().any(|call| !model.validated(call));
         if wants {
             wanted.push(i);
         } else {

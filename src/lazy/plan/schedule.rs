@@ -133,17 +133,17 @@ impl Prices {
         let mut calls = Vec::new();
         // Measured nodes, by position: walked alongside the nodes.
         let mut measured = calibrated.by_node().iter().peekable();
-        let mut priced: Vec<Price> = Vec::with_capacity(c.nodes.iter().filter(|x| x.cost.kernel_calls).count());
+        let mut priced: Vec<Price> = Vec::with_capacity(c.nodes.iter().filter(|x| x.kernel_calls()).count());
         let slot: Vec<u32> = c
             .nodes
             .iter()
             .enumerate()
             .map(|(i, node)| {
                 let m = measured.next_if(|(at, _)| *at as usize == i).map(|(_, m)| m);
-                if !node.cost.kernel_calls && m.is_none() {
+                if !node.kernel_calls() && m.is_none() {
                     return NOT_PRICED;
                 }
-                let rule = if node.cost.kernel_calls { c.model.price(node, &mut calls) } else { Price::default() };
+                let rule = if node.kernel_calls() { c.model.price(node, &mut calls) } else { Price::default() };
                 priced.push(match m {
                     Some(m) => m.price(rule, calibrated.training()),
                     None => rule,
