@@ -178,7 +178,7 @@ impl Node {
             None => {
                 let param = meta
                     .requires_grad
-                    .then(|| Box::new(Param { key: ParamKey::of(tensor), is_leaf: tensor.is_leaf() }));
+                    .then(|| Box::new(Param { key: ParamKey::of(tensor, &meta), is_leaf: tensor.is_leaf() }));
                 Source::Leaf { tensor: tensor.shallow_clone(), param, eager }
             }
         });
@@ -323,8 +323,9 @@ pub(crate) struct ParamKey {
 }
 
 impl ParamKey {
-    pub(crate) fn of(t: &Tensor) -> Self {
-        let (ptr, shape, strides, kind) = (t.data_ptr() as usize, t.size(), t.stride(), t.kind());
+    /// The key of `t`, whose sizes, strides and kind `meta` read.
+    pub(crate) fn of(t: &Tensor, meta: &Meta) -> Self {
+        let (ptr, shape, strides, kind) = (t.data_ptr() as usize, meta.shape.clone(), meta.strides.clone(), meta.kind);
         let mut hash = crate::hash::mix(ptr as u64 ^ kind as u64);
         for &v in shape.iter().chain(&strides) {
             hash = crate::hash::mix(hash ^ v as u64);
