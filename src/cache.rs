@@ -15,6 +15,10 @@
 //! cannot undo another thread's failure. More free memory gives a new key (for
 //! `StacktraceMemory`), which starts again at the initial size.
 //!
+//! A `toma::lazy` step's key names its graph (the shape fingerprint its plan was made for)
+//! instead of a call site: under `StacktraceMemory` its key is the graph and the free memory,
+//! with no stack walked, since the graph, not the code around it, decides what fits.
+//!
 //! The map is bounded ([`MAX_ENTRIES`]); when it is full it starts over, which costs at most
 //! one round of retries per key.
 
@@ -278,8 +282,10 @@ pub(crate) enum Operation {
 ///
 /// `device` is the CUDA device the work runs on (`None` for the CPU): its free memory goes into
 /// `StacktraceMemory` keys.
+/// The key of a call under `kind`; `planned` (a `toma::lazy` plan's, its identity the graph)
+/// walks no stack.
 #[inline]
-pub(crate) fn key(kind: CacheKind, op: Operation, site: CallSite, device: Option<usize>) -> Option<u64> {
+pub(crate) fn key(kind: CacheKind, op: Operation, site: CallSite, device: Option<usize>, planned: bool) -> Option<u64> {
     let base = mix(op as u64 ^ 0x5eed_0000);
     match kind {
         CacheKind::None => None,
@@ -289,7 +295,9 @@ pub(crate) fn key(kind: CacheKind, op: Operation, site: CallSite, device: Option
             let mut h = mix(base ^ 0x57ac_4000 ^ device.map_or(0, |d| d as u64 + 1));
             h = mix(h ^ site.identity.map_or(0, |(id, _)| id));
             h = mix(h ^ location_hash(site.caller));
-            h = mix(h ^ stack_hash());
+            if !planned {
+                h = mix(h ^ stack_hash());
+            }
             h = mix(h ^ (cpu / MEMORY_BUCKET_BYTES));
             h = mix(h ^ gpu.map_or(u64::MAX, |free| free / MEMORY_BUCKET_BYTES));
             Some(h)
@@ -388,23 +396,41 @@ mod tests {
         static SITE: Site = Site::new("m::f", "src/a.rs", 1);
         let (l1, l2) = (here(), here());
         let cs = |caller| CallSite { identity: Some(SITE.identity()), caller };
-        assert_eq!(key(CacheKind::None, Operation::Batch, cs(l1), None), None);
+        assert_eq!(key(CacheKind::None, Operation::Batch, cs(l1), None, false), None);
         // Global: the function decides, not the line.
         assert_eq!(
-            key(CacheKind::Global, Operation::Batch, cs(l1), None),
-            key(CacheKind::Global, Operation::Batch, cs(l2), None)
+            key(CacheKind::Global, Operation::Batch, cs(l1), None, false),
+            key(CacheKind::Global, Operation::Batch, cs(l2), None, false)
         );
         assert_ne!(
-            key(CacheKind::Global, Operation::Batch, cs(l1), None),
-            key(CacheKind::Global, Operation::Range, cs(l1), None)
+            key(CacheKind::Global, Operation::Batch, cs(l1), None, false),
+            key(CacheKind::Global, Operation::Range, cs(l1), None, false)
         );
         // StacktraceMemory: the line decides.
         let mut same = Vec::new();
         for _ in 0..2 {
-            same.push(key(CacheKind::StacktraceMemory, Operation::Batch, cs(l1), None));
+            same.push(key(CacheKind::StacktraceMemory, Operation::Batch, cs(l1), None, false));
         }
         assert_eq!(same[0], same[1]);
-        assert_ne!(same[0], key(CacheKind::StacktraceMemory, Operation::Batch, cs(l2), None));
-        assert_ne!(same[0], key(CacheKind::Global, Operation::Batch, cs(l1), None));
+        assert_ne!(same[0], key(CacheKind::StacktraceMemory, Operation::Batch, cs(l2), None, false));
+        assert_ne!(same[0], key(CacheKind::Global, Operation::Batch, cs(l1), None, false));
+    }
+
+    /// A key computed one frame deeper: another chain of enclosing functions.
+    #[inline(never)]
+    fn key_deeper(site: CallSite, planned: bool) -> Option<u64> {
+        std::hint::black_box(key(CacheKind::StacktraceMemory, Operation::Range, site, None, planned))
+    }
+
+    #[test]
+    fn a_planned_key_is_its_graph_not_its_stack() {
+        let site = CallSite { identity: Some((0x6a7a, "toma::lazy")), caller: here() };
+        let shallow = |planned| key(CacheKind::StacktraceMemory, Operation::Range, site, None, planned);
+        // Another chain of functions: another key, unless the call was planned.
+        assert_ne!(shallow(false), key_deeper(site, false));
+        assert_eq!(shallow(true), key_deeper(site, true));
+        // The graph still decides.
+        let other = CallSite { identity: Some((0x6a7b, "toma::lazy")), ..site };
+        assert_ne!(shallow(true), key(CacheKind::StacktraceMemory, Operation::Range, other, None, true));
     }
 }

@@ -128,7 +128,7 @@ impl Sizer {
             CacheKind::StacktraceMemory => settings.device.unwrap_or_else(crate::memory::work_device),
             _ => None,
         };
-        let key = cache::key(kind, op, site, device);
+        let key = cache::key(kind, op, site, device, settings.planned);
         // A function's Global key is its identity alone, which its hint mirrors.
         let hint = if kind == CacheKind::Global { settings.hint } else { None };
         let seen = key.and_then(|key| cache::lookup(key, hint));
