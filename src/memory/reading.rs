@@ -94,11 +94,11 @@ pub(crate) fn free_memory_reading_for(device: Option<usize>) -> (u64, Option<u64
 #[cfg(feature = "tch")]
 const PLAN_READING_MAX_AGE: Duration = Duration::from_millis(50);
 
-/// [`available_cpu_memory`] for a plan made every step: the system's `MemAvailable` from a
-/// shared reading up to [`PLAN_READING_MAX_AGE`] old (reading `/proc/meminfo` costs tens of
-/// microseconds, 1% of a small model's step), read again at once after a cap is set; the
-/// headroom under each cap that is set read fresh (the process's own usage moves with every
-/// allocation).
+/// [`available_cpu_memory`] for a plan made every step: the system's `MemAvailable` and which
+/// caps are set from shared readings up to [`PLAN_READING_MAX_AGE`] old (reading
+/// `/proc/meminfo` costs tens of microseconds, 1% of a small model's step, and each `getrlimit`
+/// a few in the middle of a step), read again at once after toma sets a cap; the headroom under
+/// each cap that is set read fresh (the process's own usage moves with every allocation).
 #[cfg(feature = "tch")]
 pub(crate) fn available_cpu_memory_for_plans() -> u64 {
     static CAPS: AtomicU64 = AtomicU64::new(0);
@@ -106,13 +106,19 @@ pub(crate) fn available_cpu_memory_for_plans() -> u64 {
     let changes = cap_changes();
     if CAPS.swap(changes, Ordering::AcqRel) != changes {
         PLAN_READING.forget();
+        PLAN_CAPS.forget();
     }
-    super::cpu::within_caps(PLAN_READING.get_within(now, PLAN_READING_MAX_AGE, super::cpu::system_available))
+    let available = PLAN_READING.get_within(now, PLAN_READING_MAX_AGE, super::cpu::system_available);
+    let set = PLAN_CAPS.get_within(now, PLAN_READING_MAX_AGE, super::cpu::caps_set);
+    super::cpu::within_set_caps(available, set)
 }
 
 /// The system's figure plans share ([`available_cpu_memory_for_plans`]).
 #[cfg(feature = "tch")]
 static PLAN_READING: Reading = Reading::new();
+/// Which caps were set when plans last looked ([`super::cpu::caps_set`]).
+#[cfg(feature = "tch")]
+static PLAN_CAPS: Reading = Reading::new();
 
 /// Forgets the shared readings so that the next key takes fresh ones.
 pub(crate) fn refresh_free_memory_reading() {
