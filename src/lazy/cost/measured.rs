@@ -220,20 +220,22 @@ fn key<'a>(node: &'a Node, training: bool, threads: u64, calls: &mut Vec<KernelC
     mix(shapes ^ u64::from(training) ^ (threads << 8))
 }
 
-/// Graphs calibrated lately on this thread, by output node, mode, threads and `how`: a graph
-/// planned again (every step of a training loop records the same graph anew, but a plan and its
-/// run share one) is found whole, at the cost of one lookup.
+/// Graphs calibrated lately on this thread, by structure, mode, threads and `how`: a graph
+/// planned again, or recorded anew by the next step of a training loop, is found whole at the
+/// cost of one lookup.
 const RECENT: usize = 64;
 
 thread_local! {
     static CALIBRATED: std::cell::RefCell<Vec<(u64, Rc<Calibrated>)>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Measures what `nodes` need measured under `how`, or finds it measured; `model` says which
-/// calls its rules were validated for. Without `measure`, only finds: nothing runs, and what
-/// was never measured is counted unmeasured, with the reason.
+/// Measures what `nodes` need measured under `how`, or finds it measured; `structure` is the
+/// hash of the graph's ops, shapes and wiring that plans key on, `model` says which calls its
+/// rules were validated for. Without `measure`, only finds: nothing runs, and what was never
+/// measured is counted unmeasured, with the reason.
 pub(crate) fn calibrate(
     nodes: &[Rc<Node>],
+    structure: u64,
     model: &CostModel,
     training: bool,
     how: Calibrate,
@@ -243,8 +245,7 @@ pub(crate) fn calibrate(
         return Rc::new(Calibrated::empty(training));
     }
     let threads = tch::get_num_threads().max(0) as u64;
-    let graph =
-        crate::hash::mix(nodes[nodes.len() - 1].id ^ u64::from(training) << 62 ^ (threads << 48) ^ (how as u64) << 60);
+    let graph = crate::hash::mix(structure ^ u64::from(training) << 62 ^ (threads << 48) ^ (how as u64) << 60);
     let recent = CALIBRATED.with(|c| c.borrow().iter().find(|(k, _)| *k == graph).map(|(_, cal)| cal.clone()));
     if let Some(cal) = recent {
         // Found whole: what it measured is measured earlier now.

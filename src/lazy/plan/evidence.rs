@@ -94,7 +94,8 @@ impl Evidence {
     /// measured speeds.
     pub(crate) fn gather(c: &Compiled, mode: Mode, options: &Options, measure: Measure) -> Evidence {
         let training = mode == Mode::Backward;
-        let calibrated = measured::calibrate(&c.nodes, &c.model, training, options.calibrate, measure == Measure::Now);
+        let calibrated =
+            measured::calibrate(&c.nodes, c.structure, &c.model, training, options.calibrate, measure == Measure::Now);
         Corrections::process().remember_calibrations(&calibrated.new);
         let reserve = Corrections::process().of(c, mode, !calibrated.by_node().is_empty());
         let timings = Timings::process();
