@@ -312,35 +312,32 @@ impl Cost {
 }
 
 /// What identifies one parameter among several leaves holding it (shallow clones of one
-/// tensor): its data, sizes, strides and kind. Hashed once, when recorded.
+/// tensor): its data, kind, and a hash of its sizes and strides (two views of one storage at
+/// one address differ there). Hashed once, when recorded; nothing allocated.
 #[derive(Clone, Debug)]
 pub(crate) struct ParamKey {
     hash: u64,
     ptr: usize,
-    shape: Vec<i64>,
-    strides: Vec<i64>,
+    dims: u64,
     kind: Kind,
 }
 
 impl ParamKey {
     /// The key of `t`, whose sizes, strides and kind `meta` read.
     pub(crate) fn of(t: &Tensor, meta: &Meta) -> Self {
-        let (ptr, shape, strides, kind) = (t.data_ptr() as usize, meta.shape.clone(), meta.strides.clone(), meta.kind);
-        let mut hash = crate::hash::mix(ptr as u64 ^ kind as u64);
-        for &v in shape.iter().chain(&strides) {
-            hash = crate::hash::mix(hash ^ v as u64);
+        let ptr = t.data_ptr() as usize;
+        let mut dims = crate::hash::mix(meta.shape.len() as u64);
+        for &v in meta.shape.iter().chain(&meta.strides) {
+            dims = crate::hash::mix(dims ^ v as u64);
         }
-        ParamKey { hash, ptr, shape, strides, kind }
+        let hash = crate::hash::mix(ptr as u64 ^ meta.kind as u64 ^ dims);
+        ParamKey { hash, ptr, dims, kind: meta.kind }
     }
 }
 
 impl PartialEq for ParamKey {
     fn eq(&self, other: &Self) -> bool {
-        self.hash == other.hash
-            && self.ptr == other.ptr
-            && self.kind == other.kind
-            && self.shape == other.shape
-            && self.strides == other.strides
+        self.hash == other.hash && self.ptr == other.ptr && self.kind == other.kind && self.dims == other.dims
     }
 }
 
