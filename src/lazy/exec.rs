@@ -106,14 +106,37 @@ fn run_node(c: &Compiled, i: usize, ins: &[&Tensor], chunk: &Chunk<'_>) -> Resul
     node.run(ins, &cx).map_err(err)
 }
 
+/// A value the forward pass holds: a fixed leaf's own tensor, borrowed (a parameter is read in
+/// place, as eager code reads it), or an op's output.
+enum Held<'a> {
+    Leaf(&'a Tensor),
+    Owned(Tensor),
+}
+
+impl Held<'_> {
+    fn get(&self) -> &Tensor {
+        match self {
+            Held::Leaf(t) => t,
+            Held::Owned(t) => t,
+        }
+    }
+}
+
 /// Runs the forward pass of one micro-batch, dropping each value after its last use.
 fn forward_chunk(c: &Compiled, chunk: &Chunk<'_>, mut trace: Option<&mut Vec<TracedOp>>) -> Result<Tensor, LazyError> {
     let n = c.len();
-    let mut values: Vec<Option<Tensor>> = (0..n).map(|_| None).collect();
+    let mut values: Vec<Option<Held<'_>>> = (0..n).map(|_| None).collect();
     for i in 0..n {
         let node = &c.nodes[i];
+        if let (None, Some(Source::Leaf { tensor, .. })) = (&trace, node.source()) {
+            if chunk.stand_ins.get(i).is_none_or(Option::is_none) {
+                values[i] = Some(Held::Leaf(tensor));
+                continue;
+            }
+        }
         let out = {
-            let ins: Vec<&Tensor> = c.inputs(i).map(|j| values[j].as_ref().expect("held until its last use")).collect();
+            let ins: Vec<&Tensor> =
+                c.inputs(i).map(|j| values[j].as_ref().expect("held until its last use").get()).collect();
             let out = run_node(c, i, &ins, chunk)?;
             let actual = out.size();
             if !node.meta.matches_at(chunk.b, &actual) {
@@ -133,7 +156,7 @@ fn forward_chunk(c: &Compiled, chunk: &Chunk<'_>, mut trace: Option<&mut Vec<Tra
             }
             out
         };
-        values[i] = Some(out);
+        values[i] = Some(Held::Owned(out));
         for j in c.inputs(i) {
             if c.last_use[j] as usize == i {
                 values[j] = None;
@@ -143,7 +166,10 @@ fn forward_chunk(c: &Compiled, chunk: &Chunk<'_>, mut trace: Option<&mut Vec<Tra
             t.last_mut().expect("pushed above").held = (0..n).filter(|&j| values[j].is_some()).collect();
         }
     }
-    Ok(values[n - 1].take().expect("the output is held"))
+    Ok(match values[n - 1].take().expect("the output is held") {
+        Held::Leaf(t) => t.shallow_clone(),
+        Held::Owned(t) => t,
+    })
 }
 
 /// The CUDA ordinal of a device (`None`: the CPU's allocator and generator).
