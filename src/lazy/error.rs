@@ -156,7 +156,9 @@ pub enum LazyError {
         /// Why, and what to do instead.
         reason: String,
     },
-    /// An op produced a shape other than the one its shape rule promised.
+    /// An op produced a shape other than the one its shape rule promised. Checked for every op
+    /// the first time a graph of its structure runs at a micro-batch size on a thread; later
+    /// runs of that structure (every step of a loop) take its shapes as checked.
     #[error("toma::lazy: op #{node} `{op}` produced shape {actual:?}, its shape rule promised {expected:?}")]
     ShapeRule {
         /// Position of the op in the plan.

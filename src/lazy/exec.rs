@@ -122,9 +122,21 @@ impl Held<'_> {
     }
 }
 
+thread_local! {
+    /// Graphs (structure, micro-batch) whose every output this thread saw match its shape rule.
+    /// A graph of the same structure has the same shapes (its hash covers every node's), so
+    /// later runs need not ask libtorch for each output's sizes.
+    static SHAPES_CHECKED: std::cell::RefCell<Vec<(u64, i64)>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// How many graphs [`SHAPES_CHECKED`] remembers.
+const SHAPES_CHECKED_MAX: usize = 64;
+
 /// Runs the forward pass of one micro-batch, dropping each value after its last use.
 fn forward_chunk(c: &Compiled, chunk: &Chunk<'_>, mut trace: Option<&mut Vec<TracedOp>>) -> Result<Tensor, LazyError> {
     let n = c.len();
+    let graph = (c.structure, chunk.b);
+    let check = trace.is_some() || !SHAPES_CHECKED.with(|s| s.borrow().contains(&graph));
     let mut values: Vec<Option<Held<'_>>> = (0..n).map(|_| None).collect();
     for i in 0..n {
         let node = &c.nodes[i];
@@ -138,21 +150,23 @@ fn forward_chunk(c: &Compiled, chunk: &Chunk<'_>, mut trace: Option<&mut Vec<Tra
             let ins: Vec<&Tensor> =
                 c.inputs(i).map(|j| values[j].as_ref().expect("held until its last use").get()).collect();
             let out = run_node(c, i, &ins, chunk)?;
-            let actual = out.size();
-            if !node.meta.matches_at(chunk.b, &actual) {
-                let expected = node.meta.shape_at(chunk.b);
-                return Err(LazyError::ShapeRule { node: i, op: node.name().into(), expected, actual });
-            }
-            if let Some(t) = trace.as_deref_mut() {
-                let leaf = node.is_source();
-                let view = leaf || ins.first().is_some_and(|x| shares_storage(&out, x));
-                let bytes = if view {
-                    0
-                } else {
-                    let block = CostModel::of(out.device()).block();
-                    (out.numel() as u64 * out.kind().elt_size_in_bytes() as u64).div_ceil(block) * block
-                };
-                t.push(TracedOp { node: i, name: node.name().into(), shape: actual, bytes, held: Vec::new() });
+            if check {
+                let actual = out.size();
+                if !node.meta.matches_at(chunk.b, &actual) {
+                    let expected = node.meta.shape_at(chunk.b);
+                    return Err(LazyError::ShapeRule { node: i, op: node.name().into(), expected, actual });
+                }
+                if let Some(t) = trace.as_deref_mut() {
+                    let leaf = node.is_source();
+                    let view = leaf || ins.first().is_some_and(|x| shares_storage(&out, x));
+                    let bytes = if view {
+                        0
+                    } else {
+                        let block = CostModel::of(out.device()).block();
+                        (out.numel() as u64 * out.kind().elt_size_in_bytes() as u64).div_ceil(block) * block
+                    };
+                    t.push(TracedOp { node: i, name: node.name().into(), shape: actual, bytes, held: Vec::new() });
+                }
             }
             out
         };
@@ -165,6 +179,15 @@ fn forward_chunk(c: &Compiled, chunk: &Chunk<'_>, mut trace: Option<&mut Vec<Tra
         if let Some(t) = trace.as_deref_mut() {
             t.last_mut().expect("pushed above").held = (0..n).filter(|&j| values[j].is_some()).collect();
         }
+    }
+    if check {
+        SHAPES_CHECKED.with(|s| {
+            let mut s = s.borrow_mut();
+            if s.len() >= SHAPES_CHECKED_MAX {
+                s.remove(0);
+            }
+            s.push(graph);
+        });
     }
     Ok(match values[n - 1].take().expect("the output is held") {
         Held::Leaf(t) => t.shallow_clone(),

@@ -195,6 +195,30 @@ fn the_plan_is_reported_as_a_tracing_event() {
     }
 }
 
+/// An op whose shape rule lies fails its step with the rule's and the op's shapes, on every
+/// run: a graph's shapes count as checked only once a run of it got through.
+#[test]
+fn a_shape_rule_that_lies_fails_every_run() {
+    let doubling =
+        CustomOp::new("doubling", |ins: &[TensorMeta]| Ok(ins[0].clone()), |xs| Tensor::f_cat(&[xs[0], xs[0]], 1));
+    let t = Tensor::randn([6, 3], (Kind::Double, CPU));
+    for _ in 0..3 {
+        let x = doubling.apply(&[&lazy(&t, 0)]).unwrap().relu();
+        match x.to_tensor() {
+            Err(LazyError::ShapeRule { op, expected, actual, .. }) => {
+                assert_eq!((op.as_str(), expected, actual), ("doubling", vec![6, 3], vec![6, 6]));
+            }
+            other => panic!("expected a shape-rule error, got {other:?}"),
+        }
+    }
+    // The same structure with an honest rule runs, again and again.
+    let honest = CustomOp::new("doubling", |ins: &[TensorMeta]| Ok(ins[0].clone()), |xs| xs[0].f_mul_scalar(2.0));
+    for _ in 0..3 {
+        let x = honest.apply(&[&lazy(&t, 0)]).unwrap().relu();
+        assert!(x.to_tensor().unwrap().equal(&(&t * 2.0).relu()));
+    }
+}
+
 #[test]
 fn an_oom_in_a_micro_batch_halves_it_and_never_counts_twice() {
     // An op that "runs out of memory" above 3 samples, with libtorch's CPU allocator text.
