@@ -955,6 +955,8 @@ impl Wrt {
     fn of(c: &Compiled) -> Wrt {
         let mut originals: Vec<Tensor> = Vec::new();
         let mut params: Vec<Tensor> = Vec::new();
+        // Whether each original is a leaf: asked of libtorch once a step.
+        let mut leaf: Vec<bool> = Vec::new();
         let mut stand_ins: Vec<Option<Tensor>> = (0..c.len()).map(|_| None).collect();
         // Each parameter's position in `params`, at its first leaf.
         let mut slot: Vec<Option<usize>> = vec![None; c.len()];
@@ -965,15 +967,13 @@ impl Wrt {
                     unreachable!("parameters are leaves")
                 };
                 slot[i] = Some(params.len());
-                params.push(if tensor.is_leaf() {
-                    tensor.shallow_clone()
-                } else {
-                    tensor.detach().set_requires_grad(true)
-                });
+                let is_leaf = tensor.is_leaf();
+                params.push(if is_leaf { tensor.shallow_clone() } else { tensor.detach().set_requires_grad(true) });
                 originals.push(tensor.shallow_clone());
+                leaf.push(is_leaf);
             }
             let k = slot[first].expect("a parameter's first leaf comes before its other leaves");
-            if !originals[k].is_leaf() {
+            if !leaf[k] {
                 stand_ins[i] = Some(params[k].shallow_clone());
             }
         }
@@ -985,10 +985,10 @@ impl Wrt {
                     inputs.push((i, *dim as i64));
                     params.push(tensor.shallow_clone());
                     originals.push(tensor.shallow_clone());
+                    leaf.push(tensor.is_leaf());
                 }
             }
         }
-        let leaf = originals.iter().map(Tensor::is_leaf).collect();
         Wrt { originals, params, stand_ins, n_params, inputs, leaf }
     }
 
