@@ -178,7 +178,8 @@ impl Options {
     }
 
     /// The cache that remembers micro-batch sizes after an out-of-memory (the process default
-    /// unless told).
+    /// unless told). A step's key names its graph, not its call site: under `StacktraceMemory`,
+    /// the graph and the free memory, with no stack walked.
     pub fn cache(mut self, kind: CacheKind) -> Self {
         self.cache = Some(kind);
         self
