@@ -281,8 +281,7 @@ pub(crate) enum Operation {
 /// The cache key of a call, or `None` for [`CacheKind::None`].
 ///
 /// `device` is the CUDA device the work runs on (`None` for the CPU): its free memory goes into
-/// `StacktraceMemory` keys.
-/// The key of a call under `kind`; `planned` (a `toma::lazy` plan's, its identity the graph)
+/// `StacktraceMemory` keys. A `planned` call (a `toma::lazy` step, whose identity is its graph)
 /// walks no stack.
 #[inline]
 pub(crate) fn key(kind: CacheKind, op: Operation, site: CallSite, device: Option<usize>, planned: bool) -> Option<u64> {

@@ -149,7 +149,7 @@ pub(super) fn system_available() -> u64 {
 
 /// `bytes`, or less: the headroom under each cap that is set.
 pub(super) fn within_caps(bytes: u64) -> u64 {
-    CpuCap::ALL.iter().filter_map(|cap| cap.headroom()).fold(bytes, u64::min)
+    within_set_caps(bytes, u64::MAX)
 }
 
 /// Which caps are set now: bit `i` for `CpuCap::ALL[i]`.
@@ -162,8 +162,7 @@ pub(super) fn caps_set() -> u64 {
         .fold(0, |set, (i, _)| set | 1 << i)
 }
 
-/// `bytes`, or less: the headroom under each cap in `set` ([`caps_set`]), read now.
-#[cfg(feature = "tch")]
+/// `bytes`, or less: the headroom under each cap in `set` ([`caps_set`]) that is set, read now.
 pub(super) fn within_set_caps(bytes: u64, set: u64) -> u64 {
     CpuCap::ALL
         .iter()

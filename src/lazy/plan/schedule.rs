@@ -140,10 +140,11 @@ impl Prices {
             .enumerate()
             .map(|(i, node)| {
                 let m = measured.next_if(|(at, _)| *at as usize == i).map(|(_, m)| m);
-                if !node.kernel_calls() && m.is_none() {
+                let has_calls = node.kernel_calls();
+                if !has_calls && m.is_none() {
                     return NOT_PRICED;
                 }
-                let rule = if node.kernel_calls() { c.model.price(node, &mut calls) } else { Price::default() };
+                let rule = if has_calls { c.model.price(node, &mut calls) } else { Price::default() };
                 priced.push(match m {
                     Some(m) => m.price(rule, calibrated.training()),
                     None => rule,
