@@ -955,7 +955,7 @@ impl Wrt {
     fn of(c: &Compiled) -> Wrt {
         let mut originals: Vec<Tensor> = Vec::new();
         let mut params: Vec<Tensor> = Vec::new();
-        // Whether each original is a leaf: asked of libtorch once a step.
+        // Whether each original is a leaf: as recorded (one question to libtorch a parameter).
         let mut leaf: Vec<bool> = Vec::new();
         let mut stand_ins: Vec<Option<Tensor>> = (0..c.len()).map(|_| None).collect();
         // Each parameter's position in `params`, at its first leaf.
@@ -963,11 +963,12 @@ impl Wrt {
         for (i, first) in c.param.iter().enumerate() {
             let Some(first) = first.map(|f| f as usize) else { continue };
             if first == i {
-                let Some(Source::Leaf { tensor, .. }) = c.nodes[i].source() else {
+                let Some(Source::Leaf { tensor, param: Some(p), .. }) = c.nodes[i].source() else {
                     unreachable!("parameters are leaves")
                 };
                 slot[i] = Some(params.len());
-                let is_leaf = tensor.is_leaf();
+                // As recorded (the plan read the same).
+                let is_leaf = p.is_leaf;
                 params.push(if is_leaf { tensor.shallow_clone() } else { tensor.detach().set_requires_grad(true) });
                 originals.push(tensor.shallow_clone());
                 leaf.push(is_leaf);

@@ -158,27 +158,36 @@ impl Node {
     /// A leaf: a batched input (`batch = Some(dim)`) or a fixed tensor (parameters, constants;
     /// `eager` for one standing for a value computed at once).
     pub(crate) fn leaf(tensor: &Tensor, batch: Option<usize>, eager: bool) -> Rc<Node> {
-        let shape = tensor.size();
-        let meta_flow = match batch {
-            Some(dim) => Flow::PerSample(BatchDim { dim, size: shape[dim], factor: 1 }),
-            None => Flow::Fixed,
-        };
-        let meta = Meta {
+        // Every step records its parameters anew: their facts in one call into libtorch.
+        let facts = crate::memory::tensor_facts(tensor).unwrap_or_else(|| crate::memory::TensorFacts {
+            shape: tensor.size(),
             strides: tensor.stride(),
             kind: tensor.kind(),
             device: tensor.device(),
-            flow: meta_flow,
             requires_grad: tensor.requires_grad(),
+            is_leaf: tensor.is_leaf(),
+            data_ptr: if tensor.requires_grad() { tensor.data_ptr() as usize } else { 0 },
+        });
+        let meta_flow = match batch {
+            Some(dim) => Flow::PerSample(BatchDim { dim, size: facts.shape[dim], factor: 1 }),
+            None => Flow::Fixed,
+        };
+        let meta = Meta {
+            strides: facts.strides,
+            kind: facts.kind,
+            device: facts.device,
+            flow: meta_flow,
+            requires_grad: facts.requires_grad,
             alias: false,
             mixes: None,
-            shape,
+            shape: facts.shape,
         };
         let kind = NodeKind::Source(match batch {
             Some(dim) => Source::Input { tensor: tensor.shallow_clone(), dim },
             None => {
                 let param = meta
                     .requires_grad
-                    .then(|| Box::new(Param { key: ParamKey::of(tensor, &meta), is_leaf: tensor.is_leaf() }));
+                    .then(|| Box::new(Param { key: ParamKey::of(facts.data_ptr, &meta), is_leaf: facts.is_leaf }));
                 Source::Leaf { tensor: tensor.shallow_clone(), param, eager }
             }
         });
@@ -323,9 +332,8 @@ pub(crate) struct ParamKey {
 }
 
 impl ParamKey {
-    /// The key of `t`, whose sizes, strides and kind `meta` read.
-    pub(crate) fn of(t: &Tensor, meta: &Meta) -> Self {
-        let ptr = t.data_ptr() as usize;
+    /// The key of a tensor whose data is at `ptr` and whose sizes, strides and kind `meta` read.
+    pub(crate) fn of(ptr: usize, meta: &Meta) -> Self {
         let mut dims = crate::hash::mix(meta.shape.len() as u64);
         for &v in meta.shape.iter().chain(&meta.strides) {
             dims = crate::hash::mix(dims ^ v as u64);

@@ -59,6 +59,66 @@ pub(crate) fn clear_grad(tensor: &tch::Tensor) -> Result<(), AllocatorError> {
     shim::clear_grad(tensor)
 }
 
+/// What a lazy leaf records of a tensor (its sizes, strides, kind, device, whether it requires
+/// a gradient and is a leaf of autograd's graph, the address of a parameter's data), read in one call into
+/// libtorch instead of one per fact. `None` without the shim, for more than 8 dimensions, or
+/// for a kind or device the shim does not name: then ask tch, fact by fact.
+#[cfg(feature = "tch")]
+pub(crate) fn tensor_facts(tensor: &tch::Tensor) -> Option<TensorFacts> {
+    use tch::{Device, Kind};
+    let raw = shim::tensor_facts(tensor).ok()?;
+    let kind = match raw.dtype {
+        0 => Kind::Uint8,
+        1 => Kind::Int8,
+        2 => Kind::Int16,
+        3 => Kind::Int,
+        4 => Kind::Int64,
+        5 => Kind::Half,
+        6 => Kind::Float,
+        7 => Kind::Double,
+        11 => Kind::Bool,
+        15 => Kind::BFloat16,
+        _ => return None,
+    };
+    let device = match (raw.device_type, usize::try_from(raw.device_index)) {
+        (0, _) => Device::Cpu,
+        (1, Ok(index)) => Device::Cuda(index),
+        _ => return None,
+    };
+    let dim = usize::try_from(raw.dim).ok()?;
+    Some(TensorFacts {
+        shape: raw.sizes[..dim].to_vec(),
+        strides: raw.strides[..dim].to_vec(),
+        kind,
+        device,
+        requires_grad: raw.requires_grad != 0,
+        is_leaf: raw.is_leaf != 0,
+        data_ptr: raw.data_ptr,
+    })
+}
+
+/// The facts [`tensor_facts`] reads.
+#[cfg(feature = "tch")]
+#[derive(Debug, PartialEq)]
+pub(crate) struct TensorFacts {
+    pub(crate) shape: Vec<i64>,
+    pub(crate) strides: Vec<i64>,
+    pub(crate) kind: tch::Kind,
+    pub(crate) device: tch::Device,
+    pub(crate) requires_grad: bool,
+    pub(crate) is_leaf: bool,
+    /// The data's address where the tensor requires a gradient (a parameter's identity), else 0.
+    pub(crate) data_ptr: usize,
+}
+
+/// Whether `tensor` has a defined `.grad`, asked without making a tensor of it (tch's
+/// `grad()` allocates a handle, and each of its calls checks for an error): `None` without the
+/// shim.
+#[cfg(feature = "tch")]
+pub(crate) fn grad_defined(tensor: &tch::Tensor) -> Option<bool> {
+    shim::grad_defined(tensor).ok()
+}
+
 /// libtorch's autocast state of this thread for a device type (c10's numbering: 0 the CPU, 1
 /// CUDA): enabled, and the lower-precision dtype (c10's `ScalarType` number).
 #[cfg(feature = "tch")]

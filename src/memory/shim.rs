@@ -44,6 +44,24 @@ pub(super) struct RawCpuStats {
     pub(super) allocations: i64,
 }
 
+/// What a lazy leaf records of a tensor, read in one call (`toma_shim_tensor_info`).
+#[cfg(feature = "tch")]
+#[repr(C)]
+#[derive(Debug, Default)]
+pub(crate) struct RawTensorFacts {
+    pub(crate) dim: i64,
+    pub(crate) sizes: [i64; 8],
+    pub(crate) strides: [i64; 8],
+    /// `c10::ScalarType` and `c10::DeviceType`, as numbered there.
+    pub(crate) dtype: i32,
+    pub(crate) device_type: i32,
+    pub(crate) device_index: i64,
+    pub(crate) requires_grad: i32,
+    pub(crate) is_leaf: i32,
+    /// 0 unless the tensor requires a gradient.
+    pub(crate) data_ptr: usize,
+}
+
 /// Figures of the CUDA caching allocator (`toma_shim_allocator_stats`).
 #[repr(C)]
 #[derive(Debug, Default)]
@@ -64,6 +82,8 @@ pub(super) fn bytes(value: i64) -> u64 {
 
 #[cfg(toma_shim)]
 mod imp {
+    #[cfg(feature = "tch")]
+    use super::RawTensorFacts;
     use super::{AllocatorError, RawCpuStats, RawStats};
     use std::ffi::{c_char, c_int, CStr};
 
@@ -86,6 +106,8 @@ mod imp {
         fn toma_shim_set_generator_state(device: i64, buf: *const u8, size: i64) -> c_int;
         fn toma_shim_cpu_capability(buf: *mut c_char, cap: i64, size: *mut i64) -> c_int;
         fn toma_shim_clear_grad(tensor: *mut std::ffi::c_void) -> c_int;
+        fn toma_shim_tensor_facts(tensor: *mut std::ffi::c_void, out: *mut RawTensorFacts) -> c_int;
+        fn toma_shim_grad_defined(tensor: *mut std::ffi::c_void, defined: *mut c_int) -> c_int;
         fn toma_shim_autocast_state(device_type: c_int, enabled: *mut c_int, dtype: *mut c_int) -> c_int;
         fn toma_shim_autocast_set(device_type: c_int, enabled: c_int, dtype: c_int, nest: c_int) -> c_int;
         fn toma_shim_last_error() -> *const c_char;
@@ -205,6 +227,21 @@ mod imp {
         check(unsafe { toma_shim_clear_grad(tensor.as_ptr() as *mut std::ffi::c_void) }, 0)
     }
 
+    pub(in crate::memory) fn tensor_facts(tensor: &tch::Tensor) -> Result<RawTensorFacts, AllocatorError> {
+        let mut out = RawTensorFacts::default();
+        // SAFETY: as above; the shim only reads the tensor, and writes `out` (sizes and strides
+        // for at most 8 dimensions, else it fails).
+        check(unsafe { toma_shim_tensor_facts(tensor.as_ptr() as *mut std::ffi::c_void, &mut out) }, 0)?;
+        Ok(out)
+    }
+
+    pub(in crate::memory) fn grad_defined(tensor: &tch::Tensor) -> Result<bool, AllocatorError> {
+        let mut defined = 0;
+        // SAFETY: as above; the shim only reads the tensor's gradient slot.
+        check(unsafe { toma_shim_grad_defined(tensor.as_ptr() as *mut std::ffi::c_void, &mut defined) }, 0)?;
+        Ok(defined != 0)
+    }
+
     pub(in crate::memory) fn autocast_state(device_type: i32) -> Result<(bool, i32), AllocatorError> {
         let (mut enabled, mut dtype) = (0, 0);
         // SAFETY: as above; the shim writes both integers.
@@ -285,6 +322,14 @@ mod imp {
         Err(AllocatorError::NotBuilt)
     }
     #[cfg(feature = "tch")]
+    pub(in crate::memory) fn tensor_facts(_tensor: &tch::Tensor) -> Result<super::RawTensorFacts, AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    #[cfg(feature = "tch")]
+    pub(in crate::memory) fn grad_defined(_tensor: &tch::Tensor) -> Result<bool, AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    #[cfg(feature = "tch")]
     pub(in crate::memory) fn set_autocast(_: i32, _: bool, _: i32, _: i32) -> Result<(), AllocatorError> {
         Err(AllocatorError::NotBuilt)
     }
@@ -330,5 +375,37 @@ mod tests {
         assert!(replayed, "a state set back did not replay the draws");
         // A state from something else is refused, not applied.
         assert!(set_generator_state(None, &[1, 2, 3]).is_err());
+    }
+
+    #[test]
+    #[cfg(toma_shim)]
+    fn tensor_facts_read_in_one_call_agree_with_tchs_own() {
+        use crate::memory::TensorFacts;
+        use tch::{Device, Kind, Tensor};
+        let tch_says = |t: &Tensor| TensorFacts {
+            shape: t.size(),
+            strides: t.stride(),
+            kind: t.kind(),
+            device: t.device(),
+            requires_grad: t.requires_grad(),
+            is_leaf: t.is_leaf(),
+            data_ptr: if t.requires_grad() { t.data_ptr() as usize } else { 0 },
+        };
+        let param = Tensor::randn([3, 5], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let computed = (&param * 2.0).to_kind(Kind::BFloat16).transpose(0, 1);
+        let ids = Tensor::arange(12, (Kind::Int64, Device::Cpu)).view([2, 3, 2]).narrow(2, 1, 1);
+        let scalar = Tensor::from(1.5f64);
+        for t in [&param, &computed, &ids, &scalar] {
+            assert_eq!(crate::memory::tensor_facts(t), Some(tch_says(t)), "{t:?}");
+        }
+        assert!(!crate::memory::tensor_facts(&computed).unwrap().is_leaf);
+        assert_ne!(crate::memory::tensor_facts(&param).unwrap().data_ptr, 0);
+        // More dimensions than the shim reads: tch's own calls answer instead.
+        let deep = Tensor::zeros([1; 9], (Kind::Float, Device::Cpu));
+        assert_eq!(crate::memory::tensor_facts(&deep), None);
+        // A gradient asked for without making a tensor of it.
+        assert_eq!(crate::memory::grad_defined(&param), Some(false));
+        param.sum(Kind::Float).backward();
+        assert_eq!(crate::memory::grad_defined(&param), Some(true));
     }
 }

@@ -370,6 +370,36 @@ int toma_shim_clear_grad(void* tensor) {
   });
 }
 
+int toma_shim_tensor_facts(void* tensor, toma_shim_tensor_info* out) {
+  return guarded([&]() -> int {
+    const at::Tensor& t = *static_cast<at::Tensor*>(tensor);
+    const int64_t dim = t.dim();
+    if (dim > TOMA_SHIM_MAX_DIMS) return fail(TOMA_SHIM_ERROR, "more dimensions than the shim reads");
+    const auto sizes = t.sizes();
+    const auto strides = t.strides();
+    out->dim = dim;
+    for (int64_t i = 0; i < dim; ++i) {
+      out->sizes[i] = sizes[i];
+      out->strides[i] = strides[i];
+    }
+    out->dtype = static_cast<int32_t>(t.scalar_type());
+    out->device_type = static_cast<int32_t>(t.device().type());
+    out->device_index = t.device().index();
+    out->requires_grad = t.requires_grad() ? 1 : 0;
+    out->is_leaf = t.is_leaf() ? 1 : 0;
+    // Asked of what requires a gradient only (a parameter's identity), as tch would be.
+    out->data_ptr = t.requires_grad() ? reinterpret_cast<uintptr_t>(t.data_ptr()) : 0;
+    return TOMA_SHIM_OK;
+  });
+}
+
+int toma_shim_grad_defined(void* tensor, int* defined) {
+  return guarded([&]() -> int {
+    *defined = static_cast<at::Tensor*>(tensor)->grad().defined() ? 1 : 0;
+    return TOMA_SHIM_OK;
+  });
+}
+
 int toma_shim_autocast_state(int device_type, int* enabled, int* dtype) {
   return guarded([&]() -> int {
     const auto type = static_cast<c10::DeviceType>(device_type);

@@ -89,6 +89,29 @@ int toma_shim_generator_state(int64_t device, uint8_t* buf, int64_t cap, int64_t
 // Sets the state of that generator from `size` bytes that toma_shim_generator_state gave.
 int toma_shim_set_generator_state(int64_t device, const uint8_t* buf, int64_t size);
 
+// What a lazy leaf records of a tensor, read in one call instead of one per fact (each of
+// tch's calls checks for an error on its way back). TOMA_SHIM_ERROR when the tensor has more
+// than TOMA_SHIM_MAX_DIMS dimensions, is undefined, or has no storage to point at.
+enum { TOMA_SHIM_MAX_DIMS = 8 };
+typedef struct toma_shim_tensor_info {
+  int64_t dim;
+  int64_t sizes[TOMA_SHIM_MAX_DIMS];
+  int64_t strides[TOMA_SHIM_MAX_DIMS];
+  // c10::ScalarType and c10::DeviceType as numbered there.
+  int32_t dtype;
+  int32_t device_type;
+  int64_t device_index;
+  int32_t requires_grad;
+  int32_t is_leaf;
+  // 0 unless the tensor requires a gradient.
+  uintptr_t data_ptr;
+} toma_shim_tensor_info;
+
+int toma_shim_tensor_facts(void* tensor, toma_shim_tensor_info* out);
+
+// Whether `tensor` (an `at::Tensor*`) has a defined `.grad`, without making a tensor of it.
+int toma_shim_grad_defined(void* tensor, int* defined);
+
 // Sets the `.grad` of `tensor` (an `at::Tensor*`, as tch holds it) to none, as PyTorch's
 // `p.grad = None` and tch's `opt.zero_grad()` do: its memory goes back to the allocator.
 int toma_shim_clear_grad(void* tensor);

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
 use std::rc::Rc;
 
-use tch::Device;
+use tch::{Device, Tensor};
 
 use crate::lazy::cost::{CostModel, Work};
 use crate::lazy::error::LazyError;
@@ -110,14 +110,14 @@ impl Compiled {
                 .map(|&i| &self.nodes[i as usize])
                 .filter(|node| match node.source() {
                     // A non-leaf's gradient is summed in a buffer of toma's (see exec).
-                    Some(Source::Leaf { tensor, param: Some(p), .. }) => !p.is_leaf || !tensor.grad().defined(),
+                    Some(Source::Leaf { tensor, param: Some(p), .. }) => !p.is_leaf || !has_grad(tensor),
                     _ => false,
                 })
                 .map(|node| Work::from(node.cost.grad).at(1, self.block))
                 .sum();
             let inputs: u64 = input_grads(&self.nodes)
                 .filter(|node| match node.source() {
-                    Some(Source::Input { tensor, .. }) => !tensor.is_leaf() || !tensor.grad().defined(),
+                    Some(Source::Input { tensor, .. }) => !tensor.is_leaf() || !has_grad(tensor),
                     _ => false,
                 })
                 .map(|node| Work::from(node.cost.grad).at(whole, self.block))
@@ -150,15 +150,19 @@ impl Compiled {
     pub(crate) fn accumulates_in_place(&self) -> bool {
         *self.in_place.get_or_init(|| {
             self.nodes.iter().enumerate().all(|(i, node)| match node.source() {
-                Some(Source::Leaf { tensor, param: Some(_), .. }) => {
-                    self.param[i].is_none_or(|first| first as usize != i)
-                        || (tensor.is_leaf() && !tensor.grad().defined())
+                Some(Source::Leaf { tensor, param: Some(p), .. }) => {
+                    self.param[i].is_none_or(|first| first as usize != i) || (p.is_leaf && !has_grad(tensor))
                 }
                 Some(Source::Input { tensor, .. }) => !tensor.requires_grad(),
                 _ => true,
             })
         })
     }
+}
+
+/// Whether `tensor` has a `.grad()`: through the shim, which makes no tensor of it, where built.
+pub(crate) fn has_grad(tensor: &Tensor) -> bool {
+    crate::memory::grad_defined(tensor).unwrap_or_else(|| tensor.grad().defined())
 }
 
 /// The device a graph runs on: its first input's, or its output's.
