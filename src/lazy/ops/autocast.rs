@@ -144,8 +144,10 @@ pub(crate) fn target(device: Device, name: &str, mut kinds: impl Iterator<Item =
     if region.is_none() && t == DeviceType::Cpu {
         return None;
     }
-    let policy = policy(t, name)?;
+    // Then whether tch opened one (a call into libtorch, cheaper than finding the op's name
+    // among the lists, which only matters when one is open).
     let lower = region.or_else(|| crate::autocast::opened_by_tch(t))?;
+    let policy = policy(t, name)?;
     match policy {
         Policy::Lower => Some(lower),
         Policy::Float => Some(Kind::Float),
