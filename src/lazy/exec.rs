@@ -138,6 +138,8 @@ fn forward_chunk(c: &Compiled, chunk: &Chunk<'_>, mut trace: Option<&mut Vec<Tra
     let graph = (c.structure, chunk.b);
     let check = trace.is_some() || !SHAPES_CHECKED.with(|s| s.borrow().contains(&graph));
     let mut values: Vec<Option<Held<'_>>> = (0..n).map(|_| None).collect();
+    // One list of inputs for every node, not one allocation each.
+    let mut spare: Vec<&Tensor> = Vec::new();
     for i in 0..n {
         let node = &c.nodes[i];
         if let (None, Some(Source::Leaf { tensor, .. })) = (&trace, node.source()) {
@@ -147,8 +149,8 @@ fn forward_chunk(c: &Compiled, chunk: &Chunk<'_>, mut trace: Option<&mut Vec<Tra
             }
         }
         let out = {
-            let ins: Vec<&Tensor> =
-                c.inputs(i).map(|j| values[j].as_ref().expect("held until its last use").get()).collect();
+            let mut ins = spare;
+            ins.extend(c.inputs(i).map(|j| values[j].as_ref().expect("held until its last use").get()));
             let out = run_node(c, i, &ins, chunk)?;
             if check {
                 let actual = out.size();
@@ -168,6 +170,7 @@ fn forward_chunk(c: &Compiled, chunk: &Chunk<'_>, mut trace: Option<&mut Vec<Tra
                     t.push(TracedOp { node: i, name: node.name().into(), shape: actual, bytes, held: Vec::new() });
                 }
             }
+            spare = recycle(ins);
             out
         };
         values[i] = Some(Held::Owned(out));
@@ -193,6 +196,13 @@ fn forward_chunk(c: &Compiled, chunk: &Chunk<'_>, mut trace: Option<&mut Vec<Tra
         Held::Leaf(t) => t.shallow_clone(),
         Held::Owned(t) => t,
     })
+}
+
+/// An emptied list of borrows, its allocation kept for borrows of another lifetime (the
+/// in-place collect reuses it: same size and alignment).
+fn recycle<'b>(mut list: Vec<&Tensor>) -> Vec<&'b Tensor> {
+    list.clear();
+    list.into_iter().map(|_| unreachable!("emptied")).collect()
 }
 
 /// The CUDA ordinal of a device (`None`: the CPU's allocator and generator).

@@ -368,9 +368,11 @@ pub(crate) struct Param {
 impl Drop for Node {
     fn drop(&mut self) {
         // Iterative: a deep model's graph would overflow the stack if dropped recursively.
+        // A node held only here gives up its inputs in place (not moved out of its `Rc`: a
+        // copy of the whole node each), then drops with none.
         let mut stack = std::mem::take(&mut self.inputs);
-        while let Some(rc) = stack.pop() {
-            if let Ok(mut node) = Rc::try_unwrap(rc) {
+        while let Some(mut rc) = stack.pop() {
+            if let Some(node) = Rc::get_mut(&mut rc) {
                 stack.append(&mut node.inputs);
             }
         }

@@ -118,13 +118,14 @@ mod imp {
             return Ok(());
         }
         // SAFETY: the shim returns a NUL-terminated string owned by this thread, valid until
-        // its next call on this thread; it is copied out at once.
-        let message = unsafe { CStr::from_ptr(toma_shim_last_error()) }.to_string_lossy().into_owned();
+        // its next call on this thread; it is copied out at once. Only the codes that carry
+        // it read it: "not tracking" is asked every lazy step where nothing counts.
+        let message = || unsafe { CStr::from_ptr(toma_shim_last_error()) }.to_string_lossy().into_owned();
         Err(match code {
-            NO_CUDA => AllocatorError::NoCuda(message),
+            NO_CUDA => AllocatorError::NoCuda(message()),
             BAD_DEVICE => AllocatorError::BadDevice(device),
             NOT_TRACKING => AllocatorError::NotTracking,
-            _ => AllocatorError::Torch(message),
+            _ => AllocatorError::Torch(message()),
         })
     }
 

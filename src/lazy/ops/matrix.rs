@@ -1110,11 +1110,11 @@ impl LazyTensor {
         let (w, b) = (weight.into_lazy(), bias.map(IntoLazy::into_lazy));
         let x = self.node();
         let name = "linear";
-        let mut nodes = vec![x, w.node()];
-        if let Some(b) = &b {
-            nodes.push(b.node());
-        }
-        let device = same_device(name, &nodes)?;
+        // The most common op: its operands listed without an allocation.
+        let (wn, bn) = (w.node(), b.as_ref().map(LazyTensor::node));
+        let all = [x, wn, bn.unwrap_or(wn)];
+        let nodes = &all[..if bn.is_some() { 3 } else { 2 }];
+        let device = same_device(name, nodes)?;
         let (sx, sw) = (&x.meta.shape, &w.node().meta.shape);
         if sx.is_empty() || sw.len() != 2 || sx[sx.len() - 1] != sw[1] {
             return Err(shape_err(name, sx, sw, "expected input [.., in] and weight [out, in]"));
@@ -1129,13 +1129,11 @@ impl LazyTensor {
         floating(name, x)?;
         let mut out = sx.clone();
         *out.last_mut().expect("non-empty") = sw[0];
-        let mapped: Vec<Option<usize>> = nodes
-            .iter()
-            .enumerate()
-            .map(|(i, n)| n.meta.batch().filter(|bd| i == 0 && bd.dim + 1 < sx.len()).map(|bd| bd.dim))
-            .collect();
-        let flow = combine_flows(name, &nodes, &mapped, &out, Linearity::Nonlinear, false)?;
-        let inputs = nodes.into_iter().cloned().collect();
+        // Only the input's batch maps to the output (a batched weight mixes samples).
+        let mut mapped = [None; 3];
+        mapped[0] = x.meta.batch().filter(|bd| bd.dim + 1 < sx.len()).map(|bd| bd.dim);
+        let flow = combine_flows(name, nodes, &mapped[..nodes.len()], &out, Linearity::Nonlinear, false)?;
+        let inputs = nodes.iter().map(|&n| n.clone()).collect();
         Ok(Record::new(Linear, inputs, out, x.meta.kind, device).flow(flow).finish())
     }
 

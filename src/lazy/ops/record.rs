@@ -377,8 +377,16 @@ pub(crate) fn broadcast_flows(
     out_shape: &[i64],
     linearity: Linearity,
 ) -> Result<(Flow, Option<String>), LazyError> {
-    let mapped: Vec<Option<usize>> =
-        inputs.iter().map(|n| n.meta.batch().map(|bd| bd.dim + out_shape.len() - n.meta.shape.len())).collect();
+    let at = |n: &Rc<Node>| n.meta.batch().map(|bd| bd.dim + out_shape.len() - n.meta.shape.len());
+    // Two or three operands, nearly always: nothing allocated for them.
+    if inputs.len() <= 4 {
+        let mut mapped = [None; 4];
+        for (m, n) in mapped.iter_mut().zip(inputs) {
+            *m = at(n);
+        }
+        return combine_flows(op, inputs, &mapped[..inputs.len()], out_shape, linearity, true);
+    }
+    let mapped: Vec<Option<usize>> = inputs.iter().map(|n| at(n)).collect();
     combine_flows(op, inputs, &mapped, out_shape, linearity, true)
 }
 

@@ -188,7 +188,7 @@ impl Index {
     const NEAR: usize = 1 << 20;
 
     fn new(top: u64) -> Self {
-        Index { top, near: Vec::with_capacity(4096), far: HashMap::default() }
+        Index { top, near: Vec::with_capacity(128), far: HashMap::default() }
     }
 
     fn slot(&mut self, id: u64) -> &mut u32 {

@@ -1,6 +1,8 @@
 //! The schedule of one mode: which tensors are allocated and freed at each step, as the
 //! executor runs them, and its evaluation at a micro-batch size.
 
+use std::rc::Rc;
+
 use super::compiled::Compiled;
 use super::recompute::{Segments, HELD};
 use crate::lazy::cost::cuda::ReduceStaging;
@@ -74,20 +76,21 @@ const NOT_PRICED: u32 = u32::MAX;
 /// evaluated for each candidate size by a tight loop.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Schedule {
+    // Shared, not copied: a plan reused for a graph recorded again clones its schedule.
     /// Bytes the events refer to.
-    table: Vec<Work>,
+    table: Rc<[Work]>,
     /// Staging buffers, whose bytes are not linear in the micro-batch.
-    staged: Vec<ReduceStaging>,
+    staged: Rc<[ReduceStaging]>,
     /// Events: `ADD | k` (table entry `k` is allocated), `FREE | k`, `TRANSIENT | k`,
     /// `STAGE | k` (staging buffer `k`), `RUN`, `END`.
-    events: Vec<u32>,
+    events: Rc<[u32]>,
     /// Node and phase of each step.
-    pub(crate) steps: Vec<(u32, Phase)>,
+    pub(crate) steps: Rc<[(u32, Phase)]>,
     training: bool,
     /// The block its device's allocator counts in.
     block: u64,
     /// Table entries of the leaves' gradients: what `.grad` holds after a backward.
-    grads: Vec<u32>,
+    grads: Rc<[u32]>,
 }
 
 /// Builds a schedule's events, node by node: the forward of an op (with or without autograd)
@@ -193,7 +196,15 @@ impl<'c> Builder<'c> {
 
     fn finish(self, training: bool) -> Schedule {
         let Builder { table, staged, events, steps, c, grads, .. } = self;
-        Schedule { table, staged, events, steps, training, block: c.block, grads }
+        Schedule {
+            table: table.into(),
+            staged: staged.into(),
+            events: events.into(),
+            steps: steps.into(),
+            training,
+            block: c.block,
+            grads: grads.into(),
+        }
     }
 
     fn add_entry(&mut self, bytes: Work) -> Option<u32> {
@@ -468,7 +479,7 @@ impl Schedule {
         let grads: u64 = self.grads.iter().map(|&k| table[k as usize].at(b, self.block)).sum();
         let (mut done, mut arrived) = (0u64, 0u64);
         let mut later = (0u64, 0usize, 0u64);
-        for &event in &self.events {
+        for &event in self.events.iter() {
             let bytes = table.get((event & !KIND) as usize).copied().unwrap_or_default();
             match event & KIND {
                 ADD => {
