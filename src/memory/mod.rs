@@ -60,9 +60,9 @@ pub(crate) fn clear_grad(tensor: &tch::Tensor) -> Result<(), AllocatorError> {
 }
 
 /// What a lazy leaf records of a tensor (its sizes, strides, kind, device, whether it requires
-/// a gradient and is a leaf of autograd's graph, the address of a parameter's data), read in one call into
-/// libtorch instead of one per fact. `None` without the shim, for more than 8 dimensions, or
-/// for a kind or device the shim does not name: then ask tch, fact by fact.
+/// a gradient and is a leaf of autograd's graph, the address of a parameter's data), read in
+/// one call into libtorch instead of one per fact. `None` without the shim, for more than 8
+/// dimensions, or for a kind or device the shim does not name: then ask tch, fact by fact.
 #[cfg(feature = "tch")]
 pub(crate) fn tensor_facts(tensor: &tch::Tensor) -> Option<TensorFacts> {
     use tch::{Device, Kind};
@@ -87,8 +87,8 @@ pub(crate) fn tensor_facts(tensor: &tch::Tensor) -> Option<TensorFacts> {
     };
     let dim = usize::try_from(raw.dim).ok()?;
     Some(TensorFacts {
-        shape: raw.sizes[..dim].to_vec(),
-        strides: raw.strides[..dim].to_vec(),
+        shape: raw.sizes.get(..dim)?.to_vec(),
+        strides: raw.strides.get(..dim)?.to_vec(),
         kind,
         device,
         requires_grad: raw.requires_grad != 0,
