@@ -249,6 +249,13 @@ impl Node {
     /// Its value on one micro-batch, from its inputs'.
     pub(crate) fn run(&self, ins: &[&Tensor], cx: &RunCx<'_>) -> Result<Tensor, TchError> {
         match &self.kind {
+            // The whole batch is the tensor itself: a narrow would be a view (autograd's view
+            // metadata, code a plain step never runs) of all of it.
+            NodeKind::Source(Source::Input { tensor, dim })
+                if cx.start == 0 && cx.meta.shape.get(*dim) == Some(&cx.b) =>
+            {
+                Ok(tensor.shallow_clone())
+            }
             NodeKind::Source(Source::Input { tensor, dim }) => tensor.f_narrow(*dim as i64, cx.start, cx.b),
             NodeKind::Source(Source::Leaf { tensor, .. }) => Ok(tensor.shallow_clone()),
             NodeKind::Op(op) => op.run(ins, cx),
