@@ -1166,7 +1166,7 @@ fn accumulate_slices<'a>(
         }
         let _no_grad = tch::no_grad_guard();
         let whole = if original.is_leaf() {
-            if !original.grad().defined() {
+            if !crate::memory::grad_defined(original) {
                 // As for parameters: autograd allocates `.grad` for a backward of `0 * sum(x)`.
                 tch::with_grad(|| original.f_sum(None)?.f_mul_scalar(0.0)?.f_backward())?;
             }
@@ -1192,7 +1192,7 @@ fn accumulate(
         .iter()
         .zip(grads)
         .zip(leaf)
-        .filter(|((p, g), is_leaf)| **is_leaf && g.defined() && !p.grad().defined())
+        .filter(|((p, g), is_leaf)| **is_leaf && g.defined() && !crate::memory::grad_defined(p))
         .map(|((p, _), _)| p)
         .collect();
     if !undefined.is_empty() {

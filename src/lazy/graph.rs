@@ -159,15 +159,7 @@ impl Node {
     /// `eager` for one standing for a value computed at once).
     pub(crate) fn leaf(tensor: &Tensor, batch: Option<usize>, eager: bool) -> Rc<Node> {
         // Every step records its parameters anew: their facts in one call into libtorch.
-        let facts = crate::memory::tensor_facts(tensor).unwrap_or_else(|| crate::memory::TensorFacts {
-            shape: tensor.size(),
-            strides: tensor.stride(),
-            kind: tensor.kind(),
-            device: tensor.device(),
-            requires_grad: tensor.requires_grad(),
-            is_leaf: tensor.is_leaf(),
-            data_ptr: if tensor.requires_grad() { tensor.data_ptr() as usize } else { 0 },
-        });
+        let facts = crate::memory::tensor_facts(tensor);
         let meta_flow = match batch {
             Some(dim) => Flow::PerSample(BatchDim { dim, size: facts.shape[dim], factor: 1 }),
             None => Flow::Fixed,

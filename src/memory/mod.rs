@@ -60,11 +60,17 @@ pub(crate) fn clear_grad(tensor: &tch::Tensor) -> Result<(), AllocatorError> {
 }
 
 /// What a lazy leaf records of a tensor (its sizes, strides, kind, device, whether it requires
-/// a gradient and is a leaf of autograd's graph, the address of a parameter's data), read in
-/// one call into libtorch instead of one per fact. `None` without the shim, for more than 8
-/// dimensions, or for a kind or device the shim does not name: then ask tch, fact by fact.
+/// a gradient and is a leaf of autograd's graph, the address of a parameter's data): read in
+/// one call into libtorch through the shim, else asked of tch fact by fact.
 #[cfg(feature = "tch")]
-pub(crate) fn tensor_facts(tensor: &tch::Tensor) -> Option<TensorFacts> {
+pub(crate) fn tensor_facts(tensor: &tch::Tensor) -> TensorFacts {
+    shim_tensor_facts(tensor).unwrap_or_else(|| tch_tensor_facts(tensor))
+}
+
+/// [`tensor_facts`] in one call: `None` without the shim, for more than 8 dimensions, or for a
+/// kind or device the shim does not name.
+#[cfg(feature = "tch")]
+fn shim_tensor_facts(tensor: &tch::Tensor) -> Option<TensorFacts> {
     use tch::{Device, Kind};
     let raw = shim::tensor_facts(tensor).ok()?;
     let kind = match raw.dtype {
@@ -97,6 +103,21 @@ pub(crate) fn tensor_facts(tensor: &tch::Tensor) -> Option<TensorFacts> {
     })
 }
 
+/// [`tensor_facts`] asked of tch, one call per fact.
+#[cfg(feature = "tch")]
+fn tch_tensor_facts(tensor: &tch::Tensor) -> TensorFacts {
+    let requires_grad = tensor.requires_grad();
+    TensorFacts {
+        shape: tensor.size(),
+        strides: tensor.stride(),
+        kind: tensor.kind(),
+        device: tensor.device(),
+        requires_grad,
+        is_leaf: tensor.is_leaf(),
+        data_ptr: if requires_grad { tensor.data_ptr() as usize } else { 0 },
+    }
+}
+
 /// The facts [`tensor_facts`] reads.
 #[cfg(feature = "tch")]
 #[derive(Debug, PartialEq)]
@@ -111,12 +132,38 @@ pub(crate) struct TensorFacts {
     pub(crate) data_ptr: usize,
 }
 
-/// Whether `tensor` has a defined `.grad`, asked without making a tensor of it (tch's
-/// `grad()` allocates a handle, and each of its calls checks for an error): `None` without the
-/// shim.
+/// Whether `tensor` has a defined `.grad`: through the shim without making a tensor of it
+/// (tch's `grad()` allocates a handle, and each of its calls checks for an error), else
+/// through tch.
 #[cfg(feature = "tch")]
-pub(crate) fn grad_defined(tensor: &tch::Tensor) -> Option<bool> {
-    shim::grad_defined(tensor).ok()
+pub(crate) fn grad_defined(tensor: &tch::Tensor) -> bool {
+    shim::grad_defined(tensor).unwrap_or_else(|_| tensor.grad().defined())
+}
+
+#[cfg(all(test, feature = "tch", toma_shim))]
+mod tests {
+    use tch::{Device, Kind, Tensor};
+
+    #[test]
+    fn tensor_facts_read_in_one_call_agree_with_tchs_own() {
+        let param = Tensor::randn([3, 5], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let computed = (&param * 2.0).to_kind(Kind::BFloat16).transpose(0, 1);
+        let ids = Tensor::arange(12, (Kind::Int64, Device::Cpu)).view([2, 3, 2]).narrow(2, 1, 1);
+        let scalar = Tensor::from(1.5f64);
+        for t in [&param, &computed, &ids, &scalar] {
+            assert_eq!(super::shim_tensor_facts(t), Some(super::tch_tensor_facts(t)), "{t:?}");
+        }
+        assert!(!super::tensor_facts(&computed).is_leaf);
+        assert_ne!(super::tensor_facts(&param).data_ptr, 0);
+        // More dimensions than the shim reads: tch's own calls answer instead.
+        let deep = Tensor::zeros([1; 9], (Kind::Float, Device::Cpu));
+        assert_eq!(super::shim_tensor_facts(&deep), None);
+        assert_eq!(super::tensor_facts(&deep).shape, vec![1; 9]);
+        // A gradient asked for without making a tensor of it.
+        assert!(!super::grad_defined(&param));
+        param.sum(Kind::Float).backward();
+        assert!(super::grad_defined(&param));
+    }
 }
 
 /// libtorch's autocast state of this thread for a device type (c10's numbering: 0 the CPU, 1

@@ -377,36 +377,4 @@ mod tests {
         // A state from something else is refused, not applied.
         assert!(set_generator_state(None, &[1, 2, 3]).is_err());
     }
-
-    #[test]
-    #[cfg(toma_shim)]
-    fn tensor_facts_read_in_one_call_agree_with_tchs_own() {
-        use crate::memory::TensorFacts;
-        use tch::{Device, Kind, Tensor};
-        let tch_says = |t: &Tensor| TensorFacts {
-            shape: t.size(),
-            strides: t.stride(),
-            kind: t.kind(),
-            device: t.device(),
-            requires_grad: t.requires_grad(),
-            is_leaf: t.is_leaf(),
-            data_ptr: if t.requires_grad() { t.data_ptr() as usize } else { 0 },
-        };
-        let param = Tensor::randn([3, 5], (Kind::Float, Device::Cpu)).set_requires_grad(true);
-        let computed = (&param * 2.0).to_kind(Kind::BFloat16).transpose(0, 1);
-        let ids = Tensor::arange(12, (Kind::Int64, Device::Cpu)).view([2, 3, 2]).narrow(2, 1, 1);
-        let scalar = Tensor::from(1.5f64);
-        for t in [&param, &computed, &ids, &scalar] {
-            assert_eq!(crate::memory::tensor_facts(t), Some(tch_says(t)), "{t:?}");
-        }
-        assert!(!crate::memory::tensor_facts(&computed).unwrap().is_leaf);
-        assert_ne!(crate::memory::tensor_facts(&param).unwrap().data_ptr, 0);
-        // More dimensions than the shim reads: tch's own calls answer instead.
-        let deep = Tensor::zeros([1; 9], (Kind::Float, Device::Cpu));
-        assert_eq!(crate::memory::tensor_facts(&deep), None);
-        // A gradient asked for without making a tensor of it.
-        assert_eq!(crate::memory::grad_defined(&param), Some(false));
-        param.sum(Kind::Float).backward();
-        assert_eq!(crate::memory::grad_defined(&param), Some(true));
-    }
 }

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
 use std::rc::Rc;
 
-use tch::{Device, Tensor};
+use tch::Device;
 
 use crate::lazy::cost::{CostModel, Work};
 use crate::lazy::error::LazyError;
@@ -110,14 +110,16 @@ impl Compiled {
                 .map(|&i| &self.nodes[i as usize])
                 .filter(|node| match node.source() {
                     // A non-leaf's gradient is summed in a buffer of toma's (see exec).
-                    Some(Source::Leaf { tensor, param: Some(p), .. }) => !p.is_leaf || !has_grad(tensor),
+                    Some(Source::Leaf { tensor, param: Some(p), .. }) => {
+                        !p.is_leaf || !crate::memory::grad_defined(tensor)
+                    }
                     _ => false,
                 })
                 .map(|node| Work::from(node.cost.grad).at(1, self.block))
                 .sum();
             let inputs: u64 = input_grads(&self.nodes)
                 .filter(|node| match node.source() {
-                    Some(Source::Input { tensor, .. }) => !tensor.is_leaf() || !has_grad(tensor),
+                    Some(Source::Input { tensor, .. }) => !tensor.is_leaf() || !crate::memory::grad_defined(tensor),
                     _ => false,
                 })
                 .map(|node| Work::from(node.cost.grad).at(whole, self.block))
@@ -151,18 +153,14 @@ impl Compiled {
         *self.in_place.get_or_init(|| {
             self.nodes.iter().enumerate().all(|(i, node)| match node.source() {
                 Some(Source::Leaf { tensor, param: Some(p), .. }) => {
-                    self.param[i].is_none_or(|first| first as usize != i) || (p.is_leaf && !has_grad(tensor))
+                    self.param[i].is_none_or(|first| first as usize != i)
+                        || (p.is_leaf && !crate::memory::grad_defined(tensor))
                 }
                 Some(Source::Input { tensor, .. }) => !tensor.requires_grad(),
                 _ => true,
             })
         })
     }
-}
-
-/// Whether `tensor` has a `.grad()`: through the shim, which makes no tensor of it, where built.
-pub(crate) fn has_grad(tensor: &Tensor) -> bool {
-    crate::memory::grad_defined(tensor).unwrap_or_else(|| tensor.grad().defined())
 }
 
 /// The device a graph runs on: its first input's, or its output's.
