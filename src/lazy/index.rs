@@ -46,6 +46,9 @@ impl LazyTensor {
     /// As the ops it records; more indices than dimensions; an index tensor that is not 1-D
     /// integers ([`LazyError::Argument`]).
     pub fn f_i(&self, index: impl TensorIndex) -> Result<LazyTensor, LazyError> {
+        if let Some(t) = self.eager_value() {
+            return index.index_tensor(t).map(LazyTensor::from_eager).map_err(super::ops::eager_err("i"));
+        }
         index.index_lazy(self)
     }
 

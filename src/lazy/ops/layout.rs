@@ -1643,9 +1643,9 @@ impl LazyTensor {
     /// As [`f_view`](Self::f_view); [`LazyError::Argument`] for a 0-dim tensor.
     #[lazy_only]
     pub fn f_flat_view(&self) -> Result<LazyTensor, LazyError> {
-        let s = &self.node().meta.shape;
+        let s = self.size();
         let Some(&first) = s.first() else {
-            return Err(arg("flat_view", s, "a 0-dim tensor has no leading dimension"));
+            return Err(arg("flat_view", &s, "a 0-dim tensor has no leading dimension"));
         };
         self.f_view([first, -1])
     }
@@ -1783,6 +1783,9 @@ impl LazyTensor {
     #[lazy_only]
     #[no_twin]
     pub fn f_stack<T: std::borrow::Borrow<LazyTensor>>(tensors: &[T], dim: i64) -> Result<LazyTensor, LazyError> {
+        if let Some(values) = eager_values(tensors) {
+            return Tensor::f_stack(&values, dim).map(LazyTensor::from_eager).map_err(super::eager_err("stack"));
+        }
         // libtorch's `stack` is this composite too: each operand unsqueezed (a view), then `cat`.
         let Some(first) = tensors.first() else {
             return Err(arg("stack", &[], "expected a non-empty list of tensors"));
@@ -1815,6 +1818,9 @@ impl LazyTensor {
     #[lazy_only]
     #[no_twin]
     pub fn f_cat<T: std::borrow::Borrow<LazyTensor>>(tensors: &[T], dim: i64) -> Result<LazyTensor, LazyError> {
+        if let Some(values) = eager_values(tensors) {
+            return Tensor::f_cat(&values, dim).map(LazyTensor::from_eager).map_err(super::eager_err("cat"));
+        }
         let lazies: Vec<LazyTensor> = tensors.iter().map(|t| t.borrow().clone()).collect();
         let Some(first) = lazies.first() else {
             return Err(arg("cat", &[], "expected a non-empty list of tensors"));
@@ -1884,6 +1890,15 @@ impl LazyTensor {
     pub fn stack<T: std::borrow::Borrow<LazyTensor>>(tensors: &[T], dim: i64) -> LazyTensor {
         Self::f_stack(tensors, dim).or_panic()
     }
+}
+
+/// The values of operands all computed at once (`None` if any is recorded), for a static
+/// method to call tch's directly.
+pub(crate) fn eager_values<T: std::borrow::Borrow<LazyTensor>>(tensors: &[T]) -> Option<Vec<&Tensor>> {
+    if tensors.is_empty() {
+        return None;
+    }
+    tensors.iter().map(|t| t.borrow().eager_value()).collect()
 }
 
 /// Tensors computed at once, in their eager form.

@@ -544,6 +544,11 @@ impl LazyTensor {
     /// non-`Int64` targets.
     #[lazy_only]
     pub fn f_cross_entropy_for_logits(&self, targets: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        if let (Some(x), Some(t)) = (self.eager_value(), targets.eager_operand()) {
+            return cross_entropy(x, t, Reduction::Mean, -100, 0.0)
+                .map(LazyTensor::from_eager)
+                .map_err(super::eager_err("cross_entropy_for_logits"));
+        }
         let t = targets.into_lazy();
         let name = "cross_entropy_for_logits";
         let (x, tn) = (self.node(), t.node());
@@ -661,6 +666,14 @@ impl LazyTensor {
         reduction: Reduction,
         ignore_index: i64,
     ) -> Result<LazyTensor, LazyError> {
+        if let (Some(x), Some(t), Some(w)) =
+            (self.eager_value(), targets.eager_operand(), super::record::eager_option(&weight))
+        {
+            return x
+                .f_nll_loss(t, w, reduction, ignore_index)
+                .map(LazyTensor::from_eager)
+                .map_err(super::eager_err("nll_loss"));
+        }
         let t = targets.into_lazy();
         let w = weight.map(IntoLazy::into_lazy);
         let name = "nll_loss";

@@ -1209,6 +1209,14 @@ impl LazyTensor {
                 reason: "sparse gradients are not planned; use dense ones (sparse = false)".into(),
             });
         }
+        // Indices computed at once (a closure on a `Tensor`): what the recorded op would run.
+        if let (Some(w), Some(i)) = (weight.eager_operand(), indices.eager_operand()) {
+            if weight.computed_at_once() || indices.computed_at_once() {
+                return Tensor::f_embedding(w, i, padding_idx, scale_grad_by_freq, false)
+                    .map(LazyTensor::from_eager)
+                    .map_err(super::eager_err(name));
+            }
+        }
         let (w, i) = (weight.into_lazy(), indices.into_lazy());
         let (wn, inn) = (w.node(), i.node());
         let device = same_device(name, &[wn, inn])?;
@@ -1257,6 +1265,11 @@ impl LazyTensor {
         path: impl IntListOption,
     ) -> Result<LazyTensor, LazyError> {
         let name = "einsum";
+        if let Some(values) = super::layout::eager_values(tensors) {
+            return Tensor::f_einsum(equation, &values, path.as_option())
+                .map(LazyTensor::from_eager)
+                .map_err(super::eager_err(name));
+        }
         let operands: Vec<LazyTensor> = tensors.iter().map(|t| t.borrow().clone()).collect();
         if operands.is_empty() {
             return Err(arg(name, &[], "must provide at least one operand"));

@@ -202,6 +202,18 @@ impl LazyTensor {
         momentum: f64,
         eps: f64,
     ) -> Result<LazyTensor, LazyError> {
+        if let (Some(x), Some(w), Some(b), Some(m), Some(v)) = (
+            self.eager_value(),
+            super::record::eager_option(&weight),
+            super::record::eager_option(&bias),
+            running_mean.eager_operand(),
+            running_var.eager_operand(),
+        ) {
+            // What the recorded op would run.
+            return Tensor::f_batch_norm(x, w, b, Some(m), Some(v), training, momentum, eps, true)
+                .map(LazyTensor::from_eager)
+                .map_err(super::eager_err("batch_norm"));
+        }
         let x = self.node();
         let name = "batch_norm";
         let s = &x.meta.shape;

@@ -981,6 +981,9 @@ impl LazyTensor {
     /// `self op s` for an integer `s` (the operators' `x + 1`): an integer tensor keeps its kind
     /// (true division aside), as in libtorch; a floating one is as with `s as f64`.
     pub(crate) fn f_int_scalar(&self, op: Binary, s: i64, reversed: bool) -> Result<LazyTensor, LazyError> {
+        if let Some(t) = self.eager_value() {
+            return self.f_scalar_of(op, s as f64, reversed, shape::is_integral(t.kind()));
+        }
         let integral = shape::is_integral(self.node().meta.kind);
         if integral && matches!(op, Binary::Add | Binary::Sub) && self.node().meta.flow == crate::lazy::graph::Flow::Sum
         {
@@ -995,6 +998,12 @@ impl LazyTensor {
     }
 
     fn f_scalar_of(&self, op: Binary, scalar: f64, reversed: bool, integral: bool) -> Result<LazyTensor, LazyError> {
+        // On a value computed at once, what the recorded op would run (`2 * x`, `s / x`).
+        if let Some(t) = self.eager_value() {
+            return scalar_op(t, op, scalar, reversed, integral)
+                .map(LazyTensor::from_eager)
+                .map_err(super::eager_err(op.name()));
+        }
         let n = self.node();
         let kind = match op {
             _ if op.is_comparison() => Kind::Bool,

@@ -25,6 +25,13 @@ pub trait IntoLazy {
     fn eager_operand(&self) -> Option<&Tensor> {
         None
     }
+
+    /// Whether the operand is a value computed at once (not a `Tensor`, which a static method
+    /// on lazy operands records as a fixed operand).
+    #[doc(hidden)]
+    fn computed_at_once(&self) -> bool {
+        false
+    }
 }
 
 impl IntoLazy for &LazyTensor {
@@ -35,6 +42,11 @@ impl IntoLazy for &LazyTensor {
     #[inline]
     fn eager_operand(&self) -> Option<&Tensor> {
         self.eager_value()
+    }
+
+    #[inline]
+    fn computed_at_once(&self) -> bool {
+        self.eager_value().is_some()
     }
 }
 
