@@ -47,7 +47,7 @@ impl LazyTensor {
     /// integers ([`LazyError::Argument`]).
     pub fn f_i(&self, index: impl TensorIndex) -> Result<LazyTensor, LazyError> {
         if let Some(t) = self.eager_value() {
-            return index.index_tensor(t).map(LazyTensor::from_eager).map_err(super::ops::eager_err("i"));
+            return super::ops::eager("i", index.index_tensor(t));
         }
         index.index_lazy(self)
     }

@@ -1783,8 +1783,8 @@ impl LazyTensor {
     #[lazy_only]
     #[no_twin]
     pub fn f_stack<T: std::borrow::Borrow<LazyTensor>>(tensors: &[T], dim: i64) -> Result<LazyTensor, LazyError> {
-        if let Some(values) = eager_values(tensors) {
-            return Tensor::f_stack(&values, dim).map(LazyTensor::from_eager).map_err(super::eager_err("stack"));
+        if let Some(values) = super::eager_values(tensors) {
+            return super::eager("stack", Tensor::f_stack(&values, dim));
         }
         // libtorch's `stack` is this composite too: each operand unsqueezed (a view), then `cat`.
         let Some(first) = tensors.first() else {
@@ -1818,8 +1818,8 @@ impl LazyTensor {
     #[lazy_only]
     #[no_twin]
     pub fn f_cat<T: std::borrow::Borrow<LazyTensor>>(tensors: &[T], dim: i64) -> Result<LazyTensor, LazyError> {
-        if let Some(values) = eager_values(tensors) {
-            return Tensor::f_cat(&values, dim).map(LazyTensor::from_eager).map_err(super::eager_err("cat"));
+        if let Some(values) = super::eager_values(tensors) {
+            return super::eager("cat", Tensor::f_cat(&values, dim));
         }
         let lazies: Vec<LazyTensor> = tensors.iter().map(|t| t.borrow().clone()).collect();
         let Some(first) = lazies.first() else {
@@ -1890,15 +1890,6 @@ impl LazyTensor {
     pub fn stack<T: std::borrow::Borrow<LazyTensor>>(tensors: &[T], dim: i64) -> LazyTensor {
         Self::f_stack(tensors, dim).or_panic()
     }
-}
-
-/// The values of operands all computed at once (`None` if any is recorded), for a static
-/// method to call tch's directly.
-pub(crate) fn eager_values<T: std::borrow::Borrow<LazyTensor>>(tensors: &[T]) -> Option<Vec<&Tensor>> {
-    if tensors.is_empty() {
-        return None;
-    }
-    tensors.iter().map(|t| t.borrow().eager_value()).collect()
 }
 
 /// Tensors computed at once, in their eager form.

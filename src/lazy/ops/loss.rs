@@ -544,18 +544,16 @@ impl LazyTensor {
     /// non-`Int64` targets.
     #[lazy_only]
     pub fn f_cross_entropy_for_logits(&self, targets: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        let name = "cross_entropy_for_logits";
+        let op = CrossEntropy { ignore_index: -100, label_smoothing: 0.0, reduction: Reduction::Mean };
         if let (Some(x), Some(t)) = (self.eager_value(), targets.eager_operand()) {
-            return cross_entropy(x, t, Reduction::Mean, -100, 0.0)
-                .map(LazyTensor::from_eager)
-                .map_err(super::eager_err("cross_entropy_for_logits"));
+            return super::eager(name, cross_entropy(x, t, op.reduction, op.ignore_index, op.label_smoothing));
         }
         let t = targets.into_lazy();
-        let name = "cross_entropy_for_logits";
         let (x, tn) = (self.node(), t.node());
         let device = same_device(name, &[x, tn])?;
         Self::check_class_loss(name, x, tn)?;
-        let flow = Self::class_loss_flow(name, x, tn, Reduction::Mean)?;
-        let op = CrossEntropy { ignore_index: -100, label_smoothing: 0.0, reduction: Reduction::Mean };
+        let flow = Self::class_loss_flow(name, x, tn, op.reduction)?;
         Ok(Record::new(op, vec![x.clone(), tn.clone()], vec![], x.meta.kind, device).flow(flow).finish())
     }
 
@@ -669,10 +667,7 @@ impl LazyTensor {
         if let (Some(x), Some(t), Some(w)) =
             (self.eager_value(), targets.eager_operand(), super::record::eager_option(&weight))
         {
-            return x
-                .f_nll_loss(t, w, reduction, ignore_index)
-                .map(LazyTensor::from_eager)
-                .map_err(super::eager_err("nll_loss"));
+            return super::eager("nll_loss", x.f_nll_loss(t, w, reduction, ignore_index));
         }
         let t = targets.into_lazy();
         let w = weight.map(IntoLazy::into_lazy);

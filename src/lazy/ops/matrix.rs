@@ -1115,7 +1115,7 @@ impl LazyTensor {
         let all = [x, wn, bn.unwrap_or(wn)];
         let nodes = &all[..if bn.is_some() { 3 } else { 2 }];
         let device = same_device(name, nodes)?;
-        let (sx, sw) = (&x.meta.shape, &w.node().meta.shape);
+        let (sx, sw) = (&x.meta.shape, &wn.meta.shape);
         if sx.is_empty() || sw.len() != 2 || sx[sx.len() - 1] != sw[1] {
             return Err(shape_err(name, sx, sw, "expected input [.., in] and weight [out, in]"));
         }
@@ -1212,9 +1212,7 @@ impl LazyTensor {
         // Indices computed at once (a closure on a `Tensor`): what the recorded op would run.
         if let (Some(w), Some(i)) = (weight.eager_operand(), indices.eager_operand()) {
             if weight.computed_at_once() || indices.computed_at_once() {
-                return Tensor::f_embedding(w, i, padding_idx, scale_grad_by_freq, false)
-                    .map(LazyTensor::from_eager)
-                    .map_err(super::eager_err(name));
+                return super::eager(name, Tensor::f_embedding(w, i, padding_idx, scale_grad_by_freq, false));
             }
         }
         let (w, i) = (weight.into_lazy(), indices.into_lazy());
@@ -1265,10 +1263,8 @@ impl LazyTensor {
         path: impl IntListOption,
     ) -> Result<LazyTensor, LazyError> {
         let name = "einsum";
-        if let Some(values) = super::layout::eager_values(tensors) {
-            return Tensor::f_einsum(equation, &values, path.as_option())
-                .map(LazyTensor::from_eager)
-                .map_err(super::eager_err(name));
+        if let Some(values) = super::eager_values(tensors) {
+            return super::eager(name, Tensor::f_einsum(equation, &values, path.as_option()));
         }
         let operands: Vec<LazyTensor> = tensors.iter().map(|t| t.borrow().clone()).collect();
         if operands.is_empty() {

@@ -26,7 +26,7 @@ use std::rc::Rc;
 use tch::Kind;
 
 use super::error::LazyError;
-use super::graph::{Flow, Node};
+use super::graph::{Flow, LazyTensor, Node};
 use super::shape;
 use record::{unary_flow, Linearity};
 
@@ -73,6 +73,20 @@ impl Fallible for crate::lazy::LazyTensor {
 /// The error of tch's method called directly on a value computed at once.
 pub(crate) fn eager_err(op: &'static str) -> impl Fn(tch::TchError) -> LazyError {
     move |source| LazyError::Torch { node: None, op: op.into(), source }
+}
+
+/// tch's result for a value computed at once, its error named by the op.
+pub(crate) fn eager(op: &'static str, result: Result<tch::Tensor, tch::TchError>) -> Result<LazyTensor, LazyError> {
+    result.map(LazyTensor::from_eager).map_err(eager_err(op))
+}
+
+/// The values of operands all computed at once (`None` if any is recorded, or none is given),
+/// for a static method to call tch's directly.
+pub(crate) fn eager_values<T: std::borrow::Borrow<LazyTensor>>(tensors: &[T]) -> Option<Vec<&tch::Tensor>> {
+    if tensors.is_empty() {
+        return None;
+    }
+    tensors.iter().map(|t| t.borrow().eager_value()).collect()
 }
 
 pub(crate) fn arg(op: &str, shape: &[i64], reason: impl Into<String>) -> LazyError {

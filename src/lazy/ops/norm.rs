@@ -210,9 +210,10 @@ impl LazyTensor {
             running_var.eager_operand(),
         ) {
             // What the recorded op would run.
-            return Tensor::f_batch_norm(x, w, b, Some(m), Some(v), training, momentum, eps, true)
-                .map(LazyTensor::from_eager)
-                .map_err(super::eager_err("batch_norm"));
+            return super::eager(
+                "batch_norm",
+                Tensor::f_batch_norm(x, w, b, Some(m), Some(v), training, momentum, eps, true),
+            );
         }
         let x = self.node();
         let name = "batch_norm";

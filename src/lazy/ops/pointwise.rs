@@ -1000,9 +1000,7 @@ impl LazyTensor {
     fn f_scalar_of(&self, op: Binary, scalar: f64, reversed: bool, integral: bool) -> Result<LazyTensor, LazyError> {
         // On a value computed at once, what the recorded op would run (`2 * x`, `s / x`).
         if let Some(t) = self.eager_value() {
-            return scalar_op(t, op, scalar, reversed, integral)
-                .map(LazyTensor::from_eager)
-                .map_err(super::eager_err(op.name()));
+            return super::eager(op.name(), scalar_op(t, op, scalar, reversed, integral));
         }
         let n = self.node();
         let kind = match op {
