@@ -106,8 +106,10 @@ fn run_node(c: &Compiled, i: usize, ins: &[&Tensor], chunk: &Chunk<'_>) -> Resul
     node.run(ins, &cx).map_err(err)
 }
 
-/// A value the forward pass holds: a fixed leaf's own tensor, borrowed (a parameter is read in
-/// place, as eager code reads it), or an op's output.
+/// A tensor the executor holds: a leaf's own, borrowed from the graph (a parameter is read in
+/// place, as eager code reads it, and differentiated as itself), or one it made (an op's
+/// output, a detached stand-in, an input's slice). Borrowing saves a handle and its release
+/// per parameter and step.
 enum Held<'a> {
     Leaf(&'a Tensor),
     Owned(Tensor),
@@ -119,6 +121,27 @@ impl Held<'_> {
             Held::Leaf(t) => t,
             Held::Owned(t) => t,
         }
+    }
+
+    /// The same tensor, for a micro-batch's own list.
+    fn share(&self) -> Held<'_> {
+        match self {
+            Held::Leaf(t) => Held::Leaf(t),
+            Held::Owned(t) => Held::Owned(t.shallow_clone()),
+        }
+    }
+}
+
+impl std::ops::Deref for Held<'_> {
+    type Target = Tensor;
+    fn deref(&self) -> &Tensor {
+        self.get()
+    }
+}
+
+impl std::borrow::Borrow<Tensor> for Held<'_> {
+    fn borrow(&self) -> &Tensor {
+        self.get()
     }
 }
 
@@ -142,8 +165,16 @@ fn forward_chunk(c: &Compiled, chunk: &Chunk<'_>, mut trace: Option<&mut Vec<Tra
     let mut spare: Vec<&Tensor> = Vec::new();
     for i in 0..n {
         let node = &c.nodes[i];
-        if let (None, Some(Source::Leaf { tensor, .. })) = (&trace, node.source()) {
-            if chunk.stand_ins.get(i).is_none_or(Option::is_none) {
+        if let (None, Some(source)) = (&trace, node.source()) {
+            // A fixed leaf, or an input whole: its own tensor, as a plain step reads it.
+            let whole = match source {
+                Source::Leaf { tensor, .. } => Some(tensor),
+                Source::Input { tensor, dim } if chunk.start == 0 && node.meta.shape.get(*dim) == Some(&chunk.b) => {
+                    Some(tensor)
+                }
+                Source::Input { .. } => None,
+            };
+            if let Some(tensor) = whole.filter(|_| chunk.stand_ins.get(i).is_none_or(Option::is_none)) {
                 values[i] = Some(Held::Leaf(tensor));
                 continue;
             }
@@ -260,7 +291,8 @@ fn add_out_of_place(sum: &mut Option<Tensor>, g: Tensor) -> Result<(), TchError>
 /// A loss's value as `f64`: a scalar read as it is (no kernel, as tch's `double_value`),
 /// anything larger summed in `Double`.
 fn value_of(loss: &Tensor) -> Result<f64, TchError> {
-    if loss.numel() == 1 {
+    // A scalar in one question to libtorch (`numel` asks two and allocates the sizes).
+    if loss.dim() == 0 || loss.numel() == 1 {
         return loss.f_double_value(&[]);
     }
     loss.f_sum(Kind::Double)?.f_double_value(&[])
@@ -271,7 +303,7 @@ fn value_of(loss: &Tensor) -> Result<f64, TchError> {
 fn plain_chunk(
     c: &Compiled,
     chunk: &Chunk<'_>,
-    params: &[Tensor],
+    params: &[Held<'_>],
     direct: bool,
 ) -> Result<(f64, Vec<Tensor>), LazyError> {
     let err = torch(c.len() - 1, "backward");
@@ -302,7 +334,7 @@ fn recompute_chunk(
     c: &Compiled,
     segs: &Segments,
     chunk: &Chunk<'_>,
-    params: &[Tensor],
+    params: &[Held<'_>],
     direct: bool,
 ) -> Result<(f64, Vec<Tensor>), LazyError> {
     let device = cuda_ordinal(c.device());
@@ -320,7 +352,7 @@ fn recompute_segments(
     c: &Compiled,
     segs: &Segments,
     chunk: &Chunk<'_>,
-    params: &[Tensor],
+    params: &[Held<'_>],
     direct: bool,
     device: Option<usize>,
 ) -> Result<(f64, Vec<Tensor>), LazyError> {
@@ -420,7 +452,7 @@ fn recompute_segments(
                 tch::with_grad(|| surrogate.f_backward()).map_err(&err)?;
                 leaves.iter().map(|(_, t)| t.grad()).collect::<Vec<_>>()
             } else {
-                let mut wrt: Vec<&Tensor> = params.iter().collect();
+                let mut wrt: Vec<&Tensor> = params.iter().map(|p| &**p).collect();
                 wrt.extend(leaves.iter().map(|(_, t)| t));
                 let mut grads =
                     tch::with_grad(|| Tensor::f_run_backward(&[&surrogate], &wrt, false, false)).map_err(&err)?;
@@ -593,9 +625,12 @@ struct Updated {
 
 impl Updated {
     fn of(p: &Prepared) -> Updated {
+        let updated = updated_tensors(&p.c);
+        if updated.is_empty() {
+            return Updated { tensors: Vec::new(), whole: false };
+        }
         let _guard = tch::no_grad_guard();
-        let tensors =
-            updated_tensors(&p.c).into_iter().map(|t| (t.copy(), t, None)).map(|(b, t, s)| (t, b, s)).collect();
+        let tensors = updated.into_iter().map(|t| (t.copy(), t, None)).map(|(b, t, s)| (t, b, s)).collect();
         Updated { tensors, whole: false }
     }
 
@@ -945,29 +980,34 @@ fn backward_once(output: &LazyTensor, options: &Options) -> Result<f64, LazyErro
 /// parameters and wrapped with `lazy`) is asked per micro-batch for the gradient of its own
 /// slice (a detached leaf in its place), not of the whole input, which would be the batch's
 /// size, mostly zeros, for every micro-batch.
-struct Wrt {
-    /// The tensors as the user holds them: parameters, then inputs.
-    originals: Vec<Tensor>,
+struct Wrt<'a> {
     /// What autograd differentiates: a leaf parameter itself, a detached stand-in of another;
     /// the inputs whole (each micro-batch slices them: [`Wrt::sliced`]).
-    params: Vec<Tensor>,
-    /// By node: the stand-in a leaf reads instead of its tensor.
+    params: Vec<Held<'a>>,
+    /// The tensors as the user holds them, where they are not `params`' own: the parameters
+    /// that are not leaves.
+    originals: Vec<Option<&'a Tensor>>,
+    /// By node: the stand-in a leaf reads instead of its tensor (empty when there is none).
     stand_ins: Vec<Option<Tensor>>,
     /// `params[..n_params]` are the parameters.
     n_params: usize,
     /// The inputs that require a gradient: node and batch dimension.
     inputs: Vec<(usize, i64)>,
+    /// The graph's nodes.
+    nodes: usize,
     /// Whether each original is a leaf (its gradient lands in its `.grad`).
     leaf: Vec<bool>,
 }
 
-impl Wrt {
-    fn of(c: &Compiled) -> Wrt {
-        let mut originals: Vec<Tensor> = Vec::new();
-        let mut params: Vec<Tensor> = Vec::new();
+impl<'a> Wrt<'a> {
+    fn of(c: &'a Compiled) -> Wrt<'a> {
+        // Sized once: each list would otherwise grow four times for a dozen parameters.
+        let count = c.param.iter().enumerate().filter(|&(i, first)| *first == Some(i as u32)).count();
+        let mut originals: Vec<Option<&Tensor>> = Vec::with_capacity(count);
+        let mut params: Vec<Held<'a>> = Vec::with_capacity(count);
         // Whether each original is a leaf: as recorded (one question to libtorch a parameter).
-        let mut leaf: Vec<bool> = Vec::new();
-        let mut stand_ins: Vec<Option<Tensor>> = (0..c.len()).map(|_| None).collect();
+        let mut leaf: Vec<bool> = Vec::with_capacity(count);
+        let mut stand_ins: Vec<Option<Tensor>> = Vec::new();
         // Each parameter's position in `params`, at its first leaf.
         let mut slot: Vec<Option<usize>> = vec![None; c.len()];
         for (i, first) in c.param.iter().enumerate() {
@@ -979,12 +1019,20 @@ impl Wrt {
                 slot[i] = Some(params.len());
                 // As recorded (the plan read the same).
                 let is_leaf = p.is_leaf;
-                params.push(if is_leaf { tensor.shallow_clone() } else { tensor.detach().set_requires_grad(true) });
-                originals.push(tensor.shallow_clone());
+                if is_leaf {
+                    params.push(Held::Leaf(tensor));
+                    originals.push(None);
+                } else {
+                    params.push(Held::Owned(tensor.detach().set_requires_grad(true)));
+                    originals.push(Some(tensor));
+                }
                 leaf.push(is_leaf);
             }
             let k = slot[first].expect("a parameter's first leaf comes before its other leaves");
             if !leaf[k] {
+                if stand_ins.is_empty() {
+                    stand_ins = (0..c.len()).map(|_| None).collect();
+                }
                 stand_ins[i] = Some(params[k].shallow_clone());
             }
         }
@@ -992,31 +1040,40 @@ impl Wrt {
         let mut inputs: Vec<(usize, i64)> = Vec::new();
         for (i, node) in c.nodes.iter().enumerate() {
             if let Some(Source::Input { tensor, dim }) = node.source() {
-                if tensor.requires_grad() {
+                // As recorded (the plan read the same).
+                if node.meta.requires_grad {
                     inputs.push((i, *dim as i64));
-                    params.push(tensor.shallow_clone());
-                    originals.push(tensor.shallow_clone());
+                    params.push(Held::Leaf(tensor));
+                    originals.push(None);
                     leaf.push(tensor.is_leaf());
                 }
             }
         }
-        Wrt { originals, params, stand_ins, n_params, inputs, leaf }
+        Wrt { params, originals, stand_ins, n_params, inputs, nodes: c.len(), leaf }
+    }
+
+    /// The tensor as the user holds it at `params[k]`.
+    fn original(&self, k: usize) -> &Tensor {
+        self.originals[k].unwrap_or(&self.params[k])
     }
 
     /// The stand-ins and tensors of the micro-batch of `b` samples from `start`, where inputs
     /// require a gradient (each its own slice); `None`: the step's own serve.
     #[allow(clippy::type_complexity)]
-    fn sliced(&self, start: i64, b: i64) -> Result<Option<(Vec<Option<Tensor>>, Vec<Tensor>)>, TchError> {
+    fn sliced(&self, start: i64, b: i64) -> Result<Option<(Vec<Option<Tensor>>, Vec<Held<'_>>)>, TchError> {
         if self.inputs.is_empty() {
             return Ok(None);
         }
-        let mut stand_ins: Vec<Option<Tensor>> =
-            self.stand_ins.iter().map(|t| t.as_ref().map(Tensor::shallow_clone)).collect();
-        let mut params: Vec<Tensor> = self.params.iter().map(Tensor::shallow_clone).collect();
+        let mut stand_ins: Vec<Option<Tensor>> = if self.stand_ins.is_empty() {
+            (0..self.nodes).map(|_| None).collect()
+        } else {
+            self.stand_ins.iter().map(|t| t.as_ref().map(Tensor::shallow_clone)).collect()
+        };
+        let mut params: Vec<Held<'_>> = self.params.iter().map(Held::share).collect();
         for (j, &(i, dim)) in self.inputs.iter().enumerate() {
-            let slice = self.originals[self.n_params + j].f_narrow(dim, start, b)?.detach().set_requires_grad(true);
+            let slice = self.original(self.n_params + j).f_narrow(dim, start, b)?.detach().set_requires_grad(true);
             stand_ins[i] = Some(slice.shallow_clone());
-            params[self.n_params + j] = slice;
+            params[self.n_params + j] = Held::Owned(slice);
         }
         Ok(Some((stand_ins, params)))
     }
@@ -1024,15 +1081,16 @@ impl Wrt {
     /// Adds a micro-batch's gradients (`grads`, by position in `params`) into the sums: the
     /// parameters' and, for inputs, their slice's rows.
     fn add(&self, grads: &[Tensor], through: &mut [Option<Tensor>], start: i64, b: i64) -> Result<(), TchError> {
+        if grads.is_empty() {
+            // Autograd accumulated into `.grad` itself.
+            return Ok(());
+        }
         let k = self.n_params.min(grads.len());
         accumulate(&self.params[..k], &self.leaf[..k], &grads[..k], &mut through[..k])?;
         if grads.len() > self.n_params {
-            let slices = self
-                .inputs
-                .iter()
-                .zip(&grads[self.n_params..])
-                .zip(&self.originals[self.n_params..])
-                .zip(&mut through[self.n_params..]);
+            let originals = (self.n_params..self.params.len()).map(|k| self.original(k));
+            let slices =
+                self.inputs.iter().zip(&grads[self.n_params..]).zip(originals).zip(&mut through[self.n_params..]);
             accumulate_slices(slices, start, b)?;
         }
         Ok(())
@@ -1045,8 +1103,9 @@ impl Wrt {
         }
         tch::with_grad(|| -> Result<(), TchError> {
             let mut sum: Option<Tensor> = None;
-            for (p, g) in self.originals.iter().zip(through) {
+            for (k, g) in through.iter().enumerate() {
                 if let Some(g) = g {
+                    let p = self.original(k);
                     // d/dp sum(p * g) = g: autograd carries g on through p's own graph.
                     let term = p.f_mul(g)?.f_sum(Kind::Double)?;
                     sum = Some(match sum {
@@ -1082,7 +1141,7 @@ impl Wrt {
 fn micro_batch(
     p: &Prepared,
     chunk: &Chunk<'_>,
-    params: &[Tensor],
+    params: &[Held<'_>],
     direct: bool,
 ) -> Result<(f64, Vec<Tensor>), LazyError> {
     let result = match &p.d.segments {
@@ -1109,7 +1168,7 @@ fn record_time(p: &Prepared, started: std::time::Instant) {
 }
 
 /// Sets the parameters' `.grad` back to none (zeroes it where the shim is missing).
-fn clear_grads(params: &[Tensor]) {
+fn clear_grads(params: &[Held<'_>]) {
     let _no_grad = tch::no_grad_guard();
     for param in params {
         let mut grad = param.grad();
@@ -1183,7 +1242,7 @@ fn accumulate_slices<'a>(
 /// zero gradient) or into `through` (non-leaves). Only called once the micro-batch's backward
 /// completed: a retried micro-batch never counts twice.
 fn accumulate(
-    params: &[Tensor],
+    params: &[Held<'_>],
     leaf: &[bool],
     grads: &[Tensor],
     through: &mut [Option<Tensor>],
@@ -1193,7 +1252,7 @@ fn accumulate(
         .zip(grads)
         .zip(leaf)
         .filter(|((p, g), is_leaf)| **is_leaf && g.defined() && !crate::memory::grad_defined(p))
-        .map(|((p, _), _)| p)
+        .map(|((p, _), _)| &**p)
         .collect();
     if !undefined.is_empty() {
         // tch cannot assign `.grad`; a backward of `0 * sum(p)` makes autograd allocate it.

@@ -179,7 +179,7 @@ impl Node {
             None => {
                 let param = meta
                     .requires_grad
-                    .then(|| Box::new(Param { key: ParamKey::of(facts.data_ptr, &meta), is_leaf: facts.is_leaf }));
+                    .then(|| Param { key: ParamKey::of(facts.data_ptr, &meta), is_leaf: facts.is_leaf });
                 Source::Leaf { tensor: tensor.shallow_clone(), param, eager }
             }
         });
@@ -631,7 +631,7 @@ pub(crate) enum Source {
     /// A fixed tensor: a parameter (`param` when it requires a gradient) or a constant.
     Leaf {
         tensor: Tensor,
-        param: Option<Box<Param>>,
+        param: Option<Param>,
         /// A value computed at once ([`LazyTensor`]'s eager form): an op taking only such
         /// values and other leaves runs as soon as it is recorded.
         eager: bool,

@@ -50,10 +50,11 @@ impl LazyTensor {
     /// # Errors
     /// [`LazyError::Argument`] when the tensor has no such dimension.
     pub fn batched(tensor: &Tensor, dim: i64) -> Result<LazyTensor, LazyError> {
-        let shape = tensor.size();
-        let d = shape::wrap_dim(dim, shape.len()).map_err(|r| arg("lazy", &shape, r))?;
-        if shape.is_empty() {
-            return Err(arg("lazy", &shape, "a 0-dim tensor has no batch dimension"));
+        // The rank alone: the leaf reads the sizes with its other facts.
+        let rank = tensor.dim();
+        let d = shape::wrap_dim(dim, rank).map_err(|r| arg("lazy", &tensor.size(), r))?;
+        if rank == 0 {
+            return Err(arg("lazy", &[], "a 0-dim tensor has no batch dimension"));
         }
         Ok(leaf(tensor, Some(d)))
     }

@@ -156,7 +156,8 @@ impl Compiled {
                     self.param[i].is_none_or(|first| first as usize != i)
                         || (p.is_leaf && !crate::memory::grad_defined(tensor))
                 }
-                Some(Source::Input { tensor, .. }) => !tensor.requires_grad(),
+                // As recorded: the plan read the same.
+                Some(Source::Input { .. }) => !node.meta.requires_grad,
                 _ => true,
             })
         })
@@ -206,7 +207,7 @@ impl Index {
 /// Collects the graph of `output` in topological order and precomputes what planning needs.
 /// The inputs that require their own gradient (the executor fills theirs, see exec).
 fn input_grads(nodes: &[Rc<Node>]) -> impl Iterator<Item = &Rc<Node>> {
-    nodes.iter().filter(|node| matches!(node.source(), Some(Source::Input { tensor, .. }) if tensor.requires_grad()))
+    nodes.iter().filter(|node| matches!(node.source(), Some(Source::Input { .. })) && node.meta.requires_grad)
 }
 
 pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
@@ -214,8 +215,11 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
     // planner's own index says where each visited node was found.
     let mut index = Index::new(output.node().id);
     *index.slot(output.node().id) = 1;
-    let mut seen: Vec<(u64, &Rc<Node>)> = vec![(output.node().id, output.node())];
-    let mut stack: Vec<&Rc<Node>> = vec![output.node()];
+    // Sized for a typical step's graph: growing them would allocate four times each.
+    let mut seen: Vec<(u64, &Rc<Node>)> = Vec::with_capacity(64);
+    seen.push((output.node().id, output.node()));
+    let mut stack: Vec<&Rc<Node>> = Vec::with_capacity(32);
+    stack.push(output.node());
     while let Some(node) = stack.pop() {
         for input in &node.inputs {
             let slot = index.slot(input.id);
@@ -316,7 +320,8 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
         }
     }
     // Which parameters receive a gradient: the backward's reach, which the batch does not change.
-    let mut reach = vec![false; n];
+    let mut reach = consumers_global;
+    reach.fill(false);
     reach[n - 1] = found[n - 1].meta.requires_grad;
     for i in (0..n).rev() {
         if !reach[i] || flags[i].leaf {
@@ -329,8 +334,8 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
             }
         }
     }
-    let reached_params: Vec<u32> =
-        (0..n).filter(|&i| reach[i] && param[i] == Some(i as u32)).map(|i| i as u32).collect();
+    let mut reached_params: Vec<u32> = Vec::with_capacity(params_seen.len());
+    reached_params.extend((0..n).filter(|&i| reach[i] && param[i] == Some(i as u32)).map(|i| i as u32));
     let model = CostModel::of(device_of(&found));
     let block = model.block();
     // An input that requires its gradient gets one of the whole batch's size, created by the
