@@ -165,16 +165,9 @@ fn forward_chunk(c: &Compiled, chunk: &Chunk<'_>, mut trace: Option<&mut Vec<Tra
     let mut spare: Vec<&Tensor> = Vec::new();
     for i in 0..n {
         let node = &c.nodes[i];
-        if let (None, Some(source)) = (&trace, node.source()) {
+        if trace.is_none() && chunk.stand_ins.get(i).is_none_or(Option::is_none) {
             // A fixed leaf, or an input whole: its own tensor, as a plain step reads it.
-            let whole = match source {
-                Source::Leaf { tensor, .. } => Some(tensor),
-                Source::Input { tensor, dim } if chunk.start == 0 && node.meta.shape.get(*dim) == Some(&chunk.b) => {
-                    Some(tensor)
-                }
-                Source::Input { .. } => None,
-            };
-            if let Some(tensor) = whole.filter(|_| chunk.stand_ins.get(i).is_none_or(Option::is_none)) {
+            if let Some(tensor) = node.whole(chunk.start, chunk.b) {
                 values[i] = Some(Held::Leaf(tensor));
                 continue;
             }

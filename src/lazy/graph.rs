@@ -238,16 +238,25 @@ impl Node {
         matches!(self.kind, NodeKind::Source(_))
     }
 
+    /// A source's tensor as the micro-batch of `b` samples from `start` reads it, unnarrowed: a
+    /// fixed leaf's, or an input's when the micro-batch is all of it (a narrow would be a view,
+    /// autograd's view metadata and code a plain step never runs, of all of it).
+    pub(crate) fn whole(&self, start: i64, b: i64) -> Option<&Tensor> {
+        match &self.kind {
+            NodeKind::Source(Source::Leaf { tensor, .. }) => Some(tensor),
+            NodeKind::Source(Source::Input { tensor, dim }) if start == 0 && self.meta.shape.get(*dim) == Some(&b) => {
+                Some(tensor)
+            }
+            _ => None,
+        }
+    }
+
     /// Its value on one micro-batch, from its inputs'.
     pub(crate) fn run(&self, ins: &[&Tensor], cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        if let Some(tensor) = self.whole(cx.start, cx.b) {
+            return Ok(tensor.shallow_clone());
+        }
         match &self.kind {
-            // The whole batch is the tensor itself: a narrow would be a view (autograd's view
-            // metadata, code a plain step never runs) of all of it.
-            NodeKind::Source(Source::Input { tensor, dim })
-                if cx.start == 0 && cx.meta.shape.get(*dim) == Some(&cx.b) =>
-            {
-                Ok(tensor.shallow_clone())
-            }
             NodeKind::Source(Source::Input { tensor, dim }) => tensor.f_narrow(*dim as i64, cx.start, cx.b),
             NodeKind::Source(Source::Leaf { tensor, .. }) => Ok(tensor.shallow_clone()),
             NodeKind::Op(op) => op.run(ins, cx),

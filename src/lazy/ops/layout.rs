@@ -1643,7 +1643,7 @@ impl LazyTensor {
     /// As [`f_view`](Self::f_view); [`LazyError::Argument`] for a 0-dim tensor.
     #[lazy_only]
     pub fn f_flat_view(&self) -> Result<LazyTensor, LazyError> {
-        let s = self.size();
+        let s = self.shape();
         let Some(&first) = s.first() else {
             return Err(arg("flat_view", &s, "a 0-dim tensor has no leading dimension"));
         };
