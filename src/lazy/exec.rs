@@ -302,17 +302,18 @@ fn plain_chunk(
     let err = torch(c.len() - 1, "backward");
     tch::with_grad(|| -> Result<(f64, Vec<Tensor>), LazyError> {
         let loss = forward_chunk(c, chunk, None)?;
-        let value = value_of(&loss).map_err(&err)?;
+        // The value is read after the backward, as a plain step reads it: on a GPU, reading
+        // it first would wait for the forward before the backward's kernels are queued.
         if direct && !params.is_empty() && loss.requires_grad() {
             loss.f_backward().map_err(&err)?;
-            return Ok((value, Vec::new()));
+            return Ok((value_of(&loss).map_err(&err)?, Vec::new()));
         }
         let grads = if params.is_empty() || !loss.requires_grad() {
             Vec::new()
         } else {
             Tensor::f_run_backward(&[&loss], params, false, false).map_err(&err)?
         };
-        Ok((value, grads))
+        Ok((value_of(&loss).map_err(&err)?, grads))
     })
 }
 
