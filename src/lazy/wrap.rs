@@ -23,6 +23,10 @@ pub trait Lazify {
     /// The batch sizes of what is wrapped, to check that they agree.
     #[doc(hidden)]
     fn batch_sizes(&self, batch: Option<i64>, sizes: &mut Vec<(Vec<i64>, i64)>);
+
+    /// How many tensors are wrapped.
+    #[doc(hidden)]
+    fn count(&self) -> usize;
 }
 
 impl Lazify for &Tensor {
@@ -32,6 +36,9 @@ impl Lazify for &Tensor {
             Some(dim) => LazyTensor::batched(self, dim),
             None => Ok(LazyTensor::fixed(self)),
         }
+    }
+    fn count(&self) -> usize {
+        1
     }
     fn batch_sizes(&self, batch: Option<i64>, sizes: &mut Vec<(Vec<i64>, i64)>) {
         if let Some(dim) = batch {
@@ -59,6 +66,11 @@ macro_rules! lazify_tuple {
                 let ($($name,)+) = self;
                 $($name.batch_sizes(batch, sizes);)+
             }
+            #[allow(non_snake_case)]
+            fn count(&self) -> usize {
+                let ($($name,)+) = self;
+                0 $(+ $name.count())+
+            }
         }
     };
 }
@@ -79,6 +91,9 @@ impl<const K: usize> Lazify for &[Tensor; K] {
     fn batch_sizes(&self, batch: Option<i64>, sizes: &mut Vec<(Vec<i64>, i64)>) {
         self.as_slice().batch_sizes(batch, sizes)
     }
+    fn count(&self) -> usize {
+        self.len()
+    }
 }
 
 impl Lazify for &[Tensor] {
@@ -91,6 +106,9 @@ impl Lazify for &[Tensor] {
             t.batch_sizes(batch, sizes);
         }
     }
+    fn count(&self) -> usize {
+        self.len()
+    }
 }
 
 impl Lazify for &Vec<Tensor> {
@@ -100,6 +118,9 @@ impl Lazify for &Vec<Tensor> {
     }
     fn batch_sizes(&self, batch: Option<i64>, sizes: &mut Vec<(Vec<i64>, i64)>) {
         self.as_slice().batch_sizes(batch, sizes)
+    }
+    fn count(&self) -> usize {
+        self.len()
     }
 }
 
@@ -155,6 +176,10 @@ pub fn lazy<L: Lazify>(inputs: L, batch: impl Into<BatchDimArg>) -> L::Output {
 /// sizes that differ.
 pub fn try_lazy<L: Lazify>(inputs: L, batch: impl Into<BatchDimArg>) -> Result<L::Output, LazyError> {
     let batch = batch.into().0;
+    // One tensor agrees with itself (its dimension is checked as it is wrapped).
+    if inputs.count() < 2 {
+        return inputs.lazify(batch);
+    }
     let mut sizes = Vec::new();
     inputs.batch_sizes(batch, &mut sizes);
     if let Some((first_shape, first)) = sizes.first() {
