@@ -17,7 +17,7 @@
 //! min-gpt, ≤ 1.05× on the medium one, the CNN and the VAE, ≤ 1.2× on the char-RNN, ≤ 1.03×
 //! eagerly.
 //!
-//! Each ratio is printed twice: best-of over at least 30 interleaved pairs, and the median of
+//! Each ratio is printed twice: best-of over at least 60 interleaved pairs, and the median of
 //! the pairs' own ratios, which one burst of a shared machine cannot move. Which side of a pair
 //! runs first alternates, since each leaves the allocator's heap to the other.
 //!
@@ -323,10 +323,12 @@ fn interleaved(before: &dyn Fn(), plain: &dyn Fn() -> f64, lazily: &dyn Fn() -> 
         black_box(f());
         start.elapsed().as_secs_f64()
     };
-    // At least 30 pairs and 3 seconds: a small step's best needs many tries on a busy machine.
+    // At least 60 pairs and 4 seconds: a small step's best needs many tries on a busy machine,
+    // and a large one's (the CNN's 50 ms) enough pairs that one lucky step on one side is not
+    // its best-of.
     let mut pairs: Vec<(f64, f64)> = Vec::new();
     let started = Instant::now();
-    while pairs.len() < 30 || started.elapsed() < Duration::from_secs(3) {
+    while pairs.len() < 60 || started.elapsed() < Duration::from_secs(4) {
         pairs.push(if pairs.len() % 2 == 0 {
             let p = time(plain);
             (p, time(lazily))
