@@ -389,7 +389,8 @@ fn recompute_segments(
     let mut after_forward: Option<(Vec<u8>, Vec<Tensor>)> = None;
     let mut grads_out: Vec<Option<Tensor>> = (0..n).map(|_| None).collect();
     let mut acc: Vec<Option<Tensor>> = params.iter().map(|_| None).collect();
-    let mut loss_value = 0.0;
+    // Read once every segment's backward is queued, as a plain step reads its loss.
+    let mut loss_held: Option<Tensor> = None;
     for s in (0..count).rev() {
         let range = segs.range(s, n);
         if s + 1 < count {
@@ -419,7 +420,8 @@ fn recompute_segments(
                 let _no_grad = tch::no_grad_guard();
                 after_forward = Some((generator_state(device)?, stats.iter().map(Tensor::copy).collect()));
                 let loss = values[n - 1].take().expect("the output is held");
-                loss_value = value_of(&loss).map_err(&err)?;
+                // Detached: holding its graph would keep what branches the backward skips saved.
+                loss_held = Some(loss.detach());
                 return Ok(loss.requires_grad().then_some(loss));
             }
             let mut sum: Option<Tensor> = None;
@@ -478,6 +480,8 @@ fn recompute_segments(
             t.f_copy_(&after).map_err(&err)?;
         }
     }
+    let loss = loss_held.expect("the last segment holds the output");
+    let loss_value = value_of(&loss).map_err(&err)?;
     let grads = if direct { Vec::new() } else { acc.into_iter().map(|g| g.unwrap_or_else(Tensor::new)).collect() };
     Ok((loss_value, grads))
 }
