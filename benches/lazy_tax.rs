@@ -19,7 +19,9 @@
 //!
 //! Each ratio is printed twice: best-of over at least 60 interleaved pairs, and the median of
 //! the pairs' own ratios, which one burst of a shared machine cannot move. Which side of a pair
-//! runs first alternates, since each leaves the allocator's heap to the other.
+//! runs first alternates, since each leaves the allocator's heap to the other. Each unsplit row
+//! also times the plain step against itself (`control:`): the ratios a tax of zero reads as in
+//! the same run, so a figure is read against the machine's noise at the time.
 //!
 //! `cargo bench --bench lazy_tax`; `TOMA_TAX_ONLY=vae,sampling` reruns some rows.
 
@@ -295,6 +297,10 @@ fn compare<M>(
         t.plain * 1e3,
         t.median
     );
+    // The plain step against itself, timed as the pairs above: what a tax of zero reads as on
+    // this machine now, the noise floor of both figures.
+    let same = interleaved(&zero, &|| plain(&m, x, y), &|| plain(&m, x, y));
+    println!("control: {name} plain step against itself {:.3}x (median of pairs {:.3}x)", same.best(), same.median);
     (t.plain, t.lazy)
 }
 
