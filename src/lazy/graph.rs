@@ -219,6 +219,11 @@ impl Node {
     /// [`Node::new`], its contents dropped now.
     fn recycle(mut rc: Rc<Node>) {
         let Some(node) = Rc::get_mut(&mut rc) else { return };
+        // A full pool takes nothing: the node is freed as it is, not emptied first.
+        let room = POOL.try_with(|p| p.try_borrow().is_ok_and(|pool| pool.len() < POOL_CAP));
+        if !matches!(room, Ok(true)) {
+            return;
+        }
         *node = Node::vacant();
         let _ = POOL.try_with(move |p| {
             if let Ok(mut pool) = p.try_borrow_mut() {
@@ -781,5 +786,24 @@ mod tests {
         assert_eq!(Rc::as_ptr(&again), leaf_at);
         assert_eq!(again.name(), "leaf");
         assert_eq!(again.meta.shape, vec![1]);
+    }
+
+    #[test]
+    fn a_full_pool_frees_what_it_cannot_take_with_its_contents() {
+        let dropped = Rc::new(Cell::new(0));
+        let counting = || NodeKind::Op(Box::new(Counting(dropped.clone())));
+        let leaf = || Node::leaf(&Tensor::ones([1], (Kind::Float, Device::Cpu)), None, false);
+        let meta = leaf().meta.clone();
+        let inner = Node::new(counting(), vec![leaf()], meta.clone(), OpFacts::new(1), Cost::default());
+        let outer = Node::new(counting(), vec![inner], meta.clone(), OpFacts::new(1), Cost::default());
+        // An op over as many leaves as the pool holds fills it when dropped.
+        let leaves: Vec<Rc<Node>> = (0..POOL_CAP).map(|_| leaf()).collect();
+        let wide = Node::new(counting(), leaves, meta, OpFacts::new(1), Cost::default());
+        POOL.with(|p| p.borrow_mut().clear());
+        drop(wide);
+        assert_eq!((dropped.get(), pooled()), (1, POOL_CAP));
+        // Then an input no one else holds is freed, its op dropped with it.
+        drop(outer);
+        assert_eq!((dropped.get(), pooled()), (3, POOL_CAP));
     }
 }
