@@ -218,16 +218,13 @@ impl Node {
     /// Keeps the allocation of a node no one else holds (its inputs already taken) for
     /// [`Node::new`], its contents dropped now.
     fn recycle(mut rc: Rc<Node>) {
-        let Some(node) = Rc::get_mut(&mut rc) else { return };
-        // A full pool takes nothing: the node is freed as it is, not emptied first.
-        let room = POOL.try_with(|p| p.try_borrow().is_ok_and(|pool| pool.len() < POOL_CAP));
-        if !matches!(room, Ok(true)) {
-            return;
-        }
-        *node = Node::vacant();
         let _ = POOL.try_with(move |p| {
-            if let Ok(mut pool) = p.try_borrow_mut() {
-                if pool.len() < POOL_CAP {
+            // A full pool, or one borrowed already, takes nothing: the node is freed as it is,
+            // not emptied first.
+            let Ok(mut pool) = p.try_borrow_mut() else { return };
+            if pool.len() < POOL_CAP {
+                if let Some(node) = Rc::get_mut(&mut rc) {
+                    *node = Node::vacant();
                     pool.push(rc);
                 }
             }
