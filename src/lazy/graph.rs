@@ -30,7 +30,7 @@ pub(crate) struct BatchDim {
 }
 
 /// How the value of a node is put together from micro-batches.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Flow {
     /// Per-sample rows along a batch dimension: micro-batch values are concatenated.
     PerSample(BatchDim),
@@ -216,7 +216,7 @@ impl Node {
     }
 
     /// Keeps the allocation of a node no one else holds (its inputs already taken) for
-    /// [`Node::new`], its contents dropped now.
+    /// [`Node::new`], its contents dropped now but for its short lists' buffers.
     fn recycle(mut rc: Rc<Node>) {
         let _ = POOL.try_with(move |p| {
             // A full pool, or one borrowed already, takes nothing: the node is freed as it is,
@@ -224,11 +224,25 @@ impl Node {
             let Ok(mut pool) = p.try_borrow_mut() else { return };
             if pool.len() < POOL_CAP {
                 if let Some(node) = Rc::get_mut(&mut rc) {
-                    *node = Node::vacant();
+                    node.vacate();
                     pool.push(rc);
                 }
             }
         });
+    }
+
+    /// Drops what the node holds but its shape's, strides' and inputs' buffers (emptied): the
+    /// next node made in its place ([`Node::new`]) frees them as it takes the place. A step's
+    /// short lists are then freed one at a time while the next step records, each beside the
+    /// allocation of one that replaces it, and not dozens at once when the graph is dropped:
+    /// those overflowed glibc's per-thread cache of small chunks (seven a size) into the bins
+    /// it later consolidates (a tenth of a lazy VAE step's extra instructions, cachegrind).
+    fn vacate(&mut self) {
+        let shape = emptied(std::mem::take(&mut self.meta.shape));
+        let strides = emptied(std::mem::take(&mut self.meta.strides));
+        let inputs = emptied(std::mem::take(&mut self.inputs));
+        *self = Node::vacant();
+        (self.meta.shape, self.meta.strides, self.inputs) = (shape, strides, inputs);
     }
 
     /// A leaf: a batched input (`batch = Some(dim)`) or a fixed tensor (parameters, constants;
@@ -447,6 +461,19 @@ pub(crate) struct Param {
     pub(crate) key: ParamKey,
     /// Whether the tensor is an autograd leaf (else its gradient goes back through its graph).
     pub(crate) is_leaf: bool,
+}
+
+/// The largest buffer a pooled node keeps (elements): a node with hundreds of inputs (a `cat`
+/// of many) is rare, and its list not worth keeping.
+const KEPT_CAP: usize = 8;
+
+/// `list` emptied, or a new empty one where its buffer is not worth keeping.
+fn emptied<T>(mut list: Vec<T>) -> Vec<T> {
+    if list.capacity() > KEPT_CAP {
+        return Vec::new();
+    }
+    list.clear();
+    list
 }
 
 impl Drop for Node {
@@ -783,6 +810,35 @@ mod tests {
         assert_eq!(Rc::as_ptr(&again), leaf_at);
         assert_eq!(again.name(), "leaf");
         assert_eq!(again.meta.shape, vec![1]);
+    }
+
+    #[test]
+    fn a_pooled_node_keeps_its_lists_buffers_until_the_next_node_takes_its_place() {
+        POOL.with(|p| p.borrow_mut().clear());
+        let leaf = |shape: &[i64]| Node::leaf(&Tensor::ones(shape, (Kind::Float, Device::Cpu)), None, false);
+        let op =
+            |inputs, meta| Node::new(NodeKind::Op(Box::new(Vacant)), inputs, meta, OpFacts::new(1), Cost::default());
+        let many: Vec<Rc<Node>> = (0..=KEPT_CAP).map(|_| leaf(&[1])).collect();
+        let meta = leaf(&[4, 3]).meta.clone();
+        let mid = op(vec![leaf(&[2])], meta.clone());
+        let wide = op(many, meta.clone());
+        drop(op(vec![mid, wide], meta));
+        // Pooled, each node before its inputs: `wide`, its leaves, `mid`, its leaf.
+        let kept = |at: usize| {
+            POOL.with(|p| {
+                let n = &p.borrow()[at];
+                let lens = (n.meta.shape.len(), n.meta.strides.len(), n.inputs.len());
+                (lens, (n.meta.shape.capacity(), n.meta.strides.capacity(), n.inputs.capacity()))
+            })
+        };
+        assert_eq!(pooled(), 3 + KEPT_CAP + 1);
+        // Emptied, each buffer kept but a list longer than short ones are.
+        assert_eq!(kept(0), ((0, 0, 0), (2, 2, 0)));
+        assert_eq!(kept(KEPT_CAP + 2), ((0, 0, 0), (2, 2, 1)));
+        // Taken by the next nodes made: their own lists, the kept ones freed.
+        let again: Vec<Rc<Node>> = (0..pooled()).map(|_| leaf(&[5])).collect();
+        assert_eq!(pooled(), 0);
+        assert!(again.iter().all(|n| n.meta.shape == [5] && n.inputs.is_empty()));
     }
 
     #[test]
