@@ -5,9 +5,10 @@
 //! Planning is a function of the graph, the machine and the evidence, so the key holds what it
 //! reads of each: the graph's structure hash ([`Compiled::structure`]) and which parameters
 //! hold a `.grad`, the mode and options, the evidence's measured prices, reserve and speeds.
-//! The machine's budget moves from step to step; a plan that runs the whole batch as it is
-//! stays the plan under any budget at least as large (a smaller micro-batch is chosen only
-//! where the whole one does not fit), and any other plan is reused only under the same budget.
+//! The machine's budget moves from step to step (free memory read again); a plan that runs the
+//! whole batch as it is stays the plan under any budget that its peak, the reserve and the
+//! optimizer's step fit (a smaller micro-batch or recomputation is chosen only where the whole
+//! batch does not fit), and any other plan is reused only under the same budget.
 
 use std::cell::RefCell;
 
@@ -88,7 +89,7 @@ pub(super) fn find(
         }
         let d = &last.decision;
         let whole = d.micro_batch as i64 >= c.batch && d.segments.is_none() && options.micro_batch.is_none();
-        if machine.budget != d.budget && !(whole && machine.budget > d.budget) {
+        if machine.budget != d.budget && !(whole && d.whole_fits(machine.budget)) {
             return None;
         }
         let mut reused = d.clone();
@@ -145,8 +146,15 @@ mod tests {
             let found = find(&again, Mode::Backward, &options, &machine(budget), &evidence).expect("reused");
             assert_eq!((found.micro_batch, found.peak, found.budget), (d.micro_batch, d.peak, budget));
         }
-        // A smaller budget, other wiring, another parameter, another mode or options: planned anew.
-        assert!(find(&again, Mode::Backward, &options, &machine((1 << 40) - 1), &evidence).is_none());
+        // A smaller budget its peak still fits: found too; one it does not: planned anew (the
+        // search then splits or recomputes).
+        assert!(find(&again, Mode::Backward, &options, &machine((1 << 40) - 1), &evidence).is_some());
+        let found = find(&again, Mode::Backward, &options, &machine(d.peak), &evidence).expect("reused");
+        assert_eq!((found.micro_batch, found.budget), (d.micro_batch, d.peak));
+        assert!(find(&again, Mode::Backward, &options, &machine(d.peak - 1), &evidence).is_none());
+        let under = search::plan(&again, Mode::Backward, &options, &machine(d.peak - 1), &evidence);
+        assert!(under.is_err() || under.is_ok_and(|u| u.micro_batch < 64 || u.segments.is_some()));
+        // Other wiring, another parameter, another mode or options: planned anew.
         let crossed = compile(&loss(&x, &w, &v, true)).unwrap();
         assert_eq!(crossed.fingerprint, c.fingerprint, "the fingerprint does not see the wiring");
         assert!(find(&crossed, Mode::Backward, &options, &machine(1 << 40), &evidence).is_none());
@@ -159,7 +167,7 @@ mod tests {
         let mut over = evidence.clone();
         over.reserve.add(64, 1 << 20);
         assert!(find(&again, Mode::Backward, &options, &machine(1 << 40), &over).is_none());
-        // A parameter that holds a gradient now (each step compiles its graph anew).
+        // A parameter that holds a gradient now (each compiled graph asks again).
         (&w * 1.0).sum(Kind::Float).backward();
         let later = compile(&loss(&x, &w, &v, false)).unwrap();
         assert!(find(&later, Mode::Backward, &options, &machine(1 << 40), &evidence).is_none());

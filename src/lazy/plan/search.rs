@@ -44,6 +44,13 @@ pub(crate) struct Decision {
 }
 
 impl Decision {
+    /// Whether this plan of the whole batch is the one planning would make under `budget` too:
+    /// the search keeps the whole batch exactly where its peak fits the budget less the reserve,
+    /// and the optimizer's step fits the budget.
+    pub(crate) fn whole_fits(&self, budget: u64) -> bool {
+        budget >= self.peak.saturating_add(self.reserved) && self.optimizer.is_none_or(|(_, peak)| budget >= peak)
+    }
+
     /// The peak at micro-batch `b`, as the search computes it.
     pub(crate) fn peak_at(&self, c: &Compiled, b: u64) -> u64 {
         if b as usize == self.micro_batch {
