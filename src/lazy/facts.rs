@@ -83,7 +83,7 @@ impl GradReshape {
 /// Everything the planner and the executor know about a recorded op besides its output's
 /// `Meta` and the device's kernels. Built with the methods below; [`new`](Self::new)
 /// describes an op that saves nothing, makes a fresh gradient for each input and updates none.
-#[derive(Clone, Debug, Hash)]
+#[derive(Clone, Debug, PartialEq, Hash)]
 pub(crate) struct OpFacts {
     /// Inputs autograd keeps alive until the op's backward (none when the output requires no
     /// gradient).

@@ -10,14 +10,29 @@ use tch::Device;
 
 use crate::lazy::cost::{CostModel, Work};
 use crate::lazy::error::LazyError;
+use crate::lazy::facts::OpFacts;
 use crate::lazy::graph::{Flow, LazyTensor, Node, ParamKey, Source};
 use crate::lazy::shape;
 use crate::lazy::size::Bytes;
 
 /// The graph of one output, compiled for planning and running: nodes in topological order
-/// and everything about them that does not depend on the micro-batch size.
+/// and everything about them that does not depend on the micro-batch size (its [`Form`],
+/// shared with the last graph of the same form).
 pub(crate) struct Compiled {
     pub(crate) nodes: Vec<Rc<Node>>,
+    form: Rc<Form>,
+    /// Bytes of gradients that parameters without a `.grad()` will get: asking libtorch costs
+    /// ~0.5 µs a parameter, so it is asked only when the answer can change the plan.
+    pub(super) undefined_grad_bytes: OnceCell<u64>,
+    /// Whether a backward of the whole batch accumulates straight into `.grad`: see
+    /// [`Compiled::accumulates_in_place`].
+    pub(super) in_place: OnceCell<bool>,
+}
+
+/// What a graph's compiled form holds besides its nodes: how they connect and what planning
+/// reads of them, none of it a tensor. A training loop records the same graph every step; its
+/// form is worked out once and found again (see [`compile`]).
+pub(crate) struct Form {
     /// `inputs[offsets[i]..offsets[i + 1]]` are node `i`'s inputs, as positions.
     pub(super) offsets: Vec<u32>,
     pub(super) inputs: Vec<u32>,
@@ -33,12 +48,6 @@ pub(crate) struct Compiled {
     /// First leaves of the parameters that receive a gradient, and their gradients' bytes.
     pub(super) reached_params: Vec<u32>,
     pub(super) param_grad_bytes: u64,
-    /// Bytes of gradients that parameters without a `.grad()` will get: asking libtorch costs
-    /// ~0.5 µs a parameter, so it is asked only when the answer can change the plan.
-    pub(super) undefined_grad_bytes: OnceCell<u64>,
-    /// Whether a backward of the whole batch accumulates straight into `.grad`: see
-    /// [`Compiled::accumulates_in_place`].
-    pub(super) in_place: OnceCell<bool>,
     /// Full batch size (1 when nothing is batched).
     pub(crate) batch: i64,
     /// How the device prices kernel calls, and the block its allocator counts in.
@@ -51,6 +60,63 @@ pub(crate) struct Compiled {
     pub(crate) structure: u64,
     /// Sum-flow nodes that feed the output linearly (combined over micro-batches).
     pub(crate) global: Vec<bool>,
+    /// What tells a graph of this form ([`Form::gather`]): the consumer and input slot each
+    /// node is first reached through, and what each node is beyond its edges.
+    via: Vec<(u32, u32)>,
+    kinds: Vec<NodeForm>,
+}
+
+/// What a node is to its graph's form, beyond how it connects: its op, output and layout (its
+/// price's hash), what its op declared, how the batch flows through it, whether it is a view,
+/// its device, and which tensor a parameter is. Compared, not hashed: as cheap, and exact.
+#[derive(Debug, PartialEq)]
+struct NodeForm {
+    cost: u64,
+    facts: OpFacts,
+    flow: Flow,
+    alias: bool,
+    device: Device,
+    param: Option<ParamKey>,
+}
+
+impl NodeForm {
+    fn of(node: &Node) -> NodeForm {
+        let meta = &node.meta;
+        let param = param_key(node).cloned();
+        NodeForm {
+            cost: node.cost.hash,
+            facts: node.facts.clone(),
+            flow: meta.flow,
+            alias: meta.alias,
+            device: meta.device,
+            param,
+        }
+    }
+
+    fn matches(&self, node: &Node) -> bool {
+        let meta = &node.meta;
+        self.cost == node.cost.hash
+            && self.flow == meta.flow
+            && self.alias == meta.alias
+            && self.device == meta.device
+            && self.param.as_ref() == param_key(node)
+            && self.facts == node.facts
+    }
+}
+
+fn param_key(node: &Node) -> Option<&ParamKey> {
+    match node.source() {
+        Some(Source::Leaf { param: Some(p), .. }) => Some(&p.key),
+        _ => None,
+    }
+}
+
+impl std::ops::Deref for Compiled {
+    type Target = Form;
+
+    fn deref(&self) -> &Form {
+        &self.form
+    }
 }
 
 /// Per-node facts the schedules read often, worked out when the graph is compiled.
@@ -73,17 +139,68 @@ pub(super) struct Flags {
     pub(super) grad_dense: bool,
 }
 
+impl Form {
+    pub(crate) fn inputs(&self, i: usize) -> impl Iterator<Item = usize> + '_ {
+        self.input_slice(i).iter().map(|&j| j as usize)
+    }
+
+    pub(super) fn input_slice(&self, i: usize) -> &[u32] {
+        &self.inputs[self.offsets[i] as usize..self.offsets[i + 1] as usize]
+    }
+
+    /// The nodes of `output`'s graph in this form's order, when the graph has this form: as
+    /// many nodes, each input the node the form has there, each node keyed alike, and the
+    /// order theirs by creation (what sorting them would give). `None` at the first difference.
+    fn gather(self: &Rc<Form>, output: &Rc<Node>) -> Option<Compiled> {
+        let n = self.via.len();
+        // From the output down, each node through a consumer gathered before it (a consumer
+        // comes later in the order): `rev[n - 1 - i]` is node `i`.
+        let mut rev: Vec<Rc<Node>> = Vec::with_capacity(n);
+        rev.push(output.clone());
+        for i in (0..n - 1).rev() {
+            let (consumer, slot) = self.via[i];
+            let node = rev[n - 1 - consumer as usize].inputs.get(slot as usize)?;
+            if node.id >= rev.last().expect("the output at least").id {
+                return None;
+            }
+            rev.push(node.clone());
+        }
+        rev.reverse();
+        for (i, node) in rev.iter().enumerate() {
+            let edges = self.input_slice(i);
+            if node.inputs.len() != edges.len()
+                || node.inputs.iter().zip(edges).any(|(input, &j)| !Rc::ptr_eq(input, &rev[j as usize]))
+                || !self.kinds[i].matches(node)
+            {
+                return None;
+            }
+        }
+        Some(Compiled {
+            nodes: rev,
+            form: self.clone(),
+            undefined_grad_bytes: OnceCell::new(),
+            in_place: OnceCell::new(),
+        })
+    }
+}
+
+thread_local! {
+    /// The form of the last graph compiled anew on this thread.
+    static LAST: std::cell::RefCell<Option<Rc<Form>>> = const { std::cell::RefCell::new(None) };
+}
+
 impl Compiled {
     pub(crate) fn len(&self) -> usize {
         self.nodes.len()
     }
 
-    pub(crate) fn inputs(&self, i: usize) -> impl Iterator<Item = usize> + '_ {
-        self.inputs[self.offsets[i] as usize..self.offsets[i + 1] as usize].iter().map(|&j| j as usize)
-    }
-
-    pub(super) fn input_slice(&self, i: usize) -> &[u32] {
-        &self.inputs[self.offsets[i] as usize..self.offsets[i + 1] as usize]
+    /// Everything of the compiled graph in words: its nodes (by id) and all of its form.
+    #[cfg(debug_assertions)]
+    fn summary(&self) -> String {
+        let ids: Vec<u64> = self.nodes.iter().map(|n| n.id).collect();
+        let lists = (&self.offsets, &self.inputs, &self.last_use, &self.root, &self.reached_params, &self.flags);
+        let figures = (self.batch, self.param_grad_bytes, self.block, self.fingerprint, self.structure);
+        format!("{ids:?} {lists:?} {:?} {:?} {figures:?} {:?}", self.param, self.global, (&self.via, &self.kinds))
     }
 
     pub(crate) fn output(&self) -> &Rc<Node> {
@@ -204,13 +321,29 @@ impl Index {
     }
 }
 
-/// Collects the graph of `output` in topological order and precomputes what planning needs.
 /// The inputs that require their own gradient (the executor fills theirs, see exec).
 fn input_grads(nodes: &[Rc<Node>]) -> impl Iterator<Item = &Rc<Node>> {
     nodes.iter().filter(|node| matches!(node.source(), Some(Source::Input { .. })) && node.meta.requires_grad)
 }
 
+/// Collects the graph of `output` in topological order and precomputes what planning needs.
+/// A graph of the last form compiled on this thread (a training step recorded again) takes
+/// that form as it is, once checked node by node: the search for its nodes, their sorting and
+/// everything worked out from them are not done again.
 pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
+    let last = LAST.with(|last| last.borrow().clone());
+    if let Some(c) = last.and_then(|form| form.gather(output.node())) {
+        // Unoptimised builds (the test suites) check every form found against compiling anew.
+        #[cfg(debug_assertions)]
+        assert_eq!(c.summary(), compile_anew(output)?.summary(), "a form found differs from compiling anew");
+        return Ok(c);
+    }
+    let c = compile_anew(output)?;
+    LAST.with(|last| *last.borrow_mut() = Some(c.form.clone()));
+    Ok(c)
+}
+
+fn compile_anew(output: &LazyTensor) -> Result<Compiled, LazyError> {
     // Depth-first collection; ids give the order (inputs are always created first). The
     // planner's own index says where each visited node was found.
     let mut index = Index::new(output.node().id);
@@ -344,8 +477,17 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
     let param_grad_bytes =
         reached_params.iter().map(|&i| Work::from(found[i as usize].cost.grad).at(1, block)).sum::<u64>()
             + input_grads(&found).map(|node| Work::from(node.cost.grad).at(whole, block)).sum::<u64>();
-    Ok(Compiled {
-        nodes: found,
+    let mut via = vec![(u32::MAX, 0); n];
+    for i in 0..n {
+        for (slot, &j) in edges(i).iter().enumerate() {
+            if via[j as usize].0 == u32::MAX {
+                via[j as usize] = (i as u32, slot as u32);
+            }
+        }
+    }
+    let form = Form {
+        kinds: found.iter().map(|node| NodeForm::of(node)).collect(),
+        via,
         offsets,
         inputs,
         last_use,
@@ -354,15 +496,14 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
         param,
         reached_params,
         param_grad_bytes,
-        undefined_grad_bytes: OnceCell::new(),
-        in_place: OnceCell::new(),
         batch: batch.unwrap_or(1),
         model,
         block,
         structure: crate::hash::mix(structure ^ fingerprint),
         fingerprint,
         global,
-    })
+    };
+    Ok(Compiled { nodes: found, form: Rc::new(form), undefined_grad_bytes: OnceCell::new(), in_place: OnceCell::new() })
 }
 
 /// Whether a node hands its input a broadcast gradient: a reduction whose backward expands
@@ -490,6 +631,60 @@ mod tests {
         };
         assert_eq!(ctc(4), ctc(4));
         assert_ne!(ctc(4), ctc(6), "a longer target");
+    }
+
+    /// Everything of a compiled graph but its nodes, to compare two.
+    fn arrays(c: &super::Compiled) -> String {
+        let ids: Vec<&str> = c.nodes.iter().map(|n| n.name()).collect();
+        let lists = (&c.offsets, &c.inputs, &c.last_use, &c.root, &c.reached_params, &c.flags);
+        format!(
+            "{lists:?} {:?} {:?} {:?} {ids:?}",
+            c.param,
+            c.global,
+            (c.batch, c.param_grad_bytes, c.fingerprint, c.structure)
+        )
+    }
+
+    #[test]
+    fn a_graph_recorded_again_takes_the_last_form_and_no_other_graph_does() {
+        let p = |shape: [i64; 2]| Tensor::randn(shape, (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let (w, v) = (p([16, 16]), p([16, 16]));
+        let x = Tensor::randn([8, 16], (Kind::Float, Device::Cpu));
+        let recorded = |w: &Tensor, crossed: bool, rows: i64, g_first: bool| {
+            let x = crate::lazy::lazy(&x.narrow(0, 0, rows), 0);
+            let g = |x: &LazyTensor| x.matmul(&v).sigmoid();
+            let (h, g) = if g_first {
+                let g = g(&x);
+                (x.matmul(w).relu().dropout(0.5, true), g)
+            } else {
+                (x.matmul(w).relu().dropout(0.5, true), g(&x))
+            };
+            let (a, b) = if crossed { (g, h) } else { (h, g) };
+            (a * &b + b.exp()).sum(None)
+        };
+        let step = |w: &Tensor, crossed: bool, rows: i64| recorded(w, crossed, rows, false);
+        let first = compile(&step(&w, false, 8)).expect("compiles");
+        // Recorded anew, the same graph: the same form, worked out once.
+        let again = compile(&step(&w, false, 8)).expect("compiles");
+        assert!(std::rc::Rc::ptr_eq(&first.form, &again.form));
+        assert_eq!(arrays(&again), arrays(&first));
+        assert!(again.nodes.iter().zip(&first.nodes).all(|(a, b)| a.name() == b.name() && a.id > b.id));
+        // Other wiring, another parameter, another batch, a frozen weight, the same ops recorded
+        // in another order: each compiled anew, as it would be with no form kept.
+        let frozen = w.detach();
+        let others = [
+            step(&w, true, 8),
+            step(&v, false, 8),
+            step(&w, false, 4),
+            step(&frozen, false, 8),
+            recorded(&w, false, 8, true),
+        ];
+        for other in &others {
+            let c = compile(other).expect("compiles");
+            assert!(!std::rc::Rc::ptr_eq(&c.form, &first.form));
+            assert_eq!(arrays(&c), arrays(&super::compile_anew(other).expect("compiles")));
+        }
+        assert_ne!(compile(&others[0]).unwrap().structure, first.structure, "the wiring");
     }
 
     #[test]

@@ -386,7 +386,7 @@ pub(crate) fn detail(c: Compiled, decision: Decision) -> Plan {
         recomputed: decision.segments.as_ref().map_or_else(Vec::new, |s| s.recomputed(&c).collect()),
         segments: decision.segments.as_ref().map_or_else(Vec::new, |s| s.starts.iter().map(|&p| p as usize).collect()),
         calibration: decision.evidence.calibration(),
-        last_use: c.last_use,
+        last_use: c.last_use.clone(),
         correction: decision.reserved,
         why: decision.why,
         seconds: decision.seconds,
