@@ -155,23 +155,25 @@ impl Form {
         let n = self.via.len();
         // From the output down, each node through a consumer gathered before it (a consumer
         // comes later in the order): `rev[n - 1 - i]` is node `i`.
+        // Each node is compared as it is reached: another graph is told apart at once.
+        let same =
+            |i: usize, node: &Node| node.inputs.len() == self.input_slice(i).len() && self.kinds[i].matches(node);
+        if !same(n - 1, output) {
+            return None;
+        }
         let mut rev: Vec<Rc<Node>> = Vec::with_capacity(n);
         rev.push(output.clone());
         for i in (0..n - 1).rev() {
             let (consumer, slot) = self.via[i];
-            let node = rev[n - 1 - consumer as usize].inputs.get(slot as usize)?;
-            if node.id >= rev.last().expect("the output at least").id {
+            let node = &rev[n - 1 - consumer as usize].inputs[slot as usize];
+            if node.id >= rev.last().expect("the output at least").id || !same(i, node) {
                 return None;
             }
             rev.push(node.clone());
         }
         rev.reverse();
         for (i, node) in rev.iter().enumerate() {
-            let edges = self.input_slice(i);
-            if node.inputs.len() != edges.len()
-                || node.inputs.iter().zip(edges).any(|(input, &j)| !Rc::ptr_eq(input, &rev[j as usize]))
-                || !self.kinds[i].matches(node)
-            {
+            if node.inputs.iter().zip(self.input_slice(i)).any(|(input, &j)| !Rc::ptr_eq(input, &rev[j as usize])) {
                 return None;
             }
         }
@@ -184,9 +186,36 @@ impl Form {
     }
 }
 
+/// Forms kept per thread, the latest found first: enough for the graphs one loop alternates
+/// between (a GAN's two steps, training and evaluation).
+const FORMS_KEPT: usize = 4;
+
+/// Nodes the kept forms may hold together (a form holds ~300 bytes a node): beyond it, only
+/// the latest is kept.
+const FORM_NODES_KEPT: usize = 1 << 16;
+
 thread_local! {
-    /// The form of the last graph compiled anew on this thread.
-    static LAST: std::cell::RefCell<Option<Rc<Form>>> = const { std::cell::RefCell::new(None) };
+    static FORMS: std::cell::RefCell<Vec<Rc<Form>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Keeps `form` first among the thread's forms (found again or new): the others after it as
+/// long as they fit [`FORMS_KEPT`] and [`FORM_NODES_KEPT`].
+fn keep_first(form: &Rc<Form>) {
+    FORMS.with(|forms| {
+        let mut forms = forms.borrow_mut();
+        forms.retain(|kept| !Rc::ptr_eq(kept, form));
+        forms.insert(0, form.clone());
+        let mut nodes = 0;
+        let fits = forms
+            .iter()
+            .take(FORMS_KEPT)
+            .take_while(|kept| {
+                nodes += kept.via.len();
+                nodes <= FORM_NODES_KEPT
+            })
+            .count();
+        forms.truncate(fits.max(1));
+    });
 }
 
 impl Compiled {
@@ -327,19 +356,22 @@ fn input_grads(nodes: &[Rc<Node>]) -> impl Iterator<Item = &Rc<Node>> {
 }
 
 /// Collects the graph of `output` in topological order and precomputes what planning needs.
-/// A graph of the last form compiled on this thread (a training step recorded again) takes
+/// A graph of a form compiled recently on this thread (a training step recorded again) takes
 /// that form as it is, once checked node by node: the search for its nodes, their sorting and
 /// everything worked out from them are not done again.
 pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
-    let last = LAST.with(|last| last.borrow().clone());
-    if let Some(c) = last.and_then(|form| form.gather(output.node())) {
+    let found = FORMS.with(|forms| forms.borrow().iter().find_map(|form| form.gather(output.node())));
+    if let Some(c) = found {
         // Unoptimised builds (the test suites) check every form found against compiling anew.
         #[cfg(debug_assertions)]
         assert_eq!(c.summary(), compile_anew(output)?.summary(), "a form found differs from compiling anew");
+        if !FORMS.with(|forms| forms.borrow().first().is_some_and(|first| Rc::ptr_eq(first, &c.form))) {
+            keep_first(&c.form);
+        }
         return Ok(c);
     }
     let c = compile_anew(output)?;
-    LAST.with(|last| *last.borrow_mut() = Some(c.form.clone()));
+    keep_first(&c.form);
     Ok(c)
 }
 
@@ -669,6 +701,10 @@ mod tests {
         assert!(std::rc::Rc::ptr_eq(&first.form, &again.form));
         assert_eq!(arrays(&again), arrays(&first));
         assert!(again.nodes.iter().zip(&first.nodes).all(|(a, b)| a.name() == b.name() && a.id > b.id));
+        // Two graphs in turn (a GAN's steps): each finds its own form again.
+        let crossed = compile(&step(&w, true, 8)).expect("compiles");
+        assert!(std::rc::Rc::ptr_eq(&compile(&step(&w, false, 8)).expect("compiles").form, &first.form));
+        assert!(std::rc::Rc::ptr_eq(&compile(&step(&w, true, 8)).expect("compiles").form, &crossed.form));
         // Other wiring, another parameter, another batch, a frozen weight, the same ops recorded
         // in another order: each compiled anew, as it would be with no form kept.
         let frozen = w.detach();
