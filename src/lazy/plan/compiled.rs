@@ -17,7 +17,7 @@ use crate::lazy::size::Bytes;
 
 /// The graph of one output, compiled for planning and running: nodes in topological order
 /// and everything about them that does not depend on the micro-batch size (its [`Form`],
-/// shared with the last graph of the same form).
+/// shared with earlier graphs of the same form).
 pub(crate) struct Compiled {
     pub(crate) nodes: Vec<Rc<Node>>,
     form: Rc<Form>,
@@ -149,8 +149,9 @@ impl Form {
     }
 
     /// The nodes of `output`'s graph in this form's order, when the graph has this form: as
-    /// many nodes, each input the node the form has there, each node keyed alike, and the
-    /// order theirs by creation (what sorting them would give). `None` at the first difference.
+    /// many nodes, each input the node the form has there, each node the same ([`NodeForm`]),
+    /// and the order theirs by creation (what sorting them would give). `None` at the first
+    /// difference.
     fn gather(self: &Rc<Form>, output: &Rc<Node>) -> Option<Compiled> {
         let n = self.via.len();
         // From the output down, each node through a consumer gathered before it (a consumer
