@@ -30,7 +30,7 @@ pub(crate) struct BatchDim {
 }
 
 /// How the value of a node is put together from micro-batches.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Flow {
     /// Per-sample rows along a batch dimension: micro-batch values are concatenated.
     PerSample(BatchDim),

@@ -361,12 +361,13 @@ fn input_grads(nodes: &[Rc<Node>]) -> impl Iterator<Item = &Rc<Node>> {
 /// that form as it is, once checked node by node: the search for its nodes, their sorting and
 /// everything worked out from them are not done again.
 pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
-    let found = FORMS.with(|forms| forms.borrow().iter().find_map(|form| form.gather(output.node())));
-    if let Some(c) = found {
+    let found = FORMS
+        .with(|forms| forms.borrow().iter().enumerate().find_map(|(k, form)| Some((k, form.gather(output.node())?))));
+    if let Some((k, c)) = found {
         // Unoptimised builds (the test suites) check every form found against compiling anew.
         #[cfg(debug_assertions)]
         assert_eq!(c.summary(), compile_anew(output)?.summary(), "a form found differs from compiling anew");
-        if !FORMS.with(|forms| forms.borrow().first().is_some_and(|first| Rc::ptr_eq(first, &c.form))) {
+        if k > 0 {
             keep_first(&c.form);
         }
         return Ok(c);
