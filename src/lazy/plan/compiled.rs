@@ -199,24 +199,26 @@ thread_local! {
     static FORMS: std::cell::RefCell<Vec<Rc<Form>>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Keeps `form` first among the thread's forms (found again or new): the others after it as
-/// long as they fit [`FORMS_KEPT`] and [`FORM_NODES_KEPT`].
+/// Keeps `form` first among the thread's forms (found again or new).
 fn keep_first(form: &Rc<Form>) {
-    FORMS.with(|forms| {
-        let mut forms = forms.borrow_mut();
-        forms.retain(|kept| !Rc::ptr_eq(kept, form));
-        forms.insert(0, form.clone());
-        let mut nodes = 0;
-        let fits = forms
-            .iter()
-            .take(FORMS_KEPT)
-            .take_while(|kept| {
-                nodes += kept.via.len();
-                nodes <= FORM_NODES_KEPT
-            })
-            .count();
-        forms.truncate(fits.max(1));
-    });
+    FORMS.with(|forms| kept_first(&mut forms.borrow_mut(), form, FORMS_KEPT, FORM_NODES_KEPT));
+}
+
+/// Puts `form` first in `forms`, the others after it as long as they are at most `most` forms
+/// holding at most `nodes` nodes together. The first is kept whatever its size.
+fn kept_first(forms: &mut Vec<Rc<Form>>, form: &Rc<Form>, most: usize, nodes: usize) {
+    forms.retain(|kept| !Rc::ptr_eq(kept, form));
+    forms.insert(0, form.clone());
+    let mut held = 0;
+    let fits = forms
+        .iter()
+        .take(most)
+        .take_while(|kept| {
+            held += kept.via.len();
+            held <= nodes
+        })
+        .count();
+    forms.truncate(fits.max(1));
 }
 
 impl Compiled {
@@ -723,6 +725,55 @@ mod tests {
             assert_eq!(arrays(&c), arrays(&super::compile_anew(other).expect("compiles")));
         }
         assert_ne!(compile(&others[0]).unwrap().structure, first.structure, "the wiring");
+    }
+
+    #[test]
+    fn the_kept_forms_are_the_latest_within_both_limits() {
+        use super::{kept_first, Form};
+        use std::rc::Rc;
+        let x = Tensor::randn([8, 16], (Kind::Float, Device::Cpu));
+        let w = Tensor::randn([16, 16], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        // Graphs of 2, 3, ... ops: a form of each, of as many nodes.
+        let form = |ops: usize| {
+            let mut y = crate::lazy::lazy(&x, 0).matmul(&w);
+            for _ in 1..ops {
+                y = y.relu();
+            }
+            super::compile_anew(&y.sum(None)).expect("compiles").form.clone()
+        };
+        let forms: Vec<Rc<Form>> = (1..=6).map(form).collect();
+        let order = |kept: &[Rc<Form>]| -> Vec<usize> {
+            kept.iter().map(|k| forms.iter().position(|f| Rc::ptr_eq(f, k)).expect("one of them")).collect()
+        };
+        let mut kept = Vec::new();
+        for f in &forms[..5] {
+            kept_first(&mut kept, f, 4, usize::MAX);
+        }
+        assert_eq!(order(&kept), [4, 3, 2, 1], "the oldest of five goes");
+        kept_first(&mut kept, &forms[2], 4, usize::MAX);
+        assert_eq!(order(&kept), [2, 4, 3, 1], "one found again comes first, none lost");
+        // The node bound: the latest forms up to it, and the first whatever its size.
+        let nodes = forms[2].via.len() + forms[4].via.len();
+        kept_first(&mut kept, &forms[2], 4, nodes);
+        assert_eq!(order(&kept), [2, 4]);
+        kept_first(&mut kept, &forms[5], 4, 1);
+        assert_eq!(order(&kept), [5], "a form larger than the bound is still kept alone");
+        // The thread's own limits, through `compile`: four graphs in turn each find their form;
+        // a fifth pushes the oldest out, and it is compiled anew.
+        let step = |ops: usize| {
+            let mut y = crate::lazy::lazy(&x, 0).matmul(&w);
+            for _ in 1..ops {
+                y = y.exp();
+            }
+            y.sum(None)
+        };
+        let first: Vec<_> = (1..=4).map(|ops| compile(&step(ops)).expect("compiles").form.clone()).collect();
+        for (k, f) in first.iter().enumerate() {
+            assert!(Rc::ptr_eq(&compile(&step(k + 1)).expect("compiles").form, f), "graph {k} found");
+        }
+        compile(&step(5)).expect("compiles");
+        assert!(!Rc::ptr_eq(&compile(&step(1)).expect("compiles").form, &first[0]), "the oldest went");
+        assert!(Rc::ptr_eq(&compile(&step(4)).expect("compiles").form, &first[3]));
     }
 
     #[test]
