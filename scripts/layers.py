@@ -21,7 +21,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
 # layers below, never from one above. A name covers the module and its submodules; the crate
 # root and `lazy`'s mod.rs are facades (declarations and re-exports) and stand outside.
 LAYERS = [
-    ["hash", "error", "policy", "svg", "progress"],
+    ["hash", "dims", "error", "policy", "svg", "progress"],
     ["memory"],
     ["autocast"],
     ["oom"],

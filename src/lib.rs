@@ -378,6 +378,8 @@
 #[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
 pub mod autocast;
 pub mod cache;
+#[cfg(feature = "tch")]
+mod dims;
 #[cfg(feature = "dist")]
 #[cfg_attr(docsrs, doc(cfg(feature = "dist")))]
 pub mod dist;

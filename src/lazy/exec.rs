@@ -179,7 +179,7 @@ fn forward_chunk(c: &Compiled, chunk: &Chunk<'_>, mut trace: Option<&mut Vec<Tra
             if check {
                 let actual = out.size();
                 if !node.meta.matches_at(chunk.b, &actual) {
-                    let expected = node.meta.shape_at(chunk.b);
+                    let expected = node.meta.shape_at(chunk.b).to_vec();
                     return Err(LazyError::ShapeRule { node: i, op: node.name().into(), expected, actual });
                 }
                 if let Some(t) = trace.as_deref_mut() {
@@ -364,7 +364,7 @@ fn recompute_segments(
         let actual = out.size();
         let node = &c.nodes[i];
         if !node.meta.matches_at(chunk.b, &actual) {
-            let expected = node.meta.shape_at(chunk.b);
+            let expected = node.meta.shape_at(chunk.b).to_vec();
             return Err(LazyError::ShapeRule { node: i, op: node.name().into(), expected, actual });
         }
         Ok(out)
@@ -795,7 +795,7 @@ pub(crate) fn evaluate(output: &LazyTensor, options: &Options) -> Result<Tensor,
     if let Some(value) = output.node().stepped.get() {
         let meta = &output.node().meta;
         return Tensor::f_from_slice(&[value])
-            .and_then(|t| t.f_to_kind(meta.kind)?.f_to_device(meta.device)?.f_reshape(&meta.shape))
+            .and_then(|t| t.f_to_kind(meta.kind)?.f_to_device(meta.device)?.f_reshape(meta.shape.as_slice()))
             .map_err(|source| LazyError::Torch { node: None, op: "stepped value".into(), source });
     }
     let span = tracing::info_span!("toma.lazy", mode = "forward", op = output.op_name());

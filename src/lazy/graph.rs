@@ -7,6 +7,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use tch::{Device, Kind, TchError, Tensor};
 
+use crate::dims::Dims;
+
 use super::facts::OpFacts;
 use super::shape;
 use super::size::{Bytes, Elements};
@@ -49,8 +51,8 @@ pub(crate) enum Flow {
 /// What is known about a node's output before anything runs, at the full batch size.
 #[derive(Clone, Debug)]
 pub(crate) struct Meta {
-    pub(crate) shape: Vec<i64>,
-    pub(crate) strides: Vec<i64>,
+    pub(crate) shape: Dims,
+    pub(crate) strides: Dims,
     pub(crate) kind: Kind,
     pub(crate) device: Device,
     pub(crate) flow: Flow,
@@ -70,7 +72,7 @@ impl Meta {
     }
 
     /// The shape at a micro-batch of `b` samples.
-    pub(crate) fn shape_at(&self, b: i64) -> Vec<i64> {
+    pub(crate) fn shape_at(&self, b: i64) -> Dims {
         let mut shape = self.shape.clone();
         if let Some(bd) = self.batch() {
             shape[bd.dim] = b * bd.factor;
@@ -198,8 +200,8 @@ impl Node {
             kind: NodeKind::Op(Box::new(Vacant)),
             inputs: Vec::new(),
             meta: Meta {
-                shape: Vec::new(),
-                strides: Vec::new(),
+                shape: Dims::new(),
+                strides: Dims::new(),
                 kind: Kind::Float,
                 device: Device::Cpu,
                 flow: Flow::Fixed,
@@ -231,18 +233,16 @@ impl Node {
         });
     }
 
-    /// Drops what the node holds but its shape's, strides' and inputs' buffers (emptied): the
-    /// next node made in its place ([`Node::new`]) frees them as it takes the place. A step's
-    /// short lists are then freed one at a time while the next step records, each beside the
-    /// allocation of one that replaces it, and not dozens at once when the graph is dropped:
-    /// those overflowed glibc's per-thread cache of small chunks (seven a size) into the bins
-    /// it later consolidates (a tenth of a lazy VAE step's extra instructions, cachegrind).
+    /// Drops what the node holds but its inputs' buffer (emptied): the next node made in its
+    /// place ([`Node::new`]) frees it as it takes the place. A step's lists are then freed one
+    /// at a time while the next step records, each beside the allocation of one that replaces
+    /// it, and not dozens at once when the graph is dropped: those overflowed glibc's
+    /// per-thread cache of small chunks (seven a size) into the bins it later consolidates (a
+    /// tenth of a lazy VAE step's extra instructions, cachegrind).
     fn vacate(&mut self) {
-        let shape = emptied(std::mem::take(&mut self.meta.shape));
-        let strides = emptied(std::mem::take(&mut self.meta.strides));
         let inputs = emptied(std::mem::take(&mut self.inputs));
         *self = Node::vacant();
-        (self.meta.shape, self.meta.strides, self.inputs) = (shape, strides, inputs);
+        self.inputs = inputs;
     }
 
     /// A leaf: a batched input (`batch = Some(dim)`) or a fixed tensor (parameters, constants;
@@ -813,7 +813,7 @@ mod tests {
     }
 
     #[test]
-    fn a_pooled_node_keeps_its_lists_buffers_until_the_next_node_takes_its_place() {
+    fn a_pooled_node_keeps_its_inputs_buffer_until_the_next_node_takes_its_place() {
         POOL.with(|p| p.borrow_mut().clear());
         let leaf = |shape: &[i64]| Node::leaf(&Tensor::ones(shape, (Kind::Float, Device::Cpu)), None, false);
         let op =
@@ -827,14 +827,13 @@ mod tests {
         let kept = |at: usize| {
             POOL.with(|p| {
                 let n = &p.borrow()[at];
-                let lens = (n.meta.shape.len(), n.meta.strides.len(), n.inputs.len());
-                (lens, (n.meta.shape.capacity(), n.meta.strides.capacity(), n.inputs.capacity()))
+                (n.meta.shape.len(), n.meta.strides.len(), n.inputs.len(), n.inputs.capacity())
             })
         };
         assert_eq!(pooled(), 3 + KEPT_CAP + 1);
-        // Emptied, each buffer kept but a list longer than short ones are.
-        assert_eq!(kept(0), ((0, 0, 0), (2, 2, 0)));
-        assert_eq!(kept(KEPT_CAP + 2), ((0, 0, 0), (2, 2, 1)));
+        // Emptied, the inputs' buffer kept but a list longer than short ones are.
+        assert_eq!(kept(0), (0, 0, 0, 0));
+        assert_eq!(kept(KEPT_CAP + 2), (0, 0, 0, 1));
         // Taken by the next nodes made: their own lists, the kept ones freed.
         let again: Vec<Rc<Node>> = (0..pooled()).map(|_| leaf(&[5])).collect();
         assert_eq!(pooled(), 0);

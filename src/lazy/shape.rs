@@ -5,14 +5,16 @@
 
 use tch::Kind;
 
+use crate::dims::Dims;
+
 /// Number of elements of a shape.
 pub(crate) fn numel(shape: &[i64]) -> i64 {
     shape.iter().product()
 }
 
 /// Row-major strides of a fresh tensor of this shape, as libtorch gives them.
-pub(crate) fn contiguous_strides(shape: &[i64]) -> Vec<i64> {
-    let mut strides = vec![0; shape.len()];
+pub(crate) fn contiguous_strides(shape: &[i64]) -> Dims {
+    let mut strides = Dims::zeros(shape.len());
     let mut acc = 1;
     for i in (0..shape.len()).rev() {
         strides[i] = acc;
@@ -67,9 +69,9 @@ pub(crate) fn wrap_dims(dims: &[i64], ndim: usize) -> Result<Vec<usize>, String>
 }
 
 /// Numpy-style broadcasting of two shapes.
-pub(crate) fn broadcast(a: &[i64], b: &[i64]) -> Result<Vec<i64>, String> {
+pub(crate) fn broadcast(a: &[i64], b: &[i64]) -> Result<Dims, String> {
     let n = a.len().max(b.len());
-    let mut out = vec![0; n];
+    let mut out = Dims::zeros(n);
     for (i, slot) in out.iter_mut().enumerate() {
         let x = if i + a.len() >= n { a[i + a.len() - n] } else { 1 };
         let y = if i + b.len() >= n { b[i + b.len() - n] } else { 1 };
@@ -106,12 +108,12 @@ pub(crate) fn broadcast_mask(operand: &[i64], out: &[i64]) -> u64 {
 }
 
 /// The output shape of `matmul`, following `torch.matmul`'s rules for 1-D and batched operands.
-pub(crate) fn matmul(a: &[i64], b: &[i64]) -> Result<Vec<i64>, String> {
+pub(crate) fn matmul(a: &[i64], b: &[i64]) -> Result<Dims, String> {
     if a.is_empty() || b.is_empty() {
         return Err("both arguments to matmul need to be at least 1D".into());
     }
-    let lhs: Vec<i64> = if a.len() == 1 { vec![1, a[0]] } else { a.to_vec() };
-    let rhs: Vec<i64> = if b.len() == 1 { vec![b[0], 1] } else { b.to_vec() };
+    let lhs: Dims = if a.len() == 1 { [1, a[0]].into() } else { a.into() };
+    let rhs: Dims = if b.len() == 1 { [b[0], 1].into() } else { b.into() };
     let (n, k) = (lhs[lhs.len() - 2], lhs[lhs.len() - 1]);
     let (k2, m) = (rhs[rhs.len() - 2], rhs[rhs.len() - 1]);
     if k != k2 {
@@ -128,7 +130,7 @@ pub(crate) fn matmul(a: &[i64], b: &[i64]) -> Result<Vec<i64>, String> {
 }
 
 /// `size` with at most one `-1` filled in so that it holds `total` elements.
-pub(crate) fn infer_size(size: &[i64], total: i64) -> Result<Vec<i64>, String> {
+pub(crate) fn infer_size(size: &[i64], total: i64) -> Result<Dims, String> {
     let mut infer = None;
     let mut product = 1i64;
     for (i, &s) in size.iter().enumerate() {
@@ -143,7 +145,7 @@ pub(crate) fn infer_size(size: &[i64], total: i64) -> Result<Vec<i64>, String> {
             product *= s;
         }
     }
-    let mut out = size.to_vec();
+    let mut out = Dims::from(size);
     match infer {
         Some(i) => {
             if product == 0 || total % product != 0 {
@@ -204,15 +206,15 @@ fn reorders(
 
 /// The strides a view of (`old_shape`, `old_strides`) as `new_shape` would have, or `None` when
 /// no view is possible and `reshape` must copy (a port of c10's `computeStride`).
-pub(crate) fn view_strides(old_shape: &[i64], old_strides: &[i64], new_shape: &[i64]) -> Option<Vec<i64>> {
+pub(crate) fn view_strides(old_shape: &[i64], old_strides: &[i64], new_shape: &[i64]) -> Option<Dims> {
     if old_shape.is_empty() {
-        return Some(vec![1; new_shape.len()]);
+        return Some(std::iter::repeat_n(1, new_shape.len()).collect());
     }
     let total = numel(old_shape);
-    let mut new_strides = vec![0i64; new_shape.len()];
+    let mut new_strides = Dims::zeros(new_shape.len());
     if total == 0 {
         if old_shape == new_shape {
-            return Some(old_strides.to_vec());
+            return Some(old_strides.into());
         }
         return Some(contiguous_strides(new_shape));
     }
@@ -280,7 +282,7 @@ pub(crate) fn conv<const D: usize>(
     padding: [i64; D],
     dilation: [i64; D],
     groups: i64,
-) -> Result<Vec<i64>, String> {
+) -> Result<Dims, String> {
     if input.len() != D + 1 && input.len() != D + 2 {
         return Err(format!(
             "expected a {}-D (unbatched) or {}-D (batched) input, got {} dims",
@@ -315,7 +317,7 @@ pub(crate) fn conv<const D: usize>(
             return Err(format!("bias of shape {bias:?} does not match {} output channels", weight[0]));
         }
     }
-    let mut out = Vec::with_capacity(D + 2);
+    let mut out = Dims::new();
     if batched {
         out.push(input[0]);
     }
@@ -342,7 +344,7 @@ pub(crate) fn pool2d(
     padding: [i64; 2],
     dilation: [i64; 2],
     ceil_mode: bool,
-) -> Result<Vec<i64>, String> {
+) -> Result<Dims, String> {
     if input.len() != 3 && input.len() != 4 {
         return Err(format!("expected a 3-D or 4-D input, got {} dims", input.len()));
     }
@@ -353,7 +355,7 @@ pub(crate) fn pool2d(
     if input[n - 3..].contains(&0) {
         return Err("expected non-empty channels and spatial dimensions".into());
     }
-    let mut out = input.to_vec();
+    let mut out = Dims::from(input);
     for i in 0..2 {
         // libtorch compares with half the kernel, not the dilated one.
         let limit = kernel[i] / 2;
@@ -480,9 +482,9 @@ mod tests {
     #[test]
     fn views_and_copies() {
         // A transposed matrix cannot be flattened without a copy; a contiguous one can.
-        assert_eq!(view_strides(&[2, 3], &[3, 1], &[6]), Some(vec![1]));
+        assert_eq!(view_strides(&[2, 3], &[3, 1], &[6]), Some([1].into()));
         assert_eq!(view_strides(&[3, 2], &[1, 3], &[6]), None);
-        assert_eq!(view_strides(&[4, 6], &[6, 1], &[4, 2, 3]), Some(vec![6, 3, 1]));
+        assert_eq!(view_strides(&[4, 6], &[6, 1], &[4, 2, 3]), Some([6, 3, 1].into()));
         assert_eq!(infer_size(&[-1, 3], 12).unwrap(), [4, 3]);
         assert!(infer_size(&[-1, 5], 12).is_err());
     }

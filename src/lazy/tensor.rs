@@ -64,7 +64,7 @@ impl LazyTensor {
         if let Some(t) = self.eager_value() {
             return t.size();
         }
-        self.node().meta.shape.clone()
+        self.node().meta.shape.to_vec()
     }
 
     /// The sizes, borrowed where recorded.

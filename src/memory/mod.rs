@@ -93,8 +93,8 @@ fn shim_tensor_facts(tensor: &tch::Tensor) -> Option<TensorFacts> {
     };
     let dim = usize::try_from(raw.dim).ok()?;
     Some(TensorFacts {
-        shape: raw.sizes.get(..dim)?.to_vec(),
-        strides: raw.strides.get(..dim)?.to_vec(),
+        shape: raw.sizes.get(..dim)?.into(),
+        strides: raw.strides.get(..dim)?.into(),
         kind,
         device,
         requires_grad: raw.requires_grad != 0,
@@ -108,8 +108,8 @@ fn shim_tensor_facts(tensor: &tch::Tensor) -> Option<TensorFacts> {
 fn tch_tensor_facts(tensor: &tch::Tensor) -> TensorFacts {
     let requires_grad = tensor.requires_grad();
     TensorFacts {
-        shape: tensor.size(),
-        strides: tensor.stride(),
+        shape: tensor.size().into(),
+        strides: tensor.stride().into(),
         kind: tensor.kind(),
         device: tensor.device(),
         requires_grad,
@@ -122,8 +122,8 @@ fn tch_tensor_facts(tensor: &tch::Tensor) -> TensorFacts {
 #[cfg(feature = "tch")]
 #[derive(Debug, PartialEq)]
 pub(crate) struct TensorFacts {
-    pub(crate) shape: Vec<i64>,
-    pub(crate) strides: Vec<i64>,
+    pub(crate) shape: crate::dims::Dims,
+    pub(crate) strides: crate::dims::Dims,
     pub(crate) kind: tch::Kind,
     pub(crate) device: tch::Device,
     pub(crate) requires_grad: bool,

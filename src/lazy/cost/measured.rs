@@ -608,7 +608,7 @@ fn stand_in(x: &Node, b: i64) -> Result<Tensor, tch::TchError> {
     }
     let t = fill(&physical)?.f_permute(&inverse)?;
     if meta.strides.contains(&0) {
-        t.f_expand(&shape, false)
+        t.f_expand(shape.as_slice(), false)
     } else {
         Ok(t)
     }

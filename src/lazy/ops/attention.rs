@@ -248,8 +248,8 @@ impl LazyTensor {
                 if full > 1 && aligned && n.meta.shape[at as usize] == full {
                     return Err(LazyError::Batch {
                         op: name.into(),
-                        lhs: sq.clone(),
-                        rhs: n.meta.shape.clone(),
+                        lhs: sq.to_vec(),
+                        rhs: n.meta.shape.to_vec(),
                         reason: super::NOT_WRAPPED.into(),
                     });
                 }

@@ -150,7 +150,7 @@ impl CustomOp {
         let metas: Vec<TensorMeta> = nodes
             .iter()
             .map(|n| TensorMeta {
-                shape: n.meta.shape.clone(),
+                shape: n.meta.shape.to_vec(),
                 kind: n.meta.kind,
                 device: n.meta.device,
                 batch_dim: n.meta.batch().map(|bd| bd.dim),
@@ -158,7 +158,7 @@ impl CustomOp {
             .collect();
         let argument = |reason: String| LazyError::Argument {
             op: self.name.to_string(),
-            shape: nodes[0].meta.shape.clone(),
+            shape: nodes[0].meta.shape.to_vec(),
             reason,
         };
         let out = (self.shape)(&metas).map_err(argument)?;

@@ -1366,9 +1366,9 @@ impl LazyTensor {
                     ))
                 }
             }
-            joint = shape::broadcast(&joint, &m.shape).map_err(|_| {
+            joint = Vec::from(shape::broadcast(&joint, &m.shape).map_err(|_| {
                 shape_err(name, &joint, &m.shape, "shape mismatch: indexing tensors could not be broadcast together")
-            })?;
+            })?);
         }
         if v.meta.kind != x.meta.kind {
             return Err(kind_err(
@@ -1389,7 +1389,7 @@ impl LazyTensor {
             }
             _ => joint.iter().copied().chain(rest(0..xs.len())).collect(),
         };
-        if shape::broadcast(&v.meta.shape, &indexed).ok().as_ref() != Some(&indexed) {
+        if shape::broadcast(&v.meta.shape, &indexed).ok().as_deref() != Some(&indexed[..]) {
             return Err(shape_err(
                 name,
                 &v.meta.shape,
@@ -1432,8 +1432,8 @@ impl LazyTensor {
                         if full > 1 && pos >= lead && v.meta.shape[pos - lead] == full {
                             return Err(LazyError::Batch {
                                 op: name.into(),
-                                lhs: xs.clone(),
-                                rhs: v.meta.shape.clone(),
+                                lhs: xs.to_vec(),
+                                rhs: v.meta.shape.to_vec(),
                                 reason: format!(
                                     "values are not batched but have the batch's size {full} where the batch lands \
                                      in the indexed result; wrap them with toma::lazy::lazy(.., dim)"
@@ -1462,7 +1462,7 @@ impl LazyTensor {
         };
         let indexed = Meta {
             strides: shape::contiguous_strides(&indexed),
-            shape: indexed,
+            shape: indexed.into(),
             kind: x.meta.kind,
             device,
             flow: if matches!(indexed_flow, Flow::PerSample(_)) { indexed_flow } else { Flow::Fixed },

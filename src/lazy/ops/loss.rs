@@ -12,6 +12,7 @@ use tch::{Kind, Reduction, TchError, Tensor};
 use super::record::IntoLazy;
 use super::record::{broadcast_flows, combine_flows, same_device, Linearity, Record};
 use super::{arg, floating, kind_err, same_kind, shape_err};
+use crate::dims::Dims;
 use crate::lazy::error::LazyError;
 use crate::lazy::error::OrPanic;
 use crate::lazy::facts::OpFacts;
@@ -497,8 +498,8 @@ impl LazyTensor {
                 if t.meta.flow == Flow::Fixed && t.meta.shape.first() == Some(&full) && full > 1 {
                     return Err(LazyError::Batch {
                         op: name.into(),
-                        lhs: input.meta.shape.clone(),
-                        rhs: target.meta.shape.clone(),
+                        lhs: input.meta.shape.to_vec(),
+                        rhs: target.meta.shape.to_vec(),
                         reason: "one side is not batched but has the batch's size; wrap both with lazy(..)".into(),
                     });
                 }
@@ -589,8 +590,8 @@ impl LazyTensor {
             if t.node().meta.shape != expected {
                 return Err(LazyError::Shape {
                     op: name.into(),
-                    lhs: shape,
-                    rhs: t.node().meta.shape.clone(),
+                    lhs: shape.to_vec(),
+                    rhs: t.node().meta.shape.to_vec(),
                     reason: "expected logits [N, C, d1, ..] with targets [N, d1, ..]".into(),
                 });
             }
@@ -805,9 +806,9 @@ impl LazyTensor {
         }
         let (flow, mixes) = broadcast_flows(name, &[x, tn], &per, Linearity::Nonlinear)?;
         let (flow, out) = match (flow, reduction) {
-            (Flow::PerSample(_), Reduction::Mean | Reduction::Sum) => (Flow::Sum, vec![]),
+            (Flow::PerSample(_), Reduction::Mean | Reduction::Sum) => (Flow::Sum, Dims::new()),
             (f, Reduction::None) => (f, per),
-            (f, _) => (f, vec![]),
+            (f, _) => (f, Dims::new()),
         };
         Ok(Record::new(op, vec![x.clone(), tn.clone()], out, x.meta.kind, device).flow((flow, mixes)).finish())
     }
@@ -819,7 +820,7 @@ impl LazyTensor {
         loss: Composite,
         inputs: Vec<Rc<Node>>,
         unit: &[i64],
-        per: Vec<i64>,
+        per: Dims,
         (flow, mixes): (Flow, Option<String>),
         reduction: Reduction,
         device: tch::Device,
@@ -839,8 +840,8 @@ impl LazyTensor {
             CompositeLoss { loss, reduction, count: shape::numel(&per) as f64, unit: parts(unit), rows: parts(&per) };
         let (flow, out) = match (flow, reduction) {
             (f, Reduction::None) => (f, per),
-            (Flow::PerSample(_), _) => (Flow::Sum, vec![]),
-            (f, _) => (f, vec![]),
+            (Flow::PerSample(_), _) => (Flow::Sum, Dims::new()),
+            (f, _) => (f, Dims::new()),
         };
         let kind = inputs[0].meta.kind;
         Ok(Record::new(op, inputs, out, kind, device).flow((flow, mixes)).finish())
@@ -856,8 +857,8 @@ impl LazyTensor {
         match nodes.iter().find(|n| n.meta.flow == Flow::Fixed && n.meta.shape.first() == Some(&full)) {
             Some(n) if bd.dim == 0 && full > 1 => Err(LazyError::Batch {
                 op: name.into(),
-                lhs: nodes[j].meta.shape.clone(),
-                rhs: n.meta.shape.clone(),
+                lhs: nodes[j].meta.shape.to_vec(),
+                rhs: n.meta.shape.to_vec(),
                 reason: "one operand is not batched but has the batch's size; wrap it with lazy(..) too".into(),
             }),
             _ => Ok(()),
@@ -1008,7 +1009,7 @@ impl LazyTensor {
         let rank = all.len();
         let flow = broadcast_flows(name, &[an, pn, nn], &all, Linearity::Nonlinear)?;
         let flow = Self::last_dim_reduced(flow, rank, "measures distances");
-        let per = all[..rank - 1].to_vec();
+        let per = Dims::from(&all[..rank - 1]);
         let inputs = vec![an.clone(), pn.clone(), nn.clone()];
         Self::composite_loss(loss, inputs, &all, per, flow, reduction, device)
     }
@@ -1322,8 +1323,8 @@ impl LazyTensor {
                 if node.meta.flow == Flow::Fixed && full > 1 && at == Some(&full) {
                     return Err(LazyError::Batch {
                         op: name.into(),
-                        lhs: nodes[0].meta.shape.clone(),
-                        rhs: node.meta.shape.clone(),
+                        lhs: nodes[0].meta.shape.to_vec(),
+                        rhs: node.meta.shape.to_vec(),
                         reason: format!(
                             "operand {j} is not batched but has the batch's size {full}; wrap it with lazy(..)"
                         ),

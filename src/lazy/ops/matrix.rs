@@ -679,8 +679,8 @@ impl Equation {
         let name = "einsum";
         let batch_err = |j: usize, k: usize, reason: String| LazyError::Batch {
             op: name.into(),
-            lhs: nodes[j].meta.shape.clone(),
-            rhs: nodes[k].meta.shape.clone(),
+            lhs: nodes[j].meta.shape.to_vec(),
+            rhs: nodes[k].meta.shape.to_vec(),
             reason,
         };
         // The first batched operand, its batch's position, and its batch.
@@ -934,8 +934,8 @@ impl LazyTensor {
         if a.len() != 1 || b.len() != 1 {
             return Err(LazyError::Shape {
                 op: "outer".into(),
-                lhs: a.clone(),
-                rhs: b.clone(),
+                lhs: a.to_vec(),
+                rhs: b.to_vec(),
                 reason: "both operands must be vectors (1-D)".into(),
             });
         }
@@ -952,8 +952,8 @@ impl LazyTensor {
         if a.len() != 2 || b.len() != 2 {
             return Err(LazyError::Shape {
                 op: "mm".into(),
-                lhs: a.clone(),
-                rhs: b.clone(),
+                lhs: a.to_vec(),
+                rhs: b.to_vec(),
                 reason: "both operands must be matrices (2-D); use matmul for others".into(),
             });
         }
@@ -1018,8 +1018,8 @@ impl LazyTensor {
                 let i = contracted[0];
                 return Err(LazyError::Batch {
                     op: name.into(),
-                    lhs: sa.clone(),
-                    rhs: sb.clone(),
+                    lhs: sa.to_vec(),
+                    rhs: sb.to_vec(),
                     reason: format!(
                         "operand {} contracts over its batch dimension against a fixed operand; wrap both with lazy(..)",
                         i + 1
@@ -1030,8 +1030,8 @@ impl LazyTensor {
             if ba.size != bb.size || ba.factor != bb.factor {
                 return Err(LazyError::Batch {
                     op: name.into(),
-                    lhs: sa.clone(),
-                    rhs: sb.clone(),
+                    lhs: sa.to_vec(),
+                    rhs: sb.to_vec(),
                     reason: format!("batch sizes {} and {} differ", ba.size * ba.factor, bb.size * bb.factor),
                 });
             }
@@ -1052,8 +1052,8 @@ impl LazyTensor {
                         if at >= 0 && n.meta.shape[at as usize] == bd.size * bd.factor && bd.size * bd.factor > 1 {
                             return Err(LazyError::Batch {
                                 op: name.into(),
-                                lhs: sa.clone(),
-                                rhs: sb.clone(),
+                                lhs: sa.to_vec(),
+                                rhs: sb.to_vec(),
                                 reason: super::NOT_WRAPPED.into(),
                             });
                         }
@@ -1278,7 +1278,7 @@ impl LazyTensor {
         let ranks: Vec<usize> = nodes.iter().map(|n| n.meta.shape.len()).collect();
         let eq = Equation::parse(equation, &ranks).map_err(|e| match e {
             LazyError::Argument { op, reason, .. } => {
-                LazyError::Argument { op, shape: nodes[0].meta.shape.clone(), reason }
+                LazyError::Argument { op, shape: nodes[0].meta.shape.to_vec(), reason }
             }
             other => other,
         })?;

@@ -6,6 +6,7 @@ use std::rc::Rc;
 
 use tch::{Device, Kind, Tensor};
 
+use crate::dims::Dims;
 use crate::lazy::error::LazyError;
 use crate::lazy::graph::{BatchDim, Cost, Flow, LazyTensor, Meta, Node, NodeKind, Operation, Run};
 use crate::lazy::shape;
@@ -108,9 +109,9 @@ pub(crate) enum Linearity {
 pub(crate) struct Record {
     pub(crate) op: Box<dyn Operation>,
     pub(crate) inputs: Vec<Rc<Node>>,
-    pub(crate) shape: Vec<i64>,
+    pub(crate) shape: Dims,
     /// `None`: a fresh, contiguous output.
-    pub(crate) strides: Option<Vec<i64>>,
+    pub(crate) strides: Option<Dims>,
     pub(crate) kind: Kind,
     pub(crate) device: Device,
     pub(crate) flow: Flow,
@@ -123,14 +124,14 @@ impl Record {
     pub(crate) fn new(
         op: impl Operation + 'static,
         inputs: Vec<Rc<Node>>,
-        shape: Vec<i64>,
+        shape: impl Into<Dims>,
         kind: Kind,
         device: Device,
     ) -> Self {
         Record {
             op: Box::new(op),
             inputs,
-            shape,
+            shape: shape.into(),
             strides: None,
             kind,
             device,
@@ -147,8 +148,8 @@ impl Record {
         self
     }
 
-    pub(crate) fn view(mut self, strides: Vec<i64>) -> Self {
-        self.strides = Some(strides);
+    pub(crate) fn view(mut self, strides: impl Into<Dims>) -> Self {
+        self.strides = Some(strides.into());
         self.alias = true;
         self
     }
@@ -252,9 +253,9 @@ pub(crate) fn same_device(op: &str, nodes: &[&Rc<Node>]) -> Result<Device, LazyE
             return Err(LazyError::Device {
                 op: op.into(),
                 lhs: first.meta.device,
-                lhs_shape: first.meta.shape.clone(),
+                lhs_shape: first.meta.shape.to_vec(),
                 rhs: n.meta.device,
-                rhs_shape: n.meta.shape.clone(),
+                rhs_shape: n.meta.shape.to_vec(),
             });
         }
     }
@@ -292,8 +293,8 @@ pub(crate) fn combine_flows(
                             if first.size != here.size {
                                 return Err(LazyError::Batch {
                                     op: op.into(),
-                                    lhs: inputs[j].meta.shape.clone(),
-                                    rhs: n.meta.shape.clone(),
+                                    lhs: inputs[j].meta.shape.to_vec(),
+                                    rhs: n.meta.shape.to_vec(),
                                     reason: format!(
                                         "batch sizes {} and {} differ (inputs wrapped by different lazy() calls?)",
                                         first.size, here.size
@@ -325,8 +326,8 @@ pub(crate) fn combine_flows(
                 if at >= 0 && n.meta.shape.get(at as usize) == Some(&full) {
                     return Err(LazyError::Batch {
                         op: op.into(),
-                        lhs: inputs[j].meta.shape.clone(),
-                        rhs: n.meta.shape.clone(),
+                        lhs: inputs[j].meta.shape.to_vec(),
+                        rhs: n.meta.shape.to_vec(),
                         reason: format!(
                             "the second operand is not batched but has the batch's size {full} along the batch \
                              dimension {}; wrap it with toma::lazy::lazy(.., dim) so it is split with the batch",

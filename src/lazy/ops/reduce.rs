@@ -7,6 +7,7 @@ use tch::{Kind, TchError, Tensor};
 
 use super::record::{broadcast_flows, combine_flows, same_device, unary_flow, IntoLazy, Linearity, Record};
 use super::{arg, floating, kind_err, requires, same_kind, same_shape_flow, shape_err};
+use crate::dims::Dims;
 use crate::lazy::error::LazyError;
 use crate::lazy::error::OrPanic;
 use crate::lazy::facts::OpFacts;
@@ -927,7 +928,7 @@ impl LazyTensor {
                 if m.shape.contains(&0) {
                     return Err(a("cannot take it of an empty tensor".into()));
                 }
-                (if keepdim { vec![1; m.shape.len()] } else { Vec::new() }, None)
+                (if keepdim { std::iter::repeat_n(1, m.shape.len()).collect() } else { Dims::new() }, None)
             }
             Some(dim) => {
                 let d = if m.shape.is_empty() {

@@ -8,6 +8,7 @@ use tch::{Kind, TchError, Tensor};
 use super::record::IntoLazy;
 use super::record::{combine_flows, same_device, unary_flow, Linearity, Record};
 use super::{arg, floating, requires, same_kind, shape_err};
+use crate::dims::Dims;
 use crate::lazy::error::LazyError;
 use crate::lazy::facts::OpFacts;
 use crate::lazy::graph::{Convolution, Flow, KernelCall, Meta, Node, Operation, Run, RunCx};
@@ -567,8 +568,11 @@ impl LazyTensor {
         if spatial.iter().any(|&v| v < 1) {
             return Err(a(format!("the output would be empty: {spatial:?}")));
         }
-        let out =
-            if batched { vec![sx[0], c_out, spatial[0], spatial[1]] } else { vec![c_out, spatial[0], spatial[1]] };
+        let out = if batched {
+            [sx[0], c_out, spatial[0], spatial[1]].into()
+        } else {
+            [c_out, spatial[0], spatial[1]].into()
+        };
         let op = ConvTranspose2d { stride, padding, output_padding, dilation, groups };
         self.record_convolution(name, &w, b.as_ref(), out, 2, op)
     }
@@ -601,7 +605,7 @@ impl LazyTensor {
         name: &'static str,
         w: &LazyTensor,
         b: Option<&LazyTensor>,
-        out: Vec<i64>,
+        out: Dims,
         spatial: usize,
         op: impl Operation + 'static,
     ) -> Result<LazyTensor, LazyError> {
@@ -963,7 +967,7 @@ impl LazyTensor {
         }
         let mut out = shape.clone();
         out[2..].copy_from_slice(&output);
-        Ok((output, out))
+        Ok((output, out.to_vec()))
     }
 
     // -----------------------------------------------------------------------------------------
@@ -1058,6 +1062,6 @@ impl LazyTensor {
             _ => unary_flow(name, n, &out, Some, Linearity::Structural)?,
         };
         let op = Unfold { dim: d as i64, size, step };
-        Ok(Record::new(op, vec![n.clone()], out, m.kind, m.device).flow((flow, mixes)).view(strides).finish())
+        Ok(Record::new(op, vec![n.clone()], out, m.kind, m.device).flow((flow, mixes)).view(strides.to_vec()).finish())
     }
 }

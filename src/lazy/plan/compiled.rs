@@ -8,6 +8,7 @@ use std::rc::Rc;
 
 use tch::Device;
 
+use crate::dims::Dims;
 use crate::lazy::cost::{CostModel, Work};
 use crate::lazy::error::LazyError;
 use crate::lazy::facts::OpFacts;
@@ -452,7 +453,7 @@ fn compile_anew(output: &LazyTensor) -> Result<Compiled, LazyError> {
                 let size = node.meta.batch().map_or(1, |bd| bd.size);
                 if size == 0 {
                     let dim = node.meta.batch().map_or(0, |bd| bd.dim);
-                    return Err(LazyError::EmptyBatch { shape: node.meta.shape.clone(), dim });
+                    return Err(LazyError::EmptyBatch { shape: node.meta.shape.to_vec(), dim });
                 }
                 match batch {
                     None => batch = Some(size),
@@ -460,7 +461,7 @@ fn compile_anew(output: &LazyTensor) -> Result<Compiled, LazyError> {
                         return Err(LazyError::Batch {
                             op: "lazy".into(),
                             lhs: vec![b],
-                            rhs: node.meta.shape.clone(),
+                            rhs: node.meta.shape.to_vec(),
                             reason: format!("inputs with batch sizes {b} and {size} meet in one graph"),
                         })
                     }
@@ -570,7 +571,7 @@ fn grad_copies(found: &[Rc<Node>], inputs: &[u32], offsets: &[u32], flags: &mut 
     }
     // Only what a transpose or permute reaches, consumer before producer: the strides of each
     // gradient that does not arrive contiguous (the rest do).
-    let mut strides: HashMap<usize, Vec<i64>> = HashMap::new();
+    let mut strides: HashMap<usize, Dims> = HashMap::new();
     let mut visited = vec![false; n];
     let mut work = Vec::new();
     for &start in starts.iter().rev() {
@@ -608,14 +609,14 @@ fn grad_copies(found: &[Rc<Node>], inputs: &[u32], offsets: &[u32], flags: &mut 
                 let handed = if node.cost.permutes && e == 0 {
                     shape::permutation(&input.shape, &input.strides, &out.shape, &out.strides).map(|p| {
                         let g = own.clone().unwrap_or_else(|| shape::contiguous_strides(&out.shape));
-                        let mut handed = vec![0; g.len()];
+                        let mut handed = Dims::zeros(g.len());
                         for (o, &d) in p.iter().enumerate() {
                             handed[d] = g[o];
                         }
                         handed
                     })
                 } else if expands {
-                    Some(vec![0; input.shape.len()])
+                    Some(Dims::zeros(input.shape.len()))
                 } else if let Some(g) = &own {
                     if out.alias && e == 0 {
                         // A view's backward views the gradient as its input's shape.

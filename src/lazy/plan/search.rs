@@ -604,7 +604,7 @@ fn check_split(c: &Compiled, mode: Mode, choice: &Fit, budget: u64, options: &Op
         }
     }
     let refuse = |reason: &str| {
-        Err(LazyError::NotSplittable { op: out.name().into(), shape: out.meta.shape.clone(), reason: reason.into() })
+        Err(LazyError::NotSplittable { op: out.name().into(), shape: out.meta.shape.to_vec(), reason: reason.into() })
     };
     match (out.meta.flow, mode) {
         (Flow::Opaque, _) => refuse("its value depends on the whole batch at once"),
