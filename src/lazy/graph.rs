@@ -218,7 +218,7 @@ impl Node {
     }
 
     /// Keeps the allocation of a node no one else holds (its inputs already taken) for
-    /// [`Node::new`], its contents dropped now but for its short lists' buffers.
+    /// [`Node::new`], its contents dropped now (its inputs' buffer kept for [`input_list`]).
     fn recycle(mut rc: Rc<Node>) {
         let _ = POOL.try_with(move |p| {
             // A full pool, or one borrowed already, takes nothing: the node is freed as it is,
@@ -233,16 +233,12 @@ impl Node {
         });
     }
 
-    /// Drops what the node holds but its inputs' buffer (emptied): the next node made in its
-    /// place ([`Node::new`]) frees it as it takes the place. A step's lists are then freed one
-    /// at a time while the next step records, each beside the allocation of one that replaces
-    /// it, and not dozens at once when the graph is dropped: those overflowed glibc's
-    /// per-thread cache of small chunks (seven a size) into the bins it later consolidates (a
-    /// tenth of a lazy VAE step's extra instructions, cachegrind).
+    /// Drops what the node holds; its inputs' buffer goes to the lists the next ops' inputs
+    /// take ([`inputs_of`]).
     fn vacate(&mut self) {
-        let inputs = emptied(std::mem::take(&mut self.inputs));
+        let inputs = std::mem::take(&mut self.inputs);
         *self = Node::vacant();
-        self.inputs = inputs;
+        give_back_list(inputs);
     }
 
     /// A leaf: a batched input (`batch = Some(dim)`) or a fixed tensor (parameters, constants;
@@ -463,16 +459,43 @@ pub(crate) struct Param {
     pub(crate) is_leaf: bool,
 }
 
-/// The largest buffer a pooled node keeps (elements): a node with hundreds of inputs (a `cat`
-/// of many) is rare, and its list not worth keeping.
+/// The largest inputs' buffer kept for another op (elements): a node with hundreds of inputs
+/// (a `cat` of many) is rare, and its list not worth keeping.
 const KEPT_CAP: usize = 8;
 
-/// `list` emptied, or a new empty one where its buffer is not worth keeping.
-fn emptied<T>(mut list: Vec<T>) -> Vec<T> {
-    if list.capacity() > KEPT_CAP {
-        return Vec::new();
+thread_local! {
+    /// Emptied inputs' buffers of pooled nodes, up to [`POOL_CAP`]: each recorded op takes one
+    /// ([`inputs_of`]) where it would allocate a list of its own. A step frees dozens of them
+    /// at once when its graph is dropped, past glibc's per-thread cache of small chunks (seven
+    /// a size), into the bins it later consolidates.
+    static LISTS: std::cell::RefCell<Vec<Vec<Rc<Node>>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// An empty list for an op's inputs: a pooled node's buffer, else a new one.
+pub(crate) fn input_list() -> Vec<Rc<Node>> {
+    LISTS.try_with(|lists| lists.try_borrow_mut().ok()?.pop()).ok().flatten().unwrap_or_default()
+}
+
+/// Keeps `list`'s buffer for [`input_list`], emptied (it is already), where worth keeping.
+fn give_back_list(mut list: Vec<Rc<Node>>) {
+    if list.capacity() == 0 || list.capacity() > KEPT_CAP {
+        return;
     }
     list.clear();
+    let _ = LISTS.try_with(|lists| {
+        if let Ok(mut lists) = lists.try_borrow_mut() {
+            if lists.len() < POOL_CAP {
+                lists.push(list);
+            }
+        }
+    });
+}
+
+/// An op's inputs, `inputs_of([a, b])` for `vec![a.clone(), b.clone()]`, in a buffer a pooled
+/// node gave up where one is free.
+pub(crate) fn inputs_of<'a>(nodes: impl IntoIterator<Item = &'a Rc<Node>>) -> Vec<Rc<Node>> {
+    let mut list = input_list();
+    list.extend(nodes.into_iter().cloned());
     list
 }
 
@@ -813,31 +836,29 @@ mod tests {
     }
 
     #[test]
-    fn a_pooled_node_keeps_its_inputs_buffer_until_the_next_node_takes_its_place() {
+    fn a_pooled_nodes_inputs_buffer_goes_to_the_next_ops_inputs() {
         POOL.with(|p| p.borrow_mut().clear());
+        LISTS.with(|l| l.borrow_mut().clear());
         let leaf = |shape: &[i64]| Node::leaf(&Tensor::ones(shape, (Kind::Float, Device::Cpu)), None, false);
         let op =
             |inputs, meta| Node::new(NodeKind::Op(Box::new(Vacant)), inputs, meta, OpFacts::new(1), Cost::default());
         let many: Vec<Rc<Node>> = (0..=KEPT_CAP).map(|_| leaf(&[1])).collect();
         let meta = leaf(&[4, 3]).meta.clone();
         let mid = op(vec![leaf(&[2])], meta.clone());
+        let mid_list = mid.inputs.as_ptr();
         let wide = op(many, meta.clone());
         drop(op(vec![mid, wide], meta));
-        // Pooled, each node before its inputs: `wide`, its leaves, `mid`, its leaf.
-        let kept = |at: usize| {
-            POOL.with(|p| {
-                let n = &p.borrow()[at];
-                (n.meta.shape.len(), n.meta.strides.len(), n.inputs.len(), n.inputs.capacity())
-            })
-        };
+        // Pooled (all but the output), each emptied: no inputs' buffer, no sizes.
         assert_eq!(pooled(), 3 + KEPT_CAP + 1);
-        // Emptied, the inputs' buffer kept but a list longer than short ones are.
-        assert_eq!(kept(0), (0, 0, 0, 0));
-        assert_eq!(kept(KEPT_CAP + 2), (0, 0, 0, 1));
-        // Taken by the next nodes made: their own lists, the kept ones freed.
-        let again: Vec<Rc<Node>> = (0..pooled()).map(|_| leaf(&[5])).collect();
-        assert_eq!(pooled(), 0);
-        assert!(again.iter().all(|n| n.meta.shape == [5] && n.inputs.is_empty()));
+        let emptied = |n: &Rc<Node>| n.inputs.capacity() == 0 && n.meta.shape.is_empty() && n.meta.strides.is_empty();
+        assert!(POOL.with(|p| p.borrow().iter().all(emptied)));
+        // Of the inputs' buffers, `mid`'s is kept, and `wide`'s (longer than short lists are)
+        // freed: the next op's inputs take it, the one after a new one.
+        assert_eq!(LISTS.with(|l| l.borrow().len()), 1);
+        let a = leaf(&[5]);
+        let taken = inputs_of([&a]);
+        assert_eq!((taken.as_ptr(), taken.len()), (mid_list, 1));
+        assert_eq!(input_list().capacity(), 0);
     }
 
     #[test]

@@ -18,6 +18,7 @@ use super::{arg, floating, kind_err, same_kind, shape_err};
 use crate::lazy::error::LazyError;
 use crate::lazy::error::OrPanic;
 use crate::lazy::facts::OpFacts;
+use crate::lazy::graph::inputs_of;
 use crate::lazy::graph::{Flow, KernelCall, Meta, Node, Operation, Run, RunCx};
 use crate::lazy::shape;
 use crate::lazy::size::Elements;
@@ -260,7 +261,7 @@ impl LazyTensor {
         }
         let fused = fused(sq, sk, sv, dropout_p, enable_gqa);
         let op = Attention { dropout_p, is_causal, scale: scale.into(), enable_gqa, fused };
-        let inputs = nodes.into_iter().cloned().collect();
+        let inputs = inputs_of(nodes);
         Ok(Record::new(op, inputs, out, q.node().meta.kind, device).flow((flow, mixes)).finish())
     }
 }

@@ -11,6 +11,7 @@ use super::{arg, kind_err, requires, same_shape_flow, shape_err};
 use crate::lazy::error::LazyError;
 use crate::lazy::error::OrPanic;
 use crate::lazy::facts::{GradReshape, OpFacts};
+use crate::lazy::graph::inputs_of;
 use crate::lazy::graph::{BatchDim, Flow, KernelCall, Meta, Node, Operation, Run, RunCx};
 use crate::lazy::int_list::IntList;
 use crate::lazy::shape;
@@ -262,7 +263,7 @@ pub(crate) fn adopt_batch_broadcasts(nodes: &mut [Rc<Node>], out_len: usize, rig
                 let batched = BatchDim { dim: at as usize, size: bd.size, factor: 1 };
                 let sliced = Record::new(
                     Rearrange::BatchSlice { dim: at },
-                    vec![node.clone()],
+                    inputs_of([&*node]),
                     m.shape.clone(),
                     m.kind,
                     m.device,
@@ -286,7 +287,7 @@ pub(crate) fn adopt_batch_broadcasts(nodes: &mut [Rc<Node>], out_len: usize, rig
             let batched = BatchDim { dim: at as usize, size: bd.size, factor: 1 };
             let mut strides = src.meta.strides.clone();
             strides[at as usize] = 0;
-            let expanded = Record::new(Expand, vec![src.clone()], o.clone(), m.kind, m.device)
+            let expanded = Record::new(Expand, inputs_of([src]), o.clone(), m.kind, m.device)
                 .flow((Flow::PerSample(batched), None))
                 .view(strides)
                 .finish();
@@ -302,7 +303,7 @@ pub(crate) fn adopt_batch_broadcasts(nodes: &mut [Rc<Node>], out_len: usize, rig
             continue;
         }
         let batched = BatchDim { dim: at as usize, size: bd.size, factor: 1 };
-        let lazy = Record::new(Expand, vec![src.clone()], m.shape.clone(), m.kind, m.device)
+        let lazy = Record::new(Expand, inputs_of([src]), m.shape.clone(), m.kind, m.device)
             .flow((Flow::PerSample(batched), None))
             .view(m.strides.clone())
             .finish();
@@ -574,7 +575,7 @@ impl LazyTensor {
         let new_shape = shape::infer_size(shape, total).map_err(|r| shape_err(name, &m.shape, shape, r))?;
         let flow = self.view_flow(&new_shape);
         match shape::view_strides(&m.shape, &m.strides, &new_shape) {
-            Some(strides) => Ok(Record::new(View("view"), vec![n.clone()], new_shape, m.kind, m.device)
+            Some(strides) => Ok(Record::new(View("view"), inputs_of([n]), new_shape, m.kind, m.device)
                 .flow(flow)
                 .view(strides)
                 .finish()),
@@ -586,7 +587,7 @@ impl LazyTensor {
                  two contiguous subspaces); use reshape instead",
             )),
             None => {
-                Ok(Record::new(Rearrange::Reshape, vec![n.clone()], new_shape, m.kind, m.device).flow(flow).finish())
+                Ok(Record::new(Rearrange::Reshape, inputs_of([n]), new_shape, m.kind, m.device).flow(flow).finish())
             }
         }
     }
@@ -657,7 +658,7 @@ impl LazyTensor {
             })
         };
         let flow = unary_flow("transpose", n, &s, map, Linearity::Structural)?;
-        Ok(Record::new(Alias::Transpose { dim0, dim1 }, vec![n.clone()], s, m.kind, m.device)
+        Ok(Record::new(Alias::Transpose { dim0, dim1 }, inputs_of([n]), s, m.kind, m.device)
             .flow(flow)
             .view(st)
             .finish())
@@ -683,7 +684,7 @@ impl LazyTensor {
         let s: Vec<i64> = wrapped.iter().map(|&d| m.shape[d]).collect();
         let st: Vec<i64> = wrapped.iter().map(|&d| m.strides[d]).collect();
         let flow = unary_flow("permute", n, &s, |d| wrapped.iter().position(|&w| w == d), Linearity::Structural)?;
-        Ok(Record::new(Alias::Permute(dims), vec![n.clone()], s, m.kind, m.device).flow(flow).view(st).finish())
+        Ok(Record::new(Alias::Permute(dims), inputs_of([n]), s, m.kind, m.device).flow(flow).view(st).finish())
     }
 
     /// Inserts a dimension of size 1 at `dim` (a view).
@@ -699,7 +700,7 @@ impl LazyTensor {
         s.insert(u, 1);
         st.insert(u, stride);
         let flow = unary_flow("unsqueeze", n, &s, |d| Some(if u <= d { d + 1 } else { d }), Linearity::Structural)?;
-        Ok(Record::new(Alias::Unsqueeze(dim), vec![n.clone()], s, m.kind, m.device).flow(flow).view(st).finish())
+        Ok(Record::new(Alias::Unsqueeze(dim), inputs_of([n]), s, m.kind, m.device).flow(flow).view(st).finish())
     }
 
     fn f_squeeze_impl(&self, dims: Vec<usize>) -> Result<LazyTensor, LazyError> {
@@ -716,7 +717,7 @@ impl LazyTensor {
             unary_flow("squeeze", n, &s, |d| keep.iter().position(|&k| k == d), Linearity::Structural)?
         };
         let dims: Vec<i64> = gone.iter().map(|&d| d as i64).collect();
-        Ok(Record::new(Alias::Squeeze(dims), vec![n.clone()], s, m.kind, m.device).flow(flow).view(st).finish())
+        Ok(Record::new(Alias::Squeeze(dims), inputs_of([n]), s, m.kind, m.device).flow(flow).view(st).finish())
     }
 
     /// Removes every dimension of size 1 (a view), as recorded: a micro-batch of one sample
@@ -814,7 +815,7 @@ impl LazyTensor {
             unary_flow("narrow", n, &s, Some, Linearity::Structural)?
         };
         let op = Rearrange::Narrow { dim: d as i64, start, length };
-        Ok(Record::new(op, vec![n.clone()], s, m.kind, m.device).flow((flow, mixes)).view(m.strides.clone()).finish())
+        Ok(Record::new(op, inputs_of([n]), s, m.kind, m.device).flow((flow, mixes)).view(m.strides.clone()).finish())
     }
 
     /// Splits into `chunks` views along `dim`, as tch's `chunk`: each `ceil(size / chunks)`
@@ -935,7 +936,7 @@ impl LazyTensor {
             }
             _ => unary_flow(name, n, &out, |d| Some(d + offset), Linearity::Nonlinear)?,
         };
-        Ok(Record::new(Expand, vec![n.clone()], out, m.kind, m.device).flow((flow, mixes)).view(strides).finish())
+        Ok(Record::new(Expand, inputs_of([n]), out, m.kind, m.device).flow((flow, mixes)).view(strides).finish())
     }
 
     /// Class indices (`Int64`) as one-hot rows along a new last dimension of `num_classes`
@@ -962,7 +963,7 @@ impl LazyTensor {
         let mut out = m.shape.clone();
         out.push(num_classes);
         let flow = unary_flow("one_hot", n, &out, Some, Linearity::Nonlinear)?;
-        Ok(Record::new(OneHot { classes: num_classes }, vec![n.clone()], out, Kind::Int64, m.device)
+        Ok(Record::new(OneHot { classes: num_classes }, inputs_of([n]), out, Kind::Int64, m.device)
             .flow(flow)
             .not_differentiable()
             .finish())
@@ -1003,7 +1004,7 @@ impl LazyTensor {
                 mixes = Some(format!("moves entries between samples (the batch dimension {})", bd.dim));
             }
         }
-        Ok(Record::new(Rearrange::Roll { shifts, dims }, vec![n.clone()], m.shape.clone(), m.kind, m.device)
+        Ok(Record::new(Rearrange::Roll { shifts, dims }, inputs_of([n]), m.shape.clone(), m.kind, m.device)
             .flow((flow, mixes))
             .finish())
     }
@@ -1023,7 +1024,7 @@ impl LazyTensor {
         if let Some(bd) = m.batch().filter(|bd| wrapped.contains(&bd.dim)) {
             mixes = Some(format!("reverses the order of samples along the batch dimension {}", bd.dim));
         }
-        Ok(Record::new(Rearrange::Flip(dims), vec![n.clone()], m.shape.clone(), m.kind, m.device)
+        Ok(Record::new(Rearrange::Flip(dims), inputs_of([n]), m.shape.clone(), m.kind, m.device)
             .flow((flow, mixes))
             .finish())
     }
@@ -1052,7 +1053,7 @@ impl LazyTensor {
             }
             _ => unary_flow("repeat", n, &out, |d| Some(d + offset), Linearity::Structural)?,
         };
-        Ok(Record::new(Rearrange::Repeat(repeats), vec![n.clone()], out, m.kind, m.device).flow((flow, mixes)).finish())
+        Ok(Record::new(Rearrange::Repeat(repeats), inputs_of([n]), out, m.kind, m.device).flow((flow, mixes)).finish())
     }
 
     /// The entries of `index` (1-D, integers) along `dim`, as tch's `index_select`. Selecting
@@ -1084,7 +1085,7 @@ impl LazyTensor {
             unary_flow(name, x, &out, Some, Linearity::Structural)?
         };
         let op = IndexSelect { dim: d as i64 };
-        Ok(Record::new(op, vec![x.clone(), i.clone()], out, x.meta.kind, device).flow((flow, mixes)).finish())
+        Ok(Record::new(op, inputs_of([x, i]), out, x.meta.kind, device).flow((flow, mixes)).finish())
     }
 
     /// The entries of `self` along `dim` at `index` (integers, as many dimensions as `self`, no
@@ -1127,7 +1128,7 @@ impl LazyTensor {
         }
         let flow = if mixes.is_some() && matches!(flow, Flow::PerSample(_)) { Flow::Opaque } else { flow };
         let op = Gather { dim: d as i64, sparse_grad };
-        Ok(Record::new(op, vec![x.clone(), i.clone()], is.clone(), x.meta.kind, device).flow((flow, mixes)).finish())
+        Ok(Record::new(op, inputs_of([x, i]), is.clone(), x.meta.kind, device).flow((flow, mixes)).finish())
     }
 
     /// `self` with `src`'s entries written along `dim` at `index` (integers, as many
@@ -1205,7 +1206,7 @@ impl LazyTensor {
         }
         let flow = self.written_flow(name, &[x, i, s], d, "scatters")?;
         let op = Scatter { dim: d as i64, add };
-        let inputs = vec![x.clone(), i.clone(), s.clone()];
+        let inputs = inputs_of([x, i, s]);
         Ok(Record::new(op, inputs, xs.clone(), x.meta.kind, device).flow(flow).finish())
     }
 
@@ -1293,7 +1294,7 @@ impl LazyTensor {
         if flow.0 != Flow::Opaque && i.meta.batch().is_some() {
             flow = (Flow::Opaque, Some("`index_add` adds with a per-sample index along its dimension".into()));
         }
-        let inputs = vec![x.clone(), i.clone(), s.clone()];
+        let inputs = inputs_of([x, i, s]);
         Ok(Record::new(IndexAdd { dim: d as i64 }, inputs, xs.clone(), x.meta.kind, device).flow(flow).finish())
     }
 
@@ -1471,7 +1472,7 @@ impl LazyTensor {
             mixes: None,
         };
         let op = IndexPut { given: indices.iter().map(Option::is_some).collect(), accumulate, indexed };
-        let inputs = nodes.into_iter().cloned().collect();
+        let inputs = inputs_of(nodes);
         Ok(Record::new(op, inputs, xs.clone(), x.meta.kind, device).flow(flow).finish())
     }
 
@@ -1525,7 +1526,7 @@ impl LazyTensor {
             let mapped = [None, None, None];
             combine_flows(name, &nodes, &mapped, &out, Linearity::Nonlinear, false)?
         };
-        let inputs = vec![x.clone(), m.clone(), s.clone()];
+        let inputs = inputs_of([x, m, s]);
         Ok(Record::new(MaskedScatter, inputs, out, x.meta.kind, device).flow(flow).finish())
     }
 
@@ -1634,7 +1635,7 @@ impl LazyTensor {
             unary_flow("pad", n, &out, Some, Linearity::Nonlinear)?
         };
         let value = if mode == "constant" { value } else { None };
-        Ok(Record::new(Pad { pad, mode, value }, vec![n.clone()], out, m.kind, m.device).flow((flow, mixes)).finish())
+        Ok(Record::new(Pad { pad, mode, value }, inputs_of([n]), out, m.kind, m.device).flow((flow, mixes)).finish())
     }
 
     /// The value flattened per leading entry: `view([size[0], -1])`, as tch's `flat_view`.
@@ -1703,7 +1704,7 @@ impl LazyTensor {
         let m = &n.meta;
         let linearity = if shape::is_floating(kind) { Linearity::Structural } else { Linearity::Nonlinear };
         let flow = same_shape_flow("to_kind", n, linearity)?;
-        let record = Record::new(ToKind { kind }, vec![n.clone()], m.shape.clone(), kind, m.device).flow(flow);
+        let record = Record::new(ToKind { kind }, inputs_of([n]), m.shape.clone(), kind, m.device).flow(flow);
         // A conversion keeps the layout of a dense input (memory_format = preserve).
         let record = if kind == m.kind {
             record.view(m.strides.clone())
@@ -1727,7 +1728,7 @@ impl LazyTensor {
         if device == m.device {
             let flow = same_shape_flow("to_device", n, Linearity::Structural)?;
             let record =
-                Record::new(Alias::ToDevice(device), vec![n.clone()], m.shape.clone(), m.kind, m.device).flow(flow);
+                Record::new(Alias::ToDevice(device), inputs_of([n]), m.shape.clone(), m.kind, m.device).flow(flow);
             return Ok(record.view(m.strides.clone()).finish());
         }
         Err(arg(
@@ -1757,7 +1758,7 @@ impl LazyTensor {
         let n = self.node();
         let m = &n.meta;
         let flow = same_shape_flow("detach", n, Linearity::Structural)?;
-        let record = Record::new(Rearrange::Detach, vec![n.clone()], m.shape.clone(), m.kind, m.device).flow(flow);
+        let record = Record::new(Rearrange::Detach, inputs_of([n]), m.shape.clone(), m.kind, m.device).flow(flow);
         Ok(record.view(m.strides.clone()).not_differentiable().finish())
     }
 
@@ -1769,7 +1770,7 @@ impl LazyTensor {
         let n = self.node();
         let m = &n.meta;
         let flow = same_shape_flow("contiguous", n, Linearity::Structural)?;
-        let record = Record::new(Alias::Contiguous, vec![n.clone()], m.shape.clone(), m.kind, m.device).flow(flow);
+        let record = Record::new(Alias::Contiguous, inputs_of([n]), m.shape.clone(), m.kind, m.device).flow(flow);
         Ok(if shape::is_contiguous(&m.shape, &m.strides) { record.view(m.strides.clone()) } else { record }.finish())
     }
 
@@ -1851,7 +1852,7 @@ impl LazyTensor {
             let mapped: Vec<Option<usize>> = nodes.iter().map(|n| n.meta.batch().map(|bd| bd.dim)).collect();
             combine_flows("cat", &nodes, &mapped, &out, Linearity::Additive, true)?
         };
-        let inputs = nodes.into_iter().cloned().collect();
+        let inputs = inputs_of(nodes);
         Ok(Record::new(Cat { dim: d as i64 }, inputs, out, kind, device).flow((flow, mixes)).finish())
     }
 

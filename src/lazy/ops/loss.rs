@@ -16,6 +16,7 @@ use crate::dims::Dims;
 use crate::lazy::error::LazyError;
 use crate::lazy::error::OrPanic;
 use crate::lazy::facts::OpFacts;
+use crate::lazy::graph::inputs_of;
 use crate::lazy::graph::{Flow, KernelCall, Meta, Node, Operation, Run, RunCx, Share, Source};
 use crate::lazy::int_list::IntList;
 use crate::lazy::shape;
@@ -485,7 +486,7 @@ impl LazyTensor {
         reduction: Reduction,
     ) -> Result<(Flow, Option<String>), LazyError> {
         let n = input.meta.shape.first().copied().unwrap_or(1);
-        let per_sample_shape = if input.meta.shape.len() == 2 { vec![n] } else { vec![] };
+        let per_sample_shape = if input.meta.shape.len() == 2 { Dims::from([n]) } else { Dims::new() };
         let mapped = [
             input.meta.batch().filter(|bd| bd.dim == 0 && input.meta.shape.len() == 2).map(|_| 0),
             target.meta.batch().filter(|bd| bd.dim == 0).map(|_| 0),
@@ -555,7 +556,7 @@ impl LazyTensor {
         let device = same_device(name, &[x, tn])?;
         Self::check_class_loss(name, x, tn)?;
         let flow = Self::class_loss_flow(name, x, tn, op.reduction)?;
-        Ok(Record::new(op, vec![x.clone(), tn.clone()], vec![], x.meta.kind, device).flow(flow).finish())
+        Ok(Record::new(op, inputs_of([x, tn]), Dims::new(), x.meta.kind, device).flow(flow).finish())
     }
 
     /// Cross-entropy of logits `[N, C]` against class indices `[N]` (or `[N, C, d1, ..]` against
@@ -628,9 +629,13 @@ impl LazyTensor {
             return Err(arg(name, &x.meta.shape, "unknown reduction"));
         }
         let flow = Self::class_loss_flow(name, x, tn, reduction)?;
-        let out = if reduction == Reduction::None { x.meta.shape[..x.meta.shape.len() - 1].to_vec() } else { vec![] };
+        let out = if reduction == Reduction::None {
+            Dims::from(&x.meta.shape[..x.meta.shape.len() - 1])
+        } else {
+            Dims::new()
+        };
         let op = CrossEntropy { ignore_index, label_smoothing, reduction };
-        Ok(Record::new(op, vec![x.clone(), tn.clone()], out, x.meta.kind, device).flow(flow).finish())
+        Ok(Record::new(op, inputs_of([x, tn]), out, x.meta.kind, device).flow(flow).finish())
     }
 
     /// Kullback-Leibler divergence of `target` from `self` (log-probabilities), as tch's
@@ -698,7 +703,7 @@ impl LazyTensor {
         let flow = Self::class_loss_flow(name, x, tn, reduction)?;
         let out = if reduction == Reduction::None { x.meta.shape[..x.meta.shape.len() - 1].to_vec() } else { vec![] };
         let op = Nll { reduction, ignore_index };
-        let inputs = nodes.into_iter().cloned().collect();
+        let inputs = inputs_of(nodes);
         Ok(Record::new(op, inputs, out, x.meta.kind, device).flow(flow).finish())
     }
 
@@ -810,7 +815,7 @@ impl LazyTensor {
             (f, Reduction::None) => (f, per),
             (f, _) => (f, Dims::new()),
         };
-        Ok(Record::new(op, vec![x.clone(), tn.clone()], out, x.meta.kind, device).flow((flow, mixes)).finish())
+        Ok(Record::new(op, inputs_of([x, tn]), out, x.meta.kind, device).flow((flow, mixes)).finish())
     }
 
     /// Records a [`Composite`] loss of `inputs` whose unreduced value has shape `per` and flows
@@ -925,7 +930,7 @@ impl LazyTensor {
             .collect();
         let flow = combine_flows(name, &[x1, x2, tn], &mapped, &per, Linearity::Nonlinear, false)?;
         let flow = if consumed { (Flow::Opaque, Some("takes cosines along the batch dimension".into())) } else { flow };
-        let inputs = vec![x1.clone(), x2.clone(), tn.clone()];
+        let inputs = inputs_of([x1, x2, tn]);
         Self::composite_loss(loss, inputs, &both, per, flow, reduction, device)
     }
 
@@ -958,7 +963,7 @@ impl LazyTensor {
         let both = shape::broadcast(s1, s2).map_err(|r| shape_err(name, s1, s2, r))?;
         let per = shape::broadcast(&both, st).map_err(|r| shape_err(name, &both, st, r))?;
         let flow = broadcast_flows(name, &[x1, x2, tn], &per, Linearity::Nonlinear)?;
-        let inputs = vec![x1.clone(), x2.clone(), tn.clone()];
+        let inputs = inputs_of([x1, x2, tn]);
         Self::composite_loss(loss, inputs, &per.clone(), per, flow, reduction, device)
     }
 
@@ -1010,7 +1015,7 @@ impl LazyTensor {
         let flow = broadcast_flows(name, &[an, pn, nn], &all, Linearity::Nonlinear)?;
         let flow = Self::last_dim_reduced(flow, rank, "measures distances");
         let per = Dims::from(&all[..rank - 1]);
-        let inputs = vec![an.clone(), pn.clone(), nn.clone()];
+        let inputs = inputs_of([an, pn, nn]);
         Self::composite_loss(loss, inputs, &all, per, flow, reduction, device)
     }
 
@@ -1057,7 +1062,7 @@ impl LazyTensor {
             same_kind(name, x, w.node())?;
         }
         let flow = broadcast_flows(name, &nodes, sx, Linearity::Nonlinear)?;
-        let inputs = nodes.into_iter().cloned().collect();
+        let inputs = inputs_of(nodes);
         Self::composite_loss(loss, inputs, sx, sx.clone(), flow, reduction, device)
     }
 
@@ -1088,7 +1093,7 @@ impl LazyTensor {
         floating(name, x)?;
         same_kind(name, x, tn)?;
         let flow = broadcast_flows(name, &[x, tn], &per, Linearity::Nonlinear)?;
-        let inputs = vec![x.clone(), tn.clone()];
+        let inputs = inputs_of([x, tn]);
         Self::composite_loss(loss, inputs, &per.clone(), per, flow, reduction, device)
     }
 
@@ -1274,7 +1279,7 @@ impl LazyTensor {
             ((Flow::PerSample(_), mixes), _) => ((Flow::Sum, mixes), vec![]),
             (f, _) => (f, vec![]),
         };
-        let inputs = nodes.into_iter().cloned().collect();
+        let inputs = inputs_of(nodes);
         Ok(Record::new(op, inputs, out, lp.meta.kind, device).flow(flow).finish())
     }
 

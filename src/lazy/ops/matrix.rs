@@ -13,6 +13,7 @@ use super::{arg, floating, kind_err, requires, same_kind, shape_err};
 use crate::lazy::error::LazyError;
 use crate::lazy::error::OrPanic;
 use crate::lazy::facts::{GradReshape, OpFacts};
+use crate::lazy::graph::inputs_of;
 use crate::lazy::graph::{BatchDim, Flow, KernelCall, Meta, Node, Operation, Product, Run, RunCx};
 use crate::lazy::int_list::IntListOption;
 use crate::lazy::shape;
@@ -888,15 +889,10 @@ fn sum_product(left: &LazyTensor, right: &LazyTensor, sum_dims: &[usize]) -> Res
         (Some(x), Some(y)) if x.dim == 0 && x == y => Some(x),
         _ => None,
     };
-    let product = Record::new(
-        Matmul::bmm(),
-        vec![an.clone(), bn.clone()],
-        vec![lro_size, lo_size, ro_size],
-        an.meta.kind,
-        an.meta.device,
-    )
-    .flow((step_flow(&[an, bn], kept), None))
-    .finish();
+    let product =
+        Record::new(Matmul::bmm(), inputs_of([an, bn]), [lro_size, lo_size, ro_size], an.meta.kind, an.meta.device)
+            .flow((step_flow(&[an, bn], kept), None))
+            .finish();
     // Viewed as `[lro, lo, 1 per summed dimension, ro]`: the batch at its own position again.
     let p = product.node();
     let unfold_flow = match (p.meta.flow, batch_at) {
@@ -907,7 +903,7 @@ fn sum_product(left: &LazyTensor, right: &LazyTensor, sum_dims: &[usize]) -> Res
         (flow, _) => flow,
     };
     let strides = shape::view_strides(&p.meta.shape, &p.meta.strides, &out_size).expect("a contiguous product views");
-    let unfolded = Record::new(View("view"), vec![p.clone()], out_size, p.meta.kind, p.meta.device)
+    let unfolded = Record::new(View("view"), inputs_of([p]), out_size, p.meta.kind, p.meta.device)
         .flow((unfold_flow, None))
         .view(strides)
         .finish();
@@ -1062,7 +1058,7 @@ impl LazyTensor {
             }
             flow
         };
-        Ok(Record::new(Matmul::product(&a.meta, &b.meta), vec![a.clone(), b.clone()], out, a.meta.kind, device)
+        Ok(Record::new(Matmul::product(&a.meta, &b.meta), inputs_of([a, b]), out, a.meta.kind, device)
             .flow(flow)
             .finish())
     }
@@ -1094,7 +1090,7 @@ impl LazyTensor {
         ];
         let along_b = mapped.iter().flatten().any(|&d| d == 0);
         let flow = combine_flows(name, &[a, b], &mapped, &out, Linearity::Nonlinear, along_b)?;
-        Ok(Record::new(Matmul::bmm(), vec![a.clone(), b.clone()], out, a.meta.kind, device).flow(flow).finish())
+        Ok(Record::new(Matmul::bmm(), inputs_of([a, b]), out, a.meta.kind, device).flow(flow).finish())
     }
 
     /// `self @ weightᵀ + bias`, as tch's `linear`: `self` is `[.., in]`, `weight` `[out, in]`,
@@ -1133,7 +1129,7 @@ impl LazyTensor {
         let mut mapped = [None; 3];
         mapped[0] = x.meta.batch().filter(|bd| bd.dim + 1 < sx.len()).map(|bd| bd.dim);
         let flow = combine_flows(name, nodes, &mapped[..nodes.len()], &out, Linearity::Nonlinear, false)?;
-        let inputs = nodes.iter().map(|&n| n.clone()).collect();
+        let inputs = inputs_of(nodes.iter().copied());
         Ok(Record::new(Linear, inputs, out, x.meta.kind, device).flow(flow).finish())
     }
 
@@ -1181,7 +1177,7 @@ impl LazyTensor {
         // A fixed operand the size of the batch is checked where the batch is the product's B.
         let along_b = mapped.iter().flatten().any(|&d| d == 0);
         let flow = combine_flows(name, &nodes, &mapped, &out, Linearity::Nonlinear, along_b)?;
-        let inputs = nodes.into_iter().cloned().collect();
+        let inputs = inputs_of(nodes);
         Ok(Record::new(Baddbmm { beta, alpha }, inputs, out, m1.meta.kind, device).flow(flow).finish())
     }
 
@@ -1232,7 +1228,7 @@ impl LazyTensor {
             mixes = Some("with scale_grad_by_freq scales gradients by counts over the batch".into());
         }
         let op = Embedding { padding_idx, scale_grad_by_freq };
-        Ok(Record::new(op, vec![wn.clone(), inn.clone()], out, wn.meta.kind, device).flow((flow, mixes)).finish())
+        Ok(Record::new(op, inputs_of([wn, inn]), out, wn.meta.kind, device).flow((flow, mixes)).finish())
     }
 
     /// A sum of products over subscripts, as tch's `Tensor::einsum` (a static method, as in
@@ -1373,7 +1369,7 @@ impl LazyTensor {
         let strides = shape::view_strides(&n.meta.shape, &n.meta.strides, &out_shape).expect("only ones are dropped");
         // libtorch's last step: the product viewed without its contracted dimensions (all of
         // size 1 by then), or itself; named `einsum`, it carries the einsum's batch rule.
-        Ok(Record::new(View("einsum"), vec![n.clone()], out_shape, n.meta.kind, device)
+        Ok(Record::new(View("einsum"), inputs_of([n]), out_shape, n.meta.kind, device)
             .flow(flow)
             .view(strides)
             .finish())

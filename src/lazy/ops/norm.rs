@@ -9,6 +9,7 @@ use super::record::{combine_flows, same_device, Linearity, Record};
 use super::{arg, floating, same_kind, shape_err};
 use crate::lazy::error::LazyError;
 use crate::lazy::facts::OpFacts;
+use crate::lazy::graph::inputs_of;
 use crate::lazy::graph::{KernelCall, Meta, Node, Operation, Run, RunCx};
 use crate::lazy::int_list::IntList;
 use crate::lazy::shape;
@@ -251,7 +252,7 @@ impl LazyTensor {
             mixes = Some("in training mode normalizes with statistics over the batch".into());
         }
         let op = BatchNorm { training, momentum, eps, affine: Affine { weight: w.is_some(), bias: b.is_some() } };
-        let inputs = nodes.into_iter().cloned().collect();
+        let inputs = inputs_of(nodes);
         Ok(Record::new(op, inputs, s.clone(), x.meta.kind, device).flow((flow, mixes)).finish())
     }
 
@@ -313,7 +314,7 @@ impl LazyTensor {
         if x.meta.batch().is_some_and(|bd| bd.dim >= first_norm) {
             mixes = Some("normalizes over the batch dimension".into());
         }
-        let inputs = nodes.into_iter().cloned().collect();
+        let inputs = inputs_of(nodes);
         Ok(Record::new(op, inputs, s.clone(), x.meta.kind, device).flow((flow, mixes)).finish())
     }
 
@@ -368,7 +369,7 @@ impl LazyTensor {
             mixes = Some("normalizes over the batch dimension (it is not the first)".into());
         }
         let op = GroupNorm { num_groups, eps, affine: Affine { weight: w.is_some(), bias: b.is_some() } };
-        let inputs = nodes.into_iter().cloned().collect();
+        let inputs = inputs_of(nodes);
         Ok(Record::new(op, inputs, s.clone(), x.meta.kind, device).flow((flow, mixes)).finish())
     }
 

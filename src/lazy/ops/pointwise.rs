@@ -11,6 +11,7 @@ use super::record::{broadcast_flows, same_device, unary_flow, Linearity, Record}
 use super::{arg, floating, kind_err, requires, same_shape_flow, shape_err};
 use crate::lazy::error::LazyError;
 use crate::lazy::facts::OpFacts;
+use crate::lazy::graph::inputs_of;
 use crate::lazy::graph::{Flow, KernelCall, Meta, Node, Operation, Run, RunCx, Share};
 use crate::lazy::shape;
 use crate::lazy::size::Elements;
@@ -639,7 +640,7 @@ impl LazyTensor {
         };
         let linearity = if matches!(u, Unary::Neg) { Linearity::Additive } else { Linearity::Nonlinear };
         let flow = same_shape_flow(name, n, linearity)?;
-        Ok(Record::new(u, vec![n.clone()], n.meta.shape.clone(), kind, n.meta.device).flow(flow).finish())
+        Ok(Record::new(u, inputs_of([n]), n.meta.shape.clone(), kind, n.meta.device).flow(flow).finish())
     }
 
     /// `max(x, 0)`.
@@ -860,7 +861,7 @@ impl LazyTensor {
         }
         let flow = broadcast_flows(name, &[x, m], &x.meta.shape, Linearity::Nonlinear)?;
         let op = MaskedFill { value };
-        Ok(Record::new(op, vec![x.clone(), m.clone()], x.meta.shape.clone(), x.meta.kind, device).flow(flow).finish())
+        Ok(Record::new(op, inputs_of([x, m]), x.meta.shape.clone(), x.meta.kind, device).flow(flow).finish())
     }
 
     /// `self` where `condition` is true, `other` elsewhere, broadcast together (tch's
@@ -882,7 +883,7 @@ impl LazyTensor {
             .map_err(|r| shape_err(name, &x.meta.shape, &y.meta.shape, r))?;
         let kind = shape::result_kind(x.meta.kind, x.meta.shape.len(), y.meta.kind, y.meta.shape.len());
         let flow = broadcast_flows(name, &[c, x, y], &out, Linearity::Nonlinear)?;
-        Ok(Record::new(Where, vec![c.clone(), x.clone(), y.clone()], out, kind, device).flow(flow).finish())
+        Ok(Record::new(Where, inputs_of([c, x, y]), out, kind, device).flow(flow).finish())
     }
 
     /// The gated linear unit along `dim` (tch's `glu`): the first half of `dim` times the
@@ -910,7 +911,7 @@ impl LazyTensor {
             }
             _ => unary_flow("glu", n, &out, Some, Linearity::Nonlinear)?,
         };
-        Ok(Record::new(Glu { dim }, vec![n.clone()], out, m.kind, m.device).flow(flow).finish())
+        Ok(Record::new(Glu { dim }, inputs_of([n]), out, m.kind, m.device).flow(flow).finish())
     }
 
     fn f_triangle(&self, upper: bool, diagonal: i64) -> Result<LazyTensor, LazyError> {
@@ -925,7 +926,7 @@ impl LazyTensor {
         if n.meta.batch().is_some_and(|bd| bd.dim + 2 >= rank) {
             mixes = Some("keeps a triangle by position along the batch dimension".into());
         }
-        Ok(Record::new(op, vec![n.clone()], n.meta.shape.clone(), n.meta.kind, n.meta.device)
+        Ok(Record::new(op, inputs_of([n]), n.meta.shape.clone(), n.meta.kind, n.meta.device)
             .flow((flow, mixes))
             .finish())
     }
@@ -967,7 +968,7 @@ impl LazyTensor {
             _ => Linearity::Nonlinear,
         };
         let flow = broadcast_flows(name, &[a, b], &out, linearity)?;
-        let mut record = Record::new(TensorBinary { op }, vec![a.clone(), b.clone()], out, kind, device).flow(flow);
+        let mut record = Record::new(TensorBinary { op }, inputs_of([a, b]), out, kind, device).flow(flow);
         if op.is_comparison() {
             record = record.not_differentiable();
         }
@@ -1025,7 +1026,7 @@ impl LazyTensor {
         };
         let record_op = Scalar { op, scalar, reversed, integral };
         let flow = same_shape_flow(record_op.name(), n, linearity)?;
-        let mut record = Record::new(record_op, vec![n.clone()], n.meta.shape.clone(), kind, n.meta.device).flow(flow);
+        let mut record = Record::new(record_op, inputs_of([n]), n.meta.shape.clone(), kind, n.meta.device).flow(flow);
         if op.is_comparison() {
             record = record.not_differentiable();
         }
@@ -1240,7 +1241,7 @@ impl LazyTensor {
         let n = self.node();
         let m = &n.meta;
         let flow = same_shape_flow("full_like", n, Linearity::Nonlinear)?;
-        let record = Record::new(FullLike { value: fill_value }, vec![n.clone()], m.shape.clone(), m.kind, m.device);
+        let record = Record::new(FullLike { value: fill_value }, inputs_of([n]), m.shape.clone(), m.kind, m.device);
         Ok(record.flow(flow).not_differentiable().finish())
     }
 
@@ -1378,7 +1379,7 @@ impl LazyTensor {
         let linearity = if identity { Linearity::Structural } else { Linearity::Nonlinear };
         let flow = same_shape_flow(name, n, linearity)?;
         let record =
-            Record::new(Dropout { p, train, kind }, vec![n.clone()], n.meta.shape.clone(), n.meta.kind, n.meta.device)
+            Record::new(Dropout { p, train, kind }, inputs_of([n]), n.meta.shape.clone(), n.meta.kind, n.meta.device)
                 .flow(flow);
         Ok(if identity { record.view(n.meta.strides.clone()) } else { record }.finish())
     }

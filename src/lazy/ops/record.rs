@@ -8,6 +8,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::dims::Dims;
 use crate::lazy::error::LazyError;
+use crate::lazy::graph::inputs_of;
 use crate::lazy::graph::{BatchDim, Cost, Flow, LazyTensor, Meta, Node, NodeKind, Operation, Run};
 use crate::lazy::shape;
 
@@ -233,7 +234,7 @@ impl Cast {
         // A cast of a value the batch flows through is as any elementwise op's; the flow of
         // an input is always one a unary op accepts.
         let flow = flow.unwrap_or((m.flow, m.mixes.clone()));
-        let record = Record::new(Cast { kind }, vec![input.clone()], m.shape.clone(), kind, m.device).flow(flow);
+        let record = Record::new(Cast { kind }, inputs_of([input]), m.shape.clone(), kind, m.device).flow(flow);
         Record { strides: Some(m.strides.clone()), ..record }.finish_as_is().node().clone()
     }
 }

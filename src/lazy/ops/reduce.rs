@@ -11,6 +11,7 @@ use crate::dims::Dims;
 use crate::lazy::error::LazyError;
 use crate::lazy::error::OrPanic;
 use crate::lazy::facts::OpFacts;
+use crate::lazy::graph::inputs_of;
 use crate::lazy::graph::{BatchDim, Flow, KernelCall, Meta, Node, Operation, Run, RunCx, Share};
 use crate::lazy::int_list::{IntList, IntListOption};
 use crate::lazy::shape;
@@ -508,7 +509,7 @@ impl LazyTensor {
         if n.meta.batch().is_some_and(|bd| bd.dim == d) {
             mixes = Some(format!("normalizes over the batch dimension {d}"));
         }
-        Ok(Record::new(op, vec![n.clone()], n.meta.shape.clone(), out_kind, n.meta.device).flow((flow, mixes)).finish())
+        Ok(Record::new(op, inputs_of([n]), n.meta.shape.clone(), out_kind, n.meta.device).flow((flow, mixes)).finish())
     }
 
     /// Softmax along `dim`, optionally computed in `kind`.
@@ -559,7 +560,7 @@ impl LazyTensor {
             .collect();
         let flow = combine_flows(name, &[a, b], &mapped, &out, Linearity::Nonlinear, false)?;
         let op = CosineSimilarity { dim, eps };
-        Ok(Record::new(op, vec![a.clone(), b.clone()], out, a.meta.kind, device).flow(flow).finish())
+        Ok(Record::new(op, inputs_of([a, b]), out, a.meta.kind, device).flow(flow).finish())
     }
 
     // -----------------------------------------------------------------------------------------
@@ -618,7 +619,7 @@ impl LazyTensor {
             other => (other, None),
         };
         let record_op = Reduction { op, dims, keepdim, kind };
-        Ok(Record::new(record_op, vec![n.clone()], out, out_kind, m.device).flow(flow).finish())
+        Ok(Record::new(record_op, inputs_of([n]), out, out_kind, m.device).flow(flow).finish())
     }
 
     /// A reduction's dimensions (wrapped), its `dims` as recorded (`None`: all, dropped) and
@@ -696,7 +697,7 @@ impl LazyTensor {
             _ => (Flow::Opaque, Some("takes a norm of a value combined over the batch".to_string())),
         };
         let op = Norm { p, dims, keepdim };
-        Ok(Record::new(op, vec![n.clone()], out, m.kind, m.device).flow(flow).finish())
+        Ok(Record::new(op, inputs_of([n]), out, m.kind, m.device).flow(flow).finish())
     }
 
     /// The `k` largest (`largest`) or smallest entries along `dim` and their positions, as
@@ -727,7 +728,7 @@ impl LazyTensor {
         }
         let record = |values: bool, kind: Kind| {
             let op = TopK { k, dim: d as i64, largest, sorted, values };
-            let r = Record::new(op, vec![n.clone()], out.clone(), kind, m.device).flow((flow, mixes.clone()));
+            let r = Record::new(op, inputs_of([n]), out.clone(), kind, m.device).flow((flow, mixes.clone()));
             if values { r } else { r.not_differentiable() }.finish()
         };
         Ok((record(true, m.kind), record(false, Kind::Int64)))
@@ -759,7 +760,7 @@ impl LazyTensor {
             mixes = Some(format!("multiplies earlier samples into later ones along the batch dimension {}", bd.dim));
         }
         let op = Cumprod { dim: d as i64, kind };
-        Ok(Record::new(op, vec![n.clone()], m.shape.clone(), out_kind, m.device).flow((flow, mixes)).finish())
+        Ok(Record::new(op, inputs_of([n]), m.shape.clone(), out_kind, m.device).flow((flow, mixes)).finish())
     }
 
     /// The entries sorted along `dim` (ascending unless `descending`) and their positions, as
@@ -812,7 +813,7 @@ impl LazyTensor {
         }
         let record = |values: bool, kind: Kind| {
             let op = Sort { dim: d as i64, descending, stable, values };
-            let r = Record::new(op, vec![n.clone()], m.shape.clone(), kind, m.device).flow((flow, mixes.clone()));
+            let r = Record::new(op, inputs_of([n]), m.shape.clone(), kind, m.device).flow((flow, mixes.clone()));
             if values { r } else { r.not_differentiable() }.finish()
         };
         Ok((record(true, m.kind), record(false, Kind::Int64)))
@@ -885,7 +886,7 @@ impl LazyTensor {
             mixes = Some(format!("sums earlier samples into later ones along the batch dimension {}", bd.dim));
         }
         let op = Cumsum { dim: d as i64, kind };
-        Ok(Record::new(op, vec![n.clone()], m.shape.clone(), out_kind, m.device).flow((flow, mixes)).finish())
+        Ok(Record::new(op, inputs_of([n]), m.shape.clone(), out_kind, m.device).flow((flow, mixes)).finish())
     }
 
     /// The position of the largest entry along `dim` (of the value flattened when `None`), as
@@ -959,7 +960,7 @@ impl LazyTensor {
             (Flow::Fixed, _) => (Flow::Fixed, None),
             (_, _) => (Flow::Opaque, Some(format!("`{name}` of a value combined over the batch"))),
         };
-        Ok(Record::new(op, vec![n.clone()], out, Kind::Int64, m.device).flow(flow).not_differentiable().finish())
+        Ok(Record::new(op, inputs_of([n]), out, Kind::Int64, m.device).flow(flow).not_differentiable().finish())
     }
 
     /// The sum of all elements (optionally in `kind`). Over the batch, micro-batch sums add up.
@@ -1038,7 +1039,7 @@ impl LazyTensor {
             other => (other, None),
         };
         let op = Variance { dims, unbiased, keepdim, sqrt };
-        Ok(Record::new(op, vec![n.clone()], out, m.kind, m.device).flow(flow).finish())
+        Ok(Record::new(op, inputs_of([n]), out, m.kind, m.device).flow(flow).finish())
     }
 
     /// The variance of all entries (tch's `var`), with Bessel's correction when `unbiased`.

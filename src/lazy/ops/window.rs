@@ -11,6 +11,7 @@ use super::{arg, floating, requires, same_kind, shape_err};
 use crate::dims::Dims;
 use crate::lazy::error::LazyError;
 use crate::lazy::facts::OpFacts;
+use crate::lazy::graph::inputs_of;
 use crate::lazy::graph::{Convolution, Flow, KernelCall, Meta, Node, Operation, Run, RunCx};
 use crate::lazy::int_list::IntList;
 use crate::lazy::shape;
@@ -626,7 +627,7 @@ impl LazyTensor {
             .map(|(i, n)| n.meta.batch().filter(|bd| i == 0 && batched && bd.dim == 0).map(|_| 0))
             .collect();
         let flow = combine_flows(name, &nodes, &mapped, &out, Linearity::Nonlinear, false)?;
-        let inputs = nodes.into_iter().cloned().collect();
+        let inputs = inputs_of(nodes);
         Ok(Record::new(op, inputs, out, x.meta.kind, device).flow(flow).finish())
     }
 
@@ -727,7 +728,7 @@ impl LazyTensor {
         let out = shape::pool2d(&n.meta.shape, kernel, stride, padding, dilation, ceil_mode).map_err(a)?;
         let flow = self.pool_flow(name, &out)?;
         let op = MaxPool::<2> { kernel, stride, padding, dilation, ceil_mode };
-        Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
+        Ok(Record::new(op, inputs_of([n]), out, n.meta.kind, n.meta.device).flow(flow).finish())
     }
 
     /// 2-D average pooling, as tch's `avg_pool2d` (an empty `stride` means the kernel size).
@@ -753,7 +754,7 @@ impl LazyTensor {
         let out = shape::pool2d(&n.meta.shape, kernel, stride, padding, [1, 1], ceil_mode).map_err(a)?;
         let flow = self.pool_flow(name, &out)?;
         let op = AvgPool::<2> { kernel, stride, padding, ceil_mode, count_include_pad, divisor_override };
-        Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
+        Ok(Record::new(op, inputs_of([n]), out, n.meta.kind, n.meta.device).flow(flow).finish())
     }
 
     /// 2-D max pooling over `ksize × ksize` windows, stride `ksize`, no padding, as tch's
@@ -797,7 +798,7 @@ impl LazyTensor {
         let nd = out.len();
         out[nd - 2..].copy_from_slice(&output);
         let flow = self.pool_flow(name, &out)?;
-        Ok(Record::new(AdaptiveAvgPool2d { output }, vec![n.clone()], out, n.meta.kind, n.meta.device)
+        Ok(Record::new(AdaptiveAvgPool2d { output }, inputs_of([n]), out, n.meta.kind, n.meta.device)
             .flow(flow)
             .finish())
     }
@@ -825,7 +826,7 @@ impl LazyTensor {
         let nd = out.len();
         let flow = unary_flow(name, n, &out, |d| (d + 3 < nd).then_some(d), Linearity::Nonlinear)?;
         let op = MaxPool::<3> { kernel, stride, padding, dilation, ceil_mode };
-        Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
+        Ok(Record::new(op, inputs_of([n]), out, n.meta.kind, n.meta.device).flow(flow).finish())
     }
 
     /// 3-D average pooling, as tch's `avg_pool3d` (an empty `stride` means the kernel size).
@@ -853,7 +854,7 @@ impl LazyTensor {
         let nd = out.len();
         let flow = unary_flow(name, n, &out, |d| (d + 3 < nd).then_some(d), Linearity::Nonlinear)?;
         let op = AvgPool::<3> { kernel, stride, padding, ceil_mode, count_include_pad, divisor_override };
-        Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
+        Ok(Record::new(op, inputs_of([n]), out, n.meta.kind, n.meta.device).flow(flow).finish())
     }
 
     fn pool_flow(&self, name: &str, out: &[i64]) -> Result<(Flow, Option<String>), LazyError> {
@@ -892,7 +893,7 @@ impl LazyTensor {
         out[2] = output;
         let flow = unary_flow(name, n, &out, |d| (d < 2).then_some(d), Linearity::Nonlinear)?;
         let op = UpsampleNearest1d { output, scales };
-        Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
+        Ok(Record::new(op, inputs_of([n]), out, n.meta.kind, n.meta.device).flow(flow).finish())
     }
 
     /// Nearest-neighbour upsampling of `[N, C, H, W]` to `output_size` (`[h, w]`), as tch's
@@ -914,7 +915,7 @@ impl LazyTensor {
         let (output, out) = self.upsampled(name, output_size.as_slice(), scales)?;
         let flow = self.pool_flow(name, &out)?;
         let op = UpsampleNearest2d { output, scales };
-        Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
+        Ok(Record::new(op, inputs_of([n]), out, n.meta.kind, n.meta.device).flow(flow).finish())
     }
 
     /// Bilinear upsampling of `[N, C, H, W]` to `output_size` (`[h, w]`), as tch's
@@ -938,7 +939,7 @@ impl LazyTensor {
         floating(name, n)?;
         let flow = self.pool_flow(name, &out)?;
         let op = UpsampleBilinear2d { output, align_corners, scales };
-        Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow(flow).finish())
+        Ok(Record::new(op, inputs_of([n]), out, n.meta.kind, n.meta.device).flow(flow).finish())
     }
 
     /// An `output_size` of two values (`[h, w]`), as the 2-D resizing ops take it.
@@ -1025,7 +1026,7 @@ impl LazyTensor {
             _ => unary_flow(name, n, &out, Some, Linearity::Structural)?,
         };
         let op = PixelShuffle { factor: r, unshuffle };
-        Ok(Record::new(op, vec![n.clone()], out, n.meta.kind, n.meta.device).flow((flow, mixes)).finish())
+        Ok(Record::new(op, inputs_of([n]), out, n.meta.kind, n.meta.device).flow((flow, mixes)).finish())
     }
 
     /// Every window of `size` entries along `dimension`, `step` apart, as a new last dimension
@@ -1062,6 +1063,6 @@ impl LazyTensor {
             _ => unary_flow(name, n, &out, Some, Linearity::Structural)?,
         };
         let op = Unfold { dim: d as i64, size, step };
-        Ok(Record::new(op, vec![n.clone()], out, m.kind, m.device).flow((flow, mixes)).view(strides.to_vec()).finish())
+        Ok(Record::new(op, inputs_of([n]), out, m.kind, m.device).flow((flow, mixes)).view(strides.to_vec()).finish())
     }
 }
