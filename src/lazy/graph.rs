@@ -149,7 +149,7 @@ thread_local! {
     static POOL: std::cell::RefCell<Vec<Rc<Node>>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// What a pooled node holds: nothing that owns memory (no tensor, an op of no size).
+/// A pooled node's op: nothing that owns memory (no tensor, an op of no size).
 struct Vacant;
 
 impl Operation for Vacant {
@@ -193,30 +193,6 @@ impl Node {
         }
     }
 
-    /// A node holding nothing, for the pool.
-    fn vacant() -> Node {
-        Node {
-            id: 0,
-            kind: NodeKind::Op(Box::new(Vacant)),
-            inputs: Vec::new(),
-            meta: Meta {
-                shape: Dims::new(),
-                strides: Dims::new(),
-                kind: Kind::Float,
-                device: Device::Cpu,
-                flow: Flow::Fixed,
-                requires_grad: false,
-                alias: false,
-                mixes: None,
-            },
-            facts: OpFacts::new(0),
-            cost: Cost::default(),
-            calibration_key: std::cell::OnceCell::new(),
-            kernel_calls: std::cell::OnceCell::new(),
-            stepped: std::cell::Cell::new(None),
-        }
-    }
-
     /// Keeps the allocation of a node no one else holds (its inputs already taken) for
     /// [`Node::new`], its contents dropped now (its inputs' buffer kept for [`input_list`]).
     fn recycle(mut rc: Rc<Node>) {
@@ -233,12 +209,12 @@ impl Node {
         });
     }
 
-    /// Drops what the node holds; its inputs' buffer goes to the lists the next ops' inputs
-    /// take ([`inputs_of`]).
+    /// Drops the node's op (or its source's tensor); its inputs' buffer goes to the lists the
+    /// next ops' inputs take ([`inputs_of`]). The rest holds no tensor and is overwritten by
+    /// the next node made in its place: not written twice.
     fn vacate(&mut self) {
-        let inputs = std::mem::take(&mut self.inputs);
-        *self = Node::vacant();
-        give_back_list(inputs);
+        self.kind = NodeKind::Op(Box::new(Vacant));
+        give_back_list(std::mem::take(&mut self.inputs));
     }
 
     /// A leaf: a batched input (`batch = Some(dim)`) or a fixed tensor (parameters, constants;
@@ -465,9 +441,9 @@ const KEPT_CAP: usize = 8;
 
 thread_local! {
     /// Emptied inputs' buffers of pooled nodes, up to [`POOL_CAP`]: each recorded op takes one
-    /// ([`inputs_of`]) where it would allocate a list of its own. A step frees dozens of them
-    /// at once when its graph is dropped, past glibc's per-thread cache of small chunks (seven
-    /// a size), into the bins it later consolidates.
+    /// ([`inputs_of`]) where it would allocate a list of its own. Freed, a dropped graph's
+    /// dozens of them would overflow glibc's per-thread cache of small chunks (seven a size)
+    /// into the bins it later consolidates.
     static LISTS: std::cell::RefCell<Vec<Vec<Rc<Node>>>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
@@ -848,9 +824,9 @@ mod tests {
         let mid_list = mid.inputs.as_ptr();
         let wide = op(many, meta.clone());
         drop(op(vec![mid, wide], meta));
-        // Pooled (all but the output), each emptied: no inputs' buffer, no sizes.
+        // Pooled (all but the output), each vacated: no op or tensor, no inputs' buffer.
         assert_eq!(pooled(), 3 + KEPT_CAP + 1);
-        let emptied = |n: &Rc<Node>| n.inputs.capacity() == 0 && n.meta.shape.is_empty() && n.meta.strides.is_empty();
+        let emptied = |n: &Rc<Node>| n.name() == "vacant" && n.inputs.capacity() == 0;
         assert!(POOL.with(|p| p.borrow().iter().all(emptied)));
         // Of the inputs' buffers, `mid`'s is kept, and `wide`'s (longer than short lists are)
         // freed: the next op's inputs take it, the one after a new one.
