@@ -1,8 +1,10 @@
 //! On a CUDA machine: real CUDA out-of-memory (1-3), the planner against the caching allocator
 //! (4: peaks, plans holding on a filled card, reduction staging buffers), a lazy step against
 //! CPU gradients (5), what an address-space or data-segment cap does to CUDA (6), the Rust half
-//! of the side-by-side with Python toma (7), time per sample by batch size (8), auto steps (9)
-//! and recomputing: gradients, peak and time against splitting (10).
+//! of the side-by-side with Python toma (7), time per sample by batch size (8), auto steps (9),
+//! recomputing: gradients, peak and time against splitting (10), `Fastest` on a kernel curve
+//! (11), the zoo on a filled card and against the CPU (12, 13), autocast (14), and the zoo's
+//! GPT-2 stack part by part (15).
 //!
 //! Opt-in: every GPU test is `#[ignore]`d, so `cargo test` lists them as ignored, never as
 //! passed; `scripts/gpu-run.sh` runs them with `--include-ignored` and `TOMA_CUDA_TESTS=1`.
@@ -1573,6 +1575,10 @@ fn zoo_on_a_filled_card(which: ZooKind, size: i64, train: bool, first: i64, kind
             plan.chunks(),
             plan.segments().len(),
         );
+        // A miss within the tolerance still shows where it is.
+        if error.abs() > 5.0 {
+            println!("{plan}");
+        }
         // Set by scripts/gpu-run.sh's second pass (the allocator's expandable segments).
         let allocator = std::env::var("TOMA_GPU_ZOO_TAG").unwrap_or_else(|_| "default".into());
         report(
@@ -1856,4 +1862,101 @@ fn autocast_steps_on_the_gpu() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// 15. The zoo's GPT-2 stack step by step: where a plan of test 12 missed (f32, recomputed in 4
+// segments, 9.4% under on the H200 of 2026-11-27, bf16 within 0.3%), each part measured alone.
+
+/// The GPT-2 stack of test 12 at a batch that leaves the card free, in f32 and bf16: the whole
+/// batch unsplit, recomputed at 60% and 45% of its peak, and a whole Adam step at 45%, each
+/// planned against the allocator's peak. A row more than 5% off prints its plan, so that a
+/// miss shows which part it is in. Held to test 4's tolerances.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-run.sh runs it with TOMA_CUDA_TESTS=1"]
+fn gpt2_stack_step_by_step() {
+    use toma::lazy::nn::OptimizerConfig;
+    use toma::lazy::Recompute;
+    let Some(_gpu) = gpu("gpt2_stack_step_by_step") else { return };
+    warm_up();
+    tch::manual_seed(15);
+    let n = 48;
+    let mut failures = Vec::new();
+    for kind in [Kind::Float, Kind::BFloat16] {
+        let mut vs = nn::VarStore::new(CUDA);
+        let model = ZooModel::new(&vs, ZooKind::Gpt2, 256);
+        vs.set_kind(kind);
+        let (x, y) = model.data(n, kind, CUDA);
+        let mut opt = toma::lazy::nn::Adam::default().build(&vs, 1e-4).expect("Adam");
+        let loss = model.lazy_loss(&x, &y, true);
+        // Warm-up: cuBLAS's handles and kernels, not measured.
+        let _ = planned_and_measured(&model.lazy_loss(&x.narrow(0, 0, 4), &y.narrow(0, 0, 4), true), 4);
+        let (whole, measured, plan) = planned_and_measured(&loss, n as usize);
+        let mut rows = vec![("whole batch".to_string(), whole, measured, plan)];
+        for percent in [60, 45] {
+            let options = Options::new().budget(whole * percent / 100).recompute(Recompute::Always);
+            let plan = match loss.measured_plan(Mode::Backward, &options) {
+                Ok(plan) => plan,
+                Err(err) => {
+                    failures.push(format!("{} at {percent}%: no plan: {}", kind_name(kind), first_line(&err)));
+                    continue;
+                }
+            };
+            tch::Cuda::synchronize(0);
+            let before = stats().allocated;
+            assert!(memory::reset_cuda_peak(0));
+            loss.backward_with(&options).expect("the recomputed step");
+            tch::Cuda::synchronize(0);
+            let measured = stats().peak_allocated - before;
+            let what = format!("recomputed at {percent}%, {} segments", plan.segments().len());
+            rows.push((what, plan.peak_bytes(), measured, plan.to_string()));
+        }
+        // Gradients and Adam's state of the first step stay: the step measured is the second.
+        let options = Options::new().budget(whole * 45 / 100);
+        for step in 0..2 {
+            let plan = opt.plan_step(&loss, &options).expect("a plan of the Adam step");
+            tch::Cuda::synchronize(0);
+            let before = stats().allocated;
+            assert!(memory::reset_cuda_peak(0));
+            opt.f_backward_step_with(&loss, &options).expect("the Adam step");
+            tch::Cuda::synchronize(0);
+            let measured = stats().peak_allocated - before;
+            if step == 1 {
+                let what = format!(
+                    "Adam step at 45%, {} x{}, {} segments",
+                    plan.micro_batch(),
+                    plan.chunks(),
+                    plan.segments().len()
+                );
+                rows.push((what, plan.peak_bytes(), measured, plan.to_string()));
+            }
+        }
+        for (what, planned, measured, plan) in rows {
+            let error = 100.0 * (planned as f64 - measured as f64) / measured as f64;
+            println!(
+                "gpt2 {} batch {n} {what}: planned {} measured {} ({error:+.1}%)",
+                kind_name(kind),
+                mib(planned),
+                mib(measured)
+            );
+            report(
+                "gpt2_steps",
+                &[
+                    ("kind", &kind_name(kind)),
+                    ("what", &what.replace(' ', "_")),
+                    ("planned", &mib(planned)),
+                    ("measured", &mib(measured)),
+                    ("error", &format!("{error:+.1}%")),
+                ],
+            );
+            if error.abs() > 5.0 {
+                println!("{plan}");
+            }
+            if !within(planned, measured) {
+                failures.push(format!("{} {what}: planned {planned}, measured {measured}", kind_name(kind)));
+            }
+        }
+        memory::release_cached_blocks();
+    }
+    assert!(failures.is_empty(), "GPT-2 stack rows off: {failures:#?}");
 }
