@@ -5,9 +5,10 @@ a pre-norm transformer block, a residual net; and the zoo's GPT-2 stack of tests
 and bf16) at the batch sizes of tests/gpu.rs's planner tests, with PyTorch's allocator history
 on, and prints for each the peak above what was live before, and the blocks live at that peak,
 each with the op that allocated it. Then times single convolutions' forward and backward to
-find cuDNN's workspace. One `GPU-PROBE ...` line per measurement, for scripts/gpu-run.sh's log.
+find cuDNN's workspace, and ResNet-18's on a free card and on a filled one. One `GPU-PROBE ...`
+line per measurement, for scripts/gpu-run.sh's log.
 
-    python3 benches/gpu_memory_probe.py [mlp|cnn|transformer|res|gpt2|conv ...]   # on a CUDA machine
+    python3 benches/gpu_memory_probe.py [mlp|cnn|transformer|res|gpt2|conv|resnet_conv ...]   # on a CUDA machine
 """
 import math
 import sys
@@ -194,25 +195,7 @@ def conv_workspace():
     for (cin, cout, hw, k, stride, batch, dtype) in cases:
         conv = nn.Conv2d(cin, cout, k, stride=stride, padding=k // 2).to(DEV, dtype)
         x = torch.randn(batch, cin, hw, hw, device=DEV, dtype=dtype, requires_grad=True)
-        elem = x.element_size()
-        for _ in range(2):  # the second run is measured: algorithms are chosen at the first
-            out = conv(x)
-            g = torch.ones_like(out)
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            out2 = conv(x)
-            torch.cuda.synchronize()
-            fwd = torch.cuda.max_memory_allocated() - base - out2.numel() * elem
-            del out2
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            gx, gw, gb = torch.autograd.grad(out, (x, conv.weight, conv.bias), g, retain_graph=True)
-            torch.cuda.synchronize()
-            bwd = torch.cuda.max_memory_allocated() - base - (gx.numel() + gw.numel() + gb.numel()) * elem
-            in_bytes, out_bytes = x.numel() * elem, out.numel() * elem
-            del gx, gw, gb, out, g
+        fwd, bwd, in_bytes, out_bytes = conv_extra(conv, x)
         rule_fwd = in_bytes + out_bytes + 2 * (1 << 20)
         rule_bwd = in_bytes + out_bytes + 16 * (1 << 20)
         within = fwd <= rule_fwd and bwd <= rule_bwd
@@ -222,6 +205,70 @@ def conv_workspace():
               f"input_mib={in_bytes / MIB:.2f} output_mib={out_bytes / MIB:.2f} cudnn={torch.backends.cudnn.version()}")
         del conv, x
         torch.cuda.empty_cache()
+
+
+def conv_extra(conv, x, leave=None):
+    """Bytes one convolution takes beyond its output, forward, and beyond its gradients,
+    backward (the second of two runs: algorithms are chosen at the first), with the input's and
+    output's sizes. With `leave`, the card is filled before the measured run so that only that
+    many bytes are free: cuDNN's elastic workspace then shrinks to what is there."""
+    elem = x.element_size()
+    filler = None
+    for run in range(2):
+        out = conv(x)
+        g = torch.ones_like(out)
+        if run == 1 and leave is not None:
+            del filler
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            free, _ = torch.cuda.mem_get_info()
+            filler = torch.empty(max(free - leave, 0), dtype=torch.uint8, device=DEV)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out2 = conv(x)
+        torch.cuda.synchronize()
+        fwd = torch.cuda.max_memory_allocated() - base - out2.numel() * elem
+        del out2
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        grads = torch.autograd.grad(out, (x, *conv.parameters()), g, retain_graph=True)
+        torch.cuda.synchronize()
+        bwd = torch.cuda.max_memory_allocated() - base - sum(t.numel() for t in grads) * elem
+        in_bytes, out_bytes = x.numel() * elem, out.numel() * elem
+        del grads, out, g
+    del filler
+    return fwd, bwd, in_bytes, out_bytes
+
+
+def resnet_convs():
+    """ResNet-18's convolutions at the zoo's 128x128 input and micro-batch 512 (tests/gpu.rs
+    test 12), in f32 and bf16, each on a free card and on one filled to leave its input and
+    output and 64 MiB: test 12 planned ResNet-18 in eval 6% over in f32 and 72% over in bf16
+    on a filled card after calibrating these on a free one. `calibrated_mib` is what a free
+    card shows (what calibration measures), `filled_mib` what the filled card took."""
+    shapes = [  # cin, cout, size, kernel, stride
+        (3, 64, 128, 7, 2), (64, 64, 32, 3, 1), (64, 128, 32, 3, 2), (64, 128, 32, 1, 2),
+        (128, 128, 16, 3, 1), (128, 256, 16, 3, 2), (256, 256, 8, 3, 1), (256, 512, 8, 3, 2),
+        (512, 512, 4, 3, 1),
+    ]
+    for dtype in (torch.float32, torch.bfloat16):
+        for (cin, cout, hw, k, stride) in shapes:
+            conv = nn.Conv2d(cin, cout, k, stride=stride, padding=k // 2, bias=False).to(DEV, dtype)
+            x = torch.randn(512, cin, hw, hw, device=DEV, dtype=dtype, requires_grad=True)
+            fwd, bwd, in_bytes, out_bytes = conv_extra(conv, x)
+            try:
+                ffwd, fbwd, _, _ = conv_extra(conv, x, leave=in_bytes + out_bytes + (64 << 20))
+            except torch.cuda.OutOfMemoryError:  # the filler's rounding left too little
+                ffwd = fbwd = float("nan")
+                torch.cuda.empty_cache()
+            print(f"GPU-PROBE resnet_conv cin={cin} cout={cout} hw={hw} k={k} stride={stride} batch=512 "
+                  f"dtype={str(dtype).split('.')[-1]} input_mib={in_bytes / MIB:.2f} output_mib={out_bytes / MIB:.2f} "
+                  f"forward_calibrated_mib={fwd / MIB:.2f} forward_filled_mib={ffwd / MIB:.2f} "
+                  f"backward_calibrated_mib={bwd / MIB:.2f} backward_filled_mib={fbwd / MIB:.2f}")
+            del conv, x
+            torch.cuda.empty_cache()
 
 
 def main():
@@ -250,6 +297,8 @@ def main():
             probe("gpt2", Gpt2Stack, batch, gpt_in, dtype)
     if "conv" in models or not sys.argv[1:]:
         conv_workspace()
+    if "resnet_conv" in models or not sys.argv[1:]:
+        resnet_convs()
 
 
 if __name__ == "__main__":
