@@ -457,12 +457,20 @@ fn planned_and_measured(loss: &LazyTensor, batch: usize) -> (u64, u64, String) {
     let options = Options::new().micro_batch(batch);
     let plan = loss.measured_plan(Mode::Backward, &options).expect("a plan");
     assert!(!plan.splits(), "the whole batch is planned: {plan}");
+    let measured = peak_above_before(|| {
+        loss.backward_with(&options).expect("forward and backward");
+    });
+    (plan.peak_bytes(), measured, plan.to_string())
+}
+
+/// The allocator's peak while `run` runs, above what was allocated before it.
+fn peak_above_before(run: impl FnOnce()) -> u64 {
     tch::Cuda::synchronize(0);
     let before = stats().allocated;
     assert!(memory::reset_cuda_peak(0));
-    loss.backward_with(&options).expect("forward and backward");
+    run();
     tch::Cuda::synchronize(0);
-    (plan.peak_bytes(), stats().peak_allocated - before, plan.to_string())
+    stats().peak_allocated - before
 }
 
 fn mib(bytes: u64) -> String {
@@ -1902,12 +1910,9 @@ fn gpt2_stack_step_by_step() {
                     continue;
                 }
             };
-            tch::Cuda::synchronize(0);
-            let before = stats().allocated;
-            assert!(memory::reset_cuda_peak(0));
-            loss.backward_with(&options).expect("the recomputed step");
-            tch::Cuda::synchronize(0);
-            let measured = stats().peak_allocated - before;
+            let measured = peak_above_before(|| {
+                loss.backward_with(&options).expect("the recomputed step");
+            });
             let what = format!("recomputed at {percent}%, {} segments", plan.segments().len());
             rows.push((what, plan.peak_bytes(), measured, plan.to_string()));
         }
@@ -1915,12 +1920,9 @@ fn gpt2_stack_step_by_step() {
         let options = Options::new().budget(whole * 45 / 100);
         for step in 0..2 {
             let plan = opt.plan_step(&loss, &options).expect("a plan of the Adam step");
-            tch::Cuda::synchronize(0);
-            let before = stats().allocated;
-            assert!(memory::reset_cuda_peak(0));
-            opt.f_backward_step_with(&loss, &options).expect("the Adam step");
-            tch::Cuda::synchronize(0);
-            let measured = stats().peak_allocated - before;
+            let measured = peak_above_before(|| {
+                opt.f_backward_step_with(&loss, &options).expect("the Adam step");
+            });
             if step == 1 {
                 let what = format!(
                     "Adam step at 45%, {} x{}, {} segments",
