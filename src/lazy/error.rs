@@ -96,6 +96,21 @@ pub enum LazyError {
         /// when the split was asked for rather than needed.
         requested: Option<usize>,
     },
+    /// A plan asked for before the kernel calls it needs measured were measured: on this
+    /// machine no rule read here prices them ([`CpuMachine::reads_rules_of`](crate::lazy::CpuMachine::reads_rules_of)),
+    /// and rules read elsewhere can be far under (an LSTM 3.6×, `Half` products on AVX512-FP16
+    /// 60%). Measure them first with [`LazyTensor::calibrate`](crate::lazy::LazyTensor::calibrate)
+    /// (the first step does it too), or plan by the rules anyway with
+    /// [`Calibrate::Never`](crate::lazy::Calibrate::Never).
+    #[error(
+        "toma::lazy: the plan needs {calls} kernel call(s) measured on this machine, first `{op}`, and none was          measured yet: call `.calibrate(mode, &options)` on the value first (the first step measures them too), or          plan by rules read on another machine, which may be under, with `Options::calibrate(Calibrate::Never)`"
+    )]
+    NotCalibrated {
+        /// Kernel calls that want measuring.
+        calls: usize,
+        /// The op of the first.
+        op: String,
+    },
     /// The value asked for cannot be put together from micro-batches.
     #[error("toma::lazy: {op} (shape {shape:?}) cannot be computed in micro-batches: {reason}")]
     NotSplittable {

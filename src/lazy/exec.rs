@@ -7,7 +7,7 @@ use super::cost::CostModel;
 use super::error::LazyError;
 use super::graph::{Flow, LazyTensor, RunCx, Share, Source};
 use super::options::Options;
-use super::plan::{self, Compiled, Corrections, Decision, Measure, Mode, Segments};
+use super::plan::{self, cuda_ordinal, Compiled, Corrections, Decision, Measure, Mode, Segments};
 use crate::oom::OutOfMemory;
 use crate::retry::Range;
 
@@ -230,12 +230,6 @@ fn recycle<'b>(mut list: Vec<&Tensor>) -> Vec<&'b Tensor> {
 }
 
 /// The CUDA ordinal of a device (`None`: the CPU's allocator and generator).
-fn cuda_ordinal(device: tch::Device) -> Option<usize> {
-    match device {
-        tch::Device::Cuda(i) => Some(i),
-        _ => None,
-    }
-}
 
 /// The tensors the graph's ops update in place (batch norm's running statistics).
 fn updated_tensors(c: &Compiled) -> Vec<Tensor> {
@@ -559,15 +553,20 @@ fn run_chunks(
     restart: bool,
     mut body: impl FnMut(i64, i64) -> Result<(), LazyError>,
 ) -> Result<(), LazyError> {
-    // Each micro-batch is measured against its plan where an allocator counts.
-    let counter = crate::memory::PeakCounter::for_device(cuda_ordinal(p.c.device()));
+    // Each micro-batch is measured against its plan where an allocator counts: on the CPU by
+    // this thread's own count, so that another thread's step is not taken for this one's.
+    let own = crate::memory::PeakCounter::own(cuda_ordinal(p.c.device()));
+    let counter = own.as_ref().map(|(c, _)| *c);
     let mut body = |start: i64, b: i64| -> Result<(), LazyError> {
         let Some(counter) = counter else { return body(start, b) };
+        let mark = counter.mark();
         let Some((before, outer_peak)) = counter.start() else { return body(start, b) };
         let result = body(start, b);
         let peak = counter.peak();
         counter.end(outer_peak);
         result?;
+        // What another thread's work reached says nothing of this plan.
+        let peak = peak.filter(|_| !counter.interfered(mark));
         if let Some(peak) = peak {
             let measured = peak.saturating_sub(before);
             let planned = p.d.peak_at(&p.c, b as u64);

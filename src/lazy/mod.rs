@@ -344,7 +344,7 @@ pub mod vision;
 mod wrap;
 
 pub use cost::cuda::{round_block, BLOCK};
-pub use cost::machine::{CpuIsa, CpuMachine};
+pub use cost::machine::{rules_trusted, trust_rules, CpuFeatures, CpuIsa, CpuMachine};
 pub use cost::measured::Calibration;
 pub use error::LazyError;
 pub use exec::TracedOp;

@@ -187,6 +187,12 @@ pub(crate) fn aten_cpu_capability() -> Result<String, AllocatorError> {
     shim::cpu_capability()
 }
 
+/// Whether libtorch hands `BFloat16` and `Half` kernels to oneDNN on this CPU: its
+/// `mkldnn_bf16_device_check` and `mkldnn_fp16_device_check`, asked through its own ops.
+pub(crate) fn onednn_kind_checks() -> Result<(bool, bool), AllocatorError> {
+    shim::cpu_onednn_checks()
+}
+
 /// Bytes of CPU memory available to this process now; see
 /// [`available_cpu_memory`](cpu::available_cpu_memory).
 pub fn cpu_available() -> u64 {

@@ -102,6 +102,12 @@ mod imp {
         fn toma_shim_cpu_stats(stats: *mut RawCpuStats) -> c_int;
         fn toma_shim_cpu_reset_peak() -> c_int;
         fn toma_shim_cpu_raise_peak(value: i64) -> c_int;
+        fn toma_shim_cpu_scope_begin(slot: *mut i64) -> c_int;
+        fn toma_shim_cpu_scope_end(slot: i64) -> c_int;
+        fn toma_shim_cpu_scope_stats(slot: i64, stats: *mut RawCpuStats) -> c_int;
+        fn toma_shim_cpu_scope_reset_peak(slot: i64) -> c_int;
+        fn toma_shim_cpu_scope_events(slot: i64, all: *mut i64, own: *mut i64) -> c_int;
+        fn toma_shim_cpu_onednn_checks(bf16: *mut i32, fp16: *mut i32) -> c_int;
         fn toma_shim_generator_state(device: i64, buf: *mut u8, cap: i64, size: *mut i64) -> c_int;
         fn toma_shim_set_generator_state(device: i64, buf: *const u8, size: i64) -> c_int;
         fn toma_shim_cpu_capability(buf: *mut c_char, cap: i64, size: *mut i64) -> c_int;
@@ -185,6 +191,44 @@ mod imp {
     pub(in crate::memory) fn cpu_raise_peak(value: u64) -> Result<(), AllocatorError> {
         // SAFETY: as above.
         check(unsafe { toma_shim_cpu_raise_peak(value as i64) }, 0)
+    }
+
+    pub(in crate::memory) fn cpu_scope_begin() -> Result<i64, AllocatorError> {
+        let mut slot = 0i64;
+        // SAFETY: as above; the shim writes `slot` only.
+        check(unsafe { toma_shim_cpu_scope_begin(&mut slot) }, 0)?;
+        Ok(slot)
+    }
+
+    pub(in crate::memory) fn cpu_scope_end(slot: i64) {
+        // SAFETY: as above; ending a scope the thread does not hold does nothing.
+        let _ = unsafe { toma_shim_cpu_scope_end(slot) };
+    }
+
+    pub(in crate::memory) fn cpu_scope_stats(slot: i64) -> Result<RawCpuStats, AllocatorError> {
+        let mut raw = RawCpuStats::default();
+        // SAFETY: as above; `raw` has the C struct's layout.
+        check(unsafe { toma_shim_cpu_scope_stats(slot, &mut raw) }, 0)?;
+        Ok(raw)
+    }
+
+    pub(in crate::memory) fn cpu_scope_reset_peak(slot: i64) -> Result<(), AllocatorError> {
+        // SAFETY: as above.
+        check(unsafe { toma_shim_cpu_scope_reset_peak(slot) }, 0)
+    }
+
+    pub(in crate::memory) fn cpu_scope_events(slot: i64) -> Result<(i64, i64), AllocatorError> {
+        let (mut all, mut own) = (0i64, 0i64);
+        // SAFETY: as above; the shim writes the two integers only.
+        check(unsafe { toma_shim_cpu_scope_events(slot, &mut all, &mut own) }, 0)?;
+        Ok((all, own))
+    }
+
+    pub(in crate::memory) fn cpu_onednn_checks() -> Result<(bool, bool), AllocatorError> {
+        let (mut bf16, mut fp16) = (0i32, 0i32);
+        // SAFETY: as above; the shim writes the two integers only.
+        check(unsafe { toma_shim_cpu_onednn_checks(&mut bf16, &mut fp16) }, 0)?;
+        Ok((bf16 != 0, fp16 != 0))
     }
 
     /// libtorch's ordinal for a generator: -1 for the CPU's.
@@ -300,6 +344,22 @@ mod imp {
     }
 
     pub(in crate::memory) fn cpu_raise_peak(_value: u64) -> Result<(), AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    pub(in crate::memory) fn cpu_scope_begin() -> Result<i64, AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    pub(in crate::memory) fn cpu_scope_end(_slot: i64) {}
+    pub(in crate::memory) fn cpu_scope_stats(_slot: i64) -> Result<RawCpuStats, AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    pub(in crate::memory) fn cpu_scope_reset_peak(_slot: i64) -> Result<(), AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    pub(in crate::memory) fn cpu_scope_events(_slot: i64) -> Result<(i64, i64), AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    pub(in crate::memory) fn cpu_onednn_checks() -> Result<(bool, bool), AllocatorError> {
         Err(AllocatorError::NotBuilt)
     }
     #[cfg(feature = "tch")]

@@ -4,9 +4,11 @@
 
 #include <ATen/Context.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/Parallel.h>
 #include <ATen/Version.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -107,11 +109,23 @@ class CountingCpuAllocator final : public c10::Allocator {
     // A failure stays the inner allocator's own (DefaultCPUAllocator: can't allocate memory).
     void* data = inner_->raw_allocate(n);
     if (data != nullptr) {
+      // The thread's scope, if it measures: its own count, which other threads never reach.
+      const uint32_t slot = thread_scope;
+      uint32_t generation = 0;
+      if (slot != 0) {
+        Scope& scope = scopes_[slot];
+        generation = scope.generation.load(std::memory_order_relaxed);
+        scope.add(static_cast<int64_t>(n));
+      }
+      note_event();
       try {
         Shard& shard = shard_of(data);
         std::lock_guard<std::mutex> lock(shard.mutex);
-        shard.sizes.emplace(data, n);
+        shard.sizes.emplace(data, Entry{n, slot, generation});
       } catch (...) {
+        if (slot != 0) {
+          scopes_[slot].add(-static_cast<int64_t>(n));
+        }
         inner_delete_(data);
         // Out of memory for the record itself: reported in the allocator's words, so that
         // toma retries it like any other CPU out-of-memory.
@@ -144,6 +158,20 @@ class CountingCpuAllocator final : public c10::Allocator {
 
   void reset_peak() {
     peak_.store(allocated_.load(std::memory_order_relaxed), std::memory_order_relaxed);
+    note_event();
+  }
+
+  // An event a measurement on another thread must know of: an allocation or a release outside
+  // libtorch's parallel regions (inside them, the workers of some thread's op run), or a reset
+  // of the peak. Counted for all, and for the calling thread's scope.
+  void note_event() {
+    if (at::in_parallel_region()) {
+      return;
+    }
+    events_.fetch_add(1, std::memory_order_relaxed);
+    if (thread_scope != 0) {
+      scopes_[thread_scope].events.fetch_add(1, std::memory_order_relaxed);
+    }
   }
 
   void raise_peak(int64_t value) {
@@ -152,11 +180,100 @@ class CountingCpuAllocator final : public c10::Allocator {
     }
   }
 
+  // Starts counting the calling thread on its own: the bytes in use when it starts, changed only
+  // by what this thread allocates and frees (and by frees elsewhere of what it allocated). Two
+  // threads that measure at once then see only their own work. 0 when the thread counts already
+  // or every scope is taken.
+  uint32_t begin_scope() {
+    if (thread_scope != 0) {
+      return 0;
+    }
+    for (uint32_t slot = 1; slot < kScopes; ++slot) {
+      bool free = false;
+      if (scopes_[slot].taken.compare_exchange_strong(free, true)) {
+        Scope& scope = scopes_[slot];
+        const int64_t now = allocated_.load(std::memory_order_relaxed);
+        scope.allocated.store(now, std::memory_order_relaxed);
+        scope.peak.store(now, std::memory_order_relaxed);
+        thread_scope = slot;
+        return slot;
+      }
+    }
+    return 0;
+  }
+
+  // Ends the calling thread's scope: what it allocated and frees later no longer reaches it.
+  void end_scope(uint32_t slot) {
+    if (slot == 0 || slot >= kScopes || thread_scope != slot) {
+      return;
+    }
+    thread_scope = 0;
+    scopes_[slot].generation.fetch_add(1, std::memory_order_relaxed);
+    scopes_[slot].taken.store(false);
+  }
+
+  bool scope_stats(uint32_t slot, toma_shim_cpu_counts* out) const {
+    if (slot == 0 || slot >= kScopes) {
+      return false;
+    }
+    const Scope& scope = scopes_[slot];
+    *out = {scope.allocated.load(std::memory_order_relaxed), scope.peak.load(std::memory_order_relaxed),
+            allocations_.load(std::memory_order_relaxed)};
+    return true;
+  }
+
+  // Events of every thread, and of the scope's own (`note_event`): a difference between their
+  // growths is another thread's work.
+  bool scope_events(uint32_t slot, int64_t* all, int64_t* own) const {
+    if (slot == 0 || slot >= kScopes) {
+      return false;
+    }
+    *all = events_.load(std::memory_order_relaxed);
+    *own = scopes_[slot].events.load(std::memory_order_relaxed);
+    return true;
+  }
+
+  bool scope_reset_peak(uint32_t slot) {
+    if (slot == 0 || slot >= kScopes) {
+      return false;
+    }
+    Scope& scope = scopes_[slot];
+    scope.peak.store(scope.allocated.load(std::memory_order_relaxed), std::memory_order_relaxed);
+    return true;
+  }
+
  private:
+  // What the side table keeps of an allocation: its size, and the scope that counted it (0:
+  // none) in the generation it had then, so that a scope ended and taken again is not reached.
+  struct Entry {
+    size_t bytes;
+    uint32_t slot;
+    uint32_t generation;
+  };
+
   struct Shard {
     std::mutex mutex;
-    std::unordered_map<void*, size_t> sizes;
+    std::unordered_map<void*, Entry> sizes;
   };
+
+  struct Scope {
+    std::atomic<bool> taken{false};
+    std::atomic<uint32_t> generation{0};
+    std::atomic<int64_t> allocated{0};
+    std::atomic<int64_t> peak{0};
+    std::atomic<int64_t> events{0};
+
+    void add(int64_t n) {
+      const int64_t now = allocated.fetch_add(n, std::memory_order_relaxed) + n;
+      int64_t high = peak.load(std::memory_order_relaxed);
+      while (now > high && !peak.compare_exchange_weak(high, now, std::memory_order_relaxed)) {
+      }
+    }
+  };
+
+  static constexpr uint32_t kScopes = 64;
+  // The scope of the calling thread (0: none).
+  static thread_local uint32_t thread_scope;
 
   Shard& shard_of(void* data) {
     // Allocations are 64-byte aligned: skip the bits that are always zero.
@@ -175,24 +292,39 @@ class CountingCpuAllocator final : public c10::Allocator {
   std::atomic<int64_t> allocated_{0};
   std::atomic<int64_t> peak_{0};
   std::atomic<int64_t> allocations_{0};
+  std::atomic<int64_t> events_{0};
+  Scope scopes_[kScopes];
 };
+
+thread_local uint32_t CountingCpuAllocator::thread_scope = 0;
 
 // The installed counter; never freed, since tensors anywhere may still point at it.
 std::atomic<CountingCpuAllocator*> cpu_counter{nullptr};
 
 void CountingCpuAllocator::release(void* data) {
   CountingCpuAllocator* self = cpu_counter.load();
-  size_t bytes = 0;
+  Entry entry{0, 0, 0};
   {
     Shard& shard = self->shard_of(data);
     std::lock_guard<std::mutex> lock(shard.mutex);
     auto found = shard.sizes.find(data);
     if (found != shard.sizes.end()) {
-      bytes = found->second;
+      entry = found->second;
       shard.sizes.erase(found);
     }
   }
+  const size_t bytes = entry.bytes;
   self->allocated_.fetch_sub(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+  // The scope that counted it, while it lasts; else the freeing thread's: a tensor made before
+  // a measurement and freed by its work lowers what is in use, as the process-wide count has it.
+  if (entry.slot != 0 && self->scopes_[entry.slot].generation.load(std::memory_order_relaxed) == entry.generation) {
+    self->scopes_[entry.slot].add(-static_cast<int64_t>(bytes));
+  } else if (entry.slot == 0 && bytes != 0 && thread_scope != 0) {
+    self->scopes_[thread_scope].add(-static_cast<int64_t>(bytes));
+  }
+  if (bytes != 0) {
+    self->note_event();
+  }
   if (self->trace_) {
     std::fprintf(stderr, "toma-alloc -%zu\n", bytes);
   }
@@ -252,6 +384,75 @@ int toma_shim_cpu_raise_peak(int64_t value) {
       return fail(TOMA_SHIM_NOT_TRACKING, "CPU allocations are not counted: call toma::memory::track_cpu_allocations first");
     }
     counter->raise_peak(value);
+    return TOMA_SHIM_OK;
+  });
+}
+
+int toma_shim_cpu_scope_begin(int64_t* slot) {
+  return guarded([&]() -> int {
+    CountingCpuAllocator* counter = cpu_counter.load();
+    if (counter == nullptr) {
+      return fail(TOMA_SHIM_NOT_TRACKING, "CPU allocations are not counted: call toma::memory::track_cpu_allocations first");
+    }
+    *slot = counter->begin_scope();
+    return *slot == 0 ? fail(TOMA_SHIM_ERROR, "this thread counts on its own already, or every scope is taken") : TOMA_SHIM_OK;
+  });
+}
+
+int toma_shim_cpu_scope_end(int64_t slot) {
+  return guarded([&]() -> int {
+    CountingCpuAllocator* counter = cpu_counter.load();
+    if (counter != nullptr) {
+      counter->end_scope(static_cast<uint32_t>(slot));
+    }
+    return TOMA_SHIM_OK;
+  });
+}
+
+int toma_shim_cpu_scope_stats(int64_t slot, toma_shim_cpu_counts* out) {
+  return guarded([&]() -> int {
+    CountingCpuAllocator* counter = cpu_counter.load();
+    if (counter == nullptr || !counter->scope_stats(static_cast<uint32_t>(slot), out)) {
+      return fail(TOMA_SHIM_NOT_TRACKING, "no such CPU counting scope");
+    }
+    return TOMA_SHIM_OK;
+  });
+}
+
+int toma_shim_cpu_scope_events(int64_t slot, int64_t* all, int64_t* own) {
+  return guarded([&]() -> int {
+    CountingCpuAllocator* counter = cpu_counter.load();
+    if (counter == nullptr || !counter->scope_events(static_cast<uint32_t>(slot), all, own)) {
+      return fail(TOMA_SHIM_NOT_TRACKING, "no such CPU counting scope");
+    }
+    return TOMA_SHIM_OK;
+  });
+}
+
+int toma_shim_cpu_scope_reset_peak(int64_t slot) {
+  return guarded([&]() -> int {
+    CountingCpuAllocator* counter = cpu_counter.load();
+    if (counter == nullptr || !counter->scope_reset_peak(static_cast<uint32_t>(slot))) {
+      return fail(TOMA_SHIM_NOT_TRACKING, "no such CPU counting scope");
+    }
+    return TOMA_SHIM_OK;
+  });
+}
+
+int toma_shim_cpu_onednn_checks(int32_t* bf16, int32_t* fp16) {
+  return guarded([&]() -> int {
+    // libtorch's own answers (`mkldnn_bf16_device_check`, `mkldnn_fp16_device_check`, as
+    // torch.ops.mkldnn._is_mkldnn_bf16_supported gives them): they decide which kinds it hands
+    // to oneDNN. Absent ops (a libtorch built without oneDNN) answer no.
+    auto ask = [](const char* name) -> int32_t {
+      auto op = c10::Dispatcher::singleton().findSchema({name, ""});
+      if (!op.has_value()) {
+        return 0;
+      }
+      return op->typed<bool()>().call() ? 1 : 0;
+    };
+    *bf16 = ask("mkldnn::_is_mkldnn_bf16_supported");
+    *fp16 = ask("mkldnn::_is_mkldnn_fp16_supported");
     return TOMA_SHIM_OK;
   });
 }

@@ -81,6 +81,30 @@ int toma_shim_cpu_reset_peak(void);
 // outer one its peak back); TOMA_SHIM_NOT_TRACKING before toma_shim_cpu_track.
 int toma_shim_cpu_raise_peak(int64_t value);
 
+// Starts counting the calling thread's CPU allocations on their own (a measurement other
+// threads' work must not reach): from the bytes in use now, changed by what this thread
+// allocates and frees, and by frees anywhere of what it allocated. `*slot` names the scope;
+// TOMA_SHIM_ERROR when the thread counts on its own already or all 63 scopes are taken.
+int toma_shim_cpu_scope_begin(int64_t* slot);
+
+// Ends the calling thread's scope `slot` (its number may be taken again).
+int toma_shim_cpu_scope_end(int64_t slot);
+
+// A scope's bytes in use and peak (`allocations` is the process's).
+int toma_shim_cpu_scope_stats(int64_t slot, toma_shim_cpu_counts* stats);
+
+// Events (allocations and releases outside libtorch's parallel regions, resets of the peak) of
+// every thread, and of scope `slot`'s thread: when the first grows more than the second,
+// another thread's work reached the process-wide figures.
+int toma_shim_cpu_scope_events(int64_t slot, int64_t* all, int64_t* own);
+
+// Resets a scope's peak to its bytes in use.
+int toma_shim_cpu_scope_reset_peak(int64_t slot);
+
+// Whether libtorch hands BFloat16 and Half kernels to oneDNN on this CPU (its
+// mkldnn_bf16_device_check and mkldnn_fp16_device_check), 1 or 0 each.
+int toma_shim_cpu_onednn_checks(int32_t* bf16, int32_t* fp16);
+
 // The state of libtorch's default random generator of a device (`device` < 0: the CPU's, else
 // that CUDA ordinal's), copied into `buf` (`cap` bytes); `*size` is its length. When `cap` is
 // too small nothing is copied and `*size` says how much is needed: call again.

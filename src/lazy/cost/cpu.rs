@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 use tch::Kind;
 
 use super::brgemm;
-pub(crate) use super::machine::{libtorch_version, READ_THREADS};
+pub(crate) use super::machine::libtorch_version;
 use super::machine::{CpuIsa, CpuMachine};
 use super::onednn::OneDnn;
 use super::work::{batch_of, chord, Scratch};
@@ -32,10 +32,11 @@ pub(crate) struct Cpu {
     pub(crate) isa: CpuIsa,
     pub(crate) threads: u64,
     pub(crate) onednn: OneDnn,
-    /// Whether libtorch runs `BFloat16` convolutions through oneDNN here (its
-    /// `mkldnn_bf16_device_check`: AVX-512 BW, VL and DQ on x86, as the CPU has them, whatever
-    /// oneDNN's cap).
+    /// Whether libtorch runs `BFloat16` convolutions and products through oneDNN here (its
+    /// `mkldnn_bf16_device_check`).
     pub(crate) bf16_onednn: bool,
+    /// The whole key the rules are trusted on ([`CpuMachine::reads_rules_of`]).
+    pub(crate) key: CpuMachine,
 }
 
 impl Cpu {
@@ -44,8 +45,7 @@ impl Cpu {
     pub(crate) fn host() -> &'static Cpu {
         static HOST: OnceLock<Cpu> = OnceLock::new();
         HOST.get_or_init(|| {
-            let mut cpu = Cpu::of(&CpuMachine::host());
-            cpu.bf16_onednn = host_bf16_onednn();
+            let cpu = Cpu::of(&CpuMachine::host());
             if !cpu.onednn.validated() {
                 let (major, minor) = super::onednn::READ_ON;
                 tracing::warn!(
@@ -73,29 +73,38 @@ impl Cpu {
         if threads == host.threads {
             return host.clone();
         }
-        Cpu { threads, onednn: OneDnn { threads, ..host.onednn }, ..host.clone() }
+        Cpu {
+            threads,
+            onednn: OneDnn { threads, ..host.onednn },
+            key: CpuMachine { threads: threads as usize, ..host.key },
+            ..host.clone()
+        }
     }
 
     /// The machine this CPU model prices for.
     pub(crate) fn machine(&self) -> CpuMachine {
-        CpuMachine { isa: self.isa, threads: self.threads as usize, libtorch: self.onednn.libtorch }
+        self.key
     }
 
     /// Whether the rule that prices `call` was read on exactly this machine, for every form of
-    /// the call: the libtorch release, oneDNN's instruction set and the threads
-    /// ([`CpuMachine::rules_read_on`]) and the kind. Convolutions (oneDNN's and the native
-    /// ones) were read in `Float`, `Double` and `Half` there, but for a `Float` kernel that
-    /// covers its whole input (oneDNN runs it as an inner product); products have scratch only
-    /// in `BFloat16`, through oneDNN, whose rules miss some forms (a product with a transposed
-    /// operand, a matrix times a batch, `mv` and `dot`), so they are measured. The rest are
-    /// libtorch's formulas, read on its release. What was not read here is measured where an
-    /// allocator counts ([`measured`](super::measured)).
+    /// the call: products and convolutions only on the key they were read on
+    /// ([`CpuMachine::reads_rules_of`] [`CpuMachine::rules_read_on`]: the libtorch release,
+    /// oneDNN's instruction set, the CPU's features, libtorch's bf16 and fp16 checks, ATen's
+    /// capability, at most its threads), and only in the kinds read there. Convolutions
+    /// (oneDNN's and the native ones) were read in `Float`, `Double` and `Half`, but for a
+    /// `Float` kernel that covers its whole input (oneDNN runs it as an inner product);
+    /// products in `Float`, `Double` and `Half` (libtorch's own BLAS there; a CPU with
+    /// AVX512-FP16 or AMX-FP16 hands `Half` products to oneDNN, and is another key). `BFloat16`
+    /// products go through oneDNN, whose rules miss some forms (a transposed operand, a matrix
+    /// times a batch, `mv` and `dot`), so they are measured everywhere. The rest are libtorch's
+    /// formulas, read on its release. Under [`trust_rules`](super::machine::trust_rules)`(false)`
+    /// nothing with a rule is trusted. What is not trusted is measured where an allocator
+    /// counts ([`measured`](super::measured)).
     pub(crate) fn validated(&self, call: &KernelCall<'_>) -> bool {
-        if !self.onednn.validated() {
+        if !self.onednn.validated() || !super::machine::rules_trusted() {
             return false;
         }
-        let read_on = CpuMachine::rules_read_on();
-        let machine_read = self.isa == read_on.isa && self.threads <= READ_THREADS;
+        let machine_read = self.key.reads_rules_of(&CpuMachine::rules_read_on());
         match call {
             // A `Float` kernel that covers its whole input runs as oneDNN's inner product, whose
             // matmul scratch changes with the batch (no rule read: by rules such a layer was 11%
@@ -105,20 +114,21 @@ impl Cpu {
                     && matches!(c.output.kind, Kind::Float | Kind::Double | Kind::Half)
                     && !(c.output.kind == Kind::Float && c.covers_input())
             }
-            KernelCall::Product(p) => matches!(p.out.kind, Kind::Float | Kind::Double | Kind::Half),
+            KernelCall::Product(p) => machine_read && matches!(p.out.kind, Kind::Float | Kind::Double | Kind::Half),
             _ => true,
         }
     }
 
     /// The model of `machine`: oneDNN's channel block for its instruction set, and libtorch's
-    /// bf16 check as a CPU with that instruction set passes it.
+    /// bf16 check as the machine answers it.
     pub(crate) fn of(machine: &CpuMachine) -> Cpu {
         let threads = machine.threads.max(1) as u64;
         Cpu {
             isa: machine.isa,
             threads,
             onednn: OneDnn { libtorch: machine.libtorch, block: machine.isa.block(), threads },
-            bf16_onednn: machine.isa >= CpuIsa::Avx512Core,
+            bf16_onednn: machine.bf16_onednn,
+            key: CpuMachine { threads: threads as usize, ..*machine },
         }
     }
 
@@ -338,16 +348,4 @@ fn native_grouped(c: &Convolution<'_>) -> Scratch {
         group.max(pieces)
     });
     Scratch { forward, backward }
-}
-
-/// Whether libtorch's oneDNN takes `BFloat16` convolutions on this CPU.
-fn host_bf16_onednn() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512bw")
-            && std::arch::is_x86_feature_detected!("avx512vl")
-            && std::arch::is_x86_feature_detected!("avx512dq")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
 }

@@ -1,10 +1,14 @@
 //! The CPU as the libraries will run on it: the instruction set oneDNN will use (which honours
-//! `ONEDNN_MAX_CPU_ISA`), ATen's CPU capability (which honours `ATEN_CPU_CAPABILITY`), the
-//! intra-op threads and the libtorch release. A plan's rules are trusted only on the machine
-//! they were read on ([`CpuMachine::rules_read_on`]); elsewhere the calls whose memory depends
-//! on the library's kernel choice are measured ([`Calibrate`](crate::lazy::Calibrate)).
+//! `ONEDNN_MAX_CPU_ISA`), the CPU features libtorch and oneDNN choose kernels by (AVX512-FP16,
+//! AMX, AVX512-BF16, VNNI, AVX-VNNI), libtorch's own answer to which reduced-precision kinds it
+//! hands to oneDNN, ATen's CPU capability (which honours `ATEN_CPU_CAPABILITY`), the intra-op
+//! threads and the libtorch release. A plan's rules for products and convolutions are trusted
+//! only on the key they were read on ([`CpuMachine::rules_read_on`]); elsewhere those calls are
+//! measured ([`Calibrate`](crate::lazy::Calibrate)). `docs/cpu-dispatch.md` says which feature
+//! changes which kernel.
 
 use std::fmt;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 /// oneDNN's x86 instruction sets, lowest first, as `ONEDNN_MAX_CPU_ISA` names them. oneDNN
@@ -85,6 +89,19 @@ impl CpuIsa {
         CpuIsa::ALL.into_iter().find(|isa| isa.name() == alias)
     }
 
+    /// Whether libtorch's `mkldnn_bf16_device_check` passes where oneDNN uses this instruction
+    /// set: ideep's bf16 support, from AVX2 with VNNI-INT8 and NE-CONVERT, or AVX-512 core. It
+    /// reads oneDNN's effective instruction set, so `ONEDNN_MAX_CPU_ISA` lowers it too.
+    pub fn passes_bf16_check(self) -> bool {
+        self == CpuIsa::Avx2Vnni2 || self >= CpuIsa::Avx512Core
+    }
+
+    /// Whether libtorch's `mkldnn_fp16_device_check` passes: ideep's fp16 support, on AVX2
+    /// with VNNI-INT8 and NE-CONVERT, or from AVX-512 with FP16 (capped like the bf16 check).
+    pub fn passes_fp16_check(self) -> bool {
+        self == CpuIsa::Avx2Vnni2 || self >= CpuIsa::Avx512CoreFp16
+    }
+
     /// oneDNN's channel block for `Float` convolutions: 16 with AVX-512, else 8.
     pub(crate) fn block(self) -> u64 {
         if self >= CpuIsa::Avx512Core {
@@ -163,10 +180,95 @@ impl fmt::Display for CpuIsa {
     }
 }
 
-/// A CPU as the planner's rules price it: the instruction set oneDNN uses, libtorch's intra-op
-/// threads and its release. [`host`](Self::host) is this one; [`rules_read_on`](Self::rules_read_on)
-/// the one the rules were read on; a plan's calls are priced by rules without measuring only
-/// where the two agree (for the calls whose memory depends on the library's kernel choice).
+/// The CPU features libtorch and oneDNN choose kernels by, as the CPU reports them (CPUID),
+/// whatever `ONEDNN_MAX_CPU_ISA` caps: a cap lowers oneDNN's [`CpuIsa`], not what the CPU has.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CpuFeatures {
+    /// AVX512-FP16: oneDNN's `Half` kernels (and libtorch's fp16 check).
+    pub avx512_fp16: bool,
+    /// AVX512-BF16.
+    pub avx512_bf16: bool,
+    /// AMX tiles with BF16 (and INT8).
+    pub amx_bf16: bool,
+    /// AMX tiles with FP16.
+    pub amx_fp16: bool,
+    /// AVX512-VNNI.
+    pub avx512_vnni: bool,
+    /// AVX-VNNI (VEX-encoded).
+    pub avx_vnni: bool,
+}
+
+impl CpuFeatures {
+    /// The features a CPU has whose oneDNN reaches `isa` uncapped (what each level requires).
+    pub fn of_isa(isa: CpuIsa) -> CpuFeatures {
+        CpuFeatures {
+            avx512_fp16: isa >= CpuIsa::Avx512CoreFp16,
+            avx512_bf16: isa >= CpuIsa::Avx512CoreBf16,
+            amx_bf16: isa >= CpuIsa::Avx512CoreAmx,
+            amx_fp16: isa >= CpuIsa::Avx512CoreAmxFp16,
+            avx512_vnni: isa >= CpuIsa::Avx512CoreVnni,
+            avx_vnni: matches!(isa, CpuIsa::Avx2Vnni | CpuIsa::Avx2Vnni2) || isa >= CpuIsa::Avx512CoreFp16,
+        }
+    }
+
+    /// This CPU's, from CPUID (read once).
+    pub fn detected() -> CpuFeatures {
+        static FEATURES: OnceLock<CpuFeatures> = OnceLock::new();
+        *FEATURES.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            {
+                use std::arch::is_x86_feature_detected as has;
+                use std::arch::x86_64::{__cpuid, __cpuid_count};
+                // AMX-BF16 is CPUID leaf 7 sub-leaf 0 EDX bit 22; AVX-VNNI and AMX-FP16 are
+                // sub-leaf 1 EAX bits 4 and 21.
+                let (edx0, eax1) =
+                    if __cpuid(0).eax >= 7 { (__cpuid_count(7, 0).edx, __cpuid_count(7, 1).eax) } else { (0, 0) };
+                let bit = |word: u32, b: u32| word & (1 << b) != 0;
+                CpuFeatures {
+                    avx512_fp16: has!("avx512fp16"),
+                    avx512_bf16: has!("avx512bf16"),
+                    amx_bf16: bit(edx0, 22),
+                    amx_fp16: bit(eax1, 21),
+                    avx512_vnni: has!("avx512vnni"),
+                    avx_vnni: bit(eax1, 4),
+                }
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            CpuFeatures::default()
+        })
+    }
+}
+
+impl fmt::Display for CpuFeatures {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let named = [
+            (self.avx512_fp16, "avx512_fp16"),
+            (self.avx512_bf16, "avx512_bf16"),
+            (self.amx_bf16, "amx_bf16"),
+            (self.amx_fp16, "amx_fp16"),
+            (self.avx512_vnni, "avx512_vnni"),
+            (self.avx_vnni, "avx_vnni"),
+        ];
+        let mut any = false;
+        for (_, name) in named.iter().filter(|(has, _)| *has) {
+            f.write_str(if any { "+" } else { "" })?;
+            f.write_str(name)?;
+            any = true;
+        }
+        if !any {
+            f.write_str("none of avx512_fp16/bf16, amx, vnni")?;
+        }
+        Ok(())
+    }
+}
+
+/// A CPU as the planner's rules price it: the instruction set oneDNN uses, the CPU features
+/// kernels are chosen by, libtorch's reduced-precision checks, ATen's capability, libtorch's
+/// intra-op threads and its release. [`host`](Self::host) is this one;
+/// [`rules_read_on`](Self::rules_read_on) the one the rules were read on. A plan prices
+/// products and convolutions by rules without measuring only where the two keys agree
+/// ([`reads_rules_of`](Self::reads_rules_of)), and never in [`trust_rules`]`(false)` mode.
 ///
 /// ```
 /// use toma::lazy::{CpuIsa, CpuMachine};
@@ -176,12 +278,26 @@ impl fmt::Display for CpuIsa {
 /// // The machine the rules were read on is data, not special.
 /// let avx2 = CpuMachine::new(CpuIsa::Avx2, 2);
 /// assert_ne!(avx2, CpuMachine::rules_read_on());
+/// assert!(!avx2.reads_rules_of(&CpuMachine::rules_read_on()));
+/// // One feature apart is another machine: AVX512-FP16 hands `Half` products to oneDNN.
+/// let mut fp16 = CpuMachine::rules_read_on();
+/// fp16.features.avx512_fp16 = true;
+/// assert!(!fp16.reads_rules_of(&CpuMachine::rules_read_on()));
 /// ```
 #[non_exhaustive]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CpuMachine {
     /// The instruction set oneDNN uses.
     pub isa: CpuIsa,
+    /// The features the CPU has (not capped by `ONEDNN_MAX_CPU_ISA`).
+    pub features: CpuFeatures,
+    /// Whether libtorch hands `BFloat16` kernels to oneDNN (its `mkldnn_bf16_device_check`).
+    pub bf16_onednn: bool,
+    /// Whether libtorch hands `Half` kernels to oneDNN (its `mkldnn_fp16_device_check`).
+    pub fp16_onednn: bool,
+    /// ATen's CPU capability (`"AVX512"`, `"AVX2"`, `"DEFAULT"`, ..; `ATEN_CPU_CAPABILITY`
+    /// lowers it).
+    pub aten: &'static str,
     /// libtorch's intra-op threads.
     pub threads: usize,
     /// libtorch's `(major, minor)` release; `None` when unknown.
@@ -189,38 +305,127 @@ pub struct CpuMachine {
 }
 
 impl CpuMachine {
-    /// A CPU whose oneDNN uses `isa`, with `threads` intra-op threads, on the libtorch toma was
-    /// built against.
+    /// A CPU whose oneDNN uses `isa` uncapped, with `threads` intra-op threads, on the libtorch
+    /// toma was built against: its features, libtorch's checks and ATen's capability are what
+    /// such a CPU has.
     pub fn new(isa: CpuIsa, threads: usize) -> CpuMachine {
-        CpuMachine { isa, threads: threads.max(1), libtorch: libtorch_version() }
-    }
-
-    /// The machine the CPU rules were read on (`src/lazy/cost/onednn.rs`): libtorch 2.11.0
-    /// (oneDNN 3.10.2) on an x86 CPU whose oneDNN uses AVX-512 with BF16, 2 threads.
-    /// `docs/ops.md` prices ops for it.
-    pub fn rules_read_on() -> CpuMachine {
         CpuMachine {
-            isa: CpuIsa::Avx512CoreBf16,
-            threads: READ_THREADS as usize,
-            libtorch: Some(super::onednn::READ_ON),
+            isa,
+            features: CpuFeatures::of_isa(isa),
+            bf16_onednn: isa.passes_bf16_check(),
+            fp16_onednn: isa.passes_fp16_check(),
+            aten: if isa >= CpuIsa::Avx512Core {
+                "AVX512"
+            } else if isa >= CpuIsa::Avx2 {
+                "AVX2"
+            } else {
+                "DEFAULT"
+            },
+            threads: threads.max(1),
+            libtorch: libtorch_version(),
         }
     }
 
-    /// This machine as libtorch runs it now: oneDNN's instruction set (read once), libtorch's
-    /// threads at this moment, and its release.
+    /// The machine the CPU rules were read on (`src/lazy/cost/onednn.rs`): libtorch 2.11.0
+    /// (oneDNN 3.10.2) on an x86 CPU whose oneDNN uses AVX-512 with BF16 (VNNI, no FP16, no
+    /// AMX), ATen's AVX512 kernels, 2 threads. `docs/ops.md` prices ops for it.
+    pub fn rules_read_on() -> CpuMachine {
+        CpuMachine {
+            threads: READ_THREADS as usize,
+            libtorch: Some(super::onednn::READ_ON),
+            ..CpuMachine::new(CpuIsa::Avx512CoreBf16, READ_THREADS as usize)
+        }
+    }
+
+    /// This machine as libtorch runs it now: oneDNN's instruction set and the CPU's features
+    /// (read once), libtorch's own bf16 and fp16 checks and ATen's capability (asked once),
+    /// libtorch's threads at this moment, and its release.
     pub fn host() -> CpuMachine {
-        CpuMachine { isa: host_isa(), threads: tch::get_num_threads().max(1) as usize, libtorch: libtorch_version() }
+        let isa = host_isa();
+        let (bf16_onednn, fp16_onednn) = host_onednn_checks();
+        CpuMachine {
+            isa,
+            features: CpuFeatures::detected(),
+            bf16_onednn,
+            fp16_onednn,
+            aten: aten_capability(),
+            threads: tch::get_num_threads().max(1) as usize,
+            libtorch: libtorch_version(),
+        }
+    }
+
+    /// Whether rules read on `read_on` price this machine's products and convolutions: the same
+    /// key (oneDNN's instruction set, the features, libtorch's checks, ATen's capability, the
+    /// release) and at most the threads they were read on.
+    pub fn reads_rules_of(&self, read_on: &CpuMachine) -> bool {
+        self.libtorch.is_some()
+            && CpuMachine { threads: read_on.threads, ..*self } == *read_on
+            && self.threads <= read_on.threads
     }
 }
 
 impl fmt::Display for CpuMachine {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "oneDNN {}, {} thread(s), libtorch ", self.isa, self.threads)?;
+        write!(f, "oneDNN {} ({}), ATen {}, ", self.isa, self.features, self.aten)?;
+        let kinds = match (self.bf16_onednn, self.fp16_onednn) {
+            (true, true) => "BFloat16 and Half to oneDNN",
+            (true, false) => "BFloat16 to oneDNN",
+            (false, true) => "Half to oneDNN",
+            (false, false) => "no reduced kind to oneDNN",
+        };
+        write!(f, "{kinds}, {} thread(s), libtorch ", self.threads)?;
         match self.libtorch {
             Some((major, minor)) => write!(f, "{major}.{minor}"),
             None => f.write_str("unknown"),
         }
     }
+}
+
+/// Whether a plan may price products and convolutions by rules at all (on by default; off
+/// where `TOMA_TRUST_RULES` is `0`, `off` or `false` when first asked): off, every kernel call
+/// that has a rule is measured instead, as [`Calibrate::Always`](crate::lazy::Calibrate) does
+/// for one plan. For tests, and for users whose machine no rule was read on. Returns the
+/// setting before.
+///
+/// ```
+/// let before = toma::lazy::trust_rules(false);
+/// assert!(!toma::lazy::rules_trusted());
+/// toma::lazy::trust_rules(before);
+/// ```
+pub fn trust_rules(on: bool) -> bool {
+    let before = rules_trusted();
+    TRUST.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+    before
+}
+
+/// Whether rules are trusted ([`trust_rules`]).
+pub fn rules_trusted() -> bool {
+    match TRUST.load(Ordering::Relaxed) {
+        1 => true,
+        2 => false,
+        _ => {
+            let off = std::env::var("TOMA_TRUST_RULES")
+                .is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "0" | "off" | "false" | "no"));
+            // A setting made meanwhile stands.
+            let _ = TRUST.compare_exchange(0, if off { 2 } else { 1 }, Ordering::Relaxed, Ordering::Relaxed);
+            TRUST.load(Ordering::Relaxed) == 1
+        }
+    }
+}
+
+/// 0: not asked yet; 1: trusted; 2: not.
+static TRUST: AtomicU8 = AtomicU8::new(0);
+
+/// libtorch's own bf16 and fp16 checks on this machine (asked once); without the shim, what
+/// its checks read on x86 (oneDNN's capped instruction set, see [`CpuIsa::passes_bf16_check`]).
+fn host_onednn_checks() -> (bool, bool) {
+    static CHECKS: OnceLock<(bool, bool)> = OnceLock::new();
+    *CHECKS.get_or_init(|| {
+        crate::memory::onednn_kind_checks().unwrap_or_else(|_| {
+            let isa = host_isa();
+            (isa.passes_bf16_check(), isa.passes_fp16_check())
+        })
+    })
 }
 
 /// The most intra-op threads the thread-dependent rules (oneDNN's convolutions) were read on:
@@ -247,8 +452,15 @@ pub(crate) fn host_isa() -> CpuIsa {
 /// ATen's CPU capability as libtorch picked it (`"AVX512"`, `"AVX2"`, `"DEFAULT"`, ..; it
 /// honours `ATEN_CPU_CAPABILITY`), read once; `"unknown"` without the shim.
 pub(crate) fn aten_capability() -> &'static str {
-    static CAPABILITY: OnceLock<String> = OnceLock::new();
-    CAPABILITY.get_or_init(|| crate::memory::aten_cpu_capability().unwrap_or_else(|_| "unknown".into()))
+    static CAPABILITY: OnceLock<&'static str> = OnceLock::new();
+    CAPABILITY.get_or_init(|| match crate::memory::aten_cpu_capability() {
+        // The names libtorch gives, as static strings (a key is `Copy`).
+        Ok(name) => ["DEFAULT", "AVX2", "AVX512", "ZVECTOR", "VSX", "SVE128", "SVE256", "SVE512"]
+            .into_iter()
+            .find(|known| name.eq_ignore_ascii_case(known))
+            .unwrap_or_else(|| Box::leak(name.into_boxed_str())),
+        Err(_) => "unknown",
+    })
 }
 
 #[cfg(test)]

@@ -119,6 +119,11 @@ pub struct Calibration {
     pub unmeasured: usize,
     /// Why the first unmeasured call was not measured.
     pub why_unmeasured: Option<String>,
+    /// The op of the first unmeasured call.
+    pub first_unmeasured: Option<String>,
+    /// Of the unmeasured calls, those never tried: a plan runs nothing, and a calibration or
+    /// the first step would measure them.
+    pub awaiting: usize,
     /// Calls priced by rules read on exactly this machine, not measured
     /// ([`CpuMachine::rules_read_on`](crate::lazy::CpuMachine::rules_read_on)).
     pub by_rules: usize,
@@ -240,12 +245,16 @@ pub(crate) fn calibrate(
     training: bool,
     how: Calibrate,
     measure: bool,
+    room: u64,
 ) -> Rc<Calibrated> {
     if how == Calibrate::Never || nodes.is_empty() {
         return Rc::new(Calibrated::empty(training));
     }
     let threads = tch::get_num_threads().max(0) as u64;
-    let graph = crate::hash::mix(structure ^ u64::from(training) << 62 ^ (threads << 48) ^ (how as u64) << 60);
+    let trusted = super::machine::rules_trusted();
+    let graph = crate::hash::mix(
+        structure ^ u64::from(training) << 62 ^ (threads << 48) ^ (how as u64) << 60 ^ u64::from(trusted) << 58,
+    );
     let recent = CALIBRATED.with(|c| c.borrow().iter().find(|(k, _)| *k == graph).map(|(_, cal)| cal.clone()));
     if let Some(cal) = recent {
         // Found whole: what it measured is measured earlier now.
@@ -253,7 +262,7 @@ pub(crate) fn calibrate(
         let summary = Calibration { measured: 0, remembered: found, elapsed: Duration::ZERO, ..cal.summary.clone() };
         return Rc::new(Calibrated { summary, by_node: cal.by_node.clone(), training, new: Vec::new() });
     }
-    let cal = Rc::new(measure_graph(nodes, model, training, how, threads, measure));
+    let cal = Rc::new(measure_graph(nodes, model, training, how, threads, measure, room));
     // Graphs whose calls could not all be measured are tried again (a counter may start).
     if cal.summary.unmeasured == 0 {
         CALIBRATED.with(|c| {
@@ -281,6 +290,7 @@ fn measure_graph(
     how: Calibrate,
     threads: u64,
     may_measure: bool,
+    room: u64,
 ) -> Calibrated {
     let mut cal = Calibrated::empty(training);
     let mut by_node = Vec::new();
@@ -312,7 +322,10 @@ fn measure_graph(
         Some(Device::Cuda(i)) => Some(i),
         _ => None,
     };
-    let counter = if may_measure { PeakCounter::for_device(device) } else { None };
+    // The thread's own count where it has one: another thread's work at the same time is not
+    // this call's (two threads calibrating at once planned +304% and +26% otherwise).
+    let own = if may_measure { PeakCounter::own(device) } else { None };
+    let counter = own.as_ref().map(|(c, _)| *c);
     let started = Instant::now();
     let mut generator = None;
     // Found ones are read under one lock; the others are measured without it.
@@ -341,7 +354,9 @@ fn measure_graph(
             None => {
                 let Some(counter) = counter else {
                     cal.summary.unmeasured += 1;
+                    cal.summary.first_unmeasured.get_or_insert_with(|| node.name().to_string());
                     if !may_measure {
+                        cal.summary.awaiting += 1;
                         cal.summary.why_unmeasured.get_or_insert_with(|| {
                             "a plan runs nothing: LazyTensor::calibrate, or the first step, measures it".into()
                         });
@@ -358,12 +373,13 @@ fn measure_graph(
                 let state = generator.get_or_insert_with(|| crate::memory::generator_state(device).ok());
                 if state.is_none() {
                     cal.summary.unmeasured += 1;
+                    cal.summary.first_unmeasured.get_or_insert_with(|| node.name().to_string());
                     cal.summary.why_unmeasured.get_or_insert_with(|| {
                         "the libtorch shim is not built: libtorch's generator could not be restored".into()
                     });
                     continue;
                 }
-                let result = catch_unwind(AssertUnwindSafe(|| measure(node, counter, training, model.block())))
+                let result = catch_unwind(AssertUnwindSafe(|| measure(node, counter, training, model.block(), room)))
                     .unwrap_or_else(|_| Err("it panicked".into()));
                 match result {
                     Ok(m) => {
@@ -390,7 +406,10 @@ fn measure_graph(
         };
         match found {
             Some(m) => by_node.push((i as u32, m)),
-            None => cal.summary.unmeasured += 1,
+            None => {
+                cal.summary.unmeasured += 1;
+                cal.summary.first_unmeasured.get_or_insert_with(|| node.name().to_string());
+            }
         }
     }
     if let Some(Some(state)) = generator {
@@ -401,6 +420,7 @@ fn measure_graph(
     if cal.summary.measured > 0 {
         cal.summary.elapsed = started.elapsed();
     }
+    drop(own);
     cal.by_node = by_node.into();
     cal
 }
@@ -440,10 +460,43 @@ fn sizes(node: &Node) -> Vec<i64> {
 /// size (threads split a few samples otherwise than many; a kernel's workspace stops growing),
 /// every power of two between 2 and the largest size is measured too, and the price follows
 /// the measurements between them: the sizes a budget chooses between are priced as measured.
-fn measure(node: &Node, counter: PeakCounter, training: bool, block: u64) -> Result<Measured, String> {
+///
+/// Measuring is part of the step and held to its budget: a size whose stand-ins and run would
+/// take more than `room` (foreseen from the last size, in proportion to the samples) is not
+/// measured, nor is any above one that ran out of memory; the line through the sizes measured
+/// prices the rest. A first step then peaks within its budget, calibration included (a CNN at
+/// 0.6× its eager peak took 1.84× the budget when calibration measured at the whole batch).
+fn measure(node: &Node, counter: PeakCounter, training: bool, block: u64, room: u64) -> Result<Measured, String> {
     let mut points = Vec::with_capacity(SIZES.len() + 3);
+    let mut last: Option<(u64, u64)> = None;
     for b in sizes(node) {
-        points.push((b as u64, probe(node, b, counter, training, block)?));
+        let b = b as u64;
+        if let Some((b_last, took)) = last {
+            if took.saturating_mul(b) / b_last.max(1) > room {
+                tracing::debug!(
+                    op = node.name(),
+                    samples = b,
+                    room,
+                    "toma::lazy: a size calibration's room cannot hold"
+                );
+                break;
+            }
+        }
+        match probe_alone(node, b as i64, counter, training, block) {
+            Ok((point, took)) => {
+                points.push((b, point));
+                last = Some((b, took));
+            }
+            Err(why) if !points.is_empty() && crate::oom::is_out_of_memory_message(&why) => {
+                tracing::debug!(
+                    op = node.name(),
+                    samples = b,
+                    "toma::lazy: calibration ran out of memory; measured smaller"
+                );
+                break;
+            }
+            Err(why) => return Err(why),
+        }
     }
     let series =
         |points: &[(u64, Point)], f: fn(&Point) -> u64| points.iter().map(|(b, p)| (*b, f(p))).collect::<Vec<_>>();
@@ -456,7 +509,7 @@ fn measure(node: &Node, counter: PeakCounter, training: bool, block: u64) -> Res
         let mut b = 4;
         while b < largest {
             if !points.iter().any(|p| p.0 == b) {
-                points.push((b, probe(node, b as i64, counter, training, block)?));
+                points.push((b, probe_alone(node, b as i64, counter, training, block)?.0));
             }
             b *= 2;
         }
@@ -512,9 +565,36 @@ fn rounded(bytes: u64, block: u64) -> u64 {
     bytes.div_ceil(block.max(1)) * block.max(1)
 }
 
+/// Tries at measuring alone before a measurement takes the thread's own count.
+const TRIES: usize = 8;
+
+/// [`probe`] where no other thread's work reached the count: toma's own measurements take
+/// turns, and one that another thread's allocations reached is made again; after [`TRIES`],
+/// the thread's own count measures it (it misses only what the workers of the op's parallel
+/// loops allocate: 5% of a native `Double` convolution's backward at 64 samples).
+fn probe_alone(node: &Node, b: i64, counter: PeakCounter, training: bool, block: u64) -> Result<(Point, u64), String> {
+    static TURN: Mutex<()> = Mutex::new(());
+    for _ in 0..TRIES {
+        let turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mark = counter.mark();
+        let measured = probe(node, b, counter, training, block)?;
+        if !counter.interfered(mark) {
+            return Ok(measured);
+        }
+        drop(turn);
+        tracing::debug!(op = node.name(), samples = b, "toma::lazy: another thread allocated while measuring; again");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let _turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    probe(node, b, counter.own_only(), training, block)
+}
+
 /// Runs `node` at `b` samples under the counter: forward, then (training, when a gradient
-/// flows) its backward from a gradient of ones.
-fn probe(node: &Node, b: i64, counter: PeakCounter, training: bool, block: u64) -> Result<Point, String> {
+/// flows) its backward from a gradient of ones. Also returns the most it had allocated at once,
+/// stand-ins included.
+fn probe(node: &Node, b: i64, counter: PeakCounter, training: bool, block: u64) -> Result<(Point, u64), String> {
+    const UNREAD: &str = "the allocator counter cannot be read";
+    let base = counter.in_use().ok_or(UNREAD)?;
     let grad_of = |x: &Meta| training && x.requires_grad && shape::is_floating(x.kind);
     let updated = node.facts.updated.clone();
     let ins = node
@@ -532,7 +612,6 @@ fn probe(node: &Node, b: i64, counter: PeakCounter, training: bool, block: u64) 
     let refs: Vec<&Tensor> = ins.iter().collect();
     let cx = RunCx { meta: &node.meta, start: 0, b };
     let bytes = |b_: crate::lazy::size::Bytes| rounded(b_.per * b as u64 + b_.fixed, block);
-    const UNREAD: &str = "the allocator counter cannot be read";
     let (before, previous) = counter.start().ok_or(UNREAD)?;
     // The counter's earlier peak comes back however this ends (an op that panics included).
     struct End(PeakCounter, u64);
@@ -542,7 +621,7 @@ fn probe(node: &Node, b: i64, counter: PeakCounter, training: bool, block: u64) 
         }
     }
     let _end = End(counter, previous);
-    (|| -> Result<Point, String> {
+    (|| -> Result<(Point, u64), String> {
         let run = || node.run(&refs, &cx);
         let out = if training { tch::with_grad(run) } else { tch::no_grad(run) }.map_err(|e| e.to_string())?;
         let (peak, after) = (counter.peak().ok_or(UNREAD)?, counter.in_use().ok_or(UNREAD)?);
@@ -552,7 +631,7 @@ fn probe(node: &Node, b: i64, counter: PeakCounter, training: bool, block: u64) 
         let wrt: Vec<(usize, &Tensor)> =
             ins.iter().enumerate().filter(|(k, _)| grad_of(&node.inputs[*k].meta)).collect();
         if !training || !out.requires_grad() || wrt.is_empty() {
-            return Ok(Point { kept, forward, backward: 0 });
+            return Ok((Point { kept, forward, backward: 0 }, peak.saturating_sub(base)));
         }
         let seed = out.f_ones_like().map_err(|e| e.to_string())?;
         let surrogate =
@@ -560,6 +639,7 @@ fn probe(node: &Node, b: i64, counter: PeakCounter, training: bool, block: u64) 
         // The seed stays held: freed as the product's backward returns, it would lower what
         // is live under the node's backward below what the counter started from.
         drop(out);
+        let forward_peak = peak;
         let (before, _) = counter.start().ok_or(UNREAD)?;
         let tensors: Vec<&Tensor> = wrt.iter().map(|(_, t)| *t).collect();
         let grads = tch::with_grad(|| Tensor::f_run_backward(&[&surrogate], &tensors, false, false))
@@ -571,7 +651,7 @@ fn probe(node: &Node, b: i64, counter: PeakCounter, training: bool, block: u64) 
         let aliases = |k: usize| node.facts.grad_alias.contains(k);
         let grads: u64 = wrt.iter().filter(|(k, _)| !aliases(*k)).map(|(k, _)| bytes(node.inputs[*k].cost.grad)).sum();
         let backward = peak.saturating_sub(before + bytes(node.cost.grad) + grads);
-        Ok(Point { kept, forward, backward })
+        Ok((Point { kept, forward, backward }, peak.max(forward_peak).saturating_sub(base)))
     })()
 }
 

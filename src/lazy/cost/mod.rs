@@ -73,12 +73,14 @@ impl CostModel {
     /// through the sizes calibration measures (an H200, 2026-11-27: measured, an MLP's plan was
     /// 22% and 33% under at 1024 and 4096 rows; by these rules it is exact on an H100 and the
     /// H200). The rules (the caching allocator's blocks, the staging) were read on one H100
-    /// with libtorch 2.11.
+    /// with libtorch 2.11. Under [`machine::trust_rules`]`(false)` none is trusted.
     pub(crate) fn validated(&self, call: &KernelCall<'_>) -> bool {
         match self {
             CostModel::Cpu(cpu) => cpu.validated(call),
             CostModel::Cuda(_) => {
-                !matches!(call, KernelCall::Convolution(_)) && cpu::libtorch_version() == Some(onednn::READ_ON)
+                machine::rules_trusted()
+                    && !matches!(call, KernelCall::Convolution(_))
+                    && cpu::libtorch_version() == Some(onednn::READ_ON)
             }
         }
     }

@@ -89,13 +89,20 @@ pub(crate) struct Speed {
 }
 
 impl Evidence {
-    /// Gathers the evidence for planning `c` in `mode` under `options`: calibration (measuring
-    /// what is missing where `measure` allows, and remembering it), the graph's reserve and its
-    /// measured speeds.
-    pub(crate) fn gather(c: &Compiled, mode: Mode, options: &Options, measure: Measure) -> Evidence {
+    /// Gathers the evidence for planning `c` in `mode` under `options` on `machine`:
+    /// calibration (measuring what is missing where `measure` allows, within the machine's
+    /// budget, and remembering it), the graph's reserve and its measured speeds.
+    pub(crate) fn gather(c: &Compiled, mode: Mode, options: &Options, measure: Measure, machine: &Machine) -> Evidence {
         let training = mode == Mode::Backward;
-        let calibrated =
-            measured::calibrate(&c.nodes, c.structure, &c.model, training, options.calibrate, measure == Measure::Now);
+        let calibrated = measured::calibrate(
+            &c.nodes,
+            c.structure,
+            &c.model,
+            training,
+            options.calibrate,
+            measure == Measure::Now,
+            machine.budget,
+        );
         Corrections::process().remember_calibrations(&calibrated.new);
         let reserve = Corrections::process().of(c, mode, !calibrated.by_node().is_empty());
         let timings = Timings::process();

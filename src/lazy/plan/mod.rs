@@ -83,8 +83,8 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
 /// What a step does before it runs: gathers the evidence (measuring what is missing where
 /// `measure` allows) and the machine, then plans with them.
 pub(crate) fn decide(c: &Compiled, mode: Mode, options: &Options, measure: Measure) -> Result<Decision, LazyError> {
-    let evidence = Evidence::gather(c, mode, options, measure);
     let machine = Machine::now(options, c.device());
+    let evidence = Evidence::gather(c, mode, options, measure, &machine);
     if let Some(d) = reuse::find(c, mode, options, &machine, &evidence) {
         return Ok(d);
     }
@@ -93,18 +93,35 @@ pub(crate) fn decide(c: &Compiled, mode: Mode, options: &Options, measure: Measu
     Ok(d)
 }
 
-/// Plans `output` in `mode` under `options` with the evidence at hand: runs nothing.
+/// Plans `output` in `mode` under `options` with the evidence at hand: runs nothing. Refuses
+/// where calls that want measuring were never measured though an allocator could: a plan
+/// asked before measuring is never under by rules read elsewhere.
 pub(crate) fn plan(output: &LazyTensor, mode: Mode, options: &Options) -> Result<Plan, LazyError> {
     let c = compile_for(output, mode)?;
     let decision = decide(&c, mode, options, Measure::Never)?;
+    let cal = decision.evidence.calibration();
+    if cal.awaiting > 0 && crate::memory::PeakCounter::for_device(cuda_ordinal(c.device())).is_some() {
+        return Err(LazyError::NotCalibrated {
+            calls: cal.awaiting,
+            op: cal.first_unmeasured.unwrap_or_else(|| output.op_name().to_string()),
+        });
+    }
     Ok(report::detail(c, decision))
+}
+
+pub(crate) fn cuda_ordinal(device: tch::Device) -> Option<usize> {
+    match device {
+        tch::Device::Cuda(i) => Some(i),
+        _ => None,
+    }
 }
 
 /// Measures what no rule read on this machine prices in the plan of `output` in `mode`
 /// (under `options.calibrate`), for later plans and steps to find.
 pub(crate) fn calibrate(output: &LazyTensor, mode: Mode, options: &Options) -> Result<Calibration, LazyError> {
     let c = compile_for(output, mode)?;
-    Ok(Evidence::gather(&c, mode, options, Measure::Now).calibration())
+    let machine = Machine::now(options, c.device());
+    Ok(Evidence::gather(&c, mode, options, Measure::Now, &machine).calibration())
 }
 
 /// [`compile`], refusing a backward of what is not a scalar.
