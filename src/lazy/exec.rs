@@ -229,8 +229,6 @@ fn recycle<'b>(mut list: Vec<&Tensor>) -> Vec<&'b Tensor> {
     list.into_iter().map(|_| unreachable!("emptied")).collect()
 }
 
-/// The CUDA ordinal of a device (`None`: the CPU's allocator and generator).
-
 /// The tensors the graph's ops update in place (batch norm's running statistics).
 fn updated_tensors(c: &Compiled) -> Vec<Tensor> {
     let mut tensors = Vec::new();

@@ -109,6 +109,7 @@ pub(crate) fn plan(output: &LazyTensor, mode: Mode, options: &Options) -> Result
     Ok(report::detail(c, decision))
 }
 
+/// The CUDA ordinal of a device (`None`: the CPU's allocator and generator).
 pub(crate) fn cuda_ordinal(device: tch::Device) -> Option<usize> {
     match device {
         tch::Device::Cuda(i) => Some(i),
