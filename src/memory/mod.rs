@@ -189,6 +189,7 @@ pub(crate) fn aten_cpu_capability() -> Result<String, AllocatorError> {
 
 /// Whether libtorch hands `BFloat16` and `Half` kernels to oneDNN on this CPU: its
 /// `mkldnn_bf16_device_check` and `mkldnn_fp16_device_check`, asked through its own ops.
+#[cfg(feature = "tch")]
 pub(crate) fn onednn_kind_checks() -> Result<(bool, bool), AllocatorError> {
     shim::cpu_onednn_checks()
 }

@@ -8,6 +8,7 @@ use super::shim::{self as torch, bytes};
 /// work runs on, or libtorch's CPU allocator when [`track_cpu_allocations`] is on. Quiet:
 /// no counter is no measurement, not a warning.
 #[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(feature = "tch"), allow(dead_code))]
 pub(crate) enum PeakCounter {
     Cpu,
     /// The process's CPU count, read by a thread that knows whether another thread's work
@@ -22,6 +23,7 @@ pub(crate) enum PeakCounter {
 /// A thread's own CPU count while it lives: measurements through it see what this thread's work
 /// allocates and frees, never another thread's. Ended on drop.
 #[derive(Debug)]
+#[cfg_attr(not(feature = "tch"), allow(dead_code))]
 pub(crate) struct OwnCount {
     slot: i64,
     // The scope belongs to the thread that began it.
@@ -48,6 +50,7 @@ impl PeakCounter {
     /// the counter's use) that tells whether another thread allocated meanwhile; where the thread
     /// counts already, or on CUDA, [`for_device`](Self::for_device)'s. On CUDA the caching
     /// allocator counts per device: another thread's work on the same device reaches it.
+    #[cfg_attr(not(feature = "tch"), allow(dead_code))]
     pub(crate) fn own(device: Option<usize>) -> Option<(PeakCounter, Option<OwnCount>)> {
         if device.is_none() {
             if let Ok(slot) = torch::cpu_scope_begin() {
@@ -112,6 +115,7 @@ impl PeakCounter {
 
     /// Where the thread's events stand, for [`interfered`](Self::interfered): `None` where this
     /// counter cannot tell.
+    #[cfg_attr(not(feature = "tch"), allow(dead_code))]
     pub(crate) fn mark(self) -> Option<(i64, i64)> {
         match self {
             PeakCounter::Thread(slot) => torch::cpu_scope_events(slot).ok(),
@@ -122,6 +126,7 @@ impl PeakCounter {
     /// Whether another thread allocated, freed or reset the peak since `mark` (outside libtorch's
     /// parallel regions, where an op's own workers run): a measurement of the process's count
     /// since then may hold its work. `false` where this counter cannot tell.
+    #[cfg_attr(not(feature = "tch"), allow(dead_code))]
     pub(crate) fn interfered(self, mark: Option<(i64, i64)>) -> bool {
         match (mark, self.mark()) {
             (Some((all, own)), Some((all_now, own_now))) => all_now - all > own_now - own,
@@ -131,6 +136,7 @@ impl PeakCounter {
 
     /// The same thread's own count, which no other thread reaches (it misses what the workers of
     /// its parallel ops allocate): for when the process's count never stays its own.
+    #[cfg_attr(not(feature = "tch"), allow(dead_code))]
     pub(crate) fn own_only(self) -> PeakCounter {
         match self {
             PeakCounter::Thread(slot) => PeakCounter::ThreadOwn(slot),

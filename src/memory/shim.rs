@@ -359,6 +359,7 @@ mod imp {
     pub(in crate::memory) fn cpu_scope_events(_slot: i64) -> Result<(i64, i64), AllocatorError> {
         Err(AllocatorError::NotBuilt)
     }
+    #[cfg(feature = "tch")]
     pub(in crate::memory) fn cpu_onednn_checks() -> Result<(bool, bool), AllocatorError> {
         Err(AllocatorError::NotBuilt)
     }
