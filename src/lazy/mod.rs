@@ -105,24 +105,28 @@
 //!
 //! The rules that price kernel calls were read on one machine
 //! ([`CpuMachine::rules_read_on`]: libtorch 2.11 with oneDNN 3.10.2 on AVX-512 with BF16, 1 and 2
-//! threads, in the kinds `docs/performance.md` names). The memory of a convolution depends on the
-//! kernels oneDNN picks, and those depend on its instruction set (with AVX2 it blocks channels by
-//! 8, not 16). So wherever an allocator counts, a step measures every call whose memory depends
-//! on the library's kernel choice before it plans, and takes the rules only where they were read
-//! on exactly this machine ([`Options::calibrate`], [`Calibrate::Auto`] by default). Measured
-//! calls are:
+//! threads, in the kinds `docs/performance.md` names). The memory of a product or a convolution
+//! depends on the kernel libtorch picks, and that depends on the CPU (with AVX2 oneDNN blocks
+//! channels by 8, not 16; with AVX512-FP16 `Half` products go to oneDNN). So wherever an
+//! allocator counts, a step measures every such call before it plans, and takes the rules only
+//! where this machine has the key they were read on ([`CpuMachine::reads_rules_of`]: oneDNN's
+//! instruction set, the CPU's features, libtorch's bf16 and fp16 checks, ATen's capability, the
+//! release and at most the threads; `docs/cpu-dispatch.md` says which feature changes which
+//! kernel). [`Options::calibrate`] chooses ([`Calibrate::Auto`] by default). Measured calls are:
 //!
-//! - convolutions of every form, unless the libtorch release, oneDNN's instruction set and the
-//!   threads are those the rules were read on ([`CpuMachine::host`] reads oneDNN's instruction
-//!   set as oneDNN does, `ONEDNN_MAX_CPU_ISA` or `DNNL_MAX_CPU_ISA` included; the printed plan
-//!   names both machines);
+//! - products and convolutions of every kind, off the rules' key ([`CpuMachine::host`] reads
+//!   oneDNN's instruction set as oneDNN does, `ONEDNN_MAX_CPU_ISA` included, and asks libtorch
+//!   its own checks; the printed plan names both machines);
+//! - on the rules' key too, `BFloat16` products and convolutions, whose rules do not price every
+//!   form closely, and a `Float` convolution whose kernel covers its whole input (oneDNN's inner
+//!   product);
 //! - on CUDA, every convolution (cuDNN's workspace depends on the card, the engine and the
 //!   library release). Products keep their rules there: cuBLAS takes its workspace once per
 //!   handle, and a `linear`'s bias gradient stages a reduction buffer that grows with the rows
 //!   unlike any line through the sizes measured;
-//! - `BFloat16` convolutions and products, whose rules do not price every form closely, and a
-//!   `Float` convolution whose kernel covers its whole input (oneDNN's inner product);
-//! - anything on another libtorch release, and ops no rule knows (a [`CustomOp`]).
+//! - anything on another libtorch release, and ops no rule knows (a [`CustomOp`]);
+//! - everything with a rule, where rules are off ([`trust_rules`]`(false)`, or
+//!   `TOMA_TRUST_RULES=0` in the environment).
 //!
 //! Rules price the rest, plans for another machine ([`LazyTensor::op_costs_on`]), and plans
 //! where no allocator counts.
@@ -140,36 +144,50 @@
 //! measured once per process for each op and settings, per-sample shapes, layouts, kinds,
 //! device, mode and thread count.
 //!
+//! Measuring is part of the step and is held to its budget: a size whose stand-ins and run
+//! would not fit what the budget leaves (foreseen from the size before, in proportion to the
+//! samples) is not measured, and neither is any size above one that ran out of memory; the line
+//! through the sizes measured prices the rest. The first step of a process holds its budget as
+//! the tenth does. On the CPU a measurement knows whether another thread allocated meanwhile
+//! (the counting allocator keeps a scope per measuring thread): toma's own measurements take
+//! turns, and one that another thread's work reached is made again.
+//!
 //! Planning is a function of the graph, the machine and that evidence: the step gathers the
 //! evidence (measuring), then plans with it. [`LazyTensor::plan`] runs nothing: it finds what
-//! [`LazyTensor::calibrate`] or an earlier step measured, and prices what was never measured by
-//! its rules, saying so. To see the plan the first step will make, calibrate first:
+//! [`LazyTensor::calibrate`] or an earlier step measured. Where calls it needs were never
+//! measured though an allocator could measure them, it refuses ([`LazyError::NotCalibrated`])
+//! rather than price them by rules read elsewhere (a char-RNN's LSTM was 3.6× under that way).
+//! To see the plan the first step will make, calibrate first:
 //!
 //! ```
 //! use tch::{Device, Kind, Tensor};
-//! use toma::lazy::{lazy, Mode, Options};
+//! use toma::lazy::{lazy, Calibrate, LazyError, Mode, Options};
 //!
 //! toma::memory::track_cpu_allocations(); // the CPU's allocator counts from here
 //! let x = Tensor::randn([16, 3, 12, 12], (Kind::Float, Device::Cpu));
 //! let w = Tensor::randn([8, 3, 3, 3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
 //! let loss = lazy(&x, 0).conv2d(&w, None::<&Tensor>, 1, 1, 1, 1).relu().sum(Kind::Float);
-//! let options = Options::new();
-//! let first = loss.plan(Mode::Backward, &options)?; // runs nothing
-//! loss.calibrate(Mode::Backward, &options)?; // measures what no rule read here prices
+//! let options = Options::new().calibrate(Calibrate::Always);
+//! // Nothing measured yet: a plan runs nothing, and says what it lacks.
+//! match loss.plan(Mode::Backward, &options) {
+//!     Err(LazyError::NotCalibrated { op, .. }) => assert_eq!(op, "conv2d"),
+//!     other => panic!("{other:?}"),
+//! }
+//! loss.calibrate(Mode::Backward, &options)?; // measures it
 //! let step = loss.plan(Mode::Backward, &options)?; // what the step will plan
 //! assert_eq!(step.calibration().unmeasured, 0);
-//! assert!(first.calibration().unmeasured >= step.calibration().unmeasured);
 //! # Ok::<(), toma::lazy::LazyError>(())
 //! ```
 //!
 //! [`Plan::calibration`] returns what calibration did, and the printed plan says it:
 //! `calibrated: 3 kernel call(s) measured in 2.1 ms, 0 measured earlier, 2 priced by rules read
-//! on this machine`, then `machine: oneDNN avx2, 2 thread(s), libtorch 2.11; rules read on oneDNN
-//! avx512_core_bf16, 2 thread(s), libtorch 2.11`. A line `not calibrated: ...` says when calls
-//! needed measuring and were not: a plan runs nothing, no allocator counts on the CPU before
-//! `track_cpu_allocations()`, or a call failed on stand-ins. [`Calibrate::Never`] keeps planning
-//! free of any run (a `CustomOp`'s function then runs only in the step); [`Calibrate::Always`]
-//! measures every call, which shows what a plan would be where no rule was read.
+//! on this machine`, then `machine: oneDNN avx2 (none of avx512_fp16/bf16, amx, vnni), ATen AVX2,
+//! ...; rules read on oneDNN avx512_core_bf16 (avx512_bf16+avx512_vnni), ATen AVX512, ...`. A
+//! line `not calibrated: ...` says when calls needed measuring and were not: no allocator counts
+//! on the CPU before `track_cpu_allocations()`, or a call failed on stand-ins.
+//! [`Calibrate::Never`] keeps planning free of any run (a `CustomOp`'s function then runs only in
+//! the step) and prices by rules read elsewhere; [`Calibrate::Always`] measures every call, which
+//! shows what a plan would be where no rule was read.
 //!
 //! # Recompute instead of split
 //!

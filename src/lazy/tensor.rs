@@ -265,11 +265,15 @@ impl LazyTensor {
 
     /// The memory plan of computing this value ([`Mode::Forward`]) or of forward and backward
     /// ([`Mode::Backward`]). Runs nothing: kernel calls no rule read on this machine prices are
-    /// priced by what [`calibrate`](Self::calibrate) or an earlier step measured, and where
-    /// nothing was, by their rules, which the plan says ([`Plan::calibration`]). The same graph
-    /// with the same measurements plans the same.
+    /// priced by what [`calibrate`](Self::calibrate) or an earlier step measured; where no
+    /// allocator counts (the CPU before [`track_cpu_allocations`](crate::memory::track_cpu_allocations)),
+    /// or under [`Calibrate::Never`](crate::lazy::Calibrate::Never), by their rules, which the
+    /// plan says ([`Plan::calibration`]). The same graph with the same measurements plans the
+    /// same.
     ///
     /// # Errors
+    /// [`LazyError::NotCalibrated`] where calls the plan needs measured were never measured
+    /// though an allocator could measure them (call [`calibrate`](Self::calibrate) first);
     /// [`LazyError::DoesNotFit`] when even one sample exceeds the budget, and
     /// [`LazyError::MixesBatch`] / [`LazyError::NotSplittable`] as evaluation would report them.
     pub fn plan(&self, mode: Mode, options: &Options) -> Result<Plan, LazyError> {
