@@ -15,6 +15,10 @@
 //! [`cuda::Cuda`]), so a plan can be priced, and tested, for a machine other than this one.
 
 pub(crate) mod brgemm;
+// The CUDA caching allocator's model; plans replay it next (reserved bytes, issue 65): until
+// then only its tests use it.
+#[allow(dead_code)]
+pub(crate) mod caching;
 pub(crate) mod cpu;
 pub(crate) mod cuda;
 pub(crate) mod machine;

@@ -1,9 +1,9 @@
 //! Serving and returning a block: `DeviceCachingAllocator::malloc` and `free`, step by step in
-//! libtorch's order.
+//! libtorch's order, and the [`Oom`] a request gets when nothing can serve it.
 
-use super::block::{Block, Idx, PoolKind, Stream};
-use super::config::{MIN_BLOCK_SIZE, SMALL_SIZE};
-use super::{Allocator, BlockId, Oom};
+use super::block::{Block, Idx};
+use super::sizes::{MIN_BLOCK_SIZE, SMALL_SIZE};
+use super::{Allocator, BlockId, Oom, PoolKind, Stream};
 
 /// `AllocParams`: one request as `malloc` carries it through the search.
 #[derive(Clone, Copy, Debug)]
@@ -245,5 +245,33 @@ impl Allocator {
         b.gc_count_base = pool.get_free_blocks_call_count;
         let fresh = pool.blocks.insert(b.size_key(), idx).is_none();
         debug_assert!(fresh, "a block cached twice");
+    }
+
+    /// The out-of-memory of request `p` (`bytes` before rounding) in the current state.
+    fn oom(&self, p: &Params, bytes: u64) -> Oom {
+        let (mut largest_usable, mut largest_cached, mut cached_free) = (0, 0, 0);
+        for (kind, pool) in [PoolKind::Small, PoolKind::Large].into_iter().zip(&self.pools) {
+            for &(stream, size, _) in pool.blocks.keys() {
+                cached_free += size;
+                largest_cached = largest_cached.max(size);
+                if kind == p.pool && stream == p.stream {
+                    largest_usable = largest_usable.max(size);
+                }
+            }
+        }
+        Oom {
+            requested: bytes,
+            rounded: p.size,
+            segment: p.alloc_size,
+            stream: p.stream,
+            pool: p.pool,
+            largest_usable,
+            largest_cached,
+            cached_free,
+            card_free: self.card.free,
+            allowed: self.allowed_memory_maximum(),
+            reserved: self.stats.reserved,
+            allocated: self.stats.allocated,
+        }
     }
 }

@@ -6,39 +6,12 @@
 use std::collections::BTreeMap;
 use std::ops::{Index, IndexMut};
 
-use super::config::SMALL_SIZE;
+use super::PoolKind;
 
 /// A CUDA stream. Pools order blocks by stream first (`BlockComparatorSize` compares the
 /// `cudaStream_t` handles), and a free block serves only requests of its own stream.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub(crate) struct Stream(pub(crate) u64);
-
-/// The pool a request and its segment belong to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub(crate) enum PoolKind {
-    /// `small_blocks`: requests of at most 1 MiB, in 2 MiB segments.
-    Small,
-    /// `large_blocks`: everything else.
-    Large,
-}
-
-impl PoolKind {
-    /// `get_pool`: a request of at most `kSmallSize` (1 MiB) after rounding is small.
-    pub(crate) fn for_size(rounded: u64) -> PoolKind {
-        if rounded <= SMALL_SIZE {
-            PoolKind::Small
-        } else {
-            PoolKind::Large
-        }
-    }
-
-    pub(super) fn index(self) -> usize {
-        match self {
-            PoolKind::Small => 0,
-            PoolKind::Large => 1,
-        }
-    }
-}
 
 /// A slab index.
 pub(super) type Idx = usize;

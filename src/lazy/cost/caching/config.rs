@@ -1,24 +1,11 @@
 //! The settings as libtorch parsed them (`AcceleratorAllocatorConfig` in
 //! `c10/core/AllocatorConfig.h`, `CUDAAllocatorConfig` in `c10/cuda/CUDAAllocatorConfig.h`), and
-//! the size rules of `CUDACachingAllocator.cpp` that depend on them.
+//! the size rules of `CUDACachingAllocator.cpp` that depend on them. The constants those rules
+//! share with the blocks are in [`super::sizes`].
 
-use super::block::PoolKind;
+use super::sizes::{LARGE_BUFFER, MIN_BLOCK_SIZE, MIN_LARGE_ALLOC, ROUND_LARGE, SMALL_BUFFER, SMALL_SIZE};
+use super::PoolKind;
 
-/// One mebibyte.
-pub(crate) const MIB: u64 = 1 << 20;
-/// `kMinBlockSize`: every request is rounded up to a multiple of 512 bytes.
-pub(crate) const MIN_BLOCK_SIZE: u64 = 512;
-/// `kSmallSize`: the largest request of the small pool, 1 MiB.
-pub(crate) const SMALL_SIZE: u64 = MIB;
-/// `kSmallBuffer`: small requests are packed in 2 MiB segments (and 2 MiB expandable pages).
-pub(crate) const SMALL_BUFFER: u64 = 2 * MIB;
-/// `kMinLargeAlloc`: large requests below 10 MiB share a `large_segment_size` segment.
-pub(crate) const MIN_LARGE_ALLOC: u64 = 10 * MIB;
-/// `kRoundLarge`: larger requests get a segment of their size rounded up to 2 MiB.
-pub(crate) const ROUND_LARGE: u64 = 2 * MIB;
-/// `kLargeBuffer`: the default `large_segment_size` (20 MiB) and the floor of the options
-/// measured against it.
-pub(crate) const LARGE_BUFFER: u64 = 20 * MIB;
 /// `kRoundUpPowerOfTwoIntervals`: `roundup_power2_divisions` has one entry per power of two
 /// from 1 MiB (entry 0 also covers everything smaller) to 32 GiB (entry 15, and beyond).
 pub(crate) const ROUNDUP_INTERVALS: usize = 16;

@@ -1,11 +1,12 @@
 //! The out-of-memory answer: what `malloc` reports once every release and retry failed, with
 //! what the model can add about why.
+//!
+//! Data only: `malloc` ([`super::alloc`]) fills an [`Oom`] from the allocator's state, so this
+//! file imports neither that state nor `malloc`'s request, and both sides can import it.
 
 use std::fmt;
 
-use super::alloc::Params;
-use super::block::{PoolKind, Stream};
-use super::Allocator;
+use super::{PoolKind, Stream};
 
 /// A request no cached block could serve and no new segment could be made for, after
 /// `release_available_cached_blocks` and `release_cached_blocks` (libtorch's "CUDA out of
@@ -38,36 +39,6 @@ pub(crate) struct Oom {
     pub(crate) allocated: u64,
 }
 
-impl Allocator {
-    /// The out-of-memory of request `p` (`bytes` before rounding) in the current state.
-    pub(super) fn oom(&self, p: &Params, bytes: u64) -> Oom {
-        let (mut largest_usable, mut largest_cached, mut cached_free) = (0, 0, 0);
-        for (kind, pool) in [PoolKind::Small, PoolKind::Large].into_iter().zip(&self.pools) {
-            for &(stream, size, _) in pool.blocks.keys() {
-                cached_free += size;
-                largest_cached = largest_cached.max(size);
-                if kind == p.pool && stream == p.stream {
-                    largest_usable = largest_usable.max(size);
-                }
-            }
-        }
-        Oom {
-            requested: bytes,
-            rounded: p.size,
-            segment: p.alloc_size,
-            stream: p.stream,
-            pool: p.pool,
-            largest_usable,
-            largest_cached,
-            cached_free,
-            card_free: self.card.free,
-            allowed: self.allowed_memory_maximum(),
-            reserved: self.stats.reserved,
-            allocated: self.stats.allocated,
-        }
-    }
-}
-
 impl fmt::Display for Oom {
     /// E.g. "904 MiB request: 1.4 GiB free in cached pieces, none ≥ 904 MiB; 135 MiB left on
     /// the card".
@@ -92,7 +63,7 @@ impl fmt::Display for Oom {
 
 /// Bytes in the largest binary unit they reach, with at most two decimals: "512 B", "904 MiB",
 /// "1.37 GiB".
-pub(crate) fn format_bytes(bytes: u64) -> String {
+pub(super) fn format_bytes(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut unit = 0;
     while unit + 1 < UNITS.len() && bytes >= 1 << (10 * (unit + 1)) {

@@ -2,7 +2,9 @@
 //! `AcceleratorAllocatorConfig::parseArgs`, and the CUDA keys of `CUDAAllocatorConfig`), so that
 //! a [`Config`] can be built from the same text a run used. Finding that text is the caller's job.
 
-use super::config::{Config, MIB, MIN_LARGE_ALLOC, ROUNDUP_INTERVALS};
+use super::config::ROUNDUP_INTERVALS;
+use super::sizes::{MIB, MIN_LARGE_ALLOC};
+use super::Config;
 
 /// Keys `CUDAAllocatorConfig` knows but that do not change where blocks go.
 const CUDA_KEYS: [&str; 10] = [

@@ -2,8 +2,8 @@
 //! what `emptyCache` does, and the garbage collection of `garbage_collection_threshold`.
 
 use super::alloc::Params;
-use super::block::{Idx, PoolKind};
-use super::Allocator;
+use super::block::Idx;
+use super::{Allocator, PoolKind};
 
 impl Allocator {
     /// `release_block`: `cudaFree` of a whole (unsplit, not expandable) cached segment.

@@ -2,8 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use super::block::Stream;
-use super::{Allocator, BlockId, Oom};
+use super::{Allocator, BlockId, Oom, Stream};
 
 /// One allocator call. Allocations carry a caller's tag so that later frees can name them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

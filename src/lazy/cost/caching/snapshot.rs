@@ -4,10 +4,10 @@
 
 use std::collections::BTreeMap;
 
-use super::block::{Block, Idx, PoolKind, Stream};
-use super::config::{MIN_BLOCK_SIZE, ROUND_LARGE};
+use super::block::{Block, Idx};
 use super::expandable::ExpandableSegment;
-use super::{Allocator, BlockId, Card, Config};
+use super::sizes::{MIN_BLOCK_SIZE, ROUND_LARGE};
+use super::{Allocator, BlockId, Card, Config, PoolKind, Stream};
 
 /// One block of a [`SegmentState`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -83,8 +83,9 @@ impl Allocator {
     ) -> Result<(Allocator, Vec<BlockId>), String> {
         let mut a = Allocator::new(config, card);
         let mut starts = Vec::with_capacity(segments.len());
-        let mut used: Vec<(u64, u64)> = Vec::new(); // address ranges taken, to catch overlaps
-                                                    // Segments without an address go above every other, expandable reservations included.
+        // Address ranges taken, to catch overlaps.
+        let mut used: Vec<(u64, u64)> = Vec::new();
+        // Segments without an address go above every other, expandable reservations included.
         let reach = |s: &SegmentState| match s.expandable {
             true => ExpandableSegment::new(0, a.config.expandable_page(s.pool), a.card.total).size(),
             false => s.total(),

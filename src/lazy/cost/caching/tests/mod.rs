@@ -9,6 +9,10 @@ mod scenario;
 
 use std::collections::BTreeSet;
 
+// What the facade does not re-export yet (see `mod.rs`), for these files to name.
+pub(super) use super::replay::{Event, Failure, Replay};
+pub(super) use super::snapshot::{BlockState, SegmentState};
+pub(super) use super::state::{Placed, Stats};
 use super::*;
 
 pub(super) const MIB: u64 = 1 << 20;

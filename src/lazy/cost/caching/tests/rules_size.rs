@@ -2,6 +2,7 @@
 //! names the function or constant of CUDACachingAllocator.cpp / AllocatorConfig.cpp it encodes.
 
 use super::super::config::roundup_power2_next_division;
+use super::super::oom::format_bytes;
 use super::*;
 
 /// `round_size`, `kMinBlockSize`: below 512 bytes, 512; then multiples of 512.
