@@ -9,7 +9,9 @@
 //! - [`cpu`]: libtorch's CPU kernels, and which convolutions it hands to oneDNN;
 //! - [`onednn`]: oneDNN's x86 convolutions, phase by phase, for a given library version,
 //!   vector width and thread count;
-//! - [`cuda`]: the CUDA caching allocator's blocks, ATen's reduction kernel and cuDNN.
+//! - [`cuda`]: the CUDA caching allocator's blocks, ATen's reduction kernel and cuDNN;
+//! - [`caching`]: a replay model of libtorch 2.11's CUDA caching allocator (segments, pools,
+//!   splitting, release-and-retry, expandable segments), for plans in reserved bytes.
 //!
 //! The models take the machine as explicit inputs ([`cpu::Cpu`], [`onednn::OneDnn`],
 //! [`cuda::Cuda`]), so a plan can be priced, and tested, for a machine other than this one.
