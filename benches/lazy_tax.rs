@@ -432,6 +432,7 @@ fn gpt_rows(c: &mut Criterion, name: &str, width: i64, positions: i64, batch: i6
         let (lx, ly) = lazy((&x, &y), 0);
         let h = m.blocks.iter().fold(lx.apply(&m.tokens) + &m.positions, |h, b| b.forward_t(&h, true));
         let loss = h.apply(&m.head).view([-1, GPT_VOCAB]).cross_entropy_for_logits(&ly.view([-1]));
+        loss.calibrate(toma::lazy::Mode::Backward, &Options::new()).unwrap();
         let ops = loss.plan(toma::lazy::Mode::Backward, &Options::new()).unwrap().ops().len();
         println!("per op: {name} {ops} ops, {:.2} us more per op", (l - p) * 1e6 / ops as f64);
         if name == "gpt_medium" {

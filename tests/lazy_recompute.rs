@@ -21,9 +21,17 @@ fn serial() -> MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// The plan of `loss` in `mode`, after measuring what this machine prices by no rule (with the
+/// room of no budget, as a first step without one would): a plan itself runs nothing, and
+/// refuses what it lacks where the CPU's allocator counts.
+fn planned(loss: &LazyTensor, mode: Mode, options: &Options) -> Result<toma::lazy::Plan, LazyError> {
+    loss.calibrate(mode, &Options::new())?;
+    loss.plan(mode, options)
+}
+
 /// The whole batch's planned peak as it is, recomputing nothing.
 fn whole_peak(loss: &LazyTensor) -> u64 {
-    loss.plan(Mode::Backward, &Options::new().recompute(Recompute::Never).budget(u64::MAX / 4))
+    planned(loss, Mode::Backward, &Options::new().recompute(Recompute::Never).budget(u64::MAX / 4))
         .expect("a plan")
         .full_batch_peak_bytes()
 }
@@ -111,7 +119,7 @@ fn train_both<M: ModuleT>(
         let loss = lx.apply_t(&lazy_net, true).log_softmax(-1, Kind::Double).nll_loss(&ly);
         let budget = (whole_peak(&loss) as f64 * budget_fraction) as u64;
         let options = Options::new().budget(budget).recompute(recompute);
-        let plan = loss.plan(Mode::Backward, &options).unwrap_or_else(|e| panic!("step {step}: {e}"));
+        let plan = planned(&loss, Mode::Backward, &options).unwrap_or_else(|e| panic!("step {step}: {e}"));
         let (value, measured) = measured_backward(&loss, &options);
         lazy_opt.step();
         assert!(
@@ -220,7 +228,7 @@ fn an_info_nce_loss_trains_at_55_percent_of_its_peak() {
         let whole = whole_peak(&loss);
         let budget = whole * 55 / 100;
         let options = Options::new().budget(budget);
-        let plan = loss.plan(Mode::Backward, &options).unwrap_or_else(|e| panic!("step {step}: {e}"));
+        let plan = planned(&loss, Mode::Backward, &options).unwrap_or_else(|e| panic!("step {step}: {e}"));
         assert!(plan.recomputes() && !plan.splits(), "step {step}: {plan}");
         let (value, measured) = measured_backward(&loss, &options);
         lazy_opt.step();
@@ -252,10 +260,10 @@ fn when_nothing_fits_the_error_names_the_lowest_peak_and_what_rules_out_splittin
     let loss = info_nce(&enc, &la, &lb, &ll);
     let whole = whole_peak(&loss);
     // One byte under the whole batch: recomputing fits.
-    let plan = loss.plan(Mode::Backward, &Options::new().budget(whole - 1)).unwrap();
+    let plan = planned(&loss, Mode::Backward, &Options::new().budget(whole - 1)).unwrap();
     assert!(plan.recomputes() && plan.peak_bytes() < whole, "{plan}");
     // Nothing fits a tenth: the error gives the lowest peak, below the whole batch's, and the op.
-    let err = loss.plan(Mode::Backward, &Options::new().budget(whole / 10)).unwrap_err();
+    let err = planned(&loss, Mode::Backward, &Options::new().budget(whole / 10)).unwrap_err();
     match &err {
         LazyError::DoesNotFit { peak, split_refused: Some(why), micro_batch, .. } => {
             assert!(*peak < whole, "{err}");
@@ -266,7 +274,8 @@ fn when_nothing_fits_the_error_names_the_lowest_peak_and_what_rules_out_splittin
         other => panic!("{other}"),
     }
     // Told never to recompute, the split is refused by name, as before.
-    let err = loss.plan(Mode::Backward, &Options::new().budget(whole / 2).recompute(Recompute::Never)).unwrap_err();
+    let err =
+        planned(&loss, Mode::Backward, &Options::new().budget(whole / 2).recompute(Recompute::Never)).unwrap_err();
     assert!(matches!(err, LazyError::MixesBatch { .. }), "{err}");
 }
 
@@ -303,7 +312,7 @@ fn dropout_is_replayed_and_the_generator_ends_as_after_one_forward() {
     let (lx, ly) = lazy((&x, &y), 0);
     let loss_lazy = lx.apply_t(&lazy_net, true).log_softmax(-1, Kind::Double).nll_loss(&ly);
     let options = Options::new().budget(whole_peak(&loss_lazy) * 6 / 10).recompute(Recompute::Always);
-    let plan = loss_lazy.plan(Mode::Backward, &options).unwrap();
+    let plan = planned(&loss_lazy, Mode::Backward, &options).unwrap();
     assert!(plan.recomputes() && !plan.splits(), "{plan}");
     // The dropouts run twice: in a segment before the last.
     let dropouts: Vec<usize> =
@@ -361,11 +370,11 @@ fn never_recomputes_when_told_and_when_the_batch_fits() {
     let x = x.to_kind(Kind::Float);
     let loss = lazy(&x, 0).apply(&net).square().sum(None);
     let whole = whole_peak(&loss);
-    assert!(!loss.plan(Mode::Backward, &Options::new().budget(whole)).unwrap().recomputes());
-    let never = loss.plan(Mode::Backward, &Options::new().budget(whole / 2).recompute(Recompute::Never)).unwrap();
+    assert!(!planned(&loss, Mode::Backward, &Options::new().budget(whole)).unwrap().recomputes());
+    let never = planned(&loss, Mode::Backward, &Options::new().budget(whole / 2).recompute(Recompute::Never)).unwrap();
     assert!(!never.recomputes() && never.splits(), "{never}");
     // A forward keeps no activations: nothing to recompute.
-    let forward = loss.plan(Mode::Forward, &Options::new().budget(1 << 30).recompute(Recompute::Always)).unwrap();
+    let forward = planned(&loss, Mode::Forward, &Options::new().budget(1 << 30).recompute(Recompute::Always)).unwrap();
     assert!(!forward.recomputes());
 }
 
@@ -408,7 +417,7 @@ fn inputs_eager_operands_and_accumulated_gradients_when_recomputing() {
         }
         let options = Options::new().budget((whole as f64 * fraction) as u64).recompute(Recompute::Always);
         let loss = lazily();
-        let plan = loss.plan(Mode::Backward, &options).unwrap();
+        let plan = planned(&loss, Mode::Backward, &options).unwrap();
         assert!(plan.recomputes() && plan.splits() == (fraction < 0.5), "{fraction}: {plan}");
         let got = loss.backward_with(&options).unwrap();
         assert!((got - value).abs() <= 1e-12 * value.abs(), "{fraction}: {got} vs {value}");
@@ -461,7 +470,7 @@ fn gradients_summed_across_segments_stay_apart() {
             t.grad().copy_(b);
         }
         let options = Options::new().budget((whole as f64 * fraction) as u64).recompute(Recompute::Always);
-        let plan = lazily().plan(Mode::Backward, &options).unwrap();
+        let plan = planned(&lazily(), Mode::Backward, &options).unwrap();
         assert!(plan.recomputes() && plan.segments().len() >= 3, "{fraction}: {plan}");
         lazily().backward_with(&options).unwrap();
         for ((g, w), name) in grads().iter().zip(&want).zip(["w1", "w2", "w3"]) {
@@ -479,7 +488,7 @@ fn a_batch_of_one_that_does_not_fit_is_an_error() {
     let x = Tensor::randn([1, 64], (Kind::Float, CPU));
     let loss = lazy(&x, 0).matmul(&w).tanh().matmul(&w).sum(None);
     for recompute in [Recompute::Auto, Recompute::Never, Recompute::Always] {
-        let err = loss.plan(Mode::Backward, &Options::new().budget(64).recompute(recompute)).unwrap_err();
+        let err = planned(&loss, Mode::Backward, &Options::new().budget(64).recompute(recompute)).unwrap_err();
         assert!(matches!(err, LazyError::DoesNotFit { peak, .. } if peak > 64), "{recompute:?}: {err}");
     }
 }

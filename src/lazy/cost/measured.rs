@@ -150,6 +150,8 @@ pub(crate) struct Calibrated {
     training: bool,
     /// What was measured now, by key: what a file of corrections remembers.
     pub(crate) new: Vec<(u64, Measured)>,
+    /// Whether a measurement was cut short by the budget: kept for this plan only.
+    short: bool,
 }
 
 impl Calibrated {
@@ -260,11 +262,12 @@ pub(crate) fn calibrate(
         // Found whole: what it measured is measured earlier now.
         let found = cal.summary.measured + cal.summary.remembered;
         let summary = Calibration { measured: 0, remembered: found, elapsed: Duration::ZERO, ..cal.summary.clone() };
-        return Rc::new(Calibrated { summary, by_node: cal.by_node.clone(), training, new: Vec::new() });
+        return Rc::new(Calibrated { summary, by_node: cal.by_node.clone(), training, new: Vec::new(), short: false });
     }
     let cal = Rc::new(measure_graph(nodes, model, training, how, threads, measure, room));
-    // Graphs whose calls could not all be measured are tried again (a counter may start).
-    if cal.summary.unmeasured == 0 {
+    // Graphs whose calls could not all be measured, or were measured only up to the budget,
+    // are tried again (a counter may start; a plan may have more room).
+    if cal.summary.unmeasured == 0 && !cal.short {
         CALIBRATED.with(|c| {
             let mut c = c.borrow_mut();
             if c.len() >= RECENT {
@@ -279,7 +282,7 @@ pub(crate) fn calibrate(
 impl Calibrated {
     /// Nothing measured: every node priced by its rules.
     pub(crate) fn empty(training: bool) -> Calibrated {
-        Calibrated { summary: Calibration::default(), by_node: Rc::new([]), training, new: Vec::new() }
+        Calibrated { summary: Calibration::default(), by_node: Rc::new([]), training, new: Vec::new(), short: false }
     }
 }
 
@@ -342,6 +345,18 @@ fn measure_graph(
     for (i, (key, known)) in wanted.into_iter().zip(known) {
         let node = &nodes[i];
         let known = if known.is_none() { lookup(key) } else { known };
+        // Measured up to this budget before (a training loop under one budget): found there.
+        let short_key = crate::hash::mix(key ^ room.rotate_left(17) ^ 0x5f0e7);
+        let known = match known {
+            None => match lookup(short_key) {
+                Some(Some(m)) => {
+                    cal.short = true;
+                    Some(Some(m))
+                }
+                _ => None,
+            },
+            known => known,
+        };
         let found = match known {
             Some(Some(m)) => {
                 cal.summary.remembered += 1;
@@ -382,11 +397,25 @@ fn measure_graph(
                 let result = catch_unwind(AssertUnwindSafe(|| measure(node, counter, training, model.block(), room)))
                     .unwrap_or_else(|_| Err("it panicked".into()));
                 match result {
-                    Ok(m) => {
+                    Ok((m, true)) => {
                         tracing::debug!(op = node.name(), key, ?m, "toma::lazy: measured a kernel call");
                         cal.summary.measured += 1;
                         cal.new.push((key, m));
                         insert(key, Some(m));
+                        Some(m)
+                    }
+                    Ok((m, false)) => {
+                        // Cut short by the budget: it prices this plan, and is measured whole
+                        // when a plan with more room asks for it.
+                        tracing::debug!(
+                            op = node.name(),
+                            key,
+                            ?m,
+                            "toma::lazy: measured a kernel call up to the budget"
+                        );
+                        cal.summary.measured += 1;
+                        cal.short = true;
+                        insert(short_key, Some(m));
                         Some(m)
                     }
                     Err(why) => {
@@ -466,10 +495,18 @@ fn sizes(node: &Node) -> Vec<i64> {
 /// measured, nor is any above one that ran out of memory; the line through the sizes measured
 /// prices the rest. A first step then peaks within its budget, calibration included (a CNN at
 /// 0.6× its eager peak took 1.84× the budget when calibration measured at the whole batch).
-fn measure(node: &Node, counter: PeakCounter, training: bool, block: u64, room: u64) -> Result<Measured, String> {
+fn measure(
+    node: &Node,
+    counter: PeakCounter,
+    training: bool,
+    block: u64,
+    room: u64,
+) -> Result<(Measured, bool), String> {
+    let wanted = sizes(node);
+    let largest_wanted = wanted.last().copied().unwrap_or(1) as u64;
     let mut points = Vec::with_capacity(SIZES.len() + 3);
     let mut last: Option<(u64, u64)> = None;
-    for b in sizes(node) {
+    for b in wanted {
         let b = b as u64;
         if let Some((b_last, took)) = last {
             if took.saturating_mul(b) / b_last.max(1) > room {
@@ -517,7 +554,8 @@ fn measure(node: &Node, counter: PeakCounter, training: bool, block: u64, room: 
     }
     tracing::trace!(op = node.name(), ?points, "toma::lazy: a kernel call measured at each size");
     let [kept, forward, backward] = parts.map(|f| priced(&series(&points, f)));
-    Ok(Measured { kept, forward, backward })
+    let whole = points.last().is_some_and(|p| p.0 >= largest_wanted);
+    Ok((Measured { kept, forward, backward }, whole))
 }
 
 /// Whether the line `w` (the [`fit`]) misses a size from two on by more than 2% (and 1 KiB).
