@@ -415,6 +415,7 @@ fn measure_graph(
                         );
                         cal.summary.measured += 1;
                         cal.short = true;
+                        cal.new.push((short_key, m));
                         insert(short_key, Some(m));
                         Some(m)
                     }
