@@ -180,8 +180,8 @@
 //! ```
 //!
 //! [`Plan::calibration`] returns what calibration did, and the printed plan says it:
-//! `calibrated: 3 kernel call(s) measured in 2.1 ms, 0 measured earlier, 2 priced by rules read
-//! on this machine`, then `machine: oneDNN avx2 (none of avx512_fp16/bf16, amx, vnni), ATen AVX2,
+//! `calibrated: 3 kernel call(s) measured in 2.1 ms, 0 measured earlier, 2 priced by rules
+//! trusted on this machine's key`, then `machine: oneDNN avx2 (none of avx512_fp16/bf16, amx, vnni), ATen AVX2,
 //! ...; rules read on oneDNN avx512_core_bf16 (avx512_bf16+avx512_vnni), ATen AVX512, ...`. A
 //! line `not calibrated: ...` says when calls needed measuring and were not: no allocator counts
 //! on the CPU before `track_cpu_allocations()`, or a call failed on stand-ins.

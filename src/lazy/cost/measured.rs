@@ -373,7 +373,13 @@ fn measure_graph(
                     if !may_measure {
                         cal.summary.awaiting += 1;
                         cal.summary.why_unmeasured.get_or_insert_with(|| {
-                            "a plan runs nothing: LazyTensor::calibrate, or the first step, measures it".into()
+                            if PeakCounter::for_device(device).is_some() {
+                                "a plan runs nothing: LazyTensor::calibrate, or the first step, measures it".into()
+                            } else {
+                                "no allocator counts, so nothing can measure it: call \
+                                 toma::memory::track_cpu_allocations() early, then LazyTensor::calibrate"
+                                    .into()
+                            }
                         });
                         continue;
                     }

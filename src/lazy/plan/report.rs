@@ -486,14 +486,22 @@ impl fmt::Display for Plan {
         if cal.measured + cal.remembered > 0 {
             writeln!(
                 f,
-                "calibrated: {} kernel call(s) measured in {:.1} ms, {} measured earlier, {} priced by rules read on this machine (Options::calibrate)",
+                "calibrated: {} kernel call(s) measured in {:.1} ms, {} measured earlier, {} priced by rules trusted on this machine's key (Options::calibrate)",
                 cal.measured,
                 cal.elapsed.as_secs_f64() * 1e3,
                 cal.remembered,
                 cal.by_rules
             )?;
         } else if cal.by_rules > 0 {
-            writeln!(f, "priced by rules read on this machine: {} kernel call(s), none measured", cal.by_rules)?;
+            // Off the rules' key, what rules still price is libtorch's own formulas (saved
+            // tensors, temporaries), never a product's or a convolution's kernel.
+            let off_key = cal.machine.is_some_and(|m| !m.reads_rules_of(&crate::lazy::CpuMachine::rules_read_on()));
+            let which = if off_key {
+                "libtorch's formulas (no kernel rule: not the rules' machine)"
+            } else {
+                "rules trusted on this machine's key"
+            };
+            writeln!(f, "priced by {which}: {} kernel call(s), none measured", cal.by_rules)?;
         }
         if let Some(machine) = cal.machine.filter(|_| !cal.is_empty()) {
             writeln!(f, "machine: {machine}; rules read on {}", crate::lazy::CpuMachine::rules_read_on())?;
@@ -501,7 +509,7 @@ impl fmt::Display for Plan {
         if cal.unmeasured > 0 {
             writeln!(
                 f,
-                "not calibrated: {} kernel call(s) priced by rules not validated here ({})",
+                "not calibrated: {} kernel call(s) priced by rules not validated here, which may be under ({})",
                 cal.unmeasured,
                 cal.why_unmeasured.as_deref().unwrap_or("not measured")
             )?;
