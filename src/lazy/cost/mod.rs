@@ -257,6 +257,63 @@ mod tests {
         assert_eq!((CostModel::Cuda(Cuda { gpu: H100 }).block(), CostModel::of(Device::Cpu).block()), (BLOCK, 1));
     }
 
+    /// A rule is trusted only on the key it was read on: a machine one feature apart (AVX512-FP16,
+    /// AMX) or with another answer to libtorch's fp16 check measures products and convolutions
+    /// of every kind; on the rules' own key, the kinds read there are trusted.
+    #[test]
+    fn products_and_convolutions_are_trusted_only_on_the_rules_key() {
+        let kinds = [Kind::Float, Kind::Double, Kind::Half, Kind::BFloat16];
+        let nodes: Vec<(Kind, &str, crate::lazy::LazyTensor)> = kinds
+            .iter()
+            .flat_map(|&kind| {
+                let x = Tensor::zeros([8, 12, 16, 16], (kind, Device::Cpu));
+                let w = Tensor::zeros([20, 12, 3, 3], (kind, Device::Cpu)).set_requires_grad(true);
+                let conv = lazy(&x, 0).conv2d(&w, None::<&Tensor>, 1, 1, 1, 1);
+                let a = Tensor::zeros([8, 64], (kind, Device::Cpu));
+                let m = Tensor::zeros([32, 64], (kind, Device::Cpu)).set_requires_grad(true);
+                let product = lazy(&a, 0).linear(&m, None::<&Tensor>);
+                [(kind, "convolution", conv), (kind, "product", product)]
+            })
+            .collect();
+        let trusted = |machine: &CpuMachine| -> Vec<(Kind, &str)> {
+            let model = CostModel::Cpu(Cpu::of(machine));
+            nodes
+                .iter()
+                .filter(|(_, _, y)| {
+                    let mut calls = Vec::new();
+                    y.node().kernels(&mut calls);
+                    let ours: Vec<_> = calls
+                        .iter()
+                        .filter(|c| matches!(c, KernelCall::Convolution(_) | KernelCall::Product(_)))
+                        .collect();
+                    assert!(!ours.is_empty(), "{:?}", y.node().name());
+                    ours.iter().all(|c| model.validated(c))
+                })
+                .map(|(k, what, _)| (*k, *what))
+                .collect()
+        };
+        let read_on = CpuMachine::rules_read_on();
+        let mut fp16 = read_on;
+        fp16.features.avx512_fp16 = true;
+        let mut amx = read_on;
+        amx.features.amx_bf16 = true;
+        let mut fp16_check = read_on;
+        fp16_check.fp16_onednn = true;
+        let amx_machine = CpuMachine { libtorch: Some(READ_ON), ..CpuMachine::new(CpuIsa::Avx512CoreAmx, 2) };
+        for (name, machine) in
+            [("avx512_fp16", fp16), ("amx_bf16", amx), ("fp16 check", fp16_check), ("amx", amx_machine)]
+        {
+            assert_eq!(trusted(&machine), [], "{name}: every kind is measured");
+        }
+        if crate::lazy::rules_trusted() {
+            let on_key = trusted(&read_on);
+            for kind in [Kind::Float, Kind::Double, Kind::Half] {
+                assert!(on_key.contains(&(kind, "convolution")) && on_key.contains(&(kind, "product")), "{on_key:?}");
+            }
+            assert!(!on_key.iter().any(|(k, _)| *k == Kind::BFloat16), "BFloat16 is always measured: {on_key:?}");
+        }
+    }
+
     #[test]
     fn work_rounds_to_the_block_and_prices_one_sample_apart() {
         let w = Work { single: 700, ..Work::line(100, 10) };
