@@ -165,7 +165,8 @@ class CountingCpuAllocator final : public c10::Allocator {
   // libtorch's parallel regions (inside them, the workers of some thread's op run), or a reset
   // of the peak. Counted for all, and for the calling thread's scope.
   void note_event() {
-    if (at::in_parallel_region()) {
+    // Outside any measurement nothing reads them: the common path costs one relaxed load.
+    if (open_scopes_.load(std::memory_order_relaxed) == 0 || at::in_parallel_region()) {
       return;
     }
     events_.fetch_add(1, std::memory_order_relaxed);
@@ -196,6 +197,7 @@ class CountingCpuAllocator final : public c10::Allocator {
         scope.allocated.store(now, std::memory_order_relaxed);
         scope.peak.store(now, std::memory_order_relaxed);
         thread_scope = slot;
+        open_scopes_.fetch_add(1, std::memory_order_relaxed);
         return slot;
       }
     }
@@ -209,6 +211,7 @@ class CountingCpuAllocator final : public c10::Allocator {
     }
     thread_scope = 0;
     scopes_[slot].generation.fetch_add(1, std::memory_order_relaxed);
+    open_scopes_.fetch_sub(1, std::memory_order_relaxed);
     scopes_[slot].taken.store(false);
   }
 
@@ -293,6 +296,7 @@ class CountingCpuAllocator final : public c10::Allocator {
   std::atomic<int64_t> peak_{0};
   std::atomic<int64_t> allocations_{0};
   std::atomic<int64_t> events_{0};
+  std::atomic<int64_t> open_scopes_{0};
   Scope scopes_[kScopes];
 };
 

@@ -7,7 +7,7 @@ use tch::Kind;
 
 use super::brgemm;
 pub(crate) use super::machine::libtorch_version;
-use super::machine::{CpuIsa, CpuMachine};
+use super::machine::CpuMachine;
 use super::onednn::OneDnn;
 use super::work::{batch_of, chord, Scratch};
 use crate::lazy::graph::{Convolution, KernelCall, Product};
@@ -29,13 +29,11 @@ const NATIVE_TRANSPOSED_BACKWARD_FIXED: u64 = 32 << 10;
 /// its oneDNN.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Cpu {
-    pub(crate) isa: CpuIsa,
     pub(crate) threads: u64,
     pub(crate) onednn: OneDnn,
-    /// Whether libtorch runs `BFloat16` convolutions and products through oneDNN here (its
-    /// `mkldnn_bf16_device_check`).
-    pub(crate) bf16_onednn: bool,
-    /// The whole key the rules are trusted on ([`CpuMachine::reads_rules_of`]).
+    /// The whole key the rules are trusted on ([`CpuMachine::reads_rules_of`]); its
+    /// `bf16_onednn` says whether libtorch runs `BFloat16` convolutions and products through
+    /// oneDNN here.
     pub(crate) key: CpuMachine,
 }
 
@@ -77,7 +75,6 @@ impl Cpu {
             threads,
             onednn: OneDnn { threads, ..host.onednn },
             key: CpuMachine { threads: threads as usize, ..host.key },
-            ..host.clone()
         }
     }
 
@@ -124,10 +121,8 @@ impl Cpu {
     pub(crate) fn of(machine: &CpuMachine) -> Cpu {
         let threads = machine.threads.max(1) as u64;
         Cpu {
-            isa: machine.isa,
             threads,
             onednn: OneDnn { libtorch: machine.libtorch, block: machine.isa.block(), threads },
-            bf16_onednn: machine.bf16_onednn,
             key: CpuMachine { threads: threads as usize, ..*machine },
         }
     }
@@ -138,7 +133,7 @@ impl Cpu {
     /// requires a gradient, one after the other (the larger scratchpad counts): `grad @ bᵀ`, and
     /// `aᵀ @ grad` with A transposed (`(gradᵀ @ a)ᵀ` for a column-major `b` in `mm`).
     pub(crate) fn product(&self, p: &Product<'_>) -> Scratch {
-        if p.out.kind != Kind::BFloat16 || !self.bf16_onednn {
+        if p.out.kind != Kind::BFloat16 || !self.key.bf16_onednn {
             return Scratch::default();
         }
         let elem = p.out.kind.elt_size_in_bytes() as u64;
@@ -186,7 +181,7 @@ impl Cpu {
         // check; `Float` ones by shape; other kinds never.
         let onednn = match c.output.kind {
             Kind::Float => self.uses_onednn(c, n, per_sample),
-            Kind::BFloat16 => self.bf16_onednn,
+            Kind::BFloat16 => self.key.bf16_onednn,
             _ => false,
         };
         if c.batched() && onednn {

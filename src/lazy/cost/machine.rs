@@ -116,16 +116,7 @@ impl CpuIsa {
         #[cfg(target_arch = "x86_64")]
         {
             use std::arch::is_x86_feature_detected as has;
-            // AVX-VNNI and AMX are read from CPUID leaf 7 (sub-leaf 0: EDX bits 22, 24, 25 for
-            // AMX-BF16, -TILE, -INT8; sub-leaf 1: EAX bits 4 and 21 for AVX-VNNI and AMX-FP16,
-            // EDX bits 4 and 5 for AVX-VNNI-INT8 and AVX-NE-CONVERT).
-            use std::arch::x86_64::{__cpuid, __cpuid_count};
-            let (leaf7_0, leaf7_1) = if __cpuid(0).eax >= 7 {
-                let (l0, l1) = (__cpuid_count(7, 0), __cpuid_count(7, 1));
-                ((l0.edx, 0), (l1.eax, l1.edx))
-            } else {
-                ((0, 0), (0, 0))
-            };
+            let (leaf7_0, leaf7_1) = leaf7();
             let bit = |word: u32, b: u32| word & (1 << b) != 0;
             let avx_vnni = bit(leaf7_1.0, 4);
             let avx_vnni_int8_ne = bit(leaf7_1.1, 4) && bit(leaf7_1.1, 5);
@@ -174,6 +165,19 @@ impl CpuIsa {
     }
 }
 
+/// CPUID leaf 7, the words std's feature detection does not name: sub-leaf 0's EDX (bits 22,
+/// 24, 25: AMX-BF16, -TILE, -INT8) and sub-leaf 1's EAX (bits 4 and 21: AVX-VNNI, AMX-FP16) and
+/// EDX (bits 4 and 5: AVX-VNNI-INT8, AVX-NE-CONVERT), as `((edx0, 0), (eax1, edx1))`.
+#[cfg(target_arch = "x86_64")]
+fn leaf7() -> ((u32, u32), (u32, u32)) {
+    use std::arch::x86_64::{__cpuid, __cpuid_count};
+    if __cpuid(0).eax < 7 {
+        return ((0, 0), (0, 0));
+    }
+    let (l0, l1) = (__cpuid_count(7, 0), __cpuid_count(7, 1));
+    ((l0.edx, 0), (l1.eax, l1.edx))
+}
+
 impl fmt::Display for CpuIsa {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
@@ -219,11 +223,7 @@ impl CpuFeatures {
             #[cfg(target_arch = "x86_64")]
             {
                 use std::arch::is_x86_feature_detected as has;
-                use std::arch::x86_64::{__cpuid, __cpuid_count};
-                // AMX-BF16 is CPUID leaf 7 sub-leaf 0 EDX bit 22; AVX-VNNI and AMX-FP16 are
-                // sub-leaf 1 EAX bits 4 and 21.
-                let (edx0, eax1) =
-                    if __cpuid(0).eax >= 7 { (__cpuid_count(7, 0).edx, __cpuid_count(7, 1).eax) } else { (0, 0) };
+                let ((edx0, _), (eax1, _)) = leaf7();
                 let bit = |word: u32, b: u32| word & (1 << b) != 0;
                 CpuFeatures {
                     avx512_fp16: has!("avx512fp16"),
