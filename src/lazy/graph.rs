@@ -382,6 +382,16 @@ impl Cost {
         for (&s, &st) in meta.shape.iter().zip(&meta.strides) {
             hash = crate::hash::mix(crate::hash::mix(hash ^ s as u64) ^ st as u64);
         }
+        // And what the op's kernel calls name of its settings (a triplet loss's `swap`, a
+        // convolution's padding): two graphs alike but there plan apart, and never share a
+        // calibration, even over parameters at the same addresses.
+        if let NodeKind::Op(op) = kind {
+            let mut calls = Vec::new();
+            op.kernels(inputs, meta, &mut calls);
+            for call in &calls {
+                hash = crate::hash::mix(hash ^ crate::hash::hash_of(call));
+            }
+        }
         let permutes = meta.alias
             && inputs
                 .first()
@@ -631,6 +641,10 @@ pub(crate) enum KernelCall<'a> {
     /// A matrix product (`mm`, `addmm`, `bmm`) and, when the output requires a gradient, the
     /// products of its backward.
     Product(Product<'a>),
+    /// libtorch's fused attention kernel (and its backward, when the output requires a
+    /// gradient): `l` query rows against `s` keys, values `ev` wide, in `kind`. Its scratch is
+    /// the device's (per thread on the CPU).
+    FusedAttention { l: i64, s: i64, ev: i64, kind: Kind },
 }
 
 /// What a call's memory depends on besides its operands' shapes (which calibration's key hashes
@@ -645,6 +659,7 @@ impl std::hash::Hash for KernelCall<'_> {
             KernelCall::ReducedPrecisionMean { elements } => elements.hash(h),
             KernelCall::Convolution(c) => c.settings().hash(h),
             KernelCall::Product(p) => (p.k, p.batched, p.b_column_major, p.grads).hash(h),
+            KernelCall::FusedAttention { l, s, ev, kind } => (l, s, ev, kind).hash(h),
         }
     }
 }

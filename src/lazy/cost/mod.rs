@@ -33,7 +33,7 @@ use std::rc::Rc;
 use tch::Device;
 
 use super::graph::{KernelCall, Meta, Node};
-use super::size::Bytes;
+use super::size::{Bytes, Elements};
 use cuda::ReduceStaging;
 use work::Scratch;
 pub(crate) use work::Work;
@@ -183,6 +183,15 @@ impl CostModel {
                 KernelCall::Product(p) => {
                     if let CostModel::Cpu(cpu) = self {
                         scratch = scratch.plus(cpu.product(p));
+                    }
+                }
+                &KernelCall::FusedAttention { l, s, ev, kind } => {
+                    if let CostModel::Cpu(cpu) = self {
+                        let mut s = cpu.fused_attention(l, s, ev, kind);
+                        if !meta.requires_grad {
+                            s.backward = Elements::ZERO;
+                        }
+                        scratch = scratch.plus(s);
                     }
                 }
             }

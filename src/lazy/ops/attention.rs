@@ -69,6 +69,9 @@ impl Operation for Attention {
             // One log-sum-exp per query row, in the accumulation kind.
             let kind = if meta.kind == Kind::Double { Kind::Double } else { Kind::Float };
             calls.push(KernelCall::Keeps { elements: like(meta, 1), kind });
+            let (q, k) = (&inputs[0].meta.shape, &inputs[1].meta.shape);
+            let (l, s, ev) = (q[q.len() - 2], k[k.len() - 2], meta.shape[meta.shape.len() - 1]);
+            calls.push(KernelCall::FusedAttention { l, s, ev, kind: meta.kind });
             return;
         }
         // Scaled query and key, and the attention weights after the softmax (and dropout,
@@ -262,7 +265,15 @@ impl LazyTensor {
         let fused = fused(sq, sk, sv, dropout_p, enable_gqa);
         let op = Attention { dropout_p, is_causal, scale: scale.into(), enable_gqa, fused };
         let inputs = inputs_of(nodes);
-        Ok(Record::new(op, inputs, out, q.node().meta.kind, device).flow((flow, mixes)).finish())
+        let record = Record::new(op, inputs, out, q.node().meta.kind, device).flow((flow, mixes));
+        // The fused kernels write `[B, L, H, Ev]` and hand it back transposed: the heads put
+        // back together (`transpose(1, 2).reshape(..)`) are a view, not a copy.
+        let strides = fused.then(|| {
+            let s = &record.shape;
+            let (h, l, ev) = (s[1], s[2], s[3]);
+            crate::dims::Dims::from([l * h * ev, ev, h * ev, 1])
+        });
+        Ok(Record { strides, ..record }.finish())
     }
 }
 

@@ -329,8 +329,36 @@ impl MatmulPath {
     }
 }
 
-/// `x @ weightᵀ + bias`. Operands: x, weight, optional bias.
-pub(crate) struct Linear;
+/// `x @ weightᵀ + bias`. Operands: x, weight, optional bias. `copy`: the input's copy, where
+/// libtorch folds it into a matrix by one ([`Linear::input_copy`]).
+pub(crate) struct Linear {
+    copy: Elements,
+}
+
+impl Linear {
+    /// The copy `linear` makes of an input of three or more dimensions. A contiguous one with
+    /// a bias is flattened for one `addmm`, a view; anything else runs `matmul(x, weightᵀ)`,
+    /// which folds the input into a matrix, copied where its strides allow no view (a
+    /// transposed convolution's output read as tokens), and saves the copy rather than the
+    /// input. A frozen weight with such an input takes `matmul`'s batched path, not priced here.
+    fn input_copy(x: &Meta, w: &Meta, bias: bool) -> Elements {
+        if x.shape.len() < 3 || w.shape.len() != 2 || (bias && shape::is_contiguous(&x.shape, &x.strides)) {
+            return Elements::ZERO;
+        }
+        let (wt_shape, wt_strides) = ([w.shape[1], w.shape[0]], [w.strides[1], w.strides[0]]);
+        let path = MatmulPath::choose(
+            (&x.shape, &x.strides, x.requires_grad),
+            (&wt_shape, &wt_strides, w.requires_grad),
+            None,
+        );
+        if !matches!(path, MatmulPath::Fold { copy: true, folded: 0, .. }) {
+            return Elements::ZERO;
+        }
+        let n = |b: i64| shape::numel(&x.shape_at(b)).max(0) as u64;
+        let per = n(2).saturating_sub(n(1));
+        Elements::line(per, n(1).saturating_sub(per))
+    }
+}
 
 impl Operation for Linear {
     fn name(&self) -> &'static str {
@@ -338,6 +366,14 @@ impl Operation for Linear {
     }
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        // The folded copy is what `mm` saves for the weight's gradient.
+        if self.copy != Elements::ZERO {
+            if requires(inputs, 1) && meta.requires_grad {
+                calls.push(KernelCall::SavedCopy { elements: self.copy, kind: meta.kind });
+            } else {
+                calls.push(KernelCall::Temporaries { forward: self.copy, backward: Elements::ZERO });
+            }
+        }
         // The bias gradient: the output gradient summed over every dimension but the last.
         if requires(inputs, 2) && meta.requires_grad && !meta.shape.is_empty() {
             let mask = shape::dims_mask(0..meta.shape.len() - 1);
@@ -358,7 +394,7 @@ impl Operation for Linear {
 
     fn facts(&self, inputs: &[Rc<Node>], meta: &Meta) -> OpFacts {
         OpFacts::new(inputs.len())
-            .saves(|i| factors_saved(i, 0, 1, inputs))
+            .saves(|i| factors_saved(i, 0, 1, inputs) && !(i == 0 && self.copy != Elements::ZERO))
             .grad_views(|i| {
                 // The product runs on `weight.t()`: its gradient is transposed back, a view.
                 i == 1
@@ -1130,7 +1166,8 @@ impl LazyTensor {
         mapped[0] = x.meta.batch().filter(|bd| bd.dim + 1 < sx.len()).map(|bd| bd.dim);
         let flow = combine_flows(name, nodes, &mapped[..nodes.len()], &out, Linearity::Nonlinear, false)?;
         let inputs = inputs_of(nodes.iter().copied());
-        Ok(Record::new(Linear, inputs, out, x.meta.kind, device).flow(flow).finish())
+        let linear = Linear { copy: Linear::input_copy(&x.meta, &wn.meta, bn.is_some()) };
+        Ok(Record::new(linear, inputs, out, x.meta.kind, device).flow(flow).finish())
     }
 
     /// `beta * self + alpha * (batch1 @ batch2)`, as tch's `baddbmm`: `batch1` is `[B, n, m]`,
