@@ -4,7 +4,7 @@
 //! of the side-by-side with Python toma (7), time per sample by batch size (8), auto steps (9),
 //! recomputing: gradients, peak and time against splitting (10), `Fastest` on a kernel curve
 //! (11), the zoo on a filled card and against the CPU (12, 13), autocast (14), and the zoo's
-//! GPT-2 stack part by part (15).
+//! GPT-2 stack part by part (15), two threads calibrating on one card at once (16).
 //!
 //! Opt-in: every GPU test is `#[ignore]`d, so `cargo test` lists them as ignored, never as
 //! passed; `scripts/gpu-run.sh` runs them with `--include-ignored` and `TOMA_CUDA_TESTS=1`.
@@ -1961,4 +1961,66 @@ fn gpt2_stack_step_by_step() {
         memory::release_cached_blocks();
     }
     assert!(failures.is_empty(), "GPT-2 stack rows off: {failures:#?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// 16. Two threads calibrating on one card at once: CUDA's allocator counts the device, every
+// thread's work, so a measurement stands only when it repeats (`measured::probe_alone`).
+
+/// A small CNN of `width` channels on the card, its step's loss for `n` samples.
+fn width_cnn_loss(vs: &nn::VarStore, width: i64, n: i64) -> LazyTensor {
+    let r = vs.root();
+    let same = nn::ConvConfig { padding: 1, ..Default::default() };
+    let c1 = nn::conv2d(&r / "c1", 3, width, 3, same);
+    let c2 = nn::conv2d(&r / "c2", width, 2 * width, 3, nn::ConvConfig { stride: 2, ..same });
+    let fc = nn::linear(&r / "fc", 2 * width, 10, Default::default());
+    let x = Tensor::randn([n, 3, 32, 32], (Kind::Float, CUDA));
+    let y = Tensor::randint(10, [n], (Kind::Int64, CUDA));
+    let (x, y) = toma::lazy::lazy((&x, &y), 0);
+    x.apply(&c1).relu().apply(&c2).relu().adaptive_avg_pool2d([1, 1]).flatten(1, -1).apply(&fc).cross_entropy_for_logits(&y)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-run.sh runs it with TOMA_CUDA_TESTS=1"]
+fn two_threads_calibrating_on_one_card_plan_as_alone() {
+    const CHILD: &str = "TOMA_GPU_TWO_THREADS_CHILD";
+    let test = "two_threads_calibrating_on_one_card_plan_as_alone";
+    if let Ok(how) = std::env::var(CHILD) {
+        // A fresh process each way, so that each measures anew; each round another width.
+        let rounds = |first: bool| {
+            (0..6i64)
+                .map(|round| {
+                    tch::manual_seed(round);
+                    let vs = nn::VarStore::new(CUDA);
+                    let width = if first { 8 + round } else { 16 + 2 * round };
+                    let loss = width_cnn_loss(&vs, width, if first { 32 } else { 24 });
+                    let options = Options::new().micro_batch(8).calibrate(toma::lazy::Calibrate::Always);
+                    loss.calibrate(Mode::Backward, &options).unwrap();
+                    loss.plan(Mode::Backward, &options).unwrap().peak_bytes()
+                })
+                .collect::<Vec<u64>>()
+        };
+        let (a, b) = if how == "alone" {
+            (rounds(true), rounds(false))
+        } else {
+            let first = std::thread::spawn(move || rounds(true));
+            let second = std::thread::spawn(move || rounds(false));
+            (first.join().unwrap(), second.join().unwrap())
+        };
+        let list = |v: &[u64]| v.iter().map(u64::to_string).collect::<Vec<_>>().join(",");
+        println!("\nthreads-done a={} b={}", list(&a), list(&b));
+        return;
+    }
+    let Some(_gpu) = gpu(test) else { return };
+    let parse = |s: &str| s.split(',').map(|v| v.parse::<u64>().unwrap()).collect::<Vec<_>>();
+    let alone = support::child::run(test, CHILD, "alone").assert_finished("threads-done ");
+    let together = support::child::run(test, CHILD, "together").assert_finished("threads-done ");
+    let mut worst = 0.0f64;
+    for model in ["a", "b"] {
+        for (alone, together) in parse(&alone[model]).into_iter().zip(parse(&together[model])) {
+            worst = worst.max(((together as f64 - alone as f64) / alone as f64).abs());
+        }
+    }
+    report(test, &[("alone", &alone["a"]), ("together", &together["a"]), ("worst", &format!("{:.2}%", 100.0 * worst))]);
+    assert!(worst <= 0.01, "plans made while another thread calibrated on the card differ by {:.2}%", 100.0 * worst);
 }

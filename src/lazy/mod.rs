@@ -150,7 +150,9 @@
 //! through the sizes measured prices the rest. The first step of a process holds its budget as
 //! the tenth does. On the CPU a measurement knows whether another thread allocated meanwhile
 //! (the counting allocator keeps a scope per measuring thread): toma's own measurements take
-//! turns, and one that another thread's work reached is made again.
+//! turns, and one that another thread's work reached is made again. CUDA's allocator counts
+//! a device, every thread's work: there a measurement stands when it repeats (as many
+//! allocations and frees, the same figures), and after eight tries the smallest stands.
 //!
 //! Planning is a function of the graph, the machine and that evidence: the step gathers the
 //! evidence (measuring), then plans with it. [`LazyTensor::plan`] runs nothing: it finds what

@@ -134,6 +134,18 @@ impl PeakCounter {
         }
     }
 
+    /// Every thread's allocations and frees so far, where only a whole device's can be read
+    /// (CUDA's caching allocator counts per device): a call measured twice that saw as many
+    /// of them and the same figures both times was not reached by another thread's work.
+    /// `None` elsewhere (the CPU's count tells its own thread apart: [`mark`](Self::mark)).
+    #[cfg_attr(not(feature = "tch"), allow(dead_code))]
+    pub(crate) fn device_events(self) -> Option<i64> {
+        match self {
+            PeakCounter::Cuda(d) => torch::stats(d).ok().map(|s| s.allocations.saturating_add(s.frees)),
+            _ => None,
+        }
+    }
+
     /// The same thread's own count, which no other thread reaches (it misses what the workers of
     /// its parallel ops allocate): for when the process's count never stays its own.
     #[cfg_attr(not(feature = "tch"), allow(dead_code))]

@@ -72,6 +72,8 @@ pub(super) struct RawStats {
     pub(super) peak_reserved: i64,
     pub(super) alloc_retries: i64,
     pub(super) ooms: i64,
+    pub(super) allocations: i64,
+    pub(super) frees: i64,
     pub(super) initialized: i32,
 }
 

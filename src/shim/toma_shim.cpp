@@ -501,6 +501,8 @@ int toma_shim_cuda_allocator_stats(int64_t device, toma_shim_allocator_stats* ou
     out->peak_reserved = stats.reserved_bytes[all].peak;
     out->alloc_retries = stats.num_alloc_retries;
     out->ooms = stats.num_ooms;
+    out->allocations = stats.allocation[all].allocated;
+    out->frees = stats.allocation[all].freed;
     out->initialized = 1;
     return TOMA_SHIM_OK;
   });

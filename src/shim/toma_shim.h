@@ -38,6 +38,10 @@ typedef struct toma_shim_allocator_stats {
   int64_t alloc_retries;
   // Out-of-memory errors it raised.
   int64_t ooms;
+  // Blocks handed out and given back since the process started (every thread's): a
+  // measurement that another thread's work reached sees more of them than its own.
+  int64_t allocations;
+  int64_t frees;
   // 0 while libtorch has not initialised the allocator (nothing allocated yet: all counts 0).
   int32_t initialized;
 } toma_shim_allocator_stats;
