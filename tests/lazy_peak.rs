@@ -1036,9 +1036,14 @@ fn a_step_that_cannot_fit_is_refused_before_it_runs() {
     let weights = fc.ws.copy();
     let err = opt.f_backward_step_with(&loss, &Options::new().budget(needs - 1)).unwrap_err();
     match &err {
-        toma::lazy::LazyError::DoesNotFit { peak, peak_op, .. } => {
+        toma::lazy::LazyError::DoesNotFit { peak, peak_op, step_floor, split_refused, .. } => {
             assert_eq!(*peak, needs, "{err}");
             assert_eq!(peak_op, "Adam step", "{err}");
+            // What to do, in units a person reads: no split lowers it, give this much.
+            assert_eq!((*step_floor, split_refused), (true, &None), "{err}");
+            let text = err.to_string();
+            assert!(text.contains("no split lowers it; give a budget of at least"), "{text}");
+            assert!(text.contains(&format!("({needs} B)")) && !text.contains("ruled out"), "{text}");
         }
         other => panic!("{other}"),
     }

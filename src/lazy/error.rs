@@ -103,7 +103,9 @@ pub enum LazyError {
     /// (the first step does it too), or plan by the rules anyway with
     /// [`Calibrate::Never`](crate::lazy::Calibrate::Never).
     #[error(
-        "toma::lazy: the plan needs {calls} kernel call(s) measured on this machine, first `{op}`, and none was          measured yet: call `.calibrate(mode, &options)` on the value first (the first step measures them too), or          plan by rules read on another machine, which may be under, with `Options::calibrate(Calibrate::Never)`"
+        "toma::lazy: the plan needs {calls} kernel call(s) measured on this machine, first `{op}`, and none was \
+         measured yet: call `.calibrate(mode, &options)` on the value first (the first step measures them too), or \
+         plan by rules read on another machine, which may be under, with `Options::calibrate(Calibrate::Never)`"
     )]
     NotCalibrated {
         /// Kernel calls that want measuring.
@@ -124,12 +126,13 @@ pub enum LazyError {
     /// No plan fits the budget: not the smallest micro-batch, not recomputing activations,
     /// where each was allowed. The fields name the lowest peak any plan reaches and how.
     #[error(
-        "toma::lazy: {op}: no plan fits the budget of {}: the lowest peak any plan reaches is {} at op #{peak_node} `{peak_op}` ({}){}{}",
+        "toma::lazy: {op}: no plan fits the budget of {}: the lowest peak any plan reaches is {} at op #{peak_node} `{peak_op}` ({}){}{}{}",
         sized(*.budget),
         sized(*.peak),
         plan_note(*.micro_batch, *.batch, *.segments),
         reserve_note(*.reserved),
-        split_note(.split_refused.as_deref())
+        split_note(.split_refused.as_deref()),
+        step_note(peak_op, *.step_floor, *.peak)
     )]
     DoesNotFit {
         /// The output op.
@@ -154,6 +157,10 @@ pub enum LazyError {
         segments: Option<u32>,
         /// Why the batch may not be split (the op that rules it out), when it may not.
         split_refused: Option<Box<str>>,
+        /// Whether `peak` is the optimizer's step's, which holds every gradient, the state its
+        /// first step creates and its temporaries at once, whatever the micro-batch: no split
+        /// lowers it, and the budget must be at least `peak`.
+        step_floor: bool,
     },
     /// `backward` on a value that is not a scalar.
     #[error("toma::lazy: backward needs a scalar loss, `{op}` has shape {shape:?}")]
@@ -259,7 +266,7 @@ fn split_cause(batch: usize, requested: Option<usize>, peak: u64, budget: u64) -
         Some(micro) => {
             format!("the batch of {batch} was asked to run in micro-batches of {micro} (Options::micro_batch), but")
         }
-        None => format!("the batch of {batch} does not fit (peak {peak} B at the full batch, budget {budget} B) and"),
+        None => format!("the batch of {batch} does not fit (peak {} at the full batch, budget {}) and", sized(peak), sized(budget)),
     }
 }
 
@@ -290,6 +297,19 @@ fn split_note(refused: Option<&str>) -> String {
     match refused {
         Some(why) => format!("; splitting the batch is ruled out: {why}"),
         None => String::new(),
+    }
+}
+
+/// The optimizer's part of [`LazyError::DoesNotFit`]'s message: what to give.
+fn step_note(step: &str, floor: bool, needs: u64) -> String {
+    match floor {
+        true => format!(
+            "; the {step} alone needs {} (every gradient, the state its first step creates, its temporaries) \
+             whatever the micro-batch: no split lowers it; give a budget of at least {}",
+            sized(needs),
+            sized(needs)
+        ),
+        false => String::new(),
     }
 }
 

@@ -102,12 +102,15 @@ pub(crate) fn plan(
     Ok(d)
 }
 
-/// The optimizer's step (`name`, `peak` bytes) does not fit `budget`.
+/// The optimizer's step (`name`, `peak` bytes) does not fit `budget`: no micro-batch lowers
+/// it, and the error says what budget it needs.
 fn step_does_not_fit(c: &Compiled, name: &str, peak: u64, budget: u64) -> LazyError {
-    let why = "the optimizer's step holds every gradient, the state it creates and its temporaries at once, \
-               whatever the micro-batch";
     let whole = c.batch.max(1) as usize;
-    fits_nowhere(c, peak, (c.len() - 1, format!("{name} step")), budget, 0, whole, None, Some(why.into()))
+    let mut e = fits_nowhere(c, peak, (c.len() - 1, format!("{name} step")), budget, 0, whole, None, None);
+    if let LazyError::DoesNotFit { step_floor, .. } = &mut e {
+        *step_floor = true;
+    }
+    e
 }
 
 /// [`plan`] for the forward and backward passes.
@@ -376,6 +379,7 @@ fn fits_nowhere(
         batch: u32::try_from(c.batch.max(1)).unwrap_or(u32::MAX),
         segments,
         split_refused: split_refused.map(String::into_boxed_str),
+        step_floor: false,
     }
 }
 
