@@ -1610,6 +1610,85 @@ fn generative_models_in_training_loops() {
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "steps");
 }
 
+/// A GAN as tch-rs's example trains it (a DCGAN: transposed convolutions and batch norm in the
+/// generator; convolutions, batch norm and `maximum(x, 0.2 x)` in the discriminator; two Adams,
+/// `freeze()` and `unfreeze()` around each step, `zero_grad()` before it): three rounds of both
+/// steps, whole, then the generator's step recomputing under 0.85× and 0.75× of its peak (batch
+/// norm keeps the batch whole). The generator's loss flows back through the frozen
+/// discriminator, which keeps what a trained one keeps: autograd's convolution saves its input
+/// whether or not its weight trains. Planned as if it did not, that step was 12.4% under
+/// (13.8% in tch-rs's own sizes), and `maximum`'s backward (`where(a == b, grad / 2, grad)`
+/// masked by `a < b`) 4.9% more. Every step within 5% now.
+#[test]
+fn a_gan_with_frozen_parts_plans_both_steps() {
+    use tch::nn::OptimizerConfig;
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    tch::manual_seed(31);
+    let (mut gvs, mut dvs) = (nn::VarStore::new(CPU), nn::VarStore::new(CPU));
+    let (g, d) = (gvs.root(), dvs.root());
+    let up = |p: nn::Path, i, o, padding, stride| {
+        let config = nn::ConvTransposeConfig { stride, padding, bias: false, ..Default::default() };
+        nn::conv_transpose2d(p, i, o, 4, config)
+    };
+    let down = |p: nn::Path, i, o, padding, stride| {
+        nn::conv2d(p, i, o, 4, nn::ConvConfig { stride, padding, bias: false, ..Default::default() })
+    };
+    let bn = |p: nn::Path, c| nn::batch_norm2d(p, c, Default::default());
+    let (g1, gb1, g2, gb2, g3) =
+        (up(&g / "tr1", 16, 64, 0, 1), bn(&g / "bn1", 64), up(&g / "tr2", 64, 32, 1, 2), bn(&g / "bn2", 32), up(&g / "tr3", 32, 3, 1, 2));
+    let (d1, d2, db2, d3) = (down(&d / "c1", 3, 32, 1, 2), down(&d / "c2", 32, 64, 1, 2), bn(&d / "bn2", 64), down(&d / "c3", 64, 1, 0, 1));
+    let mut opt_g = nn::Adam::default().build(&gvs, 2e-4).unwrap();
+    let mut opt_d = nn::Adam::default().build(&dvs, 2e-4).unwrap();
+    let n = 32i64;
+    let f32s = (Kind::Float, CPU);
+    let (ones, zeros) = (Tensor::ones([n, 1, 1, 1], f32s), Tensor::zeros([n, 1, 1, 1], f32s));
+    let generate = |z: &LazyTensor| {
+        z.apply(&g1).apply_t(&gb1, true).relu().apply(&g2).apply_t(&gb2, true).relu().apply(&g3).tanh()
+    };
+    let leaky = |x: LazyTensor| x.maximum(&(&x * 0.2));
+    let discriminate = |x: &LazyTensor| leaky(leaky(x.apply(&d1)).apply(&d2).apply_t(&db2, true)).apply(&d3);
+    let bce = |logit: LazyTensor, target: &LazyTensor| {
+        logit.binary_cross_entropy_with_logits(target, None::<&Tensor>, None::<&Tensor>, tch::Reduction::Mean)
+    };
+    let mut rows = Rows::default();
+    let mut run = |rows: &mut Rows, name: String, loss: &LazyTensor, options: &Options, opt: &mut nn::Optimizer| {
+        let plan = loss.measured_plan(Mode::Backward, options).expect("a plan");
+        let before = memory::cpu_allocator_stats().unwrap().allocated;
+        assert!(memory::reset_cpu_peak());
+        loss.backward_with(options).expect("forward and backward");
+        let measured = memory::cpu_allocator_stats().unwrap().peak_allocated - before;
+        opt.step();
+        rows.push(format!("{name}{}", if plan.recomputes() { " (recomputing)" } else { "" }), plan.peak_bytes(), measured);
+        plan.peak_bytes()
+    };
+    let mut whole = 0;
+    for round in 0..3 {
+        let real = Tensor::rand([n, 3, 16, 16], f32s) * 2.0 - 1.0;
+        let z = Tensor::randn([n, 16, 1, 1], f32s);
+        gvs.freeze();
+        dvs.unfreeze();
+        opt_d.zero_grad();
+        let (lr, lz, l1, l0) = toma::lazy::lazy((&real, &z, &ones, &zeros), 0);
+        let loss = bce(discriminate(&lr), &l1) + bce(discriminate(&generate(&lz)), &l0);
+        run(&mut rows, format!("discriminator step {round}"), &loss, &Options::new().allow_batch_mixing(true), &mut opt_d);
+        dvs.freeze();
+        gvs.unfreeze();
+        opt_g.zero_grad();
+        let loss = bce(discriminate(&generate(&lz)), &l1);
+        whole = run(&mut rows, format!("generator step {round}"), &loss, &Options::new().allow_batch_mixing(true), &mut opt_g);
+    }
+    for share in [0.85, 0.75] {
+        let z = Tensor::randn([n, 16, 1, 1], f32s);
+        opt_g.zero_grad();
+        let (lz, l1) = toma::lazy::lazy((&z, &ones), 0);
+        let loss = bce(discriminate(&generate(&lz)), &l1);
+        let options = Options::new().budget((whole as f64 * share) as u64);
+        run(&mut rows, format!("generator step under {share}x"), &loss, &options, &mut opt_g);
+    }
+    rows.assert_within(0.05, 0.05, "GAN steps");
+}
+
 /// More models nobody tuned the planner on, trained as users train them (as above): a
 /// WaveNet-like stack (dilated causal `conv1d` padded with `constant_pad_nd`, gated tanh ·
 /// sigmoid units, residual and skip sums, a per-step class) and a small U-Net (max-pooling, a

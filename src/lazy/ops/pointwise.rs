@@ -325,12 +325,17 @@ impl Operation for TensorBinary {
                 _ => 0,
             };
         }
-        if full > 0 {
-            let (a, c) = meta.elements().parts();
-            calls.push(KernelCall::Temporaries {
-                forward: Elements::ZERO,
-                backward: Elements::line(full * a, full * c),
-            });
+        let (a, c) = meta.elements().parts();
+        let mut backward = Elements::line(full * a, full * c);
+        // `maximum` and `minimum` pick each operand's gradient with `where(a == b, grad / 2, grad)`
+        // masked in place by `a < b` (or `a > b`), one expression: `grad / 2` and both boolean
+        // masks live beside the gradients until it ends, one operand after the other.
+        if matches!(self.op, Binary::Maximum | Binary::Minimum) && (requires(inputs, 0) || requires(inputs, 1)) {
+            let elem = meta.kind.elt_size_in_bytes().max(1) as u64;
+            backward = backward.plus(Elements::line(a + (2 * a).div_ceil(elem), c + (2 * c).div_ceil(elem)));
+        }
+        if backward != Elements::ZERO {
+            calls.push(KernelCall::Temporaries { forward: Elements::ZERO, backward });
         }
     }
 
