@@ -1977,7 +1977,14 @@ fn width_cnn_loss(vs: &nn::VarStore, width: i64, n: i64) -> LazyTensor {
     let x = Tensor::randn([n, 3, 32, 32], (Kind::Float, CUDA));
     let y = Tensor::randint(10, [n], (Kind::Int64, CUDA));
     let (x, y) = toma::lazy::lazy((&x, &y), 0);
-    x.apply(&c1).relu().apply(&c2).relu().adaptive_avg_pool2d([1, 1]).flatten(1, -1).apply(&fc).cross_entropy_for_logits(&y)
+    x.apply(&c1)
+        .relu()
+        .apply(&c2)
+        .relu()
+        .adaptive_avg_pool2d([1, 1])
+        .flatten(1, -1)
+        .apply(&fc)
+        .cross_entropy_for_logits(&y)
 }
 
 #[test]

@@ -266,7 +266,11 @@ fn split_cause(batch: usize, requested: Option<usize>, peak: u64, budget: u64) -
         Some(micro) => {
             format!("the batch of {batch} was asked to run in micro-batches of {micro} (Options::micro_batch), but")
         }
-        None => format!("the batch of {batch} does not fit (peak {} at the full batch, budget {}) and", sized(peak), sized(budget)),
+        None => format!(
+            "the batch of {batch} does not fit (peak {} at the full batch, budget {}) and",
+            sized(peak),
+            sized(budget)
+        ),
     }
 }
 

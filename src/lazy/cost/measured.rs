@@ -642,7 +642,11 @@ fn probe_alone(node: &Node, b: i64, counter: PeakCounter, training: bool, block:
         std::thread::sleep(Duration::from_millis(1));
     }
     if let Some(least) = seen.iter().map(|(_, m)| *m).min_by_key(|(_, took)| *took) {
-        tracing::debug!(op = node.name(), samples = b, "toma::lazy: no measurement repeated on the device; the least stands");
+        tracing::debug!(
+            op = node.name(),
+            samples = b,
+            "toma::lazy: no measurement repeated on the device; the least stands"
+        );
         return Ok(least);
     }
     let _turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());

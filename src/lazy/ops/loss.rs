@@ -42,11 +42,11 @@ impl Operation for CrossEntropy {
         let x = input.elements();
         // The log-probabilities between log_softmax and nll_loss.
         calls.push(KernelCall::Keeps { elements: x, kind: input.kind });
-        // With label smoothing, the backward adds the uniform part's gradient, a tensor as
-        // large as the logits, to the targets' one.
-        if self.label_smoothing > 0.0 {
-            calls.push(KernelCall::Temporaries { forward: Elements::ZERO, backward: x });
-        }
+        // In the backward, `nll_loss`'s gradient of the log-probabilities lives beside
+        // `log_softmax`'s gradient of the logits (with label smoothing, the uniform part's
+        // gradient is added into it): a tensor as large as the logits. Unpriced, a step whose
+        // peak is its loss's backward was a third under.
+        calls.push(KernelCall::Temporaries { forward: Elements::ZERO, backward: x });
     }
 
     fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
