@@ -91,6 +91,8 @@ pub(crate) struct Schedule {
     block: u64,
     /// Table entries of the leaves' gradients: what `.grad` holds after a backward.
     grads: Rc<[u32]>,
+    /// The whole batch: a micro-batch of more than half of it is followed by one smaller one.
+    batch: u64,
 }
 
 /// Builds a schedule's events, node by node: the forward of an op (with or without autograd)
@@ -204,6 +206,7 @@ impl<'c> Builder<'c> {
             training,
             block: c.block,
             grads: grads.into(),
+            batch: c.batch.max(1) as u64,
         }
     }
 
@@ -472,7 +475,7 @@ impl Schedule {
         let table = &self.table;
         let (mut live, mut per) = (0u64, 0u64);
         let (mut transient, mut transient_per, mut allocated, mut during) = (0u64, 0u64, 0u64, 0u64);
-        let mut best = Outcome { peak: 0, peak_step: 0, peak_per_sample: 0, accumulate: None, later: None };
+        let mut best = Outcome { peak: 0, peak_step: 0, peak_per_sample: 0, accumulate: None, later: None, rest: None };
         let mut step = 0usize;
         // A later micro-batch accumulating in place: `.grad` is whole from its start, and each
         // leaf gradient is added into it and freed once its step ends (`done` of them so far).
@@ -557,6 +560,18 @@ pub(crate) struct Outcome {
     /// accumulation). The first micro-batch is the plain schedule: autograd keeps the
     /// gradients it computed as `.grad`.
     pub(crate) later: Option<(u64, usize, u64)>,
+    /// Where a micro-batch of more than half the batch is followed by one smaller one (its
+    /// remainder), that one's figures: it is the only micro-batch after the first.
+    pub(crate) rest: Option<Rest>,
+}
+
+/// The smaller micro-batch that follows the first one of more than half the batch: its plain
+/// peak and step, and its peak accumulating in place (as [`Outcome::later`]).
+#[derive(Clone, Copy)]
+pub(crate) struct Rest {
+    peak: u64,
+    step: usize,
+    later: Option<(u64, usize, u64)>,
 }
 
 impl Outcome {
@@ -566,7 +581,23 @@ impl Outcome {
     /// later micro-batch runs with them live, its whole schedule that much higher.
     pub(crate) fn with(self, new_grads: u64, whole: bool) -> Outcome {
         match self.accumulate {
-            Some(_) if !whole && new_grads > 0 => Outcome { peak: self.peak + new_grads, ..self },
+            Some((live, per, step)) if !whole && new_grads > 0 => match self.rest {
+                None => Outcome { peak: self.peak + new_grads, ..self },
+                // One smaller micro-batch follows: the first creates the gradients as it
+                // accumulates, the remainder runs with them (batch 17 in micro-batches of 16 was
+                // planned 12.8% over as if a second 16 ran so).
+                Some(rest) => {
+                    let mut o = self;
+                    if live + new_grads > o.peak {
+                        o = Outcome { peak: live + new_grads, peak_step: step, peak_per_sample: per, ..o };
+                    }
+                    if rest.peak + new_grads > o.peak {
+                        // Set by the remainder, which shrinks as the micro-batch grows.
+                        o = Outcome { peak: rest.peak + new_grads, peak_step: rest.step, peak_per_sample: 0, ..o };
+                    }
+                    o
+                }
+            },
             Some((live, per, step)) if live + new_grads > self.peak => {
                 Outcome { peak: live + new_grads, peak_step: step, peak_per_sample: per, ..self }
             }
@@ -577,11 +608,18 @@ impl Outcome {
     /// Micro-batches of a split accumulating into `.grad` in place: the larger of the first
     /// micro-batch and a later one.
     fn in_place(self, whole: bool) -> Outcome {
-        match self.later {
-            Some((peak, step, per)) if !whole && peak > self.peak => {
-                Outcome { peak, peak_step: step, peak_per_sample: per, ..self }
+        match self.rest {
+            // The remainder is the one micro-batch after the first.
+            Some(Rest { later: Some((peak, step, _)), .. }) if !whole && peak > self.peak => {
+                Outcome { peak, peak_step: step, peak_per_sample: 0, ..self }
             }
-            _ => self,
+            Some(_) => self,
+            None => match self.later {
+                Some((peak, step, per)) if !whole && peak > self.peak => {
+                    Outcome { peak, peak_step: step, peak_per_sample: per, ..self }
+                }
+                _ => self,
+            },
         }
     }
 
@@ -636,9 +674,15 @@ impl Outcome {
 }
 
 impl Schedule {
-    /// The peak at micro-batch `b`, the accumulation step aside.
+    /// The peak at micro-batch `b`, the accumulation step aside; where `b` is more than half
+    /// the batch, with the smaller micro-batch that follows it ([`Outcome::rest`]).
     pub(crate) fn simulate(&self, b: u64) -> Outcome {
-        self.eval(b, None)
+        let mut outcome = self.eval(b, None);
+        if self.training && b < self.batch && self.batch < 2 * b {
+            let rest = self.eval(self.batch - b, None);
+            outcome.rest = Some(Rest { peak: rest.peak, step: rest.peak_step, later: rest.later });
+        }
+        outcome
     }
 
     /// The peak at micro-batch `b` of a graph of `c`, the accumulation step included, as the
