@@ -7,6 +7,9 @@
 //! - min-gpt at tch-rs's example's two sizes (issue 41): token and position embeddings, two GPT-2
 //!   decoder blocks of `toma::lazy::models`, a head over 65 tokens; tiny (32 wide, 16
 //!   positions, batch 8) and medium (128 wide, 64 positions, batch 32);
+//! - min-gpt at both sizes as tch-rs's example writes it (`_tr` rows, issue 63): its own
+//!   `Linear` (`xs.matmul(&self.ws.tr())`) and hand-written causal attention, ported with
+//!   `#[toma::lazy::module]`; goals ≤ 1.10× tiny, ≤ 1.05× medium;
 //! - a char-RNN (an LSTM 64 → 128 over 32 steps, batch 64: libtorch's fused kernel both ways);
 //! - tch-rs's VAE (784 → 400 → 20, batch 64).
 //!
@@ -137,6 +140,110 @@ fn gpt_lazily_with(m: &Gpt, x: &Tensor, y: &Tensor, options: &Options) -> f64 {
 
 fn gpt_lazily(m: &Gpt, x: &Tensor, y: &Tensor) -> f64 {
     gpt_lazily_with(m, x, y, &Options::new())
+}
+
+/// min-gpt as tch-rs's example writes it, with its own `Linear` (`xs.matmul(&self.ws.tr())`, a
+/// view of the parameter per call) and its hand-written causal attention, ported by the
+/// attribute: the same GPT as above, two blocks, at the same sizes.
+#[derive(Debug)]
+struct TrLinear {
+    ws: Tensor,
+    bs: Tensor,
+}
+
+fn tr_linear(p: nn::Path, input: i64, output: i64) -> TrLinear {
+    TrLinear { ws: p.randn("weight", &[output, input], 0.0, 0.02), bs: p.zeros("bias", &[output]) }
+}
+
+#[toma::lazy::module]
+impl Module for TrLinear {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        xs.matmul(&self.ws.tr()) + &self.bs
+    }
+}
+
+#[derive(Debug)]
+struct TrBlock {
+    ln1: nn::LayerNorm,
+    ln2: nn::LayerNorm,
+    key: TrLinear,
+    query: TrLinear,
+    value: TrLinear,
+    proj: TrLinear,
+    fc1: TrLinear,
+    fc2: TrLinear,
+    mask: Tensor,
+    heads: i64,
+}
+
+#[toma::lazy::module]
+impl nn::ModuleT for TrBlock {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        let (b, t, c) = xs.size3().unwrap();
+        let sizes = [b, t, self.heads, c / self.heads];
+        let h = xs.apply(&self.ln1);
+        let k = h.apply(&self.key).view(sizes).transpose(1, 2);
+        let q = h.apply(&self.query).view(sizes).transpose(1, 2);
+        let v = h.apply(&self.value).view(sizes).transpose(1, 2);
+        let att = q.matmul(&k.transpose(-2, -1)) * (1.0 / ((c / self.heads) as f64).sqrt());
+        let att = att.masked_fill(&self.mask, f64::NEG_INFINITY).softmax(-1, Kind::Float).dropout(0.1, train);
+        let ys = att.matmul(&v).transpose(1, 2).contiguous().view([b, t, c]);
+        let xs = xs + ys.apply(&self.proj).dropout(0.1, train);
+        let m = xs.apply(&self.ln2).apply(&self.fc1).gelu("none").apply(&self.fc2).dropout(0.1, train);
+        xs + m
+    }
+}
+
+struct TrGpt {
+    tokens: nn::Embedding,
+    positions: Tensor,
+    blocks: Vec<TrBlock>,
+    ln: nn::LayerNorm,
+    head: TrLinear,
+}
+
+fn tr_gpt_of(width: i64, positions: i64) -> impl Fn(&nn::VarStore) -> TrGpt {
+    move |vs| {
+        let p = vs.root();
+        let ln = |p: nn::Path| nn::layer_norm(p, vec![width], Default::default());
+        let block = |p: nn::Path| TrBlock {
+            ln1: ln(&p / "ln1"),
+            ln2: ln(&p / "ln2"),
+            key: tr_linear(&p / "key", width, width),
+            query: tr_linear(&p / "query", width, width),
+            value: tr_linear(&p / "value", width, width),
+            proj: tr_linear(&p / "proj", width, width),
+            fc1: tr_linear(&p / "fc1", width, 4 * width),
+            fc2: tr_linear(&p / "fc2", 4 * width, width),
+            mask: Tensor::ones([positions, positions], (Kind::Bool, Device::Cpu))
+                .triu(1)
+                .view([1, 1, positions, positions]),
+            heads: 4,
+        };
+        TrGpt {
+            tokens: nn::embedding(&p / "tokens", GPT_VOCAB, width, Default::default()),
+            positions: p.zeros("positions", &[1, positions, width]),
+            blocks: (0..2).map(|i| block(&p / "h" / i)).collect(),
+            ln: ln(&p / "ln_f"),
+            head: tr_linear(&p / "head", width, GPT_VOCAB),
+        }
+    }
+}
+
+fn tr_gpt_plain(m: &TrGpt, x: &Tensor, y: &Tensor) -> f64 {
+    let h = x.apply(&m.tokens) + &m.positions;
+    let h = m.blocks.iter().fold(h, |h, b| h.apply_t(b, true)).apply(&m.ln);
+    let loss = h.apply(&m.head).view([-1, GPT_VOCAB]).cross_entropy_for_logits(&y.view([-1]));
+    loss.backward();
+    loss.double_value(&[])
+}
+
+fn tr_gpt_lazily(m: &TrGpt, x: &Tensor, y: &Tensor) -> f64 {
+    let (x, y) = lazy((x, y), 0);
+    let h = x.apply(&m.tokens) + &m.positions;
+    let h = m.blocks.iter().fold(h, |h, b| h.apply_t(b, true)).apply(&m.ln);
+    let loss = h.apply(&m.head).view([-1, GPT_VOCAB]).cross_entropy_for_logits(&y.view([-1]));
+    loss.backward().unwrap()
 }
 
 /// A char-RNN: an LSTM over 32 steps of 64 features, a linear head per step; libtorch's fused
@@ -390,6 +497,12 @@ fn tax(c: &mut Criterion) {
     for (name, width, positions, batch) in [("gpt_tiny", 32, 16, 8), ("gpt_medium", 128, 64, 32)] {
         if !skipped(name) {
             gpt_rows(c, name, width, positions, batch);
+        }
+        let tr = format!("{name}_tr");
+        if !skipped(&tr) {
+            let x = Tensor::randint(GPT_VOCAB, [batch, positions], (Kind::Int64, Device::Cpu));
+            let y = Tensor::randint(GPT_VOCAB, [batch, positions], (Kind::Int64, Device::Cpu));
+            compare(c, &tr, &tr_gpt_of(width, positions), &x, &y, tr_gpt_plain, tr_gpt_lazily);
         }
     }
     if !skipped("char_rnn") {

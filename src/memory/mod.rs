@@ -59,6 +59,24 @@ pub(crate) fn clear_grad(tensor: &tch::Tensor) -> Result<(), AllocatorError> {
     shim::clear_grad(tensor)
 }
 
+/// How many tensors share `tensor`'s storage, and its bytes; `None` without the shim.
+#[cfg(feature = "tch")]
+pub(crate) fn storage_use(tensor: &tch::Tensor) -> Option<(i64, i64)> {
+    shim::storage_use(tensor).ok()
+}
+
+#[cfg(feature = "tch")]
+pub(crate) use shim::ViewBase;
+
+/// The leaf `tensor` is a view of, when autograd made it as a view of a leaf that requires a
+/// gradient (a parameter's `t()`, `narrow`, `view`..): a lazy step then records the view as an
+/// op on that leaf, whose gradient lands in its `.grad`. `None` otherwise, and without the shim
+/// (the view is then an operand of its own).
+#[cfg(feature = "tch")]
+pub(crate) fn view_base(tensor: &tch::Tensor) -> Option<ViewBase> {
+    shim::view_base(tensor).ok().flatten()
+}
+
 /// What a lazy leaf records of a tensor (its sizes, strides, kind, device, whether it requires
 /// a gradient and is a leaf of autograd's graph, the address of a parameter's data): read in
 /// one call into libtorch through the shim, else asked of tch fact by fact.

@@ -33,6 +33,14 @@ impl AllocatorError {
     }
 }
 
+/// The leaf a view was made from ([`view_base`](super::view_base)), and both storage offsets.
+#[cfg(feature = "tch")]
+pub(crate) struct ViewBase {
+    pub(crate) base: tch::Tensor,
+    pub(crate) offset: i64,
+    pub(crate) base_offset: i64,
+}
+
 pub(super) use imp::*;
 
 /// Counts of the counting CPU allocator (`toma_shim_cpu_counts`).
@@ -116,6 +124,13 @@ mod imp {
         fn toma_shim_clear_grad(tensor: *mut std::ffi::c_void) -> c_int;
         fn toma_shim_tensor_facts(tensor: *mut std::ffi::c_void, out: *mut RawTensorFacts) -> c_int;
         fn toma_shim_grad_defined(tensor: *mut std::ffi::c_void, defined: *mut c_int) -> c_int;
+        fn toma_shim_storage_use(tensor: *mut std::ffi::c_void, use_count: *mut i64, nbytes: *mut i64) -> c_int;
+        fn toma_shim_view_base(
+            tensor: *mut std::ffi::c_void,
+            base: *mut *mut std::ffi::c_void,
+            offset: *mut i64,
+            base_offset: *mut i64,
+        ) -> c_int;
         fn toma_shim_autocast_state(device_type: c_int, enabled: *mut c_int, dtype: *mut c_int) -> c_int;
         fn toma_shim_autocast_set(device_type: c_int, enabled: c_int, dtype: c_int, nest: c_int) -> c_int;
         fn toma_shim_last_error() -> *const c_char;
@@ -289,6 +304,28 @@ mod imp {
         Ok(defined != 0)
     }
 
+    pub(in crate::memory) fn storage_use(tensor: &tch::Tensor) -> Result<(i64, i64), AllocatorError> {
+        let (mut uses, mut bytes) = (0, 0);
+        // SAFETY: as above; the shim only reads the tensor's storage, and writes two integers.
+        check(unsafe { toma_shim_storage_use(tensor.as_ptr() as *mut std::ffi::c_void, &mut uses, &mut bytes) }, 0)?;
+        Ok((uses, bytes))
+    }
+
+    pub(in crate::memory) fn view_base(tensor: &tch::Tensor) -> Result<Option<super::ViewBase>, AllocatorError> {
+        let (mut base, mut offset, mut base_offset) = (std::ptr::null_mut(), 0, 0);
+        // SAFETY: as above; the shim only reads the tensor, and writes a new `at::Tensor*` (or
+        // NULL) and two integers.
+        let tensor = tensor.as_ptr() as *mut std::ffi::c_void;
+        check(unsafe { toma_shim_view_base(tensor, &mut base, &mut offset, &mut base_offset) }, 0)?;
+        if base.is_null() {
+            return Ok(None);
+        }
+        // SAFETY: the shim made it with `new at::Tensor(..)`, as tch makes the tensors it owns
+        // (and frees them with `delete`): tch owns it from here.
+        let base = unsafe { tch::Tensor::from_ptr(base.cast()) };
+        Ok(Some(super::ViewBase { base, offset, base_offset }))
+    }
+
     pub(in crate::memory) fn autocast_state(device_type: i32) -> Result<(bool, i32), AllocatorError> {
         let (mut enabled, mut dtype) = (0, 0);
         // SAFETY: as above; the shim writes both integers.
@@ -379,6 +416,14 @@ mod imp {
     }
     #[cfg(feature = "tch")]
     pub(in crate::memory) fn clear_grad(_tensor: &tch::Tensor) -> Result<(), AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    #[cfg(feature = "tch")]
+    pub(in crate::memory) fn storage_use(_tensor: &tch::Tensor) -> Result<(i64, i64), AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    #[cfg(feature = "tch")]
+    pub(in crate::memory) fn view_base(_tensor: &tch::Tensor) -> Result<Option<super::ViewBase>, AllocatorError> {
         Err(AllocatorError::NotBuilt)
     }
     #[cfg(feature = "tch")]

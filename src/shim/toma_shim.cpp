@@ -600,6 +600,39 @@ int toma_shim_tensor_facts(void* tensor, toma_shim_tensor_info* out) {
   });
 }
 
+int toma_shim_view_base(void* tensor, void** base, int64_t* offset, int64_t* base_offset) {
+  return guarded([&]() -> int {
+    const at::Tensor& t = *static_cast<at::Tensor*>(tensor);
+    *base = nullptr;
+    *offset = 0;
+    *base_offset = 0;
+    // `_base()` is the root of a chain of views; a view made under no_grad requires no
+    // gradient, so only autograd's own views reach the test of the base.
+    if (t.requires_grad() && !t.is_leaf() && t.is_view()) {
+      const at::Tensor root(t._base());
+      if (root.defined() && root.is_leaf() && root.requires_grad()) {
+        *base = new at::Tensor(root);
+        *offset = t.storage_offset();
+        *base_offset = root.storage_offset();
+      }
+    }
+    return TOMA_SHIM_OK;
+  });
+}
+
+int toma_shim_storage_use(void* tensor, int64_t* use_count, int64_t* nbytes) {
+  return guarded([&]() -> int {
+    const at::Tensor& t = *static_cast<at::Tensor*>(tensor);
+    *use_count = 0;
+    *nbytes = 0;
+    if (t.defined() && t.has_storage()) {
+      *use_count = static_cast<int64_t>(t.storage().use_count());
+      *nbytes = static_cast<int64_t>(t.storage().nbytes());
+    }
+    return TOMA_SHIM_OK;
+  });
+}
+
 int toma_shim_grad_defined(void* tensor, int* defined) {
   return guarded([&]() -> int {
     *defined = static_cast<at::Tensor*>(tensor)->grad().defined() ? 1 : 0;

@@ -144,6 +144,15 @@ int toma_shim_grad_defined(void* tensor, int* defined);
 // `p.grad = None` and tch's `opt.zero_grad()` do: its memory goes back to the allocator.
 int toma_shim_clear_grad(void* tensor);
 
+// When `tensor` (an `at::Tensor*`) is a view made with autograd of a leaf that requires a
+// gradient (`w.t()`, `w.narrow(..)` of a parameter): `*base` is a new `at::Tensor*` of that
+// leaf (the caller frees it as tch frees its tensors), `*offset` the view's storage offset and
+// `*base_offset` the leaf's. Otherwise `*base` is NULL.
+int toma_shim_view_base(void* tensor, void** base, int64_t* offset, int64_t* base_offset);
+
+// How many tensors share the storage of `tensor` (an `at::Tensor*`), and its bytes.
+int toma_shim_storage_use(void* tensor, int64_t* use_count, int64_t* nbytes);
+
 // The autocast state of this thread for a device type (`device_type`: c10's DeviceType, 0 the
 // CPU, 1 CUDA): whether it is enabled and its lower-precision dtype (c10's ScalarType).
 int toma_shim_autocast_state(int device_type, int* enabled, int* dtype);

@@ -13,7 +13,7 @@ use tch::{Device, Kind, TchError, Tensor};
 use toma::lazy::{
     lazy,
     nn::{seq, seq_t},
-    try_lazy, CustomOp, LazyError, Mode, Options, TensorMeta,
+    try_lazy, CustomOp, LazyError, LazyTensor, Mode, Options, TensorMeta,
 };
 
 const CPU: Device = Device::Cpu;
@@ -281,19 +281,60 @@ fn unplannable_things_are_errors_not_eager_runs() {
 
 #[test]
 fn gradients_flow_to_tied_parameters_and_through_eager_transforms() {
-    // One parameter used twice (tied weights) gets one, summed, gradient; `w.transpose` computed
-    // eagerly is not a leaf: its gradient is sent back through its own graph.
+    // One parameter used twice (tied weights) gets one, summed, gradient, also through a view
+    // of it made eagerly (`w.transpose`, an op on `w`); `&w * 0.5` computed eagerly is not a
+    // leaf: its gradient is sent back through its own graph.
     let w = Tensor::randn([3, 3], (Kind::Double, CPU)).set_requires_grad(true);
     let x = Tensor::randn([6, 3], (Kind::Double, CPU));
-    let lazy_loss = lazy(&x, 0).matmul(&w).tanh().matmul(&w.transpose(0, 1)).sum(None);
+    let lazy_loss = lazy(&x, 0).matmul(&w).tanh().matmul(&w.transpose(0, 1)).matmul(&(&w * 0.5)).sum(None);
     let value = lazy_loss.backward_with(&Options::new().micro_batch(4)).unwrap();
     let lazy_grad = w.grad().copy();
     let mut w2 = w.shallow_clone();
     w2.zero_grad();
-    let eager = x.matmul(&w).tanh().matmul(&w.transpose(0, 1)).sum(None);
+    let eager = x.matmul(&w).tanh().matmul(&w.transpose(0, 1)).matmul(&(&w * 0.5)).sum(None);
     eager.backward();
     assert!((eager.double_value(&[]) - value).abs() < 1e-10);
     assert!(lazy_grad.allclose(&w.grad(), 1e-10, 1e-12, false));
+}
+
+/// A view of a parameter made with tch (min-gpt's `self.ws.tr()`, a row range, a reshape, an
+/// expansion) is recorded as an op on the parameter: its gradient lands in the parameter's
+/// `.grad` as a plain step's does, whole or in micro-batches, with no operand of its own.
+#[test]
+fn views_of_parameters_are_ops_on_them() {
+    let vs = nn::VarStore::new(CPU);
+    let w = vs.root().randn("w", &[4, 6], 0.0, 1.0);
+    let b = vs.root().randn("b", &[6], 0.0, 1.0);
+    let x = Tensor::randn([7, 6], (Kind::Float, CPU));
+    assert_eq!(LazyTensor::fixed(&w.tr()).op_name(), "transpose");
+    assert_eq!(LazyTensor::fixed(&w.permute([1, 0]).unsqueeze(0)).op_name(), "as_strided");
+    assert_eq!(LazyTensor::fixed(&w.narrow(0, 1, 2)).op_name(), "as_strided");
+    assert_eq!(LazyTensor::fixed(&w).op_name(), "leaf");
+    // Computed, not a view: an operand of its own.
+    assert_eq!(LazyTensor::fixed(&(&w * 2.0)).op_name(), "leaf");
+    // Made under no_grad, autograd does not know it as a view: a leaf of its own.
+    assert_eq!(LazyTensor::fixed(&tch::no_grad(|| w.tr())).op_name(), "leaf");
+    let step = |x: &LazyTensor| {
+        let h = x.matmul(&w.tr()).tanh().matmul(&w.narrow(0, 1, 2).view([3, 4]).tr());
+        (h + b.narrow(0, 1, 3).unsqueeze(0)).square().sum(None) + (b.expand([2, 6], false) * 0.5).sum(None)
+    };
+    let eager = {
+        let h = x.matmul(&w.tr()).tanh().matmul(&w.narrow(0, 1, 2).view([3, 4]).tr());
+        (h + b.narrow(0, 1, 3).unsqueeze(0)).square().sum(None) + (b.expand([2, 6], false) * 0.5).sum(None)
+    };
+    eager.backward();
+    let want = [w.grad().copy(), b.grad().copy()];
+    for micro in [7, 3] {
+        for p in [&w, &b] {
+            let mut p = p.shallow_clone();
+            p.zero_grad();
+        }
+        let value = step(&lazy(&x, 0)).backward_with(&Options::new().micro_batch(micro)).unwrap();
+        assert!((value - eager.double_value(&[])).abs() < 1e-3 * value.abs(), "micro-batch {micro}");
+        for (p, want) in [&w, &b].into_iter().zip(&want) {
+            assert!(p.grad().allclose(want, 1e-4, 1e-5, false), "micro-batch {micro}: {} against {want}", p.grad());
+        }
+    }
 }
 
 /// Options refuse values that cannot work, naming the `ConfigError`, instead of clamping them.

@@ -694,12 +694,27 @@ fn probe(node: &Node, b: i64, counter: PeakCounter, training: bool, block: u64) 
         }
     }
     let _end = End(counter, previous);
+    // The operands the op's facts say autograd does not keep (it keeps a copy, priced as kept):
+    // at some sizes the kernel needs no copy and autograd keeps the operand itself.
+    let unsaved = |k: usize| training && !node.facts.saved.contains(k) && !node.meta.alias;
+    let uses: Vec<Option<(i64, i64)>> =
+        ins.iter().enumerate().map(|(k, t)| if unsaved(k) { crate::memory::storage_use(t) } else { None }).collect();
     (|| -> Result<(Point, u64), String> {
         let run = || node.run(&refs, &cx);
         let out = if training { tch::with_grad(run) } else { tch::no_grad(run) }.map_err(|e| e.to_string())?;
         let (peak, after) = (counter.peak().ok_or(UNREAD)?, counter.in_use().ok_or(UNREAD)?);
         let out_bytes = bytes(node.cost.out);
-        let kept = after.saturating_sub(before + out_bytes);
+        // Operands autograd now holds though the facts say it does not: kept in their place.
+        let held: u64 = ins
+            .iter()
+            .zip(&uses)
+            .filter_map(|(t, was)| {
+                let (before, bytes) = (*was)?;
+                let (now, _) = crate::memory::storage_use(t)?;
+                (now > before).then_some(rounded(bytes.max(0) as u64, block))
+            })
+            .sum();
+        let kept = after.saturating_sub(before + out_bytes) + held;
         let forward = peak.saturating_sub(before + out_bytes + kept);
         let wrt: Vec<(usize, &Tensor)> =
             ins.iter().enumerate().filter(|(k, _)| grad_of(&node.inputs[*k].meta)).collect();

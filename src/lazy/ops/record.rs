@@ -4,13 +4,16 @@
 
 use std::rc::Rc;
 
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Kind, TchError, Tensor};
 
 use crate::dims::Dims;
 use crate::lazy::error::LazyError;
 use crate::lazy::graph::inputs_of;
-use crate::lazy::graph::{BatchDim, Cost, Flow, LazyTensor, Meta, Node, NodeKind, Operation, Run};
+use crate::lazy::graph::{
+    BatchDim, Cost, Flow, LazyTensor, Meta, Node, NodeKind, Operation, Param, Run, RunCx, Source,
+};
 use crate::lazy::shape;
+use crate::memory::ViewBase;
 
 use super::autocast;
 
@@ -241,7 +244,79 @@ impl Cast {
 
 /// A leaf: a batched input (`batch = Some(dim)`) or a fixed tensor (parameters, constants).
 pub(crate) fn leaf(tensor: &Tensor, batch: Option<usize>) -> LazyTensor {
-    LazyTensor::from_node(Node::leaf(tensor, batch, false))
+    let node = Node::leaf(tensor, batch, false);
+    // A view of a parameter (`w.t()`) is an op on the parameter: one gradient, in its `.grad`,
+    // not an operand of its own whose gradient is sent back through autograd afterwards.
+    if let Some(Source::Leaf { param: Some(Param { is_leaf: false, .. }), .. }) = node.source() {
+        if let Some(view) = crate::memory::view_base(tensor) {
+            return ParamView::record(&node.meta, &view);
+        }
+    }
+    LazyTensor::from_node(node)
+}
+
+/// A view of a parameter that the user made with tch (`w.t()`, `w.narrow(..)`, `w.view(..)`):
+/// recorded on the parameter itself, so that its gradient lands in the parameter's `.grad`
+/// as a plain step's does. Its backward (libtorch's `as_strided_backward`) writes the output's
+/// gradient into a fresh tensor of the parameter's size: as a transpose's backward followed by
+/// the copy `.grad` makes to keep the parameter's layout, or a narrow's zero-filled gradient.
+pub(crate) struct ParamView {
+    pub(crate) size: Vec<i64>,
+    pub(crate) stride: Vec<i64>,
+    pub(crate) offset: i64,
+}
+
+impl Operation for ParamView {
+    fn name(&self) -> &'static str {
+        "as_strided"
+    }
+}
+
+impl Run for ParamView {
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        ins[0].f_as_strided(self.size.as_slice(), self.stride.as_slice(), self.offset)
+    }
+}
+
+impl ParamView {
+    /// A view the user holds (its facts as a leaf recorded them), as an op on the leaf autograd
+    /// made it from (`of`): a transpose or permutation as that op (its gradient is added into
+    /// `.grad` as it comes, as a plain step adds it), any other view as `as_strided`.
+    pub(crate) fn record(view: &Meta, of: &ViewBase) -> LazyTensor {
+        let leaf = leaf(&of.base, None);
+        let (size, stride, offset) = (view.shape.to_vec(), view.strides.to_vec(), of.offset);
+        if offset == of.base_offset {
+            if let Some(perm) = permutation(&size, &stride, &leaf.meta().shape, &leaf.meta().strides) {
+                return match perm.as_slice() {
+                    _ if perm.iter().enumerate().all(|(i, &p)| i as i64 == p) => leaf,
+                    [1, 0] => leaf.transpose(0, 1),
+                    _ => leaf.permute(perm.as_slice()),
+                };
+            }
+        }
+        let m = leaf.meta();
+        let op = ParamView { size: size.clone(), stride: stride.clone(), offset };
+        Record::new(op, inputs_of([leaf.node()]), size, m.kind, m.device)
+            .flow((Flow::Fixed, None))
+            .view(stride)
+            .finish()
+    }
+}
+
+/// The order of `base`'s dimensions that gives `view`'s sizes and strides, if there is one.
+fn permutation(size: &[i64], stride: &[i64], base_size: &[i64], base_stride: &[i64]) -> Option<Vec<i64>> {
+    if size.len() != base_size.len() {
+        return None;
+    }
+    let mut used = vec![false; size.len()];
+    size.iter()
+        .zip(stride)
+        .map(|(s, t)| {
+            let j = (0..used.len()).find(|&j| !used[j] && base_size[j] == *s && base_stride[j] == *t)?;
+            used[j] = true;
+            Some(j as i64)
+        })
+        .collect()
 }
 
 /// Checks that all operands live on one device; gives it back.
