@@ -178,6 +178,13 @@ fn leaf7() -> ((u32, u32), (u32, u32)) {
     ((l0.edx, 0), (l1.eax, l1.edx))
 }
 
+/// Whether CPUID's vendor is "AuthenticAMD".
+#[cfg(target_arch = "x86_64")]
+fn amd() -> bool {
+    let vendor = std::arch::x86_64::__cpuid(0);
+    (vendor.ebx, vendor.edx, vendor.ecx) == (0x6874_7541, 0x6974_6e65, 0x444d_4163)
+}
+
 impl fmt::Display for CpuIsa {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
@@ -201,6 +208,10 @@ pub struct CpuFeatures {
     pub avx512_vnni: bool,
     /// AVX-VNNI (VEX-encoded).
     pub avx_vnni: bool,
+    /// An AMD CPU. oneDNN sizes its blocking by the caches, and an AMD CPU's are not those of
+    /// the Intel CPU the rules were read on: with the same instruction set (AVX-512 with BF16 on
+    /// an EPYC), a strided convolution's rule was 5.9% over, so there they are measured.
+    pub amd: bool,
 }
 
 impl CpuFeatures {
@@ -213,6 +224,7 @@ impl CpuFeatures {
             amx_fp16: isa >= CpuIsa::Avx512CoreAmxFp16,
             avx512_vnni: isa >= CpuIsa::Avx512CoreVnni,
             avx_vnni: matches!(isa, CpuIsa::Avx2Vnni | CpuIsa::Avx2Vnni2) || isa >= CpuIsa::Avx512CoreFp16,
+            amd: false,
         }
     }
 
@@ -232,6 +244,7 @@ impl CpuFeatures {
                     amx_fp16: bit(eax1, 21),
                     avx512_vnni: has!("avx512vnni"),
                     avx_vnni: bit(eax1, 4),
+                    amd: amd(),
                 }
             }
             #[cfg(not(target_arch = "x86_64"))]
@@ -258,6 +271,9 @@ impl fmt::Display for CpuFeatures {
         }
         if !any {
             f.write_str("none of avx512_fp16/bf16, amx, vnni")?;
+        }
+        if self.amd {
+            f.write_str(", AMD")?;
         }
         Ok(())
     }

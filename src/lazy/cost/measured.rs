@@ -240,6 +240,7 @@ thread_local! {
 /// hash of the graph's ops, shapes and wiring that plans key on, `model` says which calls its
 /// rules were validated for. Without `measure`, only finds: nothing runs, and what was never
 /// measured is counted unmeasured, with the reason.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn calibrate(
     nodes: &[Rc<Node>],
     structure: u64,
@@ -248,6 +249,7 @@ pub(crate) fn calibrate(
     how: Calibrate,
     measure: bool,
     room: u64,
+    also: &[u64],
 ) -> Rc<Calibrated> {
     if how == Calibrate::Never || nodes.is_empty() {
         return Rc::new(Calibrated::empty(training));
@@ -256,7 +258,7 @@ pub(crate) fn calibrate(
     let trusted = super::machine::rules_trusted();
     let graph = crate::hash::mix(
         structure ^ u64::from(training) << 62 ^ (threads << 48) ^ (how as u64) << 60 ^ u64::from(trusted) << 58,
-    );
+    ) ^ also.iter().fold(0, |h, &b| crate::hash::mix(h ^ b));
     let recent = CALIBRATED.with(|c| c.borrow().iter().find(|(k, _)| *k == graph).map(|(_, cal)| cal.clone()));
     if let Some(cal) = recent {
         // Found whole: what it measured is measured earlier now.
@@ -264,7 +266,7 @@ pub(crate) fn calibrate(
         let summary = Calibration { measured: 0, remembered: found, elapsed: Duration::ZERO, ..cal.summary.clone() };
         return Rc::new(Calibrated { summary, by_node: cal.by_node.clone(), training, new: Vec::new(), short: false });
     }
-    let cal = Rc::new(measure_graph(nodes, model, training, how, threads, measure, room));
+    let cal = Rc::new(measure_graph(nodes, model, training, how, threads, measure, room, also));
     // Graphs whose calls could not all be measured, or were measured only up to the budget,
     // are tried again (a counter may start; a plan may have more room).
     if cal.summary.unmeasured == 0 && !cal.short {
@@ -286,6 +288,7 @@ impl Calibrated {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn measure_graph(
     nodes: &[Rc<Node>],
     model: &CostModel,
@@ -294,6 +297,7 @@ fn measure_graph(
     threads: u64,
     may_measure: bool,
     room: u64,
+    also: &[u64],
 ) -> Calibrated {
     let mut cal = Calibrated::empty(training);
     let mut by_node = Vec::new();
@@ -332,13 +336,18 @@ fn measure_graph(
     let started = Instant::now();
     let mut generator = None;
     // Found ones are read under one lock; the others are measured without it.
+    // A plan that runs nothing takes a measurement without the sizes `also` adds where there is
+    // none with them (measured before the micro-batch was asked for).
     let known: Vec<(u64, Option<Option<Measured>>)> = {
         let table = table().lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         wanted
             .iter()
             .map(|&i| {
-                let key = key(&nodes[i], training, threads, &mut calls);
-                (key, table.get(&key).copied())
+                let base = key(&nodes[i], training, threads, &mut calls);
+                let key = base ^ also_key(&nodes[i], also);
+                let found =
+                    table.get(&key).copied().or_else(|| (!may_measure).then(|| table.get(&base).copied()).flatten());
+                (key, found)
             })
             .collect()
     };
@@ -400,8 +409,9 @@ fn measure_graph(
                     });
                     continue;
                 }
-                let result = catch_unwind(AssertUnwindSafe(|| measure(node, counter, training, model.block(), room)))
-                    .unwrap_or_else(|_| Err("it panicked".into()));
+                let result =
+                    catch_unwind(AssertUnwindSafe(|| measure(node, counter, training, model.block(), room, also)))
+                        .unwrap_or_else(|_| Err("it panicked".into()));
                 match result {
                     Ok((m, true)) => {
                         tracing::debug!(op = node.name(), key, ?m, "toma::lazy: measured a kernel call");
@@ -483,13 +493,24 @@ fn largest_size(node: &Node) -> i64 {
 }
 
 /// The sizes `node` is measured at: [`SIZES`] below its batch, and the batch where it is below
-/// the largest (plans never go past it). `[1]` for a node without a batch.
-fn sizes(node: &Node) -> Vec<i64> {
+/// the largest (plans never go past it), and the sizes of `also` below it (a micro-batch asked
+/// for and its remainder: kernels' scratch need not be a line between the sizes measured).
+/// `[1]` for a node without a batch.
+fn sizes(node: &Node, also: &[u64]) -> Vec<i64> {
     let Some(n) = batch(node) else { return vec![1] };
     let mut sizes: Vec<i64> = SIZES.iter().copied().filter(|&b| b < n).collect();
     sizes.push(largest_size(node));
+    sizes.extend(also.iter().map(|&b| b as i64).filter(|&b| b > 1 && b < largest_size(node)));
+    sizes.sort_unstable();
     sizes.dedup();
     sizes
+}
+
+/// What `also` adds to a node's key: the sizes it adds to those measured ([`sizes`]).
+fn also_key(node: &Node, also: &[u64]) -> u64 {
+    let Some(n) = batch(node) else { return 0 };
+    let ours = |b: &&u64| **b > 1 && (**b as i64) < largest_size(node).min(n) && !SIZES.contains(&(**b as i64));
+    also.iter().filter(ours).fold(0, |h, &b| crate::hash::mix(h ^ b ^ 0x616c_736f))
 }
 
 /// Measures `node` alone at each of its [`sizes`], and fits the line; where the line misses a
@@ -508,8 +529,9 @@ fn measure(
     training: bool,
     block: u64,
     room: u64,
+    also: &[u64],
 ) -> Result<(Measured, bool), String> {
-    let wanted = sizes(node);
+    let wanted = sizes(node, also);
     let largest_wanted = wanted.last().copied().unwrap_or(1) as u64;
     let mut points = Vec::with_capacity(SIZES.len() + 3);
     let mut last: Option<(u64, u64)> = None;

@@ -194,11 +194,15 @@ impl OneDnn {
             let x_r = if plain_input { 0 } else { pad(x, cin, kb) };
             let w_blk = if plain_input { pad(w, cout, kb) } else { pad(pad(w, cin, kb), cout, kb) };
             let (nb_in, nb_out) = (if plain_input { 1 } else { cin.div_ceil(kb) }, cout.div_ceil(kb));
-            let scratchpad = if threads > 1 && nb_out % threads != 0 && nb_in % threads != 0 {
+            // The threads that split the batch: one sample leaves one at work, with no reduction
+            // (a 3→4-channel 5×5 weight gradient at one sample took 30 KiB less than the line
+            // through 2 and 32 samples, measured on AVX-512 with 2 threads).
+            let splitting = threads.min(k);
+            let scratchpad = if splitting > 1 && nb_out % threads != 0 && nb_in % threads != 0 {
                 // The batch split among threads: a reduction copy of the weight gradient per
                 // extra thread, and fixed buffers.
                 let fixed = if half { WEIGHT_GRAD_SPLIT_FIXED_HALF_KIB } else { WEIGHT_GRAD_SPLIT_FIXED_KIB };
-                (threads - 1) * w_blk + kib(fixed)
+                (splitting - 1) * w_blk + kib(fixed)
             } else if nb_in % threads == 0 && nb_out % threads != 0 {
                 ((x + y) / 10).clamp(kib(WEIGHT_GRAD_SCRATCHPAD_MIN_KIB), kib(WEIGHT_GRAD_SCRATCHPAD_MAX_KIB))
             } else {

@@ -128,9 +128,11 @@ impl Curve {
 }
 
 impl From<Bytes> for Work {
-    /// A size as priced: its value at one sample kept (0 when it has none, as a `Work` says).
+    /// A size as priced: its value at one sample kept. `single` 0 says there is none, so a
+    /// value of 0 at one sample is kept as 1 byte (a native 1×1 convolution at one sample, beside
+    /// oneDNN's scratch from two samples on, took the line's 30 KiB without it).
     fn from(bytes: Bytes) -> Work {
-        Work { single: bytes.one.unwrap_or(0), ..Work::line(bytes.per, bytes.fixed) }
+        Work { single: bytes.one.map_or(0, |one| one.max(1)), ..Work::line(bytes.per, bytes.fixed) }
     }
 }
 

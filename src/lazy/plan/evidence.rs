@@ -59,6 +59,23 @@ fn generator_replays() -> bool {
     cfg!(toma_shim)
 }
 
+/// The sizes a micro-batch asked for runs at ([`Options::micro_batch`]): it and the remainder
+/// of the batch, measured beside the usual sizes.
+fn asked_sizes(c: &Compiled, options: &Options) -> Vec<u64> {
+    let n = c.batch.max(1) as u64;
+    match options.micro_batch.map(|m| m as u64) {
+        Some(m) if m > 0 && m < n => {
+            let r = n % m;
+            if r > 0 {
+                vec![m, r]
+            } else {
+                vec![m]
+            }
+        }
+        _ => Vec::new(),
+    }
+}
+
 /// Whether gathering evidence may run kernels to measure what no rule read here prices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Measure {
@@ -102,6 +119,7 @@ impl Evidence {
             options.calibrate,
             measure == Measure::Now,
             machine.budget,
+            &asked_sizes(c, options),
         );
         Corrections::process().remember_calibrations(&calibrated.new);
         let reserve = Corrections::process().of(c, mode, !calibrated.by_node().is_empty());

@@ -560,18 +560,20 @@ pub(crate) struct Outcome {
     /// accumulation). The first micro-batch is the plain schedule: autograd keeps the
     /// gradients it computed as `.grad`.
     pub(crate) later: Option<(u64, usize, u64)>,
-    /// Where a micro-batch of more than half the batch is followed by one smaller one (its
-    /// remainder), that one's figures: it is the only micro-batch after the first.
+    /// Where the micro-batch does not divide the batch, the smaller last micro-batch's figures
+    /// (its remainder): kernels can take more at fewer samples (a convolution's algorithm).
     pub(crate) rest: Option<Rest>,
 }
 
-/// The smaller micro-batch that follows the first one of more than half the batch: its plain
-/// peak and step, and its peak accumulating in place (as [`Outcome::later`]).
+/// The smaller micro-batch that ends a split whose micro-batch does not divide the batch: its
+/// plain peak and step, its peak accumulating in place (as [`Outcome::later`]), and whether it
+/// is the only micro-batch after the first (the first is more than half the batch).
 #[derive(Clone, Copy)]
 pub(crate) struct Rest {
     peak: u64,
     step: usize,
     later: Option<(u64, usize, u64)>,
+    only: bool,
 }
 
 impl Outcome {
@@ -583,6 +585,15 @@ impl Outcome {
         match self.accumulate {
             Some((live, per, step)) if !whole && new_grads > 0 => match self.rest {
                 None => Outcome { peak: self.peak + new_grads, ..self },
+                // Later micro-batches of the full size and the remainder, all with them.
+                Some(rest) if !rest.only => {
+                    let o = Outcome { peak: self.peak + new_grads, ..self };
+                    if rest.peak + new_grads > o.peak {
+                        Outcome { peak: rest.peak + new_grads, peak_step: rest.step, peak_per_sample: 0, ..o }
+                    } else {
+                        o
+                    }
+                }
                 // One smaller micro-batch follows: the first creates the gradients as it
                 // accumulates, the remainder runs with them (batch 17 in micro-batches of 16 was
                 // planned 12.8% over as if a second 16 ran so).
@@ -610,10 +621,20 @@ impl Outcome {
     fn in_place(self, whole: bool) -> Outcome {
         match self.rest {
             // The remainder is the one micro-batch after the first.
-            Some(Rest { later: Some((peak, step, _)), .. }) if !whole && peak > self.peak => {
+            Some(Rest { later: Some((peak, step, _)), only: true, .. }) if !whole && peak > self.peak => {
                 Outcome { peak, peak_step: step, peak_per_sample: 0, ..self }
             }
-            Some(_) => self,
+            Some(Rest { only: true, .. }) => self,
+            // Later micro-batches of the full size, then the remainder.
+            Some(rest) => {
+                let o = Outcome { rest: None, ..self }.in_place(whole);
+                match rest.later {
+                    Some((peak, step, _)) if !whole && peak > o.peak => {
+                        Outcome { peak, peak_step: step, peak_per_sample: 0, rest: Some(rest), ..o }
+                    }
+                    _ => Outcome { rest: Some(rest), ..o },
+                }
+            }
             None => match self.later {
                 Some((peak, step, per)) if !whole && peak > self.peak => {
                     Outcome { peak, peak_step: step, peak_per_sample: per, ..self }
@@ -674,13 +695,15 @@ impl Outcome {
 }
 
 impl Schedule {
-    /// The peak at micro-batch `b`, the accumulation step aside; where `b` is more than half
-    /// the batch, with the smaller micro-batch that follows it ([`Outcome::rest`]).
+    /// The peak at micro-batch `b`, the accumulation step aside; where `b` does not divide
+    /// the batch, with the smaller micro-batch that ends it ([`Outcome::rest`]).
     pub(crate) fn simulate(&self, b: u64) -> Outcome {
         let mut outcome = self.eval(b, None);
-        if self.training && b < self.batch && self.batch < 2 * b {
-            let rest = self.eval(self.batch - b, None);
-            outcome.rest = Some(Rest { peak: rest.peak, step: rest.peak_step, later: rest.later });
+        let r = if b > 0 { self.batch % b } else { 0 };
+        if self.training && b < self.batch && r > 0 {
+            let rest = self.eval(r, None);
+            let only = self.batch < 2 * b;
+            outcome.rest = Some(Rest { peak: rest.peak, step: rest.peak_step, later: rest.later, only });
         }
         outcome
     }
