@@ -309,9 +309,15 @@ mod tests {
         let mut fp16_check = read_on;
         fp16_check.fp16_onednn = true;
         let amx_machine = CpuMachine { libtorch: Some(READ_ON), ..CpuMachine::new(CpuIsa::Avx512CoreAmx, 2) };
-        for (name, machine) in
-            [("avx512_fp16", fp16), ("amx_bf16", amx), ("fp16 check", fp16_check), ("amx", amx_machine)]
-        {
+        let mut amd = read_on;
+        amd.features.amd = true;
+        for (name, machine) in [
+            ("avx512_fp16", fp16),
+            ("amx_bf16", amx),
+            ("fp16 check", fp16_check),
+            ("amx", amx_machine),
+            ("an AMD CPU", amd),
+        ] {
             assert_eq!(trusted(&machine), [], "{name}: every kind is measured");
         }
         if crate::lazy::rules_trusted() {
