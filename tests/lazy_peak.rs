@@ -34,11 +34,16 @@ fn planned_and_measured(loss: &LazyTensor, batch: usize) -> (u64, u64) {
 /// The plan's peak for forward and backward in micro-batches of `micro`, and the peak the
 /// counter saw running them.
 fn planned_and_measured_at(loss: &LazyTensor, micro: usize) -> (u64, u64) {
-    let options = Options::new().micro_batch(micro);
-    let plan = loss.measured_plan(Mode::Backward, &options).expect("a plan");
+    planned_and_measured_with(loss, &Options::new().micro_batch(micro))
+}
+
+/// The plan's peak for forward and backward under `options`, and the peak the counter saw
+/// running them.
+fn planned_and_measured_with(loss: &LazyTensor, options: &Options) -> (u64, u64) {
+    let plan = loss.measured_plan(Mode::Backward, options).expect("a plan");
     let before = memory::cpu_allocator_stats().expect("tracking").allocated;
     assert!(memory::reset_cpu_peak());
-    loss.backward_with(&options).expect("forward and backward");
+    loss.backward_with(options).expect("forward and backward");
     let after = memory::cpu_allocator_stats().expect("tracking");
     (plan.peak_bytes(), after.peak_allocated - before)
 }
@@ -3922,12 +3927,7 @@ fn autocast_steps_peak_as_planned() {
         for (way, options) in ways {
             for step in 0..3 {
                 opt.zero_grad();
-                let l = cast();
-                let plan = l.measured_plan(Mode::Backward, &options).unwrap();
-                let before = memory::cpu_allocator_stats().unwrap().allocated;
-                assert!(memory::reset_cpu_peak());
-                l.backward_with(&options).unwrap();
-                let measured = memory::cpu_allocator_stats().unwrap().peak_allocated - before;
+                let (planned, measured) = planned_and_measured_with(&cast(), &options);
                 opt.step();
                 if way == "whole" && step == 0 {
                     // Whether autocast saves memory is the machine's (on an AMX CPU the CNN's
@@ -3937,7 +3937,7 @@ fn autocast_steps_peak_as_planned() {
                         "{name}: Float whole step planned at {full} B, BFloat16 autocast at {whole} B, measured {measured} B"
                     );
                 }
-                rows.push(format!("{name} bf16 autocast {way} step {step}"), plan.peak_bytes(), measured);
+                rows.push(format!("{name} bf16 autocast {way} step {step}"), planned, measured);
             }
         }
     }
@@ -4127,18 +4127,9 @@ fn generated_autocast_models_peak_as_planned() {
         let options = micro.map_or_else(Options::new, |m| Options::new().micro_batch(m));
         for step in 0..2 {
             opt.zero_grad();
-            let l = toma::autocast(CPU, kind, &loss);
-            let plan = l.measured_plan(Mode::Backward, &options).unwrap();
-            let before = memory::cpu_allocator_stats().unwrap().allocated;
-            assert!(memory::reset_cpu_peak());
-            l.backward_with(&options).unwrap();
-            let measured = memory::cpu_allocator_stats().unwrap().peak_allocated - before;
+            let (planned, measured) = planned_and_measured_with(&toma::autocast(CPU, kind, &loss), &options);
             opt.step();
-            rows.push(
-                format!("{describe} {kind:?} batch {batch} micro {micro:?} step {step}"),
-                plan.peak_bytes(),
-                measured,
-            );
+            rows.push(format!("{describe} {kind:?} batch {batch} micro {micro:?} step {step}"), planned, measured);
         }
     }
     rows.assert_within(0.05, 0.05, "generated autocast models");

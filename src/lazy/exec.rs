@@ -969,7 +969,8 @@ fn backward_once(output: &LazyTensor, options: &Options) -> Result<f64, LazyErro
 /// then the inputs that require a gradient.
 ///
 /// A fixed operand computed eagerly from parameters (`&w * 2.0`; a view such as `w.tr()` is
-/// recorded as an op on `w` instead) is not a leaf: micro-batches see a detached stand-in, whose gradient is summed and sent back through the operand's own graph
+/// recorded as an op on `w` instead) is not a leaf: micro-batches see a detached stand-in, whose
+/// gradient is summed and sent back through the operand's own graph
 /// once at the end (differentiating through it per micro-batch would count the parameters
 /// behind it again). An input that requires a gradient (the user's own, or one computed from
 /// parameters and wrapped with `lazy`) is asked per micro-batch for the gradient of its own

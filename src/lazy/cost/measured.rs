@@ -258,7 +258,7 @@ pub(crate) fn calibrate(
     let trusted = super::machine::rules_trusted();
     let graph = crate::hash::mix(
         structure ^ u64::from(training) << 62 ^ (threads << 48) ^ (how as u64) << 60 ^ u64::from(trusted) << 58,
-    ) ^ also.iter().fold(0, |h, &b| crate::hash::mix(h ^ b));
+    ) ^ also.iter().filter(|&&b| b > 0).fold(0, |h, &b| crate::hash::mix(h ^ b));
     let recent = CALIBRATED.with(|c| c.borrow().iter().find(|(k, _)| *k == graph).map(|(_, cal)| cal.clone()));
     if let Some(cal) = recent {
         // Found whole: what it measured is measured earlier now.

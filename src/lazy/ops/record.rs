@@ -255,11 +255,11 @@ pub(crate) fn leaf(tensor: &Tensor, batch: Option<usize>) -> LazyTensor {
     LazyTensor::from_node(node)
 }
 
-/// A view of a parameter that the user made with tch (`w.t()`, `w.narrow(..)`, `w.view(..)`):
-/// recorded on the parameter itself, so that its gradient lands in the parameter's `.grad`
-/// as a plain step's does. Its backward (libtorch's `as_strided_backward`) writes the output's
-/// gradient into a fresh tensor of the parameter's size: as a transpose's backward followed by
-/// the copy `.grad` makes to keep the parameter's layout, or a narrow's zero-filled gradient.
+/// A view of a parameter that the user made with tch and that is no permutation of it
+/// (`w.narrow(..)`, `w.view(..)`, `w.expand(..)`): recorded on the parameter itself, so that its
+/// gradient lands in the parameter's `.grad` as a plain step's does. Its backward (libtorch's
+/// `as_strided_backward`) writes the output's gradient into a fresh tensor of the parameter's
+/// size, as a narrow's zero-filled gradient does.
 pub(crate) struct ParamView {
     pub(crate) size: Vec<i64>,
     pub(crate) stride: Vec<i64>,

@@ -60,19 +60,13 @@ fn generator_replays() -> bool {
 }
 
 /// The sizes a micro-batch asked for runs at ([`Options::micro_batch`]): it and the remainder
-/// of the batch, measured beside the usual sizes.
-fn asked_sizes(c: &Compiled, options: &Options) -> Vec<u64> {
+/// of the batch (0 where it divides the batch, or none was asked for), measured beside the usual
+/// sizes. On the stack: every step gathers evidence.
+fn asked_sizes(c: &Compiled, options: &Options) -> [u64; 2] {
     let n = c.batch.max(1) as u64;
     match options.micro_batch.map(|m| m as u64) {
-        Some(m) if m > 0 && m < n => {
-            let r = n % m;
-            if r > 0 {
-                vec![m, r]
-            } else {
-                vec![m]
-            }
-        }
-        _ => Vec::new(),
+        Some(m) if m > 0 && m < n => [m, n % m],
+        _ => [0, 0],
     }
 }
 
