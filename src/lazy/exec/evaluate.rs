@@ -1,0 +1,170 @@
+//! Values: a graph run whole as eager code would, a value computed in micro-batches without
+//! gradients, and a traced micro-batch.
+
+use tch::Tensor;
+
+use super::chunks::{denominators, prepare, run_chunks};
+use super::forward::forward_chunk;
+use super::{torch, Chunk, TracedOp};
+use crate::lazy::error::LazyError;
+use crate::lazy::graph::{Flow, LazyTensor, RunCx, Source};
+use crate::lazy::options::Options;
+use crate::lazy::plan::{self, Mode};
+
+/// Runs a recorded graph once, whole, as the ops would have run eagerly (autograd included):
+/// how a lazy-only step of a `Sequential` applies to a `Tensor`. Nothing is planned or split, so
+/// the graph is walked directly (a step records a handful of ops; compiling a plan would cost
+/// more than running them).
+pub(crate) fn run_eagerly(output: &LazyTensor) -> Result<Tensor, LazyError> {
+    if let Some(value) = output.eager_value() {
+        return Ok(value.shallow_clone());
+    }
+    // The graph carries its casts: libtorch's autocast must not cast again while it runs.
+    let _suspended = crate::autocast::Suspended::new();
+    use std::collections::HashMap;
+    // Inputs have smaller ids: visiting by id runs every input before its users.
+    let mut nodes: Vec<&std::rc::Rc<crate::lazy::graph::Node>> = vec![output.node()];
+    let mut seen: HashMap<u64, usize> = HashMap::new();
+    seen.insert(output.node().id, 0);
+    let mut k = 0;
+    let mut batch = None;
+    while k < nodes.len() {
+        let node = nodes[k];
+        if let Some(Source::Input { .. }) = node.source() {
+            batch = node.meta.batch().map(|bd| bd.size);
+        }
+        for input in &node.inputs {
+            if let std::collections::hash_map::Entry::Vacant(slot) = seen.entry(input.id) {
+                slot.insert(nodes.len());
+                nodes.push(input);
+            }
+        }
+        k += 1;
+    }
+    nodes.sort_unstable_by_key(|n| n.id);
+    let b = batch.unwrap_or(1);
+    // Uses left per value, so each is dropped after its last use, as eager code would.
+    let mut uses: HashMap<u64, usize> = HashMap::with_capacity(nodes.len());
+    for node in &nodes {
+        for input in &node.inputs {
+            *uses.entry(input.id).or_default() += 1;
+        }
+    }
+    let mut values: HashMap<u64, Tensor> = HashMap::with_capacity(nodes.len());
+    for (i, node) in nodes.iter().enumerate() {
+        let ins: Vec<&Tensor> = node.inputs.iter().map(|x| &values[&x.id]).collect();
+        let cx = RunCx { meta: &node.meta, start: 0, b };
+        let out = node.run(&ins, &cx).map_err(torch(i, node.name()))?;
+        for input in &node.inputs {
+            let left = uses.get_mut(&input.id).expect("counted");
+            *left -= 1;
+            if *left == 0 {
+                values.remove(&input.id);
+            }
+        }
+        values.insert(node.id, out);
+    }
+    Ok(values.remove(&output.node().id).expect("the output ran"))
+}
+
+/// Computes the value of `output` (no gradients recorded).
+pub(crate) fn evaluate(output: &LazyTensor, options: &Options) -> Result<Tensor, LazyError> {
+    if let Some(value) = output.eager_value() {
+        return Ok(value.shallow_clone());
+    }
+    // The graph carries its casts: libtorch's autocast must not cast again while it runs.
+    let _suspended = crate::autocast::Suspended::new();
+    // An input or a constant is its own value: nothing to plan or run (the denominators of a
+    // split loss ask for the targets this way).
+    if let Some(Source::Input { tensor, .. } | Source::Leaf { tensor, .. }) = output.node().source() {
+        return Ok(tensor.shallow_clone());
+    }
+    // A loss read after its step: the value the step computed, nothing run again.
+    if let Some(value) = output.node().stepped.get() {
+        let meta = &output.node().meta;
+        return Tensor::f_from_slice(&[value])
+            .and_then(|t| t.f_to_kind(meta.kind)?.f_to_device(meta.device)?.f_reshape(meta.shape.as_slice()))
+            .map_err(|source| LazyError::Torch { node: None, op: "stepped value".into(), source });
+    }
+    let span = tracing::info_span!("toma.lazy", mode = "forward", op = output.op_name());
+    let _entered = span.enter();
+    let p = prepare(output, Mode::Forward, options)?;
+    let _no_grad = tch::no_grad_guard();
+    let n = p.c.batch;
+    let unsplit = vec![None; p.c.len()];
+    let mut dens: Option<Vec<Option<f64>>> = None;
+    let flow = p.c.output().meta.flow;
+    let mut parts: Vec<Tensor> = Vec::new();
+    let mut acc: Option<Tensor> = None;
+    let out = p.c.len() - 1;
+    let err = torch(out, "combine");
+    run_chunks(&p, options, false, |start, b| {
+        let split = b < n;
+        if split && dens.is_none() {
+            dens = Some(denominators(&p.c, true, options)?);
+        }
+        let chunk = Chunk {
+            start,
+            b,
+            split,
+            frac: b as f64 / n as f64,
+            dens: dens.as_deref().unwrap_or(&unsplit),
+            stand_ins: &[],
+        };
+        let value = forward_chunk(&p.c, &chunk, None)?;
+        match flow {
+            // A view (the last position of each sequence, say) would hold its whole base until
+            // the parts are concatenated: a copy lets the base go now (the plan counts it so).
+            Flow::PerSample(_) if split && p.c.output().meta.alias => {
+                let mut own = Tensor::f_empty_like(&value).map_err(&err)?;
+                own.f_copy_(&value).map_err(&err)?;
+                parts.push(own)
+            }
+            Flow::PerSample(_) if split => parts.push(value),
+            Flow::Sum if split => {
+                acc = Some(match acc.take() {
+                    None => value,
+                    Some(a) => a.f_add(&value).map_err(&err)?,
+                })
+            }
+            Flow::Max if split => {
+                acc = Some(match acc.take() {
+                    None => value,
+                    Some(a) => a.f_maximum(&value).map_err(&err)?,
+                })
+            }
+            _ => acc = Some(value),
+        }
+        Ok(())
+    })?;
+    match flow {
+        Flow::PerSample(bd) if !parts.is_empty() => {
+            if parts.len() == 1 {
+                return Ok(parts.pop().expect("one part"));
+            }
+            Tensor::f_cat(&parts, bd.dim as i64).map_err(err)
+        }
+        _ => Ok(acc.expect("at least one micro-batch ran")),
+    }
+}
+
+/// Runs the first micro-batch of `micro_batch` samples and reports, per op, what the executor
+/// produced and held.
+pub(crate) fn trace(output: &LazyTensor, mode: Mode, micro_batch: usize) -> Result<Vec<TracedOp>, LazyError> {
+    // The graph carries its casts: libtorch's autocast must not cast again while it runs.
+    let _suspended = crate::autocast::Suspended::new();
+    let c = plan::compile(output)?;
+    let n = c.batch;
+    let b = (micro_batch.max(1) as i64).min(n.max(1));
+    let split = b < n;
+    let options = Options::default();
+    let dens = tch::no_grad(|| denominators(&c, split, &options))?;
+    let chunk = Chunk { start: 0, b, split, frac: b as f64 / n as f64, dens: &dens, stand_ins: &[] };
+    let mut steps = Vec::with_capacity(c.len());
+    let run = || forward_chunk(&c, &chunk, Some(&mut steps)).map(drop);
+    match mode {
+        Mode::Forward => tch::no_grad(run)?,
+        Mode::Backward => tch::with_grad(run)?,
+    }
+    Ok(steps)
+}
