@@ -11,7 +11,10 @@
 //!   `Linear` (`xs.matmul(&self.ws.tr())`) and hand-written causal attention, ported with
 //!   `#[toma::lazy::module]`; goals ≤ 1.10× tiny, ≤ 1.05× medium;
 //! - a char-RNN (an LSTM 64 → 128 over 32 steps, batch 64: libtorch's fused kernel both ways);
-//! - tch-rs's VAE (784 → 400 → 20, batch 64).
+//! - tch-rs's VAE (784 → 400 → 20, batch 64);
+//! - a greedy decoder that reads its prediction at every token (`decoder`, issue 63): a GRU
+//!   encoder over 10 tokens, attention, a GRU decoder of up to 12 tokens, width 64, one
+//!   sentence, dropout 0.1; goal ≤ 1.2×.
 //!
 //! When the plan splits: the CNN, min-gpt medium, the char-RNN and the VAE in 4 micro-batches
 //! against the sum of 4 plain steps of a quarter of the batch. And eager inference through ported code: a min-gpt-style model written
@@ -282,6 +285,96 @@ fn rnn_lazily(m: &CharRnn, x: &Tensor, y: &Tensor) -> f64 {
     rnn_lazily_with(m, x, y, &Options::new())
 }
 
+/// A greedy attention decoder over a GRU encoder, as tch-rs's translation example trains one
+/// (one sentence a step, dropout 0.1): each token's prediction is read (`i64::try_from`) to
+/// feed the next token and to stop at end-of-sentence.
+struct Decoder {
+    src_emb: nn::Embedding,
+    tgt_emb: nn::Embedding,
+    encoder: lazy_nn::GRU,
+    decoder: lazy_nn::GRU,
+    attn: nn::Linear,
+    combine: nn::Linear,
+    head: nn::Linear,
+}
+
+const DECODER_VOCAB: i64 = 64;
+const DECODER_HIDDEN: i64 = 64;
+
+fn decoder(vs: &nn::VarStore) -> Decoder {
+    let (p, h) = (vs.root(), DECODER_HIDDEN);
+    Decoder {
+        src_emb: nn::embedding(&p / "src_emb", DECODER_VOCAB, h, Default::default()),
+        tgt_emb: nn::embedding(&p / "tgt_emb", DECODER_VOCAB, h, Default::default()),
+        encoder: lazy_nn::gru(&p / "encoder", h, h, Default::default()),
+        decoder: lazy_nn::gru(&p / "decoder", h, h, Default::default()),
+        attn: nn::linear(&p / "attn", 2 * h, 16, Default::default()),
+        combine: nn::linear(&p / "combine", 2 * h, h, Default::default()),
+        head: nn::linear(&p / "head", h, DECODER_VOCAB, Default::default()),
+    }
+}
+
+/// The decoder's loss, written once for both ways: the state, the wrap and the read differ.
+macro_rules! greedy_decoder_loss {
+    ($name:ident, $t:ty, $zero:ident, $wrap:expr, $h:expr) => {
+        fn $name(m: &Decoder, src: &Tensor, tgt: &Tensor) -> $t {
+            use toma::lazy::nn::RNN;
+            let wrap = $wrap;
+            let src_len = src.size()[1];
+            let mut state = m.encoder.$zero(1);
+            let mut outputs: Vec<$t> = Vec::new();
+            for t in 0..src_len {
+                state = m.encoder.step(&wrap(&src.select(1, t)).apply(&m.src_emb), &state);
+                outputs.push($h(&state).squeeze_dim(0));
+            }
+            let encoded = <$t>::stack(&outputs.iter().collect::<Vec<_>>(), 1);
+            let mut input = wrap(&Tensor::zeros([1], (Kind::Int64, Device::Cpu)));
+            let mut loss: Option<$t> = None;
+            for k in 0..tgt.size()[1] {
+                let embedded = input.apply(&m.tgt_emb).dropout(0.1, true);
+                let h = $h(&state).squeeze_dim(0);
+                let weights = <$t>::cat(&[&embedded, &h], 1).apply(&m.attn).narrow(1, 0, src_len).softmax(-1, None);
+                let applied = weights.unsqueeze(1).bmm(&encoded).squeeze_dim(1);
+                let x = <$t>::cat(&[&embedded, &applied], 1).apply(&m.combine).relu();
+                state = m.decoder.step(&x, &state);
+                let logits = $h(&state).squeeze_dim(0).apply(&m.head).log_softmax(-1, None);
+                let term = logits.nll_loss(&wrap(&tgt.select(1, k)));
+                loss = Some(match loss {
+                    None => term,
+                    Some(sum) => sum + term,
+                });
+                let next = logits.argmax(-1, false);
+                if i64::try_from(&next).unwrap() == 1 {
+                    break;
+                }
+                input = next;
+            }
+            loss.expect("a token at least")
+        }
+    };
+}
+
+greedy_decoder_loss!(decoder_loss_plain, Tensor, zero_state, |t: &Tensor| t.shallow_clone(), |s: &nn::GRUState| s
+    .0
+    .shallow_clone());
+greedy_decoder_loss!(
+    decoder_loss_lazily,
+    toma::lazy::LazyTensor,
+    lazy_zero_state,
+    |t: &Tensor| lazy(t, 0),
+    |s: &lazy_nn::LazyGRUState| s.h()
+);
+
+fn decoder_plain(m: &Decoder, x: &Tensor, y: &Tensor) -> f64 {
+    let loss = decoder_loss_plain(m, x, y);
+    loss.backward();
+    loss.double_value(&[])
+}
+
+fn decoder_lazily(m: &Decoder, x: &Tensor, y: &Tensor) -> f64 {
+    decoder_loss_lazily(m, x, y).backward().unwrap()
+}
+
 /// tch-rs's VAE (784 → 400 → 20 → 400 → 784), its loss written once over `TensorOps`: summed
 /// binary cross-entropy of the reconstruction plus the KL term. `y` is unused.
 struct Vae {
@@ -478,7 +571,7 @@ fn interleaved(before: &dyn Fn(), plain: &dyn Fn() -> f64, lazily: &dyn Fn() -> 
 }
 
 /// Whether `TOMA_TAX_ONLY` (names separated by commas: `cnn`, `mlp`, `gpt_tiny`, `gpt_medium`,
-/// `char_rnn`, `vae`, `sampling`) leaves out the model, to rerun one row.
+/// `gpt_tiny_tr`, `gpt_medium_tr`, `char_rnn`, `decoder`, `vae`, `sampling`) leaves out the model, to rerun one row.
 fn skipped(name: &str) -> bool {
     std::env::var("TOMA_TAX_ONLY").is_ok_and(|only| !only.split(',').any(|n| n.trim() == name))
 }
@@ -510,6 +603,13 @@ fn tax(c: &mut Criterion) {
         let y = Tensor::randint(RNN_FEATURES, [64, 32], (Kind::Int64, Device::Cpu));
         compare(c, "char_rnn", &char_rnn, &x, &y, rnn_plain, rnn_lazily);
         split("char_rnn", &char_rnn, &x, &y, rnn_plain, rnn_lazily_with);
+    }
+    if !skipped("decoder") {
+        // Token 1 is end-of-sentence: none in the source, and the decoder stops when it
+        // predicts one (the same tokens both ways: the same seed before each side's step).
+        let x = Tensor::randint_low(2, DECODER_VOCAB, [1, 10], (Kind::Int64, Device::Cpu));
+        let y = Tensor::randint_low(2, DECODER_VOCAB, [1, 12], (Kind::Int64, Device::Cpu));
+        compare(c, "decoder", &decoder, &x, &y, decoder_plain, decoder_lazily);
     }
     if !skipped("vae") {
         let x = Tensor::rand([64, 784], (Kind::Float, Device::Cpu));

@@ -121,6 +121,10 @@ pub(crate) struct Node {
     /// evaluating the node returns it instead of running the forward again with parameters the
     /// step has since updated.
     pub(crate) stepped: std::cell::Cell<Option<f64>>,
+    /// The source standing for this node's value once a read during recording computed it
+    /// (`exec::read`): every later walk of a graph takes it in the node's place, so nothing
+    /// before it runs again.
+    computed: std::cell::OnceCell<Rc<Node>>,
 }
 
 /// What a node is: a value already in memory, or an op over other nodes.
@@ -179,6 +183,7 @@ impl Node {
             calibration_key: std::cell::OnceCell::new(),
             kernel_calls: std::cell::OnceCell::new(),
             stepped: std::cell::Cell::new(None),
+            computed: std::cell::OnceCell::new(),
         };
         let pooled = POOL.try_with(|p| p.try_borrow_mut().ok()?.pop()).ok().flatten();
         match pooled {
@@ -250,6 +255,44 @@ impl Node {
         Node::new(kind, Vec::new(), meta, facts, cost)
     }
 
+    /// The node as graphs take it now: the source holding its value where a read computed
+    /// it, else itself.
+    #[inline]
+    pub(crate) fn resolved(self: &Rc<Node>) -> &Rc<Node> {
+        self.computed.get().unwrap_or(self)
+    }
+
+    /// Keeps `tensor`, this node's value computed whole by a read during recording, as the
+    /// source later graphs take in its place ([`Node::resolved`]). The source has the node's
+    /// id (its place in creation order) and meta: a per-sample value is an input narrowed to
+    /// each micro-batch; any other is a fixed leaf, which marks the step unsplittable when the
+    /// value depends on the batch (a sum over it can only be counted once, whole).
+    pub(crate) fn keep_computed(&self, tensor: Tensor, read: &str) {
+        let requires_grad = tensor.requires_grad();
+        let mut meta = Meta { alias: false, requires_grad, ..self.meta.clone() };
+        let kind = match meta.flow {
+            Flow::PerSample(bd) => Source::Input { tensor, dim: bd.dim },
+            flow => {
+                if !matches!(flow, Flow::Fixed) && meta.mixes.is_none() {
+                    meta.mixes = Some(format!(
+                        "its `{}` was read whole while recording (`{read}`): a micro-batch cannot count it again",
+                        self.name()
+                    ));
+                }
+                let param = requires_grad
+                    .then(|| Param { key: ParamKey::of(tensor.data_ptr() as usize, &meta), is_leaf: tensor.is_leaf() });
+                Source::Leaf { tensor, param, eager: false }
+            }
+        };
+        let kind = NodeKind::Source(kind);
+        let facts = OpFacts::new(0).recorded(requires_grad);
+        let cost = Cost::of(&kind, &facts, &[], &meta);
+        let mut source = Node::new(kind, Vec::new(), meta, facts, cost);
+        Rc::get_mut(&mut source).expect("a node just made is held once").id = self.id;
+        // A node computed twice keeps its first value: a read takes computed nodes as sources.
+        let _ = self.computed.set(source);
+    }
+
     /// The value of a node whose inputs are fixed leaves (and the casts an autocast region put
     /// before its op), run now, whole, as eager code would run it.
     pub(crate) fn run_at_once(&self) -> Result<Tensor, TchError> {
@@ -259,7 +302,7 @@ impl Node {
     }
 
     fn value_now(&self) -> Result<Tensor, TchError> {
-        let ins = self.inputs.iter().map(|x| x.value_now()).collect::<Result<Vec<_>, _>>()?;
+        let ins = self.inputs.iter().map(|x| x.resolved().value_now()).collect::<Result<Vec<_>, _>>()?;
         let ins: Vec<&Tensor> = ins.iter().collect();
         self.run(&ins, &RunCx { meta: &self.meta, start: 0, b: 1 })
     }
@@ -306,7 +349,9 @@ impl Node {
     pub(crate) fn whole(&self, start: i64, b: i64) -> Option<&Tensor> {
         match &self.kind {
             NodeKind::Source(Source::Leaf { tensor, .. }) => Some(tensor),
-            NodeKind::Source(Source::Input { tensor, dim }) if start == 0 && self.meta.shape.get(*dim) == Some(&b) => {
+            NodeKind::Source(Source::Input { tensor, dim })
+                if start == 0 && self.meta.shape.get(*dim) == Some(&self.rows(b)) =>
+            {
                 Some(tensor)
             }
             _ => None,
@@ -319,10 +364,19 @@ impl Node {
             return Ok(tensor.shallow_clone());
         }
         match &self.kind {
-            NodeKind::Source(Source::Input { tensor, dim }) => tensor.f_narrow(*dim as i64, cx.start, cx.b),
+            NodeKind::Source(Source::Input { tensor, dim }) => {
+                tensor.f_narrow(*dim as i64, self.rows(cx.start), self.rows(cx.b))
+            }
             NodeKind::Source(Source::Leaf { tensor, .. }) => Ok(tensor.shallow_clone()),
             NodeKind::Op(op) => op.run(ins, cx),
         }
+    }
+
+    /// Rows of the batch dimension that `samples` samples take (a computed input may hold
+    /// several a sample: a flattened `[N * T, C]`).
+    #[inline]
+    pub(crate) fn rows(&self, samples: i64) -> i64 {
+        samples * self.meta.batch().map_or(1, |bd| bd.factor)
     }
 
     /// The shape its backward views its output's gradient as (`None`: as it comes).
@@ -552,11 +606,20 @@ impl LazyTensor {
         }
     }
 
-    /// The node: for a value computed at once, a fixed leaf holding it.
+    /// The node as recorded, even where a read has since computed it (its name and costs).
+    pub(crate) fn recorded(&self) -> &Rc<Node> {
+        match &self.repr {
+            Repr::Recorded(node) => node,
+            Repr::Eager { .. } => self.node(),
+        }
+    }
+
+    /// The node as graphs take it: for a value computed at once, a fixed leaf holding it; for
+    /// one a read computed, the source holding its value ([`Node::resolved`]).
     #[inline]
     pub(crate) fn node(&self) -> &Rc<Node> {
         match &self.repr {
-            Repr::Recorded(node) => node,
+            Repr::Recorded(node) => node.resolved(),
             Repr::Eager { tensor, leaf } => leaf.get_or_init(|| Node::leaf(tensor, None, true)),
         }
     }
@@ -753,7 +816,7 @@ impl Product<'_> {
 /// Where values come from: batched inputs, narrowed to each micro-batch, and fixed tensors
 /// (parameters and constants). Both are already in memory: they cost the plan nothing.
 pub(crate) enum Source {
-    /// A batched input, narrowed to each micro-batch along `dim`.
+    /// A batched input, narrowed to each micro-batch along `dim` ([`Node::rows`] a sample).
     Input { tensor: Tensor, dim: usize },
     /// A fixed tensor: a parameter (`param` when it requires a gradient) or a constant.
     Leaf {

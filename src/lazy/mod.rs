@@ -72,6 +72,42 @@
 //! the code: how micro-batches treat it and what the planner charges it
 //! ([`LazyTensor::op_costs`]).
 //!
+//! # Reading a value while recording
+//!
+//! Code that decides by a value — greedy decoding that feeds each prediction back and stops at
+//! end-of-sentence — reads it while the step records: `i64::try_from(&x)`, `f64::try_from`,
+//! `Vec::<i64>::try_from`, [`LazyTensor::double_value`], [`LazyTensor::int64_value`],
+//! `Display`. Where autograd records (grad mode on) and the value depends on something that
+//! requires a gradient, the read computes it as eager code would: once, whole, with autograd.
+//! The step then continues from what it computed: nothing before it runs again, dropout draws
+//! its masks once, and the gradients are eager's. The values later ops may still take are kept
+//! until the graph is dropped, as eager autograd keeps them.
+//!
+//! ```
+//! use tch::{nn, Device, Kind, Tensor};
+//! use toma::lazy::lazy;
+//!
+//! let vs = nn::VarStore::new(Device::Cpu);
+//! let fc = nn::linear(vs.root(), 8, 3, Default::default());
+//! let x = Tensor::randn([4, 8], (Kind::Float, Device::Cpu));
+//! let logits = lazy(&x, 0).apply(&fc).dropout(0.5, true);
+//! // Computed now, once: the dropout mask drawn here is the step's.
+//! let predicted = Vec::<i64>::try_from(&logits.argmax(-1, false))?;
+//! let loss = logits.log_softmax(-1, None).nll_loss(&lazy(&Tensor::from_slice(&predicted), 0));
+//! loss.backward()?; // from the logits the read computed
+//! assert_eq!(logits.op_name(), "dropout");
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! What a read computes is the full batch's, and its memory is spent when it is read, outside
+//! any plan. A later step that splits slices each per-sample value the reads kept; one that
+//! takes a sum over the batch a read kept (a loss read before its step) runs whole, and its
+//! plan says why. Read the loss after its step, where the read costs nothing. A read that runs
+//! out of memory whole is computed in micro-batches instead, and a step that takes it computes
+//! it again. Under `tch::no_grad`, and through [`LazyTensor::to_tensor`], a value is computed
+//! as planned, in micro-batches where the batch does not fit, without gradients, and kept
+//! nowhere.
+//!
 //! # Plan, then verify
 //!
 //! Micro-batches run under the retry engine ([`Range`](crate::Range)): one that still runs out

@@ -122,7 +122,7 @@ impl LazyTensor {
 
     /// The name of the op that produces this value (`"relu"`, `"conv2d"`, ..).
     pub fn op_name(&self) -> &str {
-        self.node().name()
+        self.recorded().name()
     }
 
     /// What the planner's rules charge the op that produced this value on its device (this
@@ -154,11 +154,12 @@ impl LazyTensor {
 
     fn costs_by(&self, model: &CostModel) -> OpCosts {
         use super::graph::Flow;
-        let (meta, cost) = (&self.node().meta, &self.node().cost);
-        let price = model.price(self.node(), &mut Vec::new());
+        let node = self.recorded();
+        let (meta, cost) = (&node.meta, &node.cost);
+        let price = model.price(node, &mut Vec::new());
         // Costs are kept per sample and fixed; the batch is the graph's (1 without one).
-        let batch = std::iter::once(self.node())
-            .chain(&self.node().inputs)
+        let batch = std::iter::once(node)
+            .chain(&node.inputs)
             .find_map(|n| n.meta.batch().map(|bd| bd.size as u64))
             .unwrap_or(1);
         let total = |b: &super::size::Bytes| b.at(batch);
@@ -179,8 +180,8 @@ impl LazyTensor {
                 .iter()
                 .map(|x| shape::numel(&x.meta.shape).max(0) as u64 * x.meta.kind.elt_size_in_bytes() as u64)
                 .collect(),
-            saves_output: self.node().facts.saves_output,
-            saved_inputs: self.node().facts.saved.iter().collect(),
+            saves_output: node.facts.saves_output,
+            saved_inputs: node.facts.saved.iter().collect(),
             saved_extra: priced(&price.kept),
             scratch: priced(&price.forward),
             backward_scratch: priced(&price.backward),
@@ -197,7 +198,9 @@ impl LazyTensor {
 
     /// Computes the value, in micro-batches when the batch does not fit the budget (outputs
     /// are concatenated along the batch dimension, reductions over the batch combined).
-    /// Runs without recording gradients: for those, see [`backward`](Self::backward).
+    /// Runs without recording gradients: for those, see [`backward`](Self::backward). (A
+    /// number read while a step records is computed with them, once: `f64::try_from`,
+    /// [`double_value`](Self::double_value); a value one computed is returned as it is.)
     ///
     /// A value that a [`backward`](Self::backward) pass (or an optimizer's `backward_step`)
     /// has computed is kept: evaluating it afterwards, here or through `f64::try_from`,
@@ -309,12 +312,14 @@ impl LazyTensor {
         plan::calibrate(self, mode, options)
     }
 
-    /// The first element's value as `f64`, computed (tch's `double_value`).
+    /// The first element's value as `f64`, computed (tch's `double_value`). While a step
+    /// records, computed once and kept for the step
+    /// ([reading a value while recording](crate::lazy#reading-a-value-while-recording)).
     ///
     /// # Errors
     /// As [`to_tensor`](Self::to_tensor), and libtorch's error for a bad index.
     pub fn f_double_value(&self, index: &[i64]) -> Result<f64, LazyError> {
-        let t = self.to_tensor()?;
+        let t = exec::read(self, "double_value")?;
         t.f_double_value(index).map_err(|source| LazyError::Torch { node: None, op: "double_value".into(), source })
     }
 
@@ -324,12 +329,13 @@ impl LazyTensor {
         self.f_double_value(index).or_panic()
     }
 
-    /// An element's value as `i64`, computed (tch's `int64_value`).
+    /// An element's value as `i64`, computed (tch's `int64_value`), as
+    /// [`f_double_value`](Self::f_double_value) computes it.
     ///
     /// # Errors
     /// As [`f_double_value`](Self::f_double_value).
     pub fn f_int64_value(&self, index: &[i64]) -> Result<i64, LazyError> {
-        let t = self.to_tensor()?;
+        let t = exec::read(self, "int64_value")?;
         t.f_int64_value(index).map_err(|source| LazyError::Torch { node: None, op: "int64_value".into(), source })
     }
 
@@ -565,7 +571,7 @@ impl std::ops::Neg for LazyTensor {
 impl fmt::Display for LazyTensor {
     /// Computes the value and prints it as tch does; an error is printed in its place.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.to_tensor() {
+        match exec::read(self, "Display") {
             Ok(t) => fmt::Display::fmt(&t, f),
             Err(e) => write!(f, "<{e}>"),
         }
@@ -590,9 +596,10 @@ macro_rules! try_from_lazy {
     ($($t:ty),*) => {$(
         impl TryFrom<&LazyTensor> for $t {
             type Error = LazyError;
-            /// Computes the value and converts it as tch's `TryFrom<&Tensor>` does.
+            /// Computes the value and converts it as tch's `TryFrom<&Tensor>` does; while a
+            /// step records, once, kept for the step (see [`LazyTensor::f_double_value`]).
             fn try_from(value: &LazyTensor) -> Result<Self, LazyError> {
-                let t = value.to_tensor()?;
+                let t = exec::read(value, concat!(stringify!($t), "::try_from"))?;
                 <$t>::try_from(&t).map_err(|source| LazyError::Torch { node: None, op: "try_from".into(), source })
             }
         }

@@ -14,6 +14,7 @@ mod ops;
 mod pictures;
 mod plan;
 mod ported_vae;
+mod reads;
 mod rnn;
 mod vision;
 mod written_once;

@@ -7,23 +7,74 @@ use super::chunks::{denominators, prepare, run_chunks};
 use super::forward::forward_chunk;
 use super::{torch, Chunk, TracedOp};
 use crate::lazy::error::LazyError;
-use crate::lazy::graph::{Flow, LazyTensor, RunCx, Source};
+use std::rc::Rc;
+
+use crate::lazy::graph::{Flow, LazyTensor, Node, RunCx, Source};
 use crate::lazy::options::Options;
 use crate::lazy::plan::{self, Mode};
+use crate::oom::OutOfMemory;
 
 /// Runs a recorded graph once, whole, as the ops would have run eagerly (autograd included):
 /// how a lazy-only step of a `Sequential` applies to a `Tensor`. Nothing is planned or split, so
 /// the graph is walked directly (a step records a handful of ops; compiling a plan would cost
 /// more than running them).
 pub(crate) fn run_eagerly(output: &LazyTensor) -> Result<Tensor, LazyError> {
+    Ok(run_whole(output, None)?.expect("run whatever it records"))
+}
+
+/// Reads `output` while a step may still be recording: where autograd records (grad mode on),
+/// computes it as eager code would, whole and with autograd, and keeps the value of every node
+/// a later op could still take ([`Node::keep_computed`]): the step continues from those values,
+/// so nothing before them runs again and no random draw (dropout's masks) is made twice. The
+/// value is the full batch's, whatever a later step's plan. Without grad mode (inference),
+/// as [`evaluate`]: planned, in micro-batches where the batch does not fit.
+///
+/// `read` names the reading call for the plan's messages (`i64::try_from`, `double_value`).
+pub(crate) fn read(output: &LazyTensor, read: &str) -> Result<Tensor, LazyError> {
+    // A loss read after its step is the step's value ([`evaluate`]), not computed again.
+    let node = output.node();
+    if output.eager_value().is_none() && !node.is_source() && node.stepped.get().is_none() && grad_enabled() {
+        match run_whole(output, Some(read)) {
+            // Nothing in the graph records a gradient: no step continues from it.
+            Ok(None) => {}
+            Ok(Some(value)) => return Ok(value),
+            // Too large whole: computed as planned instead, in micro-batches. A step taking it
+            // then computes it again.
+            Err(err) if err.is_out_of_memory() => tracing::warn!(
+                op = output.op_name(),
+                read,
+                error = %err,
+                "toma::lazy: a value read while recording ran out of memory whole; it is computed in micro-batches, and a step that takes it computes it again"
+            ),
+            Err(err) => return Err(err),
+        }
+    }
+    evaluate(output, &Options::default())
+}
+
+/// Whether autograd records now (libtorch's thread-local grad mode).
+fn grad_enabled() -> bool {
+    // SAFETY: sets the calling thread's grad mode and returns the previous one; it is set back
+    // at once. libtorch's wrapper catches any exception (it returns -1 then: taken as on).
+    unsafe {
+        let previous = torch_sys::at_grad_set_enabled(1);
+        torch_sys::at_grad_set_enabled(previous);
+        previous != 0
+    }
+}
+
+/// [`run_eagerly`], and with `keep` ([`read`]) each value later ops may take kept on its node;
+/// `None` then where no node of the graph requires a gradient (nothing is run).
+fn run_whole(output: &LazyTensor, keep: Option<&str>) -> Result<Option<Tensor>, LazyError> {
     if let Some(value) = output.eager_value() {
-        return Ok(value.shallow_clone());
+        return Ok(Some(value.shallow_clone()));
     }
     // The graph carries its casts: libtorch's autocast must not cast again while it runs.
     let _suspended = crate::autocast::Suspended::new();
     use std::collections::HashMap;
-    // Inputs have smaller ids: visiting by id runs every input before its users.
-    let mut nodes: Vec<&std::rc::Rc<crate::lazy::graph::Node>> = vec![output.node()];
+    // Inputs have smaller ids: visiting by id runs every input before its users. A node a read
+    // computed is its value's source (the same id).
+    let mut nodes: Vec<&Rc<Node>> = vec![output.node()];
     let mut seen: HashMap<u64, usize> = HashMap::new();
     seen.insert(output.node().id, 0);
     let mut k = 0;
@@ -34,12 +85,16 @@ pub(crate) fn run_eagerly(output: &LazyTensor) -> Result<Tensor, LazyError> {
             batch = node.meta.batch().map(|bd| bd.size);
         }
         for input in &node.inputs {
+            let input = input.resolved();
             if let std::collections::hash_map::Entry::Vacant(slot) = seen.entry(input.id) {
                 slot.insert(nodes.len());
                 nodes.push(input);
             }
         }
         k += 1;
+    }
+    if keep.is_some() && !nodes.iter().any(|n| n.meta.requires_grad) {
+        return Ok(None);
     }
     nodes.sort_unstable_by_key(|n| n.id);
     let b = batch.unwrap_or(1);
@@ -49,6 +104,15 @@ pub(crate) fn run_eagerly(output: &LazyTensor) -> Result<Tensor, LazyError> {
         for input in &node.inputs {
             *uses.entry(input.id).or_default() += 1;
         }
+    }
+    let total = if keep.is_some() { uses.clone() } else { HashMap::new() };
+    if let Some(read) = keep {
+        tracing::debug!(
+            op = output.op_name(),
+            read,
+            nodes = nodes.len(),
+            "toma::lazy: a value read while recording is computed now, whole; the step continues from it"
+        );
     }
     let mut values: HashMap<u64, Tensor> = HashMap::with_capacity(nodes.len());
     for (i, node) in nodes.iter().enumerate() {
@@ -62,9 +126,17 @@ pub(crate) fn run_eagerly(output: &LazyTensor) -> Result<Tensor, LazyError> {
                 values.remove(&input.id);
             }
         }
+        // Kept where something beyond this graph holds the node (a user's handle, an op
+        // recorded apart): it may be taken again. The rest only served the graph just run.
+        if let Some(read) = keep.filter(|_| !node.is_source()) {
+            let within = total.get(&node.id).copied().unwrap_or(0);
+            if Rc::ptr_eq(node, output.node()) || Rc::strong_count(node) > within {
+                node.keep_computed(out.shallow_clone(), read);
+            }
+        }
         values.insert(node.id, out);
     }
-    Ok(values.remove(&output.node().id).expect("the output ran"))
+    Ok(Some(values.remove(&output.node().id).expect("the output ran")))
 }
 
 /// Computes the value of `output` (no gradients recorded).

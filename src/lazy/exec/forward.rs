@@ -27,8 +27,8 @@ pub(super) fn run_node(c: &Compiled, i: usize, ins: &[&Tensor], chunk: &Chunk<'_
     if let Some(Some(stand_in)) = chunk.stand_ins.get(i) {
         return match node.source() {
             // A whole input's stand-in is narrowed; a micro-batch's own slice already is.
-            Some(Source::Input { dim, .. }) if stand_in.size().get(*dim) != Some(&chunk.b) => {
-                stand_in.f_narrow(*dim as i64, chunk.start, chunk.b).map_err(err)
+            Some(Source::Input { dim, .. }) if stand_in.size().get(*dim) != Some(&node.rows(chunk.b)) => {
+                stand_in.f_narrow(*dim as i64, node.rows(chunk.start), node.rows(chunk.b)).map_err(err)
             }
             Some(Source::Input { .. }) => Ok(stand_in.shallow_clone()),
             _ => Ok(stand_in.shallow_clone()),

@@ -30,8 +30,8 @@ pub(super) struct Wrt<'a> {
     pub(super) stand_ins: Vec<Option<Tensor>>,
     /// `params[..n_params]` are the parameters.
     pub(super) n_params: usize,
-    /// The inputs that require a gradient: node and batch dimension.
-    pub(super) inputs: Vec<(usize, i64)>,
+    /// The inputs that require a gradient: node, batch dimension and rows a sample.
+    pub(super) inputs: Vec<(usize, i64, i64)>,
     /// The graph's nodes.
     pub(super) nodes: usize,
     /// Whether each original is a leaf (its gradient lands in its `.grad`).
@@ -76,12 +76,12 @@ impl<'a> Wrt<'a> {
             }
         }
         let n_params = params.len();
-        let mut inputs: Vec<(usize, i64)> = Vec::new();
+        let mut inputs: Vec<(usize, i64, i64)> = Vec::new();
         for (i, node) in c.nodes.iter().enumerate() {
             if let Some(Source::Input { tensor, dim }) = node.source() {
                 // As recorded (the plan read the same).
                 if node.meta.requires_grad {
-                    inputs.push((i, *dim as i64));
+                    inputs.push((i, *dim as i64, node.rows(1)));
                     params.push(Held::Leaf(tensor));
                     originals.push(None);
                     leaf.push(tensor.is_leaf());
@@ -109,8 +109,9 @@ impl<'a> Wrt<'a> {
             self.stand_ins.iter().map(|t| t.as_ref().map(Tensor::shallow_clone)).collect()
         };
         let mut params: Vec<Held<'_>> = self.params.iter().map(Held::share).collect();
-        for (j, &(i, dim)) in self.inputs.iter().enumerate() {
-            let slice = self.original(self.n_params + j).f_narrow(dim, start, b)?.detach().set_requires_grad(true);
+        for (j, &(i, dim, rows)) in self.inputs.iter().enumerate() {
+            let slice = self.original(self.n_params + j).f_narrow(dim, start * rows, b * rows)?;
+            let slice = slice.detach().set_requires_grad(true);
             stand_ins[i] = Some(slice.shallow_clone());
             params[self.n_params + j] = Held::Owned(slice);
         }
@@ -185,11 +186,11 @@ impl<'a> Wrt<'a> {
 /// input's `.grad()` (a leaf without one first gets a zero gradient of the batch's size) or of
 /// a buffer sent back through a non-leaf input's own graph at the end.
 pub(super) fn accumulate_slices<'a>(
-    slices: impl Iterator<Item = (((&'a (usize, i64), &'a Tensor), &'a Tensor), &'a mut Option<Tensor>)>,
+    slices: impl Iterator<Item = (((&'a (usize, i64, i64), &'a Tensor), &'a Tensor), &'a mut Option<Tensor>)>,
     start: i64,
     b: i64,
 ) -> Result<(), TchError> {
-    for (((&(_, dim), g), original), through) in slices {
+    for (((&(_, dim, rows), g), original), through) in slices {
         if !g.defined() {
             continue;
         }
@@ -203,7 +204,7 @@ pub(super) fn accumulate_slices<'a>(
         } else {
             through.get_or_insert_with(|| original.zeros_like()).shallow_clone()
         };
-        let _ = whole.f_narrow(dim, start, b)?.f_add_(g)?;
+        let _ = whole.f_narrow(dim, start * rows, b * rows)?.f_add_(g)?;
     }
     Ok(())
 }

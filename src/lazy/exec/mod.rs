@@ -13,7 +13,7 @@ use tch::{TchError, Tensor};
 use crate::lazy::error::LazyError;
 
 pub(crate) use backward::backward;
-pub(crate) use evaluate::{evaluate, run_eagerly, trace};
+pub(crate) use evaluate::{evaluate, read, run_eagerly, trace};
 
 /// One micro-batch: where it starts, its size, and whether the batch is split at all.
 struct Chunk<'a> {

@@ -167,7 +167,7 @@ impl Form {
         rev.push(output.clone());
         for i in (0..n - 1).rev() {
             let (consumer, slot) = self.via[i];
-            let node = &rev[n - 1 - consumer as usize].inputs[slot as usize];
+            let node = rev[n - 1 - consumer as usize].inputs[slot as usize].resolved();
             if node.id >= rev.last().expect("the output at least").id || !same(i, node) {
                 return None;
             }
@@ -175,7 +175,12 @@ impl Form {
         }
         rev.reverse();
         for (i, node) in rev.iter().enumerate() {
-            if node.inputs.iter().zip(self.input_slice(i)).any(|(input, &j)| !Rc::ptr_eq(input, &rev[j as usize])) {
+            if node
+                .inputs
+                .iter()
+                .zip(self.input_slice(i))
+                .any(|(input, &j)| !Rc::ptr_eq(input.resolved(), &rev[j as usize]))
+            {
                 return None;
             }
         }
@@ -392,6 +397,7 @@ fn compile_anew(output: &LazyTensor) -> Result<Compiled, LazyError> {
     stack.push(output.node());
     while let Some(node) = stack.pop() {
         for input in &node.inputs {
+            let input = input.resolved();
             let slot = index.slot(input.id);
             if *slot == 0 {
                 seen.push((input.id, input));
@@ -427,14 +433,14 @@ fn compile_anew(output: &LazyTensor) -> Result<Compiled, LazyError> {
     for (i, node) in found.iter().enumerate() {
         offsets.push(inputs.len() as u32);
         for input in &node.inputs {
-            let from = pos(input);
+            let from = pos(input.resolved());
             last_use[from as usize] = i as u32;
             inputs.push(from);
             structure = crate::hash::mix(structure ^ u64::from(from));
         }
         let batch_at = node.meta.batch().map_or(0, |bd| (bd.dim as u64 + 1) << 40 ^ bd.factor as u64);
         structure = crate::hash::mix(structure ^ crate::hash::hash_of(&node.facts) ^ batch_at);
-        root.push(if node.meta.alias { root[pos(&node.inputs[0]) as usize] } else { i as u32 });
+        root.push(if node.meta.alias { root[pos(node.inputs[0].resolved()) as usize] } else { i as u32 });
         let cost = &node.cost;
         flags.push(Flags {
             requires_grad: node.meta.requires_grad,
