@@ -4,7 +4,7 @@
 use tch::{Kind, TchError, Tensor};
 
 use super::forward::Held;
-use crate::lazy::error::LazyError;
+
 use crate::lazy::graph::Source;
 use crate::lazy::plan::Compiled;
 
@@ -167,7 +167,7 @@ impl<'a> Wrt<'a> {
     /// Every rank's share is in its own `.grad`: their sum is the union's gradient, and the
     /// losses' sum the union's loss. Parameters only: an input's gradient is the rank's own.
     #[cfg(feature = "dist")]
-    pub(super) fn all_reduce(&self, group: &crate::dist::Group, total: f64) -> Result<f64, LazyError> {
+    pub(super) fn all_reduce(&self, group: &crate::dist::Group, total: f64) -> Result<f64, crate::lazy::LazyError> {
         let grads: Vec<Tensor> = self
             .params
             .iter()
