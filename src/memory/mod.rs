@@ -59,6 +59,14 @@ pub(crate) fn clear_grad(tensor: &tch::Tensor) -> Result<(), AllocatorError> {
     shim::clear_grad(tensor)
 }
 
+/// Autograd's backward from `tensors` with the gradients `grads` (PyTorch's
+/// `torch.autograd.backward(tensors, grads)`, which tch lacks), through the shim;
+/// `AllocatorError::NotBuilt` without it.
+#[cfg(feature = "tch")]
+pub(crate) fn backward(tensors: &[&tch::Tensor], grads: &[&tch::Tensor]) -> Result<(), AllocatorError> {
+    shim::backward(tensors, grads)
+}
+
 /// How many tensors share `tensor`'s storage, and its bytes; `None` without the shim.
 #[cfg(feature = "tch")]
 pub(crate) fn storage_use(tensor: &tch::Tensor) -> Option<(i64, i64)> {

@@ -122,6 +122,11 @@ mod imp {
         fn toma_shim_set_generator_state(device: i64, buf: *const u8, size: i64) -> c_int;
         fn toma_shim_cpu_capability(buf: *mut c_char, cap: i64, size: *mut i64) -> c_int;
         fn toma_shim_clear_grad(tensor: *mut std::ffi::c_void) -> c_int;
+        fn toma_shim_backward(
+            tensors: *const *mut std::ffi::c_void,
+            grads: *const *mut std::ffi::c_void,
+            n: i64,
+        ) -> c_int;
         fn toma_shim_tensor_facts(tensor: *mut std::ffi::c_void, out: *mut RawTensorFacts) -> c_int;
         fn toma_shim_grad_defined(tensor: *mut std::ffi::c_void, defined: *mut c_int) -> c_int;
         fn toma_shim_storage_use(tensor: *mut std::ffi::c_void, use_count: *mut i64, nbytes: *mut i64) -> c_int;
@@ -289,6 +294,15 @@ mod imp {
         check(unsafe { toma_shim_clear_grad(tensor.as_ptr() as *mut std::ffi::c_void) }, 0)
     }
 
+    pub(in crate::memory) fn backward(tensors: &[&tch::Tensor], grads: &[&tch::Tensor]) -> Result<(), AllocatorError> {
+        let roots: Vec<*mut std::ffi::c_void> = tensors.iter().map(|t| t.as_ptr() as *mut std::ffi::c_void).collect();
+        let seeds: Vec<*mut std::ffi::c_void> = grads.iter().map(|t| t.as_ptr() as *mut std::ffi::c_void).collect();
+        let n = roots.len().min(seeds.len()) as i64;
+        // SAFETY: each pointer is an `at::Tensor*` tch owns, alive for the borrows; the shim
+        // copies the handles, reads `n` of each list, and autograd writes only `.grad`s.
+        check(unsafe { toma_shim_backward(roots.as_ptr(), seeds.as_ptr(), n) }, 0)
+    }
+
     pub(in crate::memory) fn tensor_facts(tensor: &tch::Tensor) -> Result<RawTensorFacts, AllocatorError> {
         let mut out = RawTensorFacts::default();
         // SAFETY: as above; the shim only reads the tensor, and writes `out` (sizes and strides
@@ -416,6 +430,10 @@ mod imp {
     }
     #[cfg(feature = "tch")]
     pub(in crate::memory) fn clear_grad(_tensor: &tch::Tensor) -> Result<(), AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    #[cfg(feature = "tch")]
+    pub(in crate::memory) fn backward(_tensors: &[&tch::Tensor], _grads: &[&tch::Tensor]) -> Result<(), AllocatorError> {
         Err(AllocatorError::NotBuilt)
     }
     #[cfg(feature = "tch")]

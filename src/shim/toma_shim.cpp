@@ -9,6 +9,7 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -566,6 +567,21 @@ int toma_shim_set_generator_state(int64_t device, const uint8_t* buf, int64_t si
     std::memcpy(state.data_ptr(), buf, static_cast<size_t>(size));
     std::lock_guard<std::mutex> lock(gen.mutex());
     gen.set_state(state);
+    return TOMA_SHIM_OK;
+  });
+}
+
+int toma_shim_backward(void* const* tensors, void* const* grads, int64_t n) {
+  return guarded([&]() -> int {
+    std::vector<at::Tensor> roots;
+    std::vector<at::Tensor> seeds;
+    roots.reserve(static_cast<size_t>(n));
+    seeds.reserve(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      roots.push_back(*static_cast<at::Tensor*>(tensors[i]));
+      seeds.push_back(*static_cast<at::Tensor*>(grads[i]));
+    }
+    torch::autograd::backward(roots, seeds);
     return TOMA_SHIM_OK;
   });
 }

@@ -140,6 +140,10 @@ int toma_shim_tensor_facts(void* tensor, toma_shim_tensor_info* out);
 // Whether `tensor` (an `at::Tensor*`) has a defined `.grad`, without making a tensor of it.
 int toma_shim_grad_defined(void* tensor, int* defined);
 
+// Autograd's backward from `n` tensors (`at::Tensor*`, as tch holds them), each with the
+// gradient of the same shape in `grads`: PyTorch's `torch.autograd.backward(tensors, grads)`.
+int toma_shim_backward(void* const* tensors, void* const* grads, int64_t n);
+
 // Sets the `.grad` of `tensor` (an `at::Tensor*`, as tch holds it) to none, as PyTorch's
 // `p.grad = None` and tch's `opt.zero_grad()` do: its memory goes back to the allocator.
 int toma_shim_clear_grad(void* tensor);

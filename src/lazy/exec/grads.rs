@@ -30,8 +30,8 @@ pub(super) struct Wrt<'a> {
     pub(super) stand_ins: Vec<Option<Tensor>>,
     /// `params[..n_params]` are the parameters.
     pub(super) n_params: usize,
-    /// The inputs that require a gradient: node, batch dimension and rows a sample.
-    pub(super) inputs: Vec<(usize, i64, i64)>,
+    /// The inputs that require a gradient.
+    pub(super) inputs: Vec<InputGrad>,
     /// The graph's nodes.
     pub(super) nodes: usize,
     /// Whether each original is a leaf (its gradient lands in its `.grad`).
@@ -76,12 +76,13 @@ impl<'a> Wrt<'a> {
             }
         }
         let n_params = params.len();
-        let mut inputs: Vec<(usize, i64, i64)> = Vec::new();
+        let mut inputs: Vec<InputGrad> = Vec::new();
         for (i, node) in c.nodes.iter().enumerate() {
             if let Some(Source::Input { tensor, dim }) = node.source() {
                 // As recorded (the plan read the same).
                 if node.meta.requires_grad {
-                    inputs.push((i, *dim as i64, node.rows(1)));
+                    let (dim, rows) = (*dim as i64, node.rows(1));
+                    inputs.push(InputGrad { node: i, dim, rows, total: node.meta.shape[dim as usize] });
                     params.push(Held::Leaf(tensor));
                     originals.push(None);
                     leaf.push(tensor.is_leaf());
@@ -109,10 +110,16 @@ impl<'a> Wrt<'a> {
             self.stand_ins.iter().map(|t| t.as_ref().map(Tensor::shallow_clone)).collect()
         };
         let mut params: Vec<Held<'_>> = self.params.iter().map(Held::share).collect();
-        for (j, &(i, dim, rows)) in self.inputs.iter().enumerate() {
-            let slice = self.original(self.n_params + j).f_narrow(dim, start * rows, b * rows)?;
-            let slice = slice.detach().set_requires_grad(true);
-            stand_ins[i] = Some(slice.shallow_clone());
+        for (j, input) in self.inputs.iter().enumerate() {
+            let original = self.original(self.n_params + j);
+            // The whole input needs no view of itself.
+            let slice = if input.covers(start, b) {
+                original.detach()
+            } else {
+                original.f_narrow(input.dim, start * input.rows, b * input.rows)?.detach()
+            };
+            let slice = slice.set_requires_grad(true);
+            stand_ins[input.node] = Some(slice.shallow_clone());
             params[self.n_params + j] = Held::Owned(slice);
         }
         Ok(Some((stand_ins, params)))
@@ -146,6 +153,13 @@ impl<'a> Wrt<'a> {
     pub(super) fn send_through(&self, through: &[Option<Tensor>]) -> Result<(), TchError> {
         if through.iter().all(Option::is_none) {
             return Ok(());
+        }
+        let (roots, seeds): (Vec<&Tensor>, Vec<&Tensor>) =
+            through.iter().enumerate().filter_map(|(k, g)| Some((self.original(k), g.as_ref()?))).unzip();
+        match tch::with_grad(|| crate::memory::backward(&roots, &seeds)) {
+            Ok(()) => return Ok(()),
+            Err(crate::memory::AllocatorError::NotBuilt) => {}
+            Err(err) => return Err(TchError::Torch(err.to_string())),
         }
         tch::with_grad(|| -> Result<(), TchError> {
             let mut sum: Option<Tensor> = None;
@@ -182,16 +196,36 @@ impl<'a> Wrt<'a> {
     }
 }
 
+/// An input that requires a gradient: its node, batch dimension, rows a sample, and rows.
+pub(super) struct InputGrad {
+    node: usize,
+    dim: i64,
+    rows: i64,
+    total: i64,
+}
+
+impl InputGrad {
+    /// Whether the micro-batch of `b` samples from `start` is all of it.
+    fn covers(&self, start: i64, b: i64) -> bool {
+        start == 0 && b * self.rows == self.total
+    }
+}
+
 /// Adds each input's micro-batch gradient (its slice's) into rows `start..start + b` of the
 /// input's `.grad()` (a leaf without one first gets a zero gradient of the batch's size) or of
 /// a buffer sent back through a non-leaf input's own graph at the end.
 pub(super) fn accumulate_slices<'a>(
-    slices: impl Iterator<Item = (((&'a (usize, i64, i64), &'a Tensor), &'a Tensor), &'a mut Option<Tensor>)>,
+    slices: impl Iterator<Item = (((&'a InputGrad, &'a Tensor), &'a Tensor), &'a mut Option<Tensor>)>,
     start: i64,
     b: i64,
 ) -> Result<(), TchError> {
-    for (((&(_, dim, rows), g), original), through) in slices {
+    for (((input, g), original), through) in slices {
         if !g.defined() {
+            continue;
+        }
+        if through.is_none() && !original.is_leaf() && input.covers(start, b) {
+            // The whole input's gradient, as autograd returned it: only sent on, never added to.
+            *through = Some(g.shallow_clone());
             continue;
         }
         let _no_grad = tch::no_grad_guard();
@@ -204,7 +238,7 @@ pub(super) fn accumulate_slices<'a>(
         } else {
             through.get_or_insert_with(|| original.zeros_like()).shallow_clone()
         };
-        let _ = whole.f_narrow(dim, start * rows, b * rows)?.f_add_(g)?;
+        let _ = whole.f_narrow(input.dim, start * input.rows, b * input.rows)?.f_add_(g)?;
     }
     Ok(())
 }
