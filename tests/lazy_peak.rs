@@ -3851,8 +3851,8 @@ fn zoo_whole_steps_peak_as_planned_under_a_budget() {
 }
 
 /// Steps recorded in a `toma::autocast` region on the CPU in `BFloat16` (parameters in `Float`),
-/// trained three steps each after `zero_grad()`: an MLP 512 → 1024 → 1024 → 10, the CNN and the
-/// transformer block, whole, in
+/// trained three steps each after `zero_grad()`: an MLP 512 → 1024 → 1024 → 10, the CNN, the
+/// transformer block and an LSTM language model (libtorch's fused kernel), whole, in
 /// micro-batches of half and recomputing under a budget. Every step within 10% of its plan, and
 /// the CNN's and the transformer's autocast steps peak below the same steps in `Float` (they run
 /// in the lower precision; the MLP's 16-bit weight copies outweigh its activations).
@@ -3900,14 +3900,36 @@ fn autocast_steps_peak_as_planned() {
                 Box::new(move || block_lazy(&m, &x, &y))
             }),
         ),
+        (
+            // libtorch's fused LSTM, run in its autocast (oneDNN's layers in BFloat16).
+            "lstm",
+            24,
+            Box::new(|vs, x, y| {
+                let r = vs.root();
+                let emb = nn::embedding(&r / "emb", 40, 32, Default::default());
+                let lstm = toma::lazy::nn::lstm(&r / "lstm", 32, 64, Default::default());
+                let head = nn::linear(&r / "head", 64, 40, Default::default());
+                let (x, y) = (x.shallow_clone(), y.shallow_clone());
+                Box::new(move || {
+                    use toma::lazy::nn::RNN;
+                    let (lx, ly) = toma::lazy::lazy((&x, &y), 0);
+                    let (out, _) = lstm.seq(&lx.apply(&emb));
+                    out.apply(&head).view([-1, 40]).cross_entropy_for_logits(&ly.view([-1]))
+                })
+            }),
+        ),
     ];
     for (name, n, build) in &models {
         let x = match *name {
             "mlp" => Tensor::randn([*n, 512], (Kind::Float, CPU)),
             "cnn" => Tensor::randn([*n, 3, 64, 64], (Kind::Float, CPU)),
+            "lstm" => Tensor::randint(40, [*n, 41], (Kind::Int64, CPU)),
             _ => Tensor::randn([*n, T, D], (Kind::Float, CPU)),
         };
-        let y = Tensor::randint(10, [*n], (Kind::Int64, CPU));
+        let y = match *name {
+            "lstm" => Tensor::randint(40, [*n, 41], (Kind::Int64, CPU)),
+            _ => Tensor::randint(10, [*n], (Kind::Int64, CPU)),
+        };
         let vs = nn::VarStore::new(CPU);
         let loss = build(&vs, &x, &y);
         let mut opt = nn::Sgd::default().build(&vs, 1e-3).unwrap();

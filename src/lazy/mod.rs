@@ -337,7 +337,8 @@
 //! autocast lists for the device gets the casts it would insert, as `autocast` nodes: products
 //! and convolutions in the lower precision, losses (and on CUDA norms, softmax, `exp`, ..) in
 //! `Float`. The graph then runs at `backward()`, after the region, and computes what eager
-//! autocast computes: an unsplit step is bit-identical to it; a split one equals the same
+//! autocast computes: an unsplit step is bit-identical to it (libtorch's fused `lstm` and `gru`
+//! run in libtorch's own autocast, which casts inside them); a split one equals the same
 //! micro-batches run eagerly under autocast and summed. The plan counts the 16-bit copies
 //! autograd saves (and prints `autocast: N casts to BFloat16`). In `Half`, scale the loss with
 //! [`GradScaler`] (tch has none); an overflow in one micro-batch skips the whole step:

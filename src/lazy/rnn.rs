@@ -250,17 +250,57 @@ impl Weights {
     /// The sequence as one op on libtorch's fused kernel, or step by step where an autocast
     /// region would cast the steps' products (the fused kernel's casts are libtorch's own).
     fn record(&self, input: &LazyTensor, h0: &Hidden, c0: Option<&Hidden>) -> Result<Recorded, LazyError> {
+        match self.autocast(input) {
+            Some(kind) => self.record_in_autocast(input, h0, c0, kind),
+            None => self.record_fused(input, h0, c0, None),
+        }
+    }
+
+    /// The fused kernel in libtorch's autocast; where libtorch cannot run it so (eager autocast
+    /// fails there too), the steps from small ops, each product cast as autocast casts it.
+    fn record_in_autocast(
+        &self,
+        input: &LazyTensor,
+        h0: &Hidden,
+        c0: Option<&Hidden>,
+        kind: Kind,
+    ) -> Result<Recorded, LazyError> {
+        match self.record_fused(input, h0, c0, Some(kind)) {
+            Err(LazyError::Unsupported { reason, .. }) => {
+                tracing::debug!(%reason, "toma::lazy: recurrent steps recorded from small ops in this autocast region");
+                self.record_steps(input, h0, c0)
+            }
+            other => other,
+        }
+    }
+
+    /// A user's steps: from small ops, or in an autocast region on the fused kernel (as eager
+    /// tch runs a step: a sequence of one), so that libtorch casts as it casts eagerly.
+    fn record_user_steps(&self, input: &LazyTensor, h0: &Hidden, c0: Option<&Hidden>) -> Result<Recorded, LazyError> {
+        match self.autocast(input) {
+            Some(kind) => self.record_in_autocast(input, h0, c0, kind),
+            None => self.record_steps(input, h0, c0),
+        }
+    }
+
+    /// The autocast region's lower precision where it casts `input` for this layer's products.
+    /// The fused kernel then runs in libtorch's autocast, as eager code runs it: libtorch casts
+    /// what it casts for `lstm` / `gru` (on a CPU, oneDNN's layers in `BFloat16`).
+    fn autocast(&self, input: &LazyTensor) -> Option<Kind> {
         let kind = input.kind();
         let cast = super::ops::autocast::target(self.device, "linear", std::iter::once(kind));
-        if cast.is_some_and(|k| k != kind) {
-            return self.record_steps(input, h0, c0);
-        }
-        self.record_fused(input, h0, c0)
+        cast.filter(|&k| k != kind).and_then(|_| crate::autocast::active(self.device))
     }
 
     /// The sequence as one node running libtorch's `lstm` / `gru`, whose packed value the
     /// output and the final states are views of.
-    fn record_fused(&self, input: &LazyTensor, h0: &Hidden, c0: Option<&Hidden>) -> Result<Recorded, LazyError> {
+    fn record_fused(
+        &self,
+        input: &LazyTensor,
+        h0: &Hidden,
+        c0: Option<&Hidden>,
+        autocast: Option<Kind>,
+    ) -> Result<Recorded, LazyError> {
         let (batch, time) = self.check_input(input)?;
         let want = self.state_shape(batch);
         let mut states = Vec::new();
@@ -293,6 +333,7 @@ impl Weights {
             dropout: c.dropout,
             train: c.train,
             given_state: !states.is_empty(),
+            autocast,
         };
         let weights: Vec<LazyTensor> = self.flat().into_iter().map(LazyTensor::fixed).collect();
         let packed = op.record(input, &states, &weights)?;
@@ -759,7 +800,7 @@ impl LSTM {
         steps: bool,
     ) -> Result<(LazyTensor, LazyLSTMState), LazyError> {
         let r = if steps {
-            self.weights.record_steps(input, &state.h, Some(&state.c))?
+            self.weights.record_user_steps(input, &state.h, Some(&state.c))?
         } else {
             self.weights.record(input, &state.h, Some(&state.c))?
         };
@@ -790,7 +831,7 @@ impl GRU {
         steps: bool,
     ) -> Result<(LazyTensor, LazyGRUState), LazyError> {
         let r = if steps {
-            self.weights.record_steps(input, &state.0, None)?
+            self.weights.record_user_steps(input, &state.0, None)?
         } else {
             self.weights.record(input, &state.0, None)?
         };

@@ -433,7 +433,10 @@ mod imp {
         Err(AllocatorError::NotBuilt)
     }
     #[cfg(feature = "tch")]
-    pub(in crate::memory) fn backward(_tensors: &[&tch::Tensor], _grads: &[&tch::Tensor]) -> Result<(), AllocatorError> {
+    pub(in crate::memory) fn backward(
+        _tensors: &[&tch::Tensor],
+        _grads: &[&tch::Tensor],
+    ) -> Result<(), AllocatorError> {
         Err(AllocatorError::NotBuilt)
     }
     #[cfg(feature = "tch")]

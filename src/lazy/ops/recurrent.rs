@@ -12,7 +12,7 @@
 
 use std::rc::Rc;
 
-use tch::{TchError, Tensor};
+use tch::{Kind, TchError, Tensor};
 
 use super::record::{combine_flows, same_device, Linearity, Record};
 use crate::lazy::error::LazyError;
@@ -64,6 +64,10 @@ pub(crate) struct Recurrent {
     pub(crate) dropout: f64,
     pub(crate) train: bool,
     pub(crate) given_state: bool,
+    /// The lower precision of the autocast region it was recorded in: it runs in libtorch's
+    /// autocast, which casts what it casts for this op (on a CPU, `lstm`'s oneDNN layers in
+    /// `BFloat16`), so a step equals eager autocast's bit for bit.
+    pub(crate) autocast: Option<Kind>,
 }
 
 impl Recurrent {
@@ -114,7 +118,47 @@ impl Recurrent {
             .collect();
         let refs: Vec<&Rc<Node>> = nodes.iter().collect();
         let flow = combine_flows(name, &refs, &mapped, &packed, Linearity::Nonlinear, false)?;
-        Ok(Record::new(self, nodes, packed, input.node().meta.kind, device).flow(flow).finish())
+        let kind = match self.autocast {
+            // Where libtorch's autocast cannot run the kernel (a CPU without oneDNN's
+            // `BFloat16` LSTM: eager autocast fails there too), the caller records steps.
+            Some(_) => self.kind_in_autocast(&nodes).map_err(|err| LazyError::Unsupported {
+                op: name.into(),
+                reason: format!("libtorch's autocast cannot run the fused kernel here: {err}"),
+            })?,
+            None => input.node().meta.kind,
+        };
+        Ok(Record::new(self, nodes, packed, kind, device).flow(flow).finish())
+    }
+
+    /// The kind libtorch's autocast gives the packed value: asked of the kernel itself on one
+    /// sample and one step (once per settings and kinds in a thread), not read from a rule.
+    fn kind_in_autocast(&self, nodes: &[Rc<Node>]) -> Result<Kind, TchError> {
+        thread_local! {
+            static KINDS: std::cell::RefCell<Vec<(u64, Kind)>> = const { std::cell::RefCell::new(Vec::new()) };
+        }
+        let kinds: Vec<Kind> = nodes.iter().map(|n| n.meta.kind).collect();
+        let key = crate::hash::hash_of(&(format!("{self:?}"), &kinds));
+        if let Some(kind) = KINDS.with(|k| k.borrow().iter().find(|(at, _)| *at == key).map(|(_, kind)| *kind)) {
+            return Ok(kind);
+        }
+        let _no_grad = tch::no_grad_guard();
+        let device = nodes[0].meta.device;
+        let mut sample: Vec<Tensor> = Vec::with_capacity(nodes.len());
+        for (i, n) in nodes.iter().enumerate() {
+            let mut shape = n.meta.shape.to_vec();
+            // One step of one sample: the input's batch and time, the states' batch.
+            if i == 0 {
+                shape[0] = 1;
+                shape[1] = 1;
+            } else if i <= self.state_inputs() {
+                shape[1] = 1;
+            }
+            sample.push(Tensor::f_zeros(shape.as_slice(), (n.meta.kind, device))?);
+        }
+        let refs: Vec<&Tensor> = sample.iter().collect();
+        let kind = self.run(&refs, &RunCx { meta: &nodes[0].meta, start: 0, b: 1 })?.kind();
+        KINDS.with(|k| k.borrow_mut().push((key, kind)));
+        Ok(kind)
     }
 
     /// The kernel's outputs as one value: the output time first, then each state tensor's
@@ -138,7 +182,7 @@ impl Operation for Recurrent {
 
     fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
         let settings = (self.cell, self.layers, self.hidden, self.bidirectional, self.batch_first, self.has_biases);
-        let run = (self.dropout.to_bits(), self.train, self.given_state);
+        let run = (self.dropout.to_bits(), self.train, self.given_state, self.autocast);
         // The backward reads the input, the states and the weights; what else the kernel keeps
         // (its own output, gates, a workspace) is measured.
         OpFacts::new(inputs.len()).saves(|_| true).sizing(crate::hash::hash_of(&(settings, run))).kernels_unknown()
@@ -158,6 +202,15 @@ impl Operation for Recurrent {
 
 impl Run for Recurrent {
     fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        // The graph runs with libtorch's autocast off (it carries its own casts): this op
+        // turns it on again for its own call.
+        let _region = match self.autocast {
+            Some(kind) => Some(
+                crate::autocast::AutocastGuard::new(ins[0].device(), kind)
+                    .map_err(|e| TchError::Torch(format!("autocast for `{}`: {e}", self.cell.name())))?,
+            ),
+            None => None,
+        };
         let x = ins[0];
         let weights = &ins[1 + self.state_inputs()..];
         let b = x.size()[if self.batch_first { 0 } else { 1 }];
