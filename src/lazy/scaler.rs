@@ -161,21 +161,52 @@ impl GradScaler {
 }
 
 /// Divides every gradient by `scale` in place; whether all are finite (one read of a flag
-/// summed on the device, not one per tensor).
+/// summed on the device, not one per tensor). A gradient holds an infinity or a NaN exactly
+/// when its minimum or maximum does (both propagate NaN): two numbers a gradient, where
+/// `isfinite` makes a mask and, of a float, an absolute value of its size (a Half MLP's
+/// scaled step peaked 13% above its backward there, outside its plan).
 fn unscale(params: &[Tensor], scale: f64) -> Result<bool, tch::TchError> {
     let _no_grad = tch::no_grad_guard();
     let mut bad: Option<Tensor> = None;
     for p in params {
         let mut g = p.grad();
-        if !g.defined() {
+        if !g.defined() || g.numel() == 0 {
             continue;
         }
         let _ = g.f_mul_scalar_(1.0 / scale)?;
-        let here = g.f_isfinite()?.f_logical_not()?.f_any()?.f_to_kind(Kind::Int64)?;
+        let (lo, hi) = g.f_aminmax(None, false)?;
+        let ends = Tensor::f_stack(&[lo, hi], 0)?;
+        let here = ends.f_isfinite()?.f_logical_not()?.f_any()?.f_to_kind(Kind::Int64)?;
         bad = Some(match bad {
             None => here,
             Some(b) => b.f_add(&here)?,
         });
     }
     Ok(bad.map_or(Ok(0), |b| b.f_int64_value(&[]))? == 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Device;
+
+    /// A NaN or an infinity of either sign anywhere in any gradient is found; finite ones pass,
+    /// unscaled in place; an empty gradient is skipped.
+    #[test]
+    fn unscale_finds_every_non_finite_value() {
+        let grads_of = |values: &[f32]| {
+            let p = Tensor::zeros([values.len() as i64], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+            (&p * Tensor::from_slice(values)).sum(None).backward();
+            p
+        };
+        let empty = Tensor::zeros([0], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        empty.sum(None).backward();
+        let finite = grads_of(&[2.0, -4.0, 6.0]);
+        assert!(unscale(&[finite.shallow_clone(), empty], 2.0).unwrap());
+        assert_eq!(Vec::<f32>::try_from(finite.grad()).unwrap(), [1.0, -2.0, 3.0]);
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let params = [grads_of(&[1.0, 2.0]), grads_of(&[1.0, bad, 3.0])];
+            assert!(!unscale(&params, 2.0).unwrap(), "{bad} not found");
+        }
+    }
 }
