@@ -9,6 +9,7 @@
 
 use proc_macro2::TokenStream as TokenStream2;
 use quote::quote;
+use syn::visit_mut::VisitMut;
 use syn::{FnArg, ImplItem, ItemImpl, Pat, ReturnType};
 
 pub(crate) fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<TokenStream2> {
@@ -79,6 +80,7 @@ pub(crate) fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<Toke
         };
     };
     let body = &f.block;
+    let lazy_body = lazy_block(body);
     let attrs = &f.attrs;
     let (impl_generics, _, where_clause) = block.generics.split_for_impl();
     let ty = &block.self_ty;
@@ -98,7 +100,7 @@ pub(crate) fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<Toke
             impl #impl_generics ::toma::lazy::nn::LazyModuleT for #ty #where_clause {
                 #[allow(clippy::redundant_closure_call)]
                 fn lazy_forward_t(&self, #xs: &#lazy, #flag: bool) -> ::std::result::Result<#lazy, #error> {
-                    ::std::result::Result::Ok((|| -> #lazy #body)())
+                    ::std::result::Result::Ok((|| -> #lazy #lazy_body)())
                 }
 
                 fn eager_forward_t(&self, xs: &::tch::Tensor, train: bool) -> ::std::option::Option<::tch::Tensor> {
@@ -118,7 +120,7 @@ pub(crate) fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<Toke
             impl #impl_generics ::toma::lazy::nn::LazyModule for #ty #where_clause {
                 #[allow(clippy::redundant_closure_call)]
                 fn lazy_forward(&self, #xs: &#lazy) -> ::std::result::Result<#lazy, #error> {
-                    ::std::result::Result::Ok((|| -> #lazy #body)())
+                    ::std::result::Result::Ok((|| -> #lazy #lazy_body)())
                 }
 
                 fn eager_forward(&self, xs: &::tch::Tensor) -> ::std::option::Option<::tch::Tensor> {
@@ -132,15 +134,50 @@ pub(crate) fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<Toke
 /// The generic parameter that stands for the tensor kind in the methods made generic.
 const KIND: &str = "__TomaTensor";
 
-/// Replaces every type path `Tensor` (as written: `Tensor`, `tch::Tensor`) in `ty` by `with`;
-/// whether one was.
-fn replace_tensor(ty: &mut syn::Type, with: &syn::Type) -> bool {
+/// What a tensor kind names: the tensor, and tch's recurrent states that go with it.
+struct Kinds {
+    tensor: syn::Type,
+    gru: syn::Type,
+    lstm: syn::Type,
+}
+
+impl Kinds {
+    /// The kinds of a generic parameter or `Self` (`kind`): its states through
+    /// `toma::lazy::nn::RecurrentState`.
+    fn of(kind: syn::Type) -> Kinds {
+        let gru = syn::parse_quote!(<#kind as ::toma::lazy::nn::RecurrentState>::GRU);
+        let lstm = syn::parse_quote!(<#kind as ::toma::lazy::nn::RecurrentState>::LSTM);
+        Kinds { tensor: kind, gru, lstm }
+    }
+
+    fn lazy() -> Kinds {
+        Kinds {
+            tensor: syn::parse_quote!(::toma::lazy::LazyTensor),
+            gru: syn::parse_quote!(::toma::lazy::nn::LazyGRUState),
+            lstm: syn::parse_quote!(::toma::lazy::nn::LazyLSTMState),
+        }
+    }
+
+    /// What replaces a type path ending in `name` (`Tensor`, `GRUState`, `LSTMState`).
+    fn named(&self, name: &syn::Ident) -> Option<&syn::Type> {
+        match name.to_string().as_str() {
+            "Tensor" => Some(&self.tensor),
+            "GRUState" => Some(&self.gru),
+            "LSTMState" => Some(&self.lstm),
+            _ => None,
+        }
+    }
+}
+
+/// Replaces every type path `Tensor`, `GRUState` or `LSTMState` (as written: `Tensor`,
+/// `tch::Tensor`, `nn::GRUState`) in `ty` by what `with` names; whether one was.
+fn replace_tensor(ty: &mut syn::Type, with: &Kinds) -> bool {
     use syn::{GenericArgument, PathArguments, Type};
     match ty {
         Type::Path(p) if p.qself.is_none() => {
             let last = p.path.segments.last().expect("a path has a segment");
-            if last.ident == "Tensor" && matches!(last.arguments, PathArguments::None) {
-                *ty = with.clone();
+            if let Some(kind) = with.named(&last.ident).filter(|_| matches!(last.arguments, PathArguments::None)) {
+                *ty = kind.clone();
                 return true;
             }
             let mut any = false;
@@ -164,8 +201,56 @@ fn replace_tensor(ty: &mut syn::Type, with: &syn::Type) -> bool {
     }
 }
 
-/// `sig` with its `Tensor`s replaced by `with`; `None` when it names none.
-fn sig_with(sig: &syn::Signature, with: &syn::Type) -> Option<syn::Signature> {
+/// A body as it runs on lazy values: the types it names (`let outs: Vec<Tensor>`, a state's
+/// type) are the lazy ones; tch's `Tensor::cat` / `Tensor::stack` of lazy values is
+/// `LazyTensor`'s; a layer's `zero_state` is its lazy one (`lazy_zero_state`). Expression paths
+/// such as `Tensor::zeros(..)` or `Tensor::from_slice(..)` stay tch's: constants.
+struct LazyBody(Kinds);
+
+impl VisitMut for LazyBody {
+    fn visit_type_mut(&mut self, ty: &mut syn::Type) {
+        if !replace_tensor(ty, &self.0) {
+            syn::visit_mut::visit_type_mut(self, ty);
+        }
+    }
+
+    fn visit_expr_method_call_mut(&mut self, call: &mut syn::ExprMethodCall) {
+        if call.method == "zero_state" {
+            call.method = syn::Ident::new("lazy_zero_state", call.method.span());
+        }
+        // Not its turbofish: `binary_cross_entropy::<Tensor>(.., None, ..)` names the kind of
+        // an absent weight, which stays tch's.
+        self.visit_expr_mut(&mut call.receiver);
+        for arg in call.args.iter_mut() {
+            self.visit_expr_mut(arg);
+        }
+    }
+
+    fn visit_expr_call_mut(&mut self, call: &mut syn::ExprCall) {
+        if let syn::Expr::Path(f) = &mut *call.func {
+            let segments = &f.path.segments;
+            let n = segments.len();
+            let of_lists = n >= 2
+                && segments[n - 2].ident == "Tensor"
+                && matches!(segments[n - 1].ident.to_string().as_str(), "cat" | "stack" | "f_cat" | "f_stack");
+            if of_lists && f.qself.is_none() {
+                let method = segments[n - 1].ident.clone();
+                f.path = syn::parse_quote!(::toma::lazy::LazyTensor::#method);
+            }
+        }
+        syn::visit_mut::visit_expr_call_mut(self, call);
+    }
+}
+
+/// `block` as it runs on lazy values ([`LazyBody`]).
+fn lazy_block(block: &syn::Block) -> syn::Block {
+    let mut block = block.clone();
+    LazyBody(Kinds::lazy()).visit_block_mut(&mut block);
+    block
+}
+
+/// `sig` with its `Tensor`s (and states) replaced by `with`; `None` when it names none.
+fn sig_with(sig: &syn::Signature, with: &Kinds) -> Option<syn::Signature> {
     let mut sig = sig.clone();
     let mut any = false;
     for arg in sig.inputs.iter_mut() {
@@ -193,10 +278,6 @@ fn arg_names(sig: &syn::Signature) -> syn::Result<Vec<syn::Ident>> {
         .collect()
 }
 
-fn lazy_kind() -> syn::Type {
-    syn::parse_quote!(::toma::lazy::LazyTensor)
-}
-
 /// A free `fn` over `Tensor`s: a hidden trait with the body once per tensor kind (the body as
 /// written for tch's `Tensor`, and again for `LazyTensor`), and the `fn` itself generic over the
 /// kinds, dispatching to it.
@@ -204,28 +285,29 @@ fn generic_fn(f: syn::ItemFn) -> syn::Result<TokenStream2> {
     let kind: syn::Type = syn::parse_str(KIND).expect("an identifier");
     let this: syn::Type = syn::parse_quote!(Self);
     let usage = "#[toma::lazy::module] on a fn: its arguments or result name `Tensor`";
-    let Some(mut decl) = sig_with(&f.sig, &this) else {
+    let Some(mut decl) = sig_with(&f.sig, &Kinds::of(this)) else {
         return Err(syn::Error::new_spanned(&f.sig, usage));
     };
-    let lazy_sig = sig_with(&f.sig, &lazy_kind()).expect("it names a Tensor");
-    let mut wrapper = sig_with(&f.sig, &kind).expect("it names a Tensor");
+    let lazy_sig = sig_with(&f.sig, &Kinds::lazy()).expect("it names a Tensor");
+    let mut wrapper = sig_with(&f.sig, &Kinds::of(kind.clone())).expect("it names a Tensor");
     let name = &f.sig.ident;
     let trait_ident = quote::format_ident!("__TomaFn_{}", name);
     decl.ident = name.clone();
     wrapper.generics.params.push(syn::parse_quote!(#kind: #trait_ident));
     let args = arg_names(&f.sig)?;
     let (vis, attrs, body, sig) = (&f.vis, &f.attrs, &f.block, &f.sig);
+    let lazy_body = lazy_block(body);
     Ok(quote! {
         #[doc(hidden)]
         #[allow(non_camel_case_types)]
-        pub trait #trait_ident: ::std::marker::Sized {
+        pub trait #trait_ident: ::std::marker::Sized + ::toma::lazy::nn::RecurrentState {
             #decl;
         }
         impl #trait_ident for ::tch::Tensor {
             #sig #body
         }
         impl #trait_ident for ::toma::lazy::LazyTensor {
-            #lazy_sig #body
+            #lazy_sig #lazy_body
         }
         #(#attrs)*
         #vis #wrapper {
@@ -249,15 +331,16 @@ fn generic_impl(mut block: ItemImpl) -> syn::Result<TokenStream2> {
     let mut extra = TokenStream2::new();
     for item in block.items.iter_mut() {
         let ImplItem::Fn(f) = item else { continue };
-        let Some(decl) = sig_with(&f.sig, &kind) else { continue };
-        let lazy_sig = sig_with(&f.sig, &lazy_kind()).expect("it names a Tensor");
+        let Some(decl) = sig_with(&f.sig, &Kinds::of(kind.clone())) else { continue };
+        let lazy_sig = sig_with(&f.sig, &Kinds::lazy()).expect("it names a Tensor");
         let name = f.sig.ident.clone();
         let trait_ident = quote::format_ident!("__Toma{}_{}", type_name, name);
         let (sig, body, attrs) = (&f.sig, &f.block, &f.attrs);
+        let lazy_body = lazy_block(body);
         extra.extend(quote! {
             #[doc(hidden)]
             #[allow(non_camel_case_types)]
-            pub trait #trait_ident<#k> {
+            pub trait #trait_ident<#k: ::toma::lazy::nn::RecurrentState> {
                 #decl;
             }
             impl #impl_generics #trait_ident<::tch::Tensor> for #self_ty #where_clause {
@@ -266,11 +349,11 @@ fn generic_impl(mut block: ItemImpl) -> syn::Result<TokenStream2> {
             }
             impl #impl_generics #trait_ident<::toma::lazy::LazyTensor> for #self_ty #where_clause {
                 #(#attrs)*
-                #lazy_sig #body
+                #lazy_sig #lazy_body
             }
         });
         let mut wrapper = decl.clone();
-        wrapper.generics.params.push(syn::parse_quote!(#k));
+        wrapper.generics.params.push(syn::parse_quote!(#k: ::toma::lazy::nn::RecurrentState));
         wrapper.generics.make_where_clause().predicates.push(syn::parse_quote!(Self: #trait_ident<#k>));
         let args = arg_names(&f.sig)?;
         let receiver = f.sig.receiver().map(|_| quote!(self,));

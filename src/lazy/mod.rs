@@ -425,8 +425,12 @@ pub use wrap::{lazy, try_lazy, BatchDimArg, Lazify};
 /// xs: &Tensor) -> Tensor`, or `impl ModuleT for X` with `fn forward_t(&self, xs: &Tensor,
 /// train: bool) -> Tensor`, it implements tch's trait with the body as written and
 /// [`nn::LazyModule`] (or [`nn::LazyModuleT`]) with the same body over `xs: &LazyTensor`: tch's
-/// tensor methods and operators have the same names there. A `Tensor` named inside the body's
-/// own type annotations does not type-check lazily; the compiler points at it.
+/// tensor methods and operators have the same names there. In the lazy body the attribute
+/// translates what goes with tensors: types it names (`Vec<Tensor>`, tch's `GRUState` and
+/// `LSTMState`) are the lazy ones, `Tensor::cat` and `Tensor::stack` of lazy values are
+/// [`LazyTensor::cat`] and [`LazyTensor::stack`], and a recurrent layer's `zero_state` is its
+/// lazy one (`lazy_zero_state`). Expression paths such as `Tensor::zeros(..)` stay tch's
+/// constants, and a turbofish (`::<Tensor>` of an absent weight) stays as written.
 ///
 /// ```
 /// use tch::{Device, Kind, Tensor};
@@ -466,7 +470,10 @@ pub use wrap::{lazy, try_lazy, BatchDimArg, Lazify};
 /// is compiled once for `Tensor` and once with `LazyTensor` in its place (in a hidden trait),
 /// and the method becomes generic over the two, so `vae.forward(&lazy(&x, 0))` records and
 /// `vae.decode(&noise)` on a `Tensor` runs eagerly, with the same method call. Methods that name
-/// no `Tensor` (`new`) stay as they are.
+/// no `Tensor` (`new`) stay as they are. tch's recurrent states in a signature (`fn forward(&self,
+/// xs: &Tensor, state: &GRUState) -> (Tensor, GRUState)`) go with the kind
+/// ([`nn::RecurrentState`]): `GRUState` eagerly, [`nn::LazyGRUState`] lazily. tch-rs's
+/// `translation` example ports so, one attribute an `impl` (`tests/lazy/translation.rs`).
 ///
 /// ```
 /// use tch::{Device, Kind, Tensor};

@@ -43,7 +43,7 @@ use tch::{nn, Tensor};
 pub use tch::nn::*;
 
 pub use super::optim::{Optimizer, OptimizerConfig};
-pub use super::rnn::{gru, lstm, LazyGRUState, LazyLSTMState, GRU, LSTM, RNN};
+pub use super::rnn::{gru, lstm, LazyGRUState, LazyLSTMState, RecurrentState, GRU, LSTM, RNN};
 pub use super::scaler::{GradScaler, ScaledStep};
 
 use super::error::LazyError;

@@ -64,6 +64,27 @@ pub trait RNN<T = Tensor> {
     fn seq_init(&self, input: &T, state: &Self::State) -> (T, Self::State);
 }
 
+/// The recurrent states that go with a tensor kind: tch's `GRUState` and `LSTMState` for
+/// `Tensor`, [`LazyGRUState`] and [`LazyLSTMState`] for [`LazyTensor`]. `#[toma::lazy::module]`
+/// names a method's states through it, so that `fn step(&self, xs: &Tensor, state: &GRUState)
+/// -> GRUState` serves both kinds.
+pub trait RecurrentState {
+    /// The state of a GRU.
+    type GRU;
+    /// The state of an LSTM.
+    type LSTM;
+}
+
+impl RecurrentState for Tensor {
+    type GRU = tnn::GRUState;
+    type LSTM = tnn::LSTMState;
+}
+
+impl RecurrentState for LazyTensor {
+    type GRU = LazyGRUState;
+    type LSTM = LazyLSTMState;
+}
+
 /// The weights of one layer and direction.
 struct Direction {
     w_ih: Tensor,

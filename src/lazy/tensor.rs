@@ -551,6 +551,57 @@ binary_operators! {
     Div div f_div f_div_scalar f_rdiv_scalar Div true;
 }
 
+// `loss += term`, as tch writes it. tch's adds into the tensor's storage, which its other
+// handles see; a recorded value has no storage yet, so the name takes the new value, and other
+// handles of the old one keep it.
+macro_rules! assign_operators {
+    ($($trait:ident $method:ident $op:tt;)*) => {$(
+        impl std::ops::$trait<LazyTensor> for LazyTensor {
+            #[track_caller]
+            fn $method(&mut self, rhs: LazyTensor) {
+                *self = &*self $op rhs;
+            }
+        }
+        impl std::ops::$trait<&LazyTensor> for LazyTensor {
+            #[track_caller]
+            fn $method(&mut self, rhs: &LazyTensor) {
+                *self = &*self $op rhs;
+            }
+        }
+        impl std::ops::$trait<Tensor> for LazyTensor {
+            #[track_caller]
+            fn $method(&mut self, rhs: Tensor) {
+                *self = &*self $op rhs;
+            }
+        }
+        impl std::ops::$trait<&Tensor> for LazyTensor {
+            #[track_caller]
+            fn $method(&mut self, rhs: &Tensor) {
+                *self = &*self $op rhs;
+            }
+        }
+        impl std::ops::$trait<f64> for LazyTensor {
+            #[track_caller]
+            fn $method(&mut self, rhs: f64) {
+                *self = &*self $op rhs;
+            }
+        }
+        impl std::ops::$trait<i64> for LazyTensor {
+            #[track_caller]
+            fn $method(&mut self, rhs: i64) {
+                *self = &*self $op rhs;
+            }
+        }
+    )*};
+}
+
+assign_operators! {
+    AddAssign add_assign +;
+    SubAssign sub_assign -;
+    MulAssign mul_assign *;
+    DivAssign div_assign /;
+}
+
 impl std::ops::Neg for &LazyTensor {
     type Output = LazyTensor;
     fn neg(self) -> LazyTensor {

@@ -16,5 +16,6 @@ mod plan;
 mod ported_vae;
 mod reads;
 mod rnn;
+mod translation;
 mod vision;
 mod written_once;
