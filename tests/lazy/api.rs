@@ -19,7 +19,7 @@ use toma::lazy::{
 const CPU: Device = Device::Cpu;
 
 /// A custom identity op that counts how often it runs, to see what forces evaluation.
-fn counting(counter: Rc<Cell<usize>>) -> CustomOp {
+pub(crate) fn counting(counter: Rc<Cell<usize>>) -> CustomOp {
     CustomOp::new(
         "counted",
         |ins| Ok(ins[0].clone()),

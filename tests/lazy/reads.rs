@@ -8,7 +8,9 @@ use std::rc::Rc;
 
 use tch::{Device, Kind, Tensor};
 use toma::lazy::nn::{self, OptimizerConfig, RNN};
-use toma::lazy::{lazy, CustomOp, Layer, LazyTensor, Options};
+use toma::lazy::{lazy, Layer, LazyTensor, Options};
+
+use crate::api::counting;
 
 const CPU: Device = Device::Cpu;
 const VOCAB: i64 = 13;
@@ -163,17 +165,6 @@ fn a_decoder_that_reads_every_token_trains_as_eager_with_dropout() {
     train_both(7, Some(2), true);
     train_both(7, None, true);
     println!("\ndecoder-reads done=1");
-}
-
-fn counting(counter: Rc<Cell<usize>>) -> CustomOp {
-    CustomOp::new(
-        "counted",
-        |ins| Ok(ins[0].clone()),
-        move |xs| {
-            counter.set(counter.get() + 1);
-            Ok(xs[0].shallow_clone())
-        },
-    )
 }
 
 /// A read computes what it needs once; later reads and the step take it from there. Without
