@@ -551,55 +551,28 @@ binary_operators! {
     Div div f_div f_div_scalar f_rdiv_scalar Div true;
 }
 
-// `loss += term`, as tch writes it. tch's adds into the tensor's storage, which its other
-// handles see; a recorded value has no storage yet, so the name takes the new value, and other
-// handles of the old one keep it.
+// `loss += term`, as tch writes it, of whatever `&lazy + term` takes. tch's adds into the
+// tensor's storage, which its other handles see; a recorded value has no storage yet, so the
+// name takes the new value, and other handles of the old one keep it.
 macro_rules! assign_operators {
-    ($($trait:ident $method:ident $op:tt;)*) => {$(
-        impl std::ops::$trait<LazyTensor> for LazyTensor {
+    ($($trait:ident $method:ident $op:ident $sym:tt;)*) => {$(
+        impl<R> std::ops::$trait<R> for LazyTensor
+        where
+            for<'a> &'a LazyTensor: std::ops::$op<R, Output = LazyTensor>,
+        {
             #[track_caller]
-            fn $method(&mut self, rhs: LazyTensor) {
-                *self = &*self $op rhs;
-            }
-        }
-        impl std::ops::$trait<&LazyTensor> for LazyTensor {
-            #[track_caller]
-            fn $method(&mut self, rhs: &LazyTensor) {
-                *self = &*self $op rhs;
-            }
-        }
-        impl std::ops::$trait<Tensor> for LazyTensor {
-            #[track_caller]
-            fn $method(&mut self, rhs: Tensor) {
-                *self = &*self $op rhs;
-            }
-        }
-        impl std::ops::$trait<&Tensor> for LazyTensor {
-            #[track_caller]
-            fn $method(&mut self, rhs: &Tensor) {
-                *self = &*self $op rhs;
-            }
-        }
-        impl std::ops::$trait<f64> for LazyTensor {
-            #[track_caller]
-            fn $method(&mut self, rhs: f64) {
-                *self = &*self $op rhs;
-            }
-        }
-        impl std::ops::$trait<i64> for LazyTensor {
-            #[track_caller]
-            fn $method(&mut self, rhs: i64) {
-                *self = &*self $op rhs;
+            fn $method(&mut self, rhs: R) {
+                *self = &*self $sym rhs;
             }
         }
     )*};
 }
 
 assign_operators! {
-    AddAssign add_assign +;
-    SubAssign sub_assign -;
-    MulAssign mul_assign *;
-    DivAssign div_assign /;
+    AddAssign add_assign Add +;
+    SubAssign sub_assign Sub -;
+    MulAssign mul_assign Mul *;
+    DivAssign div_assign Div /;
 }
 
 impl std::ops::Neg for &LazyTensor {

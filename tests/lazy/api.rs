@@ -428,3 +428,21 @@ fn indexing_and_tuple_shapes_follow_tch() {
     assert_eq!(l.i(1).size(), [6, 5]);
     assert!(l.f_i((.., .., .., 0)).is_err(), "too many indices");
 }
+
+/// `+=`, `-=`, `*=` and `/=` take what the operators take (a lazy value, a tensor, a number)
+/// and give the name the new value; another handle of the old one keeps it.
+#[test]
+fn compound_assignments_record_a_new_value() {
+    let t = Tensor::from_slice(&[1.0f64, 2.0, 3.0]).view([3, 1]);
+    let two = Tensor::from_slice(&[2.0f64]);
+    let mut x = lazy(&t, 0);
+    let before = x.clone();
+    x += &before;
+    x -= 1.0;
+    x *= 3;
+    x /= &two;
+    x += before.clone();
+    let expected = ((&t + &t - 1.0) * 3) / &two + &t;
+    assert!(x.to_tensor().unwrap().equal(&expected));
+    assert!(before.to_tensor().unwrap().equal(&t), "the old value is kept");
+}

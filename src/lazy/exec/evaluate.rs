@@ -105,7 +105,6 @@ fn run_whole(output: &LazyTensor, keep: Option<&str>) -> Result<Option<Tensor>, 
             *uses.entry(input.id).or_default() += 1;
         }
     }
-    let total = if keep.is_some() { uses.clone() } else { HashMap::new() };
     if let Some(read) = keep {
         tracing::debug!(
             op = output.op_name(),
@@ -129,7 +128,8 @@ fn run_whole(output: &LazyTensor, keep: Option<&str>) -> Result<Option<Tensor>, 
         // Kept where something beyond this graph holds the node (a user's handle, an op
         // recorded apart): it may be taken again. The rest only served the graph just run.
         if let Some(read) = keep.filter(|_| !node.is_source()) {
-            let within = total.get(&node.id).copied().unwrap_or(0);
+            // Its users run later (ids are topological): its uses are all still counted.
+            let within = uses.get(&node.id).copied().unwrap_or(0);
             if Rc::ptr_eq(node, output.node()) || Rc::strong_count(node) > within {
                 node.keep_computed(out.shallow_clone(), read);
             }

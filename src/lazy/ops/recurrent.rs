@@ -79,6 +79,13 @@ impl Recurrent {
         }
     }
 
+    /// Every setting, hashed: what tells one call's measurements and kinds from another's.
+    fn settings_hash(&self) -> u64 {
+        let settings = (self.cell, self.layers, self.hidden, self.bidirectional, self.batch_first, self.has_biases);
+        let run = (self.dropout.to_bits(), self.train, self.given_state, self.autocast);
+        crate::hash::hash_of(&(settings, run))
+    }
+
     /// How many inputs are initial states.
     fn state_inputs(&self) -> usize {
         if self.given_state {
@@ -137,7 +144,7 @@ impl Recurrent {
             static KINDS: std::cell::RefCell<Vec<(u64, Kind)>> = const { std::cell::RefCell::new(Vec::new()) };
         }
         let kinds: Vec<Kind> = nodes.iter().map(|n| n.meta.kind).collect();
-        let key = crate::hash::hash_of(&(format!("{self:?}"), &kinds));
+        let key = crate::hash::hash_of(&(self.settings_hash(), &kinds));
         if let Some(kind) = KINDS.with(|k| k.borrow().iter().find(|(at, _)| *at == key).map(|(_, kind)| *kind)) {
             return Ok(kind);
         }
@@ -181,11 +188,9 @@ impl Operation for Recurrent {
     }
 
     fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
-        let settings = (self.cell, self.layers, self.hidden, self.bidirectional, self.batch_first, self.has_biases);
-        let run = (self.dropout.to_bits(), self.train, self.given_state, self.autocast);
         // The backward reads the input, the states and the weights; what else the kernel keeps
         // (its own output, gates, a workspace) is measured.
-        OpFacts::new(inputs.len()).saves(|_| true).sizing(crate::hash::hash_of(&(settings, run))).kernels_unknown()
+        OpFacts::new(inputs.len()).saves(|_| true).sizing(self.settings_hash()).kernels_unknown()
     }
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
