@@ -17,7 +17,16 @@ PY
 if have_torch; then
   exit 0
 fi
+# The wheel and its CUDA libraries take ~4.7 GB installed; without a cache pip needs little more.
+need_kb=$((6 * 1024 * 1024))
+mkdir -p "$(dirname "$venv")"
+free_kb="$(df -Pk "$(dirname "$venv")" | awk 'NR == 2 { print $4 }')"
+if [ -n "$free_kb" ] && [ "$free_kb" -lt "$need_kb" ]; then
+  echo "toma: torch==$torch_version needs ~6 GB free under $(dirname "$venv"); $((free_kb / 1024)) MB are." >&2
+  echo "toma: free some space (old clones' .venv and target/ are the usual culprits), or set TOMA_VENV to a disk with room." >&2
+  exit 1
+fi
 echo "toma: installing torch==$torch_version into $venv (once; ~1 min, ~4.7 GB)" >&2
 python3 -m venv "$venv"
-"$venv/bin/python" -m pip install --quiet --disable-pip-version-check "torch==$torch_version"
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir "torch==$torch_version"
 have_torch || { echo "toma: torch==$torch_version did not install into $venv" >&2; exit 1; }
