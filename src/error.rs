@@ -51,6 +51,15 @@ pub enum ConfigError {
         /// The factor asked for.
         factor: f64,
     },
+    /// Caching-allocator settings libtorch would refuse (`PYTORCH_ALLOC_CONF`'s syntax:
+    /// `key:value` pairs separated by commas).
+    #[error("toma: libtorch would refuse the allocator settings `{settings}`: {reason}")]
+    AllocatorSettings {
+        /// The settings given.
+        settings: String,
+        /// Why, as libtorch's parser would say.
+        reason: String,
+    },
     /// A chunking dimension the tensor does not have.
     #[error("toma: dimension {dimension} is out of range for a tensor with {ndim} dimension(s)")]
     DimensionOutOfRange {

@@ -162,6 +162,34 @@ pub enum LazyError {
         /// lowers it, and the budget must be at least `peak`.
         step_floor: bool,
     },
+    /// Every plan whose allocated bytes fit the budget needs a block libtorch's CUDA caching
+    /// allocator could not place: its cached free pieces are too small for it and the card
+    /// cannot back a new segment (fragmentation). The fields name the smallest such plan and the
+    /// request that failed in the replay of the allocator (`Plan::reserved_bytes`).
+    #[error(
+        "toma::lazy: {op}: no plan is placed by the CUDA caching allocator within {}: the smallest tried          (micro-batch {micro_batch}, {} allocated) fails at op #{node} `{node_op}`: {why}{}",
+        sized(*.budget),
+        sized(*.peak),
+        if *.expandable { "" } else { "; expandable segments (Options::expandable_segments) let freed pages rejoin, or give a larger budget" }
+    )]
+    NotPlaced {
+        /// The output op.
+        op: String,
+        /// The position of the op whose request failed.
+        node: usize,
+        /// That op.
+        node_op: String,
+        /// The micro-batch it ran in.
+        micro_batch: usize,
+        /// The allocated peak of that plan, in bytes.
+        peak: u64,
+        /// The memory budget in bytes.
+        budget: u64,
+        /// Whether the replay used expandable segments.
+        expandable: bool,
+        /// The allocator's answer: the request, the cached pieces, what the card had left.
+        why: String,
+    },
     /// `backward` on a value that is not a scalar.
     #[error("toma::lazy: backward needs a scalar loss, `{op}` has shape {shape:?}")]
     NotScalar {

@@ -378,6 +378,7 @@
 //! parameters' gradients are summed across ranks: every rank ends with the gradient of one
 //! backward over the union of all batches. See `toma::dist`.
 
+mod card;
 mod cost;
 mod error;
 mod exec;
@@ -401,6 +402,7 @@ mod tensor_ops;
 pub mod vision;
 mod wrap;
 
+pub use card::CudaCard;
 pub use cost::cuda::{round_block, BLOCK};
 pub use cost::machine::{rules_trusted, trust_rules, CpuFeatures, CpuIsa, CpuMachine};
 pub use cost::measured::Calibration;

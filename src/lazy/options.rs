@@ -69,6 +69,8 @@ pub struct Options {
     pub(crate) calibrate: Calibrate,
     /// The optimizer's step that follows the backward, when a toma `Optimizer` runs it.
     pub(crate) step: Option<OptimizerStep>,
+    pub(crate) card: Option<crate::lazy::CudaCard>,
+    pub(crate) expandable_segments: Option<bool>,
     #[cfg(feature = "dist")]
     pub(crate) group: Option<crate::dist::Group>,
 }
@@ -116,6 +118,8 @@ impl Default for Options {
             recompute: Recompute::Auto,
             calibrate: Calibrate::Auto,
             step: None,
+            card: None,
+            expandable_segments: None,
             #[cfg(feature = "dist")]
             group: None,
         }
@@ -131,6 +135,48 @@ impl Options {
     /// A budget in bytes, instead of the device's free memory.
     pub fn budget(mut self, bytes: u64) -> Self {
         self.budget = Some(bytes);
+        self
+    }
+
+    /// Plans for a CUDA card described rather than present ([`CudaCard`](crate::lazy::CudaCard)):
+    /// [`LazyTensor::plan`](crate::lazy::LazyTensor::plan) then prices the graph for that card
+    /// and holds it to what the card's caching allocator can reserve, on any machine. The budget
+    /// is what the card has left once `in_use` and the graph's own parameters and inputs are
+    /// placed, less the margin, unless [`Options::budget`] sets it. Plans only: a step run with
+    /// a card refuses.
+    ///
+    /// ```
+    /// use tch::{Device, Kind, Tensor};
+    /// use toma::lazy::{lazy, CudaCard, Mode, Options};
+    /// let w = Tensor::randn([512, 512], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    /// let x = Tensor::zeros([4096, 512], (Kind::Float, Device::Cpu));
+    /// let loss = lazy(&x, 0).matmul(&w).relu().matmul(&w).sum(None);
+    /// let card = CudaCard::new(32 << 20); // a 32 MiB card: 9 MiB of it for `x` and `w`
+    /// let plan = loss.plan(Mode::Backward, &Options::new().card(card))?;
+    /// assert!(plan.splits() || plan.recomputes());
+    /// assert!(plan.reserved_bytes().unwrap() >= plan.peak_bytes());
+    /// println!("{plan}");
+    /// # Ok::<(), toma::lazy::LazyError>(())
+    /// ```
+    pub fn card(mut self, card: crate::lazy::CudaCard) -> Self {
+        self.card = Some(card);
+        self
+    }
+
+    /// Runs CUDA steps with the caching allocator's expandable segments on (`true`) or off:
+    /// toma sets them through libtorch's allocator settings before the step plans (as
+    /// `PYTORCH_ALLOC_CONF=expandable_segments:True` would, without the environment variable),
+    /// and plans with them. The setting is the process's, as PyTorch's own is: it holds for
+    /// segments made afterwards, by every thread.
+    ///
+    /// Expandable segments map memory in pages (2 MiB, 20 MiB) into one growing range per pool
+    /// and stream, so freed pages rejoin their neighbours: prefer them where batch shapes vary
+    /// from step to step, or where a plan reports reserved bytes well above allocated ones
+    /// (fragmentation). The replay of libtorch's allocator says how much they save
+    /// ([`Plan::reserved_bytes`](crate::lazy::Plan::reserved_bytes)). Unset by default: libtorch's own settings
+    /// (its environment variable) stand.
+    pub fn expandable_segments(mut self, on: bool) -> Self {
+        self.expandable_segments = Some(on);
         self
     }
 

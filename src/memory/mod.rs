@@ -52,6 +52,18 @@ pub(crate) fn set_generator_state(device: Option<usize>, state: &[u8]) -> Result
     shim::set_generator_state(device, state)
 }
 
+/// The caching allocator's settings as libtorch parsed them (from `PYTORCH_ALLOC_CONF`, or set
+/// since): what a plan in reserved bytes replays. `AllocatorError::NotBuilt` without the shim.
+pub(crate) fn allocator_config() -> Result<shim::RawAllocatorConfig, AllocatorError> {
+    shim::allocator_config()
+}
+
+/// Sets the caching allocator's settings at run time (`key:value` pairs, as
+/// `PYTORCH_ALLOC_CONF` takes them), as `torch._C._accelerator_setAllocatorSettings` does.
+pub(crate) fn set_allocator_settings(settings: &str) -> Result<(), AllocatorError> {
+    shim::set_allocator_settings(settings)
+}
+
 /// Sets `tensor`'s `.grad` to none (tch can only zero it), so that autograd's next backward
 /// hands it the gradient it computed instead of adding into a zero buffer.
 #[cfg(feature = "tch")]

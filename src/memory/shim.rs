@@ -85,6 +85,19 @@ pub(super) struct RawStats {
     pub(super) initialized: i32,
 }
 
+/// The caching allocator's settings as libtorch parsed them (`toma_shim_allocator_config`);
+/// sizes in bytes, `max_split_size` negative when unset.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct RawAllocatorConfig {
+    pub(crate) large_segment_size: i64,
+    pub(crate) max_split_size: i64,
+    pub(crate) max_non_split_rounding_size: i64,
+    pub(crate) garbage_collection_threshold: f64,
+    pub(crate) expandable_segments: i32,
+    pub(crate) roundup_power2_divisions: [i64; 16],
+}
+
 /// Bytes from the shim's signed counts (negative: none).
 pub(super) fn bytes(value: i64) -> u64 {
     u64::try_from(value).unwrap_or(0)
@@ -94,8 +107,8 @@ pub(super) fn bytes(value: i64) -> u64 {
 mod imp {
     #[cfg(feature = "tch")]
     use super::RawTensorFacts;
-    use super::{AllocatorError, RawCpuStats, RawStats};
-    use std::ffi::{c_char, c_int, CStr};
+    use super::{AllocatorError, RawAllocatorConfig, RawCpuStats, RawStats};
+    use std::ffi::{c_char, c_int, CStr, CString};
 
     const OK: c_int = 0;
     const NO_CUDA: c_int = 1;
@@ -108,6 +121,8 @@ mod imp {
         fn toma_shim_cuda_allocator_stats(device: i64, stats: *mut RawStats) -> c_int;
         fn toma_shim_cuda_reset_peak(device: i64) -> c_int;
         fn toma_shim_cuda_empty_cache() -> c_int;
+        fn toma_shim_allocator_config_get(out: *mut RawAllocatorConfig) -> c_int;
+        fn toma_shim_allocator_settings_set(settings: *const c_char) -> c_int;
         fn toma_shim_cpu_track() -> c_int;
         fn toma_shim_cpu_stats(stats: *mut RawCpuStats) -> c_int;
         fn toma_shim_cpu_reset_peak() -> c_int;
@@ -191,6 +206,20 @@ mod imp {
     pub(in crate::memory) fn empty_cache() -> Result<(), AllocatorError> {
         // SAFETY: as above.
         check(unsafe { toma_shim_cuda_empty_cache() }, 0)
+    }
+
+    pub(in crate::memory) fn allocator_config() -> Result<RawAllocatorConfig, AllocatorError> {
+        let mut raw = RawAllocatorConfig::default();
+        // SAFETY: as above; `raw` has the C struct's layout.
+        check(unsafe { toma_shim_allocator_config_get(&mut raw) }, 0)?;
+        Ok(raw)
+    }
+
+    pub(in crate::memory) fn set_allocator_settings(settings: &str) -> Result<(), AllocatorError> {
+        let settings =
+            CString::new(settings).map_err(|_| AllocatorError::Torch("settings contain a NUL byte".into()))?;
+        // SAFETY: as above; the shim copies the string before returning.
+        check(unsafe { toma_shim_allocator_settings_set(settings.as_ptr()) }, 0)
     }
 
     pub(in crate::memory) fn cpu_track() -> Result<(), AllocatorError> {
@@ -369,7 +398,14 @@ mod imp {
 /// No shim: built without feature `tch`, or its compile failed (a build warning said so).
 #[cfg(not(toma_shim))]
 mod imp {
-    use super::{AllocatorError, RawCpuStats, RawStats};
+    use super::{AllocatorError, RawAllocatorConfig, RawCpuStats, RawStats};
+
+    pub(in crate::memory) fn allocator_config() -> Result<RawAllocatorConfig, AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
+    pub(in crate::memory) fn set_allocator_settings(_settings: &str) -> Result<(), AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
 
     pub(in crate::memory) fn device_count() -> Result<usize, AllocatorError> {
         Err(AllocatorError::NotBuilt)

@@ -10,6 +10,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <c10/core/AllocatorConfig.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -20,6 +21,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -531,6 +533,31 @@ int toma_shim_cuda_empty_cache(void) {
     if (allocator->initialized()) {
       allocator->emptyCache();
     }
+    return TOMA_SHIM_OK;
+  });
+}
+
+int toma_shim_allocator_config_get(toma_shim_allocator_config* out) {
+  return guarded([&]() -> int {
+    using Config = c10::CachingAllocator::AcceleratorAllocatorConfig;
+    *out = toma_shim_allocator_config{};
+    out->large_segment_size = static_cast<int64_t>(Config::large_segment_size());
+    const size_t split = Config::max_split_size();
+    out->max_split_size = split == std::numeric_limits<size_t>::max() ? -1 : static_cast<int64_t>(split);
+    out->max_non_split_rounding_size = static_cast<int64_t>(Config::max_non_split_rounding_size());
+    out->garbage_collection_threshold = Config::garbage_collection_threshold();
+    out->expandable_segments = Config::use_expandable_segments() ? 1 : 0;
+    const auto& divisions = Config::roundup_power2_divisions();
+    for (size_t i = 0; i < 16 && i < divisions.size(); ++i) {
+      out->roundup_power2_divisions[i] = static_cast<int64_t>(divisions[i]);
+    }
+    return TOMA_SHIM_OK;
+  });
+}
+
+int toma_shim_allocator_settings_set(const char* settings) {
+  return guarded([&]() -> int {
+    c10::CachingAllocator::setAllocatorSettings(std::string(settings));
     return TOMA_SHIM_OK;
   });
 }

@@ -61,6 +61,26 @@ int toma_shim_cuda_reset_peak(int64_t device);
 // Releases every cached block no tensor uses back to the driver (torch.cuda.empty_cache()).
 int toma_shim_cuda_empty_cache(void);
 
+// The caching allocator's settings as libtorch parsed them (`AcceleratorAllocatorConfig`, from
+// PYTORCH_ALLOC_CONF and later calls to set them); sizes in bytes. The same on every device.
+typedef struct toma_shim_allocator_config {
+  int64_t large_segment_size;
+  // -1: unset (no block is too large to split).
+  int64_t max_split_size;
+  int64_t max_non_split_rounding_size;
+  double garbage_collection_threshold;
+  int32_t expandable_segments;
+  // One entry per power of two from 1 MiB (entry 0 also below) to 32 GiB and beyond.
+  int64_t roundup_power2_divisions[16];
+} toma_shim_allocator_config;
+
+int toma_shim_allocator_config_get(toma_shim_allocator_config* out);
+
+// `c10::CachingAllocator::setAllocatorSettings(settings)`, as
+// `torch._C._accelerator_setAllocatorSettings`: updates the settings (and CUDA's own, when
+// libtorch_cuda is loaded) for what the allocator does from then on.
+int toma_shim_allocator_settings_set(const char* settings);
+
 // Bytes of libtorch's CPU allocations since toma_shim_cpu_track installed the counter.
 typedef struct toma_shim_cpu_counts {
   int64_t allocated;

@@ -5,6 +5,7 @@ mod support;
 
 mod api;
 mod autocast;
+mod card;
 mod grad;
 mod idioms;
 mod machine;

@@ -33,6 +33,7 @@ pub(crate) struct Compiled {
 /// What a graph's compiled form holds besides its nodes: how they connect and what planning
 /// reads of them, none of it a tensor. A training loop records the same graph every step; its
 /// form is worked out once and found again (see [`compile`]).
+#[derive(Clone)]
 pub(crate) struct Form {
     /// `inputs[offsets[i]..offsets[i + 1]]` are node `i`'s inputs, as positions.
     pub(super) offsets: Vec<u32>,
@@ -70,7 +71,7 @@ pub(crate) struct Form {
 /// What a node is to its graph's form, beyond how it connects: its op, output and layout (its
 /// price's hash), what its op declared, how the batch flows through it, whether it is a view,
 /// its device, and which tensor a parameter is. Compared, not hashed: as cheap, and exact.
-#[derive(Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 struct NodeForm {
     cost: u64,
     facts: OpFacts,
@@ -228,6 +229,30 @@ fn kept_first(forms: &mut Vec<Rc<Form>>, form: &Rc<Form>, most: usize, nodes: us
 }
 
 impl Compiled {
+    /// The graph priced for a CUDA card of `gpu` (multiprocessors, threads each) instead of its
+    /// own device: a described card ([`Options::card`](crate::lazy::Options::card)). Its
+    /// structure changes with it, so that no plan of the graph on its device is taken for it.
+    pub(crate) fn for_cuda(self, gpu: (u32, u32)) -> Compiled {
+        let model = CostModel::Cuda(crate::lazy::cost::cuda::Cuda { gpu });
+        let block = model.block();
+        let mut form = (*self.form).clone();
+        let whole = form.batch.max(1) as u64;
+        form.param_grad_bytes =
+            form.reached_params.iter().map(|&i| Work::from(self.nodes[i as usize].cost.grad).at(1, block)).sum::<u64>()
+                + input_grads(&self.nodes).map(|node| Work::from(node.cost.grad).at(whole, block)).sum::<u64>();
+        let salt = (u64::from(gpu.0) << 32 | u64::from(gpu.1)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        form.structure ^= salt;
+        form.fingerprint ^= salt;
+        form.model = model;
+        form.block = block;
+        Compiled {
+            nodes: self.nodes,
+            form: Rc::new(form),
+            undefined_grad_bytes: OnceCell::new(),
+            in_place: OnceCell::new(),
+        }
+    }
+
     pub(crate) fn len(&self) -> usize {
         self.nodes.len()
     }
@@ -257,30 +282,53 @@ impl Compiled {
 
     /// Bytes of the gradients parameters without a `.grad()` will get (asked once).
     pub(super) fn undefined_grad_bytes(&self) -> u64 {
-        *self.undefined_grad_bytes.get_or_init(|| {
-            let whole = self.batch.max(1) as u64;
-            let params: u64 = self
-                .reached_params
-                .iter()
-                .map(|&i| &self.nodes[i as usize])
-                .filter(|node| match node.source() {
-                    // A non-leaf's gradient is summed in a buffer of toma's (see exec).
-                    Some(Source::Leaf { tensor, param: Some(p), .. }) => {
-                        !p.is_leaf || !crate::memory::grad_defined(tensor)
-                    }
-                    _ => false,
-                })
-                .map(|node| Work::from(node.cost.grad).at(1, self.block))
-                .sum();
-            let inputs: u64 = input_grads(&self.nodes)
-                .filter(|node| match node.source() {
-                    Some(Source::Input { tensor, .. }) => !tensor.is_leaf() || !crate::memory::grad_defined(tensor),
-                    _ => false,
-                })
-                .map(|node| Work::from(node.cost.grad).at(whole, self.block))
-                .sum();
-            params + inputs
-        })
+        *self.undefined_grad_bytes.get_or_init(|| self.new_grads(true, self.block).sum())
+    }
+
+    /// The bytes of each gradient the accumulation step creates, in `block`s: those of the
+    /// parameters (and inputs) without a `.grad()` yet where `undefined_only`, else all.
+    pub(super) fn new_grads(&self, undefined_only: bool, block: u64) -> impl Iterator<Item = u64> + '_ {
+        let whole = self.batch.max(1) as u64;
+        let params = self
+            .reached_params
+            .iter()
+            .map(|&i| &self.nodes[i as usize])
+            .filter(move |node| match node.source() {
+                // A non-leaf's gradient is summed in a buffer of toma's (see exec).
+                Some(Source::Leaf { tensor, param: Some(p), .. }) => {
+                    !undefined_only || !p.is_leaf || !crate::memory::grad_defined(tensor)
+                }
+                _ => false,
+            })
+            .map(move |node| Work::from(node.cost.grad).at(1, block));
+        let inputs = input_grads(&self.nodes)
+            .filter(move |node| match node.source() {
+                Some(Source::Input { tensor, .. }) => {
+                    !undefined_only || !tensor.is_leaf() || !crate::memory::grad_defined(tensor)
+                }
+                _ => false,
+            })
+            .map(move |node| Work::from(node.cost.grad).at(whole, block));
+        params.chain(inputs)
+    }
+
+    /// The bytes of each tensor the graph starts from (parameters, buffers, inputs and
+    /// constants), once per tensor: what a card holds before the step, beside it.
+    pub(super) fn leaf_bytes(&self) -> Vec<u64> {
+        let mut seen = std::collections::HashSet::new();
+        self.nodes
+            .iter()
+            .filter_map(|node| {
+                let tensor = match node.source() {
+                    Some(Source::Leaf { tensor, .. } | Source::Input { tensor, .. }) => tensor,
+                    _ => return None,
+                };
+                let bytes =
+                    crate::lazy::shape::numel(&node.meta.shape) as u64 * node.meta.kind.elt_size_in_bytes() as u64;
+                seen.insert(tensor.data_ptr() as usize).then_some(bytes)
+            })
+            .filter(|&bytes| bytes > 0)
+            .collect()
     }
 
     /// A per-sample output evaluated in micro-batches of `b`: the bytes of earlier micro-batches'

@@ -9,26 +9,68 @@ use tch::Device;
 
 use super::compiled::Compiled;
 use super::correction::{Corrections, Reserve};
+use super::placement::Start;
 use super::schedule::Mode;
 use super::time::{Choice, Timings};
+use crate::lazy::cost::caching::{Card, Config};
 use crate::lazy::cost::measured::{self, Calibrated, Calibration};
 use crate::lazy::options::Options;
+use crate::lazy::CudaCard;
 
-/// The machine as a plan sees it: the budget it is held to, and whether a recomputed segment
-/// can replay libtorch's random generator.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The machine as a plan sees it: the budget it is held to, whether a recomputed segment can
+/// replay libtorch's random generator, and on a CUDA card, the caching allocator the step's
+/// blocks are placed by.
+#[derive(Clone, Debug, PartialEq)]
 pub(crate) struct Machine {
     /// The user's budget, or the device's free memory less the margin, in bytes.
     pub(crate) budget: u64,
     /// Whether recomputing is possible (toma's shim can save and restore the generator).
     pub(crate) replays: bool,
+    /// On CUDA, or for a described card: where the allocator starts (`None` on the CPU, whose
+    /// allocator takes bytes as asked).
+    pub(crate) allocator: Option<Start>,
 }
 
 impl Machine {
-    /// The machine now, for `options` on `device`: its free memory is read here (on a CPU, the
-    /// system's figure from a reading up to 50 ms old).
-    pub(crate) fn now(options: &Options, device: Device) -> Machine {
-        Machine { budget: budget(options, device), replays: generator_replays() }
+    /// The machine now, for `options` and the graph `c`: its device's free memory is read here
+    /// (on a CPU, the system's figure from a reading up to 50 ms old); a described card
+    /// ([`Options::card`]) stands in for the device.
+    pub(crate) fn now(options: &Options, c: &Compiled) -> Machine {
+        if let Some(card) = &options.card {
+            return Machine::on_card(options, card, c);
+        }
+        let device = c.device();
+        let budget = budget(options, device);
+        let allocator = match device {
+            Device::Cuda(i) => Some(Start {
+                config: Config::libtorch().unwrap_or_default(),
+                card: Card::new(crate::memory::cuda_memory(i).map_or(budget, |m| m.total.max(budget)), budget),
+                place_leaves: false,
+            }),
+            _ => None,
+        };
+        Machine { budget, replays: generator_replays(), allocator }
+    }
+
+    /// A described card: its memory less what is in use goes to the graph's leaves, and the
+    /// rest, less the margin, is the budget (unless the options set one).
+    fn on_card(options: &Options, card: &CudaCard, c: &Compiled) -> Machine {
+        let free = card.memory().saturating_sub(card.in_use_bytes());
+        let leaves: u64 = c.leaf_bytes().iter().map(|&b| crate::lazy::round_block(b)).sum();
+        let budget =
+            options.budget.unwrap_or_else(|| (free.saturating_sub(leaves) as f64 * (1.0 - options.margin)) as u64);
+        let start = Start {
+            config: card.config.clone(),
+            card: Card::new(card.memory(), budget.saturating_add(leaves).min(free)),
+            place_leaves: true,
+        };
+        Machine { budget, replays: generator_replays(), allocator: Some(start) }
+    }
+
+    /// The machine of the tests: a budget, no allocator to place blocks in.
+    #[cfg(test)]
+    pub(crate) fn with_budget(budget: u64, replays: bool) -> Machine {
+        Machine { budget, replays, allocator: None }
     }
 }
 
@@ -127,7 +169,6 @@ impl Evidence {
     }
 
     /// No evidence: rules only, nothing in reserve, the prior's speeds.
-    #[cfg(test)]
     pub(crate) fn none(mode: Mode) -> Evidence {
         Evidence {
             calibrated: Rc::new(Calibrated::empty(mode == Mode::Backward)),
@@ -169,11 +210,10 @@ mod tests {
         let c = compile(&loss).unwrap();
         let options = Options::new();
         let evidence = Evidence::none(Mode::Backward);
-        let whole =
-            search::plan(&c, Mode::Backward, &options, &Machine { budget: u64::MAX / 4, replays: false }, &evidence)
-                .unwrap()
-                .peak;
-        let machine = Machine { budget: whole / 2, replays: true };
+        let whole = search::plan(&c, Mode::Backward, &options, &Machine::with_budget(u64::MAX / 4, false), &evidence)
+            .unwrap()
+            .peak;
+        let machine = Machine::with_budget(whole / 2, true);
         let summary = |d: &search::Decision| {
             (
                 d.micro_batch,

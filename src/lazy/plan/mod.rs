@@ -29,8 +29,10 @@
 mod compiled;
 mod correction;
 mod evidence;
+mod placement;
 mod recompute;
 mod report;
+mod reserved;
 mod reuse;
 mod schedule;
 mod search;
@@ -83,12 +85,23 @@ pub(crate) fn compile(output: &LazyTensor) -> Result<Compiled, LazyError> {
 /// What a step does before it runs: gathers the evidence (measuring what is missing where
 /// `measure` allows) and the machine, then plans with them.
 pub(crate) fn decide(c: &Compiled, mode: Mode, options: &Options, measure: Measure) -> Result<Decision, LazyError> {
-    let machine = Machine::now(options, c.device());
+    if options.card.is_some() {
+        return Err(LazyError::Unsupported {
+            op: c.output().name().into(),
+            reason: "a described card (Options::card) is only planned for: its tensors are not on it;                      plan with LazyTensor::plan, or run without the card"
+                .into(),
+        });
+    }
+    // Only CUDA's allocator reads them: the CPU path stays as it is.
+    if let (Some(on), tch::Device::Cuda(_)) = (options.expandable_segments, c.device()) {
+        expandable_segments(on);
+    }
+    let machine = Machine::now(options, c);
     let evidence = Evidence::gather(c, mode, options, measure, &machine);
     if let Some(d) = reuse::find(c, mode, options, &machine, &evidence) {
         return Ok(d);
     }
-    let d = search::plan(c, mode, options, &machine, &evidence)?;
+    let d = reserved::plan(c, mode, options, &machine, &evidence)?;
     reuse::keep(c, mode, options, &machine, &evidence, &d);
     Ok(d)
 }
@@ -98,6 +111,13 @@ pub(crate) fn decide(c: &Compiled, mode: Mode, options: &Options, measure: Measu
 /// asked before measuring is never under by rules read elsewhere.
 pub(crate) fn plan(output: &LazyTensor, mode: Mode, options: &Options) -> Result<Plan, LazyError> {
     let c = compile_for(output, mode)?;
+    if let Some(card) = &options.card {
+        // Priced for the card, by rules: nothing here measures what that card takes.
+        let c = c.for_cuda(card.gpu());
+        let machine = Machine::now(options, &c);
+        let decision = reserved::plan(&c, mode, options, &machine, &Evidence::none(mode))?;
+        return Ok(report::detail(c, decision));
+    }
     let decision = decide(&c, mode, options, Measure::Never)?;
     let cal = decision.evidence.calibration();
     if cal.awaiting > 0 && crate::memory::PeakCounter::for_device(cuda_ordinal(c.device())).is_some() {
@@ -107,6 +127,20 @@ pub(crate) fn plan(output: &LazyTensor, mode: Mode, options: &Options) -> Result
         });
     }
     Ok(report::detail(c, decision))
+}
+
+/// Sets libtorch's expandable segments on or off ([`Options::expandable_segments`]), where they
+/// are not so already; a failure (no shim) is logged once and the settings stay.
+pub(crate) fn expandable_segments(on: bool) {
+    use crate::lazy::cost::caching::Config;
+    if Config::libtorch().is_some_and(|c| c.expandable_segments == on) {
+        return;
+    }
+    let settings = if on { "expandable_segments:True" } else { "expandable_segments:False" };
+    if let Err(e) = crate::memory::set_allocator_settings(settings) {
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        WARNED.call_once(|| tracing::warn!(error = %e, "toma::lazy: could not set {settings}"));
+    }
 }
 
 /// The CUDA ordinal of a device (`None`: the CPU's allocator and generator).
@@ -121,7 +155,7 @@ pub(crate) fn cuda_ordinal(device: tch::Device) -> Option<usize> {
 /// (under `options.calibrate`), for later plans and steps to find.
 pub(crate) fn calibrate(output: &LazyTensor, mode: Mode, options: &Options) -> Result<Calibration, LazyError> {
     let c = compile_for(output, mode)?;
-    let machine = Machine::now(options, c.device());
+    let machine = Machine::now(options, &c);
     Ok(Evidence::gather(&c, mode, options, Measure::Now, &machine).calibration())
 }
 

@@ -1,6 +1,7 @@
 //! A plan as users see it: the chosen micro-batch, the peak, the per-op table and the schedule
 //! step by step, printed as a table or drawn as an SVG.
 
+use super::placement::Placement;
 use std::borrow::Cow;
 use std::cell::OnceCell;
 use std::fmt;
@@ -69,6 +70,8 @@ pub struct Plan {
     calibration: Calibration,
     /// The optimizer's step after the backward, and its peak, where one was planned.
     optimizer: Option<(&'static str, u64)>,
+    /// On a CUDA card: what the caching allocator's replay placed.
+    placement: Option<Placement>,
 }
 
 impl Plan {
@@ -124,6 +127,22 @@ impl Plan {
     /// ([`Optimizer::plan_step`](crate::lazy::nn::Optimizer::plan_step)) and it is higher.
     pub fn peak_bytes(&self) -> u64 {
         self.peak.max(self.optimizer_peak_bytes())
+    }
+    /// On a CUDA card (or one described with [`Options::card`](crate::lazy::Options::card)): the
+    /// most bytes libtorch's caching allocator reserves for the step (segments and mapped
+    /// pages), by a replay of the allocator's model with its settings: what CUDA runs out of.
+    /// At least [`Plan::peak_bytes`] less the optimizer's; the two differ by rounding, cached
+    /// free pieces and whole segments. On a described card the parameters' and inputs'
+    /// segments are not counted in it ([`Plan::placed_leaf_bytes`]). `None` on the CPU, whose
+    /// allocator takes bytes as asked.
+    pub fn reserved_bytes(&self) -> Option<u64> {
+        self.placement.as_ref().map(|p| p.peak_reserved.saturating_sub(p.leaves))
+    }
+    /// On a described card, the bytes of the graph's parameters and inputs the replay placed
+    /// before the step (0 on a card toma runs on, where they are on it already; `None` on the
+    /// CPU).
+    pub fn placed_leaf_bytes(&self) -> Option<u64> {
+        self.placement.as_ref().map(|p| p.leaves)
     }
     /// Peak bytes of the optimizer's step after the backward (the gradients, the state a first
     /// step creates, its temporaries), where one was planned; 0 otherwise.
@@ -391,6 +410,7 @@ pub(crate) fn detail(c: Compiled, decision: Decision) -> Plan {
         why: decision.why,
         seconds: decision.seconds,
         optimizer: decision.optimizer,
+        placement: decision.placement,
     }
 }
 
@@ -433,6 +453,20 @@ impl fmt::Display for Plan {
             crate::svg::bytes(self.budget as f64),
             crate::svg::bytes(self.full_batch_peak as f64),
         )?;
+        if let Some(p) = &self.placement {
+            writeln!(
+                f,
+                "reserved: peak {} allocated, {} reserved by the CUDA caching allocator ({}{})",
+                crate::svg::bytes(p.peak_allocated.saturating_sub(p.leaves) as f64),
+                crate::svg::bytes(p.peak_reserved.saturating_sub(p.leaves) as f64),
+                if p.expandable { "expandable segments" } else { "default segments" },
+                if p.leaves > 0 {
+                    format!("; parameters and inputs placed first: {}", crate::svg::bytes(p.leaves as f64))
+                } else {
+                    String::new()
+                },
+            )?;
+        }
         if self.recomputes() {
             let spans: Vec<String> = self
                 .segments

@@ -29,6 +29,9 @@ struct Key {
     in_place: bool,
     undefined_grads: Option<u64>,
     replays: bool,
+    /// The allocator's settings, the card's size and whether leaves are placed (its free
+    /// memory is the budget's, compared apart).
+    allocator: Option<(crate::lazy::cost::caching::Config, u64, bool)>,
     evidence: Evidence,
 }
 
@@ -44,6 +47,7 @@ impl Key {
             // Asked only where some parameter holds a gradient (the plan reads it there).
             undefined_grads: (!in_place).then(|| c.undefined_grad_bytes()),
             replays: machine.replays,
+            allocator: allocator_key(machine),
             evidence: evidence.clone(),
         }
     }
@@ -55,6 +59,7 @@ impl Key {
             && self.mode == mode
             && self.in_place == in_place
             && self.replays == machine.replays
+            && self.allocator == allocator_key(machine)
             && self.options == *options
             && self.evidence.reserve == evidence.reserve
             && self.evidence.speed == evidence.speed
@@ -62,6 +67,10 @@ impl Key {
             && self.evidence.calibrated.by_node() == evidence.calibrated.by_node()
             && (in_place || self.undefined_grads == Some(c.undefined_grad_bytes()))
     }
+}
+
+fn allocator_key(machine: &Machine) -> Option<(crate::lazy::cost::caching::Config, u64, bool)> {
+    machine.allocator.as_ref().map(|s| (s.config.clone(), s.card.total, s.place_leaves))
 }
 
 struct Last {
@@ -135,7 +144,7 @@ mod tests {
         let x = Tensor::randn([64, 32], (Kind::Float, Device::Cpu));
         let options = Options::new();
         let evidence = Evidence::none(Mode::Backward);
-        let machine = |budget: u64| Machine { budget, replays: true };
+        let machine = |budget: u64| Machine::with_budget(budget, true);
         let c = compile(&loss(&x, &w, &v, false)).unwrap();
         let d = search::plan(&c, Mode::Backward, &options, &machine(1 << 40), &evidence).unwrap();
         assert_eq!(d.micro_batch, 64);

@@ -544,6 +544,24 @@ impl Schedule {
     }
 }
 
+/// One allocator call of a schedule ([`Schedule::requests`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Request {
+    /// Table entry `entry` is allocated, at step `step`.
+    Alloc { entry: u32, bytes: u64, step: usize },
+    /// A live allocation of table entry `entry` is freed (or, where the schedule names a
+    /// parameter's gradient by another use of the parameter, one of the same bytes).
+    Free { entry: u32, bytes: u64 },
+    /// Scratch space or a staging buffer while step `step` runs.
+    Scratch { bytes: u64, step: usize },
+    /// The kernels ran: the scratch since the last run is freed.
+    Ran,
+    /// Table entry `entry` is a leaf's gradient, complete once this step ends.
+    Grad { entry: u32 },
+    /// The step is over.
+    Ended,
+}
+
 /// What the simulation found at one micro-batch size, the accumulation step aside: its value
 /// depends on which parameters already have a `.grad()`, which is asked only when it matters.
 #[derive(Clone, Copy)]
@@ -712,6 +730,45 @@ impl Schedule {
     /// search computes it.
     pub(crate) fn peak_at(&self, c: &Compiled, b: u64) -> u64 {
         self.simulate(b).resolve(c, b).0.peak
+    }
+
+    /// The allocator calls of the schedule at micro-batch `b`, in order, for a replay through
+    /// the caching allocator's model ([`super::placement`]): bytes as asked (the allocator
+    /// rounds), scratch and staging freed once their step has run.
+    pub(crate) fn requests(&self, b: u64, mut call: impl FnMut(Request)) {
+        let mut step = 0usize;
+        for &event in self.events.iter() {
+            let k = event & !KIND;
+            let bytes = || self.table.get(k as usize).copied().unwrap_or_default().at(b, 1);
+            match event & KIND {
+                ADD => call(Request::Alloc { entry: k, bytes: bytes(), step }),
+                FREE => call(Request::Free { entry: k, bytes: bytes() }),
+                TRANSIENT => call(Request::Scratch { bytes: bytes(), step }),
+                STAGE => call(Request::Scratch { bytes: self.staged[k as usize].at(b), step }),
+                GRAD => call(Request::Grad { entry: k }),
+                NOP => {}
+                RUN => call(Request::Ran),
+                _ => {
+                    call(Request::Ended);
+                    step += 1
+                }
+            }
+        }
+    }
+
+    /// Whether the schedule runs a backward.
+    pub(crate) fn training(&self) -> bool {
+        self.training
+    }
+
+    /// The table entries of the leaves' gradients: what autograd leaves as `.grad`.
+    pub(crate) fn grad_entries(&self) -> &[u32] {
+        &self.grads
+    }
+
+    /// The bytes of table entry `k` at micro-batch `b`, as asked (unrounded).
+    pub(crate) fn entry_bytes(&self, k: u32, b: u64) -> u64 {
+        self.table.get(k as usize).copied().unwrap_or_default().at(b, 1)
     }
 
     /// The node and phase of a step number.

@@ -3,6 +3,7 @@
 
 use super::compiled::Compiled;
 use super::evidence::{Evidence, Machine};
+use super::placement::Placement;
 use super::recompute::{Cuts, Segments};
 use super::schedule::{Mode, Outcome, Prices, Schedule};
 use super::time;
@@ -41,6 +42,9 @@ pub(crate) struct Decision {
     pub(crate) optimizer: Option<(&'static str, u64)>,
     /// What the plan was made with: calibration, the reserve, measured speeds.
     pub(crate) evidence: Evidence,
+    /// On a CUDA card: the replay of the caching allocator that placed the plan
+    /// ([`super::placement`]).
+    pub(crate) placement: Option<Placement>,
 }
 
 impl Decision {
@@ -48,7 +52,10 @@ impl Decision {
     /// the search keeps the whole batch exactly where its peak fits the budget less the reserve,
     /// and the optimizer's step fits the budget.
     pub(crate) fn whole_fits(&self, budget: u64) -> bool {
-        budget >= self.peak.saturating_add(self.reserved) && self.optimizer.is_none_or(|(_, peak)| budget >= peak)
+        budget >= self.peak.saturating_add(self.reserved)
+            && self.optimizer.is_none_or(|(_, peak)| budget >= peak)
+            // Placed in no more than the budget: a card with as much left places it again.
+            && self.placement.as_ref().is_none_or(|p| p.placed() && budget >= p.peak_reserved - p.leaves)
     }
 
     /// The peak at micro-batch `b`, as the search computes it.
@@ -241,6 +248,7 @@ impl Strategies<'_> {
             seconds: (seconds, self.plain_seconds),
             optimizer: None,
             evidence: self.evidence.clone(),
+            placement: None,
         }
     }
 
@@ -513,6 +521,7 @@ fn split_decision(
         seconds,
         optimizer: None,
         evidence: evidence.clone(),
+        placement: None,
     })
 }
 

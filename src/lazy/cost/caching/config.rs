@@ -51,6 +51,26 @@ impl Default for Config {
 }
 
 impl Config {
+    /// The settings libtorch runs with now (`AcceleratorAllocatorConfig`, through the shim);
+    /// `None` without the shim. A memory fraction is CUDA's own setting and stays 1 here.
+    pub(crate) fn libtorch() -> Option<Config> {
+        let raw = crate::memory::allocator_config().ok()?;
+        let bytes = |v: i64| u64::try_from(v).ok();
+        let mut roundup_power2_divisions = [0; ROUNDUP_INTERVALS];
+        for (to, &from) in roundup_power2_divisions.iter_mut().zip(raw.roundup_power2_divisions.iter()) {
+            *to = bytes(from).unwrap_or(0);
+        }
+        Some(Config {
+            max_split_size: bytes(raw.max_split_size).unwrap_or(u64::MAX),
+            max_non_split_rounding: bytes(raw.max_non_split_rounding_size).unwrap_or(LARGE_BUFFER),
+            roundup_power2_divisions,
+            garbage_collection_threshold: raw.garbage_collection_threshold,
+            expandable_segments: raw.expandable_segments != 0,
+            large_segment_size: bytes(raw.large_segment_size).filter(|&b| b > 0).unwrap_or(LARGE_BUFFER),
+            per_process_memory_fraction: 1.0,
+        })
+    }
+
     /// `AcceleratorAllocatorConfig::roundup_power2_divisions(size)`: the entry of the power-of-two
     /// interval `size` falls in, counted from 1 MiB and clamped to the table.
     pub(crate) fn divisions_for(&self, size: u64) -> u64 {

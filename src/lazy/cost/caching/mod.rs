@@ -63,6 +63,6 @@ mod tests;
 pub(crate) use block::Stream;
 pub(crate) use card::Card;
 pub(crate) use config::Config;
-pub(crate) use oom::Oom;
+pub(crate) use oom::{format_bytes, Oom};
 pub(crate) use sizes::PoolKind;
 pub(crate) use state::{Allocator, BlockId};

@@ -63,7 +63,7 @@ impl fmt::Display for Oom {
 
 /// Bytes in the largest binary unit they reach, with at most two decimals: "512 B", "904 MiB",
 /// "1.37 GiB".
-pub(super) fn format_bytes(bytes: u64) -> String {
+pub(crate) fn format_bytes(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut unit = 0;
     while unit + 1 < UNITS.len() && bytes >= 1 << (10 * (unit + 1)) {
