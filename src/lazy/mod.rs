@@ -49,6 +49,18 @@
 //! the device's free memory less [`Options::safety_margin`], or [`Options::budget`]. Planning a
 //! 96-layer transformer graph (3,850 ops) takes under a millisecond on a 2-core CPU.
 //!
+//! On CUDA, what runs out is what libtorch's caching allocator must *reserve*: a request its
+//! cached free pieces cannot serve needs a new segment, which the card may not have room for
+//! though the tensors would fit (fragmentation). So a plan on a card is replayed through a model
+//! of that allocator (libtorch 2.11's pools, segments, splitting, release-and-retry, expandable
+//! segments), with its settings as libtorch parsed them, and given only where every request of
+//! its step is placed within the budget; otherwise a smaller plan is, or
+//! [`LazyError::NotPlaced`] names the request that could not be placed and why. The printed
+//! plan gives both peaks, and [`Plan::reserved_bytes`] the reserved one.
+//! [`Options::expandable_segments`] turns libtorch's expandable segments on without an
+//! environment variable. [`Options::card`] plans for a card you do not have, on any machine
+//! ([`CudaCard`]: its memory, multiprocessors, what is in use, its allocator settings).
+//!
 //! Reading a value does not re-run a step: a loss read after its `backward` or `backward_step` is
 //! the step's value (no forward with the updated parameters, no random numbers drawn). Shape,
 //! kind and device queries run nothing, and neither does `Debug` (it prints op, shape, kind,
