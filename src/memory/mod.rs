@@ -54,12 +54,14 @@ pub(crate) fn set_generator_state(device: Option<usize>, state: &[u8]) -> Result
 
 /// The caching allocator's settings as libtorch parsed them (from `PYTORCH_ALLOC_CONF`, or set
 /// since): what a plan in reserved bytes replays. `AllocatorError::NotBuilt` without the shim.
+#[cfg(feature = "tch")]
 pub(crate) fn allocator_config() -> Result<shim::RawAllocatorConfig, AllocatorError> {
     shim::allocator_config()
 }
 
 /// Sets the caching allocator's settings at run time (`key:value` pairs, as
 /// `PYTORCH_ALLOC_CONF` takes them), as `torch._C._accelerator_setAllocatorSettings` does.
+#[cfg(feature = "tch")]
 pub(crate) fn set_allocator_settings(settings: &str) -> Result<(), AllocatorError> {
     shim::set_allocator_settings(settings)
 }

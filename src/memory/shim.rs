@@ -87,6 +87,7 @@ pub(super) struct RawStats {
 
 /// The caching allocator's settings as libtorch parsed them (`toma_shim_allocator_config`);
 /// sizes in bytes, `max_split_size` negative when unset.
+#[cfg(feature = "tch")]
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub(crate) struct RawAllocatorConfig {
@@ -398,11 +399,15 @@ mod imp {
 /// No shim: built without feature `tch`, or its compile failed (a build warning said so).
 #[cfg(not(toma_shim))]
 mod imp {
-    use super::{AllocatorError, RawAllocatorConfig, RawCpuStats, RawStats};
+    #[cfg(feature = "tch")]
+    use super::RawAllocatorConfig;
+    use super::{AllocatorError, RawCpuStats, RawStats};
 
+    #[cfg(feature = "tch")]
     pub(in crate::memory) fn allocator_config() -> Result<RawAllocatorConfig, AllocatorError> {
         Err(AllocatorError::NotBuilt)
     }
+    #[cfg(feature = "tch")]
     pub(in crate::memory) fn set_allocator_settings(_settings: &str) -> Result<(), AllocatorError> {
         Err(AllocatorError::NotBuilt)
     }
