@@ -17,12 +17,13 @@ PY
 if have_torch; then
   exit 0
 fi
-# The wheel and its CUDA libraries take ~4.7 GB installed; without a cache pip needs little more.
-need_kb=$((6 * 1024 * 1024))
+# The wheel and its CUDA libraries take ~4.6 GiB installed; without a cache pip needs little
+# more. Below that pip would fail anyway, halfway and with ENOSPC.
+need_kb=$((46 * 1024 * 1024 / 10))
 mkdir -p "$(dirname "$venv")"
 free_kb="$(df -Pk "$(dirname "$venv")" | awk 'NR == 2 { print $4 }')"
 if [ -n "$free_kb" ] && [ "$free_kb" -lt "$need_kb" ]; then
-  echo "toma: torch==$torch_version needs ~6 GB free under $(dirname "$venv"); $((free_kb / 1024)) MB are." >&2
+  echo "toma: torch==$torch_version needs ~4.6 GiB free under $(dirname "$venv"); $((free_kb / 1024)) MiB are." >&2
   echo "toma: free some space (old clones' .venv and target/ are the usual culprits), or set TOMA_VENV to a disk with room." >&2
   exit 1
 fi
