@@ -236,10 +236,7 @@ impl Compiled {
         let model = CostModel::Cuda(crate::lazy::cost::cuda::Cuda { gpu });
         let block = model.block();
         let mut form = (*self.form).clone();
-        let whole = form.batch.max(1) as u64;
-        form.param_grad_bytes =
-            form.reached_params.iter().map(|&i| Work::from(self.nodes[i as usize].cost.grad).at(1, block)).sum::<u64>()
-                + input_grads(&self.nodes).map(|node| Work::from(node.cost.grad).at(whole, block)).sum::<u64>();
+        form.param_grad_bytes = param_grad_bytes(&self.nodes, &form.reached_params, form.batch, block);
         let salt = (u64::from(gpu.0) << 32 | u64::from(gpu.1)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
         form.structure ^= salt;
         form.fingerprint ^= salt;
@@ -408,6 +405,16 @@ impl Index {
 }
 
 /// The inputs that require their own gradient (the executor fills theirs, see exec).
+/// The bytes of every gradient a backward gives `.grad` (the reached parameters', and inputs'
+/// that require one), in `block`s.
+fn param_grad_bytes(nodes: &[Rc<Node>], reached_params: &[u32], batch: i64, block: u64) -> u64 {
+    // An input that requires its gradient gets one of the whole batch's size, created by the
+    // first micro-batch and held through the others, as a parameter's is.
+    let whole = batch.max(1) as u64;
+    reached_params.iter().map(|&i| Work::from(nodes[i as usize].cost.grad).at(1, block)).sum::<u64>()
+        + input_grads(nodes).map(|node| Work::from(node.cost.grad).at(whole, block)).sum::<u64>()
+}
+
 fn input_grads(nodes: &[Rc<Node>]) -> impl Iterator<Item = &Rc<Node>> {
     nodes.iter().filter(|node| matches!(node.source(), Some(Source::Input { .. })) && node.meta.requires_grad)
 }
@@ -562,12 +569,7 @@ fn compile_anew(output: &LazyTensor) -> Result<Compiled, LazyError> {
     reached_params.extend((0..n).filter(|&i| reach[i] && param[i] == Some(i as u32)).map(|i| i as u32));
     let model = CostModel::of(device_of(&found));
     let block = model.block();
-    // An input that requires its gradient gets one of the whole batch's size, created by the
-    // first micro-batch and held through the others, as a parameter's is.
-    let whole = batch.unwrap_or(1).max(1) as u64;
-    let param_grad_bytes =
-        reached_params.iter().map(|&i| Work::from(found[i as usize].cost.grad).at(1, block)).sum::<u64>()
-            + input_grads(&found).map(|node| Work::from(node.cost.grad).at(whole, block)).sum::<u64>();
+    let param_grad_bytes = param_grad_bytes(&found, &reached_params, batch.unwrap_or(1), block);
     let mut via = vec![(u32::MAX, 0); n];
     for i in 0..n {
         for (slot, &j) in edges(i).iter().enumerate() {

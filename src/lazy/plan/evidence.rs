@@ -44,7 +44,7 @@ impl Machine {
         let allocator = match device {
             Device::Cuda(i) => Some(Start {
                 config: Config::libtorch().unwrap_or_default(),
-                card: Card::new(crate::memory::cuda_memory(i).map_or(budget, |m| m.total.max(budget)), budget),
+                card: Card::new(card_total(i).map_or(budget, |total| total.max(budget)), budget),
                 place_leaves: false,
             }),
             _ => None,
@@ -72,6 +72,22 @@ impl Machine {
     pub(crate) fn with_budget(budget: u64, replays: bool) -> Machine {
         Machine { budget, replays, allocator: None }
     }
+}
+
+/// The memory of CUDA device `i` (it never changes: asked of the driver once per thread, not
+/// every step).
+fn card_total(i: usize) -> Option<u64> {
+    thread_local! {
+        static TOTALS: std::cell::RefCell<Vec<(usize, Option<u64>)>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    TOTALS.with(|totals| {
+        if let Some(&(_, total)) = totals.borrow().iter().find(|&&(d, _)| d == i) {
+            return total;
+        }
+        let total = crate::memory::cuda_memory(i).map(|m| m.total);
+        totals.borrow_mut().push((i, total));
+        total
+    })
 }
 
 /// The budget in bytes: the user's, or the free memory of the device less the margin.

@@ -250,10 +250,12 @@ mod tests {
     /// An H100's multiprocessors and threads each.
     const H100: (u32, u32) = (132, 2048);
 
-    fn mlp(x: &Tensor, ws: &[Tensor]) -> LazyTensor {
+    /// An MLP; with `tr`, its weights stored `[out, in]` and used through `w.tr()`, as
+    /// tch-rs's min-gpt writes its layers.
+    fn mlp(x: &Tensor, ws: &[Tensor], tr: bool) -> LazyTensor {
         let mut h = crate::lazy::lazy(x, 0);
         for w in ws {
-            h = h.matmul(w).relu();
+            h = if tr { h.matmul(&w.tr()) } else { h.matmul(w) }.relu();
         }
         h.square().mean(None)
     }
@@ -264,51 +266,64 @@ mod tests {
 
     /// The replay asks for what the schedule counts, tensor for tensor: the peak of the bytes
     /// it asks is the plan's, whole, split (evenly or not), recomputing, with `.grad` none or
-    /// defined. The allocator's blocks hold at least that.
+    /// defined, in f32, in f64 through `w.tr()` and under bf16 autocast. The allocator's
+    /// blocks hold at least that.
     #[test]
     fn the_replay_allocates_what_the_plan_counts() {
-        let ws: Vec<Tensor> = [(256, 512), (512, 512), (512, 512), (512, 512), (512, 256)]
-            .iter()
-            .map(|&(i, o)| Tensor::randn([i, o], (Kind::Float, Device::Cpu)).set_requires_grad(true))
-            .collect();
-        let x = Tensor::randn([2000, 256], (Kind::Float, Device::Cpu));
         let evidence = Evidence::none(Mode::Backward);
         let (mut checked, mut recomputed) = (0, false);
-        for defined in [false, true] {
-            if defined {
-                // Every `.grad` defined: the micro-batches' gradients are added apart.
-                ws.iter().for_each(|w| w.sum(Kind::Float).backward());
-            }
-            let c = compile(&mlp(&x, &ws)).unwrap().for_cuda(H100);
-            assert_eq!(c.accumulates_in_place(), !defined);
-            let unbounded = Machine::with_budget(1 << 40, true);
-            let whole = search::plan(&c, Mode::Backward, &Options::new(), &unbounded, &evidence).unwrap().peak;
-            for options in [
-                Options::new(),
-                Options::new().micro_batch(512),
-                Options::new().micro_batch(700),
-                Options::new().micro_batch(1500),
-                Options::new().recompute(Recompute::Always),
-            ] {
-                let budget = if options.recompute == Recompute::Always { whole - whole / 16 } else { 1 << 40 };
-                let machine = Machine::with_budget(budget, true);
-                let d = search::plan(&c, Mode::Backward, &options, &machine, &evidence).unwrap();
-                recomputed |= d.segments.is_some();
-                for config in [Config::default(), Config::parse("expandable_segments:True").unwrap()] {
-                    let p = replay(&c, &d.schedule, d.micro_batch as u64, d.outcome.1, &start(config));
-                    assert!(p.placed());
-                    let what = format!(
-                        "micro-batch {} of 2000, recomputing {}, .grad defined {defined}",
-                        d.micro_batch,
-                        d.segments.is_some()
-                    );
-                    assert_eq!(p.peak_asked, d.peak, "{what}");
-                    assert!(p.peak_reserved >= p.peak_allocated && p.peak_allocated >= p.peak_asked, "{what}");
-                    checked += 1;
+        // f32; f64 through `w.tr()`; f32 recorded under bf16 autocast.
+        for (kind, tr, autocast) in
+            [(Kind::Float, false, false), (Kind::Double, true, false), (Kind::Float, false, true)]
+        {
+            let ws: Vec<Tensor> = [(256, 512), (512, 512), (512, 512), (512, 512), (512, 256)]
+                .iter()
+                .map(|&(i, o)| {
+                    let shape = if tr { [o, i] } else { [i, o] };
+                    Tensor::randn(shape, (kind, Device::Cpu)).set_requires_grad(true)
+                })
+                .collect();
+            let x = Tensor::randn([2000, 256], (kind, Device::Cpu));
+            for defined in [false, true] {
+                if defined {
+                    // Every `.grad` defined: the micro-batches' gradients are added apart.
+                    ws.iter().for_each(|w| w.sum(kind).backward());
+                }
+                let loss = match autocast {
+                    true => crate::autocast(Device::Cpu, Kind::BFloat16, || mlp(&x, &ws, tr)),
+                    false => mlp(&x, &ws, tr),
+                };
+                let c = compile(&loss).unwrap().for_cuda(H100);
+                assert_eq!(c.accumulates_in_place(), !defined);
+                let unbounded = Machine::with_budget(1 << 40, true);
+                let whole = search::plan(&c, Mode::Backward, &Options::new(), &unbounded, &evidence).unwrap().peak;
+                for options in [
+                    Options::new(),
+                    Options::new().micro_batch(512),
+                    Options::new().micro_batch(700),
+                    Options::new().micro_batch(1500),
+                    Options::new().recompute(Recompute::Always),
+                ] {
+                    let budget = if options.recompute == Recompute::Always { whole - whole / 16 } else { 1 << 40 };
+                    let machine = Machine::with_budget(budget, true);
+                    let d = search::plan(&c, Mode::Backward, &options, &machine, &evidence).unwrap();
+                    recomputed |= d.segments.is_some();
+                    for config in [Config::default(), Config::parse("expandable_segments:True").unwrap()] {
+                        let p = replay(&c, &d.schedule, d.micro_batch as u64, d.outcome.1, &start(config));
+                        assert!(p.placed());
+                        let what = format!(
+                            "{kind:?} (tr {tr}, autocast {autocast}), micro-batch {} of 2000, recomputing {}, .grad defined {defined}",
+                            d.micro_batch,
+                            d.segments.is_some()
+                        );
+                        assert_eq!(p.peak_asked, d.peak, "{what}");
+                        assert!(p.peak_reserved >= p.peak_allocated && p.peak_allocated >= p.peak_asked, "{what}");
+                        checked += 1;
+                    }
                 }
             }
         }
-        assert_eq!(checked, 20);
+        assert_eq!(checked, 60);
         assert!(recomputed);
     }
 
@@ -321,7 +336,7 @@ mod tests {
             .map(|&(i, o)| Tensor::randn([i, o], (Kind::Float, Device::Cpu)).set_requires_grad(true))
             .collect();
         let x = Tensor::randn([2048, 1536], (Kind::Float, Device::Cpu));
-        let c = compile(&mlp(&x, &ws)).unwrap().for_cuda(H100);
+        let c = compile(&mlp(&x, &ws, false)).unwrap().for_cuda(H100);
         let evidence = Evidence::none(Mode::Backward);
         let options = Options::new().recompute(Recompute::Never);
         let (mut lowered, mut placed_as_is) = (0, 0);
