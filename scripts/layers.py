@@ -29,7 +29,7 @@ LAYERS = [
     ["dist"],
     ["retry"],
     ["execute"],
-    ["lazy::error", "lazy::shape", "lazy::int_list", "lazy::options", "lazy::tch_compat", "lazy::facts", "lazy::size"],
+    ["lazy::error", "lazy::phase", "lazy::unplaced", "lazy::shape", "lazy::int_list", "lazy::options", "lazy::tch_compat", "lazy::facts", "lazy::size"],
     ["lazy::graph"],
     ["lazy::ops"],
     ["lazy::cost"],

@@ -320,6 +320,50 @@ pub(crate) fn first_line(text: &str) -> &str {
     line.split("\\n").next().unwrap_or("").trim()
 }
 
+/// What libtorch's CUDA out-of-memory message says of the request that failed
+/// (`CUDACachingAllocator`'s `malloc`): the block it tried to allocate, what the card had free,
+/// and what the allocator held reserved but unallocated (free in cached pieces).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct CudaOomText {
+    /// "Tried to allocate 904.00 MiB".
+    pub(crate) tried: u64,
+    /// "of which 135.12 MiB is free".
+    pub(crate) free: u64,
+    /// "and 1.40 GiB is reserved by PyTorch but unallocated".
+    pub(crate) reserved_unallocated: Option<u64>,
+}
+
+/// Reads a CUDA out-of-memory message as libtorch 2.x writes it (`format_size`: "bytes",
+/// "KiB", "MiB", "GiB", two decimals); `None` for any other text.
+pub(crate) fn cuda_oom_text(message: &str) -> Option<CudaOomText> {
+    fn size_after(text: &str, key: &str) -> Option<u64> {
+        let rest = &text[text.find(key)? + key.len()..];
+        let mut words = rest.split_whitespace();
+        let value: f64 = words.next()?.parse().ok()?;
+        let unit = match words.next()?.trim_end_matches(['.', ',']) {
+            "bytes" | "B" => 1u64,
+            "KiB" => 1 << 10,
+            "MiB" => 1 << 20,
+            "GiB" => 1 << 30,
+            "TiB" => 1 << 40,
+            _ => return None,
+        };
+        Some((value * unit as f64) as u64)
+    }
+    fn size_before(text: &str, key: &str) -> Option<u64> {
+        let head = &text[..text.find(key)?];
+        let mut words = head.split_whitespace().rev();
+        let unit = words.next()?;
+        let value = words.next()?;
+        size_after(&format!("= {value} {unit}"), "=")
+    }
+    Some(CudaOomText {
+        tried: size_after(message, "Tried to allocate")?,
+        free: size_after(message, "of which")?,
+        reserved_unallocated: size_before(message, " is reserved by PyTorch but unallocated"),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -476,5 +520,21 @@ mod tests {
             ),
             r#"called `Result::unwrap()` on an `Err` value: Torch("CUDA out of memory."#
         );
+    }
+
+    #[test]
+    fn cuda_messages_name_the_block_the_card_and_the_pieces() {
+        // From the H200 run of 2026-11-27 (docs/gpu-runs/2026-11-27-h200.log).
+        let text = "CUDA out of memory. Tried to allocate 904.00 MiB. GPU 0 has a total capacity of 139.80 GiB \
+                    of which 135.12 MiB is free. Including non-PyTorch memory, this process has 139.66 GiB memory in \
+                    use. Of the allocated memory 137.51 GiB is allocated by PyTorch, and 1.40 GiB is reserved by \
+                    PyTorch but unallocated. If reserved but unallocated memory is large try setting";
+        let r = cuda_oom_text(text).unwrap();
+        assert_eq!(r.tried, 904 << 20);
+        assert_eq!(r.free, (135.12 * (1u64 << 20) as f64) as u64);
+        assert_eq!(r.reserved_unallocated, Some((1.40 * (1u64 << 30) as f64) as u64));
+        let small = "CUDA out of memory. Tried to allocate 512 bytes. GPU 0 has a total capacity of 79.10 GiB of which 0 bytes is free.";
+        assert_eq!(cuda_oom_text(small), Some(CudaOomText { tried: 512, free: 0, reserved_unallocated: None }));
+        assert_eq!(cuda_oom_text("DefaultCPUAllocator: can't allocate memory: you tried to allocate 80 bytes"), None);
     }
 }

@@ -164,31 +164,25 @@ pub enum LazyError {
     },
     /// Every plan whose allocated bytes fit the budget needs a block libtorch's CUDA caching
     /// allocator could not place: its cached free pieces are too small for it and the card
-    /// cannot back a new segment (fragmentation). The fields name the smallest such plan and the
-    /// request that failed in the replay of the allocator (`Plan::reserved_bytes`).
+    /// cannot back a new segment (fragmentation). `request` names the smallest plan tried and
+    /// the request that failed in the replay of the allocator (`Plan::reserved_bytes`).
     #[error(
-        "toma::lazy: {op}: no plan is placed by the CUDA caching allocator within {}: the smallest tried          (micro-batch {micro_batch}, {} allocated) fails at op #{node} `{node_op}`: {why}{}",
+        "toma::lazy: {op}: no plan is placed by the CUDA caching allocator within {}: the smallest tried: {request}{}",
         sized(*.budget),
-        sized(*.peak),
-        if *.expandable { "" } else { "; expandable segments (Options::expandable_segments) let freed pages rejoin, or give a larger budget" }
+        not_placed_hint(*.expandable, *.with_expandable)
     )]
     NotPlaced {
         /// The output op.
         op: String,
-        /// The position of the op whose request failed.
-        node: usize,
-        /// That op.
-        node_op: String,
-        /// The micro-batch it ran in.
-        micro_batch: usize,
-        /// The allocated peak of that plan, in bytes.
-        peak: u64,
         /// The memory budget in bytes.
         budget: u64,
+        /// The smallest plan tried, and the request of its step the allocator did not place.
+        request: Box<crate::lazy::unplaced::UnplacedRequest>,
         /// Whether the replay used expandable segments.
         expandable: bool,
-        /// The allocator's answer: the request, the cached pieces, what the card had left.
-        why: String,
+        /// Where the replay used libtorch's default segments: the bytes the same plan reserves
+        /// with expandable segments, if they place it.
+        with_expandable: Option<u64>,
     },
     /// `backward` on a value that is not a scalar.
     #[error("toma::lazy: backward needs a scalar loss, `{op}` has shape {shape:?}")]
@@ -316,6 +310,19 @@ fn plan_note(micro_batch: usize, batch: u32, segments: Option<u32>) -> String {
 }
 
 /// Bytes as a person reads them, the exact count beside (`40.2 MiB (42152345 B)`).
+/// What to do about [`LazyError::NotPlaced`].
+fn not_placed_hint(expandable: bool, with_expandable: Option<u64>) -> String {
+    match (expandable, with_expandable) {
+        (true, _) => "; give a larger budget".into(),
+        (false, Some(reserved)) => format!(
+            "; with expandable segments the same plan is placed, {} reserved: set \
+             Options::expandable_segments(true) (or `expandable_segments:True` in a described card's settings)",
+            sized(reserved)
+        ),
+        (false, None) => "; expandable segments would not place it either: give a larger budget".into(),
+    }
+}
+
 fn sized(bytes: u64) -> String {
     if bytes < 1024 {
         format!("{bytes} B")

@@ -20,3 +20,4 @@ mod rnn;
 mod translation;
 mod vision;
 mod written_once;
+mod zoo_replay;

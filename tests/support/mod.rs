@@ -8,6 +8,8 @@ use std::task::{Context, Poll, Wake, Waker};
 
 #[cfg(feature = "tch")]
 pub mod models;
+#[cfg(feature = "tch")]
+pub mod zoo;
 
 /// A plan as the step makes it: what the step would measure first (calls no rule read on this
 /// machine prices) is measured, then planned. A plan alone runs nothing.

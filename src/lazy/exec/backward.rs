@@ -14,16 +14,19 @@ use crate::lazy::options::Options;
 use crate::lazy::plan::{Compiled, Mode};
 use crate::oom::OutOfMemory;
 
-/// Plans of a step that may not be split, tried after a real out-of-memory: each under 3/4 of
-/// the last one's peak, or the lowest peak any plan reaches.
+/// Plans of a step that may not be split, tried after a real out-of-memory: each under the last
+/// one's peak less what the card lacked for the block that failed (3/4 of it where the error
+/// does not say), or the lowest peak any plan reaches.
 pub(super) const REPLANS: usize = 3;
 
 /// Runs forward and backward in micro-batches, accumulating parameter gradients.
 ///
 /// A real out-of-memory in a step whose batch may not be split (its samples mix, so the retry
-/// engine has no micro-batch to halve) plans the step again under 3/4 of the failed plan's
-/// peak (or the lowest peak any plan reaches, where that is higher), recomputing more, up to
-/// [`REPLANS`] times. On a GPU the caching allocator can refuse a
+/// engine has no micro-batch to halve) plans the step again under a lower budget (or the
+/// lowest peak any plan reaches, where that is higher), recomputing more, up to [`REPLANS`]
+/// times. On CUDA the budget is lowered by what the card lacked for the block libtorch names
+/// ("Tried to allocate 904 MiB ... of which 135 MiB is free"), and the warning names the block;
+/// the new plan is one the allocator's model places. On a GPU the caching allocator can refuse a
 /// large block while enough memory is free in pieces; on any device the budget may have been
 /// read before other work took memory. The failed attempt leaves nothing behind: what it filled
 /// into `.grad` is zeroed, running statistics and the generator are as they were. When no lower
@@ -36,14 +39,20 @@ pub(crate) fn backward(output: &LazyTensor, options: &Options) -> Result<f64, La
         other => return other,
     };
     let mut options = options.clone();
+    // On CUDA, libtorch's message names the block it could not place and what the card had.
+    let report = crate::oom::cuda_oom_text(&first.to_string());
     for attempt in 1..=REPLANS {
         let Ok(p) = prepare(output, Mode::Backward, &options) else { break };
         if p.d.splittable {
             // The retry engine halved its micro-batches down to one sample already.
             break;
         }
-        // 3/4 of the peak, or the lowest peak any plan reaches where that is above it.
-        let mut budget = p.d.peak / 4 * 3;
+        // Below the failed peak by what the card lacked for the block (at least 1/16), or by
+        // a quarter where the message does not say; or the lowest peak any plan reaches.
+        let mut budget = match report {
+            Some(r) if r.tried > r.free => p.d.peak.saturating_sub((r.tried - r.free).max(p.d.peak / 16)),
+            _ => p.d.peak / 4 * 3,
+        };
         if let Err(LazyError::DoesNotFit { peak: lowest, .. }) =
             prepare(output, Mode::Backward, &options.clone().budget(budget))
         {
@@ -52,13 +61,29 @@ pub(crate) fn backward(output: &LazyTensor, options: &Options) -> Result<f64, La
             }
             budget = lowest;
         }
-        tracing::warn!(
-            attempt,
-            peak = p.d.peak,
-            budget,
-            error = %first,
-            "toma::lazy: a step that cannot be split ran out of memory; planning it again under 3/4 of its peak or the lowest any plan reaches"
-        );
+        match report {
+            Some(r) => tracing::warn!(
+                attempt,
+                peak = p.d.peak,
+                budget,
+                block = r.tried,
+                card_free = r.free,
+                reserved_unallocated = r.reserved_unallocated,
+                "toma::lazy: the CUDA caching allocator could not place a {} block ({} free on the card{}); \
+                 planning the step again under {}",
+                human(r.tried),
+                human(r.free),
+                r.reserved_unallocated.map_or(String::new(), |b| format!(", {} free in cached pieces", human(b))),
+                human(budget)
+            ),
+            None => tracing::warn!(
+                attempt,
+                peak = p.d.peak,
+                budget,
+                error = %first,
+                "toma::lazy: a step that cannot be split ran out of memory; planning it again under 3/4 of its peak or the lowest any plan reaches"
+            ),
+        }
         options = options.budget(budget);
         match backward_once(output, &options) {
             Err(err) if err.is_out_of_memory() => continue,
@@ -68,6 +93,10 @@ pub(crate) fn backward(output: &LazyTensor, options: &Options) -> Result<f64, La
         }
     }
     Err(first)
+}
+
+fn human(bytes: u64) -> String {
+    crate::lazy::cost::caching::format_bytes(bytes)
 }
 
 pub(super) fn backward_once(output: &LazyTensor, options: &Options) -> Result<f64, LazyError> {

@@ -18,6 +18,7 @@ use std::collections::HashMap;
 use super::compiled::Compiled;
 use super::schedule::{Phase, Request, Schedule};
 use crate::lazy::cost::caching::{Allocator, BlockId, Card, Config, Oom, Stream};
+use crate::lazy::unplaced::UnplacedRequest;
 
 /// The allocator a step starts from: its settings, the card, and whether the graph's own
 /// tensors (parameters, inputs) are still to be placed.
@@ -60,6 +61,32 @@ pub(crate) struct Unplaced {
     pub(crate) micro_batch: u64,
     /// The allocator's answer: the request, the cached pieces, the card left.
     pub(crate) oom: Oom,
+}
+
+/// The failure `u` of a plan (`plan_peak` allocated at `micro_batch`, `segments` recomputed)
+/// as users read it.
+pub(crate) fn unplaced_request(
+    c: &Compiled,
+    plan_peak: u64,
+    micro_batch: usize,
+    segments: usize,
+    u: &Unplaced,
+) -> UnplacedRequest {
+    UnplacedRequest {
+        plan_peak,
+        micro_batch,
+        segments,
+        op: u.node,
+        op_name: c.nodes[u.node].name().into(),
+        phase: u.phase,
+        op_micro_batch: u.micro_batch as usize,
+        requested: u.oom.requested,
+        segment: u.oom.segment,
+        cached_free: u.oom.cached_free,
+        largest_cached: u.oom.largest_cached,
+        card_free: u.oom.card_free,
+        why: u.oom.to_string(),
+    }
 }
 
 impl Placement {
@@ -351,8 +378,8 @@ mod tests {
             let placed = match plan(&c, Mode::Backward, &options, &on_card, &evidence) {
                 Ok(placed) => placed,
                 // Near the floor even the smallest plan may need a segment the card lacks.
-                Err(LazyError::NotPlaced { why, .. }) => {
-                    assert!(why.contains("left on the card"), "{why}");
+                Err(LazyError::NotPlaced { request, .. }) => {
+                    assert!(request.why.contains("left on the card"), "{request}");
                     assert_eq!(lowered + placed_as_is, 0, "{budget_mib} MiB refused after a smaller budget was placed");
                     continue;
                 }

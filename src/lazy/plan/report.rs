@@ -2,6 +2,7 @@
 //! step by step, printed as a table or drawn as an SVG.
 
 use super::placement::Placement;
+use crate::lazy::unplaced::UnplacedRequest;
 use std::borrow::Cow;
 use std::cell::OnceCell;
 use std::fmt;
@@ -72,6 +73,7 @@ pub struct Plan {
     optimizer: Option<(&'static str, u64)>,
     /// On a CUDA card: what the caching allocator's replay placed.
     placement: Option<Placement>,
+    unplaced: Option<UnplacedRequest>,
 }
 
 impl Plan {
@@ -143,6 +145,13 @@ impl Plan {
     /// CPU).
     pub fn placed_leaf_bytes(&self) -> Option<u64> {
         self.placement.as_ref().map(|p| p.leaves)
+    }
+    /// On a CUDA card, where the plan of the budget's allocated bytes would not be placed by
+    /// the caching allocator: that plan and the request that failed in the replay (what
+    /// libtorch's "CUDA out of memory" would have said mid-step). This plan was then made under
+    /// a lower budget. `None` where the first plan was placed, and on the CPU.
+    pub fn unplaced(&self) -> Option<&UnplacedRequest> {
+        self.unplaced.as_ref()
     }
     /// Peak bytes of the optimizer's step after the backward (the gradients, the state a first
     /// step creates, its temporaries), where one was planned; 0 otherwise.
@@ -411,6 +420,7 @@ pub(crate) fn detail(c: Compiled, decision: Decision) -> Plan {
         seconds: decision.seconds,
         optimizer: decision.optimizer,
         placement: decision.placement,
+        unplaced: decision.unplaced,
     }
 }
 
@@ -444,12 +454,7 @@ impl fmt::Display for Plan {
             self.micro_batch,
             self.chunks(),
             crate::svg::bytes(self.peak as f64),
-            match peak_phase {
-                Phase::Forward => "forward",
-                Phase::Backward => "backward",
-                Phase::Recompute => "recompute",
-                Phase::Accumulate => "gradient accumulation",
-            },
+            peak_phase.name(),
             crate::svg::bytes(self.budget as f64),
             crate::svg::bytes(self.full_batch_peak as f64),
         )?;

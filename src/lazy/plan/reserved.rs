@@ -3,16 +3,18 @@
 
 use super::compiled::Compiled;
 use super::evidence::{Evidence, Machine};
-use super::placement::{replay, Placement};
+use super::placement::{replay, unplaced_request, Placement};
 use super::schedule::Mode;
 use super::search::{self, Decision};
 use crate::lazy::error::LazyError;
 use crate::lazy::options::Options;
+use crate::lazy::unplaced::UnplacedRequest;
 
 /// The plan of `c` that the allocator places: the search's plan under the machine's budget,
-/// replayed from its start; where a request is not placed, the search again under a budget
-/// lowered by what the allocator held beyond the tensors at the failure, until one is placed.
-/// A function of its arguments, as the search is.
+/// replayed from its start; where a request is not placed, the search again under a lower
+/// budget, until one is placed. The budget is first lowered by what the allocator held beyond
+/// the tensors at the failure; where nothing fits that lower budget, the tries bisect between
+/// it and the last refused plan's peak. A function of its arguments, as the search is.
 pub(crate) fn plan(
     c: &Compiled,
     mode: Mode,
@@ -24,56 +26,77 @@ pub(crate) fn plan(
         return search::plan(c, mode, options, machine, evidence);
     };
     let mut lowered = machine.clone();
+    let mut first: Option<UnplacedRequest> = None;
     let mut last: Option<(Decision, Placement)> = None;
-    // Each try lowers the budget by at least 1/16 of the peak: 64 reach 1/60 of it.
-    for _ in 0..64 {
-        let d = match search::plan(c, mode, options, &lowered, evidence) {
-            Ok(d) => d,
-            // Nothing fits the lowered budget: the last plan's failure is the answer.
-            Err(e) => return Err(last.map_or(e, |(d, p)| not_placed(c, &d, p, machine.budget))),
-        };
-        let p = replay(c, &d.schedule, d.micro_batch as u64, d.outcome.1, start);
-        if p.placed() {
-            let mut d = d;
-            if lowered.budget < machine.budget {
-                d.why = format!(
-                    "{}; held to {} of the {} budget so that the caching allocator places every block",
-                    d.why,
-                    human(lowered.budget),
-                    human(machine.budget)
-                );
+    // Budgets at or below `lo` plan nothing; the last refused plan's peak is `hi`.
+    let (mut lo, mut hi) = (0u64, machine.budget);
+    for _ in 0..48 {
+        let mut excess = 0;
+        match search::plan(c, mode, options, &lowered, evidence) {
+            Err(e) => match &last {
+                None => return Err(e),
+                Some(_) => lo = lowered.budget,
+            },
+            Ok(mut d) => {
+                let p = replay(c, &d.schedule, d.micro_batch as u64, d.outcome.1, start);
+                if p.placed() {
+                    let first = first.or(d.unplaced.take());
+                    if let Some(refused) = &first {
+                        let instead = match lowered.budget < machine.budget {
+                            true => {
+                                format!("held to {} of the {} budget", human(lowered.budget), human(machine.budget))
+                            }
+                            false => "another cut".into(),
+                        };
+                        d.why = format!("{}; {instead}: {refused}", d.why);
+                    }
+                    d.budget = machine.budget;
+                    d.placement = Some(p);
+                    d.unplaced = first;
+                    return Ok(d);
+                }
+                let u = p.unplaced.as_ref().expect("not placed");
+                let segments = d.segments.as_ref().map_or(0, |s| s.count());
+                first.get_or_insert_with(|| unplaced_request(c, d.peak, d.micro_batch, segments, u));
+                // What the allocator held beyond the tensors when it failed, and the request
+                // itself where the card could not back it.
+                excess =
+                    u.oom.reserved.saturating_sub(u.oom.allocated).max(u.oom.segment.saturating_sub(u.oom.card_free));
+                hi = d.peak.min(lowered.budget);
+                last = Some((d, p));
             }
-            d.budget = machine.budget;
-            d.placement = Some(p);
-            return Ok(d);
         }
-        let oom = &p.unplaced.as_ref().expect("not placed").oom;
-        // What the allocator held beyond the tensors when it failed, and the request itself
-        // where the card could not back it.
-        let excess = oom.reserved.saturating_sub(oom.allocated).max(oom.segment.saturating_sub(oom.card_free));
-        let next = d.peak.saturating_sub(excess.max(d.peak / 16));
-        lowered.budget = next.min(lowered.budget.saturating_sub(lowered.budget / 16));
-        last = Some((d, p));
-        if lowered.budget == 0 {
+        // Bisection ends at a 1/256 of the budget (and at least a MiB).
+        if hi.saturating_sub(lo) <= (machine.budget / 256).max(1 << 20) {
             break;
         }
+        let below = hi.saturating_sub(excess.max(hi / 16));
+        lowered.budget = if below > lo { below } else { lo + (hi - lo) / 2 };
     }
-    let (d, p) = last.expect("at least one try");
-    Err(not_placed(c, &d, p, machine.budget))
+    let (d, p) = last.expect("at least one try refused");
+    // The smallest change that places it, where there is one: the same plan in expandable
+    // segments, whose freed pages rejoin.
+    let with_expandable = (!start.config.expandable_segments)
+        .then(|| {
+            let mut start = start.clone();
+            start.config.expandable_segments = true;
+            replay(c, &d.schedule, d.micro_batch as u64, d.outcome.1, &start)
+        })
+        .filter(Placement::placed)
+        .map(|p| p.peak_reserved.saturating_sub(p.leaves));
+    Err(not_placed(c, &d, p, machine.budget, with_expandable))
 }
 
 /// The error of a plan whose smallest try the allocator could not place.
-fn not_placed(c: &Compiled, d: &Decision, p: Placement, budget: u64) -> LazyError {
+fn not_placed(c: &Compiled, d: &Decision, p: Placement, budget: u64, with_expandable: Option<u64>) -> LazyError {
     let u = p.unplaced.expect("not placed");
+    let segments = d.segments.as_ref().map_or(0, |s| s.count());
     LazyError::NotPlaced {
         op: c.output().name().into(),
-        node: u.node,
-        node_op: c.nodes[u.node].name().into(),
-        micro_batch: u.micro_batch as usize,
-        peak: d.peak,
         budget,
+        request: Box::new(unplaced_request(c, d.peak, d.micro_batch, segments, &u)),
         expandable: p.expandable,
-        why: u.oom.to_string(),
+        with_expandable,
     }
 }
 

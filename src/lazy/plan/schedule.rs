@@ -18,19 +18,7 @@ pub enum Mode {
     Backward,
 }
 
-/// Which pass a step of the schedule belongs to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Phase {
-    /// Running an op.
-    Forward,
-    /// Running an op's backward.
-    Backward,
-    /// Running an op again before its backward, its saved activations dropped after the
-    /// forward (see [`Recompute`](crate::lazy::Recompute)).
-    Recompute,
-    /// Adding the micro-batch's parameter gradients into `.grad()`.
-    Accumulate,
-}
+pub use crate::lazy::phase::Phase;
 
 /// One step of the schedule, as recorded for a plan's table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -3,7 +3,7 @@
 
 use super::compiled::Compiled;
 use super::evidence::{Evidence, Machine};
-use super::placement::Placement;
+use super::placement::{replay, unplaced_request, Placement, Start};
 use super::recompute::{Cuts, Segments};
 use super::schedule::{Mode, Outcome, Prices, Schedule};
 use super::time;
@@ -11,6 +11,7 @@ use crate::lazy::cost::measured::Calibrated;
 use crate::lazy::error::LazyError;
 use crate::lazy::graph::Flow;
 use crate::lazy::options::{Options, Recompute};
+use crate::lazy::unplaced::UnplacedRequest;
 
 /// What planning decided for one output and mode: the budget, the micro-batch and the peak
 /// there, whether a micro-batch that runs out of memory may be halved, and the schedule that
@@ -45,6 +46,9 @@ pub(crate) struct Decision {
     /// On a CUDA card: the replay of the caching allocator that placed the plan
     /// ([`super::placement`]).
     pub(crate) placement: Option<Placement>,
+    /// On a CUDA card: the first plan the replay refused, where this one was made under a
+    /// lower budget for it.
+    pub(crate) unplaced: Option<UnplacedRequest>,
 }
 
 impl Decision {
@@ -137,7 +141,7 @@ fn plan_pass(
         && options.micro_batch.is_none()
         && machine.replays;
     if may_recompute && !schedule.simulate(n).fits(c, budget.saturating_sub(correction.at(n)), n).0 {
-        return recomputing(c, mode, options, schedule, budget, evidence);
+        return recomputing(c, mode, options, schedule, budget, evidence, machine.allocator.as_ref());
     }
     let why = if options.micro_batch.is_some() {
         "the micro-batch was asked for (Options::micro_batch)"
@@ -162,12 +166,13 @@ fn recomputing(
     schedule: Schedule,
     budget: u64,
     evidence: &Evidence,
+    place: Option<&Start>,
 ) -> Result<Decision, LazyError> {
     let n = c.batch.max(1) as u64;
     let held = budget.saturating_sub(evidence.reserve.at(n));
     let one = Fit { micro_batch: 1, peak: 0, full_peak: 0, outcome: None };
     let refused = check_split(c, mode, &one, budget, options).err().map(|e| split_refusal(&e));
-    let (fit, lowest) = search_segments(c, &evidence.calibrated, n, held);
+    let (fit, lowest, unplaced) = search_segments(c, &evidence.calibrated, n, held, place);
     // What the whole batch would peak at as it is: the plan's "whole batch" figure.
     let plain = schedule.simulate(n).resolve(c, n).0;
     let strategies = Strategies {
@@ -182,31 +187,17 @@ fn recomputing(
         split_allowed: refused.is_none() && options.retry,
         schedule,
     };
-    if let Some(refused) = refused {
-        return strategies.unsplit(fit, lowest, plain, refused);
-    }
-    match (options.recompute, fit) {
-        (Recompute::Always, Some(fit)) => {
-            let why =
-                format!("Recompute::Always: {} segments recomputed instead of splitting the batch", fit.0.count());
-            Ok(strategies.whole(fit, why))
+    let decision = match refused {
+        Some(refused) => strategies.unsplit(fit, lowest, plain, refused),
+        None => strategies.choose(fit, lowest),
+    };
+    // A faster cut the allocator would not place, where the plan recomputes another.
+    decision.map(|mut d| {
+        if d.segments.is_some() {
+            d.unplaced = unplaced;
         }
-        // Recomputing in micro-batches first; where that fails too, plain micro-batches.
-        (Recompute::Always, None) => match strategies.both(lowest) {
-            Some(Ok(d)) => Ok(d),
-            Some(Err(e)) => strategies.split().map_err(|s| lower(e, s)),
-            None => strategies.split(),
-        },
-        (_, None) => match strategies.split() {
-            Ok(d) => Ok(d),
-            Err(e @ LazyError::DoesNotFit { .. }) => match strategies.both(lowest) {
-                Some(result) => result.map_err(|b| lower(b, e)),
-                None => Err(e),
-            },
-            Err(e) => Err(e),
-        },
-        (_, Some(fit)) => strategies.fastest(fit),
-    }
+        d
+    })
 }
 
 /// The ways a backward whose whole batch does not fit may run, each a decision: the whole
@@ -228,6 +219,33 @@ struct Strategies<'a> {
 }
 
 impl Strategies<'_> {
+    /// Recomputing or micro-batches, by [`Options::recompute`] and the estimated step time.
+    fn choose(&self, fit: Option<Found>, lowest: Option<Found>) -> Result<Decision, LazyError> {
+        let strategies = self;
+        match (self.options.recompute, fit) {
+            (Recompute::Always, Some(fit)) => {
+                let why =
+                    format!("Recompute::Always: {} segments recomputed instead of splitting the batch", fit.0.count());
+                Ok(strategies.whole(fit, why))
+            }
+            // Recomputing in micro-batches first; where that fails too, plain micro-batches.
+            (Recompute::Always, None) => match strategies.both(lowest) {
+                Some(Ok(d)) => Ok(d),
+                Some(Err(e)) => strategies.split().map_err(|s| lower(e, s)),
+                None => strategies.split(),
+            },
+            (_, None) => match strategies.split() {
+                Ok(d) => Ok(d),
+                Err(e @ LazyError::DoesNotFit { .. }) => match strategies.both(lowest) {
+                    Some(result) => result.map_err(|b| lower(b, e)),
+                    None => Err(e),
+                },
+                Err(e) => Err(e),
+            },
+            (_, Some(fit)) => strategies.fastest(fit),
+        }
+    }
+
     /// The whole batch, recomputing `fit`'s segments.
     fn whole(&self, (segments, schedule, outcome): Found, why: String) -> Decision {
         let n = self.n;
@@ -249,6 +267,7 @@ impl Strategies<'_> {
             optimizer: None,
             evidence: self.evidence.clone(),
             placement: None,
+            unplaced: None,
         }
     }
 
@@ -412,18 +431,33 @@ fn split_refusal(e: &LazyError) -> String {
 /// The recomputing plan that fits `held` at `b` with the lowest estimated time, and the plan
 /// with the lowest peak among those tried. For each size of the last segment (the one that
 /// does not run twice) against the others', the fewest segments that fit recompute the least.
-fn search_segments(c: &Compiled, calibrated: &Calibrated, b: u64, held: u64) -> (Option<Found>, Option<Found>) {
+/// On a CUDA card (`place`), a cut fits only where the caching allocator's replay places it:
+/// the same peak cut elsewhere frees other blocks, and leaves other pieces cached.
+fn search_segments(
+    c: &Compiled,
+    calibrated: &Calibrated,
+    b: u64,
+    held: u64,
+    place: Option<&Start>,
+) -> (Option<Found>, Option<Found>, Option<UnplacedRequest>) {
     let cuts = Cuts::new(c);
     let prices = Prices::of(c, calibrated);
     // Past about 2·sqrt(n) segments, the boundaries outweigh what a segment saves.
     let most = (2.0 * (c.len() as f64).sqrt()) as usize + 4;
     let mut lowest: Option<Found> = None;
     let mut best: Option<(f64, Found)> = None;
+    // The fastest cut whose tensors fit but whose blocks the allocator would not place: the
+    // answer where none is placed, so that the caller's replay says which request failed.
+    let mut unplaced: Option<(f64, Found)> = None;
+    // The cut chosen by tensors alone (the fastest of each size's fewest that fit), and its
+    // failed request where the allocator refused it: what the plan says it was chosen over.
+    let mut by_tensors: Option<(f64, Option<UnplacedRequest>)> = None;
     let mut tried: Vec<Vec<u32>> = Vec::new();
     // A larger last segment leaves less to the others: it needs at least as many segments as
     // equal shares did, so its counts start where theirs fit.
     let mut first = 2;
     for last in [1.0, 2.0, 4.0] {
+        // The fewest segments whose tensors fit, placed or not: where larger last segments start.
         let mut fitted = None;
         for count in first..=most {
             let starts = cuts.starts(count, last);
@@ -437,8 +471,20 @@ fn search_segments(c: &Compiled, calibrated: &Calibrated, b: u64, held: u64) -> 
             let (fits, _) = outcome.fits(c, held, b);
             let resolved = outcome.resolve(c, b);
             if fits {
-                fitted = Some(count);
                 let seconds = time::step_seconds(c, b, Some(&segments));
+                let refused = place.and_then(|start| replay(c, &schedule, b, resolved.1, start).unplaced);
+                if fitted.is_none() && by_tensors.as_ref().is_none_or(|(s, _)| seconds < *s) {
+                    let request =
+                        refused.as_ref().map(|u| unplaced_request(c, resolved.0.peak, b as usize, segments.count(), u));
+                    by_tensors = Some((seconds, request));
+                }
+                fitted = fitted.or(Some(count));
+                if refused.is_some() {
+                    if unplaced.as_ref().is_none_or(|(s, _)| seconds < *s) {
+                        unplaced = Some((seconds, (segments, schedule, resolved)));
+                    }
+                    continue;
+                }
                 if best.as_ref().is_none_or(|(s, _)| seconds < *s) {
                     best = Some((seconds, (segments, schedule, resolved)));
                 }
@@ -452,9 +498,11 @@ fn search_segments(c: &Compiled, calibrated: &Calibrated, b: u64, held: u64) -> 
             first = fitted.unwrap_or(first);
         }
     }
-    match best {
-        Some((_, fit)) => (Some(fit), None),
-        None => (None, lowest),
+    let refused = by_tensors.and_then(|(_, request)| request);
+    match (best, unplaced) {
+        (Some((_, fit)), _) => (Some(fit), None, refused),
+        (None, Some((_, fit))) => (Some(fit), None, None),
+        (None, None) => (None, lowest, None),
     }
 }
 
@@ -522,6 +570,7 @@ fn split_decision(
         optimizer: None,
         evidence: evidence.clone(),
         placement: None,
+        unplaced: None,
     })
 }
 
