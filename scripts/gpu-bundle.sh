@@ -67,7 +67,8 @@ done <"$stage/executables.txt"
 # Python toma is pure Python: one wheel, no dependencies beyond PyTorch and psutil, which the
 # GPU machine has. Without it the run still happens and says the comparison is missing.
 mkdir -p "$stage/python"
-cp benches/gpu_side_by_side.py benches/gpu_memory_probe.py benches/gpu_pytorch_peak.py "$stage/python/"
+cp benches/gpu_side_by_side.py benches/gpu_memory_probe.py benches/gpu_pytorch_peak.py \
+  benches/gpu_allocator_trace.py "$stage/python/"
 if ! python3 -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
   -d "$stage/python" toma==1.1.0; then
   echo "warning: could not download Python toma 1.1.0: the bundle runs without the side-by-side" >&2

@@ -8,7 +8,8 @@
 #   scripts/gpu-run.sh [gpu-bundle/toma-gpu-tests.tar.xz]
 #
 # Environment: PYTHON (default python3), TOMA_GPU_TIMEOUT (seconds per binary, default 480),
-# TOMA_GPU_LOG (a file for the full output; default: a temporary one, named at the end).
+# TOMA_GPU_LOG (a file for the full output; default: a temporary one, named at the end),
+# TOMA_TRACE_DIR (where the allocator traces go; default: beside the log's temporary folder).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bundle="${1:-$root/gpu-bundle/toma-gpu-tests.tar.xz}"
@@ -146,6 +147,23 @@ if [ -f "$probe" ]; then
   fi
 fi
 
+# The caching allocator's own history, for its model's replay on the CPU
+# (src/lazy/cost/caching/trace.rs): commit the files under tests/data/allocator-traces/.
+tracer="$work/python/gpu_allocator_trace.py"
+traces="${TOMA_TRACE_DIR:-$work/traces}"
+if [ -f "$tracer" ]; then
+  echo "== allocator traces into $traces" | tee -a "$log"
+  ok=1
+  PYTHONUNBUFFERED=1 timeout "$timeout_s" "$python" -W ignore "$tracer" "$traces" 2>&1 | tee -a "$log" || ok=0
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONUNBUFFERED=1 timeout "$timeout_s" \
+    "$python" -W ignore "$tracer" "$traces" 2>&1 | tee -a "$log" || ok=0
+  if [ "$ok" -eq 1 ]; then
+    rows+=("| allocator traces | $(ls "$traces" | wc -l) files in $traces |")
+  else
+    rows+=("| allocator traces | FAILED (see the log) |")
+    failed=1
+  fi
+fi
 echo
 echo "### GPU run: $gpu, PyTorch $torch_version"
 echo

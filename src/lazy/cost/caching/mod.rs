@@ -54,6 +54,8 @@ mod snapshot;
 mod state;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod trace;
 
 // The types the files share, named through here (`super::Allocator`). This file defines nothing,
 // so importing through it depends only on the file that defines each type. The replay's own
