@@ -323,6 +323,7 @@ pub(crate) fn first_line(text: &str) -> &str {
 /// What libtorch's CUDA out-of-memory message says of the request that failed
 /// (`CUDACachingAllocator`'s `malloc`): the block it tried to allocate, what the card had free,
 /// and what the allocator held reserved but unallocated (free in cached pieces).
+#[cfg(feature = "tch")]
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct CudaOomText {
     /// "Tried to allocate 904.00 MiB".
@@ -335,6 +336,7 @@ pub(crate) struct CudaOomText {
 
 /// Reads a CUDA out-of-memory message as libtorch 2.x writes it (`format_size`: "bytes",
 /// "KiB", "MiB", "GiB", two decimals); `None` for any other text.
+#[cfg(feature = "tch")]
 pub(crate) fn cuda_oom_text(message: &str) -> Option<CudaOomText> {
     fn size_after(text: &str, key: &str) -> Option<u64> {
         let rest = &text[text.find(key)? + key.len()..];
@@ -523,6 +525,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(feature = "tch")]
     fn cuda_messages_name_the_block_the_card_and_the_pieces() {
         // From the H200 run of 2026-11-27 (docs/gpu-runs/2026-11-27-h200.log).
         let text = "CUDA out of memory. Tried to allocate 904.00 MiB. GPU 0 has a total capacity of 139.80 GiB \
