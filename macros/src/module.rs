@@ -204,13 +204,109 @@ fn replace_tensor(ty: &mut syn::Type, with: &Kinds) -> bool {
 /// A body as it runs on lazy values: the types it names (`let outs: Vec<Tensor>`, a state's
 /// type) are the lazy ones; tch's `Tensor::cat` / `Tensor::stack` of lazy values is
 /// `LazyTensor`'s; a layer's `zero_state` is its lazy one (`lazy_zero_state`). Expression paths
-/// such as `Tensor::zeros(..)` or `Tensor::from_slice(..)` stay tch's: constants.
+/// such as `Tensor::zeros(..)` or `Tensor::from_slice(..)` stay tch's: constants. Where a body
+/// mixes the two, the elements of `Tensor::cat(&[..])` and the branches of an `if` that gives a
+/// constant on one side become lazy operands (`toma::lazy::IntoLazy`), and a `let` whose value
+/// is a constant keeps its `Tensor` annotation.
 struct LazyBody(Kinds);
+
+/// Whether `e` is a tch constant made in the body: `Tensor::zeros(..)`, `Tensor::from_slice(..)`
+/// and the like, and method chains on one (`Tensor::zeros(..).to_device(d)`).
+fn constant_rooted(e: &syn::Expr) -> bool {
+    match e {
+        syn::Expr::Call(call) => match &*call.func {
+            syn::Expr::Path(f) => {
+                let s = &f.path.segments;
+                let n = s.len();
+                n >= 2 && s[n - 2].ident == "Tensor" && !is_list_op(&s[n - 1].ident)
+            }
+            _ => false,
+        },
+        syn::Expr::MethodCall(m) => constant_rooted(&m.receiver),
+        syn::Expr::Paren(p) => constant_rooted(&p.expr),
+        syn::Expr::Reference(r) => constant_rooted(&r.expr),
+        syn::Expr::Block(b) => block_tail(&b.block).is_some_and(constant_rooted),
+        _ => false,
+    }
+}
+
+fn is_list_op(name: &syn::Ident) -> bool {
+    matches!(name.to_string().as_str(), "cat" | "stack" | "f_cat" | "f_stack")
+}
+
+/// The value a block ends with, if it ends with one.
+fn block_tail(b: &syn::Block) -> Option<&syn::Expr> {
+    match b.stmts.last() {
+        Some(syn::Stmt::Expr(e, None)) => Some(e),
+        _ => None,
+    }
+}
+
+fn block_tail_mut(b: &mut syn::Block) -> Option<&mut syn::Expr> {
+    match b.stmts.last_mut() {
+        Some(syn::Stmt::Expr(e, None)) => Some(e),
+        _ => None,
+    }
+}
+
+/// The values an `if` / `else if` / `else` chain ends with, each branch's.
+fn if_tails(e: &mut syn::ExprIf) -> Vec<&mut syn::Expr> {
+    let mut tails = Vec::new();
+    let (then, rest) = (&mut e.then_branch, &mut e.else_branch);
+    tails.extend(block_tail_mut(then));
+    if let Some((_, other)) = rest {
+        match &mut **other {
+            syn::Expr::If(inner) => tails.extend(if_tails(inner)),
+            syn::Expr::Block(b) => tails.extend(block_tail_mut(&mut b.block)),
+            _ => {}
+        }
+    }
+    tails
+}
+
+/// `e`, a reference to a `Tensor` or a `LazyTensor` (an element of `&[..]`), as a lazy operand.
+fn into_lazy(e: &mut syn::Expr) {
+    let inner = e.clone();
+    *e = syn::parse_quote!(::toma::lazy::IntoLazy::into_lazy(#inner));
+}
+
+/// `e`, a `Tensor` or a `LazyTensor` (a branch's value), as a lazy operand.
+fn into_lazy_owned(e: &mut syn::Expr) {
+    let inner = e.clone();
+    *e = syn::parse_quote!(::toma::lazy::IntoLazy::into_lazy(&(#inner)));
+}
 
 impl VisitMut for LazyBody {
     fn visit_type_mut(&mut self, ty: &mut syn::Type) {
         if !replace_tensor(ty, &self.0) {
             syn::visit_mut::visit_type_mut(self, ty);
+        }
+    }
+
+    fn visit_local_mut(&mut self, local: &mut syn::Local) {
+        // `let zeros: Tensor = Tensor::zeros(..)` is a constant: its annotation stays tch's.
+        let constant = local.init.as_ref().is_some_and(|init| constant_rooted(&init.expr));
+        if constant {
+            if let syn::Pat::Type(t) = &mut local.pat {
+                self.visit_pat_mut(&mut t.pat);
+            } else {
+                self.visit_pat_mut(&mut local.pat);
+            }
+            if let Some(init) = &mut local.init {
+                self.visit_expr_mut(&mut init.expr);
+            }
+            return;
+        }
+        syn::visit_mut::visit_local_mut(self, local);
+    }
+
+    fn visit_expr_if_mut(&mut self, e: &mut syn::ExprIf) {
+        // Branches that give a constant beside ones that give something else: all lazy.
+        let kinds: Vec<bool> = if_tails(e).into_iter().map(|t| constant_rooted(t)).collect();
+        let mixed = kinds.len() >= 2 && kinds.iter().any(|&c| c) && kinds.iter().any(|&c| !c);
+        syn::visit_mut::visit_expr_if_mut(self, e);
+        if mixed {
+            if_tails(e).into_iter().for_each(into_lazy_owned);
         }
     }
 
@@ -230,12 +326,19 @@ impl VisitMut for LazyBody {
         if let syn::Expr::Path(f) = &mut *call.func {
             let segments = &f.path.segments;
             let n = segments.len();
-            let of_lists = n >= 2
-                && segments[n - 2].ident == "Tensor"
-                && matches!(segments[n - 1].ident.to_string().as_str(), "cat" | "stack" | "f_cat" | "f_stack");
+            let of_lists = n >= 2 && segments[n - 2].ident == "Tensor" && is_list_op(&segments[n - 1].ident);
             if of_lists && f.qself.is_none() {
                 let method = segments[n - 1].ident.clone();
                 f.path = syn::parse_quote!(::toma::lazy::LazyTensor::#method);
+                // A list written out may mix lazy values and constants (a `Tensor::zeros` pad):
+                // each element becomes a lazy operand.
+                syn::visit_mut::visit_expr_call_mut(self, call);
+                if let Some(syn::Expr::Reference(r)) = call.args.first_mut() {
+                    if let syn::Expr::Array(list) = &mut *r.expr {
+                        list.elems.iter_mut().for_each(into_lazy);
+                    }
+                }
+                return;
             }
         }
         syn::visit_mut::visit_expr_call_mut(self, call);

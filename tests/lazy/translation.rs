@@ -147,3 +147,35 @@ fn tchs_translation_ports_with_one_attribute_an_impl_and_trains_as_eager() {
     }
     println!("\ntranslation done=1");
 }
+
+/// tch-rs's translation example pads the encoder's outputs to `MAX_LENGTH` with a
+/// `Tensor::zeros` constant, in an `if`/`else` whose other branch is the outputs themselves.
+/// Written so, with a `let` annotated `Tensor` for the pad and a branch that gives a constant
+/// beside one that gives a lazy value, the body compiles for both kinds under the attribute.
+#[toma::lazy::module]
+fn padded_score(outputs: &Tensor) -> Tensor {
+    let len = outputs.size()[0];
+    let pad: Tensor = Tensor::zeros([(MAX_LENGTH - len).max(0), HIDDEN], (Kind::Float, Device::Cpu));
+    let padded = if len >= MAX_LENGTH { outputs.narrow(0, 0, MAX_LENGTH) } else { Tensor::cat(&[outputs, &pad], 0) };
+    let first = if len > MAX_LENGTH {
+        Tensor::zeros([1, HIDDEN], (Kind::Float, Device::Cpu))
+    } else {
+        padded.narrow(0, 0, 1) * 2.0
+    };
+    (padded.square().sum(Kind::Float) + first.sum(Kind::Float)).mean(Kind::Float)
+}
+
+#[test]
+fn a_lazy_body_pads_with_constants_as_tchs_translation_does() {
+    for len in [4, MAX_LENGTH + 3] {
+        let mut x = Tensor::randn([len, HIDDEN], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let eager = padded_score(&x);
+        eager.backward();
+        let expected = x.grad().copy();
+        x.zero_grad();
+        let value = padded_score(&lazy(&x, None)).backward().unwrap();
+        assert!((value - eager.double_value(&[])).abs() < 1e-5, "length {len}");
+        let diff = (x.grad() - &expected).abs().max().double_value(&[]);
+        assert!(diff < 1e-6, "length {len}: gradients differ by {diff}");
+    }
+}
