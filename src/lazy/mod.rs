@@ -456,7 +456,11 @@ pub use wrap::{lazy, try_lazy, BatchDimArg, Lazify};
 /// `LSTMState`) are the lazy ones, `Tensor::cat` and `Tensor::stack` of lazy values are
 /// [`LazyTensor::cat`] and [`LazyTensor::stack`], and a recurrent layer's `zero_state` is its
 /// lazy one (`lazy_zero_state`). Expression paths such as `Tensor::zeros(..)` stay tch's
-/// constants, and a turbofish (`::<Tensor>` of an absent weight) stays as written.
+/// constants, and a turbofish (`::<Tensor>` of an absent weight) stays as written. Where the
+/// body mixes the two, they meet as lazy operands ([`IntoLazy`]): the elements of
+/// `Tensor::cat(&[&x, &zeros], 0)` written out, and the branches of an `if` that gives a
+/// constant on one side and a lazy value on another; `let pad: Tensor = Tensor::zeros(..)`
+/// keeps its annotation.
 ///
 /// ```
 /// use tch::{Device, Kind, Tensor};
