@@ -77,30 +77,26 @@ def fill(leave):
     return torch.empty(max(free - leave, 0), dtype=torch.uint8, device=DEV)
 
 
-def mlp(batch):
-    model = Mlp().to(DEV)
+def adam_steps(model, x, y, steps=2):
+    """`steps` training steps of `model(x, y)` with Adam, `.grad` set to none before each."""
     opt = torch.optim.Adam(model.parameters(), 1e-4)
-    x, y = torch.randn(batch, 1024, device=DEV), torch.randint(10, (batch,), device=DEV)
 
     def run():
-        for _ in range(2):
+        for _ in range(steps):
             opt.zero_grad(set_to_none=True)
             model(x, y).backward()
             opt.step()
     return run
+
+
+def mlp(batch):
+    x, y = torch.randn(batch, 1024, device=DEV), torch.randint(10, (batch,), device=DEV)
+    return adam_steps(Mlp().to(DEV), x, y)
 
 
 def gpt2(batch):
-    model = Gpt2Stack().to(DEV)
-    opt = torch.optim.Adam(model.parameters(), 1e-4)
     x, y = torch.randn(batch, 256, 512, device=DEV), torch.randint(10, (batch,), device=DEV)
-
-    def run():
-        for _ in range(2):
-            opt.zero_grad(set_to_none=True)
-            model(x, y).backward()
-            opt.step()
-    return run
+    return adam_steps(Gpt2Stack().to(DEV), x, y)
 
 
 def resnet_recomputed(batch, segments):

@@ -338,11 +338,10 @@ pub(crate) struct CudaOomText {
 /// "KiB", "MiB", "GiB", two decimals); `None` for any other text.
 #[cfg(feature = "tch")]
 pub(crate) fn cuda_oom_text(message: &str) -> Option<CudaOomText> {
-    fn size_after(text: &str, key: &str) -> Option<u64> {
-        let rest = &text[text.find(key)? + key.len()..];
-        let mut words = rest.split_whitespace();
-        let value: f64 = words.next()?.parse().ok()?;
-        let unit = match words.next()?.trim_end_matches(['.', ',']) {
+    // "904.00 MiB": libtorch's `format_size`.
+    fn size(value: &str, unit: &str) -> Option<u64> {
+        let value: f64 = value.parse().ok()?;
+        let unit = match unit.trim_end_matches(['.', ',']) {
             "bytes" | "B" => 1u64,
             "KiB" => 1 << 10,
             "MiB" => 1 << 20,
@@ -352,12 +351,14 @@ pub(crate) fn cuda_oom_text(message: &str) -> Option<CudaOomText> {
         };
         Some((value * unit as f64) as u64)
     }
+    fn size_after(text: &str, key: &str) -> Option<u64> {
+        let mut words = text[text.find(key)? + key.len()..].split_whitespace();
+        size(words.next()?, words.next()?)
+    }
     fn size_before(text: &str, key: &str) -> Option<u64> {
-        let head = &text[..text.find(key)?];
-        let mut words = head.split_whitespace().rev();
+        let mut words = text[..text.find(key)?].split_whitespace().rev();
         let unit = words.next()?;
-        let value = words.next()?;
-        size_after(&format!("= {value} {unit}"), "=")
+        size(words.next()?, unit)
     }
     Some(CudaOomText {
         tried: size_after(message, "Tried to allocate")?,

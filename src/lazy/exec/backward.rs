@@ -8,6 +8,7 @@ use super::forward::{forward_chunk, value_of, Held};
 use super::grads::Wrt;
 use super::recompute::recompute_chunk;
 use super::{torch, Chunk};
+use crate::lazy::cost::caching::format_bytes as human;
 use crate::lazy::error::LazyError;
 use crate::lazy::graph::LazyTensor;
 use crate::lazy::options::Options;
@@ -93,10 +94,6 @@ pub(crate) fn backward(output: &LazyTensor, options: &Options) -> Result<f64, La
         }
     }
     Err(first)
-}
-
-fn human(bytes: u64) -> String {
-    crate::lazy::cost::caching::format_bytes(bytes)
 }
 
 pub(super) fn backward_once(output: &LazyTensor, options: &Options) -> Result<f64, LazyError> {

@@ -3,9 +3,10 @@
 
 use super::compiled::Compiled;
 use super::evidence::{Evidence, Machine};
-use super::placement::{replay, unplaced_request, Placement};
+use super::placement::{replay, unplaced_request, Placement, Unplaced};
 use super::schedule::Mode;
 use super::search::{self, Decision};
+use crate::lazy::cost::caching::format_bytes as human;
 use crate::lazy::error::LazyError;
 use crate::lazy::options::Options;
 use crate::lazy::unplaced::UnplacedRequest;
@@ -56,8 +57,7 @@ pub(crate) fn plan(
                     return Ok(d);
                 }
                 let u = p.unplaced.as_ref().expect("not placed");
-                let segments = d.segments.as_ref().map_or(0, |s| s.count());
-                first.get_or_insert_with(|| unplaced_request(c, d.peak, d.micro_batch, segments, u));
+                first.get_or_insert_with(|| request_of(c, &d, u));
                 // What the allocator held beyond the tensors when it failed, and the request
                 // itself where the card could not back it.
                 excess =
@@ -90,16 +90,16 @@ pub(crate) fn plan(
 /// The error of a plan whose smallest try the allocator could not place.
 fn not_placed(c: &Compiled, d: &Decision, p: Placement, budget: u64, with_expandable: Option<u64>) -> LazyError {
     let u = p.unplaced.expect("not placed");
-    let segments = d.segments.as_ref().map_or(0, |s| s.count());
     LazyError::NotPlaced {
         op: c.output().name().into(),
         budget,
-        request: Box::new(unplaced_request(c, d.peak, d.micro_batch, segments, &u)),
+        request: Box::new(request_of(c, d, &u)),
         expandable: p.expandable,
         with_expandable,
     }
 }
 
-fn human(bytes: u64) -> String {
-    crate::lazy::cost::caching::format_bytes(bytes)
+/// The request `u` that failed in the replay of decision `d`, as users read it.
+fn request_of(c: &Compiled, d: &Decision, u: &Unplaced) -> UnplacedRequest {
+    unplaced_request(c, d.peak, d.micro_batch, d.segments.as_ref().map_or(0, |s| s.count()), u)
 }
