@@ -2650,7 +2650,8 @@ fn norms_peak_as_planned() {
 
 /// tch's recurrent layers, each sequence one op on libtorch's fused kernel, priced by
 /// calibration: a char-RNN (one-hot input, 2-layer LSTM) and a GRU encoder-decoder (embeddings,
-/// so the inputs of the recurrence require gradients), whole and in micro-batches, f32 and f64.
+/// so the inputs of the recurrence require gradients), as sequences and as the user's steps
+/// (one `gru_cell` each), whole and in micro-batches, f32 and f64.
 #[test]
 fn recurrent_models_peak_as_planned() {
     use toma::lazy::nn::RNN;
@@ -2692,6 +2693,23 @@ fn recurrent_models_peak_as_planned() {
             let loss = out.apply(&head).view([-1, v]).cross_entropy_for_logits(&lt.view([-1]));
             let (planned, measured) = planned_and_measured_at(&loss, micro);
             rows.push(format!("seq2seq gru {kind:?} micro {micro}"), planned, measured);
+
+            // The same model as tch-rs's translation writes it: the user's own steps (each one
+            // `gru_cell` op), the encoder's state handed on, teacher forcing.
+            let mut state = encoder.lazy_zero_state(n);
+            for s in 0..t {
+                state = encoder.step(&ls.select(1, s).apply(&emb), &state);
+            }
+            let embedded = lt.apply(&emb);
+            let mut outs = Vec::new();
+            for s in 0..t {
+                state = decoder.step(&embedded.select(1, s), &state);
+                outs.push(state.h().squeeze_dim(0));
+            }
+            let out = LazyTensor::stack(&outs.iter().collect::<Vec<_>>(), 1);
+            let loss = out.apply(&head).view([-1, v]).cross_entropy_for_logits(&lt.view([-1]));
+            let (planned, measured) = planned_and_measured_at(&loss, micro);
+            rows.push(format!("seq2seq gru steps {kind:?} micro {micro}"), planned, measured);
         }
     }
     // A bidirectional 2-layer LSTM with dropout between its layers, time first, its input

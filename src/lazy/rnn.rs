@@ -7,10 +7,11 @@
 //! `seq_init`) is one op that runs the same fused kernel on each micro-batch, its memory
 //! measured by calibration (the kernel's workspace and what it keeps for its backward); the
 //! output and final states are views of its value. A recurrence mixes time steps, never
-//! samples, so it splits by batch like any per-sample op. Steps the user takes (`step`) are
-//! recorded from small ops (per step a linear map of the input and of the hidden state, the
-//! gates, the new state), and so is a sequence in an autocast region, whose products autocast
-//! casts one by one.
+//! samples, so it splits by batch like any per-sample op. A GRU's step the user takes
+//! (`step`: one layer, one direction, batch first) is one op on libtorch's `gru_cell`, the cell
+//! eager tch's step runs, measured so too. Other steps are recorded from small ops (per step a
+//! linear map of the input and of the hidden state, the gates, the new state), and so is a
+//! sequence in an autocast region, whose products autocast casts one by one.
 
 use std::borrow::Borrow;
 
@@ -18,7 +19,7 @@ use tch::nn::{self as tnn, Init, Path, RNNConfig};
 use tch::{Device, Kind, Tensor};
 
 use super::error::{LazyError, OrPanic};
-use super::ops::recurrent::{Cell, Recurrent};
+use super::ops::recurrent::{Cell, GruCell, Recurrent};
 use super::LazyTensor;
 
 /// A recurrent layer over tensors of type `T` (`Tensor` or [`LazyTensor`]): tch's `RNN`
@@ -45,9 +46,12 @@ use super::LazyTensor;
 /// Lazily, `seq` and `seq_init` record one op on libtorch's fused kernel, however long the
 /// sequence (its memory measured by calibration: call
 /// [`track_cpu_allocations`](crate::memory::track_cpu_allocations) on a CPU; until measured it is
-/// priced by a prior of each step's gates and states). `step` records the step from small ops
-/// (about 12 per layer and direction): a loop of steps makes a graph as long as the loop. As in
-/// tch, a `batch_first` output is a transposed view (libtorch runs time first).
+/// priced by a prior of each step's gates and states). A GRU's `step` (one layer, one
+/// direction, batch first, outside an autocast region) records one `gru_cell` op, libtorch's
+/// cell, as eager tch runs it: the same values bit for bit, and one autograd node a step.
+/// Other steps record small ops (about 12 per layer and direction). Either way a loop of steps
+/// makes a graph as long as the loop. As in tch, a `batch_first` output is a transposed view
+/// (libtorch runs time first).
 #[allow(clippy::upper_case_acronyms)]
 pub trait RNN<T = Tensor> {
     /// The state carried from step to step.
@@ -302,6 +306,28 @@ impl Weights {
             Some(kind) => self.record_in_autocast(input, h0, c0, kind),
             None => self.record_steps(input, h0, c0),
         }
+    }
+
+    /// A user's step `[batch, features]` of a one-layer, one-direction, batch-first GRU outside
+    /// an autocast region as one `gru_cell` op: the cell eager tch's step runs (its sequence of
+    /// one calls it), with one autograd node where the small ops took some twenty, and the
+    /// gates' views its backward would fill with zeros. `None` where the step is recorded
+    /// otherwise (an input or state that does not fit is named there).
+    fn record_cell_step(&self, input: &LazyTensor, h0: &Hidden) -> Result<Option<LazyTensor>, LazyError> {
+        let c = self.config;
+        if self.cell != Cell::Gru || c.num_layers != 1 || c.bidirectional || !c.batch_first {
+            return Ok(None);
+        }
+        let shape = input.size();
+        if shape.len() != 2 || shape[1] != self.in_dim || input.kind() != self.kind() || self.autocast(input).is_some()
+        {
+            return Ok(None);
+        }
+        let Ok(state) = self.initial(h0, 0, shape[0]) else { return Ok(None) };
+        let w = LazyWeights::of(&self.dirs[0]);
+        let weights: Vec<LazyTensor> = [Some(w.w_ih), Some(w.w_hh), w.b_ih, w.b_hh].into_iter().flatten().collect();
+        let op = GruCell { hidden: self.hidden, given_state: state.is_some(), has_biases: c.has_biases };
+        op.record(input, state.as_ref(), &weights).map(Some)
     }
 
     /// The autocast region's lower precision where it casts `input` for this layer's products.
@@ -674,8 +700,11 @@ macro_rules! recurrent_layer {
 
             #[track_caller]
             fn step(&self, input: &LazyTensor, state: &$lazy_state) -> $lazy_state {
-                // Steps the user takes are recorded as such, from small ops (no packing of a
-                // one-step sequence's states).
+                // Steps the user takes are recorded as such: a GRU's as libtorch's cell where
+                // it runs one, else from small ops (no packing of a one-step sequence's states).
+                if let Some(state) = self.cell_step(input, state).or_panic() {
+                    return state;
+                }
                 let input = input.f_unsqueeze(1).or_panic();
                 self.recorded(&input, state, true).or_panic().1
             }
@@ -732,6 +761,21 @@ recurrent_layer!(
     GRUState,
     LazyGRUState
 );
+
+impl LSTM {
+    /// An LSTM's step is recorded from small ops (libtorch's cell gives two values).
+    fn cell_step(&self, _input: &LazyTensor, _state: &LazyLSTMState) -> Result<Option<LazyLSTMState>, LazyError> {
+        Ok(None)
+    }
+}
+
+impl GRU {
+    /// A step as one `gru_cell` op where [`Weights::record_cell_step`] records one.
+    fn cell_step(&self, input: &LazyTensor, state: &LazyGRUState) -> Result<Option<LazyGRUState>, LazyError> {
+        let h = self.weights.record_cell_step(input, &state.0)?;
+        h.map(|h| Ok(LazyGRUState::new(h.f_unsqueeze(0)?))).transpose()
+    }
+}
 
 impl LazyLSTMState {
     fn zero(h: Hidden) -> LazyLSTMState {

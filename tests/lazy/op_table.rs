@@ -406,7 +406,9 @@ fn table() -> String {
          recurrent layers of `toma::lazy::nn` (`recurrent_layer!`), whose `seq`, `seq_init` and `step` take a \
          `LazyTensor`; each records the ops above, so its micro-batch rule and memory are theirs, except a \
          recurrent layer's `seq` and `seq_init`: one `lstm` or `gru` op on libtorch's fused kernel (`ops/recurrent.rs`), \
-         per sample (a recurrence mixes time steps, not samples), its memory measured by calibration.\n\n| layer | file |\n|---|---|\n",
+         per sample (a recurrence mixes time steps, not samples), its memory measured by calibration, and a GRU's \
+         `step` (one layer, one direction, batch first, outside autocast): one `gru_cell` op, libtorch's cell, \
+         measured so too.\n\n| layer | file |\n|---|---|\n",
     );
     let lazy_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/lazy");
     let mut files: Vec<_> =

@@ -121,6 +121,64 @@ fn steps_from_the_zero_state_record_the_sequence() {
     close("zero state", &zero.to_tensor_with(&Options::new().micro_batch(4)).unwrap(), &want);
 }
 
+/// A user's GRU steps are one `gru_cell` op each (the cell eager tch's step runs): the same
+/// states and gradients as eager steps, bit for bit in `Float`, from the zero state and from a
+/// given one, with and without biases, whole and in micro-batches.
+#[test]
+fn gru_steps_are_libtorchs_cell_as_eager_steps() {
+    let (b, t, f, h) = (6i64, 4i64, 3i64, 5i64);
+    for bias in [true, false] {
+        for given in [false, true] {
+            for micro in [6usize, 4] {
+                let what = format!("bias {bias}, given state {given}, micro-batch {micro}");
+                let vs = nn::VarStore::new(CPU);
+                let gru = nn::gru(vs.root(), f, h, config(1, false, true, bias));
+                let xs = Tensor::randn([b, t, f], (Kind::Float, CPU)).set_requires_grad(true);
+                let h0 = Tensor::randn([1, b, h], (Kind::Float, CPU));
+                let mut eager = if given { nn::GRUState(h0.shallow_clone()) } else { gru.zero_state(b) };
+                for k in 0..t {
+                    eager = RNN::<Tensor>::step(&gru, &xs.select(1, k), &eager);
+                }
+                let eager_loss = eager.value().square().sum(None);
+                eager_loss.backward();
+                let params: Vec<Tensor> = vs.trainable_variables();
+                let expected: Vec<Tensor> = params.iter().chain([&xs]).map(|v| v.grad().copy()).collect();
+                for v in params.iter().chain([&xs]) {
+                    let _ = v.grad().zero_();
+                }
+
+                let lx = lazy(&xs, 0);
+                let mut state = if given {
+                    LazyGRUState::new(LazyTensor::batched(&h0, 1).unwrap())
+                } else {
+                    gru.lazy_zero_state(b)
+                };
+                for k in 0..t {
+                    state = gru.step(&lx.select(1, k), &state);
+                }
+                let loss = state.value().square().sum(None);
+                let names = op_names(&loss);
+                assert_eq!(names.iter().filter(|n| *n == "gru_cell").count(), t as usize, "{what}: {names:?}");
+                assert!(!names.iter().any(|n| n == "sigmoid"), "{what}: {names:?}");
+                let value = loss.backward_with(&Options::new().micro_batch(micro)).unwrap();
+                let got: Vec<Tensor> = params.iter().chain([&xs]).map(|v| v.grad().copy()).collect();
+                if micro == b as usize {
+                    assert_eq!(value, eager_loss.double_value(&[]), "{what}: the loss");
+                    for (g, e) in got.iter().zip(&expected) {
+                        assert!(g.equal(e), "{what}: a gradient differs from eager's");
+                    }
+                } else {
+                    assert!((value - eager_loss.double_value(&[])).abs() <= 1e-5 * value.abs(), "{what}: the loss");
+                    for (g, e) in got.iter().zip(&expected) {
+                        let diff = (g - e).abs().max().double_value(&[]);
+                        assert!(diff < 1e-5, "{what}: a gradient differs by {diff}");
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn bad_inputs_are_named() {
     let vs = nn::VarStore::new(CPU);
@@ -287,7 +345,7 @@ fn op_names(loss: &LazyTensor) -> Vec<String> {
 }
 
 /// A sequence is one op on libtorch's fused kernel, however long; steps the user takes are
-/// recorded as steps.
+/// recorded as steps (an LSTM's from small ops, a GRU's as libtorch's cell).
 #[test]
 fn a_sequence_is_one_fused_op_and_steps_stay_steps() {
     let vs = nn::VarStore::new(CPU);

@@ -71,11 +71,13 @@ fn run_whole(output: &LazyTensor, keep: Option<&str>) -> Result<Option<Tensor>, 
     }
     // The graph carries its casts: libtorch's autocast must not cast again while it runs.
     let _suspended = crate::autocast::Suspended::new();
-    use std::collections::HashMap;
+    // Node ids are counters: a mixer hashes them in a few instructions where SipHash took a
+    // third of this walk's own time (a decoder reading every token walks ~50 nodes a read).
+    type HashMap<K, V> = std::collections::HashMap<K, V, std::hash::BuildHasherDefault<crate::hash::Mixer>>;
     // Inputs have smaller ids: visiting by id runs every input before its users. A node a read
     // computed is its value's source (the same id).
     let mut nodes: Vec<&Rc<Node>> = vec![output.node()];
-    let mut seen: HashMap<u64, usize> = HashMap::new();
+    let mut seen: HashMap<u64, usize> = HashMap::default();
     seen.insert(output.node().id, 0);
     let mut k = 0;
     let mut batch = None;
@@ -99,7 +101,7 @@ fn run_whole(output: &LazyTensor, keep: Option<&str>) -> Result<Option<Tensor>, 
     nodes.sort_unstable_by_key(|n| n.id);
     let b = batch.unwrap_or(1);
     // Uses left per value, so each is dropped after its last use, as eager code would.
-    let mut uses: HashMap<u64, usize> = HashMap::with_capacity(nodes.len());
+    let mut uses: HashMap<u64, usize> = HashMap::with_capacity_and_hasher(nodes.len(), Default::default());
     for node in &nodes {
         for input in &node.inputs {
             *uses.entry(input.id).or_default() += 1;
@@ -113,7 +115,7 @@ fn run_whole(output: &LazyTensor, keep: Option<&str>) -> Result<Option<Tensor>, 
             "toma::lazy: a value read while recording is computed now, whole; the step continues from it"
         );
     }
-    let mut values: HashMap<u64, Tensor> = HashMap::with_capacity(nodes.len());
+    let mut values: HashMap<u64, Tensor> = HashMap::with_capacity_and_hasher(nodes.len(), Default::default());
     for (i, node) in nodes.iter().enumerate() {
         let ins: Vec<&Tensor> = node.inputs.iter().map(|x| &values[&x.id]).collect();
         let cx = RunCx { meta: &node.meta, start: 0, b };

@@ -239,3 +239,78 @@ impl Run for Recurrent {
         }
     }
 }
+
+/// One step of a one-layer, one-direction GRU as libtorch's `gru_cell`: what eager tch runs for
+/// a user's `step` (a sequence of one, whose kernel calls the same cell), as one node with one
+/// output, the new state `[batch, hidden]`. Inputs: the step's input `[batch, features]`, the
+/// state (absent for zeros), `w_ih`, `w_hh`, and the two biases where the layer has them. What
+/// the cell keeps for its backward (its gates) is measured by a calibrating plan, as for the
+/// whole sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct GruCell {
+    pub(crate) hidden: i64,
+    pub(crate) given_state: bool,
+    pub(crate) has_biases: bool,
+}
+
+impl GruCell {
+    /// Records the step: `input` `[batch, features]`, `state` `[batch, hidden]` (`None` for
+    /// zeros), the layer's weights in libtorch's order.
+    pub(crate) fn record(
+        self,
+        input: &LazyTensor,
+        state: Option<&LazyTensor>,
+        weights: &[LazyTensor],
+    ) -> Result<LazyTensor, LazyError> {
+        let nodes: Vec<Rc<Node>> =
+            std::iter::once(input).chain(state).chain(weights).map(|t| t.node().clone()).collect();
+        let device = same_device("gru_cell", &nodes.iter().collect::<Vec<_>>())?;
+        let shape = vec![input.node().meta.shape[0], self.hidden];
+        // The input's and the state's samples land on dimension 0; a batch found elsewhere
+        // mixes samples.
+        let mapped: Vec<Option<usize>> =
+            nodes.iter().map(|n| n.meta.batch().and_then(|bd| (bd.dim == 0 && bd.factor == 1).then_some(0))).collect();
+        let refs: Vec<&Rc<Node>> = nodes.iter().collect();
+        let flow = combine_flows("gru_cell", &refs, &mapped, &shape, Linearity::Nonlinear, false)?;
+        let kind = input.node().meta.kind;
+        Ok(Record::new(self, nodes, shape, kind, device).flow(flow).finish())
+    }
+}
+
+impl Operation for GruCell {
+    fn name(&self) -> &'static str {
+        "gru_cell"
+    }
+
+    fn facts(&self, inputs: &[Rc<Node>], _meta: &Meta) -> OpFacts {
+        // The backward reads the input, the state and the weights; the gates it keeps are
+        // measured.
+        OpFacts::new(inputs.len()).saves(|_| true).sizing(crate::hash::hash_of(self)).kernels_unknown()
+    }
+
+    fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
+        // A prior until measured: both products' three gates, and the reset, update and new
+        // gates with the difference they multiply.
+        let per_sample = (2 * 3 + 4) * self.hidden.max(0) as u64;
+        let elements = match meta.batch() {
+            Some(_) => Elements::line(per_sample, 0),
+            None => Elements::line(0, per_sample * meta.shape[0].max(0) as u64),
+        };
+        calls.push(KernelCall::Keeps { elements, kind: inputs[0].meta.kind });
+    }
+}
+
+impl Run for GruCell {
+    fn run(&self, ins: &[&Tensor], _cx: &RunCx<'_>) -> Result<Tensor, TchError> {
+        let x = ins[0];
+        let zeros;
+        let (h, weights) = if self.given_state {
+            (ins[1], &ins[2..])
+        } else {
+            zeros = Tensor::f_zeros([x.size()[0], self.hidden], (x.kind(), x.device()))?;
+            (&zeros, &ins[1..])
+        };
+        let (b_ih, b_hh) = if self.has_biases { (Some(weights[2]), Some(weights[3])) } else { (None, None) };
+        x.f_gru_cell(h, weights[0], weights[1], b_ih, b_hh)
+    }
+}
