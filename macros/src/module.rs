@@ -79,8 +79,8 @@ pub(crate) fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<Toke
             fn the_trait_as_written<M: ?::std::marker::Sized + #trait_path>() {}
         };
     };
-    let body = &f.block;
-    let lazy_body = lazy_block(body);
+    let body = &eager_block(&f.block, &Pinned::default());
+    let lazy_body = lazy_block(&f.block, &Pinned::default());
     let attrs = &f.attrs;
     let (impl_generics, _, where_clause) = block.generics.split_for_impl();
     let ty = &block.self_ty;
@@ -208,7 +208,61 @@ fn replace_tensor(ty: &mut syn::Type, with: &Kinds) -> bool {
 /// mixes the two, the elements of `Tensor::cat(&[..])` and the branches of an `if` that gives a
 /// constant on one side become lazy operands (`toma::lazy::IntoLazy`), and a `let` whose value
 /// is a constant keeps its `Tensor` annotation.
-struct LazyBody(Kinds);
+struct LazyBody(Kinds, Pinned);
+
+/// Calls `self.name(..)` of this `impl`'s methods whose only `Tensor` is their result: in each
+/// body they call the same body's kind (`<Self as Trait<Kind>>::name(self, ..)`), which the
+/// arguments cannot tell.
+#[derive(Clone, Default)]
+struct Pinned {
+    /// Each method's name and hidden trait.
+    methods: Vec<(syn::Ident, syn::Ident)>,
+}
+
+impl Pinned {
+    /// `call` pinned to `kind` when it is `self.name(..)` of a pinned method.
+    fn pin(&self, call: &syn::ExprMethodCall, kind: &syn::Type) -> Option<syn::Expr> {
+        let is_self = matches!(&*call.receiver, syn::Expr::Path(p) if p.path.is_ident("self"));
+        let (name, tr) = self.methods.iter().find(|(name, _)| is_self && *name == call.method)?;
+        let args = &call.args;
+        Some(syn::parse_quote!(<Self as #tr<#kind>>::#name(self, #args)))
+    }
+}
+
+/// A body as it runs on tch's tensors, as written but for what goes with the lazy one: `lazy(..)`
+/// and `try_lazy(..)` give the tensors themselves (`toma::lazy::eager_wrap`), and calls of
+/// methods pinned by kind ([`Pinned`]) call the `Tensor` one.
+struct EagerBody(Pinned);
+
+impl VisitMut for EagerBody {
+    fn visit_expr_mut(&mut self, e: &mut syn::Expr) {
+        syn::visit_mut::visit_expr_mut(self, e);
+        if let syn::Expr::MethodCall(call) = e {
+            if let Some(pinned) = self.0.pin(call, &syn::parse_quote!(::tch::Tensor)) {
+                *e = pinned;
+            }
+        }
+    }
+
+    fn visit_expr_call_mut(&mut self, call: &mut syn::ExprCall) {
+        syn::visit_mut::visit_expr_call_mut(self, call);
+        if let syn::Expr::Path(f) = &mut *call.func {
+            let last = f.path.segments.last().map(|s| s.ident.to_string());
+            match last.as_deref() {
+                Some("lazy") if f.qself.is_none() => f.path = syn::parse_quote!(::toma::lazy::eager_wrap),
+                Some("try_lazy") if f.qself.is_none() => f.path = syn::parse_quote!(::toma::lazy::try_eager_wrap),
+                _ => {}
+            }
+        }
+    }
+}
+
+/// `block` as it runs on tch's tensors ([`EagerBody`]).
+fn eager_block(block: &syn::Block, pinned: &Pinned) -> syn::Block {
+    let mut block = block.clone();
+    EagerBody(pinned.clone()).visit_block_mut(&mut block);
+    block
+}
 
 /// Whether `e` is a tch constant made in the body: `Tensor::zeros(..)`, `Tensor::from_slice(..)`
 /// and the like, and method chains on one (`Tensor::zeros(..).to_device(d)`).
@@ -310,6 +364,17 @@ impl VisitMut for LazyBody {
         }
     }
 
+    fn visit_expr_mut(&mut self, e: &mut syn::Expr) {
+        if let syn::Expr::MethodCall(call) = e {
+            if let Some(mut pinned) = self.1.pin(call, &syn::parse_quote!(::toma::lazy::LazyTensor)) {
+                syn::visit_mut::visit_expr_mut(self, &mut pinned);
+                *e = pinned;
+                return;
+            }
+        }
+        syn::visit_mut::visit_expr_mut(self, e);
+    }
+
     fn visit_expr_method_call_mut(&mut self, call: &mut syn::ExprMethodCall) {
         if call.method == "zero_state" {
             call.method = syn::Ident::new("lazy_zero_state", call.method.span());
@@ -346,10 +411,24 @@ impl VisitMut for LazyBody {
 }
 
 /// `block` as it runs on lazy values ([`LazyBody`]).
-fn lazy_block(block: &syn::Block) -> syn::Block {
+fn lazy_block(block: &syn::Block, pinned: &Pinned) -> syn::Block {
     let mut block = block.clone();
-    LazyBody(Kinds::lazy()).visit_block_mut(&mut block);
+    LazyBody(Kinds::lazy(), pinned.clone()).visit_block_mut(&mut block);
     block
+}
+
+/// Whether `sig` names a `Tensor` (or state) in its result only: its arguments cannot tell
+/// which kind a call wants.
+fn result_only(sig: &syn::Signature) -> bool {
+    let mut args = sig.clone();
+    args.output = ReturnType::Default;
+    sig_with(&args, &Kinds::lazy()).is_none()
+}
+
+/// The lazy twin's name of a method whose only `Tensor` is its result: `lazy_` and its name, as
+/// `zero_state` has `lazy_zero_state`.
+fn lazy_twin(name: &syn::Ident) -> syn::Ident {
+    quote::format_ident!("lazy_{}", name)
 }
 
 /// `sig` with its `Tensor`s (and states) replaced by `with`; `None` when it names none.
@@ -398,8 +477,22 @@ fn generic_fn(f: syn::ItemFn) -> syn::Result<TokenStream2> {
     decl.ident = name.clone();
     wrapper.generics.params.push(syn::parse_quote!(#kind: #trait_ident));
     let args = arg_names(&f.sig)?;
-    let (vis, attrs, body, sig) = (&f.vis, &f.attrs, &f.block, &f.sig);
-    let lazy_body = lazy_block(body);
+    let (vis, attrs, sig) = (&f.vis, &f.attrs, &f.sig);
+    let body = eager_block(&f.block, &Pinned::default());
+    let lazy_body = lazy_block(&f.block, &Pinned::default());
+    // Its result only names a `Tensor`: the caller's annotation picks the kind, or the lazy
+    // twin names it.
+    let twin = result_only(&f.sig).then(|| {
+        let mut twin_sig = lazy_sig.clone();
+        twin_sig.ident = lazy_twin(name);
+        let doc = format!("`{name}` on lazy values, its kind named (`#[toma::lazy::module]`).");
+        quote! {
+            #[doc = #doc]
+            #vis #twin_sig {
+                <::toma::lazy::LazyTensor as #trait_ident>::#name(#(#args),*)
+            }
+        }
+    });
     Ok(quote! {
         #[doc(hidden)]
         #[allow(non_camel_case_types)]
@@ -416,6 +509,7 @@ fn generic_fn(f: syn::ItemFn) -> syn::Result<TokenStream2> {
         #vis #wrapper {
             <#kind as #trait_ident>::#name(#(#args),*)
         }
+        #twin
     })
 }
 
@@ -431,15 +525,32 @@ fn generic_impl(mut block: ItemImpl) -> syn::Result<TokenStream2> {
         _ => String::new(),
     };
     let (impl_generics, _, where_clause) = block.generics.split_for_impl();
+    let trait_of = |name: &syn::Ident| quote::format_ident!("__Toma{}_{}", type_name, name);
+    // Methods whose only `Tensor` is their result: called as `self.name(..)` in a body, they
+    // take that body's kind.
+    let pinned = Pinned {
+        methods: block
+            .items
+            .iter()
+            .filter_map(|item| match item {
+                ImplItem::Fn(f) if sig_with(&f.sig, &Kinds::lazy()).is_some() && result_only(&f.sig) => {
+                    Some((f.sig.ident.clone(), trait_of(&f.sig.ident)))
+                }
+                _ => None,
+            })
+            .collect(),
+    };
     let mut extra = TokenStream2::new();
+    let mut twins: Vec<ImplItem> = Vec::new();
     for item in block.items.iter_mut() {
         let ImplItem::Fn(f) = item else { continue };
         let Some(decl) = sig_with(&f.sig, &Kinds::of(kind.clone())) else { continue };
         let lazy_sig = sig_with(&f.sig, &Kinds::lazy()).expect("it names a Tensor");
         let name = f.sig.ident.clone();
-        let trait_ident = quote::format_ident!("__Toma{}_{}", type_name, name);
-        let (sig, body, attrs) = (&f.sig, &f.block, &f.attrs);
-        let lazy_body = lazy_block(body);
+        let trait_ident = trait_of(&name);
+        let (sig, attrs) = (&f.sig, &f.attrs);
+        let body = eager_block(&f.block, &pinned);
+        let lazy_body = lazy_block(&f.block, &pinned);
         extra.extend(quote! {
             #[doc(hidden)]
             #[allow(non_camel_case_types)]
@@ -460,8 +571,23 @@ fn generic_impl(mut block: ItemImpl) -> syn::Result<TokenStream2> {
         wrapper.generics.make_where_clause().predicates.push(syn::parse_quote!(Self: #trait_ident<#k>));
         let args = arg_names(&f.sig)?;
         let receiver = f.sig.receiver().map(|_| quote!(self,));
+        if result_only(&f.sig) {
+            // The caller's annotation picks the kind (`let loss: LazyTensor = m.loss(..)`), or
+            // the lazy twin names it (`m.lazy_loss(..)`), as `lazy_zero_state` does.
+            let mut twin_sig = lazy_sig.clone();
+            twin_sig.ident = lazy_twin(&name);
+            let vis = &f.vis;
+            let doc = format!("`{name}` on lazy values, its kind named (`#[toma::lazy::module]`).");
+            twins.push(syn::parse_quote! {
+                #[doc = #doc]
+                #vis #twin_sig {
+                    <Self as #trait_ident<::toma::lazy::LazyTensor>>::#name(#receiver #(#args),*)
+                }
+            });
+        }
         f.sig = wrapper;
         f.block = syn::parse_quote!({ <Self as #trait_ident<#k>>::#name(#receiver #(#args),*) });
     }
+    block.items.extend(twins);
     Ok(quote!(#block #extra))
 }

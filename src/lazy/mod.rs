@@ -445,6 +445,8 @@ pub use scaler::{GradScaler, ScaledStep};
 pub use tensor::{OpCosts, Split};
 pub use tensor_ops::{Arithmetic, Operators, TensorOps};
 pub use unplaced::UnplacedRequest;
+#[doc(hidden)]
+pub use wrap::{eager_wrap, try_eager_wrap};
 pub use wrap::{lazy, try_lazy, BatchDimArg, Lazify};
 
 /// One body for a custom layer, eagerly and lazily: on `impl Module for X` with `fn forward(&self,
@@ -534,6 +536,42 @@ pub use wrap::{lazy, try_lazy, BatchDimArg, Lazify};
 /// let lx = lazy(&x, 0);
 /// let lazily = loss(&vae.forward(&lx).0, &lx);
 /// assert!((lazily.backward()? - eager.double_value(&[])).abs() < 1e-4);
+/// # Ok::<(), toma::lazy::LazyError>(())
+/// ```
+///
+/// # A method whose only `Tensor` is its result
+///
+/// tch-rs's `translation` trains from token lists: `fn train_loss(&self, input: &[usize], target:
+/// &[usize]) -> Tensor` makes its tensors itself. Its arguments cannot tell which kind a call
+/// wants, so the caller asks (`let loss: Tensor = m.train_loss(..)`, `let loss: LazyTensor =
+/// ..`), or calls the lazy twin the attribute names: `m.lazy_train_loss(..)`, as a layer's
+/// `zero_state` has `lazy_zero_state`. Without either, rustc says "type annotations needed"
+/// where the value is first used. Inside the `impl`, `self.train_loss(..)` takes the calling
+/// body's kind. The tensors such a method makes from its data are wrapped as the batch is
+/// (`lazy(&Tensor::from_slice(&[token]), None)`): in the body compiled for `Tensor`, `lazy(..)`
+/// and `try_lazy(..)` give the tensors as they are.
+///
+/// ```
+/// use tch::{Device, Kind, Tensor};
+/// use toma::lazy::{lazy, nn, nn::Module, LazyTensor};
+///
+/// struct Scorer { emb: nn::Embedding, head: nn::Linear }
+///
+/// #[toma::lazy::module]
+/// impl Scorer {
+///     fn loss(&self, tokens: &[i64], label: i64) -> Tensor {
+///         let xs = lazy(&Tensor::from_slice(tokens), None);
+///         let logits = self.head.forward(&self.emb.forward(&xs).mean_dim(0, true, Kind::Float));
+///         logits.cross_entropy_for_logits(&lazy(&Tensor::from_slice(&[label]), None))
+///     }
+/// }
+///
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// let m = Scorer { emb: nn::embedding(vs.root() / "e", 10, 4, Default::default()), head: nn::linear(vs.root() / "h", 4, 3, Default::default()) };
+/// let eager: Tensor = m.loss(&[1, 2, 3], 2);
+/// let lazily: LazyTensor = m.loss(&[1, 2, 3], 2);
+/// assert!((m.lazy_loss(&[1, 2, 3], 2).backward()? - eager.double_value(&[])).abs() < 1e-6);
+/// assert!((lazily.to_tensor()?.double_value(&[]) - eager.double_value(&[])).abs() < 1e-6);
 /// # Ok::<(), toma::lazy::LazyError>(())
 /// ```
 pub use toma_macros::module;

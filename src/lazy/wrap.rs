@@ -27,6 +27,15 @@ pub trait Lazify {
     /// How many tensors are wrapped.
     #[doc(hidden)]
     fn count(&self) -> usize;
+
+    /// What is wrapped, as tensors again: what [`lazy`] gives in the eager body that
+    /// `#[toma::lazy::module]` writes ([`eager_wrap`]).
+    #[doc(hidden)]
+    type Tensors;
+
+    /// The tensors themselves (shallow clones), unwrapped.
+    #[doc(hidden)]
+    fn tensors(self) -> Self::Tensors;
 }
 
 impl Lazify for &Tensor {
@@ -39,6 +48,10 @@ impl Lazify for &Tensor {
     }
     fn count(&self) -> usize {
         1
+    }
+    type Tensors = Tensor;
+    fn tensors(self) -> Tensor {
+        self.shallow_clone()
     }
     fn batch_sizes(&self, batch: Option<i64>, sizes: &mut Vec<(Vec<i64>, i64)>) {
         if let Some(dim) = batch {
@@ -71,6 +84,12 @@ macro_rules! lazify_tuple {
                 let ($($name,)+) = self;
                 0 $(+ $name.count())+
             }
+            type Tensors = ($($name::Tensors,)+);
+            #[allow(non_snake_case)]
+            fn tensors(self) -> Self::Tensors {
+                let ($($name,)+) = self;
+                ($($name.tensors(),)+)
+            }
         }
     };
 }
@@ -94,6 +113,10 @@ impl<const K: usize> Lazify for &[Tensor; K] {
     fn count(&self) -> usize {
         self.len()
     }
+    type Tensors = [Tensor; K];
+    fn tensors(self) -> [Tensor; K] {
+        std::array::from_fn(|k| self[k].shallow_clone())
+    }
 }
 
 impl Lazify for &[Tensor] {
@@ -109,6 +132,10 @@ impl Lazify for &[Tensor] {
     fn count(&self) -> usize {
         self.len()
     }
+    type Tensors = Vec<Tensor>;
+    fn tensors(self) -> Vec<Tensor> {
+        self.iter().map(Tensor::shallow_clone).collect()
+    }
 }
 
 impl Lazify for &Vec<Tensor> {
@@ -121,6 +148,10 @@ impl Lazify for &Vec<Tensor> {
     }
     fn count(&self) -> usize {
         self.len()
+    }
+    type Tensors = Vec<Tensor>;
+    fn tensors(self) -> Vec<Tensor> {
+        self.as_slice().tensors()
     }
 }
 
@@ -167,6 +198,24 @@ impl From<Option<i64>> for BatchDimArg {
 #[track_caller]
 pub fn lazy<L: Lazify>(inputs: L, batch: impl Into<BatchDimArg>) -> L::Output {
     try_lazy(inputs, batch).or_panic()
+}
+
+/// [`lazy`] in the eager body `#[toma::lazy::module]` writes: the tensors as they are (shallow
+/// clones), so that a method that wraps its own inputs (`fn loss(&self, tokens: &[i64]) ->
+/// Tensor { let xs = lazy(&Tensor::from_slice(tokens), 0); .. }`) runs eagerly on tch's
+/// tensors and lazily on toma's from one body. The batch dimension is not checked.
+#[doc(hidden)]
+pub fn eager_wrap<L: Lazify>(inputs: L, _batch: impl Into<BatchDimArg>) -> L::Tensors {
+    inputs.tensors()
+}
+
+/// [`try_lazy`] in the eager body `#[toma::lazy::module]` writes ([`eager_wrap`]).
+///
+/// # Errors
+/// None: the tensors are given back as they are.
+#[doc(hidden)]
+pub fn try_eager_wrap<L: Lazify>(inputs: L, _batch: impl Into<BatchDimArg>) -> Result<L::Tensors, LazyError> {
+    Ok(inputs.tensors())
 }
 
 /// Like [`lazy`], with bad dimensions and mismatched batch sizes reported as errors.

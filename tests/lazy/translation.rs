@@ -109,6 +109,28 @@ impl Model {
     }
 }
 
+/// The model twice from the same weights, each with its Adam: the eager copy, then the lazy one.
+fn two_copies<M>(build: impl Fn(&nn::VarStore) -> M) -> [(nn::VarStore, M, nn::Optimizer); 2] {
+    let eager_vs = nn::VarStore::new(Device::Cpu);
+    let eager = build(&eager_vs);
+    let mut lazy_vs = nn::VarStore::new(Device::Cpu);
+    let lazily = build(&lazy_vs);
+    lazy_vs.copy(&eager_vs).unwrap();
+    let eager_opt = nn::Adam::default().build(&eager_vs, 1e-3).unwrap();
+    let lazy_opt = nn::Adam::default().build(&lazy_vs, 1e-3).unwrap();
+    [(eager_vs, eager, eager_opt), (lazy_vs, lazily, lazy_opt)]
+}
+
+/// A step's losses `(lazily, eagerly)` and the weights after it agree.
+fn same_step(step: i64, (value, expected): (f64, f64), lazy_vs: &nn::VarStore, eager_vs: &nn::VarStore) {
+    assert!((value - expected).abs() <= 1e-5 * expected.abs(), "step {step}: {value} lazily, {expected} eagerly");
+    let lazy_vars = lazy_vs.variables();
+    for (name, t) in eager_vs.variables() {
+        let diff = (&t - &lazy_vars[&name]).abs().max().double_value(&[]);
+        assert!(diff < 1e-5, "step {step}: {name} differs by {diff}");
+    }
+}
+
 /// Run in a child process, alone: dropout draws from the global generator, which tests on
 /// other threads would draw from between the two sides.
 #[test]
@@ -118,14 +140,8 @@ fn tchs_translation_ports_with_one_attribute_an_impl_and_trains_as_eager() {
         crate::support::child::run(test, "TOMA_TRANSLATION_CHILD", "1").assert_finished("translation ");
         return;
     }
-    let build = |vs: &nn::VarStore| Model { encoder: Encoder::new(vs.root()), decoder: Decoder::new(vs.root()) };
-    let eager_vs = nn::VarStore::new(Device::Cpu);
-    let eager = build(&eager_vs);
-    let mut lazy_vs = nn::VarStore::new(Device::Cpu);
-    let lazily = build(&lazy_vs);
-    lazy_vs.copy(&eager_vs).unwrap();
-    let mut eager_opt = nn::Adam::default().build(&eager_vs, 1e-3).unwrap();
-    let mut lazy_opt = nn::Adam::default().build(&lazy_vs, 1e-3).unwrap();
+    let [(eager_vs, eager, mut eager_opt), (lazy_vs, lazily, mut lazy_opt)] =
+        two_copies(|vs| Model { encoder: Encoder::new(vs.root()), decoder: Decoder::new(vs.root()) });
     for step in 0..4 {
         let input = Tensor::randint_low(2, WORDS, [7], (Kind::Int64, Device::Cpu));
         let target = Tensor::randint_low(2, WORDS, [6], (Kind::Int64, Device::Cpu));
@@ -138,12 +154,7 @@ fn tchs_translation_ports_with_one_attribute_an_impl_and_trains_as_eager() {
         let (li, lt) = lazy((&input, &target), None);
         let loss = lazily.train_loss(&li, &lt, greedy);
         let value = lazy_opt.backward_step(&loss);
-        assert!((value - expected).abs() <= 1e-5 * expected.abs(), "step {step}: {value} lazily, {expected} eagerly");
-        let lazy_vars = lazy_vs.variables();
-        for (name, t) in eager_vs.variables() {
-            let diff = (&t - &lazy_vars[&name]).abs().max().double_value(&[]);
-            assert!(diff < 1e-5, "step {step}: {name} differs by {diff}");
-        }
+        same_step(step, (value, expected), &lazy_vs, &eager_vs);
     }
     println!("\ntranslation done=1");
 }
@@ -178,4 +189,84 @@ fn a_lazy_body_pads_with_constants_as_tchs_translation_does() {
         let diff = (x.grad() - &expected).abs().max().double_value(&[]);
         assert!(diff < 1e-6, "length {len}: gradients differ by {diff}");
     }
+}
+
+/// Upstream's `Model::train_loss` takes the sentences as token lists and makes its tensors
+/// itself: a method whose only `Tensor` is its result. Ported with the wrap of each tensor it
+/// makes (`lazy(.., None)`, which the attribute makes a no-op on tch's side), it takes the kind
+/// the caller asks for (`let loss: Tensor = model.train_loss(..)`), and the attribute names its
+/// lazy twin `lazy_train_loss`, as `zero_state` has `lazy_zero_state`.
+struct Translator {
+    encoder: Encoder,
+    decoder: Decoder,
+}
+
+#[toma::lazy::module]
+impl Translator {
+    fn train_loss(&self, input: &[i64], target: &[i64], greedy: bool) -> Tensor {
+        let mut state = self.encoder.gru.zero_state(1);
+        let mut enc_outputs = vec![];
+        for &s in input {
+            let s = lazy(&Tensor::from_slice(&[s]), None);
+            let (out, next) = self.encoder.forward(&s, &state);
+            enc_outputs.push(out);
+            state = next;
+        }
+        let enc_outputs = Tensor::stack(&enc_outputs, 1);
+        let mut loss = lazy(&Tensor::from(0f32), None);
+        let mut prev = lazy(&Tensor::from_slice(&[SOS]), None);
+        for &s in target {
+            let (output, next) = self.decoder.forward(&prev, &state, &enc_outputs, true);
+            state = next;
+            let target_tensor = lazy(&Tensor::from_slice(&[s]), None);
+            loss += output.nll_loss(&target_tensor);
+            let (_, output) = output.topk(1, -1, true, true);
+            if i64::try_from(&output).unwrap() == EOS {
+                break;
+            }
+            prev = if greedy { output.view([1]) } else { target_tensor };
+        }
+        loss
+    }
+
+    /// A method calling another whose only `Tensor` is its result: each body calls its own kind.
+    fn reversed_loss(&self, input: &[i64], target: &[i64]) -> Tensor {
+        let reversed: Vec<i64> = input.iter().rev().copied().collect();
+        self.train_loss(&reversed, target, false) * 0.5
+    }
+}
+
+#[test]
+fn a_method_whose_only_tensor_is_its_result_has_a_lazy_twin() {
+    if std::env::var_os("TOMA_TRANSLATION_CHILD").is_none() {
+        let test = "translation::a_method_whose_only_tensor_is_its_result_has_a_lazy_twin";
+        crate::support::child::run(test, "TOMA_TRANSLATION_CHILD", "1").assert_finished("translator ");
+        return;
+    }
+    let [(eager_vs, eager, mut eager_opt), (lazy_vs, lazily, mut lazy_opt)] =
+        two_copies(|vs| Translator { encoder: Encoder::new(vs.root()), decoder: Decoder::new(vs.root()) });
+    for step in 0..4 {
+        let input: Vec<i64> = Tensor::randint_low(2, WORDS, [7], (Kind::Int64, Device::Cpu)).try_into().unwrap();
+        let target: Vec<i64> = Tensor::randint_low(2, WORDS, [6], (Kind::Int64, Device::Cpu)).try_into().unwrap();
+        let greedy = step % 2 == 1;
+        tch::manual_seed(step);
+        // The caller asks for the kind: `Tensor` runs the body as written.
+        let loss: Tensor =
+            if step == 3 { eager.reversed_loss(&input, &target) } else { eager.train_loss(&input, &target, greedy) };
+        eager_opt.backward_step(&loss);
+        let expected = loss.double_value(&[]);
+        tch::manual_seed(step);
+        let loss = match step {
+            3 => lazily.lazy_reversed_loss(&input, &target),
+            // The caller's annotation picks the kind too.
+            2 => {
+                let loss: toma::lazy::LazyTensor = lazily.train_loss(&input, &target, greedy);
+                loss
+            }
+            _ => lazily.lazy_train_loss(&input, &target, greedy),
+        };
+        let value = lazy_opt.backward_step(&loss);
+        same_step(step, (value, expected), &lazy_vs, &eager_vs);
+    }
+    println!("\ntranslator done=1");
 }
