@@ -274,6 +274,12 @@ fn planner_peak_matches_the_cpu_allocator() {
         "log_sigmoid",
         "detach",
         "logsumexp",
+        "hardtanh",
+        "selu",
+        "sign",
+        "max_other",
+        "l1_loss",
+        "expand_as",
     ] {
         measure(op, 64, &|n| {
             let vs = nn::VarStore::new(CPU);
@@ -292,6 +298,14 @@ fn planner_peak_matches_the_cpu_allocator() {
                 "erf" => h.erf(),
                 "log_sigmoid" => h.log_sigmoid(),
                 "logsumexp" => h.view([-1, 64, 64]).logsumexp(-1, false),
+                "hardtanh" => h.hardtanh(),
+                "selu" => h.selu(),
+                "sign" => &h * h.sign(),
+                "max_other" => h.max_other(&h.tanh()),
+                "l1_loss" => h.l1_loss(&h.tanh(), tch::Reduction::Mean),
+                "expand_as" => {
+                    h.view([-1, 64, 64]).sum_dim_intlist(-1, true, None).expand_as(&h.view([-1, 64, 64])).tanh()
+                }
                 // The gradient flows through one factor only.
                 _ => &h * h.detach().tanh(),
             };

@@ -159,6 +159,27 @@ pub(crate) fn infer_size(size: &[i64], total: i64) -> Result<Dims, String> {
     Ok(out)
 }
 
+/// The strides libtorch gives an elementwise op's output on an input of (`shape`, `strides`):
+/// the input's own where they are a reordering of a contiguous layout (non-overlapping and
+/// dense: a transposed tensor), as `TensorIterator` keeps the input's memory order; else
+/// contiguous ones.
+pub(crate) fn elementwise_strides(shape: &[i64], strides: &[i64]) -> Dims {
+    if strides.len() == shape.len() && !is_contiguous(shape, strides) {
+        let mut dims: Vec<usize> = (0..shape.len()).filter(|&d| shape[d] != 1).collect();
+        dims.sort_by_key(|&d| strides[d]);
+        let mut expected = 1;
+        let dense = dims.iter().all(|&d| {
+            let ok = strides[d] == expected;
+            expected *= shape[d];
+            ok
+        });
+        if dense {
+            return Dims::from(strides);
+        }
+    }
+    contiguous_strides(shape)
+}
+
 /// For a view of (`from`, `from_strides`) as (`to`, `to_strides`) that only reorders the
 /// dimensions (a transpose, a permute): which dimension of `from` each of `to`'s is. `None`
 /// for any other view.
@@ -449,6 +470,25 @@ pub(crate) fn scalar_result_kind(kind: Kind) -> Kind {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// libtorch's elementwise output keeps a transposed input's order, and only a dense one's.
+    #[cfg(feature = "tch")]
+    #[test]
+    fn elementwise_outputs_are_laid_out_as_libtorch_lays_them() {
+        use tch::{Device, IndexOp, Kind, Tensor};
+        let x = Tensor::randn([4, 3, 5], (Kind::Float, Device::Cpu));
+        for input in
+            [x.transpose(1, 2), x.permute([2, 0, 1]), x.i((.., .., 1..4)), x.shallow_clone(), x.i((.., 0..1, ..))]
+        {
+            let out = input.sigmoid();
+            let want = elementwise_strides(&input.size(), &input.stride());
+            // Size-1 dimensions' strides do not matter to a view.
+            let matters = |s: &[i64]| -> Vec<i64> {
+                s.iter().zip(out.size()).filter(|(_, n)| *n != 1).map(|(s, _)| *s).collect()
+            };
+            assert_eq!(matters(&want), matters(&out.stride()), "input strides {:?}", input.stride());
+        }
+    }
 
     #[test]
     fn broadcast_rules() {

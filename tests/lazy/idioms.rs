@@ -1191,3 +1191,49 @@ fn a_latent_array_through_layers_before_it_meets_the_batch_splits_exactly() {
         }
     }
 }
+
+/// tch's spellings used by tch-rs's programs (PPO's `min_other`, `view_as`, `expand_as`,
+/// `type_as`, `l1_loss`, `hardtanh`, `selu`, `sign`): the values and gradients of eager tch,
+/// whole and in micro-batches of 3 of 8.
+#[test]
+fn tchs_other_spellings_record_as_eagerly() {
+    type Loss = fn(&LazyTensor) -> LazyTensor;
+    type Eager = fn(&Tensor) -> Tensor;
+    let cases: [(&str, Eager, Loss); 10] = [
+        ("min_other", |x| x.min_other(&x.tanh()).sum(None), |x| x.min_other(&x.tanh()).sum(None)),
+        ("max_other", |x| x.max_other(&x.sin()).sum(None), |x| x.max_other(&x.sin()).sum(None)),
+        ("view_as", |x| x.view([-1, 12]).tanh().view_as(x).sum(None), |x| x.view([-1, 12]).tanh().view_as(x).sum(None)),
+        (
+            "reshape_as",
+            |x| x.transpose(1, 2).sigmoid().reshape_as(x).sum(None),
+            |x| x.transpose(1, 2).sigmoid().reshape_as(x).sum(None),
+        ),
+        (
+            "expand_as",
+            |x| x.narrow(2, 0, 1).expand_as(x).tanh().sum(None),
+            |x| x.narrow(2, 0, 1).expand_as(x).tanh().sum(None),
+        ),
+        (
+            "type_as",
+            |x| x.type_as(&x.to_kind(Kind::Double)).exp().sum(None),
+            |x| x.type_as(&x.to_kind(Kind::Double)).exp().sum(None),
+        ),
+        ("l1_loss", |x| x.l1_loss(&x.cos(), tch::Reduction::Mean), |x| x.l1_loss(&x.cos(), tch::Reduction::Mean)),
+        ("hardtanh", |x| (x * 2.0).hardtanh().sum(None), |x| (x * 2.0).hardtanh().sum(None)),
+        ("selu", |x| x.selu().sum(None), |x| x.selu().sum(None)),
+        ("sign", |x| (x * x.sign()).sum(None), |x| (x * x.sign()).sum(None)),
+    ];
+    for (name, eager, lazily) in cases {
+        let mut x = Tensor::randn([8, 3, 4], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let expected = eager(&x);
+        expected.backward();
+        let grad = x.grad().copy();
+        for micro in [8usize, 3] {
+            x.zero_grad();
+            let value = lazily(&lazy(&x, 0)).backward_with(&Options::new().micro_batch(micro)).unwrap();
+            assert!((value - expected.double_value(&[])).abs() < 1e-4, "{name}, micro-batch {micro}: the loss");
+            let diff = (x.grad() - &grad).abs().max().double_value(&[]);
+            assert!(diff < 1e-5, "{name}, micro-batch {micro}: the gradient differs by {diff}");
+        }
+    }
+}

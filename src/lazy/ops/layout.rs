@@ -869,6 +869,38 @@ impl LazyTensor {
             .collect()
     }
 
+    /// A view broadcast to `other`'s shape, as tch's `expand_as`.
+    ///
+    /// # Errors
+    /// As [`f_expand`](Self::f_expand).
+    pub fn f_expand_as(&self, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        self.f_expand(other.into_lazy().size(), false)
+    }
+
+    /// A view with `other`'s shape, as tch's `view_as`.
+    ///
+    /// # Errors
+    /// As [`f_view`](Self::f_view).
+    pub fn f_view_as(&self, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        self.f_view(other.into_lazy().size().as_slice())
+    }
+
+    /// `self` reshaped to `other`'s shape, as tch's `reshape_as`.
+    ///
+    /// # Errors
+    /// As [`f_reshape`](Self::f_reshape).
+    pub fn f_reshape_as(&self, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        self.f_reshape(other.into_lazy().size())
+    }
+
+    /// `self` in `other`'s kind, as tch's `type_as`.
+    ///
+    /// # Errors
+    /// As [`f_to_kind`](Self::f_to_kind).
+    pub fn f_type_as(&self, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        self.f_to_kind(other.into_lazy().kind())
+    }
+
     /// A view broadcast to `size` (tch's `expand`): `-1` keeps a size, new leading dimensions
     /// may be added, and only dimensions of size 1 grow. The batch stays where it is.
     /// `implicit` only marks the op for libtorch's tracer; the result is the same either way.

@@ -716,6 +716,22 @@ impl LazyTensor {
         self.f_elementwise_loss(target, Elementwise::Mse, reduction)
     }
 
+    /// Absolute error against `target`, reduced, as tch's `l1_loss`: libtorch composes it as
+    /// `(input - target).abs()` and its reduction, and so is it recorded (their rules price it).
+    ///
+    /// # Errors
+    /// [`LazyError::Shape`] when the shapes do not broadcast, [`LazyError::Argument`] for an
+    /// unknown reduction, and as [`f_sub`](Self::f_sub).
+    pub fn f_l1_loss(&self, target: impl IntoLazy, reduction: Reduction) -> Result<LazyTensor, LazyError> {
+        let diff = self.f_sub(target)?.f_abs()?;
+        match reduction {
+            Reduction::None => Ok(diff),
+            Reduction::Sum => diff.f_sum(None),
+            Reduction::Mean => diff.f_mean(None),
+            Reduction::Other(_) => Err(arg("l1_loss", &self.size(), "unknown reduction")),
+        }
+    }
+
     /// Binary cross-entropy of logits against targets of the same shape, as tch's
     /// `binary_cross_entropy_with_logits`.
     ///

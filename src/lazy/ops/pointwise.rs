@@ -61,6 +61,12 @@ pub(crate) enum Unary {
     Erf,
     /// `log(sigmoid(x))`.
     LogSigmoid,
+    /// -1, 0 or 1 (its gradient is zero).
+    Sign,
+    /// `min(max(x, -1), 1)`, as tch's `hardtanh`.
+    Hardtanh,
+    /// Scaled ELU with libtorch's fixed alpha and scale.
+    Selu,
 }
 
 /// Binary elementwise ops (tensor with tensor, or tensor with scalar).
@@ -170,6 +176,11 @@ impl Unary {
             Unary::Erf => row("erf", Promoted, Input, 4),
             // Its kernel keeps a buffer as large as its input (see `kernels`).
             Unary::LogSigmoid => row("log_sigmoid", Floating, Input, 0),
+            // `zeros_like(grad)`: nothing kept.
+            Unary::Sign => row("sign", Same, Nothing, 0),
+            Unary::Hardtanh => row("hardtanh", Floating, Input, 0),
+            // libtorch runs it as `elu` with SELU's constants: the same backward.
+            Unary::Selu => row("selu", Floating, Input, 0),
         }
     }
 
@@ -203,6 +214,9 @@ impl Unary {
             Unary::Reciprocal => x.f_reciprocal(),
             Unary::Erf => x.f_erf(),
             Unary::LogSigmoid => x.f_log_sigmoid(),
+            Unary::Sign => x.f_sign(),
+            Unary::Hardtanh => x.f_hardtanh(),
+            Unary::Selu => x.f_selu(),
         }
     }
 }
@@ -645,7 +659,12 @@ impl LazyTensor {
         };
         let linearity = if matches!(u, Unary::Neg) { Linearity::Additive } else { Linearity::Nonlinear };
         let flow = same_shape_flow(name, n, linearity)?;
-        Ok(Record::new(u, inputs_of([n]), n.meta.shape.clone(), kind, n.meta.device).flow(flow).finish())
+        // A transposed input gives a transposed output: a later `reshape` must then copy.
+        let strides = shape::elementwise_strides(&n.meta.shape, &n.meta.strides);
+        Ok(Record::new(u, inputs_of([n]), n.meta.shape.clone(), kind, n.meta.device)
+            .flow(flow)
+            .laid_out(strides)
+            .finish())
     }
 
     /// `max(x, 0)`.
@@ -767,6 +786,27 @@ impl LazyTensor {
     /// [`LazyError::Kind`] for a non-floating tensor.
     pub fn f_mish(&self) -> Result<LazyTensor, LazyError> {
         self.f_unary(Unary::Mish)
+    }
+    /// `min(max(x, -1), 1)`, as tch's `hardtanh`.
+    ///
+    /// # Errors
+    /// [`LazyError::Kind`] for a non-floating tensor.
+    pub fn f_hardtanh(&self) -> Result<LazyTensor, LazyError> {
+        self.f_unary(Unary::Hardtanh)
+    }
+    /// SELU, `scale * elu(x, alpha)` with libtorch's constants.
+    ///
+    /// # Errors
+    /// [`LazyError::Kind`] for a non-floating tensor.
+    pub fn f_selu(&self) -> Result<LazyTensor, LazyError> {
+        self.f_unary(Unary::Selu)
+    }
+    /// The sign, -1, 0 or 1, as tch's `sign` (no gradient flows through it).
+    ///
+    /// # Errors
+    /// None in practice.
+    pub fn f_sign(&self) -> Result<LazyTensor, LazyError> {
+        self.f_unary(Unary::Sign)
     }
     /// The sine.
     ///
@@ -1081,6 +1121,20 @@ impl LazyTensor {
     /// As [`f_add`](Self::f_add).
     pub fn f_maximum(&self, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
         self.f_binary(Binary::Maximum, other)
+    }
+    /// Elementwise maximum, as tch's `max_other` (the same op as `maximum`).
+    ///
+    /// # Errors
+    /// As [`f_maximum`](Self::f_maximum).
+    pub fn f_max_other(&self, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        self.f_binary(Binary::Maximum, other)
+    }
+    /// Elementwise minimum, as tch's `min_other` (the same op as `minimum`).
+    ///
+    /// # Errors
+    /// As [`f_minimum`](Self::f_minimum).
+    pub fn f_min_other(&self, other: impl IntoLazy) -> Result<LazyTensor, LazyError> {
+        self.f_binary(Binary::Minimum, other)
     }
     /// Elementwise minimum, broadcasting.
     ///

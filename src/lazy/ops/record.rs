@@ -152,6 +152,13 @@ impl Record {
         self
     }
 
+    /// The output's memory layout, where it is not contiguous (a copy that keeps its input's
+    /// order): not a view.
+    pub(crate) fn laid_out(mut self, strides: impl Into<Dims>) -> Self {
+        self.strides = Some(strides.into());
+        self
+    }
+
     pub(crate) fn view(mut self, strides: impl Into<Dims>) -> Self {
         self.strides = Some(strides.into());
         self.alias = true;
