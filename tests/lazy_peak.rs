@@ -280,6 +280,7 @@ fn planner_peak_matches_the_cpu_allocator() {
         "max_other",
         "l1_loss",
         "expand_as",
+        "transposed reshape",
     ] {
         measure(op, 64, &|n| {
             let vs = nn::VarStore::new(CPU);
@@ -306,6 +307,8 @@ fn planner_peak_matches_the_cpu_allocator() {
                 "expand_as" => {
                     h.view([-1, 64, 64]).sum_dim_intlist(-1, true, None).expand_as(&h.view([-1, 64, 64])).tanh()
                 }
+                // The product keeps the transposed order, so the reshape copies it.
+                "transposed reshape" => (h.view([-1, 64, 64]).transpose(1, 2) * 2.0).reshape([-1, 4096]).tanh(),
                 // The gradient flows through one factor only.
                 _ => &h * h.detach().tanh(),
             };

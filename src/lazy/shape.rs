@@ -159,25 +159,65 @@ pub(crate) fn infer_size(size: &[i64], total: i64) -> Result<Dims, String> {
     Ok(out)
 }
 
-/// The strides libtorch gives an elementwise op's output on an input of (`shape`, `strides`):
-/// the input's own where they are a reordering of a contiguous layout (non-overlapping and
-/// dense: a transposed tensor), as `TensorIterator` keeps the input's memory order; else
-/// contiguous ones.
-pub(crate) fn elementwise_strides(shape: &[i64], strides: &[i64]) -> Dims {
-    if strides.len() == shape.len() && !is_contiguous(shape, strides) {
-        let mut dims: Vec<usize> = (0..shape.len()).filter(|&d| shape[d] != 1).collect();
-        dims.sort_by_key(|&d| strides[d]);
-        let mut expected = 1;
-        let dense = dims.iter().all(|&d| {
-            let ok = strides[d] == expected;
-            expected *= shape[d];
-            ok
-        });
-        if dense {
-            return Dims::from(strides);
+/// The strides libtorch gives an elementwise op's output of shape `out` on `operands` (each
+/// `(shape, strides)`, broadcast to `out`): `TensorIterator` orders the dimensions by the
+/// operands' strides, the first operand that tells two dimensions apart deciding (a broadcast
+/// one, stride 0, tells nothing), and lays the output out densely in that order
+/// (`TensorIteratorBase::reorder_dimensions` in libtorch 2.11). A transposed input gives a
+/// transposed output; contiguous inputs give a contiguous one.
+pub(crate) fn elementwise_strides(out: &[i64], operands: &[(&[i64], &[i64])]) -> Dims {
+    let n = out.len();
+    // Each operand's strides over `out`'s dimensions: 0 where it is broadcast.
+    let strides: Vec<Vec<i64>> = operands
+        .iter()
+        .filter(|(shape, strides)| shape.len() == strides.len() && shape.len() <= n)
+        .map(|(shape, strides)| {
+            let lead = n - shape.len();
+            (0..n)
+                .map(|d| if d < lead || (shape[d - lead] == 1 && out[d] != 1) { 0 } else { strides[d - lead] })
+                .collect()
+        })
+        .collect();
+    // Whether `a` should sit inside `b` (1), outside (-1), or either (0).
+    let should_swap = |a: usize, b: usize| -> i32 {
+        for s in &strides {
+            let (sa, sb) = (s[a], s[b]);
+            if sa == 0 || sb == 0 {
+                continue;
+            }
+            if sa < sb {
+                return -1;
+            }
+            if sa > sb {
+                return 1;
+            }
+            if out[a] > out[b] {
+                return 1;
+            }
+        }
+        0
+    };
+    // Innermost first, as libtorch's `perm_` starts reversed; an insertion sort as its.
+    let mut perm: Vec<usize> = (0..n).rev().collect();
+    for i in 1..n {
+        let mut dim1 = i;
+        for dim0 in (0..i).rev() {
+            let c = should_swap(perm[dim0], perm[dim1]);
+            if c > 0 {
+                perm.swap(dim0, dim1);
+                dim1 = dim0;
+            } else if c < 0 {
+                break;
+            }
         }
     }
-    contiguous_strides(shape)
+    let mut result = contiguous_strides(out);
+    let mut stride = 1;
+    for &d in &perm {
+        result[d] = stride;
+        stride *= out[d].max(1);
+    }
+    result
 }
 
 /// For a view of (`from`, `from_strides`) as (`to`, `to_strides`) that only reorders the
@@ -481,12 +521,31 @@ mod tests {
             [x.transpose(1, 2), x.permute([2, 0, 1]), x.i((.., .., 1..4)), x.shallow_clone(), x.i((.., 0..1, ..))]
         {
             let out = input.sigmoid();
-            let want = elementwise_strides(&input.size(), &input.stride());
+            let want = elementwise_strides(&input.size(), &[(&input.size(), &input.stride())]);
             // Size-1 dimensions' strides do not matter to a view.
             let matters = |s: &[i64]| -> Vec<i64> {
                 s.iter().zip(out.size()).filter(|(_, n)| *n != 1).map(|(s, _)| *s).collect()
             };
             assert_eq!(matters(&want), matters(&out.stride()), "input strides {:?}", input.stride());
+        }
+        // Two operands: the first that tells the dimensions apart decides; a broadcast one
+        // tells nothing.
+        let y = Tensor::randn([4, 5, 3], (Kind::Float, Device::Cpu));
+        let row = Tensor::randn([1, 5, 1], (Kind::Float, Device::Cpu));
+        let pairs = [
+            (x.transpose(1, 2), y.shallow_clone()),
+            (y.shallow_clone(), x.transpose(1, 2)),
+            (row.shallow_clone(), x.transpose(1, 2)),
+            (x.transpose(1, 2), x.transpose(1, 2)),
+            (x.permute([0, 2, 1]).i((.., .., 0..3)), y.shallow_clone()),
+        ];
+        for (a, b) in pairs {
+            let out = &a + &b;
+            let want = elementwise_strides(&out.size(), &[(&a.size(), &a.stride()), (&b.size(), &b.stride())]);
+            let matters = |s: &[i64]| -> Vec<i64> {
+                s.iter().zip(out.size()).filter(|(_, n)| *n != 1).map(|(s, _)| *s).collect()
+            };
+            assert_eq!(matters(&want), matters(&out.stride()), "operands {:?} and {:?}", a.stride(), b.stride());
         }
     }
 

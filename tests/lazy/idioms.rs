@@ -1237,3 +1237,55 @@ fn tchs_other_spellings_record_as_eagerly() {
         }
     }
 }
+
+/// An elementwise op keeps a transposed operand's memory order, as libtorch's `TensorIterator`
+/// does, so a `reshape` after it copies where eager tch's copies (attention's `(q.transpose(1,
+/// 2) * scale).reshape(..)`): the values and gradients of eager tch, whole and in micro-batches.
+#[test]
+fn elementwise_ops_on_transposed_values_reshape_as_eagerly() {
+    type Case = fn(&LazyTensor, &LazyTensor) -> LazyTensor;
+    type Eager = fn(&Tensor, &Tensor) -> Tensor;
+    let cases: [(&str, Eager, Case); 6] = [
+        ("unary", |a, _| a.transpose(1, 2).tanh().reshape([8, 12]), |a, _| a.transpose(1, 2).tanh().reshape([8, 12])),
+        (
+            "scalar",
+            |a, _| (a.transpose(1, 2) * 2.0).reshape([8, 12]),
+            |a, _| (a.transpose(1, 2) * 2.0).reshape([8, 12]),
+        ),
+        (
+            "both transposed",
+            |a, b| (a.transpose(1, 2) + b.transpose(1, 2)).reshape([8, 12]),
+            |a, b| (a.transpose(1, 2) + b.transpose(1, 2)).reshape([8, 12]),
+        ),
+        (
+            "first decides",
+            |a, b| (a.transpose(1, 2) * b.view([8, 4, 3])).reshape([8, 12]),
+            |a, b| (a.transpose(1, 2) * b.view([8, 4, 3])).reshape([8, 12]),
+        ),
+        (
+            "pow",
+            |a, _| a.transpose(1, 2).pow_tensor_scalar(2.0).reshape([8, 12]),
+            |a, _| a.transpose(1, 2).pow_tensor_scalar(2.0).reshape([8, 12]),
+        ),
+        (
+            "where",
+            |a, b| a.transpose(1, 2).where_self(&b.transpose(1, 2).gt(0.0), &b.transpose(1, 2)).reshape([8, 12]),
+            |a, b| a.transpose(1, 2).where_self(&b.transpose(1, 2).gt(0.0), &b.transpose(1, 2)).reshape([8, 12]),
+        ),
+    ];
+    let y = Tensor::randn([8, 3, 4], (Kind::Float, Device::Cpu));
+    for (name, eager, lazily) in cases {
+        let mut x = Tensor::randn([8, 3, 4], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let expected = eager(&x, &y).sin().sum(None);
+        expected.backward();
+        let grad = x.grad().copy();
+        for micro in [8usize, 3] {
+            x.zero_grad();
+            let (lx, ly) = lazy((&x, &y), 0);
+            let value = lazily(&lx, &ly).sin().sum(None).backward_with(&Options::new().micro_batch(micro)).unwrap();
+            assert!((value - expected.double_value(&[])).abs() < 1e-4, "{name}, micro-batch {micro}: the loss");
+            let diff = (x.grad() - &grad).abs().max().double_value(&[]);
+            assert!(diff < 1e-5, "{name}, micro-batch {micro}: the gradient differs by {diff}");
+        }
+    }
+}

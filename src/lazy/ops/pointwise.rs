@@ -659,12 +659,7 @@ impl LazyTensor {
         };
         let linearity = if matches!(u, Unary::Neg) { Linearity::Additive } else { Linearity::Nonlinear };
         let flow = same_shape_flow(name, n, linearity)?;
-        // A transposed input gives a transposed output: a later `reshape` must then copy.
-        let strides = shape::elementwise_strides(&n.meta.shape, &n.meta.strides);
-        Ok(Record::new(u, inputs_of([n]), n.meta.shape.clone(), kind, n.meta.device)
-            .flow(flow)
-            .laid_out(strides)
-            .finish())
+        Ok(Record::new(u, inputs_of([n]), n.meta.shape.clone(), kind, n.meta.device).flow(flow).elementwise().finish())
     }
 
     /// `max(x, 0)`.
@@ -906,7 +901,10 @@ impl LazyTensor {
         }
         let flow = broadcast_flows(name, &[x, m], &x.meta.shape, Linearity::Nonlinear)?;
         let op = MaskedFill { value };
-        Ok(Record::new(op, inputs_of([x, m]), x.meta.shape.clone(), x.meta.kind, device).flow(flow).finish())
+        Ok(Record::new(op, inputs_of([x, m]), x.meta.shape.clone(), x.meta.kind, device)
+            .flow(flow)
+            .elementwise()
+            .finish())
     }
 
     /// `self` where `condition` is true, `other` elsewhere, broadcast together (tch's
@@ -928,7 +926,7 @@ impl LazyTensor {
             .map_err(|r| shape_err(name, &x.meta.shape, &y.meta.shape, r))?;
         let kind = shape::result_kind(x.meta.kind, x.meta.shape.len(), y.meta.kind, y.meta.shape.len());
         let flow = broadcast_flows(name, &[c, x, y], &out, Linearity::Nonlinear)?;
-        Ok(Record::new(Where, inputs_of([c, x, y]), out, kind, device).flow(flow).finish())
+        Ok(Record::new(Where, inputs_of([c, x, y]), out, kind, device).flow(flow).elementwise().finish())
     }
 
     /// The gated linear unit along `dim` (tch's `glu`): the first half of `dim` times the
@@ -1013,7 +1011,8 @@ impl LazyTensor {
             _ => Linearity::Nonlinear,
         };
         let flow = broadcast_flows(name, &[a, b], &out, linearity)?;
-        let mut record = Record::new(TensorBinary { op }, inputs_of([a, b]), out, kind, device).flow(flow);
+        let mut record =
+            Record::new(TensorBinary { op }, inputs_of([a, b]), out, kind, device).flow(flow).elementwise();
         if op.is_comparison() {
             record = record.not_differentiable();
         }
@@ -1071,7 +1070,8 @@ impl LazyTensor {
         };
         let record_op = Scalar { op, scalar, reversed, integral };
         let flow = same_shape_flow(record_op.name(), n, linearity)?;
-        let mut record = Record::new(record_op, inputs_of([n]), n.meta.shape.clone(), kind, n.meta.device).flow(flow);
+        let mut record =
+            Record::new(record_op, inputs_of([n]), n.meta.shape.clone(), kind, n.meta.device).flow(flow).elementwise();
         if op.is_comparison() {
             record = record.not_differentiable();
         }
@@ -1440,7 +1440,7 @@ impl LazyTensor {
         let record =
             Record::new(Dropout { p, train, kind }, inputs_of([n]), n.meta.shape.clone(), n.meta.kind, n.meta.device)
                 .flow(flow);
-        Ok(if identity { record.view(n.meta.strides.clone()) } else { record }.finish())
+        Ok(if identity { record.view(n.meta.strides.clone()) } else { record.elementwise() }.finish())
     }
 }
 

@@ -152,10 +152,13 @@ impl Record {
         self
     }
 
-    /// The output's memory layout, where it is not contiguous (a copy that keeps its input's
-    /// order): not a view.
-    pub(crate) fn laid_out(mut self, strides: impl Into<Dims>) -> Self {
-        self.strides = Some(strides.into());
+    /// An elementwise op's output, laid out as libtorch's `TensorIterator` lays it out from the
+    /// inputs' strides ([`shape::elementwise_strides`]): in a transposed input's order, so that
+    /// a later `reshape` copies where eager tch's does. Not a view.
+    pub(crate) fn elementwise(mut self) -> Self {
+        let operands: Vec<(&[i64], &[i64])> =
+            self.inputs.iter().map(|n| (n.meta.shape.as_slice(), n.meta.strides.as_slice())).collect();
+        self.strides = Some(shape::elementwise_strides(&self.shape, &operands));
         self
     }
 
