@@ -588,6 +588,62 @@ fn generic_impl(mut block: ItemImpl) -> syn::Result<TokenStream2> {
         f.sig = wrapper;
         f.block = syn::parse_quote!({ <Self as #trait_ident<#k>>::#name(#receiver #(#args),*) });
     }
+    if extra.is_empty() {
+        return Err(syn::Error::new_spanned(
+            &block.self_ty,
+            "#[toma::lazy::module]: no method of this `impl` takes or gives a `Tensor` (or tch's `GRUState`, \
+             `LSTMState`), so nothing is compiled for lazy values: name the tensor type `Tensor` in the \
+             signatures (an alias of it is not seen), or remove the attribute",
+        ));
+    }
     block.items.extend(twins);
     Ok(quote!(#block #extra))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn error_of(item: TokenStream2) -> String {
+        expand(TokenStream2::new(), item).err().map(|e| e.to_string()).unwrap_or_default()
+    }
+
+    #[test]
+    fn an_impl_with_nothing_to_translate_is_named() {
+        let e = error_of(quote!(impl Model { fn new() -> Self { Model } }));
+        assert!(e.contains("no method of this `impl` takes or gives a `Tensor`"), "{e}");
+        // An alias of the tensor type is not seen either, and the error says so.
+        let e = error_of(quote!(impl Model { fn loss(&self, xs: &T) -> T { xs.relu() } }));
+        assert!(e.contains("an alias of it is not seen"), "{e}");
+    }
+
+    #[test]
+    fn a_method_whose_only_tensor_is_its_result_gets_a_lazy_twin() {
+        let out =
+            expand(TokenStream2::new(), quote!(impl Model { fn loss(&self, tokens: &[i64]) -> Tensor { todo!() } }))
+                .expect("expands")
+                .to_string();
+        assert!(out.contains("fn lazy_loss"), "{out}");
+        let out = expand(TokenStream2::new(), quote!(impl Model { fn loss(&self, xs: &Tensor) -> Tensor { todo!() } }))
+            .expect("expands")
+            .to_string();
+        assert!(!out.contains("fn lazy_loss"), "a method that takes a tensor needs no twin: {out}");
+    }
+
+    #[test]
+    fn the_eager_body_unwraps_and_calls_its_own_kind() {
+        let out = expand(
+            TokenStream2::new(),
+            quote!(impl Model {
+                fn loss(&self, t: &[i64]) -> Tensor { lazy(&Tensor::from_slice(t), None).relu() }
+                fn twice(&self, t: &[i64]) -> Tensor { self.loss(t) * 2.0 }
+            }),
+        )
+        .expect("expands")
+        .to_string()
+        .replace(' ', "");
+        assert!(out.contains("::toma::lazy::eager_wrap(&Tensor::from_slice(t),None)"), "{out}");
+        assert!(out.contains("<Selfas__TomaModel_loss<::tch::Tensor>>::loss(self,t)"), "{out}");
+        assert!(out.contains("<Selfas__TomaModel_loss<::toma::lazy::LazyTensor>>::loss(self,t)"), "{out}");
+    }
 }

@@ -502,7 +502,8 @@ pub use wrap::{lazy, try_lazy, BatchDimArg, Lazify};
 /// is compiled once for `Tensor` and once with `LazyTensor` in its place (in a hidden trait),
 /// and the method becomes generic over the two, so `vae.forward(&lazy(&x, 0))` records and
 /// `vae.decode(&noise)` on a `Tensor` runs eagerly, with the same method call. Methods that name
-/// no `Tensor` (`new`) stay as they are. tch's recurrent states in a signature (`fn forward(&self,
+/// no `Tensor` (`new`) stay as they are; an `impl` where none does is a compile error that says
+/// so, at its type (the attribute reads the name `Tensor`: an alias of it is not seen). tch's recurrent states in a signature (`fn forward(&self,
 /// xs: &Tensor, state: &GRUState) -> (Tensor, GRUState)`) go with the kind
 /// ([`nn::RecurrentState`]): `GRUState` eagerly, [`nn::LazyGRUState`] lazily. tch-rs's
 /// `translation` example ports so, one attribute an `impl` (`tests/lazy/translation.rs`).
