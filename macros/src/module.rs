@@ -318,6 +318,43 @@ fn if_tails(e: &mut syn::ExprIf) -> Vec<&mut syn::Expr> {
     tails
 }
 
+/// The name `let mut name = Tensor::..(..);` binds (no annotation, a tch constant), if `local`
+/// is such a binding.
+fn accumulator_name(local: &syn::Local) -> Option<&syn::Ident> {
+    let syn::Pat::Ident(p) = &local.pat else { return None };
+    let init = local.init.as_ref()?;
+    (p.mutability.is_some() && p.by_ref.is_none() && constant_rooted(&init.expr)).then_some(&p.ident)
+}
+
+/// Whether `stmt` assigns `name` something other than a tch constant (`name = name + term`,
+/// `name += term`), anywhere within it.
+fn takes_lazy_values(stmt: &syn::Stmt, name: &syn::Ident) -> bool {
+    struct Finder<'a> {
+        name: &'a syn::Ident,
+        found: bool,
+    }
+    impl<'ast> syn::visit::Visit<'ast> for Finder<'_> {
+        fn visit_expr(&mut self, e: &'ast syn::Expr) {
+            let is_name = |e: &syn::Expr| matches!(e, syn::Expr::Path(p) if p.path.is_ident(self.name));
+            let assigned = match e {
+                syn::Expr::Assign(a) => is_name(&a.left) && !constant_rooted(&a.right),
+                syn::Expr::Binary(b) => {
+                    use syn::BinOp::*;
+                    matches!(b.op, AddAssign(_) | SubAssign(_) | MulAssign(_) | DivAssign(_))
+                        && is_name(&b.left)
+                        && !constant_rooted(&b.right)
+                }
+                _ => false,
+            };
+            self.found |= assigned;
+            syn::visit::visit_expr(self, e);
+        }
+    }
+    let mut finder = Finder { name, found: false };
+    syn::visit::Visit::visit_stmt(&mut finder, stmt);
+    finder.found
+}
+
 /// `e`, a reference to a `Tensor` or a `LazyTensor` (an element of `&[..]`), as a lazy operand.
 fn into_lazy(e: &mut syn::Expr) {
     let inner = e.clone();
@@ -334,6 +371,25 @@ impl VisitMut for LazyBody {
     fn visit_type_mut(&mut self, ty: &mut syn::Type) {
         if !replace_tensor(ty, &self.0) {
             syn::visit_mut::visit_type_mut(self, ty);
+        }
+    }
+
+    fn visit_block_mut(&mut self, block: &mut syn::Block) {
+        // `let mut loss = Tensor::from(0f32);` then `loss = loss + term;` (tch-rs's translation
+        // sums its loss so): an accumulator that starts as a constant and takes lazy values
+        // later starts as a lazy operand.
+        let accumulators: Vec<usize> = (0..block.stmts.len())
+            .filter(|&i| match &block.stmts[i] {
+                syn::Stmt::Local(local) => accumulator_name(local)
+                    .is_some_and(|name| block.stmts[i + 1..].iter().any(|later| takes_lazy_values(later, name))),
+                _ => false,
+            })
+            .collect();
+        syn::visit_mut::visit_block_mut(self, block);
+        for i in accumulators {
+            if let syn::Stmt::Local(syn::Local { init: Some(init), .. }) = &mut block.stmts[i] {
+                into_lazy_owned(&mut init.expr);
+            }
         }
     }
 
@@ -628,6 +684,30 @@ mod tests {
             .expect("expands")
             .to_string();
         assert!(!out.contains("fn lazy_loss"), "a method that takes a tensor needs no twin: {out}");
+    }
+
+    #[test]
+    fn an_accumulator_that_takes_lazy_values_starts_lazy() {
+        let out = expand(
+            TokenStream2::new(),
+            quote!(
+                fn loss(xs: &[Tensor]) -> Tensor {
+                    let mut loss = Tensor::from(0f32);
+                    let mut pad = Tensor::zeros([2], (Kind::Float, Device::Cpu));
+                    for x in xs {
+                        loss = loss + x.relu();
+                        pad = Tensor::ones([2], (Kind::Float, Device::Cpu));
+                    }
+                    loss + pad.sum(Kind::Float)
+                }
+            ),
+        )
+        .expect("expands")
+        .to_string()
+        .replace(' ', "");
+        // Lazily only, and only the one that takes lazy values.
+        assert_eq!(out.matches("::toma::lazy::IntoLazy::into_lazy(&(Tensor::from(0f32)))").count(), 1, "{out}");
+        assert!(!out.contains("into_lazy(&(Tensor::zeros"), "{out}");
     }
 
     #[test]

@@ -460,9 +460,10 @@ pub use wrap::{lazy, try_lazy, BatchDimArg, Lazify};
 /// lazy one (`lazy_zero_state`). Expression paths such as `Tensor::zeros(..)` stay tch's
 /// constants, and a turbofish (`::<Tensor>` of an absent weight) stays as written. Where the
 /// body mixes the two, they meet as lazy operands ([`IntoLazy`]): the elements of
-/// `Tensor::cat(&[&x, &zeros], 0)` written out, and the branches of an `if` that gives a
-/// constant on one side and a lazy value on another; `let pad: Tensor = Tensor::zeros(..)`
-/// keeps its annotation.
+/// `Tensor::cat(&[&x, &zeros], 0)` written out, the branches of an `if` that gives a
+/// constant on one side and a lazy value on another, and an accumulator that starts as a
+/// constant and is then given other values (`let mut loss = Tensor::from(0f32);` then `loss =
+/// loss + term` or `loss += term`); `let pad: Tensor = Tensor::zeros(..)` keeps its annotation.
 ///
 /// ```
 /// use tch::{Device, Kind, Tensor};

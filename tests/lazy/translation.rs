@@ -203,6 +203,8 @@ struct Translator {
 
 #[toma::lazy::module]
 impl Translator {
+    // Upstream's `loss = loss + ..`, kept as written.
+    #[allow(clippy::assign_op_pattern)]
     fn train_loss(&self, input: &[i64], target: &[i64], greedy: bool) -> Tensor {
         let mut state = self.encoder.gru.zero_state(1);
         let mut enc_outputs = vec![];
@@ -213,13 +215,14 @@ impl Translator {
             state = next;
         }
         let enc_outputs = Tensor::stack(&enc_outputs, 1);
-        let mut loss = lazy(&Tensor::from(0f32), None);
+        // Upstream's accumulator, a constant that then takes the terms: lazy from the start.
+        let mut loss = Tensor::from(0f32).to_device(Device::Cpu);
         let mut prev = lazy(&Tensor::from_slice(&[SOS]), None);
         for &s in target {
             let (output, next) = self.decoder.forward(&prev, &state, &enc_outputs, true);
             state = next;
             let target_tensor = lazy(&Tensor::from_slice(&[s]), None);
-            loss += output.nll_loss(&target_tensor);
+            loss = loss + output.nll_loss(&target_tensor);
             let (_, output) = output.topk(1, -1, true, true);
             if i64::try_from(&output).unwrap() == EOS {
                 break;
