@@ -323,7 +323,29 @@ fn if_tails(e: &mut syn::ExprIf) -> Vec<&mut syn::Expr> {
 fn accumulator_name(local: &syn::Local) -> Option<&syn::Ident> {
     let syn::Pat::Ident(p) = &local.pat else { return None };
     let init = local.init.as_ref()?;
-    (p.mutability.is_some() && p.by_ref.is_none() && constant_rooted(&init.expr)).then_some(&p.ident)
+    (p.mutability.is_some() && p.by_ref.is_none() && tensor_rooted(&init.expr)).then_some(&p.ident)
+}
+
+/// A tch tensor the lazy body starts from: a constant it makes, or a field's tensor
+/// (`self.decoder_start.shallow_clone()`, tch-rs's translation's first input).
+fn tensor_rooted(e: &syn::Expr) -> bool {
+    let field_clone = matches!(e, syn::Expr::MethodCall(m) if m.method == "shallow_clone"
+        && matches!(&*m.receiver, syn::Expr::Field(f) if matches!(&*f.base, syn::Expr::Path(p) if p.path.is_ident("self"))));
+    field_clone || constant_rooted(e)
+}
+
+/// In the lazy body, `name = if .. { a } else { b }` of an accumulator: each branch a lazy
+/// operand, as the accumulator is (`prev = if teacher { target } else { output }`).
+struct LazyAssigns<'a>(&'a [syn::Ident]);
+
+impl VisitMut for LazyAssigns<'_> {
+    fn visit_expr_assign_mut(&mut self, a: &mut syn::ExprAssign) {
+        syn::visit_mut::visit_expr_assign_mut(self, a);
+        let named = matches!(&*a.left, syn::Expr::Path(p) if self.0.iter().any(|n| p.path.is_ident(n)));
+        if let (true, syn::Expr::If(e)) = (named, &mut *a.right) {
+            if_tails(e).into_iter().for_each(into_lazy_owned);
+        }
+    }
 }
 
 /// Whether `stmt` assigns `name` something other than a tch constant (`name = name + term`,
@@ -386,10 +408,17 @@ impl VisitMut for LazyBody {
             })
             .collect();
         syn::visit_mut::visit_block_mut(self, block);
-        for i in accumulators {
-            if let syn::Stmt::Local(syn::Local { init: Some(init), .. }) = &mut block.stmts[i] {
+        let mut names = Vec::new();
+        for &i in &accumulators {
+            if let syn::Stmt::Local(syn::Local { pat: syn::Pat::Ident(p), init: Some(init), .. }) = &mut block.stmts[i]
+            {
                 into_lazy_owned(&mut init.expr);
+                names.push(p.ident.clone());
             }
+        }
+        if let Some(&first) = accumulators.first() {
+            let mut assigns = LazyAssigns(&names);
+            block.stmts[first + 1..].iter_mut().for_each(|stmt| assigns.visit_stmt_mut(stmt));
         }
     }
 
@@ -708,6 +737,25 @@ mod tests {
         // Lazily only, and only the one that takes lazy values.
         assert_eq!(out.matches("::toma::lazy::IntoLazy::into_lazy(&(Tensor::from(0f32)))").count(), 1, "{out}");
         assert!(!out.contains("into_lazy(&(Tensor::zeros"), "{out}");
+    }
+
+    #[test]
+    fn an_input_that_starts_from_a_field_takes_either_branch() {
+        let out = expand(
+            TokenStream2::new(),
+            quote!(impl M { fn f(&self, t: &Tensor, greedy: bool) -> Tensor {
+                let mut prev = self.start.shallow_clone();
+                let target = Tensor::from_slice(&[1i64]);
+                prev = if greedy { t.argmax(-1, false) } else { target };
+                prev
+            } }),
+        )
+        .expect("expands")
+        .to_string()
+        .replace(' ', "");
+        assert!(out.contains("into_lazy(&(self.start.shallow_clone()))"), "{out}");
+        assert!(out.contains("into_lazy(&(target))"), "{out}");
+        assert_eq!(out.matches("into_lazy(&(self.start").count(), 1, "the Tensor body is as written: {out}");
     }
 
     #[test]

@@ -461,9 +461,11 @@ pub use wrap::{lazy, try_lazy, BatchDimArg, Lazify};
 /// constants, and a turbofish (`::<Tensor>` of an absent weight) stays as written. Where the
 /// body mixes the two, they meet as lazy operands ([`IntoLazy`]): the elements of
 /// `Tensor::cat(&[&x, &zeros], 0)` written out, the branches of an `if` that gives a
-/// constant on one side and a lazy value on another, and an accumulator that starts as a
-/// constant and is then given other values (`let mut loss = Tensor::from(0f32);` then `loss =
-/// loss + term` or `loss += term`); `let pad: Tensor = Tensor::zeros(..)` keeps its annotation.
+/// constant on one side and a lazy value on another, and a `let mut` that starts from a
+/// constant or a field's tensor and is then given other values (`let mut loss =
+/// Tensor::from(0f32);` then `loss = loss + term` or `loss += term`; `let mut prev =
+/// self.start.shallow_clone();` then `prev = if teacher { target } else { output }`, each
+/// branch a lazy operand); `let pad: Tensor = Tensor::zeros(..)` keeps its annotation.
 ///
 /// ```
 /// use tch::{Device, Kind, Tensor};

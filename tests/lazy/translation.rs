@@ -192,13 +192,17 @@ fn a_lazy_body_pads_with_constants_as_tchs_translation_does() {
 }
 
 /// Upstream's `Model::train_loss` takes the sentences as token lists and makes its tensors
-/// itself: a method whose only `Tensor` is its result. Ported with the wrap of each tensor it
-/// makes (`lazy(.., None)`, which the attribute makes a no-op on tch's side), it takes the kind
+/// itself: a method whose only `Tensor` is its result. Ported with the wrap of the encoder's
+/// tokens (`lazy(.., None)`, which the attribute makes a no-op on tch's side), its loss and
+/// next input as upstream writes them (a constant and a field that then take lazy values), it
+/// takes the kind
 /// the caller asks for (`let loss: Tensor = model.train_loss(..)`), and the attribute names its
 /// lazy twin `lazy_train_loss`, as `zero_state` has `lazy_zero_state`.
 struct Translator {
     encoder: Encoder,
     decoder: Decoder,
+    /// The first input, a tensor held by the model as upstream's `decoder_start` is.
+    start: Tensor,
 }
 
 #[toma::lazy::module]
@@ -217,11 +221,11 @@ impl Translator {
         let enc_outputs = Tensor::stack(&enc_outputs, 1);
         // Upstream's accumulator, a constant that then takes the terms: lazy from the start.
         let mut loss = Tensor::from(0f32).to_device(Device::Cpu);
-        let mut prev = lazy(&Tensor::from_slice(&[SOS]), None);
+        let mut prev = self.start.shallow_clone();
         for &s in target {
             let (output, next) = self.decoder.forward(&prev, &state, &enc_outputs, true);
             state = next;
-            let target_tensor = lazy(&Tensor::from_slice(&[s]), None);
+            let target_tensor = Tensor::from_slice(&[s]).to_device(Device::Cpu);
             loss = loss + output.nll_loss(&target_tensor);
             let (_, output) = output.topk(1, -1, true, true);
             if i64::try_from(&output).unwrap() == EOS {
@@ -246,8 +250,11 @@ fn a_method_whose_only_tensor_is_its_result_has_a_lazy_twin() {
         crate::support::child::run(test, "TOMA_TRANSLATION_CHILD", "1").assert_finished("translator ");
         return;
     }
-    let [(eager_vs, eager, mut eager_opt), (lazy_vs, lazily, mut lazy_opt)] =
-        two_copies(|vs| Translator { encoder: Encoder::new(vs.root()), decoder: Decoder::new(vs.root()) });
+    let [(eager_vs, eager, mut eager_opt), (lazy_vs, lazily, mut lazy_opt)] = two_copies(|vs| Translator {
+        encoder: Encoder::new(vs.root()),
+        decoder: Decoder::new(vs.root()),
+        start: Tensor::from_slice(&[SOS]),
+    });
     for step in 0..4 {
         let input: Vec<i64> = Tensor::randint_low(2, WORDS, [7], (Kind::Int64, Device::Cpu)).try_into().unwrap();
         let target: Vec<i64> = Tensor::randint_low(2, WORDS, [6], (Kind::Int64, Device::Cpu)).try_into().unwrap();
