@@ -166,6 +166,11 @@ pub(crate) fn infer_size(size: &[i64], total: i64) -> Result<Dims, String> {
 /// (`TensorIteratorBase::reorder_dimensions` in libtorch 2.11). A transposed input gives a
 /// transposed output; contiguous inputs give a contiguous one.
 pub(crate) fn elementwise_strides(out: &[i64], operands: &[(&[i64], &[i64])]) -> Dims {
+    // Contiguous operands (broadcast or not) order every dimension as written: the common case,
+    // decided without a sort.
+    if operands.iter().all(|(shape, strides)| is_contiguous(shape, strides)) {
+        return contiguous_strides(out);
+    }
     let n = out.len();
     // Each operand's strides over `out`'s dimensions: 0 where it is broadcast.
     let strides: Vec<Vec<i64>> = operands
