@@ -156,6 +156,10 @@ impl Record {
     /// inputs' strides ([`shape::elementwise_strides`]): in a transposed input's order, so that
     /// a later `reshape` copies where eager tch's does. Not a view.
     pub(crate) fn elementwise(mut self) -> Self {
+        // Contiguous inputs give the contiguous default: nothing to gather on the common path.
+        if self.inputs.iter().all(|n| shape::is_contiguous(&n.meta.shape, &n.meta.strides)) {
+            return self;
+        }
         let operands: Vec<(&[i64], &[i64])> =
             self.inputs.iter().map(|n| (n.meta.shape.as_slice(), n.meta.strides.as_slice())).collect();
         self.strides = Some(shape::elementwise_strides(&self.shape, &operands));
