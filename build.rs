@@ -14,6 +14,7 @@ fn main() {
     println!("cargo::rustc-check-cfg=cfg(toma_shim)");
     println!("cargo::rustc-check-cfg=cfg(toma_dist_shim)");
     println!("cargo::rustc-check-cfg=cfg(toma_gloo)");
+    println!("cargo::rustc-check-cfg=cfg(toma_shim_cuda)");
     println!("cargo::rerun-if-changed=build.rs");
     // `cc` is a build dependency of feature `tch` only.
     #[cfg(feature = "tch")]
@@ -40,7 +41,23 @@ fn with_libtorch() {
         println!("cargo::rustc-env=TOMA_LIBTORCH_VERSION={version}");
     }
 
-    match compile_shim(&include) {
+    // With CUDA's runtime headers the shim also reads the allocator's segments; where they are
+    // missing or do not compile with libtorch's, it is built without that one call.
+    let cuda = cuda_include(&lib);
+    let built = match cuda.as_deref().map(|dir| compile_shim(&include, Some(dir))) {
+        Some(Ok(())) => {
+            println!("cargo::rustc-cfg=toma_shim_cuda");
+            Ok(())
+        }
+        Some(Err(err)) => {
+            println!(
+                "cargo::warning=toma: the libtorch shim did not compile with CUDA's headers ({err}); built without the allocator's snapshot"
+            );
+            compile_shim(&include, None)
+        }
+        None => compile_shim(&include, None),
+    };
+    match built {
         Ok(()) => println!("cargo::rustc-cfg=toma_shim"),
         Err(err) => println!(
             "cargo::warning=toma: the libtorch shim did not compile against {}; CUDA allocator statistics disabled: {err}",
@@ -112,11 +129,51 @@ fn compile_dist(include: &Path) {
     println!("cargo::rustc-cfg=toma_dist_shim");
 }
 
+/// A directory holding CUDA's runtime headers, which libtorch's `c10/cuda` headers include
+/// (`cuda_runtime_api.h`, and `crt/host_config.h` that `cuda_runtime.h` includes):
+/// `TOMA_CUDA_INCLUDE`, then beside a pip-installed torch the CUDA wheels' (`nvidia/cu13`,
+/// `nvidia/cuda_runtime`; the runtime wheel lacks `crt/`) and triton's full copy, then
+/// `CUDA_HOME`, `CUDA_PATH` and `/usr/local/cuda`. Only types are used: any CUDA 12 or 13 set
+/// lays c10's classes out alike. `None` also where libtorch has no `c10/cuda` headers.
 #[cfg(feature = "tch")]
-fn compile_shim(include: &Path) -> Result<(), cc::Error> {
+fn cuda_include(lib: &Path) -> Option<PathBuf> {
+    println!("cargo::rerun-if-env-changed=TOMA_CUDA_INCLUDE");
+    println!("cargo::rerun-if-env-changed=CUDA_HOME");
+    println!("cargo::rerun-if-env-changed=CUDA_PATH");
+    let root = lib.parent()?;
+    if !root.join("include/c10/cuda/CUDACachingAllocator.h").exists() {
+        return None;
+    }
+    let mut candidates: Vec<PathBuf> = env::var_os("TOMA_CUDA_INCLUDE").map(PathBuf::from).into_iter().collect();
+    // site-packages/torch/lib -> site-packages/nvidia/*/include
+    if let Some(nvidia) = root.parent().map(|site| site.join("nvidia")) {
+        let mut wheels: Vec<PathBuf> = std::fs::read_dir(&nvidia)
+            .map(|dirs| dirs.filter_map(|d| d.ok()).map(|d| d.path().join("include")).collect())
+            .unwrap_or_default();
+        wheels.sort();
+        candidates.extend(wheels);
+    }
+    candidates.extend(root.parent().map(|site| site.join("triton/backends/nvidia/include")));
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        candidates.extend(env::var_os(var).map(|home| PathBuf::from(home).join("include")));
+    }
+    candidates.push(PathBuf::from("/usr/local/cuda/include"));
+    candidates.into_iter().find(|dir| dir.join("cuda_runtime_api.h").exists() && dir.join("crt/host_config.h").exists())
+}
+
+#[cfg(feature = "tch")]
+fn compile_shim(include: &Path, cuda: Option<&Path>) -> Result<(), cc::Error> {
     let mut build = cc::Build::new();
     build.cpp(true).std("c++17").file("src/shim/toma_shim.cpp").include("src/shim");
-    if build.get_compiler().is_like_msvc() {
+    let msvc = build.get_compiler().is_like_msvc();
+    if let Some(dir) = cuda {
+        match msvc {
+            true => build.include(dir),
+            false => build.flag("-isystem").flag(dir),
+        };
+        build.define("TOMA_SHIM_CUDA_HEADERS", None);
+    }
+    if msvc {
         build.include(include);
     } else {
         // libtorch's headers as system headers: their warnings are not ours to fix.

@@ -53,8 +53,9 @@
 //! cached free pieces cannot serve needs a new segment, which the card may not have room for
 //! though the tensors would fit (fragmentation). So a plan on a card is replayed through a model
 //! of that allocator (libtorch 2.11's pools, segments, splitting, release-and-retry, expandable
-//! segments), with its settings as libtorch parsed them, and given only where every request of
-//! its step is placed within the budget. Among recomputed cuts, the fastest the allocator
+//! segments), with its settings as libtorch parsed them, from the segments the card's allocator
+//! holds as the step begins ([`memory::cuda_segments`](crate::memory::cuda_segments)), and
+//! given only where every request of its step is placed within the budget. Among recomputed cuts, the fastest the allocator
 //! places is chosen; among micro-batches, the largest. Where the plan of the budget's tensors
 //! is refused, [`Plan::unplaced`] says which request failed ([`UnplacedRequest`]: "the plan of
 //! 3.6 GiB allocated (micro-batch 903, 3 recomputed segments) is not placed: op #9 `relu`

@@ -14,7 +14,8 @@
 //!
 //! - [`cpu`] (also at `toma::cpu_memory`): a cap on the process's CPU memory, and what is left.
 //! - The CUDA driver's figures: [`cuda_memory`], [`cuda_device_count`].
-//! - libtorch's allocators: [`cuda_allocator_stats`], [`track_cpu_allocations`] and the rest.
+//! - libtorch's allocators: [`cuda_allocator_stats`], [`track_cpu_allocations`] and the rest;
+//!   [`cuda_segments`] lists the CUDA allocator's segments and blocks.
 
 pub mod cpu;
 mod cpu_counter;
@@ -22,6 +23,7 @@ mod cuda;
 mod cuda_allocator;
 mod peak;
 mod reading;
+mod segments;
 mod shim;
 
 pub use cpu_counter::{cpu_allocator_stats, reset_cpu_peak, track_cpu_allocations, CpuAllocatorStats};
@@ -37,6 +39,7 @@ pub(crate) use peak::PeakCounter;
 #[cfg(feature = "tch")]
 pub(crate) use reading::available_cpu_memory_for_plans;
 pub(crate) use reading::{free_memory_reading, free_memory_reading_for};
+pub use segments::{cuda_segments, try_cuda_segments, CudaBlock, CudaBlockState, CudaSegment};
 pub use shim::AllocatorError;
 
 /// The state of libtorch's default random generator of `device` (`None`: the CPU's), to set

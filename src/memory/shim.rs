@@ -99,6 +99,30 @@ pub(crate) struct RawAllocatorConfig {
     pub(crate) roundup_power2_divisions: [i64; 16],
 }
 
+/// One segment of the CUDA caching allocator (`toma_shim_segment`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct RawSegment {
+    pub(super) address: u64,
+    pub(super) stream: u64,
+    pub(super) first_block: i64,
+    pub(super) block_count: i64,
+    pub(super) is_large: i32,
+    pub(super) is_expandable: i32,
+    pub(super) is_private: i32,
+    pub(super) reserved: i32,
+}
+
+/// One block of a [`RawSegment`] (`toma_shim_block`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct RawBlock {
+    pub(super) size: i64,
+    /// 1: in a tensor; 2: freed, waiting for another stream; 0: free.
+    pub(super) state: i32,
+    pub(super) reserved: i32,
+}
+
 /// Bytes from the shim's signed counts (negative: none).
 pub(super) fn bytes(value: i64) -> u64 {
     u64::try_from(value).unwrap_or(0)
@@ -108,7 +132,7 @@ pub(super) fn bytes(value: i64) -> u64 {
 mod imp {
     #[cfg(feature = "tch")]
     use super::RawTensorFacts;
-    use super::{AllocatorError, RawAllocatorConfig, RawCpuStats, RawStats};
+    use super::{AllocatorError, RawAllocatorConfig, RawBlock, RawCpuStats, RawSegment, RawStats};
     use std::ffi::{c_char, c_int, CStr, CString};
 
     const OK: c_int = 0;
@@ -124,6 +148,15 @@ mod imp {
         fn toma_shim_cuda_empty_cache() -> c_int;
         fn toma_shim_allocator_config_get(out: *mut RawAllocatorConfig) -> c_int;
         fn toma_shim_allocator_settings_set(settings: *const c_char) -> c_int;
+        fn toma_shim_cuda_snapshot(
+            device: i64,
+            segments: *mut RawSegment,
+            segment_cap: i64,
+            segments_out: *mut i64,
+            blocks: *mut RawBlock,
+            block_cap: i64,
+            blocks_out: *mut i64,
+        ) -> c_int;
         fn toma_shim_cpu_track() -> c_int;
         fn toma_shim_cpu_stats(stats: *mut RawCpuStats) -> c_int;
         fn toma_shim_cpu_reset_peak() -> c_int;
@@ -221,6 +254,40 @@ mod imp {
             CString::new(settings).map_err(|_| AllocatorError::Torch("settings contain a NUL byte".into()))?;
         // SAFETY: as above; the shim copies the string before returning.
         check(unsafe { toma_shim_allocator_settings_set(settings.as_ptr()) }, 0)
+    }
+
+    pub(in crate::memory) fn snapshot(device: usize) -> Result<(Vec<RawSegment>, Vec<RawBlock>), AllocatorError> {
+        let ordinal = index(device)?;
+        let (mut segments, mut blocks) = (vec![RawSegment::default(); 64], vec![RawBlock::default(); 512]);
+        // Segments come and go between calls (other threads allocate): a few tries with room
+        // for what the last one counted.
+        for _ in 0..8 {
+            let (mut n, mut b) = (0i64, 0i64);
+            // SAFETY: as above; the shim writes at most the given counts into the buffers.
+            check(
+                unsafe {
+                    toma_shim_cuda_snapshot(
+                        ordinal,
+                        segments.as_mut_ptr(),
+                        segments.len() as i64,
+                        &mut n,
+                        blocks.as_mut_ptr(),
+                        blocks.len() as i64,
+                        &mut b,
+                    )
+                },
+                device,
+            )?;
+            let (n, b) = (usize::try_from(n).unwrap_or(0), usize::try_from(b).unwrap_or(0));
+            if n <= segments.len() && b <= blocks.len() {
+                segments.truncate(n);
+                blocks.truncate(b);
+                return Ok((segments, blocks));
+            }
+            segments.resize(n.max(segments.len()) * 2, RawSegment::default());
+            blocks.resize(b.max(blocks.len()) * 2, RawBlock::default());
+        }
+        Err(AllocatorError::Torch("the allocator's segments kept growing while they were read".into()))
     }
 
     pub(in crate::memory) fn cpu_track() -> Result<(), AllocatorError> {
@@ -401,8 +468,11 @@ mod imp {
 mod imp {
     #[cfg(feature = "tch")]
     use super::RawAllocatorConfig;
-    use super::{AllocatorError, RawCpuStats, RawStats};
+    use super::{AllocatorError, RawBlock, RawCpuStats, RawSegment, RawStats};
 
+    pub(in crate::memory) fn snapshot(_device: usize) -> Result<(Vec<RawSegment>, Vec<RawBlock>), AllocatorError> {
+        Err(AllocatorError::NotBuilt)
+    }
     #[cfg(feature = "tch")]
     pub(in crate::memory) fn allocator_config() -> Result<RawAllocatorConfig, AllocatorError> {
         Err(AllocatorError::NotBuilt)

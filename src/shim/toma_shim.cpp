@@ -15,6 +15,12 @@
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
+// With CUDA's runtime headers (build.rs finds them beside the wheel's or in CUDA_HOME) the
+// allocator's snapshot is reached through its class; every call is virtual, so nothing links
+// against libc10_cuda and a CPU-only libtorch still loads the shim.
+#ifdef TOMA_SHIM_CUDA_HEADERS
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 
 #include <atomic>
 #include <cstring>
@@ -714,6 +720,59 @@ int toma_shim_cpu_capability(char* buf, int64_t cap, int64_t* size) {
       std::memcpy(buf, capability.data(), capability.size());
     }
     return TOMA_SHIM_OK;
+  });
+}
+
+int toma_shim_cuda_snapshot(int64_t device, toma_shim_segment* segments, int64_t segment_cap,
+                            int64_t* segments_out, toma_shim_block* blocks, int64_t block_cap,
+                            int64_t* blocks_out) {
+  return guarded([&]() -> int {
+    *segments_out = 0;
+    *blocks_out = 0;
+#ifndef TOMA_SHIM_CUDA_HEADERS
+    (void)device, (void)segments, (void)segment_cap, (void)blocks, (void)block_cap;
+    return fail(TOMA_SHIM_NO_CUDA, "toma's shim was built without CUDA's headers (cuda_runtime_api.h): no allocator snapshot");
+#else
+    c10::DeviceAllocator* allocator = nullptr;
+    if (int code = usable(device, &allocator); code != TOMA_SHIM_OK) {
+      return code;
+    }
+    if (!allocator->initialized()) {
+      return TOMA_SHIM_OK;
+    }
+    // libtorch registers a CUDAAllocator for CUDA (the native one, cudaMallocAsync's, or a
+    // pluggable one); cudaMallocAsync's snapshot throws, which `guarded` reports.
+    auto* cuda = static_cast<c10::cuda::CUDACachingAllocator::CUDAAllocator*>(allocator);
+    const auto info = cuda->snapshot({0, 0}, /*include_traces=*/false);
+    int64_t n = 0;
+    int64_t b = 0;
+    for (const auto& seg : info.segments) {
+      if (seg.device != static_cast<c10::DeviceIndex>(device)) {
+        continue;
+      }
+      if (n < segment_cap) {
+        const bool is_private = seg.owner_private_pool_id.first != 0 || seg.owner_private_pool_id.second != 0;
+        segments[n] = toma_shim_segment{static_cast<uint64_t>(seg.address),
+                                        static_cast<uint64_t>(reinterpret_cast<uintptr_t>(seg.stream)),
+                                        b,
+                                        static_cast<int64_t>(seg.blocks.size()),
+                                        seg.is_large ? 1 : 0,
+                                        seg.is_expandable ? 1 : 0,
+                                        is_private ? 1 : 0,
+                                        0};
+      }
+      for (const auto& block : seg.blocks) {
+        if (b < block_cap) {
+          blocks[b] = toma_shim_block{static_cast<int64_t>(block.size), block.allocated ? 1 : (block.active ? 2 : 0), 0};
+        }
+        ++b;
+      }
+      ++n;
+    }
+    *segments_out = n;
+    *blocks_out = b;
+    return TOMA_SHIM_OK;
+#endif
   });
 }
 

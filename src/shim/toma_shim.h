@@ -4,7 +4,9 @@
 // tch binds neither the allocator's statistics nor emptying its cache. This shim reaches them
 // through c10's generic interfaces (the device guard registry and c10::DeviceAllocator), so it
 // compiles against libtorch's headers alone, without CUDA headers, and works with a CPU-only
-// libtorch too (every call then reports TOMA_SHIM_NO_CUDA).
+// libtorch too (every call then reports TOMA_SHIM_NO_CUDA). Only the allocator's snapshot
+// needs CUDA's runtime headers to compile (its class is declared beside CUDA types); it links
+// nothing of CUDA either.
 //
 // Every function catches every exception and reports failure by its return code; none throws.
 #ifndef TOMA_SHIM_H
@@ -80,6 +82,40 @@ int toma_shim_allocator_config_get(toma_shim_allocator_config* out);
 // `torch._C._accelerator_setAllocatorSettings`: updates the settings (and CUDA's own, when
 // libtorch_cuda is loaded) for what the allocator does from then on.
 int toma_shim_allocator_settings_set(const char* settings);
+
+// One segment of the caching allocator (`torch.cuda.memory_snapshot()`'s entries): a
+// cudaMalloc'd segment, or one mapped range of an expandable segment. Its blocks are
+// `blocks[first_block .. first_block + block_count]` of the same call, in address order.
+typedef struct toma_shim_segment {
+  uint64_t address;
+  // The stream's handle as a number (0: the legacy default stream).
+  uint64_t stream;
+  int64_t first_block;
+  int64_t block_count;
+  int32_t is_large;
+  int32_t is_expandable;
+  // 1 when the segment belongs to a private pool (CUDA graphs, mempools): nothing else can
+  // take its free blocks.
+  int32_t is_private;
+  int32_t reserved_;
+} toma_shim_segment;
+
+typedef struct toma_shim_block {
+  int64_t size;
+  // 1: in a tensor; 2: freed but waiting for another stream's work (not reusable yet); 0: free.
+  int32_t state;
+  int32_t reserved_;
+} toma_shim_block;
+
+// The segments of CUDA device `device` now (`CUDACachingAllocator::snapshot()`, without its
+// traces). Writes at most `segment_cap` segments and `block_cap` blocks, and the totals to
+// `*segments_out` and `*blocks_out`: when either is above its cap, call again with more room.
+// TOMA_SHIM_NO_CUDA also when the shim was built without CUDA's headers (the header
+// c10/cuda/CUDACachingAllocator.h needs cuda_runtime_api.h), or before libtorch's first CUDA
+// allocation (nothing is reserved then: 0 segments, TOMA_SHIM_OK).
+int toma_shim_cuda_snapshot(int64_t device, toma_shim_segment* segments, int64_t segment_cap,
+                            int64_t* segments_out, toma_shim_block* blocks, int64_t block_cap,
+                            int64_t* blocks_out);
 
 // Bytes of libtorch's CPU allocations since toma_shim_cpu_track installed the counter.
 typedef struct toma_shim_cpu_counts {

@@ -12,7 +12,7 @@ use super::correction::{Corrections, Reserve};
 use super::placement::Start;
 use super::schedule::Mode;
 use super::time::{Choice, Timings};
-use crate::lazy::cost::caching::{Card, Config};
+use crate::lazy::cost::caching::{BlockState, Card, Config, PoolKind, SegmentState, Stream};
 use crate::lazy::cost::measured::{self, Calibrated, Calibration};
 use crate::lazy::options::Options;
 use crate::lazy::CudaCard;
@@ -45,6 +45,7 @@ impl Machine {
             Device::Cuda(i) => Some(Start {
                 config: Config::libtorch().unwrap_or_default(),
                 card: Card::new(card_total(i).map_or(budget, |total| total.max(budget)), budget),
+                segments: Vec::new(),
                 place_leaves: false,
             }),
             _ => None,
@@ -62,15 +63,59 @@ impl Machine {
         let start = Start {
             config: card.config.clone(),
             card: Card::new(card.memory(), budget.saturating_add(leaves).min(free)),
+            segments: Vec::new(),
             place_leaves: true,
         };
         Machine { budget, replays: generator_replays(), allocator: Some(start) }
+    }
+
+    /// On a CUDA card toma runs on, the allocator as the step finds it: its segments
+    /// ([`crate::memory::cuda_segments`]), whose cached blocks serve the step first, and for new
+    /// segments what the budget leaves beside those cached blocks (at most the driver's free
+    /// bytes). Read only where a plan is made (a reused one reads nothing); unchanged where
+    /// there is no snapshot (the shim built without CUDA's headers) or it is not one the model
+    /// can hold (logged).
+    pub(crate) fn read_card(mut self, device: Device) -> Machine {
+        let (Device::Cuda(i), Some(start)) = (device, self.allocator.as_mut()) else { return self };
+        if start.place_leaves {
+            return self;
+        }
+        let Some(segments) = crate::memory::cuda_segments(i) else { return self };
+        let segments: Vec<SegmentState> = segments.iter().map(segment_state).collect();
+        let driver_free = crate::memory::cuda_memory(i).map_or(u64::MAX, |m| m.free);
+        match start.clone().holding(segments, self.budget, driver_free) {
+            Ok(held) => *start = held,
+            Err(why) => {
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                WARNED.call_once(|| {
+                    tracing::warn!(%why, "toma::lazy: the allocator's snapshot is not one its model holds; planning from an empty allocator")
+                });
+            }
+        }
+        self
     }
 
     /// The machine of the tests: a budget, no allocator to place blocks in.
     #[cfg(test)]
     pub(crate) fn with_budget(budget: u64, replays: bool) -> Machine {
         Machine { budget, replays, allocator: None }
+    }
+}
+
+/// A segment of libtorch's snapshot as the allocator's model holds it. A private pool's free
+/// blocks serve nothing the step asks for: they are taken as allocated.
+fn segment_state(s: &crate::memory::CudaSegment) -> SegmentState {
+    use crate::memory::CudaBlockState;
+    SegmentState {
+        address: Some(s.address),
+        stream: Stream(s.stream),
+        pool: if s.large_pool { PoolKind::Large } else { PoolKind::Small },
+        expandable: s.expandable,
+        blocks: s
+            .blocks
+            .iter()
+            .map(|b| BlockState { size: b.size, allocated: s.private_pool || b.state != CudaBlockState::Free })
+            .collect(),
     }
 }
 
@@ -207,7 +252,44 @@ impl Evidence {
 
 #[cfg(all(test, feature = "tch"))]
 mod tests {
-    use super::{Evidence, Machine};
+    use super::{segment_state, Evidence, Machine};
+    use crate::lazy::cost::caching::{BlockState, PoolKind, Stream};
+    use crate::memory::{CudaBlock, CudaBlockState, CudaSegment};
+
+    /// A snapshot's blocks as the model holds them: only free blocks of the shared pools can
+    /// serve the step; a block another stream still uses, or a private pool's, cannot.
+    #[test]
+    fn snapshot_blocks_serve_the_step_only_when_free_and_shared() {
+        let block = |size, state| CudaBlock { size, state };
+        let blocks = vec![
+            block(1 << 20, CudaBlockState::Allocated),
+            block(2 << 20, CudaBlockState::Free),
+            block(512, CudaBlockState::PendingFree),
+        ];
+        let shared = CudaSegment {
+            address: 0x7f00_0000_0000,
+            stream: 0x55,
+            large_pool: true,
+            expandable: false,
+            private_pool: false,
+            blocks,
+        };
+        let s = segment_state(&shared);
+        assert_eq!(
+            (s.address, s.stream, s.pool, s.expandable),
+            (Some(0x7f00_0000_0000), Stream(0x55), PoolKind::Large, false)
+        );
+        let held = |allocated: &[bool]| -> Vec<BlockState> {
+            [1 << 20, 2 << 20, 512]
+                .iter()
+                .zip(allocated)
+                .map(|(&size, &allocated)| BlockState { size, allocated })
+                .collect()
+        };
+        assert_eq!(s.blocks, held(&[true, false, true]));
+        let private = segment_state(&CudaSegment { private_pool: true, large_pool: false, ..shared });
+        assert_eq!((private.pool, private.blocks), (PoolKind::Small, held(&[true, true, true])));
+    }
     use crate::lazy::options::Options;
     use crate::lazy::plan::{compile, search, Mode};
     use tch::{Device, Kind, Tensor};

@@ -101,6 +101,7 @@ pub(crate) fn decide(c: &Compiled, mode: Mode, options: &Options, measure: Measu
     if let Some(d) = reuse::find(c, mode, options, &machine, &evidence) {
         return Ok(d);
     }
+    let machine = machine.read_card(c.device());
     let d = reserved::plan(c, mode, options, &machine, &evidence)?;
     reuse::keep(c, mode, options, &machine, &evidence, &d);
     Ok(d)

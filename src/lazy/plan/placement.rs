@@ -17,20 +17,48 @@ use std::collections::HashMap;
 
 use super::compiled::Compiled;
 use super::schedule::{Phase, Request, Schedule};
-use crate::lazy::cost::caching::{Allocator, BlockId, Card, Config, Oom, Stream};
+use crate::lazy::cost::caching::{Allocator, BlockId, Card, Config, Oom, SegmentState, Stream};
 use crate::lazy::unplaced::UnplacedRequest;
 
-/// The allocator a step starts from: its settings, the card, and whether the graph's own
-/// tensors (parameters, inputs) are still to be placed.
+/// The allocator a step starts from: its settings, the card, the segments already on it, and
+/// whether the graph's own tensors (parameters, inputs) are still to be placed.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct Start {
     pub(crate) config: Config,
-    /// The card's size and what it can give to new segments: the budget, on a card toma runs
-    /// on; the card's free memory, on a described one.
+    /// The card's size and what it can give to new segments: the budget less what is cached
+    /// in `segments`, on a card toma runs on; the card's free memory, on a described one.
     pub(crate) card: Card,
+    /// The allocator's segments as the step finds them (libtorch's snapshot, on a card toma
+    /// runs on): its free blocks serve the step's requests first. Empty: an empty allocator.
+    pub(crate) segments: Vec<SegmentState>,
     /// A described card ([`CudaCard`](crate::lazy::CudaCard)): the leaves are placed first, and
     /// the step gets what they leave of `card.free`.
     pub(crate) place_leaves: bool,
+}
+
+impl Start {
+    /// This start with the allocator holding `segments` (libtorch's snapshot): their cached
+    /// blocks count in `budget`, so new segments get what is left of it beside them, and at
+    /// most `card_free` (the driver's free bytes). An error where the segments are not a state
+    /// the model can hold (blocks not whole 512-byte units, overlapping addresses).
+    pub(crate) fn holding(mut self, segments: Vec<SegmentState>, budget: u64, card_free: u64) -> Result<Start, String> {
+        Allocator::from_snapshot(self.config.clone(), self.card, &segments)?;
+        let cached: u64 = segments.iter().map(|s| s.total() - s.allocated()).sum();
+        self.card = Card::new(self.card.total, budget.saturating_sub(cached).min(card_free));
+        self.segments = segments;
+        Ok(self)
+    }
+
+    /// The allocator holding [`Start::segments`] (an empty one where they do not form one:
+    /// [`Start::holding`] checked them already).
+    fn allocator(&self) -> Allocator {
+        match self.segments.is_empty() {
+            true => Allocator::new(self.config.clone(), self.card),
+            false => Allocator::from_snapshot(self.config.clone(), self.card, &self.segments)
+                .map(|(a, _)| a)
+                .unwrap_or_else(|_| Allocator::new(self.config.clone(), self.card)),
+        }
+    }
 }
 
 /// What replaying a plan through the allocator found.
@@ -46,6 +74,9 @@ pub(crate) struct Placement {
     pub(crate) peak_asked: u64,
     /// Bytes of the leaves' blocks placed before the step (0 on a card toma runs on).
     pub(crate) leaves: u64,
+    /// The allocator's reserved and allocated bytes as the step found them (its snapshot's, on
+    /// a card toma runs on; 0 on an empty one): the step's own figures are above them.
+    pub(crate) held: (u64, u64),
     /// Whether the settings replayed use expandable segments.
     pub(crate) expandable: bool,
     /// The first request the allocator could not place, if any.
@@ -94,6 +125,17 @@ impl Placement {
     pub(crate) fn placed(&self) -> bool {
         self.unplaced.is_none()
     }
+
+    /// The step's own reserved peak: above what the card held before it, leaves placed for
+    /// it excluded (what `max_memory_reserved` grows by over the step).
+    pub(crate) fn step_reserved(&self) -> u64 {
+        self.peak_reserved.saturating_sub(self.leaves + self.held.0)
+    }
+
+    /// The step's own allocated peak, likewise.
+    pub(crate) fn step_allocated(&self) -> u64 {
+        self.peak_allocated.saturating_sub(self.leaves + self.held.1)
+    }
 }
 
 /// The allocator, with the bytes the step asked for counted beside its blocks: the two differ
@@ -124,17 +166,18 @@ impl Tracked {
 /// Replays `schedule` at micro-batch `b` (the whole batch of `c` when `b` covers it) from
 /// `start`; `new_grads` are the bytes of `.grad()`s the accumulation step creates.
 pub(crate) fn replay(c: &Compiled, schedule: &Schedule, b: u64, new_grads: u64, start: &Start) -> Placement {
-    let mut a =
-        Tracked { a: Allocator::new(start.config.clone(), start.card), asked: HashMap::new(), live: 0, peak: 0 };
+    let mut a = Tracked { a: start.allocator(), asked: HashMap::new(), live: 0, peak: 0 };
+    let held = a.a.stats();
+    let held = (held.reserved, held.allocated);
     let mut leaves = 0;
     if start.place_leaves {
         for bytes in c.leaf_bytes() {
             if let Err(oom) = a.alloc(bytes, Stream(0)) {
                 let unplaced = Unplaced { node: 0, phase: Phase::Forward, micro_batch: 0, oom };
-                return finish(&a, leaves, Some(unplaced));
+                return finish(&a, leaves, held, Some(unplaced));
             }
         }
-        leaves = a.a.stats().allocated;
+        leaves = a.a.stats().allocated - held.1;
     }
     let n = c.batch.max(1) as u64;
     let b = b.clamp(1, n);
@@ -161,19 +204,20 @@ pub(crate) fn replay(c: &Compiled, schedule: &Schedule, b: u64, new_grads: u64, 
         let keep = k == 0 && in_place;
         let add_in_place = k > 0 && in_place;
         if let Err(unplaced) = micro_batch(c, schedule, m, &created, (keep, add_in_place), &mut grads, &mut a) {
-            return finish(&a, leaves, Some(*unplaced));
+            return finish(&a, leaves, held, Some(*unplaced));
         }
     }
-    finish(&a, leaves, None)
+    finish(&a, leaves, held, None)
 }
 
-fn finish(a: &Tracked, leaves: u64, unplaced: Option<Unplaced>) -> Placement {
+fn finish(a: &Tracked, leaves: u64, held: (u64, u64), unplaced: Option<Unplaced>) -> Placement {
     let stats = a.a.stats();
     Placement {
         peak_reserved: stats.peak_reserved,
         peak_allocated: stats.peak_allocated,
         peak_asked: a.peak,
         leaves,
+        held,
         expandable: a.a.config().expandable_segments,
         unplaced,
     }
@@ -270,7 +314,7 @@ mod tests {
     use crate::lazy::cost::caching::{Card, Config};
     use crate::lazy::options::{Options, Recompute};
     use crate::lazy::plan::reserved::plan;
-    use crate::lazy::plan::{compile, search, Evidence, Machine, Mode};
+    use crate::lazy::plan::{compile, compiled::Compiled, search, Evidence, Machine, Mode};
     use crate::lazy::{LazyError, LazyTensor};
     use tch::{Device, Kind, Tensor};
 
@@ -288,7 +332,7 @@ mod tests {
     }
 
     fn start(config: Config) -> Start {
-        Start { config, card: Card::unlimited(), place_leaves: false }
+        Start { config, card: Card::unlimited(), segments: Vec::new(), place_leaves: false }
     }
 
     /// The replay asks for what the schedule counts, tensor for tensor: the peak of the bytes
@@ -354,18 +398,23 @@ mod tests {
         assert!(recomputed);
     }
 
-    /// A card with room for the tensors but not for the segments: the plan of allocated bytes
-    /// is refused by the replay, and the plan given is placed.
-    #[test]
-    fn a_plan_the_allocator_cannot_place_is_planned_again_smaller() {
+    /// An MLP 1536 → 3072 → 1536 at batch 2048 in f32, priced for an H100 by rules, split only:
+    /// its activations are 24 and 12 MiB requests, its weights' gradients 18 MiB.
+    fn wide_mlp_on_h100() -> (Compiled, Evidence, Options) {
         let ws: Vec<Tensor> = [(1536, 3072), (3072, 1536)]
             .iter()
             .map(|&(i, o)| Tensor::randn([i, o], (Kind::Float, Device::Cpu)).set_requires_grad(true))
             .collect();
         let x = Tensor::randn([2048, 1536], (Kind::Float, Device::Cpu));
         let c = compile(&mlp(&x, &ws, false)).unwrap().for_cuda(H100);
-        let evidence = Evidence::none(Mode::Backward);
-        let options = Options::new().recompute(Recompute::Never);
+        (c, Evidence::none(Mode::Backward), Options::new().recompute(Recompute::Never))
+    }
+
+    /// A card with room for the tensors but not for the segments: the plan of allocated bytes
+    /// is refused by the replay, and the plan given is placed.
+    #[test]
+    fn a_plan_the_allocator_cannot_place_is_planned_again_smaller() {
+        let (c, evidence, options) = wide_mlp_on_h100();
         let (mut lowered, mut placed_as_is) = (0, 0);
         for budget_mib in (40u64..200).step_by(3) {
             let budget = budget_mib << 20;
@@ -404,6 +453,73 @@ mod tests {
             }
         }
         assert!(lowered > 0 && placed_as_is > 0, "{lowered} lowered, {placed_as_is} placed as planned");
+    }
+
+    /// A step on a card starts from the segments already there (libtorch's snapshot): a cached
+    /// block that fits serves it without a new segment, and cached pieces too small for its
+    /// requests count in the budget without serving them, as ResNet-18's 904 MiB request met
+    /// 1.4 GiB in pieces on the H200 (`docs/gpu.md`).
+    #[test]
+    fn a_step_starts_from_the_segments_on_the_card() {
+        use crate::lazy::cost::caching::{BlockState, PoolKind, SegmentState, Stream};
+        const MIB: u64 = 1 << 20;
+        let (c, evidence, options) = wide_mlp_on_h100();
+        let budget = 400 * MIB;
+        let segment = |blocks: &[(u64, bool)]| SegmentState {
+            address: None,
+            stream: Stream(0),
+            pool: PoolKind::Large,
+            expandable: false,
+            blocks: blocks.iter().map(|&(size, allocated)| BlockState { size, allocated }).collect(),
+        };
+        let machine = |segments: Vec<SegmentState>| {
+            let empty = Start { card: Card::new(80 << 30, budget), ..start(Config::default()) };
+            Machine {
+                allocator: Some(empty.holding(segments, budget, 80 << 30).unwrap()),
+                ..Machine::with_budget(budget, false)
+            }
+        };
+        let planned = |m: &Machine| plan(&c, Mode::Backward, &options, m, &evidence);
+
+        let empty = planned(&machine(Vec::new())).unwrap();
+        let p = empty.placement.as_ref().unwrap();
+        assert_eq!(p.held, (0, 0));
+        assert_eq!(empty.micro_batch, 2048, "the whole batch fits {budget} B from an empty allocator");
+
+        // A cached 100 MiB block and a live one: the step takes the cached block first, and its
+        // reserved bytes grow by less.
+        let cached = planned(&machine(vec![segment(&[(100 * MIB, false)]), segment(&[(30 * MIB, true)])])).unwrap();
+        let q = cached.placement.as_ref().unwrap();
+        assert_eq!(q.held, (130 * MIB, 30 * MIB));
+        assert_eq!(cached.micro_batch, 2048);
+        assert!(
+            q.step_reserved() < p.step_reserved(),
+            "{} B from the cache, {} B empty",
+            q.step_reserved(),
+            p.step_reserved()
+        );
+        assert_eq!(q.step_allocated(), p.step_allocated());
+
+        // 324 MiB cached in 9 MiB pieces, each beside a live block: the whole batch's 24 MiB
+        // requests fit none, and the budget leaves 76 MiB for new segments. The whole batch's
+        // plan is not placed there, and the plan that is asks for no more than the pieces and
+        // what is left give.
+        let pieces: Vec<SegmentState> =
+            (0..18).map(|_| segment(&[(9 * MIB, false), (2 * MIB, true), (9 * MIB, false)])).collect();
+        let cached_free: u64 = pieces.iter().map(|s| s.total() - s.allocated()).sum();
+        let fragmented = machine(pieces);
+        let start = fragmented.allocator.as_ref().unwrap();
+        assert_eq!(start.card.free, budget - cached_free);
+        let first = replay(&c, &empty.schedule, 2048, empty.outcome.1, start);
+        let u = first.unplaced.as_ref().expect("the whole batch's requests meet only pieces");
+        assert!(u.oom.cached_free >= u.oom.requested && u.oom.largest_cached < u.oom.requested, "{}", u.oom);
+        // Placed at a smaller micro-batch (256 here), whose requests fit the pieces, with
+        // what it still needs of new segments within what the budget left.
+        let d = planned(&fragmented).unwrap();
+        let r = d.placement.as_ref().unwrap();
+        assert!(r.placed() && d.micro_batch < 2048, "micro-batch {}", d.micro_batch);
+        assert!(r.step_reserved() <= start.card.free, "{r:?}");
+        assert!(d.unplaced.as_ref().is_some_and(|u| u.largest_cached < u.requested), "{}", d.why);
     }
 
     /// The settings are libtorch's as it parsed them, and `Options::expandable_segments` changes

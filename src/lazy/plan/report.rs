@@ -133,12 +133,15 @@ impl Plan {
     /// On a CUDA card (or one described with [`Options::card`](crate::lazy::Options::card)): the
     /// most bytes libtorch's caching allocator reserves for the step (segments and mapped
     /// pages), by a replay of the allocator's model with its settings: what CUDA runs out of.
-    /// At least [`Plan::peak_bytes`] less the optimizer's; the two differ by rounding, cached
-    /// free pieces and whole segments. On a described card the parameters' and inputs'
-    /// segments are not counted in it ([`Plan::placed_leaf_bytes`]). `None` on the CPU, whose
-    /// allocator takes bytes as asked.
+    /// From an empty allocator it is at least [`Plan::peak_bytes`] less the optimizer's; the
+    /// two differ by rounding, cached free pieces and whole segments. On a card toma runs on,
+    /// the replay starts from the allocator's segments as the step finds them
+    /// ([`memory::cuda_segments`](crate::memory::cuda_segments)), and this is what its reserved
+    /// bytes grow by over the step: less where blocks cached before it serve the step. On a
+    /// described card the parameters' and inputs' segments are not counted in it
+    /// ([`Plan::placed_leaf_bytes`]). `None` on the CPU, whose allocator takes bytes as asked.
     pub fn reserved_bytes(&self) -> Option<u64> {
-        self.placement.as_ref().map(|p| p.peak_reserved.saturating_sub(p.leaves))
+        self.placement.as_ref().map(Placement::step_reserved)
     }
     /// On a described card, the bytes of the graph's parameters and inputs the replay placed
     /// before the step (0 on a card toma runs on, where they are on it already; `None` on the
@@ -462,13 +465,18 @@ impl fmt::Display for Plan {
             writeln!(
                 f,
                 "reserved: peak {} allocated, {} reserved by the CUDA caching allocator ({}{})",
-                crate::svg::bytes(p.peak_allocated.saturating_sub(p.leaves) as f64),
-                crate::svg::bytes(p.peak_reserved.saturating_sub(p.leaves) as f64),
+                crate::svg::bytes(p.step_allocated() as f64),
+                crate::svg::bytes(p.step_reserved() as f64),
                 if p.expandable { "expandable segments" } else { "default segments" },
-                if p.leaves > 0 {
-                    format!("; parameters and inputs placed first: {}", crate::svg::bytes(p.leaves as f64))
-                } else {
-                    String::new()
+                match (p.leaves, p.held) {
+                    (0, (0, _)) => String::new(),
+                    (0, (reserved, allocated)) => format!(
+                        "; beside the {} the card's allocator held before the step, {} of it cached",
+                        crate::svg::bytes(reserved as f64),
+                        crate::svg::bytes(reserved.saturating_sub(allocated) as f64)
+                    ),
+                    (leaves, _) =>
+                        format!("; parameters and inputs placed first: {}", crate::svg::bytes(leaves as f64)),
                 },
             )?;
         }

@@ -83,7 +83,7 @@ pub(crate) fn plan(
             replay(c, &d.schedule, d.micro_batch as u64, d.outcome.1, &start)
         })
         .filter(Placement::placed)
-        .map(|p| p.peak_reserved.saturating_sub(p.leaves));
+        .map(|p| p.step_reserved());
     Err(not_placed(c, &d, p, machine.budget, with_expandable))
 }
 

@@ -59,7 +59,7 @@ impl Decision {
         budget >= self.peak.saturating_add(self.reserved)
             && self.optimizer.is_none_or(|(_, peak)| budget >= peak)
             // Placed in no more than the budget: a card with as much left places it again.
-            && self.placement.as_ref().is_none_or(|p| p.placed() && budget >= p.peak_reserved - p.leaves)
+            && self.placement.as_ref().is_none_or(|p| p.placed() && budget >= p.step_reserved())
     }
 
     /// The peak at micro-batch `b`, as the search computes it.

@@ -59,12 +59,12 @@ mod trace;
 
 // The types the files share, named through here (`super::Allocator`). This file defines nothing,
 // so importing through it depends only on the file that defines each type. The replay's own
-// vocabulary (`replay::{Event, Replay, Failure}`, `snapshot::{SegmentState, BlockState}`) joins
-// them when plans replay the model (issue 65): re-exported before anything uses it, it would be
-// an unused import in the crate's build.
+// vocabulary (`replay::{Event, Replay, Failure}`) joins them when something outside uses it: an
+// unused re-export is an error in the crate's build.
 pub(crate) use block::Stream;
 pub(crate) use card::Card;
 pub(crate) use config::Config;
 pub(crate) use oom::{format_bytes, Oom};
 pub(crate) use sizes::PoolKind;
+pub(crate) use snapshot::{BlockState, SegmentState};
 pub(crate) use state::{Allocator, BlockId};
