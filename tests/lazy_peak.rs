@@ -909,6 +909,20 @@ fn a_budget_gets_the_largest_micro_batch_that_fits() {
     assert!(checked >= 12, "only {checked} budgets decided by the plans");
 }
 
+/// `opt.backward_step_with(loss, options)` through toma's optimizer, its plan asked for first:
+/// the plan, the loss and the step's measured peak.
+fn plan_and_step(
+    opt: &mut toma::lazy::nn::Optimizer,
+    loss: &LazyTensor,
+    options: &Options,
+) -> (toma::lazy::Plan, f64, u64) {
+    let plan = opt.plan_step(loss, options).expect("a plan");
+    let before = memory::cpu_allocator_stats().unwrap().allocated;
+    assert!(memory::reset_cpu_peak());
+    let value = opt.f_backward_step_with(loss, options).expect("a step");
+    (plan, value, memory::cpu_allocator_stats().unwrap().peak_allocated - before)
+}
+
 /// The whole step users run, `opt.backward_step(&loss)` through toma's optimizer, against its
 /// plan (`Optimizer::plan_step`): the backward and the optimizer's step after it, whose state a
 /// first step creates and whose temporaries every step makes. A parameter-heavy MLP in f64
@@ -1015,11 +1029,7 @@ fn whole_steps_peak_as_planned() {
             };
             for step in 0..3 {
                 let l = loss();
-                let plan = opt.plan_step(&l, &options).expect("a plan");
-                let before = memory::cpu_allocator_stats().unwrap().allocated;
-                assert!(memory::reset_cpu_peak());
-                let value = opt.f_backward_step_with(&l, &options).expect("a step");
-                let measured = memory::cpu_allocator_stats().unwrap().peak_allocated - before;
+                let (plan, value, measured) = plan_and_step(&mut opt, &l, &options);
                 // Read afterwards, as tch's examples print it: the step's value, nothing run.
                 let after = memory::cpu_allocator_stats().unwrap().allocations;
                 assert_eq!(f64::try_from(&l).unwrap(), value, "{name} {model} step {step}");
@@ -1035,6 +1045,87 @@ fn whole_steps_peak_as_planned() {
         }
     }
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "whole steps");
+}
+
+/// tch-rs's own kinds of program trained as their examples train them, through toma's
+/// optimizer (`opt.backward_step` zeroes `.grad` to none, runs the step and the optimizer's
+/// step): four steps each, the first of the process's graph included, its plan
+/// (`Optimizer::plan_step`) against the allocator's peak, the loss read afterwards. A seq2seq
+/// GRU written as the user's own steps (translation's shape: one `gru_cell` op a step, dropout
+/// on the embeddings), and a PPO update (tch-rs's `reinforcement-learning` idioms: `selu`,
+/// `hardtanh`, `min_other` of the clipped ratio, `sign`, an `l1_loss` value head), in f32 and
+/// f64, whole and in uneven micro-batches (6, 6 and 4 of 16; 96, 96 and 64 of 256).
+#[test]
+fn tchs_own_programs_step_as_planned() {
+    use toma::lazy::nn::OptimizerConfig;
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    tch::manual_seed(43);
+    let mut rows = Rows::default();
+    let mut train = |name: String, opt: &mut toma::lazy::nn::Optimizer, loss: &dyn Fn() -> LazyTensor, micro| {
+        let options = Options::new().micro_batch(micro);
+        // What the first step measures before it runs, measured before its plan is asked for.
+        loss().calibrate(Mode::Backward, &options).unwrap();
+        for step in 0..4 {
+            let l = loss();
+            let (plan, value, measured) = plan_and_step(opt, &l, &options);
+            assert_eq!(f64::try_from(&l).unwrap(), value, "{name} step {step}");
+            assert!(value.is_finite(), "{name} step {step}: loss {value}");
+            rows.push(format!("{name} step {step}"), plan.peak_bytes(), measured);
+        }
+    };
+    for kind in [Kind::Float, Kind::Double] {
+        for micro in [16usize, 6] {
+            let (n, t, v) = (16i64, 8, 40);
+            let mut vs = nn::VarStore::new(CPU);
+            let model = Seq2Seq::new(&mut vs, kind, v, 48, 64);
+            let src = Tensor::randint(v, [n, t], (Kind::Int64, CPU));
+            let tgt = Tensor::randint(v, [n, t], (Kind::Int64, CPU));
+            let loss = || {
+                let (ls, lt) = toma::lazy::lazy((&src, &tgt), 0);
+                model.stepped(&ls, &lt, 0.1)
+            };
+            let mut opt = nn::Adam::default().build(&vs, 1e-3).unwrap();
+            train(format!("gru steps {kind:?} micro {micro}"), &mut opt, &loss, micro);
+
+            let (n, obs, hidden, actions) = (256i64, 64, 256, 6);
+            let mut vs = nn::VarStore::new(CPU);
+            let p = vs.root();
+            let (l1, l2) = (
+                nn::linear(&p / "l1", obs, hidden, Default::default()),
+                nn::linear(&p / "l2", hidden, hidden, Default::default()),
+            );
+            let (actor, critic) = (
+                nn::linear(&p / "actor", hidden, actions, Default::default()),
+                nn::linear(&p / "critic", hidden, 1, Default::default()),
+            );
+            if kind == Kind::Double {
+                vs.double();
+            }
+            let x = Tensor::randn([n, obs], (kind, CPU));
+            let taken = Tensor::randint(actions, [n, 1], (Kind::Int64, CPU));
+            let old = Tensor::randn([n, 1], (kind, CPU)) * 0.1 - 1.8;
+            let advantages = Tensor::randn([n, 1], (kind, CPU));
+            let returns = Tensor::randn([n, 1], (kind, CPU));
+            let loss = || {
+                let (lx, la, lo, ladv, lr) = toma::lazy::lazy((&x, &taken, &old, &advantages, &returns), 0);
+                let h = lx.apply(&l1).selu().apply(&l2).hardtanh();
+                let log_probs = h.apply(&actor).log_softmax(-1, None);
+                let ratio = (log_probs.gather(1, &la, false) - lo).exp();
+                let clipped = ratio.clamp(0.8, 1.2) * &ladv;
+                let policy = -(ratio * &ladv).min_other(&clipped).mean(None);
+                let value = h.apply(&critic).l1_loss(&lr, tch::Reduction::Mean);
+                let entropy = -(log_probs.exp() * &log_probs).sum_dim_intlist([-1], false, None).mean(None);
+                // tch-rs's PPO keeps the sign of the advantage for logging; as a loss term it
+                // has no gradient, but it is recorded and held.
+                policy + value * 0.5 - entropy * 0.01 + ladv.sign().mean(None) * 0.0
+            };
+            let micro = if micro == 16 { 256 } else { 96 };
+            let mut opt = nn::AdamW::default().build(&vs, 1e-3).unwrap();
+            train(format!("ppo {kind:?} micro {micro}"), &mut opt, &loss, micro);
+        }
+    }
+    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "steps of tch's programs");
 }
 
 /// A step whose optimizer cannot fit is refused before anything runs: the parameters, their
@@ -2694,38 +2785,18 @@ fn recurrent_models_peak_as_planned() {
             rows.push(format!("char-rnn lstm {kind:?} micro {micro}"), planned, measured);
 
             let mut vs = nn::VarStore::new(CPU);
-            let p = vs.root();
-            let emb = nn::embedding(&p / "emb", v, 32, Default::default());
-            let encoder = toma::lazy::nn::gru(&p / "enc", 32, h, Default::default());
-            let decoder = toma::lazy::nn::gru(&p / "dec", 32, h, Default::default());
-            let head = nn::linear(&p / "head", h, v, Default::default());
-            if kind == Kind::Double {
-                vs.double();
-            }
+            let model = Seq2Seq::new(&mut vs, kind, v, 32, h);
             let src = Tensor::randint(v, [n, t], (Kind::Int64, CPU));
             let tgt = Tensor::randint(v, [n, t], (Kind::Int64, CPU));
             let (ls, lt) = toma::lazy::lazy((&src, &tgt), 0);
-            let (_, state) = encoder.seq(&ls.apply(&emb));
-            let (out, _) = decoder.seq_init(&lt.apply(&emb), &state);
-            let loss = out.apply(&head).view([-1, v]).cross_entropy_for_logits(&lt.view([-1]));
+            let (_, state) = model.encoder.seq(&ls.apply(&model.emb));
+            let (out, _) = model.decoder.seq_init(&lt.apply(&model.emb), &state);
+            let loss = out.apply(&model.head).view([-1, v]).cross_entropy_for_logits(&lt.view([-1]));
             let (planned, measured) = planned_and_measured_at(&loss, micro);
             rows.push(format!("seq2seq gru {kind:?} micro {micro}"), planned, measured);
 
-            // The same model as tch-rs's translation writes it: the user's own steps (each one
-            // `gru_cell` op), the encoder's state handed on, teacher forcing.
-            let mut state = encoder.lazy_zero_state(n);
-            for s in 0..t {
-                state = encoder.step(&ls.select(1, s).apply(&emb), &state);
-            }
-            let embedded = lt.apply(&emb);
-            let mut outs = Vec::new();
-            for s in 0..t {
-                state = decoder.step(&embedded.select(1, s), &state);
-                outs.push(state.h().squeeze_dim(0));
-            }
-            let out = LazyTensor::stack(&outs.iter().collect::<Vec<_>>(), 1);
-            let loss = out.apply(&head).view([-1, v]).cross_entropy_for_logits(&lt.view([-1]));
-            let (planned, measured) = planned_and_measured_at(&loss, micro);
+            // The same model as tch-rs's translation writes it: the user's own steps.
+            let (planned, measured) = planned_and_measured_at(&model.stepped(&ls, &lt, 0.0), micro);
             rows.push(format!("seq2seq gru steps {kind:?} micro {micro}"), planned, measured);
         }
     }
@@ -4213,6 +4284,52 @@ fn generated_autocast_models_peak_as_planned() {
 
 /// A char-RNN's loss on libtorch's fused LSTM: `features` in, `hidden` units, a linear head
 /// back to `features` classes, f32 inputs of `[batch, steps, features]`; recorded anew per call.
+/// A GRU encoder-decoder over embeddings (tch-rs's translation without its attention).
+struct Seq2Seq {
+    emb: nn::Embedding,
+    encoder: toma::lazy::nn::GRU,
+    decoder: toma::lazy::nn::GRU,
+    head: nn::Linear,
+    vocabulary: i64,
+}
+
+impl Seq2Seq {
+    fn new(vs: &mut nn::VarStore, kind: Kind, vocabulary: i64, embedding: i64, hidden: i64) -> Seq2Seq {
+        let p = vs.root();
+        let model = Seq2Seq {
+            emb: nn::embedding(&p / "emb", vocabulary, embedding, Default::default()),
+            encoder: toma::lazy::nn::gru(&p / "enc", embedding, hidden, Default::default()),
+            decoder: toma::lazy::nn::gru(&p / "dec", embedding, hidden, Default::default()),
+            head: nn::linear(&p / "head", hidden, vocabulary, Default::default()),
+            vocabulary,
+        };
+        if kind == Kind::Double {
+            vs.double();
+        }
+        model
+    }
+
+    /// As tch-rs's translation writes it: the user's own steps (each one `gru_cell` op), the
+    /// encoder's state handed on, teacher forcing, `dropout` on the embeddings.
+    fn stepped(&self, src: &LazyTensor, tgt: &LazyTensor, dropout: f64) -> LazyTensor {
+        use toma::lazy::nn::RNN;
+        let (n, t) = (src.size()[0], src.size()[1]);
+        let dropped = |x: LazyTensor| if dropout > 0.0 { x.dropout(dropout, true) } else { x };
+        let mut state = self.encoder.lazy_zero_state(n);
+        for s in 0..t {
+            state = self.encoder.step(&dropped(src.select(1, s).apply(&self.emb)), &state);
+        }
+        let embedded = dropped(tgt.apply(&self.emb));
+        let mut outs = Vec::new();
+        for s in 0..t {
+            state = self.decoder.step(&embedded.select(1, s), &state);
+            outs.push(state.h().squeeze_dim(0));
+        }
+        let out = LazyTensor::stack(&outs.iter().collect::<Vec<_>>(), 1);
+        out.apply(&self.head).view([-1, self.vocabulary]).cross_entropy_for_logits(&tgt.view([-1]))
+    }
+}
+
 fn char_rnn(
     root: nn::Path,
     features: i64,
