@@ -377,13 +377,8 @@ fn takes_lazy_values(stmt: &syn::Stmt, name: &syn::Ident) -> bool {
     finder.found
 }
 
-/// `e`, a reference to a `Tensor` or a `LazyTensor` (an element of `&[..]`), as a lazy operand.
-fn into_lazy(e: &mut syn::Expr) {
-    let inner = e.clone();
-    *e = syn::parse_quote!(::toma::lazy::IntoLazy::into_lazy(#inner));
-}
-
-/// `e`, a `Tensor` or a `LazyTensor` (a branch's value), as a lazy operand.
+/// `e`, a `Tensor` or a `LazyTensor` or a reference to one (a branch's value, an element of a
+/// list for `Tensor::cat`), borrowed as a lazy operand.
 fn into_lazy_owned(e: &mut syn::Expr) {
     let inner = e.clone();
     *e = syn::parse_quote!(::toma::lazy::IntoLazy::into_lazy(&(#inner)));
@@ -483,9 +478,11 @@ impl VisitMut for LazyBody {
                 // A list written out may mix lazy values and constants (a `Tensor::zeros` pad):
                 // each element becomes a lazy operand.
                 syn::visit_mut::visit_expr_call_mut(self, call);
+                // Owned values (`&[a, b]`, as tch's `Borrow<Tensor>` takes them), references and
+                // names bound to references alike: each is borrowed once more.
                 if let Some(syn::Expr::Reference(r)) = call.args.first_mut() {
                     if let syn::Expr::Array(list) = &mut *r.expr {
-                        list.elems.iter_mut().for_each(into_lazy);
+                        list.elems.iter_mut().for_each(into_lazy_owned);
                     }
                 }
                 return;

@@ -191,6 +191,36 @@ fn a_lazy_body_pads_with_constants_as_tchs_translation_does() {
     }
 }
 
+/// tch's `Tensor::cat` and `Tensor::stack` take owned tensors as well as references
+/// (`Borrow<Tensor>`): a list written out of owned values, a name bound to a reference (the
+/// argument) and references to temporaries compiles for both kinds under the attribute.
+#[toma::lazy::module]
+fn stacked_features(xs: &Tensor, w: &Tensor) -> Tensor {
+    let a = xs.relu();
+    let b = xs.matmul(w);
+    let stacked = Tensor::stack(&[a, b, xs.zeros_like()], 0);
+    let joined = Tensor::cat(&[xs, &stacked.sum_dim_intlist(0, false, None), &xs.tanh()], 1);
+    joined.square().mean(None)
+}
+
+#[test]
+fn lists_of_owned_values_and_references_concatenate_as_eagerly() {
+    let w = Tensor::randn([HIDDEN, HIDDEN], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let x = Tensor::randn([8, HIDDEN], (Kind::Float, Device::Cpu));
+    let eager = stacked_features(&x, &w);
+    eager.backward();
+    let expected = w.grad().copy();
+    for micro in [8, 3] {
+        let _ = w.grad().zero_();
+        let value = stacked_features(&lazy(&x, 0), &lazy(&w, None))
+            .backward_with(&toma::lazy::Options::new().micro_batch(micro));
+        let value = value.unwrap();
+        assert!((value - eager.double_value(&[])).abs() < 1e-5, "micro-batch {micro}");
+        let diff = (w.grad() - &expected).abs().max().double_value(&[]);
+        assert!(diff < 1e-5, "micro-batch {micro}: gradients differ by {diff}");
+    }
+}
+
 /// Upstream's `Model::train_loss` takes the sentences as token lists and makes its tensors
 /// itself: a method whose only `Tensor` is its result. Ported with the wrap of the encoder's
 /// tokens (`lazy(.., None)`, which the attribute makes a no-op on tch's side), its loss and

@@ -66,6 +66,30 @@ impl IntoLazy for &Tensor {
     }
 }
 
+/// A reference to an operand (`&xs` where `xs: &LazyTensor` or `&Tensor`): what
+/// `#[toma::lazy::module]` makes of each element of a list written out for `Tensor::cat`, which
+/// may be owned values, references or names bound to references.
+macro_rules! through_a_reference {
+    ($($operand:ty),*) => {$(
+        impl IntoLazy for &&$operand {
+            fn into_lazy(self) -> LazyTensor {
+                (*self).into_lazy()
+            }
+
+            #[inline]
+            fn eager_operand(&self) -> Option<&Tensor> {
+                (**self).eager_operand()
+            }
+
+            #[inline]
+            fn computed_at_once(&self) -> bool {
+                (**self).computed_at_once()
+            }
+        }
+    )*};
+}
+through_a_reference!(LazyTensor, Tensor);
+
 /// [`IntoLazy::eager_operand`] of an optional operand: `Some(None)` for none.
 #[inline]
 pub(crate) fn eager_option<T: IntoLazy>(operand: &Option<T>) -> Option<Option<&Tensor>> {
