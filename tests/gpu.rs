@@ -1506,6 +1506,7 @@ fn zoo_on_a_filled_card(which: ZooKind, size: i64, train: bool, first: i64, kind
                         format!("{:+.1}%", 100.0 * (p as f64 - reserved as f64) / reserved.max(1) as f64)
                     }),
                 ),
+                ("emptied_cache", &plan.emptied_cache_bytes().map_or("none".into(), mib)),
                 ("refused_at", &refused_at),
                 ("refused_request", &if refused_request.is_empty() { "none" } else { &refused_request }),
                 ("micro_batch", &plan.micro_batch()),

@@ -55,7 +55,10 @@
 //! of that allocator (libtorch 2.11's pools, segments, splitting, release-and-retry, expandable
 //! segments), with its settings as libtorch parsed them, from the segments the card's allocator
 //! holds as the step begins ([`memory::cuda_segments`](crate::memory::cuda_segments)), and
-//! given only where every request of its step is placed within the budget. Among recomputed cuts, the fastest the allocator
+//! given only where every request of its step is placed within the budget. Where a cached
+//! segment would be split for a small request and pin memory a larger one needs, the step
+//! empties libtorch's cache first if that places it ([`Plan::emptied_cache_bytes`]), rather
+//! than running smaller. Among recomputed cuts, the fastest the allocator
 //! places is chosen; among micro-batches, the largest. Where the plan of the budget's tensors
 //! is refused, [`Plan::unplaced`] says which request failed ([`UnplacedRequest`]: "the plan of
 //! 3.6 GiB allocated (micro-batch 903, 3 recomputed segments) is not placed: op #9 `relu`

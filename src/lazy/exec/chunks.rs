@@ -32,6 +32,15 @@ pub(super) struct Prepared {
 pub(super) fn prepare(output: &LazyTensor, mode: Mode, options: &Options) -> Result<Prepared, LazyError> {
     let c = plan::compile(output)?;
     let d = plan::decide(&c, mode, options, Measure::Now)?;
+    // The plan was placed only after the cached segments go back to the card.
+    if let Some(p) = d.placement.as_ref().filter(|p| p.emptied > 0) {
+        let emptied = crate::memory::empty_cuda_cache();
+        tracing::info!(
+            bytes = p.emptied,
+            emptied,
+            "toma::lazy: emptied libtorch's CUDA cache before the step, as planned"
+        );
+    }
     let chunks = (c.batch as usize).div_ceil(d.micro_batch);
     let calibration = d.evidence.calibration();
     tracing::info!(

@@ -47,6 +47,7 @@ impl Machine {
                 card: Card::new(card_total(i).map_or(budget, |total| total.max(budget)), budget),
                 segments: Vec::new(),
                 place_leaves: false,
+                empty_cache: false,
             }),
             _ => None,
         };
@@ -65,6 +66,7 @@ impl Machine {
             card: Card::new(card.memory(), budget.saturating_add(leaves).min(free)),
             segments: Vec::new(),
             place_leaves: true,
+            empty_cache: false,
         };
         Machine { budget, replays: generator_replays(), allocator: Some(start) }
     }

@@ -34,6 +34,9 @@ pub(crate) struct Start {
     /// A described card ([`CudaCard`](crate::lazy::CudaCard)): the leaves are placed first, and
     /// the step gets what they leave of `card.free`.
     pub(crate) place_leaves: bool,
+    /// The step begins with `emptyCache`: the cached segments nothing lives in go back to the
+    /// card first, so that none of them is split for a small request.
+    pub(crate) empty_cache: bool,
 }
 
 impl Start {
@@ -79,6 +82,9 @@ pub(crate) struct Placement {
     pub(crate) held: (u64, u64),
     /// Whether the settings replayed use expandable segments.
     pub(crate) expandable: bool,
+    /// Bytes of cached segments an `emptyCache` gave back at the step's start (0: none was
+    /// replayed, [`Start::empty_cache`]).
+    pub(crate) emptied: u64,
     /// The first request the allocator could not place, if any.
     pub(crate) unplaced: Option<Unplaced>,
 }
@@ -167,14 +173,20 @@ impl Tracked {
 /// `start`; `new_grads` are the bytes of `.grad()`s the accumulation step creates.
 pub(crate) fn replay(c: &Compiled, schedule: &Schedule, b: u64, new_grads: u64, start: &Start) -> Placement {
     let mut a = Tracked { a: start.allocator(), asked: HashMap::new(), live: 0, peak: 0 };
+    // What the card held as the step found it: an `emptyCache` at its start lowers what it
+    // holds, not what it held (the peak of the step's reserved bytes is measured from here).
     let held = a.a.stats();
     let held = (held.reserved, held.allocated);
+    if start.empty_cache {
+        a.a.empty_cache();
+    }
+    let emptied = held.0 - a.a.stats().reserved;
     let mut leaves = 0;
     if start.place_leaves {
         for bytes in c.leaf_bytes() {
             if let Err(oom) = a.alloc(bytes, Stream(0)) {
                 let unplaced = Unplaced { node: 0, phase: Phase::Forward, micro_batch: 0, oom };
-                return finish(&a, leaves, held, Some(unplaced));
+                return finish(&a, leaves, (held, emptied), Some(unplaced));
             }
         }
         leaves = a.a.stats().allocated - held.1;
@@ -204,13 +216,13 @@ pub(crate) fn replay(c: &Compiled, schedule: &Schedule, b: u64, new_grads: u64, 
         let keep = k == 0 && in_place;
         let add_in_place = k > 0 && in_place;
         if let Err(unplaced) = micro_batch(c, schedule, m, &created, (keep, add_in_place), &mut grads, &mut a) {
-            return finish(&a, leaves, held, Some(*unplaced));
+            return finish(&a, leaves, (held, emptied), Some(*unplaced));
         }
     }
-    finish(&a, leaves, held, None)
+    finish(&a, leaves, (held, emptied), None)
 }
 
-fn finish(a: &Tracked, leaves: u64, held: (u64, u64), unplaced: Option<Unplaced>) -> Placement {
+fn finish(a: &Tracked, leaves: u64, (held, emptied): ((u64, u64), u64), unplaced: Option<Unplaced>) -> Placement {
     let stats = a.a.stats();
     Placement {
         peak_reserved: stats.peak_reserved,
@@ -219,6 +231,7 @@ fn finish(a: &Tracked, leaves: u64, held: (u64, u64), unplaced: Option<Unplaced>
         leaves,
         held,
         expandable: a.a.config().expandable_segments,
+        emptied,
         unplaced,
     }
 }
@@ -332,7 +345,7 @@ mod tests {
     }
 
     fn start(config: Config) -> Start {
-        Start { config, card: Card::unlimited(), segments: Vec::new(), place_leaves: false }
+        Start { config, card: Card::unlimited(), segments: Vec::new(), place_leaves: false, empty_cache: false }
     }
 
     /// The replay asks for what the schedule counts, tensor for tensor: the peak of the bytes
@@ -520,6 +533,40 @@ mod tests {
         assert!(r.placed() && d.micro_batch < 2048, "micro-batch {}", d.micro_batch);
         assert!(r.step_reserved() <= start.card.free, "{r:?}");
         assert!(d.unplaced.as_ref().is_some_and(|u| u.largest_cached < u.requested), "{}", d.why);
+    }
+
+    /// A cached segment that a small request splits pins memory the allocator's own release
+    /// cannot give back; emptying the cache at the step's start places the plan as it is,
+    /// where it would otherwise be planned smaller.
+    #[test]
+    fn a_step_empties_the_cache_where_that_places_it() {
+        use crate::lazy::cost::caching::{BlockState, PoolKind, SegmentState, Stream};
+        const MIB: u64 = 1 << 20;
+        let (c, evidence, options) = wide_mlp_on_h100();
+        let budget = 80 * MIB;
+        let cached = SegmentState {
+            address: None,
+            stream: Stream(0),
+            pool: PoolKind::Large,
+            expandable: false,
+            blocks: vec![BlockState { size: 8 * MIB, allocated: false }],
+        };
+        let empty = Start { card: Card::new(80 << 30, budget), ..start(Config::default()) };
+        let start = empty.holding(vec![cached], budget, 80 << 30).unwrap();
+        let machine = Machine { allocator: Some(start.clone()), ..Machine::with_budget(budget, false) };
+        let d = plan(&c, Mode::Backward, &options, &machine, &evidence).unwrap();
+        let p = d.placement.as_ref().unwrap();
+        assert!(p.placed() && p.emptied == 8 * MIB, "{p:?}");
+        assert!(d.why.contains("empties the cache first"), "{}", d.why);
+        // As the search planned it under the budget, not smaller; from the cache as it was, the
+        // same plan is not placed.
+        let searched = search::plan(&c, Mode::Backward, &options, &machine, &evidence).unwrap();
+        assert_eq!(d.micro_batch, searched.micro_batch);
+        let kept = replay(&c, &d.schedule, d.micro_batch as u64, d.outcome.1, &start);
+        assert!(!kept.placed(), "{kept:?}");
+        // The step's reserved bytes grow from what the card held before the cache was emptied.
+        assert_eq!(p.held.0, 8 * MIB);
+        assert!(p.step_reserved() <= budget - 8 * MIB + p.emptied, "{p:?}");
     }
 
     /// The settings are libtorch's as it parsed them, and `Options::expandable_segments` changes

@@ -143,6 +143,13 @@ impl Plan {
     pub fn reserved_bytes(&self) -> Option<u64> {
         self.placement.as_ref().map(Placement::step_reserved)
     }
+    /// On a CUDA card, the bytes of cached segments the step gives back to the card before it
+    /// begins (`torch.cuda.empty_cache()`): chosen where the replay places the plan only so,
+    /// because a cached segment would otherwise be split for a small request and pin memory a
+    /// larger one needs. 0 where the step empties nothing; `None` on the CPU.
+    pub fn emptied_cache_bytes(&self) -> Option<u64> {
+        self.placement.as_ref().map(|p| p.emptied)
+    }
     /// On a described card, the bytes of the graph's parameters and inputs the replay placed
     /// before the step (0 on a card toma runs on, where they are on it already; `None` on the
     /// CPU).
@@ -469,6 +476,10 @@ impl fmt::Display for Plan {
                 crate::svg::bytes(p.step_reserved() as f64),
                 if p.expandable { "expandable segments" } else { "default segments" },
                 match (p.leaves, p.held) {
+                    _ if p.emptied > 0 => format!(
+                        "; the cache emptied first: {} of cached segments back to the card",
+                        crate::svg::bytes(p.emptied as f64)
+                    ),
                     (0, (0, _)) => String::new(),
                     (0, (reserved, allocated)) => format!(
                         "; beside the {} the card's allocator held before the step, {} of it cached",

@@ -3,7 +3,7 @@
 
 use super::compiled::Compiled;
 use super::evidence::{Evidence, Machine};
-use super::placement::{replay, unplaced_request, Placement, Unplaced};
+use super::placement::{replay, unplaced_request, Placement, Start, Unplaced};
 use super::schedule::Mode;
 use super::search::{self, Decision};
 use crate::lazy::cost::caching::format_bytes as human;
@@ -39,7 +39,17 @@ pub(crate) fn plan(
                 Some(_) => lo = lowered.budget,
             },
             Ok(mut d) => {
-                let p = replay(c, &d.schedule, d.micro_batch as u64, d.outcome.1, start);
+                let mut p = replay(c, &d.schedule, d.micro_batch as u64, d.outcome.1, start);
+                if let Some(emptied) = (!p.placed()).then(|| emptying_places(c, &d, start)).flatten() {
+                    // The same plan, after `emptyCache`: cheaper than a smaller one.
+                    let refused = request_of(c, &d, p.unplaced.as_ref().expect("not placed"));
+                    d.why = format!(
+                        "{}; empties the cache first ({} of cached segments back to the card): without, {refused}",
+                        d.why,
+                        human(emptied.emptied)
+                    );
+                    p = emptied;
+                }
                 if p.placed() {
                     let first = first.or(d.unplaced.take());
                     if let Some(refused) = &first {
@@ -85,6 +95,18 @@ pub(crate) fn plan(
         .filter(Placement::placed)
         .map(|p| p.step_reserved());
     Err(not_placed(c, &d, p, machine.budget, with_expandable))
+}
+
+/// The replay of `d` from `start` after an `emptyCache`, where that places it: a cached
+/// segment split for a small request pins memory that the allocator's own release (on a failed
+/// `cudaMalloc`) cannot give back. `None` where nothing is cached or it still does not place.
+fn emptying_places(c: &Compiled, d: &Decision, start: &Start) -> Option<Placement> {
+    if start.segments.is_empty() || start.empty_cache {
+        return None;
+    }
+    let emptied = Start { empty_cache: true, ..start.clone() };
+    let p = replay(c, &d.schedule, d.micro_batch as u64, d.outcome.1, &emptied);
+    (p.placed() && p.emptied > 0).then_some(p)
 }
 
 /// The error of a plan whose smallest try the allocator could not place.
