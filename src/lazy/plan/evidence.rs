@@ -256,7 +256,10 @@ impl Evidence {
 mod tests {
     use super::{segment_state, Evidence, Machine};
     use crate::lazy::cost::caching::{BlockState, PoolKind, Stream};
+    use crate::lazy::options::Options;
+    use crate::lazy::plan::{compile, search, Mode};
     use crate::memory::{CudaBlock, CudaBlockState, CudaSegment};
+    use tch::{Device, Kind, Tensor};
 
     /// A snapshot's blocks as the model holds them: only free blocks of the shared pools can
     /// serve the step; a block another stream still uses, or a private pool's, cannot.
@@ -292,9 +295,6 @@ mod tests {
         let private = segment_state(&CudaSegment { private_pool: true, large_pool: false, ..shared });
         assert_eq!((private.pool, private.blocks), (PoolKind::Small, held(&[true, true, true])));
     }
-    use crate::lazy::options::Options;
-    use crate::lazy::plan::{compile, search, Mode};
-    use tch::{Device, Kind, Tensor};
 
     /// Planning is a function of the graph, the machine and the evidence: the same three give
     /// the same plan, and other evidence another.
