@@ -75,9 +75,9 @@ pub enum LazyError {
     /// The computation mixes samples of the batch, so running it in micro-batches would change
     /// its result. Raised only when the batch does not fit and must be split.
     #[error(
-        "toma::lazy: {} cannot be split: op #{node} `{op}` {reason}; use Options::allow_batch_mixing(true) to split \
-         anyway (each micro-batch then uses its own statistics)",
-        split_cause(*.batch, *.requested, *.peak, *.budget)
+        "toma::lazy: {} cannot be split: op #{node} `{op}` {reason}; {}",
+        split_cause(*.batch, *.requested, *.peak, *.budget),
+        mixing_remedy(*.splits_anyway)
     )]
     MixesBatch {
         /// Position of the op in the plan.
@@ -95,6 +95,11 @@ pub enum LazyError {
         /// The micro-batch asked for with [`Options::micro_batch`](super::Options::micro_batch),
         /// when the split was asked for rather than needed.
         requested: Option<usize>,
+        /// Whether [`Options::allow_batch_mixing`](super::Options::allow_batch_mixing) would split
+        /// it: the op mixes samples by statistics over the batch (batch norm, a mean over it).
+        /// Not where it moves samples across the batch dimension (a `view` that folds the batch
+        /// into other dimensions): the step's value then needs the whole batch at once.
+        splits_anyway: bool,
     },
     /// A plan asked for before the kernel calls it needs measured were measured: on this
     /// machine no rule read here prices them ([`CpuMachine::reads_rules_of`](crate::lazy::CpuMachine::reads_rules_of)),
@@ -293,6 +298,17 @@ fn split_cause(batch: usize, requested: Option<usize>, peak: u64, budget: u64) -
             sized(peak),
             sized(budget)
         ),
+    }
+}
+
+/// What to do about [`LazyError::MixesBatch`].
+fn mixing_remedy(splits_anyway: bool) -> &'static str {
+    match splits_anyway {
+        true => "use Options::allow_batch_mixing(true) to split anyway (each micro-batch then uses its own statistics)",
+        false => {
+            "no option splits it, as the step's value then needs the whole batch at once: give the step the whole \
+             batch's budget, or keep the batch dimension whole through the op"
+        }
     }
 }
 

@@ -244,9 +244,20 @@ fn mixing_ops_refuse_to_split_unless_allowed() {
     let v = linear.to_tensor_with(&split).unwrap();
     let e = x.sum(None) * 2.0 + x.mean(None);
     assert!(v.allclose(&e, 1e-10, 1e-10, false));
-    // A nonlinear function of a batch sum cannot be split.
+    assert!(matches!(centered.to_tensor_with(&split), Err(LazyError::MixesBatch { splits_anyway: true, .. })));
+    // A nonlinear function of a batch sum cannot be split, by any option: the refusal offers
+    // none.
     let nonlinear = lx.sum(None).exp();
-    assert!(matches!(nonlinear.to_tensor_with(&split), Err(LazyError::MixesBatch { .. })));
+    assert!(matches!(nonlinear.to_tensor_with(&split), Err(LazyError::MixesBatch { splits_anyway: false, .. })));
+    // Nor can a view that folds the batch into other dimensions (tch-rs's a2c views its
+    // `steps * processes` rows as `[steps, processes]`): allowing batch mixing refuses it too.
+    let folded = lx.view([3, 4, 3, 2, 2]).mean(None);
+    let err = folded.to_tensor_with(&split).unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, LazyError::MixesBatch { splits_anyway: false, .. }), "{text}");
+    assert!(text.contains("no option splits it") && !text.contains("allow_batch_mixing"), "{text}");
+    let mixing = split.clone().allow_batch_mixing(true);
+    assert!(matches!(folded.to_tensor_with(&mixing), Err(LazyError::NotSplittable { .. })));
     // A maximum over the batch evaluates in micro-batches, but does not differentiate.
     let m = lx.max();
     assert!(m.to_tensor_with(&split).unwrap().allclose(&x.max(), 0.0, 0.0, false));

@@ -652,6 +652,14 @@ fn check_split(c: &Compiled, mode: Mode, choice: &Fit, budget: u64, options: &Op
         return Ok(());
     }
     let out = c.output();
+    // What no option splits: the output's value needs the whole batch at once.
+    let whole_only = match (out.meta.flow, mode) {
+        (Flow::Opaque, _) => Some("its value depends on the whole batch at once"),
+        (Flow::Max, Mode::Backward) => {
+            Some("a maximum over the batch can be evaluated in micro-batches, but not differentiated")
+        }
+        _ => None,
+    };
     if let Some((pos, node)) = c.first_mixing() {
         if !options.allow_batch_mixing {
             return Err(LazyError::MixesBatch {
@@ -662,18 +670,17 @@ fn check_split(c: &Compiled, mode: Mode, choice: &Fit, budget: u64, options: &Op
                 peak: choice.full_peak,
                 budget,
                 requested: options.micro_batch,
+                splits_anyway: whole_only.is_none(),
             });
         }
     }
-    let refuse = |reason: &str| {
-        Err(LazyError::NotSplittable { op: out.name().into(), shape: out.meta.shape.to_vec(), reason: reason.into() })
-    };
-    match (out.meta.flow, mode) {
-        (Flow::Opaque, _) => refuse("its value depends on the whole batch at once"),
-        (Flow::Max, Mode::Backward) => {
-            refuse("a maximum over the batch can be evaluated in micro-batches, but not differentiated")
-        }
-        _ => Ok(()),
+    match whole_only {
+        Some(reason) => Err(LazyError::NotSplittable {
+            op: out.name().into(),
+            shape: out.meta.shape.to_vec(),
+            reason: reason.into(),
+        }),
+        None => Ok(()),
     }
 }
 
