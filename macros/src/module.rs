@@ -269,6 +269,8 @@ fn eager_block(block: &syn::Block, pinned: &Pinned) -> syn::Block {
 fn constant_rooted(e: &syn::Expr) -> bool {
     match e {
         syn::Expr::Call(call) => match &*call.func {
+            // Of the kind of its argument.
+            syn::Expr::Path(_) if like_call(e).is_some() => call.args.first().is_some_and(constant_rooted),
             syn::Expr::Path(f) => {
                 let s = &f.path.segments;
                 let n = s.len();
@@ -282,6 +284,23 @@ fn constant_rooted(e: &syn::Expr) -> bool {
         syn::Expr::Block(b) => block_tail(&b.block).is_some_and(constant_rooted),
         _ => false,
     }
+}
+
+/// `Tensor::zeros_like(x, ..)` (any `*_like`, tch's methods over `&self`) as the method call
+/// `(x).zeros_like(..)`, if `e` is one.
+fn like_call(e: &syn::Expr) -> Option<syn::Expr> {
+    let syn::Expr::Call(call) = e else { return None };
+    let syn::Expr::Path(f) = &*call.func else { return None };
+    let s = &f.path.segments;
+    let n = s.len();
+    let name = &s.last()?.ident;
+    if n < 2 || s[n - 2].ident != "Tensor" || f.qself.is_some() || !name.to_string().ends_with("_like") {
+        return None;
+    }
+    let mut args = call.args.iter();
+    let receiver = args.next()?;
+    let rest: Vec<&syn::Expr> = args.collect();
+    Some(syn::parse_quote!((#receiver).#name(#(#rest),*)))
 }
 
 fn is_list_op(name: &syn::Ident) -> bool {
@@ -451,6 +470,11 @@ impl VisitMut for LazyBody {
                 *e = pinned;
                 return;
             }
+        }
+        // `Tensor::randn_like(&x)`: tch's method called by its path, whose kind is its
+        // argument's; as a method call it takes either kind.
+        if let Some(method) = like_call(e) {
+            *e = method;
         }
         syn::visit_mut::visit_expr_mut(self, e);
     }
@@ -753,6 +777,30 @@ mod tests {
         assert!(out.contains("into_lazy(&(self.start.shallow_clone()))"), "{out}");
         assert!(out.contains("into_lazy(&(target))"), "{out}");
         assert_eq!(out.matches("into_lazy(&(self.start").count(), 1, "the Tensor body is as written: {out}");
+    }
+
+    #[test]
+    fn like_methods_called_by_their_path_take_their_arguments_kind() {
+        let out = expand(
+            TokenStream2::new(),
+            quote!(
+                fn noisy(xs: &Tensor) -> Tensor {
+                    let eps: Tensor = Tensor::randn_like(xs);
+                    let pad: Tensor = Tensor::zeros_like(&Tensor::zeros([2], (Kind::Float, Device::Cpu)));
+                    xs + eps * Tensor::full_like(xs, 0.1) + pad.sum(Kind::Float)
+                }
+            ),
+        )
+        .expect("expands")
+        .to_string()
+        .replace(' ', "");
+        // Lazily, method calls, the annotation of the activation's noise lazy; the constant's
+        // stays tch's. The eager body is as written.
+        assert_eq!(out.matches("(xs).randn_like()").count(), 1, "{out}");
+        assert_eq!(out.matches("(xs).full_like(0.1)").count(), 1, "{out}");
+        assert_eq!(out.matches("Tensor::randn_like(xs)").count(), 1, "{out}");
+        assert!(out.contains("leteps:::toma::lazy::LazyTensor=(xs).randn_like()"), "{out}");
+        assert!(out.contains("letpad:Tensor=(&Tensor::zeros("), "{out}");
     }
 
     #[test]

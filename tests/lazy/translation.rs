@@ -193,12 +193,14 @@ fn a_lazy_body_pads_with_constants_as_tchs_translation_does() {
 
 /// tch's `Tensor::cat` and `Tensor::stack` take owned tensors as well as references
 /// (`Borrow<Tensor>`): a list written out of owned values, a name bound to a reference (the
-/// argument) and references to temporaries compiles for both kinds under the attribute.
+/// argument) and references to temporaries compiles for both kinds under the attribute. So
+/// do tch's `*_like` methods called by their path (`Tensor::ones_like(&b)`), annotated or not.
 #[toma::lazy::module]
 fn stacked_features(xs: &Tensor, w: &Tensor) -> Tensor {
     let a = xs.relu();
     let b = xs.matmul(w);
-    let stacked = Tensor::stack(&[a, b, xs.zeros_like()], 0);
+    let ones: Tensor = Tensor::ones_like(&b);
+    let stacked = Tensor::stack(&[a, b * ones, Tensor::full_like(xs, 0.5)], 0);
     let joined = Tensor::cat(&[xs, &stacked.sum_dim_intlist(0, false, None), &xs.tanh()], 1);
     joined.square().mean(None)
 }
