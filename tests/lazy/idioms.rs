@@ -1289,3 +1289,82 @@ fn elementwise_ops_on_transposed_values_reshape_as_eagerly() {
         }
     }
 }
+
+/// tch-rs's a2c holds its model as a boxed closure over tensors (`Box<dyn Fn(&Tensor) ->
+/// (Tensor, Tensor)>`). Ported, the closure's types name `LazyTensor`; its body, the update
+/// (`gather` of the actions taken, `detach` of the advantages, `sum_dim_intlist` and `mean` in
+/// `Kind::Float`, `backward_step_clip`) and acting (the policy read for an observation) are as
+/// written. Three updates give the eager losses and weights.
+#[test]
+fn a_boxed_closure_model_trains_as_tchs_a2c_does() {
+    type Eager = Box<dyn Fn(&Tensor) -> (Tensor, Tensor)>;
+    type Lazy = Box<dyn Fn(&LazyTensor) -> (LazyTensor, LazyTensor)>;
+    let (steps, procs, obs, nact) = (5i64, 4i64, 10i64, 3i64);
+    let eager_vs = tch_nn::VarStore::new(Device::Cpu);
+    let lazy_vs = nn::VarStore::new(Device::Cpu);
+    let eager_model: Eager = {
+        let p = eager_vs.root();
+        let seq = tch_nn::seq().add(tch_nn::linear(&p / "l1", obs, 32, Default::default())).add_fn(|xs| xs.relu());
+        let (critic, actor) = (
+            tch_nn::linear(&p / "cl", 32, 1, Default::default()),
+            tch_nn::linear(&p / "al", 32, nact, Default::default()),
+        );
+        Box::new(move |xs: &Tensor| {
+            let xs = xs.apply(&seq);
+            (xs.apply(&critic), xs.apply(&actor))
+        })
+    };
+    let lazy_model: Lazy = {
+        let p = lazy_vs.root();
+        let seq = nn::seq().add(nn::linear(&p / "l1", obs, 32, Default::default())).add_fn(|xs| xs.relu());
+        let (critic, actor) =
+            (nn::linear(&p / "cl", 32, 1, Default::default()), nn::linear(&p / "al", 32, nact, Default::default()));
+        Box::new(move |xs: &LazyTensor| {
+            let xs = xs.apply(&seq);
+            (xs.apply(&critic), xs.apply(&actor))
+        })
+    };
+    let mut lazy_vs = lazy_vs;
+    lazy_vs.copy(&eager_vs).unwrap();
+    let mut eager_opt = tch_nn::Adam::default().build(&eager_vs, 1e-2).unwrap();
+    let mut lazy_opt = nn::Adam::default().build(&lazy_vs, 1e-2).unwrap();
+    let s = Tensor::randn([steps * procs, obs], (Kind::Float, Device::Cpu));
+    let actions = Tensor::randint(nact, [steps * procs], (Kind::Int64, Device::Cpu));
+    let returns = Tensor::randn([steps * procs, 1], (Kind::Float, Device::Cpu));
+    // The update as upstream writes it, for either kind (`$s` the states, `$model` the model).
+    macro_rules! a2c_loss {
+        ($model:expr, $s:expr, $actions:expr, $returns:expr) => {{
+            let (critic, actor) = $model($s);
+            let critic = critic.view([steps, procs]);
+            let actor = actor.view([steps, procs, -1]);
+            let log_probs = actor.log_softmax(-1, Kind::Float);
+            let probs = actor.softmax(-1, Kind::Float);
+            let action_log_probs = log_probs.gather(2, &$actions.view([steps, procs, 1]), false).squeeze_dim(-1);
+            let dist_entropy = (-log_probs * probs).sum_dim_intlist(-1, false, Kind::Float).mean(Kind::Float);
+            let advantages = $returns.view([steps, procs]) - critic;
+            let value_loss = (&advantages * &advantages).mean(Kind::Float);
+            let action_loss = (-advantages.detach() * action_log_probs).mean(Kind::Float);
+            value_loss * 0.5 + action_loss - dist_entropy * 0.01
+        }};
+    }
+    for step in 0..3 {
+        let expected = a2c_loss!(eager_model, &s, actions, returns);
+        eager_opt.backward_step_clip(&expected, 0.5);
+        let (ls, la, lr) = lazy((&s, &actions, &returns), 0);
+        let loss = a2c_loss!(lazy_model, &ls, la, lr);
+        let value = lazy_opt.f_backward_step_clip_with(&loss, 0.5, &Options::new()).unwrap();
+        let expected = expected.double_value(&[]);
+        assert!((value - expected).abs() <= 1e-5 * expected.abs().max(1.0), "step {step}: {value} against {expected}");
+        let lazy_vars = lazy_vs.variables();
+        for (name, t) in eager_vs.variables() {
+            let diff = (&t - &lazy_vars[&name]).abs().max().double_value(&[]);
+            assert!(diff < 1e-5, "step {step}: {name} differs by {diff}");
+        }
+    }
+    // Acting: the policy for one observation, read as a tensor.
+    let observation = Tensor::randn([1, obs], (Kind::Float, Device::Cpu));
+    let (_, actor) = lazy_model(&lazy(&observation, None));
+    let probs = Tensor::try_from(&actor.softmax(-1, Kind::Float)).unwrap();
+    let (_, expected) = eager_model(&observation);
+    assert!(probs.allclose(&expected.softmax(-1, Kind::Float), 1e-6, 1e-6, false));
+}
