@@ -94,6 +94,43 @@ fn report(test: &str, fields: &[(&str, &dyn Display)]) {
     println!("GPU-RESULT {test} {}", fields.join(" "));
 }
 
+/// The card's allocator segments as one line (`GPU-SEGMENTS`), for a replay on the CPU from
+/// the state a step started in: each segment `pool:address:blocks` (`L` large, `S` small, `x`
+/// expandable, `p` private), each block its bytes and `a` (in a tensor), `w` (waiting for a
+/// stream) or `f` (free). "unavailable" where toma's shim could not read them.
+fn report_segments(test: &str, fields: &[(&str, &dyn Display)]) {
+    let fields: Vec<String> = fields.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let list = match memory::try_cuda_segments(0) {
+        Ok(segments) => segments
+            .iter()
+            .map(|s| {
+                let pool = format!(
+                    "{}{}{}",
+                    if s.large_pool { "L" } else { "S" },
+                    if s.expandable { "x" } else { "" },
+                    if s.private_pool { "p" } else { "" }
+                );
+                let blocks: Vec<String> = s
+                    .blocks
+                    .iter()
+                    .map(|b| {
+                        let state = match b.state {
+                            memory::CudaBlockState::Allocated => "a",
+                            memory::CudaBlockState::PendingFree => "w",
+                            _ => "f",
+                        };
+                        format!("{}{state}", b.size)
+                    })
+                    .collect();
+                format!("{pool}:{:#x}:{}", s.address, blocks.join(","))
+            })
+            .collect::<Vec<_>>()
+            .join(";"),
+        Err(err) => format!("unavailable({})", err.to_string().replace(' ', "_")),
+    };
+    println!("GPU-SEGMENTS {test} {} segments={list}", fields.join(" "));
+}
+
 fn stats() -> AllocatorStats {
     memory::cuda_allocator_stats(0).expect("allocator statistics of device 0")
 }
@@ -1454,6 +1491,17 @@ fn zoo_on_a_filled_card(which: ZooKind, size: i64, train: bool, first: i64, kind
             }
         };
         tch::Cuda::synchronize(0);
+        // The state the step starts from, for replays of it on the CPU.
+        report_segments(
+            "zoo",
+            &[
+                ("model", &format!("{which:?}")),
+                ("kind", &kind_name(kind)),
+                ("mode", &if train { "train" } else { "eval" }),
+                ("batch", &batch),
+                ("step", &step),
+            ],
+        );
         let before = stats();
         assert!(memory::reset_cuda_peak(0));
         let started = Instant::now();
