@@ -139,6 +139,10 @@ pub(super) struct Flags {
     /// `sum`), or contiguous and it arrives permuted (a convolution read as tokens): a copy
     /// lives while the backward runs.
     pub(super) grad_dense: bool,
+    /// The backward reaches the node: a gradient arrives at it. A node that requires one and
+    /// is not reached (a target network's forward before its `detach`) keeps what autograd
+    /// saved only as long as eager autograd's graph holds it.
+    pub(super) reached: bool,
 }
 
 impl Form {
@@ -504,6 +508,7 @@ fn compile_anew(output: &LazyTensor) -> Result<Compiled, LazyError> {
             allocates: cost.out != Bytes::default(),
             grad_copy: false,
             grad_dense: false,
+            reached: false,
         });
         if cost.permutes || broadcasts_grad(node) {
             starts.push(i as u32);
@@ -564,6 +569,9 @@ fn compile_anew(output: &LazyTensor) -> Result<Compiled, LazyError> {
                 reach[param[j].map_or(j, |p| p as usize)] = true;
             }
         }
+    }
+    for (flags, &reach) in flags.iter_mut().zip(&reach) {
+        flags.reached = reach;
     }
     let mut reached_params: Vec<u32> = Vec::with_capacity(params_seen.len());
     reached_params.extend((0..n).filter(|&i| reach[i] && param[i] == Some(i as u32)).map(|i| i as u32));

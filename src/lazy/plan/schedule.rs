@@ -110,6 +110,12 @@ struct Builder<'c> {
     grads: Vec<u32>,
     /// Where each leaf's [`GRAD`] event is, by node.
     grad_event: Vec<Option<usize>>,
+    /// Nodes that require a gradient the backward never brings (upstream of a `detach`), by
+    /// the step after which eager autograd's graph lets go of what they saved: the last use
+    /// of the last value that holds their `grad_fn` ([`Builder::hold_unreached`]).
+    unreached: Vec<(u32, u32)>,
+    /// How many of `unreached` were let go.
+    let_go: usize,
 }
 
 /// What each node's kernel calls take on the graph's device, priced once for every schedule of
@@ -181,6 +187,59 @@ impl<'c> Builder<'c> {
             out_of_place: Vec::new(),
             grads: Vec::new(),
             grad_event: vec![None; if training { n } else { 0 }],
+            unreached: Vec::new(),
+            let_go: 0,
+        }
+    }
+
+    /// Schedules the release of what nodes that the backward never reaches saved: a node's
+    /// `grad_fn` is held by its output and by the `grad_fn`s of the values computed from it
+    /// that require a gradient, so what it saved lives until the last of those values is let
+    /// go (`last`: each value's last use). Without this the saves would be held to the end.
+    fn hold_unreached(&mut self, last: &[u32]) {
+        let c = self.c;
+        let unreached = |i: usize| c.flags[i].requires_grad && !c.flags[i].reached && !c.flags[i].leaf;
+        if !(0..c.len()).any(unreached) {
+            return;
+        }
+        let mut hold: Vec<u32> = last.to_vec();
+        for i in (0..c.len()).rev() {
+            if unreached(i) {
+                for j in c.inputs(i) {
+                    if unreached(j) {
+                        hold[j] = hold[j].max(hold[i]);
+                    }
+                }
+                self.unreached.push((hold[i], i as u32));
+            }
+        }
+        self.unreached.sort_unstable();
+    }
+
+    /// Lets go of what unreached nodes saved once step `i` is their last ([`Self::hold_unreached`]).
+    fn let_go_unreached(&mut self, i: usize) {
+        while let Some(&(until, node)) = self.unreached.get(self.let_go) {
+            if until as usize > i {
+                break;
+            }
+            self.let_go += 1;
+            self.release_saved(node as usize);
+        }
+    }
+
+    /// What autograd saved for node `i` is let go.
+    fn release_saved(&mut self, i: usize) {
+        let c = self.c;
+        for (k, &j) in c.input_slice(i).iter().enumerate() {
+            if c.nodes[i].facts.saved.contains(k) {
+                self.release(c.root[j as usize] as usize);
+            }
+        }
+        if c.flags[i].saves_output {
+            self.release(c.root[i] as usize);
+        }
+        if let Some(k) = self.extra_at[i] {
+            self.events.push(FREE | k);
         }
     }
 
@@ -269,6 +328,9 @@ impl<'c> Builder<'c> {
             if last[j as usize] as usize == i && !ins[..k].contains(&j) {
                 self.release(c.root[j as usize] as usize);
             }
+        }
+        if training {
+            self.let_go_unreached(i);
         }
         self.events.push(END);
         self.steps.push((i as u32, phase));
@@ -360,17 +422,7 @@ impl<'c> Builder<'c> {
         // The output gradient and what was saved for this op are released.
         self.release(g as usize);
         if requires(i) {
-            for (k, &j) in ins.iter().enumerate() {
-                if facts.saved.contains(k) {
-                    self.release(c.root[j as usize] as usize);
-                }
-            }
-            if c.flags[i].saves_output {
-                self.release(c.root[i] as usize);
-            }
-            if let Some(k) = self.extra_at[i] {
-                self.events.push(FREE | k);
-            }
+            self.release_saved(i);
         }
         // Once the backward returned (its input gradient and scratch space released), a
         // contribution summed out of place: the contribution and the sum live beside the
@@ -392,6 +444,9 @@ impl Schedule {
         let training = mode == Mode::Backward;
         let prices = Prices::of(c, calibrated);
         let mut b = Builder::new(c, &prices, training);
+        if training {
+            b.hold_unreached(&c.last_use);
+        }
         for i in 0..n {
             b.forward(i, training, &c.last_use, Phase::Forward);
         }
