@@ -274,11 +274,7 @@ impl LazyModuleT for nn::BatchNorm {
     }
 }
 
-/// One step of a sequence: its recording, and its eager form when it has one.
-trait Step: Send {
-    fn record(&self, xs: &LazyTensor, train: bool) -> Result<LazyTensor, LazyError>;
-    fn eager(&self, xs: &Tensor, train: bool) -> Option<Tensor>;
-}
+use sealed::Step;
 
 struct LayerStep<M>(M);
 
@@ -328,12 +324,72 @@ impl Steps {
     fn run(&self, xs: &Tensor, train: bool) -> Result<Tensor, LazyError> {
         let mut x = xs.shallow_clone();
         for step in &self.0 {
-            x = match step.eager(&x, train) {
-                Some(y) => y,
-                None => super::exec::run_eagerly(&step.record(&LazyTensor::from_eager(x), train)?)?,
-            };
+            x = eager_step(&**step, x, train)?;
         }
         Ok(x)
+    }
+
+    /// Every step's output, up to the `n`th, as tch's `forward_all_t`: its first step runs
+    /// whatever `n` is, and an empty sequence gives its input.
+    fn all<X: SequenceInput>(&self, xs: &X, train: bool, n: Option<usize>) -> Result<Vec<X>, LazyError> {
+        let Some(first) = self.0.first() else { return Ok(vec![xs.again()]) };
+        let n = n.unwrap_or(self.0.len()).clamp(1, self.0.len());
+        let mut outputs = Vec::with_capacity(n);
+        outputs.push(X::through(&**first, xs, train)?);
+        for step in &self.0[1..n] {
+            let x = X::through(&**step, outputs.last().expect("the first step's output"), train)?;
+            outputs.push(x);
+        }
+        Ok(outputs)
+    }
+}
+
+fn eager_step(step: &dyn Step, x: Tensor, train: bool) -> Result<Tensor, LazyError> {
+    match step.eager(&x, train) {
+        Some(y) => Ok(y),
+        None => super::exec::run_eagerly(&step.record(&LazyTensor::from_eager(x), train)?),
+    }
+}
+
+/// What a sequence's `forward_all` and `forward_all_t` take: a `Tensor` (each step runs at
+/// once, as in tch) or a [`LazyTensor`] (each step is recorded).
+pub trait SequenceInput: sealed::Through {}
+
+impl SequenceInput for Tensor {}
+impl SequenceInput for LazyTensor {}
+
+// Public names in a private module: `SequenceInput` names them, users cannot.
+mod sealed {
+    use super::{LazyError, LazyTensor, Tensor};
+
+    /// One step of a sequence: its recording, and its eager form when it has one.
+    pub trait Step: Send {
+        fn record(&self, xs: &LazyTensor, train: bool) -> Result<LazyTensor, LazyError>;
+        fn eager(&self, xs: &Tensor, train: bool) -> Option<Tensor>;
+    }
+
+    /// One step of a sequence on this kind of tensor.
+    pub trait Through: Sized {
+        fn through(step: &dyn Step, x: &Self, train: bool) -> Result<Self, LazyError>;
+        fn again(&self) -> Self;
+    }
+
+    impl Through for Tensor {
+        fn through(step: &dyn Step, x: &Tensor, train: bool) -> Result<Tensor, LazyError> {
+            super::eager_step(step, x.shallow_clone(), train)
+        }
+        fn again(&self) -> Tensor {
+            self.shallow_clone()
+        }
+    }
+
+    impl Through for LazyTensor {
+        fn through(step: &dyn Step, x: &LazyTensor, train: bool) -> Result<LazyTensor, LazyError> {
+            step.record(x, train)
+        }
+        fn again(&self) -> LazyTensor {
+            self.clone()
+        }
     }
 }
 
@@ -412,6 +468,26 @@ impl Sequential {
     }
 
     shared_methods!();
+
+    /// Every layer's output, up to the `n`th (all of them for `None`), as tch's
+    /// `Sequential::forward_all`: on a `Tensor` each runs at once, on a [`LazyTensor`] each is
+    /// recorded.
+    ///
+    /// # Panics
+    /// When a step's ops cannot be recorded or run, as tch's layers panic; see
+    /// [`f_forward_all`](Self::f_forward_all).
+    #[track_caller]
+    pub fn forward_all<X: SequenceInput>(&self, xs: &X, n: Option<usize>) -> Vec<X> {
+        self.steps.all(xs, false, n).or_panic()
+    }
+
+    /// [`forward_all`](Self::forward_all), with the error returned.
+    ///
+    /// # Errors
+    /// The first step's error that cannot be recorded or run.
+    pub fn f_forward_all<X: SequenceInput>(&self, xs: &X, n: Option<usize>) -> Result<Vec<X>, LazyError> {
+        self.steps.all(xs, false, n)
+    }
 }
 
 impl SequentialT {
@@ -430,6 +506,49 @@ impl SequentialT {
     pub fn add_fn_t<F: Fn(&LazyTensor, bool) -> LazyTensor + Send + 'static>(mut self, f: F) -> Self {
         self.steps.push_fn(move |xs, train| Ok(f(xs, train)));
         self
+    }
+
+    /// Every layer's output, up to the `n`th (all of them for `None`), as tch's
+    /// `SequentialT::forward_all_t`: on a `Tensor` each runs at once, on a [`LazyTensor`] each
+    /// is recorded. tch-rs's neural style transfer reads a VGG's layers so:
+    ///
+    /// ```
+    /// use tch::{Device, Kind, Tensor};
+    /// use toma::lazy::{lazy, nn};
+    ///
+    /// let vs = nn::VarStore::new(Device::Cpu);
+    /// let conv = nn::ConvConfig { padding: 1, ..Default::default() };
+    /// let net = nn::seq_t()
+    ///     .add(nn::conv2d(vs.root() / "0", 3, 8, 3, conv))
+    ///     .add_fn(|xs| xs.relu())
+    ///     .add_fn(|xs| xs.max_pool2d_default(2));
+    /// let image = Tensor::rand([1, 3, 16, 16], (Kind::Float, Device::Cpu));
+    /// let eager = net.forward_all_t(&image, false, Some(2));
+    /// let recorded = net.forward_all_t(&lazy(&image, None), false, Some(2));
+    /// assert_eq!(recorded.len(), 2);
+    /// assert!(recorded[1].to_tensor()?.allclose(&eager[1], 1e-6, 1e-6, false));
+    /// # Ok::<(), toma::lazy::LazyError>(())
+    /// ```
+    ///
+    /// # Panics
+    /// When a step's ops cannot be recorded or run, as tch's layers panic; see
+    /// [`f_forward_all_t`](Self::f_forward_all_t).
+    #[track_caller]
+    pub fn forward_all_t<X: SequenceInput>(&self, xs: &X, train: bool, n: Option<usize>) -> Vec<X> {
+        self.steps.all(xs, train, n).or_panic()
+    }
+
+    /// [`forward_all_t`](Self::forward_all_t), with the error returned.
+    ///
+    /// # Errors
+    /// The first step's error that cannot be recorded or run.
+    pub fn f_forward_all_t<X: SequenceInput>(
+        &self,
+        xs: &X,
+        train: bool,
+        n: Option<usize>,
+    ) -> Result<Vec<X>, LazyError> {
+        self.steps.all(xs, train, n)
     }
 }
 

@@ -32,7 +32,7 @@ impl LazyTensor {
 
     /// `tensor` as the left operand of an operator whose right one is `other`: a fixed
     /// operand, or a value computed at once when `other` is one.
-    fn operand_beside(tensor: &Tensor, other: &LazyTensor) -> LazyTensor {
+    pub(crate) fn operand_beside(tensor: &Tensor, other: &LazyTensor) -> LazyTensor {
         match other.eager_value() {
             Some(_) => LazyTensor::from_eager(tensor.shallow_clone()),
             None => leaf(tensor, None),
@@ -586,6 +586,25 @@ impl std::ops::Neg for LazyTensor {
     type Output = LazyTensor;
     fn neg(self) -> LazyTensor {
         LazyTensor::neg(&self)
+    }
+}
+
+// `terms.iter().map(..).sum()`, as tch sums tensors: each term added to the sum so far, and
+// tch's `Tensor::from(0.)` (a double scalar, a constant here) for none.
+impl std::iter::Sum for LazyTensor {
+    #[track_caller]
+    fn sum<I: Iterator<Item = LazyTensor>>(mut iter: I) -> LazyTensor {
+        match iter.next() {
+            None => LazyTensor::fixed(&Tensor::from(0.)),
+            Some(first) => iter.fold(first, |sum, x| x + sum),
+        }
+    }
+}
+
+impl<'a> std::iter::Sum<&'a LazyTensor> for LazyTensor {
+    #[track_caller]
+    fn sum<I: Iterator<Item = &'a LazyTensor>>(iter: I) -> LazyTensor {
+        iter.cloned().sum()
     }
 }
 

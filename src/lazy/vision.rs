@@ -242,6 +242,29 @@ impl Vgg {
         Vgg { features, classifier }
     }
 
+    /// The layers of tch's `SequentialT`, in its order: each convolution, batch norm and ReLU,
+    /// the pools, then the flattening, the classifier's linears, ReLUs and dropouts.
+    fn layers(&self) -> Vec<VggLayer<'_>> {
+        let mut layers = Vec::with_capacity(3 * self.features.len() + 8);
+        for feature in &self.features {
+            match feature {
+                VggFeature::Conv(conv) => {
+                    layers.push(VggLayer::Conv(&conv.0));
+                    layers.extend(conv.1.as_ref().map(VggLayer::BatchNorm));
+                    layers.push(VggLayer::Relu);
+                }
+                VggFeature::Pool => layers.push(VggLayer::Pool),
+            }
+        }
+        let [fc1, fc2, fc3] = &self.classifier;
+        layers.push(VggLayer::Flatten);
+        for fc in [fc1, fc2] {
+            layers.extend([VggLayer::Linear(fc), VggLayer::Relu, VggLayer::Dropout]);
+        }
+        layers.push(VggLayer::Linear(fc3));
+        layers
+    }
+
     /// The model on `xs` (`[N, 3, 224, 224]`), written once for tensors and lazy tensors.
     pub fn forward_t<T: TensorOps>(&self, xs: &T, train: bool) -> T
     where
@@ -249,20 +272,60 @@ impl Vgg {
         nn::BatchNorm: LayerT<T>,
         nn::Linear: Layer<T>,
     {
-        let mut h: Option<T> = None;
-        for layer in &self.features {
-            let x = h.as_ref().unwrap_or(xs);
-            h = Some(match layer {
-                VggFeature::Conv(layers) => match &**layers {
-                    (conv, None) => x.apply(conv).relu(),
-                    (conv, Some(bn)) => x.apply(conv).apply_t(bn, train).relu(),
-                },
-                VggFeature::Pool => x.max_pool2d([2, 2], [2, 2], [0, 0], [1, 1], false),
-            });
+        // Each output let go as the next is made (the eager model's memory, as tch's).
+        let layers = self.layers();
+        let (first, rest) = layers.split_first().expect("a VGG has layers");
+        rest.iter().fold(first.forward(xs, train), |x, layer| layer.forward(&x, train))
+    }
+
+    /// Every layer's output up to the `n`th (all for `None`), as tch's `SequentialT::forward_all_t`
+    /// on tch's VGG, whose layers these are in its order (convolutions, batch norms, ReLUs and
+    /// pools, then the classifier's): tch-rs's neural style transfer reads `[0, 2, 5, 7, 10]` of
+    /// `vgg16`, its convolutions' outputs. The first layer runs whatever `n` is.
+    pub fn forward_all_t<T: TensorOps>(&self, xs: &T, train: bool, n: Option<usize>) -> Vec<T>
+    where
+        nn::Conv2D: Layer<T>,
+        nn::BatchNorm: LayerT<T>,
+        nn::Linear: Layer<T>,
+    {
+        let layers = self.layers();
+        let n = n.unwrap_or(layers.len()).clamp(1, layers.len());
+        let mut outputs: Vec<T> = Vec::with_capacity(n);
+        for layer in &layers[..n] {
+            let x = layer.forward(outputs.last().unwrap_or(xs), train);
+            outputs.push(x);
         }
-        let [fc1, fc2, fc3] = &self.classifier;
-        let h = h.expect("a VGG has layers").flatten(1, -1).apply(fc1).relu().dropout(0.5, train);
-        h.apply(fc2).relu().dropout(0.5, train).apply(fc3)
+        outputs
+    }
+}
+
+/// One layer of tch's VGG `SequentialT`.
+enum VggLayer<'a> {
+    Conv(&'a nn::Conv2D),
+    BatchNorm(&'a nn::BatchNorm),
+    Relu,
+    Pool,
+    Flatten,
+    Linear(&'a nn::Linear),
+    Dropout,
+}
+
+impl VggLayer<'_> {
+    fn forward<T: TensorOps>(&self, x: &T, train: bool) -> T
+    where
+        nn::Conv2D: Layer<T>,
+        nn::BatchNorm: LayerT<T>,
+        nn::Linear: Layer<T>,
+    {
+        match self {
+            VggLayer::Conv(conv) => x.apply(*conv),
+            VggLayer::BatchNorm(bn) => x.apply_t(*bn, train),
+            VggLayer::Relu => x.relu(),
+            VggLayer::Pool => x.max_pool2d([2, 2], [2, 2], [0, 0], [1, 1], false),
+            VggLayer::Flatten => x.flatten(1, -1),
+            VggLayer::Linear(fc) => x.apply(*fc),
+            VggLayer::Dropout => x.dropout(0.5, train),
+        }
     }
 }
 
