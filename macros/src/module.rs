@@ -552,6 +552,76 @@ fn sig_with(sig: &syn::Signature, with: &Kinds) -> Option<syn::Signature> {
     any.then_some(sig)
 }
 
+/// Whether `ty` is `&Tensor` (as written: `&Tensor`, `&tch::Tensor`).
+fn is_tensor_ref(ty: &syn::Type) -> bool {
+    let syn::Type::Reference(r) = ty else { return false };
+    let syn::Type::Path(p) = &*r.elem else { return false };
+    let last = p.path.segments.last().expect("a path has a segment");
+    r.mutability.is_none() && p.qself.is_none() && last.ident == "Tensor" && last.arguments.is_none()
+}
+
+/// A wrapper whose first `&Tensor` argument picks the kind its body runs on and whose other
+/// `&Tensor` arguments take either kind, where there are two or more and no other argument
+/// names a tensor: a recorded feature map against a fixed target (`style_loss(&lazy, &tensor)`)
+/// runs lazily, the `Tensor` a fixed operand (`toma::lazy::ArgOf`). The first argument's kind
+/// is the result's as before, so a caller's `(0.99 * q).detach()` still infers. `sig` is the
+/// signature as written, `call` makes the body's call from the kind and the arguments. `None`
+/// for any other signature.
+fn mixed_wrapper(
+    sig: &syn::Signature,
+    bound: impl Fn(&syn::Type) -> syn::WherePredicate,
+    call: impl Fn(&syn::Type, Vec<TokenStream2>) -> TokenStream2,
+) -> Option<(syn::Signature, syn::Block)> {
+    let typed: Vec<&syn::PatType> = sig
+        .inputs
+        .iter()
+        .filter_map(|a| match a {
+            FnArg::Typed(t) => Some(t),
+            FnArg::Receiver(_) => None,
+        })
+        .collect();
+    let tensors = typed.iter().filter(|t| is_tensor_ref(&t.ty)).count();
+    let others_name_tensors =
+        typed.iter().any(|t| !is_tensor_ref(&t.ty) && replace_tensor(&mut t.ty.as_ref().clone(), &Kinds::lazy()));
+    if tensors < 2 || others_name_tensors || !typed.iter().all(|t| matches!(&*t.pat, Pat::Ident(_))) {
+        return None;
+    }
+    let mut wrapper = sig.clone();
+    let kind: syn::Type = syn::parse_str(KIND).expect("an identifier");
+    let mut others: Vec<syn::Ident> = Vec::new();
+    let mut first: Option<syn::Ident> = None;
+    let mut args = Vec::new();
+    for arg in wrapper.inputs.iter_mut() {
+        let FnArg::Typed(t) = arg else { continue };
+        let Pat::Ident(name) = &*t.pat else { unreachable!("checked above") };
+        let name = &name.ident;
+        if !is_tensor_ref(&t.ty) {
+            args.push(quote!(#name));
+        } else if first.is_none() {
+            *t.ty = syn::parse_quote!(&#kind);
+            args.push(quote!(#name));
+            first = Some(name.clone());
+        } else {
+            let other = quote::format_ident!("__TomaArg{}", others.len());
+            *t.ty = syn::parse_quote!(&#other);
+            args.push(quote!(&*<#kind as ::toma::lazy::ArgOf<#other>>::arg(#name, #first)));
+            others.push(other);
+        }
+    }
+    if let ReturnType::Type(_, ty) = &mut wrapper.output {
+        replace_tensor(ty, &Kinds::of(kind.clone()));
+    }
+    wrapper.generics.params.push(syn::parse_quote!(#kind: ::toma::lazy::nn::RecurrentState));
+    wrapper.generics.params.extend(others.iter().map(|k| -> syn::GenericParam { syn::parse_quote!(#k) }));
+    let clause = wrapper.generics.make_where_clause();
+    clause.predicates.push(bound(&kind));
+    for other in &others {
+        clause.predicates.push(syn::parse_quote!(#kind: ::toma::lazy::ArgOf<#other>));
+    }
+    let body = call(&kind, args);
+    Some((wrapper, syn::parse_quote!({ #body })))
+}
+
 /// The names of `sig`'s arguments (besides `self`), to pass them on.
 fn arg_names(sig: &syn::Signature) -> syn::Result<Vec<syn::Ident>> {
     sig.inputs
@@ -599,6 +669,15 @@ fn generic_fn(f: syn::ItemFn) -> syn::Result<TokenStream2> {
             }
         }
     });
+    let mixed = mixed_wrapper(
+        &f.sig,
+        |joined| syn::parse_quote!(#joined: #trait_ident),
+        |joined, args| quote!(<#joined as #trait_ident>::#name(#(#args),*)),
+    );
+    let call = match mixed {
+        Some((mixed, block)) => quote!(#vis #mixed #block),
+        None => quote!(#vis #wrapper { <#kind as #trait_ident>::#name(#(#args),*) }),
+    };
     Ok(quote! {
         #[doc(hidden)]
         #[allow(non_camel_case_types)]
@@ -612,9 +691,7 @@ fn generic_fn(f: syn::ItemFn) -> syn::Result<TokenStream2> {
             #lazy_sig #lazy_body
         }
         #(#attrs)*
-        #vis #wrapper {
-            <#kind as #trait_ident>::#name(#(#args),*)
-        }
+        #call
         #twin
     })
 }
@@ -691,8 +768,15 @@ fn generic_impl(mut block: ItemImpl) -> syn::Result<TokenStream2> {
                 }
             });
         }
-        f.sig = wrapper;
-        f.block = syn::parse_quote!({ <Self as #trait_ident<#k>>::#name(#receiver #(#args),*) });
+        let mixed = mixed_wrapper(
+            &f.sig,
+            |joined| syn::parse_quote!(Self: #trait_ident<#joined>),
+            |joined, args| quote!(<Self as #trait_ident<#joined>>::#name(#receiver #(#args),*)),
+        );
+        (f.sig, f.block) = match mixed {
+            Some(mixed) => mixed,
+            None => (wrapper, syn::parse_quote!({ <Self as #trait_ident<#k>>::#name(#receiver #(#args),*) })),
+        };
     }
     if extra.is_empty() {
         return Err(syn::Error::new_spanned(
@@ -734,6 +818,39 @@ mod tests {
             .expect("expands")
             .to_string();
         assert!(!out.contains("fn lazy_loss"), "a method that takes a tensor needs no twin: {out}");
+    }
+
+    #[test]
+    fn later_tensor_arguments_take_either_kind() {
+        let expanded = |item| expand(TokenStream2::new(), item).expect("expands").to_string().replace(' ', "");
+        let out = expanded(quote!(
+            fn style_loss(m1: &Tensor, m2: &tch::Tensor, weight: f64) -> Tensor {
+                todo!()
+            }
+        ));
+        // The first picks the kind; the second is converted to it.
+        assert!(out.contains("m1:&__TomaTensor,m2:&__TomaArg0,weight:f64)->__TomaTensor"), "{out}");
+        assert!(out.contains("__TomaTensor:::toma::lazy::ArgOf<__TomaArg0>"), "{out}");
+        assert!(out.contains("(m1,&*<__TomaTensoras::toma::lazy::ArgOf<__TomaArg0>>::arg(m2,m1),weight)"), "{out}");
+        let out =
+            expanded(quote!(impl Model { fn loss(&self, x: &Tensor, y: &Tensor) -> (Tensor, Tensor) { todo!() } }));
+        assert!(out.contains("Self:__TomaModel_loss<__TomaTensor>"), "{out}");
+        assert!(out.contains("->(__TomaTensor,__TomaTensor)"), "{out}");
+        // One tensor argument, or another that names tensors otherwise: one kind for all.
+        for item in [
+            quote!(
+                fn f(x: &Tensor) -> Tensor {
+                    todo!()
+                }
+            ),
+            quote!(
+                fn f(x: &Tensor, ys: &[Tensor]) -> Tensor {
+                    todo!()
+                }
+            ),
+        ] {
+            assert!(!expanded(item).contains("ArgOf"));
+        }
     }
 
     #[test]

@@ -450,7 +450,7 @@ pub use tensor::{OpCosts, Split};
 pub use tensor_ops::{Arithmetic, Operators, TensorOps};
 pub use unplaced::UnplacedRequest;
 #[doc(hidden)]
-pub use wrap::{eager_wrap, try_eager_wrap};
+pub use wrap::{eager_wrap, try_eager_wrap, Arg, ArgOf};
 pub use wrap::{lazy, try_lazy, BatchDimArg, Lazify};
 
 /// One body for a custom layer, eagerly and lazily: on `impl Module for X` with `fn forward(&self,

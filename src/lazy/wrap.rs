@@ -243,3 +243,59 @@ pub fn try_lazy<L: Lazify>(inputs: L, batch: impl Into<BatchDimArg>) -> Result<L
     }
     inputs.lazify(batch)
 }
+
+// ---------------------------------------------------------------------------------------------
+// Arguments of mixed kinds: `#[toma::lazy::module]` on a `fn style_loss(m1: &Tensor, m2: &Tensor)`
+// takes a recorded feature map and a fixed `Tensor` target together. The first tensor argument
+// picks the kind the body runs on (its result's), so that callers infer as before; the others
+// are of that kind or, lazily, `Tensor`s recorded as fixed operands.
+
+/// An argument as the kind its body runs on: itself, or a `Tensor` recorded as a fixed operand.
+#[doc(hidden)]
+pub enum Arg<'a, K> {
+    Borrowed(&'a K),
+    Owned(K),
+}
+
+impl<K> std::ops::Deref for Arg<'_, K> {
+    type Target = K;
+    #[inline]
+    fn deref(&self) -> &K {
+        match self {
+            Arg::Borrowed(k) => k,
+            Arg::Owned(k) => k,
+        }
+    }
+}
+
+/// `A` as an argument of a body on `Self`.
+#[doc(hidden)]
+#[diagnostic::on_unimplemented(
+    message = "a `#[toma::lazy::module]` function's first tensor argument is a `{Self}`, so its body runs on tensors, and this argument is a `{A}`",
+    label = "a lazy value where the first tensor argument is a `Tensor`",
+    note = "pass the lazy value first, or wrap the first with `toma::lazy::lazy(&x, None)`"
+)]
+pub trait ArgOf<A>: Sized {
+    /// `a`, beside the first tensor argument `first`.
+    fn arg<'a>(a: &'a A, first: &Self) -> Arg<'a, Self>;
+}
+
+impl ArgOf<Tensor> for Tensor {
+    #[inline]
+    fn arg<'a>(a: &'a Tensor, _: &Tensor) -> Arg<'a, Tensor> {
+        Arg::Borrowed(a)
+    }
+}
+impl ArgOf<LazyTensor> for LazyTensor {
+    #[inline]
+    fn arg<'a>(a: &'a LazyTensor, _: &LazyTensor) -> Arg<'a, LazyTensor> {
+        Arg::Borrowed(a)
+    }
+}
+impl ArgOf<Tensor> for LazyTensor {
+    /// A fixed operand, or a value computed at once beside one (in a closure run on a
+    /// `Tensor`), as an operator's `Tensor` operand is.
+    fn arg<'a>(a: &'a Tensor, first: &LazyTensor) -> Arg<'a, LazyTensor> {
+        Arg::Owned(LazyTensor::operand_beside(a, first))
+    }
+}
