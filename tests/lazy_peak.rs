@@ -1128,6 +1128,113 @@ fn tchs_own_programs_step_as_planned() {
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "steps of tch's programs");
 }
 
+/// tch-rs's ddpg and neural style transfer, stepped as they step, against their plans. ddpg's
+/// critic learns against target networks whose estimate is cut off by `detach`: their forward
+/// records a graph that requires gradients and that no backward reaches, and eager autograd
+/// lets go of what it saved once the estimate before `detach` is freed (planned as held to
+/// the end, the critic's step was +58%). The actor's loss flows back through the critic, adding
+/// to the gradients the critic's step left. Style transfer optimizes an image (`var_copy`,
+/// no batch) through a frozen feature stack against fixed Gram matrices. Four steps each, the
+/// first included; ddpg in f32 and f64, whole and in micro-batches of 300 (of 1000).
+#[test]
+fn targets_behind_detach_and_an_optimized_image_step_as_planned() {
+    use toma::lazy::nn::OptimizerConfig;
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    tch::manual_seed(44);
+    let mut rows = Rows::default();
+    let mut step = |name: String, opt: &mut toma::lazy::nn::Optimizer, loss: &LazyTensor, options: &Options| {
+        let (plan, value, measured) = plan_and_step(opt, loss, options);
+        assert!(value.is_finite(), "{name}: loss {value}");
+        rows.push(name, plan.peak_bytes(), measured);
+    };
+    let mlp = |p: nn::Path, sizes: &[i64], tanh: bool| {
+        let mut net = toma::lazy::nn::seq();
+        for (i, w) in sizes.windows(2).enumerate() {
+            net = net.add(nn::linear(&p / i.to_string(), w[0], w[1], Default::default()));
+            if i + 2 < sizes.len() {
+                net = net.add_fn(|x| x.relu());
+            }
+        }
+        if tanh {
+            net = net.add_fn(|x| x.tanh());
+        }
+        net
+    };
+    for kind in [Kind::Float, Kind::Double] {
+        for micro in [1000usize, 300] {
+            let (b, obs, act) = (1000i64, 8, 2);
+            let mut stores: Vec<nn::VarStore> = (0..4).map(|_| nn::VarStore::new(CPU)).collect();
+            let actor = mlp(stores[0].root(), &[obs, 64, 48, act], true);
+            let critic = mlp(stores[1].root(), &[obs + act, 64, 48, 1], false);
+            let actor_target = mlp(stores[2].root(), &[obs, 64, 48, act], true);
+            let critic_target = mlp(stores[3].root(), &[obs + act, 64, 48, 1], false);
+            if kind == Kind::Double {
+                stores.iter_mut().for_each(|vs| vs.double());
+            }
+            let mut actor_opt = nn::Adam::default().build(&stores[0], 1e-4).unwrap();
+            let mut critic_opt = nn::Adam::default().build(&stores[1], 1e-3).unwrap();
+            let options = Options::new().micro_batch(micro);
+            for s in 0..4 {
+                let batch: Vec<Tensor> =
+                    [obs, act, 1, obs].iter().map(|&w| Tensor::randn([b, w], (kind, CPU))).collect();
+                let (states, actions, rewards, next_states) =
+                    toma::lazy::lazy((&batch[0], &batch[1], &batch[2], &batch[3]), 0);
+                let q_of = |net: &toma::lazy::nn::Sequential, obs: &LazyTensor, act: &LazyTensor| {
+                    LazyTensor::cat(&[act.copy(), obs.copy()], 1).apply(net)
+                };
+                let q_target = q_of(&critic_target, &next_states, &next_states.apply(&actor_target));
+                let q_target = rewards + (0.99 * q_target).detach();
+                let diff = q_target - q_of(&critic, &states, &actions);
+                let critic_loss = (&diff * &diff).mean(None);
+                if s == 0 {
+                    // The first step measures what its plan needs first.
+                    critic_loss.calibrate(Mode::Backward, &options).unwrap();
+                }
+                step(format!("ddpg critic {kind:?} micro {micro} step {s}"), &mut critic_opt, &critic_loss, &options);
+                let actor_loss = -q_of(&critic, &states, &states.apply(&actor)).mean(None);
+                if s == 0 {
+                    actor_loss.calibrate(Mode::Backward, &options).unwrap();
+                }
+                step(format!("ddpg actor {kind:?} micro {micro} step {s}"), &mut actor_opt, &actor_loss, &options);
+            }
+        }
+    }
+    // Style transfer: the image is the variable, the feature stack frozen.
+    let mut net_vs = nn::VarStore::new(CPU);
+    let c = nn::ConvConfig { padding: 1, ..Default::default() };
+    let p = net_vs.root();
+    let net = toma::lazy::nn::seq_t()
+        .add(nn::conv2d(&p / "0", 3, 16, 3, c))
+        .add_fn(|x| x.relu())
+        .add(nn::conv2d(&p / "2", 16, 16, 3, c))
+        .add_fn(|x| x.relu())
+        .add_fn(|x| x.max_pool2d_default(2))
+        .add(nn::conv2d(&p / "5", 16, 32, 3, c));
+    net_vs.freeze();
+    let gram = |m: &LazyTensor| {
+        let (a, b, c, d) = m.size4().unwrap();
+        let m = m.view([a * b, c * d]);
+        m.matmul(&m.tr()) / (a * b * c * d) as f64
+    };
+    let style = net.forward_all_t(&Tensor::rand([1, 3, 64, 64], (Kind::Float, CPU)), false, None);
+    let targets: Vec<LazyTensor> = style.iter().map(|t| gram(&toma::lazy::lazy(t, None))).collect();
+    let vs = nn::VarStore::new(CPU);
+    let image = vs.root().var_copy("img", &Tensor::rand([1, 3, 64, 64], (Kind::Float, CPU)));
+    let mut opt = nn::Adam::default().build(&vs, 1e-1).unwrap();
+    for s in 0..4 {
+        let layers = net.forward_all_t(&toma::lazy::lazy(&image, None), false, None);
+        let loss: LazyTensor =
+            [0, 2, 5].iter().map(|&i| gram(&layers[i]).mse_loss(&targets[i], tch::Reduction::Mean)).sum();
+        let loss = loss * 1e6;
+        if s == 0 {
+            loss.calibrate(Mode::Backward, &Options::new()).unwrap();
+        }
+        step(format!("style transfer step {s}"), &mut opt, &loss, &Options::new());
+    }
+    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "ddpg and style transfer");
+}
+
 /// A step whose optimizer cannot fit is refused before anything runs: the parameters, their
 /// gradients and the optimizer's state are as they were, and the error names the step and
 /// what it needs (the optimizer's peak, not less).

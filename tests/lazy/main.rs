@@ -14,6 +14,7 @@ mod op_table;
 mod ops;
 mod pictures;
 mod plan;
+mod ported_programs;
 mod ported_vae;
 mod reads;
 mod rnn;
