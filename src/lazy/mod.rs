@@ -547,6 +547,33 @@ pub use wrap::{lazy, try_lazy, BatchDimArg, Lazify};
 /// # Ok::<(), toma::lazy::LazyError>(())
 /// ```
 ///
+/// # Fixed tensors beside lazy ones
+///
+/// The first `&Tensor` argument picks the kind the body runs on, and the result's. Where a
+/// method or function takes two or more `&Tensor`s (and no other argument names one), the later
+/// ones may be `Tensor`s beside a lazy first one: tch-rs's style transfer calls
+/// `style_loss(&input_layers[i], &style_layers[i])` with a recorded feature map and a fixed
+/// target, which the lazy body takes as a fixed operand. A lazy value after a `Tensor` first is
+/// a compile error that says to put it first or wrap the first (`lazy(&x, None)`).
+///
+/// ```
+/// use tch::{Device, Kind, Tensor};
+/// use toma::lazy::lazy;
+///
+/// #[toma::lazy::module]
+/// fn gram_loss(m: &Tensor, target: &Tensor) -> Tensor {
+///     let (c, hw) = m.size2().unwrap();
+///     (m.matmul(&m.tr()) / (c * hw) as f64).mse_loss(target, tch::Reduction::Mean)
+/// }
+///
+/// let features = Tensor::rand([4, 9], (Kind::Float, Device::Cpu));
+/// let target = Tensor::rand([4, 4], (Kind::Float, Device::Cpu));
+/// let eager = gram_loss(&features, &target);
+/// let lazily = gram_loss(&lazy(&features, None), &target).to_tensor()?;
+/// assert!(lazily.allclose(&eager, 1e-6, 1e-6, false));
+/// # Ok::<(), toma::lazy::LazyError>(())
+/// ```
+///
 /// # A method whose only `Tensor` is its result
 ///
 /// tch-rs's `translation` trains from token lists: `fn train_loss(&self, input: &[usize], target:
