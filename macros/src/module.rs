@@ -134,6 +134,10 @@ pub(crate) fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<Toke
 /// The generic parameter that stands for the tensor kind in the methods made generic.
 const KIND: &str = "__TomaTensor";
 
+/// What rustc says, beside an argument that is no kind of tensor, about the usual cause.
+const NOT_DEREFERENCED: &str =
+    "a generic argument is not dereferenced: where the value is already a reference, pass it as it is (`x`, not `&x`)";
+
 /// What a tensor kind names: the tensor, and tch's recurrent states that go with it.
 struct Kinds {
     tensor: syn::Type,
@@ -669,6 +673,8 @@ fn generic_fn(f: syn::ItemFn) -> syn::Result<TokenStream2> {
             }
         }
     });
+    let not_a_kind = format!("`{{Self}}` is not a kind of tensor: `{name}` takes `&Tensor` or `&LazyTensor`");
+    let not_dereferenced = NOT_DEREFERENCED;
     let mixed = mixed_wrapper(
         &f.sig,
         |joined| syn::parse_quote!(#joined: #trait_ident),
@@ -681,6 +687,7 @@ fn generic_fn(f: syn::ItemFn) -> syn::Result<TokenStream2> {
     Ok(quote! {
         #[doc(hidden)]
         #[allow(non_camel_case_types)]
+        #[diagnostic::on_unimplemented(message = #not_a_kind, note = #not_dereferenced)]
         pub trait #trait_ident: ::std::marker::Sized + ::toma::lazy::nn::RecurrentState {
             #decl;
         }
@@ -734,9 +741,13 @@ fn generic_impl(mut block: ItemImpl) -> syn::Result<TokenStream2> {
         let (sig, attrs) = (&f.sig, &f.attrs);
         let body = eager_block(&f.block, &pinned);
         let lazy_body = lazy_block(&f.block, &pinned);
+        let not_a_kind =
+            format!("`{{{KIND}}}` is not a kind of tensor: `{type_name}::{name}` takes `&Tensor` or `&LazyTensor`");
+        let not_dereferenced = NOT_DEREFERENCED;
         extra.extend(quote! {
             #[doc(hidden)]
             #[allow(non_camel_case_types)]
+            #[diagnostic::on_unimplemented(message = #not_a_kind, note = #not_dereferenced)]
             pub trait #trait_ident<#k: ::toma::lazy::nn::RecurrentState> {
                 #decl;
             }

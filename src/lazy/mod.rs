@@ -554,7 +554,9 @@ pub use wrap::{lazy, try_lazy, BatchDimArg, Lazify};
 /// ones may be `Tensor`s beside a lazy first one: tch-rs's style transfer calls
 /// `style_loss(&input_layers[i], &style_layers[i])` with a recorded feature map and a fixed
 /// target, which the lazy body takes as a fixed operand. A lazy value after a `Tensor` first is
-/// a compile error that says to put it first or wrap the first (`lazy(&x, None)`).
+/// a type error at that argument: put it first, or wrap the first (`lazy(&x, None)`). An
+/// argument that is already a reference is passed as it is (`f(x)`, not `f(&x)`): a generic
+/// argument is not dereferenced, and rustc says the `&Tensor` "is not a kind of tensor".
 ///
 /// ```
 /// use tch::{Device, Kind, Tensor};

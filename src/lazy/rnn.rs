@@ -72,6 +72,11 @@ pub trait RNN<T = Tensor> {
 /// `Tensor`, [`LazyGRUState`] and [`LazyLSTMState`] for [`LazyTensor`]. `#[toma::lazy::module]`
 /// names a method's states through it, so that `fn step(&self, xs: &Tensor, state: &GRUState)
 /// -> GRUState` serves both kinds.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a kind of tensor: a `#[toma::lazy::module]` method takes `&Tensor` or `&LazyTensor`",
+    label = "a `&{Self}` here",
+    note = "a generic argument is not dereferenced: where the value is already a reference, pass it as it is (`x`, not `&x`)"
+)]
 pub trait RecurrentState {
     /// The state of a GRU.
     type GRU;
