@@ -1235,6 +1235,45 @@ fn targets_behind_detach_and_an_optimized_image_step_as_planned() {
     rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "ddpg and style transfer");
 }
 
+/// tch-rs's `mnist_linear`: weights of its own (`set_requires_grad(true)`, no `VarStore`, no
+/// optimizer), `zero_grad()` in place before each `backward()` (so `.grad` is defined from the
+/// second step on and the backward adds into it), whole and in micro-batches of 250 (of 600),
+/// four steps each, the first included.
+#[test]
+fn own_weights_zeroed_in_place_step_as_planned() {
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    tch::manual_seed(45);
+    let mut rows = Rows::default();
+    let images = Tensor::rand([600, 784], (Kind::Float, CPU));
+    let labels = Tensor::randint(10, [600], (Kind::Int64, CPU));
+    for micro in [600usize, 250] {
+        let mut ws = Tensor::zeros([784, 10], (Kind::Float, CPU)).set_requires_grad(true);
+        let mut bs = Tensor::zeros([10], (Kind::Float, CPU)).set_requires_grad(true);
+        let options = Options::new().micro_batch(micro);
+        for step in 0..4 {
+            let (x, y) = toma::lazy::lazy((&images, &labels), 0);
+            let loss = (x.mm(&ws) + &bs).log_softmax(-1, Kind::Float).nll_loss(&y);
+            ws.zero_grad();
+            bs.zero_grad();
+            let plan = loss.measured_plan(Mode::Backward, &options).expect("a plan");
+            let before = memory::cpu_allocator_stats().unwrap().allocated;
+            assert!(memory::reset_cpu_peak());
+            loss.backward_with(&options).expect("a step");
+            rows.push(
+                format!("mnist_linear micro {micro} step {step}"),
+                plan.peak_bytes(),
+                memory::cpu_allocator_stats().unwrap().peak_allocated - before,
+            );
+            tch::no_grad(|| {
+                ws += ws.grad() * (-1);
+                bs += bs.grad() * (-1);
+            });
+        }
+    }
+    rows.assert_within(UNDER_TOLERANCE, OVER_TOLERANCE, "mnist_linear");
+}
+
 /// A step whose optimizer cannot fit is refused before anything runs: the parameters, their
 /// gradients and the optimizer's state are as they were, and the error names the step and
 /// what it needs (the optimizer's peak, not less).

@@ -13,6 +13,8 @@
 //! - **ddpg**: an actor and a critic, each with its own `VarStore` and optimizer, target
 //!   networks behind `detach`, `Tensor::cat` of `.copy()`s, `zero_grad` / `backward` / `step`
 //!   by hand, and the actor's loss flowing back through the critic (whose gradients it adds to).
+//! - **mnist_linear**: weights that are plain tensors requiring gradients, `zero_grad()` in
+//!   place, `backward()`, and an update by hand under `no_grad`.
 
 use tch::kind::FLOAT_CPU;
 use tch::{Device, Kind, Tensor};
@@ -446,4 +448,57 @@ fn tchs_ddpg_ports_with_its_targets_and_two_optimizers() {
     let batches: Vec<[Tensor; 4]> =
         (0..3).map(|_| [NUM_OBS, NUM_ACTIONS, 1, NUM_OBS].map(|w| Tensor::randn([100, w], FLOAT_CPU))).collect();
     same("ddpg", &ddpg(&start, &batches, true), &ddpg(&start, &batches, false), 1e-6);
+}
+
+// --- mnist_linear and a custom optimizer ----------------------------------------------------
+
+/// tch-rs's `mnist_linear`: its weights are tensors of its own (`set_requires_grad(true)`, no
+/// `VarStore`), zeroed in place with `zero_grad()` before each `backward()`, and updated by hand
+/// under `no_grad`, as its `custom-optimizer` example's `step` reads `.grad()` too. Lazily the
+/// step runs in micro-batches, its gradients added into the zeroed `.grad`.
+fn mnist_linear(images: &Tensor, labels: &Tensor, micro_batch: Option<usize>) -> Vec<f64> {
+    const IMAGE_DIM: i64 = 784;
+    const LABELS: i64 = 10;
+    let mut ws = Tensor::zeros([IMAGE_DIM, LABELS], FLOAT_CPU).set_requires_grad(true);
+    let mut bs = Tensor::zeros([LABELS], FLOAT_CPU).set_requires_grad(true);
+    let mut out = vec![];
+    for _epoch in 1..5 {
+        let loss = match micro_batch {
+            Some(size) => {
+                let (images, labels) = lazy((images, labels), 0);
+                let logits = images.mm(&ws) + &bs;
+                let loss = logits.log_softmax(-1, Kind::Float).nll_loss(&labels);
+                ws.zero_grad();
+                bs.zero_grad();
+                loss.backward_with(&Options::new().micro_batch(size)).unwrap();
+                loss.double_value(&[])
+            }
+            None => {
+                let logits = images.mm(&ws) + &bs;
+                let loss = logits.log_softmax(-1, Kind::Float).nll_loss(labels);
+                ws.zero_grad();
+                bs.zero_grad();
+                loss.backward();
+                loss.double_value(&[])
+            }
+        };
+        tch::no_grad(|| {
+            ws += ws.grad() * (-1);
+            bs += bs.grad() * (-1);
+        });
+        out.push(loss);
+    }
+    out.push(ws.square().sum(Kind::Double).double_value(&[]));
+    out.push(bs.square().sum(Kind::Double).double_value(&[]));
+    out
+}
+
+#[test]
+fn tchs_mnist_linear_ports_with_its_own_weights_and_update() {
+    let images = Tensor::rand([300, 784], FLOAT_CPU);
+    let labels = Tensor::randint(10, [300], tch::kind::INT64_CPU);
+    let eager = mnist_linear(&images, &labels, None);
+    for size in [300, 128] {
+        same(&format!("mnist_linear, micro-batch {size}"), &mnist_linear(&images, &labels, Some(size)), &eager, 1e-5);
+    }
 }
