@@ -1368,3 +1368,72 @@ fn a_boxed_closure_model_trains_as_tchs_a2c_does() {
     let (_, expected) = eager_model(&observation);
     assert!(probs.allclose(&expected.softmax(-1, Kind::Float), 1e-6, 1e-6, false));
 }
+
+/// tch-rs's a2c keeps its rollout as upstream stores it, steps by processes (`s_states`:
+/// `[NSTEPS + 1, NPROCS, ..]`), and views its steps' rows as one batch for the model
+/// (`.view([NSTEPS * NPROCS, ..])`) and back (`critic.view([NSTEPS, NPROCS])`). Wrapped over its
+/// steps (`lazy((&s_states.narrow(0, 0, NSTEPS), &s_actions, &returns), 0)`), each micro-batch
+/// is whole steps of every process: the update splits in micro-batches of 2 steps (2, 2 and 1
+/// of 5) with the eager update's losses and weights.
+#[test]
+fn a2cs_rollout_wrapped_over_its_steps_splits_exactly() {
+    let (steps, procs, obs, nact) = (5i64, 4i64, 10i64, 3i64);
+    let eager_vs = tch_nn::VarStore::new(Device::Cpu);
+    let p = eager_vs.root();
+    let seq = tch_nn::seq().add(tch_nn::linear(&p / "l1", obs, 32, Default::default())).add_fn(|xs| xs.relu());
+    let (critic, actor) =
+        (tch_nn::linear(&p / "cl", 32, 1, Default::default()), tch_nn::linear(&p / "al", 32, nact, Default::default()));
+    let eager_model = move |xs: &Tensor| {
+        let xs = xs.apply(&seq);
+        (xs.apply(&critic), xs.apply(&actor))
+    };
+    let mut lazy_vs = nn::VarStore::new(Device::Cpu);
+    let p = lazy_vs.root();
+    let seq = nn::seq().add(nn::linear(&p / "l1", obs, 32, Default::default())).add_fn(|xs| xs.relu());
+    let (critic, actor) =
+        (nn::linear(&p / "cl", 32, 1, Default::default()), nn::linear(&p / "al", 32, nact, Default::default()));
+    let lazy_model = move |xs: &LazyTensor| {
+        let xs = xs.apply(&seq);
+        (xs.apply(&critic), xs.apply(&actor))
+    };
+    lazy_vs.copy(&eager_vs).unwrap();
+    let mut eager_opt = tch_nn::Adam::default().build(&eager_vs, 1e-2).unwrap();
+    let mut lazy_opt = nn::Adam::default().build(&lazy_vs, 1e-2).unwrap();
+    // The update as upstream writes it, for either kind.
+    macro_rules! a2c_loss {
+        ($model:expr, $states:expr, $actions:expr, $returns:expr) => {{
+            let (critic, actor) = $model(&$states.view([steps * procs, obs]));
+            let critic = critic.view([steps, procs]);
+            let actor = actor.view([steps, procs, -1]);
+            let log_probs = actor.log_softmax(-1, Kind::Float);
+            let probs = actor.softmax(-1, Kind::Float);
+            let action_log_probs = log_probs.gather(2, &$actions.unsqueeze(-1), false).squeeze_dim(-1);
+            let dist_entropy = (-log_probs * probs).sum_dim_intlist(-1, false, Kind::Float).mean(Kind::Float);
+            let advantages = $returns - critic;
+            let value_loss = (&advantages * &advantages).mean(Kind::Float);
+            let action_loss = (-advantages.detach() * action_log_probs).mean(Kind::Float);
+            value_loss * 0.5 + action_loss - dist_entropy * 0.01
+        }};
+    }
+    for (update, micro) in [5usize, 2, 2].into_iter().enumerate() {
+        let s_states = Tensor::randn([steps + 1, procs, obs], (Kind::Float, Device::Cpu));
+        let s_actions = Tensor::randint(nact, [steps, procs], (Kind::Int64, Device::Cpu));
+        let s_returns = Tensor::randn([steps + 1, procs], (Kind::Float, Device::Cpu));
+        let (states, returns) = (s_states.narrow(0, 0, steps), s_returns.narrow(0, 0, steps));
+        let expected = a2c_loss!(eager_model, states, s_actions, &returns);
+        eager_opt.backward_step_clip(&expected, 0.5);
+        let (states, actions, returns) = lazy((&states, &s_actions, &returns), 0);
+        let loss = a2c_loss!(lazy_model, states, actions, returns);
+        let value = lazy_opt.f_backward_step_clip_with(&loss, 0.5, &Options::new().micro_batch(micro)).unwrap();
+        let expected = expected.double_value(&[]);
+        assert!(
+            (value - expected).abs() <= 1e-5 * expected.abs().max(1.0),
+            "update {update}: {value} against {expected}"
+        );
+        let lazy_vars = lazy_vs.variables();
+        for (name, t) in eager_vs.variables() {
+            let diff = (&t - &lazy_vars[&name]).abs().max().double_value(&[]);
+            assert!(diff < 1e-5, "update {update}, micro-batch {micro}: {name} differs by {diff}");
+        }
+    }
+}
