@@ -1967,6 +1967,25 @@ fn a_gan_with_frozen_parts_plans_both_steps() {
         let options = Options::new().budget((whole as f64 * share) as u64);
         run(&mut rows, format!("generator step under {share}x"), &loss, &options, &mut opt_g);
     }
+    // PyTorch's DCGAN idiom: the discriminator learns from the generator's output cut off by
+    // `detach`, the generator not frozen. Its forward requires gradients that no backward
+    // brings (let go as autograd lets go of it), whole and recomputing under the budget.
+    gvs.unfreeze();
+    dvs.unfreeze();
+    for share in [1.0, 0.9] {
+        let real = Tensor::rand([n, 3, 16, 16], f32s) * 2.0 - 1.0;
+        let z = Tensor::randn([n, 16, 1, 1], f32s);
+        opt_d.zero_grad();
+        let (lr, lz, l1, l0) = toma::lazy::lazy((&real, &z, &ones, &zeros), 0);
+        let loss = bce(discriminate(&lr), &l1) + bce(discriminate(&generate(&lz).detach()), &l0);
+        let options = if share < 1.0 {
+            let whole = loss.measured_plan(Mode::Backward, &Options::new()).expect("a plan").peak_bytes();
+            Options::new().budget((whole as f64 * share) as u64)
+        } else {
+            Options::new()
+        };
+        run(&mut rows, format!("discriminator step, detached fakes, {share}x"), &loss, &options, &mut opt_d);
+    }
     rows.assert_within(0.05, 0.05, "GAN steps");
 }
 

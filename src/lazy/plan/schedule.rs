@@ -192,28 +192,38 @@ impl<'c> Builder<'c> {
         }
     }
 
-    /// Schedules the release of what nodes that the backward never reaches saved: a node's
-    /// `grad_fn` is held by its output and by the `grad_fn`s of the values computed from it
-    /// that require a gradient, so what it saved lives until the last of those values is let
-    /// go (`last`: each value's last use). Without this the saves would be held to the end.
-    fn hold_unreached(&mut self, last: &[u32]) {
+    /// Schedules the release of what the nodes of `range` that the backward never reaches
+    /// saved: a node's `grad_fn` is held by its output and by the `grad_fn`s of the values
+    /// computed from it that require a gradient, so what it saved lives until the last of those
+    /// values is let go (`last`: each value's last use, [`HELD`] for one held past the range).
+    /// Without this the saves would be held to the end.
+    fn hold_unreached(&mut self, range: std::ops::Range<usize>, last: &[u32]) {
         let c = self.c;
         let unreached = |i: usize| c.flags[i].requires_grad && !c.flags[i].reached && !c.flags[i].leaf;
-        if !(0..c.len()).any(unreached) {
+        self.unreached.clear();
+        self.let_go = 0;
+        if !range.clone().any(unreached) {
             return;
         }
-        let mut hold: Vec<u32> = last.to_vec();
-        for i in (0..c.len()).rev() {
+        let mut hold: Vec<u32> = last[range.clone()].to_vec();
+        let start = range.start;
+        for i in range.clone().rev() {
             if unreached(i) {
                 for j in c.inputs(i) {
-                    if unreached(j) {
-                        hold[j] = hold[j].max(hold[i]);
+                    if j >= start && unreached(j) {
+                        hold[j - start] = hold[j - start].max(hold[i - start]);
                     }
                 }
-                self.unreached.push((hold[i], i as u32));
+                self.unreached.push((hold[i - start], i as u32));
             }
         }
         self.unreached.sort_unstable();
+    }
+
+    /// Lets go of what the unreached nodes still pinned saved (their values held past the
+    /// range were let go).
+    fn let_go_all_unreached(&mut self) {
+        self.let_go_unreached(usize::MAX - 1);
     }
 
     /// Lets go of what unreached nodes saved once step `i` is their last ([`Self::hold_unreached`]).
@@ -445,7 +455,7 @@ impl Schedule {
         let prices = Prices::of(c, calibrated);
         let mut b = Builder::new(c, &prices, training);
         if training {
-            b.hold_unreached(&c.last_use);
+            b.hold_unreached(0..n, &c.last_use);
         }
         for i in 0..n {
             b.forward(i, training, &c.last_use, Phase::Forward);
@@ -476,6 +486,7 @@ impl Schedule {
         for s in (0..count).rev() {
             let range = segments.range(s, n);
             let phase = if s + 1 == count { Phase::Forward } else { Phase::Recompute };
+            b.hold_unreached(range.clone(), held);
             for i in range.clone() {
                 b.forward(i, true, held, phase);
             }
@@ -499,6 +510,7 @@ impl Schedule {
                     b.release(c.root[j] as usize);
                 }
             }
+            b.let_go_all_unreached();
             for i in range.clone().rev() {
                 b.backward(i);
             }
