@@ -1135,7 +1135,8 @@ fn tchs_own_programs_step_as_planned() {
 /// the end, the critic's step was +58%). The actor's loss flows back through the critic, adding
 /// to the gradients the critic's step left. Style transfer optimizes an image (`var_copy`,
 /// no batch) through a frozen feature stack against fixed Gram matrices. Four steps each, the
-/// first included; ddpg in f32 and f64, whole and in micro-batches of 300 (of 1000).
+/// first included; ddpg in f32 and f64, whole and in micro-batches of 300 (of 1000), its
+/// targets' estimate behind `detach` or recorded under `tch::no_grad` on alternate steps.
 #[test]
 fn targets_behind_detach_and_an_optimized_image_step_as_planned() {
     use toma::lazy::nn::OptimizerConfig;
@@ -1183,12 +1184,20 @@ fn targets_behind_detach_and_an_optimized_image_step_as_planned() {
                 let q_of = |net: &toma::lazy::nn::Sequential, obs: &LazyTensor, act: &LazyTensor| {
                     LazyTensor::cat(&[act.copy(), obs.copy()], 1).apply(net)
                 };
-                let q_target = q_of(&critic_target, &next_states, &next_states.apply(&actor_target));
-                let q_target = rewards + (0.99 * q_target).detach();
+                // The targets' estimate cut off by `detach` (as tch-rs's ddpg), or recorded under
+                // `tch::no_grad` (as DQN's usually is), on alternate steps.
+                let q_target = if s % 2 == 0 {
+                    let q_target = q_of(&critic_target, &next_states, &next_states.apply(&actor_target));
+                    rewards + (0.99 * q_target).detach()
+                } else {
+                    let q_target =
+                        tch::no_grad(|| q_of(&critic_target, &next_states, &next_states.apply(&actor_target)));
+                    rewards + 0.99 * q_target
+                };
                 let diff = q_target - q_of(&critic, &states, &actions);
                 let critic_loss = (&diff * &diff).mean(None);
-                if s == 0 {
-                    // The first step measures what its plan needs first.
+                if s < 2 {
+                    // The first step of each form measures what its plan needs first.
                     critic_loss.calibrate(Mode::Backward, &options).unwrap();
                 }
                 step(format!("ddpg critic {kind:?} micro {micro} step {s}"), &mut critic_opt, &critic_loss, &options);

@@ -131,7 +131,9 @@
 //! out of memory whole is computed in micro-batches instead, and a step that takes it computes
 //! it again. Under `tch::no_grad`, and through [`LazyTensor::to_tensor`], a value is computed
 //! as planned, in micro-batches where the batch does not fit, without gradients, and kept
-//! nowhere.
+//! nowhere. An op *recorded* under `tch::no_grad` (a target network's estimate, `tch::no_grad(||
+//! target.forward(&next_obs))`) is recorded detached: as eagerly, no gradient flows back
+//! through it.
 //!
 //! # Plan, then verify
 //!

@@ -133,6 +133,18 @@ fn parse_list(text: &str) -> Option<Vec<i64>> {
     inner.split(',').map(|v| v.trim().parse().ok()).collect()
 }
 
+/// Whether autograd records now (libtorch's thread-local grad mode, which tch sets and does not
+/// read back): asked by setting it and setting it back.
+pub(crate) fn grad_enabled() -> bool {
+    // SAFETY: sets the calling thread's grad mode and returns the previous one; it is set back
+    // at once. libtorch's wrapper catches any exception (it returns -1 then: taken as on).
+    unsafe {
+        let previous = torch_sys::at_grad_set_enabled(1);
+        torch_sys::at_grad_set_enabled(previous);
+        previous != 0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -245,6 +245,26 @@ pub trait TensorOps:
     fn topk(&self, k: i64, dim: i64, largest: bool, sorted: bool) -> (Self, Self) {
         self.f_topk(k, dim, largest, sorted).or_panic()
     }
+    /// The maximum along `dim`, and its index (tch's `max_dim`).
+    ///
+    /// # Errors
+    /// The op's error.
+    fn f_max_dim(&self, dim: i64, keepdim: bool) -> Result<(Self, Self), Self::Error>;
+    /// Like [`f_max_dim`](Self::f_max_dim), panicking with its error.
+    #[track_caller]
+    fn max_dim(&self, dim: i64, keepdim: bool) -> (Self, Self) {
+        self.f_max_dim(dim, keepdim).or_panic()
+    }
+    /// The minimum along `dim`, and its index (tch's `min_dim`).
+    ///
+    /// # Errors
+    /// The op's error.
+    fn f_min_dim(&self, dim: i64, keepdim: bool) -> Result<(Self, Self), Self::Error>;
+    /// Like [`f_min_dim`](Self::f_min_dim), panicking with its error.
+    #[track_caller]
+    fn min_dim(&self, dim: i64, keepdim: bool) -> (Self, Self) {
+        self.f_min_dim(dim, keepdim).or_panic()
+    }
     /// The values sorted along `dim`, and their indices (tch's `sort`).
     ///
     /// # Errors
@@ -446,6 +466,12 @@ impl TensorOps for Tensor {
     fn f_topk(&self, k: i64, dim: i64, largest: bool, sorted: bool) -> Result<(Tensor, Tensor), TchError> {
         Tensor::f_topk(self, k, dim, largest, sorted)
     }
+    fn f_max_dim(&self, dim: i64, keepdim: bool) -> Result<(Tensor, Tensor), TchError> {
+        Tensor::f_max_dim(self, dim, keepdim)
+    }
+    fn f_min_dim(&self, dim: i64, keepdim: bool) -> Result<(Tensor, Tensor), TchError> {
+        Tensor::f_min_dim(self, dim, keepdim)
+    }
     #[inline]
     fn f_sort(&self, dim: i64, descending: bool) -> Result<(Tensor, Tensor), TchError> {
         Tensor::f_sort(self, dim, descending)
@@ -575,6 +601,12 @@ impl TensorOps for LazyTensor {
     }
     fn f_topk(&self, k: i64, dim: i64, largest: bool, sorted: bool) -> Result<(LazyTensor, LazyTensor), LazyError> {
         LazyTensor::f_topk(self, k, dim, largest, sorted)
+    }
+    fn f_max_dim(&self, dim: i64, keepdim: bool) -> Result<(LazyTensor, LazyTensor), LazyError> {
+        LazyTensor::f_max_dim(self, dim, keepdim)
+    }
+    fn f_min_dim(&self, dim: i64, keepdim: bool) -> Result<(LazyTensor, LazyTensor), LazyError> {
+        LazyTensor::f_min_dim(self, dim, keepdim)
     }
     fn f_sort(&self, dim: i64, descending: bool) -> Result<(LazyTensor, LazyTensor), LazyError> {
         LazyTensor::f_sort(self, dim, descending)

@@ -151,6 +151,8 @@ fn sample(name: &str) -> Option<LazyTensor> {
         "norm_scalaropt_dim" => x().norm_scalaropt_dim(2.0, [-1], true),
         "normalize" => x().normalize(2.0, -1, 1e-12),
         "topk" => x().topk(2, -1, true, true).0,
+        "max_dim" => x().max_dim(-1, false).0,
+        "min_dim" => x().min_dim(-1, true).0,
         "one_hot" => ints(5, &[3]).one_hot(5),
         "onehot" => ints(5, &[3]).onehot(5),
         "min" => x().min(),

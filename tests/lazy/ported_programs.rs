@@ -502,3 +502,66 @@ fn tchs_mnist_linear_ports_with_its_own_weights_and_update() {
         same(&format!("mnist_linear, micro-batch {size}"), &mnist_linear(&images, &labels, Some(size)), &eager, 1e-5);
     }
 }
+
+/// DQN's target, as it is usually written: the target network's estimate recorded under
+/// `tch::no_grad`. Eagerly that value has no `grad_fn`; lazily it is recorded detached, so no
+/// gradient reaches the target network and the online network's gradients are the eager ones,
+/// whole and in micro-batches of 5 (of 12).
+#[test]
+fn a_target_recorded_under_no_grad_gets_no_gradient() {
+    let online_vs = nn::VarStore::new(Device::Cpu);
+    let target_vs = nn::VarStore::new(Device::Cpu);
+    let online = nn::linear(online_vs.root() / "q", 6, 3, Default::default());
+    let target = nn::linear(target_vs.root() / "q", 6, 3, Default::default());
+    let (obs, next_obs) = (Tensor::randn([12, 6], FLOAT_CPU), Tensor::randn([12, 6], FLOAT_CPU));
+    let actions = Tensor::randint(3, [12, 1], tch::kind::INT64_CPU);
+    let rewards = Tensor::randn([12], FLOAT_CPU);
+    let loss_of = |obs: &LazyTensor, next_obs: &LazyTensor, actions: &LazyTensor, rewards: &LazyTensor| {
+        let next_q = tch::no_grad(|| next_obs.apply(&target).max_dim(1, false).0);
+        assert!(!next_q.requires_grad(), "recorded under no_grad, as eagerly");
+        let q = obs.apply(&online).gather(1, actions, false).squeeze_dim(1);
+        (q - (rewards + 0.99f64 * next_q)).square().mean(Kind::Float)
+    };
+    // Eagerly, tch's own.
+    let next_q = tch::no_grad(|| next_obs.apply(&target).max_dim(1, false).0);
+    let q = obs.apply(&online).gather(1, &actions, false).squeeze_dim(1);
+    let expected = (q - (&rewards + 0.99f64 * next_q)).square().mean(Kind::Float);
+    expected.backward();
+    let grads: Vec<Tensor> = online_vs.trainable_variables().iter().map(|v| v.grad().copy()).collect();
+    for micro in [12usize, 5] {
+        online_vs.trainable_variables().iter_mut().for_each(|v| v.zero_grad());
+        let (o, n, a, r) = lazy((&obs, &next_obs, &actions, &rewards), 0);
+        let value = loss_of(&o, &n, &a, &r).backward_with(&Options::new().micro_batch(micro)).unwrap();
+        same(&format!("the loss, micro-batch {micro}"), &[value], &[expected.double_value(&[])], 1e-5);
+        for (v, g) in online_vs.trainable_variables().iter().zip(&grads) {
+            let diff = (v.grad() - g).abs().max().double_value(&[]);
+            assert!(diff < 1e-5, "micro-batch {micro}: the online network's gradient differs by {diff}");
+        }
+        for v in target_vs.trainable_variables() {
+            assert!(!v.grad().defined(), "micro-batch {micro}: the target network got a gradient");
+        }
+    }
+}
+
+/// `max_dim` and `min_dim`, recorded as a `topk` of one: the values, the positions and the
+/// gradient (to the chosen position) of tch's, whole and in micro-batches.
+#[test]
+fn max_dim_and_min_dim_are_tchs() {
+    let mut x = Tensor::randn([10, 7], FLOAT_CPU).set_requires_grad(true);
+    for keepdim in [false, true] {
+        let ((max, argmax), (min, argmin)) = (x.max_dim(1, keepdim), x.min_dim(1, keepdim));
+        let expected = max.sum(Kind::Float) * 2.0 - min.sum(Kind::Float);
+        x.zero_grad();
+        expected.backward();
+        let grad = x.grad().copy();
+        let lx = lazy(&x, 0);
+        let ((lmax, largmax), (lmin, largmin)) = (lx.max_dim(1, keepdim), lx.min_dim(1, keepdim));
+        assert!(largmax.to_tensor().unwrap().equal(&argmax) && largmin.to_tensor().unwrap().equal(&argmin));
+        assert_eq!(lmax.size(), max.size());
+        let loss = lmax.sum(Kind::Float) * 2.0 - lmin.sum(Kind::Float);
+        x.zero_grad();
+        let value = loss.backward_with(&Options::new().micro_batch(3)).unwrap();
+        same("max_dim and min_dim", &[value], &[expected.double_value(&[])], 1e-6);
+        assert!(x.grad().allclose(&grad, 1e-6, 1e-6, false), "keepdim {keepdim}: the gradient");
+    }
+}

@@ -33,7 +33,11 @@ pub(crate) fn run_eagerly(output: &LazyTensor) -> Result<Tensor, LazyError> {
 pub(crate) fn read(output: &LazyTensor, read: &str) -> Result<Tensor, LazyError> {
     // A loss read after its step is the step's value ([`evaluate`]), not computed again.
     let node = output.node();
-    if output.eager_value().is_none() && !node.is_source() && node.stepped.get().is_none() && grad_enabled() {
+    if output.eager_value().is_none()
+        && !node.is_source()
+        && node.stepped.get().is_none()
+        && crate::lazy::tch_compat::grad_enabled()
+    {
         match run_whole(output, Some(read)) {
             // Nothing in the graph records a gradient: no step continues from it.
             Ok(None) => {}
@@ -50,17 +54,6 @@ pub(crate) fn read(output: &LazyTensor, read: &str) -> Result<Tensor, LazyError>
         }
     }
     evaluate(output, &Options::default())
-}
-
-/// Whether autograd records now (libtorch's thread-local grad mode).
-fn grad_enabled() -> bool {
-    // SAFETY: sets the calling thread's grad mode and returns the previous one; it is set back
-    // at once. libtorch's wrapper catches any exception (it returns -1 then: taken as on).
-    unsafe {
-        let previous = torch_sys::at_grad_set_enabled(1);
-        torch_sys::at_grad_set_enabled(previous);
-        previous != 0
-    }
 }
 
 /// [`run_eagerly`], and with `keep` ([`read`]) each value later ops may take kept on its node;

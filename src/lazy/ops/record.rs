@@ -224,6 +224,11 @@ impl Record {
                 return LazyTensor::from_eager(value);
             }
         }
+        // Recorded under `tch::no_grad` (a target network's estimate): eagerly its value has
+        // no `grad_fn`, so no gradient flows back through it. Detached, as that value is.
+        if recorded.node().meta.requires_grad && !crate::lazy::tch_compat::grad_enabled() {
+            return recorded.detach();
+        }
         recorded
     }
 

@@ -743,6 +743,65 @@ impl LazyTensor {
         self.f_topk(k, dim, largest, sorted).or_panic()
     }
 
+    /// The maximum along `dim` and its position, as tch's `max_dim` (DQN's
+    /// `target.forward(&next_obs).max_dim(1, false).0`): recorded as a `topk` of one, whose
+    /// backward sends the gradient to that position as `max_dim`'s does. Along the batch
+    /// dimension it compares samples (refused for a split).
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for a bad dimension or an empty one.
+    #[lazy_only]
+    pub fn f_max_dim(&self, dim: i64, keepdim: bool) -> Result<(LazyTensor, LazyTensor), LazyError> {
+        self.extremum_dim(dim, keepdim, true)
+    }
+
+    /// Like [`f_max_dim`](Self::f_max_dim), panicking with its error.
+    ///
+    /// # Panics
+    /// When the op cannot be recorded.
+    #[track_caller]
+    pub fn max_dim(&self, dim: i64, keepdim: bool) -> (LazyTensor, LazyTensor) {
+        self.f_max_dim(dim, keepdim).or_panic()
+    }
+
+    /// The minimum along `dim` and its position, as tch's `min_dim` (a `topk` of the smallest
+    /// one; see [`f_max_dim`](Self::f_max_dim)).
+    ///
+    /// # Errors
+    /// [`LazyError::Argument`] for a bad dimension or an empty one.
+    #[lazy_only]
+    pub fn f_min_dim(&self, dim: i64, keepdim: bool) -> Result<(LazyTensor, LazyTensor), LazyError> {
+        self.extremum_dim(dim, keepdim, false)
+    }
+
+    /// Like [`f_min_dim`](Self::f_min_dim), panicking with its error.
+    ///
+    /// # Panics
+    /// When the op cannot be recorded.
+    #[track_caller]
+    pub fn min_dim(&self, dim: i64, keepdim: bool) -> (LazyTensor, LazyTensor) {
+        self.f_min_dim(dim, keepdim).or_panic()
+    }
+
+    fn extremum_dim(&self, dim: i64, keepdim: bool, largest: bool) -> Result<(LazyTensor, LazyTensor), LazyError> {
+        let name = if largest { "max_dim" } else { "min_dim" };
+        if let Some(t) = self.eager_value() {
+            let (values, indices) = if largest { t.f_max_dim(dim, keepdim) } else { t.f_min_dim(dim, keepdim) }
+                .map_err(super::eager_err(name))?;
+            return Ok((LazyTensor::from_eager(values), LazyTensor::from_eager(indices)));
+        }
+        let shape = &self.node().meta.shape;
+        let d = shape::wrap_dim(dim, shape.len().max(1)).map_err(|r| arg(name, shape, r))?;
+        if shape.get(d) == Some(&0) {
+            return Err(arg(name, shape, format!("dimension {d} is empty: it has no {}", &name[..3])));
+        }
+        let (values, indices) = self.f_topk(1, d as i64, largest, true)?;
+        if keepdim || shape.is_empty() {
+            return Ok((values, indices));
+        }
+        Ok((values.f_squeeze_dim(d as i64)?, indices.f_squeeze_dim(d as i64)?))
+    }
+
     /// Running products along `dim`, as tch's `cumprod` (in `kind` when given; integers multiply
     /// as `Int64`), with libtorch's gradient (exact where the input has zeros). Along the batch
     /// dimension it multiplies earlier samples into later ones (refused for a split).
