@@ -133,16 +133,19 @@ fn parse_list(text: &str) -> Option<Vec<i64>> {
     inner.split(',').map(|v| v.trim().parse().ok()).collect()
 }
 
-/// Whether autograd records now (libtorch's thread-local grad mode, which tch sets and does not
-/// read back): asked by setting it and setting it back.
+/// Whether autograd records now (libtorch's thread-local grad mode). Every recorded op that
+/// requires a gradient asks: the shim reads it; without the shim it is set and set back
+/// (two calls through tch's C wrapper, about 40 ns).
 pub(crate) fn grad_enabled() -> bool {
-    // SAFETY: sets the calling thread's grad mode and returns the previous one; it is set back
-    // at once. libtorch's wrapper catches any exception (it returns -1 then: taken as on).
-    unsafe {
-        let previous = torch_sys::at_grad_set_enabled(1);
-        torch_sys::at_grad_set_enabled(previous);
-        previous != 0
-    }
+    crate::memory::grad_enabled().unwrap_or_else(|| {
+        // SAFETY: sets the calling thread's grad mode and returns the previous one; it is set
+        // back at once. libtorch's wrapper catches any exception (it returns -1 then: taken as on).
+        unsafe {
+            let previous = torch_sys::at_grad_set_enabled(1);
+            torch_sys::at_grad_set_enabled(previous);
+            previous != 0
+        }
+    })
 }
 
 #[cfg(test)]

@@ -69,6 +69,13 @@ pub(crate) fn set_allocator_settings(settings: &str) -> Result<(), AllocatorErro
     shim::set_allocator_settings(settings)
 }
 
+/// Whether autograd records on this thread now (libtorch's grad mode, which tch sets but does
+/// not read), through the shim; `None` without it.
+#[cfg(feature = "tch")]
+pub(crate) fn grad_enabled() -> Option<bool> {
+    shim::grad_enabled()
+}
+
 /// Sets `tensor`'s `.grad` to none (tch can only zero it), so that autograd's next backward
 /// hands it the gradient it computed instead of adding into a zero buffer.
 #[cfg(feature = "tch")]

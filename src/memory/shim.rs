@@ -171,6 +171,7 @@ mod imp {
         fn toma_shim_set_generator_state(device: i64, buf: *const u8, size: i64) -> c_int;
         fn toma_shim_cpu_capability(buf: *mut c_char, cap: i64, size: *mut i64) -> c_int;
         fn toma_shim_clear_grad(tensor: *mut std::ffi::c_void) -> c_int;
+        fn toma_shim_grad_enabled() -> c_int;
         fn toma_shim_backward(
             tensors: *const *mut std::ffi::c_void,
             grads: *const *mut std::ffi::c_void,
@@ -385,6 +386,11 @@ mod imp {
         Ok(String::from_utf8_lossy(bytes).into_owned())
     }
 
+    pub(in crate::memory) fn grad_enabled() -> Option<bool> {
+        // SAFETY: reads the calling thread's grad mode; no arguments, nothing thrown.
+        Some(unsafe { toma_shim_grad_enabled() } != 0)
+    }
+
     pub(in crate::memory) fn clear_grad(tensor: &tch::Tensor) -> Result<(), AllocatorError> {
         // SAFETY: `as_ptr` is the `at::Tensor*` tch owns, alive for the borrow; the shim only
         // resets the autograd metadata's gradient slot (libtorch locks nothing else for it).
@@ -538,6 +544,10 @@ mod imp {
     #[cfg(feature = "tch")]
     pub(in crate::memory) fn cpu_capability() -> Result<String, AllocatorError> {
         Err(AllocatorError::NotBuilt)
+    }
+    #[cfg(feature = "tch")]
+    pub(in crate::memory) fn grad_enabled() -> Option<bool> {
+        None
     }
     #[cfg(feature = "tch")]
     pub(in crate::memory) fn clear_grad(_tensor: &tch::Tensor) -> Result<(), AllocatorError> {

@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <c10/core/AllocatorConfig.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
@@ -617,6 +618,11 @@ int toma_shim_backward(void* const* tensors, void* const* grads, int64_t n) {
     torch::autograd::backward(roots, seeds);
     return TOMA_SHIM_OK;
   });
+}
+
+int toma_shim_grad_enabled(void) {
+  // A thread-local read: no exception to catch.
+  return c10::GradMode::is_enabled() ? 1 : 0;
 }
 
 int toma_shim_clear_grad(void* tensor) {

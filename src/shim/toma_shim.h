@@ -200,6 +200,9 @@ int toma_shim_grad_defined(void* tensor, int* defined);
 // gradient of the same shape in `grads`: PyTorch's `torch.autograd.backward(tensors, grads)`.
 int toma_shim_backward(void* const* tensors, void* const* grads, int64_t n);
 
+// Whether autograd records on this thread now (libtorch's grad mode): 1 or 0.
+int toma_shim_grad_enabled(void);
+
 // Sets the `.grad` of `tensor` (an `at::Tensor*`, as tch holds it) to none, as PyTorch's
 // `p.grad = None` and tch's `opt.zero_grad()` do: its memory goes back to the allocator.
 int toma_shim_clear_grad(void* tensor);
