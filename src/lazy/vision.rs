@@ -180,6 +180,37 @@ pub fn resnet18(p: &nn::Path, num_classes: i64) -> ResNet {
     ResNet::new(p, Some(num_classes), [2, 2, 2, 2], false)
 }
 
+/// ResNet-18 without its final layer (tch's `resnet18_no_final_layer`): the 512 pooled
+/// features of each image, as transfer learning reads them: computed once, under `no_grad`,
+/// in micro-batches where the data set's activations would not fit at once.
+///
+/// ```
+/// use tch::{nn, Device, Kind, Tensor};
+/// use toma::lazy::{lazy, vision, Options};
+///
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// let net = vision::resnet18_no_final_layer(&vs.root());
+/// let images = Tensor::randn([6, 3, 32, 32], (Kind::Float, Device::Cpu));
+/// let features = tch::no_grad(|| lazy(&images, 0).apply_t(&net, false));
+/// let features = features.to_tensor_with(&Options::new().micro_batch(4))?;
+/// assert_eq!(features.size(), [6, 512]);
+/// assert!(!features.requires_grad());
+/// # Ok::<(), toma::lazy::LazyError>(())
+/// ```
+pub fn resnet18_no_final_layer(p: &nn::Path) -> ResNet {
+    ResNet::new(p, None, [2, 2, 2, 2], false)
+}
+
+/// ResNet-34 without its final layer (tch's `resnet34_no_final_layer`).
+pub fn resnet34_no_final_layer(p: &nn::Path) -> ResNet {
+    ResNet::new(p, None, [3, 4, 6, 3], false)
+}
+
+/// ResNet-50 without its final layer (tch's `resnet50_no_final_layer`): 2048 features.
+pub fn resnet50_no_final_layer(p: &nn::Path) -> ResNet {
+    ResNet::new(p, None, [3, 4, 6, 3], true)
+}
+
 /// ResNet-34 (tch's `resnet34`).
 pub fn resnet34(p: &nn::Path, num_classes: i64) -> ResNet {
     ResNet::new(p, Some(num_classes), [3, 4, 6, 3], false)

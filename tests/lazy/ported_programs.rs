@@ -15,11 +15,15 @@
 //!   by hand, and the actor's loss flowing back through the critic (whose gradients it adds to).
 //! - **mnist_linear**: weights that are plain tensors requiring gradients, `zero_grad()` in
 //!   place, `backward()`, and an update by hand under `no_grad`.
+//! - **transfer-learning**: a ResNet-18 without its last layer, the features computed once
+//!   under `no_grad` (lazily, in micro-batches), a linear head trained on them.
+//! - **custom-optimizer**: an optimizer of its own over the store's `variables_`, stepping on
+//!   the `.grad()` a lazy `backward()` left.
 
 use tch::kind::FLOAT_CPU;
 use tch::{Device, Kind, Tensor};
-use toma::lazy::nn::{self, OptimizerConfig};
-use toma::lazy::{lazy, LazyTensor, Options};
+use toma::lazy::nn::{self, Module, OptimizerConfig};
+use toma::lazy::{lazy, vision, LazyTensor, Options};
 
 fn same(what: &str, lazily: &[f64], eagerly: &[f64], tolerance: f64) {
     assert_eq!(lazily.len(), eagerly.len(), "{what}");
@@ -564,4 +568,154 @@ fn max_dim_and_min_dim_are_tchs() {
         same("max_dim and min_dim", &[value], &[expected.double_value(&[])], 1e-6);
         assert!(x.grad().allclose(&grad, 1e-6, 1e-6, false), "keepdim {keepdim}: the gradient");
     }
+}
+
+// --- transfer-learning ------------------------------------------------------------------------
+
+/// tch-rs's `transfer-learning`: a ResNet-18 without its last layer (weights as loaded; here
+/// shared by both runs), the images' features computed once under `no_grad` (lazily, in
+/// micro-batches: the one pass through the network), then a linear head trained on them with
+/// `backward_step`, the test set's accuracy read each epoch.
+fn transfer_learning(net: &vision::ResNet, head: &nn::VarStore, data: &[Tensor; 4], lazily: bool) -> Vec<f64> {
+    let [train_images, train_labels, test_images, test_labels] = data;
+    let features = |images: &Tensor| {
+        if lazily {
+            let planned = tch::no_grad(|| lazy(images, 0).apply_t(net, false));
+            planned.to_tensor_with(&Options::new().micro_batch(7)).unwrap()
+        } else {
+            tch::no_grad(|| images.apply_t(net, false))
+        }
+    };
+    let (train_images, test_images) = (features(train_images), features(test_images));
+    assert!(!train_images.requires_grad(), "computed under no_grad");
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let linear = nn::linear(vs.root(), 512, 5, Default::default());
+    vs.copy(head).unwrap();
+    let mut sgd = nn::Sgd::default().build(&vs, 1e-1).unwrap();
+    let mut out = vec![];
+    for _epoch in 1..5 {
+        let loss = if lazily {
+            let (x, y) = lazy((&train_images, train_labels), 0);
+            let loss = x.apply(&linear).cross_entropy_for_logits(&y);
+            sgd.f_backward_step_with(&loss, &Options::new().micro_batch(6)).unwrap()
+        } else {
+            let loss = train_images.apply(&linear).cross_entropy_for_logits(train_labels);
+            sgd.backward_step(&loss);
+            loss.double_value(&[])
+        };
+        let test_accuracy = test_images.apply(&linear).accuracy_for_logits(test_labels);
+        out.extend([loss, f64::try_from(test_accuracy).unwrap()]);
+    }
+    out.extend(weights(&vs));
+    out
+}
+
+#[test]
+fn tchs_transfer_learning_ports_with_features_computed_in_micro_batches() {
+    let net_vs = nn::VarStore::new(Device::Cpu);
+    let net = vision::resnet18_no_final_layer(&net_vs.root());
+    let head = nn::VarStore::new(Device::Cpu);
+    let _ = nn::linear(head.root(), 512, 5, Default::default());
+    let data = [
+        Tensor::randn([20, 3, 32, 32], FLOAT_CPU),
+        Tensor::randint(5, [20], tch::kind::INT64_CPU),
+        Tensor::randn([9, 3, 32, 32], FLOAT_CPU),
+        Tensor::randint(5, [9], tch::kind::INT64_CPU),
+    ];
+    let features = tch::no_grad(|| data[0].apply_t(&net, false));
+    assert_eq!(features.size(), [20, 512], "the network ends at its pooled features, as tch's");
+    let eager = transfer_learning(&net, &head, &data, false);
+    same("transfer-learning", &transfer_learning(&net, &head, &data, true), &eager, 1e-4);
+}
+
+// --- custom-optimizer ---------------------------------------------------------------------------
+
+/// tch-rs's `custom-optimizer`: a sparse Adam of its own, which reads the store's variables
+/// (`variables_`), each `.grad()`, and steps under `no_grad`; the gradients come from a lazy
+/// loss's `backward()` over the whole batch.
+struct SparseAdam {
+    lr: f64,
+    betas: (f64, f64),
+    eps: f64,
+    vars: std::sync::Arc<std::sync::Mutex<tch::nn::Variables>>,
+    moments: Vec<(Tensor, Tensor)>,
+    t: i32,
+}
+
+impl SparseAdam {
+    fn new(vs: &nn::VarStore, lr: f64) -> SparseAdam {
+        let vars = vs.variables_.clone();
+        let moments = vars
+            .lock()
+            .unwrap()
+            .trainable_variables
+            .iter()
+            .map(|x| (x.tensor.zeros_like(), x.tensor.zeros_like()))
+            .collect();
+        SparseAdam { lr, betas: (0.9, 0.999), eps: 1e-8, vars, moments, t: 0 }
+    }
+
+    fn zero_grad(&mut self) {
+        for var in &mut self.vars.lock().unwrap().trainable_variables {
+            var.tensor.zero_grad();
+        }
+    }
+
+    fn step(&mut self) {
+        tch::no_grad(|| {
+            self.t += 1;
+            let (b1, b2) = self.betas;
+            let (c1, c2) = (1.0 - b1.powi(self.t), 1.0 - b2.powi(self.t));
+            let mut vars = self.vars.lock().unwrap();
+            for (var, (m, v)) in vars.trainable_variables.iter_mut().zip(&mut self.moments) {
+                let grad = var.tensor.grad();
+                *m *= b1;
+                *m += (1.0 - b1) * &grad;
+                *v *= b2;
+                let scaled = grad * (1.0 - b2).sqrt();
+                let _ = v.addcmul_(&scaled, &scaled);
+                let part1 = &*m * (-self.lr / c1);
+                let part2 = (&*v / c2).sqrt() + self.eps;
+                let _ = var.tensor.addcdiv_(&part1, &part2);
+            }
+        })
+    }
+}
+
+fn custom_optimizer(start: &nn::VarStore, images: &Tensor, labels: &Tensor, lazily: bool) -> Vec<f64> {
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let net = nn::seq()
+        .add(nn::linear(vs.root() / "layer1", 784, 32, Default::default()))
+        .add_fn(|xs| xs.relu())
+        .add(nn::linear(vs.root(), 32, 10, Default::default()));
+    vs.copy(start).unwrap();
+    let mut opt = SparseAdam::new(&vs, 5e-3);
+    let mut out = vec![];
+    for _epoch in 1..5 {
+        opt.zero_grad();
+        let loss = if lazily {
+            let (x, y) = lazy((images, labels), 0);
+            x.apply(&net).cross_entropy_for_logits(&y).backward().unwrap()
+        } else {
+            let loss = net.forward(images).cross_entropy_for_logits(labels);
+            loss.backward();
+            loss.double_value(&[])
+        };
+        opt.step();
+        let accuracy = net.forward(images).accuracy_for_logits(labels);
+        out.extend([loss, f64::try_from(&accuracy).unwrap()]);
+    }
+    out.extend(weights(&vs));
+    out
+}
+
+#[test]
+fn tchs_custom_optimizer_steps_on_a_lazy_losss_gradients() {
+    let start = nn::VarStore::new(Device::Cpu);
+    let _ = nn::linear(start.root() / "layer1", 784, 32, Default::default());
+    let _ = nn::linear(start.root(), 32, 10, Default::default());
+    let images = Tensor::rand([50, 784], FLOAT_CPU);
+    let labels = Tensor::randint(10, [50], tch::kind::INT64_CPU);
+    let eager = custom_optimizer(&start, &images, &labels, false);
+    same("custom-optimizer", &custom_optimizer(&start, &images, &labels, true), &eager, 1e-5);
 }
