@@ -2,7 +2,7 @@
 //!
 //! A calibrating plan ([`Calibrate`]) runs each such node alone on stand-in inputs (the real
 //! inputs and parameters where the node reads them, ones or zeros of the recorded shape and
-//! layout elsewhere) at 1, 2, 8, 32 and 128 samples (up to its batch), under the allocator counter,
+//! layout elsewhere) at 1, 2, 8, 32 and 128 samples below its batch and at the batch, under the allocator counter,
 //! and prices the node by what the counter saw, in the terms the schedule adds: what the op
 //! keeps for its backward, its scratch while it runs, and its backward's scratch beside the
 //! output's gradient and the input gradients. The two largest sizes give a line (fixed + per
@@ -27,10 +27,13 @@ use crate::lazy::options::Calibrate;
 use crate::lazy::shape;
 use crate::memory::PeakCounter;
 
-/// Micro-batch sizes a call is measured at, up to its batch: kernels split a batch among
-/// threads differently at a few samples than at many, so the line is drawn through the two
-/// largest (a strided convolution's backward at 32 samples was 22% above the line through 2
-/// and 8; an inner-product convolution at 256 was 12% below the line through 8 and 32).
+/// Micro-batch sizes a call is measured at below its batch, and the batch itself: kernels split
+/// a batch among threads differently at a few samples than at many, so the line is drawn
+/// through the two largest (a strided convolution's backward at 32 samples was 22% above the
+/// line through 2 and 8; an inner-product convolution at 256 was 12% below the line through 8
+/// and 32). The batch itself is measured above 128 too: oneDNN's AMX kernels pad the rows of a
+/// `BFloat16` product to their tiles, and a linear's backward at 257 rows took 16% more than
+/// the line through 64 and 128 (an MLP's autocast step was planned 7.4% under).
 const SIZES: [i64; 5] = [1, 2, 8, 32, 128];
 /// Measurements kept at most: starting over costs one more measurement each.
 const CAPACITY: usize = 16384;
@@ -109,7 +112,8 @@ impl Measured {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Calibration {
-    /// Calls measured for this plan (each alone, at 1, 2, 8, 32 and 128 samples).
+    /// Calls measured for this plan (each alone, at 1, 2, 8, 32 and 128 samples below its batch,
+    /// and at the batch).
     pub measured: usize,
     /// Calls measured earlier in the process, or read from a remembered file.
     pub remembered: usize,
@@ -205,8 +209,9 @@ fn key<'a>(node: &'a Node, training: bool, threads: u64, calls: &mut Vec<KernelC
         for call in calls.iter() {
             h = mix(h ^ crate::hash::hash_of(call));
         }
-        // Measured up to a batch below the largest size: a line no larger batch may reuse.
-        h = mix(h ^ largest_size(node) as u64);
+        // Measured up to a batch below the largest usual size: a line no larger batch may
+        // reuse. Above it the batch is a size of its own ([`extra_key`]).
+        h = mix(h ^ batch(node).map_or(1, |n| n.min(USUAL_LARGEST)) as u64);
         for meta in std::iter::once(&node.meta).chain(node.inputs.iter().map(|x| &x.meta)) {
             let bd = meta.batch();
             let flags = u64::from(meta.requires_grad) | u64::from(meta.alias) << 1;
@@ -344,7 +349,7 @@ fn measure_graph(
             .iter()
             .map(|&i| {
                 let base = key(&nodes[i], training, threads, &mut calls);
-                let key = base ^ also_key(&nodes[i], also);
+                let key = base ^ extra_key(&nodes[i], also);
                 let found =
                     table.get(&key).copied().or_else(|| (!may_measure).then(|| table.get(&base).copied()).flatten());
                 (key, found)
@@ -354,6 +359,12 @@ fn measure_graph(
     for (i, (key, known)) in wanted.into_iter().zip(known) {
         let node = &nodes[i];
         let known = if known.is_none() { lookup(key) } else { known };
+        // A plan that runs nothing prices what was measured of this call at other batches
+        // where its own batch was not: the usual sizes' line reaches it.
+        let known = match known {
+            None if !may_measure => from_points(node, base_key(node, training, threads), also).map(Some),
+            known => known,
+        };
         // Measured up to this budget before (a training loop under one budget): found there.
         let short_key = crate::hash::mix(key ^ room.rotate_left(17) ^ 0x5f0e7);
         let known = match known {
@@ -409,9 +420,10 @@ fn measure_graph(
                     });
                     continue;
                 }
-                let result =
-                    catch_unwind(AssertUnwindSafe(|| measure(node, counter, training, model.block(), room, also)))
-                        .unwrap_or_else(|_| Err("it panicked".into()));
+                let result = catch_unwind(AssertUnwindSafe(|| {
+                    measure(node, base_key(node, training, threads), counter, training, model.block(), room, also)
+                }))
+                .unwrap_or_else(|_| Err("it panicked".into()));
                 match result {
                     Ok((m, true)) => {
                         tracing::debug!(op = node.name(), key, ?m, "toma::lazy: measured a kernel call");
@@ -487,14 +499,22 @@ fn batch(node: &Node) -> Option<i64> {
         .max()
 }
 
-/// The largest size `node` is measured at.
+/// The largest of the usual [`SIZES`].
+const USUAL_LARGEST: i64 = SIZES[SIZES.len() - 1];
+
+/// The largest size `node` is measured at: its batch (plans never go past it).
 fn largest_size(node: &Node) -> i64 {
-    batch(node).map_or(1, |n| n.min(SIZES[SIZES.len() - 1]))
+    batch(node).unwrap_or(1)
 }
 
-/// The sizes `node` is measured at: [`SIZES`] below its batch, and the batch where it is below
-/// the largest (plans never go past it), and the sizes of `also` below it (a micro-batch asked
-/// for and its remainder: kernels' scratch need not be a line between the sizes measured).
+/// [`key`] of a node already keyed: the usual sizes' key, which its sizes' points are cached by.
+fn base_key(node: &Node, training: bool, threads: u64) -> u64 {
+    key(node, training, threads, &mut Vec::new())
+}
+
+/// The sizes `node` is measured at: [`SIZES`] below its batch, the batch, and the sizes of
+/// `also` below it (a micro-batch asked for and its remainder: kernels' scratch need not be a
+/// line between the sizes measured).
 /// `[1]` for a node without a batch.
 fn sizes(node: &Node, also: &[u64]) -> Vec<i64> {
     let Some(n) = batch(node) else { return vec![1] };
@@ -506,11 +526,70 @@ fn sizes(node: &Node, also: &[u64]) -> Vec<i64> {
     sizes
 }
 
-/// What `also` adds to a node's key: the sizes it adds to those measured ([`sizes`]).
-fn also_key(node: &Node, also: &[u64]) -> u64 {
+/// What a node's key adds to [`key`] for the sizes beyond the usual ones ([`sizes`]): its batch
+/// above the largest usual size, and the sizes `also` adds. Each size's point is measured once
+/// ([`point_table`]): a batch of another size above the usual ones costs one more point.
+fn extra_key(node: &Node, also: &[u64]) -> u64 {
     let Some(n) = batch(node) else { return 0 };
-    let ours = |b: &&u64| **b > 1 && (**b as i64) < largest_size(node).min(n) && !SIZES.contains(&(**b as i64));
-    also.iter().filter(ours).fold(0, |h, &b| crate::hash::mix(h ^ b ^ 0x616c_736f))
+    let ours = |b: &&u64| **b > 1 && (**b as i64) < n && !SIZES.contains(&(**b as i64));
+    let h = also.iter().filter(ours).fold(0, |h, &b| crate::hash::mix(h ^ b ^ 0x616c_736f));
+    if n > USUAL_LARGEST {
+        crate::hash::mix(h ^ n as u64 ^ 0x6261_7463)
+    } else {
+        h
+    }
+}
+
+/// Points measured, by [`base_key`] and size: what one size of one call took, found again when
+/// another batch or micro-batch of the same call wants it.
+type Points = HashMap<u64, (Point, u64), BuildHasherDefault<crate::hash::PassThrough>>;
+
+fn point_table() -> &'static Mutex<Points> {
+    static TABLE: OnceLock<Mutex<Points>> = OnceLock::new();
+    TABLE.get_or_init(|| Mutex::new(Points::default()))
+}
+
+fn point_key(base: u64, b: u64) -> u64 {
+    crate::hash::mix(base ^ b.rotate_left(40) ^ 0x706f_696e)
+}
+
+/// What the points measured of `node` at its [`sizes`] price it at, where every usual size
+/// below its batch was measured (at another batch of the same call).
+fn from_points(node: &Node, base: u64, also: &[u64]) -> Option<Measured> {
+    let table = point_table().lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let n = batch(node)?;
+    let mut points = Vec::new();
+    for b in sizes(node, also) {
+        match table.get(&point_key(base, b as u64)) {
+            Some((p, _)) => points.push((b as u64, *p)),
+            None if SIZES.contains(&b) || b == n.min(USUAL_LARGEST) => return None,
+            None => {}
+        }
+    }
+    drop(table);
+    Some(price_points(&points))
+}
+
+/// [`probe_alone`] at `b` samples, or what it measured there before.
+fn point(
+    node: &Node,
+    base: u64,
+    b: i64,
+    counter: PeakCounter,
+    training: bool,
+    block: u64,
+) -> Result<(Point, u64), String> {
+    let key = point_key(base, b as u64);
+    if let Some(found) = point_table().lock().unwrap_or_else(|poisoned| poisoned.into_inner()).get(&key) {
+        return Ok(*found);
+    }
+    let measured = probe_alone(node, b, counter, training, block)?;
+    let mut table = point_table().lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if table.len() >= CAPACITY {
+        table.clear();
+    }
+    table.insert(key, measured);
+    Ok(measured)
 }
 
 /// Measures `node` alone at each of its [`sizes`], and fits the line; where the line misses a
@@ -525,6 +604,7 @@ fn also_key(node: &Node, also: &[u64]) -> u64 {
 /// 0.6× its eager peak took 1.84× the budget when calibration measured at the whole batch).
 fn measure(
     node: &Node,
+    base: u64,
     counter: PeakCounter,
     training: bool,
     block: u64,
@@ -548,7 +628,7 @@ fn measure(
                 break;
             }
         }
-        match probe_alone(node, b as i64, counter, training, block) {
+        match point(node, base, b as i64, counter, training, block) {
             Ok((point, took)) => {
                 points.push((b, point));
                 last = Some((b, took));
@@ -575,16 +655,25 @@ fn measure(
         let mut b = 4;
         while b < largest {
             if !points.iter().any(|p| p.0 == b) {
-                points.push((b, probe_alone(node, b as i64, counter, training, block)?.0));
+                points.push((b, point(node, base, b as i64, counter, training, block)?.0));
             }
             b *= 2;
         }
         points.sort_by_key(|p| p.0);
     }
     tracing::trace!(op = node.name(), ?points, "toma::lazy: a kernel call measured at each size");
-    let [kept, forward, backward] = parts.map(|f| priced(&series(&points, f)));
     let whole = points.last().is_some_and(|p| p.0 >= largest_wanted);
-    Ok((Measured { kept, forward, backward }, whole))
+    Ok((price_points(&points), whole))
+}
+
+/// The price of the points measured, each part priced by its own series ([`priced`]).
+fn price_points(points: &[(u64, Point)]) -> Measured {
+    let series = |f: fn(&Point) -> u64| points.iter().map(|(b, p)| (*b, f(p))).collect::<Vec<_>>();
+    Measured {
+        kept: priced(&series(|p| p.kept)),
+        forward: priced(&series(|p| p.forward)),
+        backward: priced(&series(|p| p.backward)),
+    }
 }
 
 /// Whether the line `w` (the [`fit`]) misses a size from two on by more than 2% (and 1 KiB).
@@ -890,6 +979,15 @@ mod tests {
             key(y.node(), true, 2, &mut Vec::new())
         };
         assert_eq!(conv(128, 1, 1), conv(160, 1, 1));
+        // Above the usual sizes the batch is a size of its own, measured once per batch.
+        let extra = |n: i64, also: &[u64]| {
+            let x = Tensor::zeros([n, 4, 8, 8], (Kind::Float, Device::Cpu));
+            extra_key(crate::lazy::lazy(&x, 0).conv2d(&w, None::<&Tensor>, 1, 1, 1, 1).node(), also)
+        };
+        assert_eq!(extra(100, &[]), 0);
+        assert_ne!(extra(257, &[]), extra(300, &[]));
+        assert_ne!(extra(257, &[]), extra(257, &[64, 1]));
+        assert_eq!(extra(257, &[]), extra(257, &[128, 1]), "128 is a usual size, and one sample too");
         assert_ne!(conv(2, 1, 1), conv(128, 1, 1), "measured at 2 samples at most: not a line for 128");
         assert_ne!(conv(2, 1, 1), conv(2, 2, 2));
         assert_ne!(conv(2, 1, 1), {
