@@ -195,7 +195,8 @@
 //! where no allocator counts.
 //!
 //! A measured call runs alone on stand-ins at 1, 2, 8, 32 and 128 samples (the sizes below its
-//! batch, and the batch itself; a micro-batch asked for and the batch's remainder too) under the
+//! batch, each power of two from 256 below it, and the batch itself; a micro-batch asked for and
+//! the batch's remainder too) under the
 //! allocator counter: forward, and in a backward plan its
 //! backward from a gradient of ones. The stand-ins are its real inputs and parameters where it
 //! reads them, and ones, `true` or zeros of the recorded shape and stride order elsewhere.
@@ -209,10 +210,11 @@
 //! device, mode and thread count.
 //!
 //! Measuring is part of the step and is held to its budget: a size whose stand-ins and run
-//! would not fit what the budget leaves (foreseen from the size before, in proportion to the
-//! samples) is not measured, and neither is any size above one that ran out of memory; the line
-//! through the sizes measured prices the rest. The first step of a process holds its budget as
-//! the tenth does. On the CPU a measurement knows whether another thread allocated meanwhile
+//! would not fit what the budget leaves (foreseen along the two sizes before, or in proportion
+//! to the samples after one) is not measured, and neither is any size above one that ran out of
+//! memory; the line through the sizes measured prices the rest, and no micro-batch of that many
+//! samples or more is planned where the batch may be split (one call alone would not fit). The
+//! first step of a process holds its budget as the tenth does. On the CPU a measurement knows whether another thread allocated meanwhile
 //! (the counting allocator keeps a scope per measuring thread): toma's own measurements take
 //! turns, and one that another thread's work reached is made again. CUDA's allocator counts
 //! a device, every thread's work: there a measurement stands when it repeats (as many

@@ -2,7 +2,8 @@
 //!
 //! A calibrating plan ([`Calibrate`]) runs each such node alone on stand-in inputs (the real
 //! inputs and parameters where the node reads them, ones or zeros of the recorded shape and
-//! layout elsewhere) at 1, 2, 8, 32 and 128 samples below its batch and at the batch, under the allocator counter,
+//! layout elsewhere) at 1, 2, 8, 32 and 128 samples below its batch, each power of two above
+//! 128 below it, and at the batch, under the allocator counter,
 //! and prices the node by what the counter saw, in the terms the schedule adds: what the op
 //! keeps for its backward, its scratch while it runs, and its backward's scratch beside the
 //! output's gradient and the input gradients. The two largest sizes give a line (fixed + per
@@ -47,6 +48,10 @@ pub(crate) struct Measured {
     pub(crate) forward: Work,
     /// Scratch while its backward runs, beside the output's gradient and the input gradients.
     pub(crate) backward: Work,
+    /// The fewest samples at which the call alone was seen, or foreseen from the sizes below,
+    /// to take more than the budget it was measured under: no step runs that many samples of
+    /// it within that budget, whatever the line through the sizes measured says.
+    pub(crate) limit: Option<u64>,
 }
 
 impl Measured {
@@ -90,7 +95,7 @@ impl Measured {
         let v: Vec<u64> = line.split(' ').map(|x| x.parse().ok()).collect::<Option<_>>()?;
         if v.len() == 9 {
             let w = |k: usize| Work { single: v[k + 2], ..Work::line(v[k], v[k + 1]) };
-            return Some(Measured { kept: w(0), forward: w(3), backward: w(6) });
+            return Some(Measured { kept: w(0), forward: w(3), backward: w(6), limit: None });
         }
         let mut at = 0;
         let mut next = || {
@@ -103,7 +108,7 @@ impl Measured {
             Some(Work { single: head[2], curve, ..Work::line(head[0], head[1]) })
         };
         let (kept, forward, backward) = (next()?, next()?, next()?);
-        (at == v.len()).then_some(Measured { kept, forward, backward })
+        (at == v.len()).then_some(Measured { kept, forward, backward, limit: None })
     }
 }
 
@@ -161,6 +166,12 @@ pub(crate) struct Calibrated {
 impl Calibrated {
     pub(crate) fn training(&self) -> bool {
         self.training
+    }
+
+    /// The fewest samples some measured call alone takes more than the budget at
+    /// ([`Measured::limit`]): no micro-batch of that many fits.
+    pub(crate) fn limit(&self) -> Option<u64> {
+        self.by_node.iter().filter_map(|(_, m)| m.limit).min()
     }
 
     /// `(node position, measured)` for each node with a measured price, by position.
@@ -359,12 +370,6 @@ fn measure_graph(
     for (i, (key, known)) in wanted.into_iter().zip(known) {
         let node = &nodes[i];
         let known = if known.is_none() { lookup(key) } else { known };
-        // A plan that runs nothing prices what was measured of this call at other batches
-        // where its own batch was not: the usual sizes' line reaches it.
-        let known = match known {
-            None if !may_measure => from_points(node, base_key(node, training, threads), also).map(Some),
-            known => known,
-        };
         // Measured up to this budget before (a training loop under one budget): found there.
         let short_key = crate::hash::mix(key ^ room.rotate_left(17) ^ 0x5f0e7);
         let known = match known {
@@ -375,6 +380,17 @@ fn measure_graph(
                 }
                 _ => None,
             },
+            known => known,
+        };
+        // A plan that runs nothing prices what was measured of this call at other batches
+        // where its own batch was not: the usual sizes' line reaches it. A step measures it
+        // there, so this graph's calibration is not kept whole.
+        let known = match known {
+            None if !may_measure => {
+                let priced = from_points(node, base_key(node, training, threads), also);
+                cal.short |= priced.is_some();
+                priced.map(Some)
+            }
             known => known,
         };
         let found = match known {
@@ -512,13 +528,16 @@ fn base_key(node: &Node, training: bool, threads: u64) -> u64 {
     key(node, training, threads, &mut Vec::new())
 }
 
-/// The sizes `node` is measured at: [`SIZES`] below its batch, the batch, and the sizes of
+/// The sizes `node` is measured at: [`SIZES`] below its batch, the powers of two above them
+/// below it, the batch, and the sizes of
 /// `also` below it (a micro-batch asked for and its remainder: kernels' scratch need not be a
 /// line between the sizes measured).
 /// `[1]` for a node without a batch.
 fn sizes(node: &Node, also: &[u64]) -> Vec<i64> {
     let Some(n) = batch(node) else { return vec![1] };
     let mut sizes: Vec<i64> = SIZES.iter().copied().filter(|&b| b < n).collect();
+    // Above the usual sizes, each power of two a budget's search may choose (256, 512, ..).
+    sizes.extend((1..).map(|k| USUAL_LARGEST << k).take_while(|&b| b < n));
     sizes.push(largest_size(node));
     sizes.extend(also.iter().map(|&b| b as i64).filter(|&b| b > 1 && b < largest_size(node)));
     sizes.sort_unstable();
@@ -531,7 +550,7 @@ fn sizes(node: &Node, also: &[u64]) -> Vec<i64> {
 /// ([`point_table`]): a batch of another size above the usual ones costs one more point.
 fn extra_key(node: &Node, also: &[u64]) -> u64 {
     let Some(n) = batch(node) else { return 0 };
-    let ours = |b: &&u64| **b > 1 && (**b as i64) < n && !SIZES.contains(&(**b as i64));
+    let ours = |b: &&u64| **b > 1 && (**b as i64) <= n && !SIZES.contains(&(**b as i64));
     let h = also.iter().filter(ours).fold(0, |h, &b| crate::hash::mix(h ^ b ^ 0x616c_736f));
     if n > USUAL_LARGEST {
         crate::hash::mix(h ^ n as u64 ^ 0x6261_7463)
@@ -570,6 +589,11 @@ fn from_points(node: &Node, base: u64, also: &[u64]) -> Option<Measured> {
     Some(price_points(&points))
 }
 
+/// What `b` samples of the call keyed `base` took, if measured before.
+fn cached_point(base: u64, b: u64) -> Option<(Point, u64)> {
+    point_table().lock().unwrap_or_else(|poisoned| poisoned.into_inner()).get(&point_key(base, b)).copied()
+}
+
 /// [`probe_alone`] at `b` samples, or what it measured there before.
 fn point(
     node: &Node,
@@ -580,8 +604,8 @@ fn point(
     block: u64,
 ) -> Result<(Point, u64), String> {
     let key = point_key(base, b as u64);
-    if let Some(found) = point_table().lock().unwrap_or_else(|poisoned| poisoned.into_inner()).get(&key) {
-        return Ok(*found);
+    if let Some(found) = cached_point(base, b as u64) {
+        return Ok(found);
     }
     let measured = probe_alone(node, b, counter, training, block)?;
     let mut table = point_table().lock().unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -614,24 +638,49 @@ fn measure(
     let wanted = sizes(node, also);
     let largest_wanted = wanted.last().copied().unwrap_or(1) as u64;
     let mut points = Vec::with_capacity(SIZES.len() + 3);
-    let mut last: Option<(u64, u64)> = None;
+    // `(samples, bytes taken)` of the last two sizes measured.
+    let (mut prev, mut last) = (None::<(u64, u64)>, None::<(u64, u64)>);
+    // Past the room (or an out-of-memory), only sizes measured before are taken: they cost
+    // nothing now.
+    let mut limit = None;
     for b in wanted {
         let b = b as u64;
+        if let Some(found) = cached_point(base, b) {
+            points.push((b, found.0));
+            (prev, last) = (last, Some((b, found.1)));
+            if found.1 > room {
+                limit = limit.or(Some(b));
+            }
+            continue;
+        }
+        if limit.is_some() {
+            continue;
+        }
         if let Some((b_last, took)) = last {
-            if took.saturating_mul(b) / b_last.max(1) > room {
+            // Foreseen by the last two sizes' slope where there are two (what a call holds is
+            // mostly its weights' copies and gradients, the same at every size), else in
+            // proportion to the samples.
+            let foreseen = match prev {
+                Some((b_prev, took_prev)) if b_last > b_prev => {
+                    took + took.saturating_sub(took_prev).div_ceil(b_last - b_prev) * (b - b_last)
+                }
+                _ => took.saturating_mul(b) / b_last.max(1),
+            };
+            if foreseen > room {
                 tracing::debug!(
                     op = node.name(),
                     samples = b,
                     room,
                     "toma::lazy: a size calibration's room cannot hold"
                 );
-                break;
+                limit = Some(b);
+                continue;
             }
         }
         match point(node, base, b as i64, counter, training, block) {
             Ok((point, took)) => {
                 points.push((b, point));
-                last = Some((b, took));
+                (prev, last) = (last, Some((b, took)));
             }
             Err(why) if !points.is_empty() && crate::oom::is_out_of_memory_message(&why) => {
                 tracing::debug!(
@@ -639,7 +688,7 @@ fn measure(
                     samples = b,
                     "toma::lazy: calibration ran out of memory; measured smaller"
                 );
-                break;
+                limit = Some(b);
             }
             Err(why) => return Err(why),
         }
@@ -662,8 +711,9 @@ fn measure(
         points.sort_by_key(|p| p.0);
     }
     tracing::trace!(op = node.name(), ?points, "toma::lazy: a kernel call measured at each size");
-    let whole = points.last().is_some_and(|p| p.0 >= largest_wanted);
-    Ok((price_points(&points), whole))
+    // Seen over the room: priced for this budget only.
+    let whole = limit.is_none() && points.last().is_some_and(|p| p.0 >= largest_wanted);
+    Ok((Measured { limit, ..price_points(&points) }, whole))
 }
 
 /// The price of the points measured, each part priced by its own series ([`priced`]).
@@ -673,6 +723,7 @@ fn price_points(points: &[(u64, Point)]) -> Measured {
         kept: priced(&series(|p| p.kept)),
         forward: priced(&series(|p| p.forward)),
         backward: priced(&series(|p| p.backward)),
+        limit: None,
     }
 }
 
@@ -933,7 +984,7 @@ mod tests {
         assert_eq!(w.per, 221);
         assert!(points[1..].iter().all(|&(b, m)| w.at(b, 1) >= m), "{w:?}");
         assert_eq!(w.at(1, 1), 10);
-        let m = Measured { kept: w, forward: Work::line(3, 0), backward: Work::ZERO };
+        let m = Measured { kept: w, forward: Work::line(3, 0), backward: Work::ZERO, limit: None };
         assert_eq!(Measured::from_line(&m.to_line()), Some(m));
         assert_eq!(Measured::from_line("1 2 3"), None);
     }
@@ -953,7 +1004,7 @@ mod tests {
         assert!(fit(&points).at(8, 1) > 270_000, "the line alone is far over at 8");
         let straight = priced(&[(1, 10), (2, 500), (8, 1700), (32, 6500)]);
         assert_eq!(straight.curve, None);
-        let m = Measured { kept: w, forward: straight, backward: Work::ZERO };
+        let m = Measured { kept: w, forward: straight, backward: Work::ZERO, limit: None };
         assert_eq!(Measured::from_line(&m.to_line()), Some(m));
         assert_eq!(
             Measured::from_line("1 2 3 4 5 6 7 8 9"),
@@ -961,6 +1012,7 @@ mod tests {
                 kept: Work { single: 3, ..Work::line(1, 2) },
                 forward: Work { single: 6, ..Work::line(4, 5) },
                 backward: Work { single: 9, ..Work::line(7, 8) },
+                limit: None,
             }),
             "a line of a file written before curves"
         );
