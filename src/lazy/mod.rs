@@ -196,8 +196,7 @@
 //!
 //! A measured call runs alone on stand-ins at 1, 2, 8, 32 and 128 samples (the sizes below its
 //! batch, each power of two from 256 below it, and the batch itself; a micro-batch asked for and
-//! the batch's remainder too) under the
-//! allocator counter: forward, and in a backward plan its
+//! the batch's remainder too) under the allocator counter: forward, and in a backward plan its
 //! backward from a gradient of ones. The stand-ins are its real inputs and parameters where it
 //! reads them, and ones, `true` or zeros of the recorded shape and stride order elsewhere.
 //! Running statistics are copied first, and libtorch's generator is restored afterwards; without

@@ -34,8 +34,9 @@ pub enum Recompute {
 /// this machine ([`CpuMachine::host`](crate::lazy::CpuMachine::host): the libtorch release,
 /// the instruction set oneDNN uses, the threads), and so is a call no rule knows (a
 /// [`CustomOp`](crate::lazy::CustomOp)). The call runs alone at 1, 2, 8, 32 and 128 samples
-/// below its batch and at the batch, on stand-in inputs under the allocator counter (every power of two between where one line
-/// does not fit them), and the plan uses what the counter saw. A step measures before it plans;
+/// below its batch, each power of two from 256 below it, and at the batch, on stand-in inputs
+/// under the allocator counter (every power of two between where one line does not fit them),
+/// and the plan uses what the counter saw. A step measures before it plans;
 /// [`LazyTensor::plan`](crate::lazy::LazyTensor::plan) runs nothing, and finds what
 /// [`LazyTensor::calibrate`](crate::lazy::LazyTensor::calibrate) or an earlier step measured
 /// (what it lacks, it prices by rules and says so). A call is measured once per

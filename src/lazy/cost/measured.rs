@@ -118,7 +118,7 @@ impl Measured {
 #[non_exhaustive]
 pub struct Calibration {
     /// Calls measured for this plan (each alone, at 1, 2, 8, 32 and 128 samples below its batch,
-    /// and at the batch).
+    /// each power of two from 256 below it, and at the batch).
     pub measured: usize,
     /// Calls measured earlier in the process, or read from a remembered file.
     pub remembered: usize,
