@@ -217,6 +217,18 @@ impl OpFacts {
         self
     }
 
+    /// Autograd's engine casts each input's gradient to that input's kind once the backward
+    /// returns it: where `cast(k)` (an input of another floating kind than the output, as
+    /// `f32 + bf16` under autocast promotes), input `k`'s gradient is a new tensor, never the
+    /// output's own nor a view of what the backward made.
+    pub(crate) fn grads_cast(mut self, cast: impl Fn(usize) -> bool) -> Self {
+        let n = self.n;
+        let (alias, view) = (&self.grad_alias, &self.grad_view);
+        (self.grad_alias, self.grad_view) =
+            (InputSet::of(n, |k| alias.contains(k) && !cast(k)), InputSet::of(n, |k| view.contains(k) && !cast(k)));
+        self
+    }
+
     /// The facts of an op whose output requires a gradient or not: autograd saves nothing
     /// for one that does not.
     pub(crate) fn recorded(mut self, requires_grad: bool) -> Self {

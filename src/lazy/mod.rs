@@ -368,7 +368,11 @@
 //! autocast computes: an unsplit step is bit-identical to it (libtorch's fused `lstm` and `gru`
 //! run in libtorch's own autocast, which casts inside them); a split one equals the same
 //! micro-batches run eagerly under autocast and summed. The plan counts the 16-bit copies
-//! autograd saves (and prints `autocast: N casts to BFloat16`). In `Half`, scale the loss with
+//! autograd saves (and prints `autocast: N casts to BFloat16`). An op on operands of two kinds
+//! (a `Float` residual plus a 16-bit branch) copies one into the other's kind while it runs,
+//! and autograd casts that operand's gradient back: a calibrating plan measures such an op, as
+//! libtorch's formulas order their casts (its rule, where nothing is measured, errs high).
+//! In `Half`, scale the loss with
 //! [`GradScaler`] (tch has none); an overflow in one micro-batch skips the whole step:
 //!
 //! ```

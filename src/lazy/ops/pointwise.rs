@@ -304,6 +304,11 @@ impl Binary {
     }
 }
 
+/// Bytes of one element of `kind` (1 for `Bool`).
+fn elt(kind: Kind) -> u64 {
+    kind.elt_size_in_bytes().max(1) as u64
+}
+
 /// A binary op of two tensors, broadcasting. Operands: a, b.
 pub(crate) struct TensorBinary {
     op: Binary,
@@ -315,12 +320,32 @@ impl Operation for TensorBinary {
     }
 
     fn kernels<'a>(&'a self, inputs: &'a [Rc<Node>], meta: &'a Meta, calls: &mut Vec<KernelCall<'a>>) {
-        // A broadcast operand's gradient: the output gradient summed over the broadcast
-        // dimensions.
-        if self.op.is_comparison() || !meta.requires_grad {
+        if self.op.is_comparison() {
             return;
         }
+        // Temporaries in elements of the output's kind, handed on in the first input's.
+        let (out, first) = (elt(meta.kind), elt(inputs.first().map_or(meta.kind, |x| x.meta.kind)));
+        let in_first = |e: Elements| {
+            let (a, c) = e.parts();
+            Elements::line((a * out).div_ceil(first), (c * out).div_ceil(first))
+        };
+        // An operand of another floating kind (`f32 * bf16` under autocast): the CPU's kernels
+        // loop over one kind, so the operand is copied into the output's while the op runs,
+        // and again in each backward formula that reads it.
+        let cast =
+            |k: usize| inputs.get(k).is_some_and(|x| x.meta.kind != meta.kind && shape::is_floating(x.meta.kind));
+        let casts = (0..2).filter(|&k| cast(k)).fold(Elements::ZERO, |e, k| e.plus(inputs[k].meta.elements()));
+        let forward = casts;
+        if !meta.requires_grad {
+            if forward != Elements::ZERO {
+                calls.push(KernelCall::Temporaries { forward: in_first(forward), backward: Elements::ZERO });
+            }
+            return;
+        }
+        // A broadcast operand's gradient: the output gradient summed over the broadcast
+        // dimensions.
         let mut full = 0;
+        let mut read_casts = Elements::ZERO;
         for (k, input) in inputs.iter().enumerate().take(2) {
             if !requires(inputs, k) {
                 continue;
@@ -338,23 +363,33 @@ impl Operation for TensorBinary {
                 (Binary::Mul | Binary::Div, _) => u64::from(broadcast),
                 _ => 0,
             };
+            // A gradient autograd casts to its operand's kind once the backward returns: the
+            // formula's result, in the output's kind, lives beside the cast (an addend's
+            // result is the output's gradient itself).
+            let passes = matches!((self.op, k), (Binary::Add, _) | (Binary::Sub, 0));
+            full += u64::from(cast(k) && !passes);
+            // The other operand, of another kind, read by this formula (`grad * b`).
+            if matches!(self.op, Binary::Mul | Binary::Div | Binary::Pow | Binary::Maximum | Binary::Minimum)
+                && cast(1 - k)
+            {
+                read_casts = read_casts.plus(inputs[1 - k].meta.elements());
+            }
         }
         let (a, c) = meta.elements().parts();
-        let mut backward = Elements::line(full * a, full * c);
+        let mut backward = Elements::line(full * a, full * c).plus(read_casts);
         // `maximum` and `minimum` pick each operand's gradient with `where(a == b, grad / 2, grad)`
         // masked in place by `a < b` (or `a > b`), one expression: `grad / 2` and both boolean
         // masks live beside the gradients until it ends, one operand after the other.
         if matches!(self.op, Binary::Maximum | Binary::Minimum) && (requires(inputs, 0) || requires(inputs, 1)) {
-            let elem = meta.kind.elt_size_in_bytes().max(1) as u64;
-            backward = backward.plus(Elements::line(a + (2 * a).div_ceil(elem), c + (2 * c).div_ceil(elem)));
+            backward = backward.plus(Elements::line(a + (2 * a).div_ceil(out), c + (2 * c).div_ceil(out)));
         }
-        if backward != Elements::ZERO {
-            calls.push(KernelCall::Temporaries { forward: Elements::ZERO, backward });
+        if backward != Elements::ZERO || forward != Elements::ZERO {
+            calls.push(KernelCall::Temporaries { forward: in_first(forward), backward: in_first(backward) });
         }
     }
 
     fn facts(&self, inputs: &[Rc<Node>], meta: &Meta) -> OpFacts {
-        OpFacts::new(inputs.len())
+        let facts = OpFacts::new(inputs.len())
             .saves(|i| self.op.saves(i, |j| requires(inputs, j)))
             .saves_output(self.op == Binary::Pow)
             .grad_aliases(|i| {
@@ -367,7 +402,15 @@ impl Operation for TensorBinary {
                     _ => false,
                 }
             })
-            .adds_fixed(matches!(self.op, Binary::Add | Binary::Sub))
+            .adds_fixed(matches!(self.op, Binary::Add | Binary::Sub));
+        // Operands of two kinds: their casts' order in the backward is libtorch's formulas',
+        // not read here, so a calibrating plan measures the op.
+        let mixed = inputs.iter().any(|x| x.meta.kind != meta.kind && shape::is_floating(x.meta.kind));
+        if mixed && !self.op.is_comparison() {
+            facts.kernels_unknown()
+        } else {
+            facts
+        }
     }
 }
 

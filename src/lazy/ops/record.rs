@@ -247,7 +247,11 @@ impl Record {
             alias: self.alias,
             mixes: self.mixes,
         };
-        let facts = self.op.facts(&self.inputs, &meta).recorded(meta.requires_grad);
+        let cast = |k: usize| {
+            let input = self.inputs[k].meta.kind;
+            input != meta.kind && shape::is_floating(input) && shape::is_floating(meta.kind)
+        };
+        let facts = self.op.facts(&self.inputs, &meta).grads_cast(cast).recorded(meta.requires_grad);
         let kind = NodeKind::Op(self.op);
         let cost = Cost::of(&kind, &facts, &self.inputs, &meta);
         LazyTensor::from_node(Node::new(kind, self.inputs, meta, facts, cost))
