@@ -251,7 +251,10 @@ impl Record {
             let input = self.inputs[k].meta.kind;
             input != meta.kind && shape::is_floating(input) && shape::is_floating(meta.kind)
         };
-        let facts = self.op.facts(&self.inputs, &meta).grads_cast(cast).recorded(meta.requires_grad);
+        let mut facts = self.op.facts(&self.inputs, &meta).recorded(meta.requires_grad);
+        if (0..self.inputs.len()).any(cast) {
+            facts = facts.grads_cast(cast);
+        }
         let kind = NodeKind::Op(self.op);
         let cost = Cost::of(&kind, &facts, &self.inputs, &meta);
         LazyTensor::from_node(Node::new(kind, self.inputs, meta, facts, cost))
