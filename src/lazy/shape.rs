@@ -453,6 +453,13 @@ pub(crate) fn is_floating(kind: Kind) -> bool {
     matches!(kind, Kind::Half | Kind::BFloat16 | Kind::Float | Kind::Double)
 }
 
+/// Whether an op whose output is of kind `output` promoted an input of kind `input` (`f32 +
+/// bf16` under autocast): the CPU's kernels copy such an input into the output's kind, and
+/// autograd casts its gradient back to its own.
+pub(crate) fn promoted(input: Kind, output: Kind) -> bool {
+    input != output && is_floating(input) && is_floating(output)
+}
+
 /// Whether a kind is an integer (or bool) one.
 pub(crate) fn is_integral(kind: Kind) -> bool {
     category(kind) < 2

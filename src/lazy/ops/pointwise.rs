@@ -332,10 +332,8 @@ impl Operation for TensorBinary {
         // An operand of another floating kind (`f32 * bf16` under autocast): the CPU's kernels
         // loop over one kind, so the operand is copied into the output's while the op runs,
         // and again in each backward formula that reads it.
-        let cast =
-            |k: usize| inputs.get(k).is_some_and(|x| x.meta.kind != meta.kind && shape::is_floating(x.meta.kind));
-        let casts = (0..2).filter(|&k| cast(k)).fold(Elements::ZERO, |e, k| e.plus(inputs[k].meta.elements()));
-        let forward = casts;
+        let cast = |k: usize| inputs.get(k).is_some_and(|x| shape::promoted(x.meta.kind, meta.kind));
+        let forward = (0..2).filter(|&k| cast(k)).fold(Elements::ZERO, |e, k| e.plus(inputs[k].meta.elements()));
         if !meta.requires_grad {
             if forward != Elements::ZERO {
                 calls.push(KernelCall::Temporaries { forward: in_first(forward), backward: Elements::ZERO });
@@ -405,7 +403,7 @@ impl Operation for TensorBinary {
             .adds_fixed(matches!(self.op, Binary::Add | Binary::Sub));
         // Operands of two kinds: their casts' order in the backward is libtorch's formulas',
         // not read here, so a calibrating plan measures the op.
-        let mixed = inputs.iter().any(|x| x.meta.kind != meta.kind && shape::is_floating(x.meta.kind));
+        let mixed = inputs.iter().any(|x| shape::promoted(x.meta.kind, meta.kind));
         if mixed && !self.op.is_comparison() {
             facts.kernels_unknown()
         } else {

@@ -247,10 +247,7 @@ impl Record {
             alias: self.alias,
             mixes: self.mixes,
         };
-        let cast = |k: usize| {
-            let input = self.inputs[k].meta.kind;
-            input != meta.kind && shape::is_floating(input) && shape::is_floating(meta.kind)
-        };
+        let cast = |k: usize| shape::promoted(self.inputs[k].meta.kind, meta.kind);
         let mut facts = self.op.facts(&self.inputs, &meta).recorded(meta.requires_grad);
         if (0..self.inputs.len()).any(cast) {
             facts = facts.grads_cast(cast);
