@@ -26,7 +26,7 @@ pub(crate) struct ConvSettings {
 
 /// A convolution's settings; `what` names the layer (`nn::Conv2D`) in errors.
 pub(crate) fn conv<ND: std::fmt::Debug>(layer: &nn::Conv<ND>, what: &str) -> Result<ConvSettings, LazyError> {
-    let text = format!("{layer:?}");
+    let text = debug_text(layer, &[]);
     let config = config_of(what, &text)?;
     let list = |name: &str| field(config, name).and_then(parse_list).ok_or_else(|| unreadable(what, name));
     Ok(ConvSettings {
@@ -52,7 +52,7 @@ pub(crate) fn conv_transpose<ND: std::fmt::Debug>(
     layer: &nn::ConvTransposeND<ND>,
     what: &str,
 ) -> Result<ConvTransposeSettings, LazyError> {
-    let text = format!("{layer:?}");
+    let text = debug_text(layer, &[]);
     let config = config_of(what, &text)?;
     let list = |name: &str| field(config, name).and_then(parse_list).ok_or_else(|| unreadable(what, name));
     Ok(ConvTransposeSettings {
@@ -66,19 +66,19 @@ pub(crate) fn conv_transpose<ND: std::fmt::Debug>(
 
 /// A layer norm's epsilon.
 pub(crate) fn layer_norm_eps(layer: &nn::LayerNorm) -> Result<f64, LazyError> {
-    let text = format!("{layer:?}");
+    let text = debug_text(layer, &["eps"]);
     parsed("nn::LayerNorm", config_of("nn::LayerNorm", &text)?, "eps")
 }
 
 /// A group norm's `eps` (tch keeps its config private).
 pub(crate) fn group_norm_eps(layer: &nn::GroupNorm) -> Result<f64, LazyError> {
-    let text = format!("{layer:?}");
+    let text = debug_text(layer, &["eps"]);
     parsed("nn::GroupNorm", config_of("nn::GroupNorm", &text)?, "eps")
 }
 
 /// An embedding's `(padding_idx, scale_grad_by_freq, sparse)`.
 pub(crate) fn embedding(layer: &nn::Embedding) -> Result<(i64, bool, bool), LazyError> {
-    let text = format!("{layer:?}");
+    let text = debug_text(layer, &["padding_idx", "scale_grad_by_freq", "sparse"]);
     let config = config_of("nn::Embedding", &text)?;
     Ok((
         parsed("nn::Embedding", config, "padding_idx")?,
@@ -89,9 +89,82 @@ pub(crate) fn embedding(layer: &nn::Embedding) -> Result<(i64, bool, bool), Lazy
 
 /// A batch norm's `(eps, momentum)`.
 pub(crate) fn batch_norm(layer: &nn::BatchNorm) -> Result<(f64, f64), LazyError> {
-    let text = format!("{layer:?}");
+    let text = debug_text(layer, &["eps", "momentum"]);
     let config = config_of("nn::BatchNorm", &text)?;
     Ok((parsed("nn::BatchNorm", config, "eps")?, parsed("nn::BatchNorm", config, "momentum")?))
+}
+
+/// The layer's `Debug` text up to the end of its `config`, or as soon as each of `wanted` has
+/// its whole value there: a layer is read each time a step records it, and formatting the rest
+/// (a norm's initialisers, its weights printed as tensors, some read back from the tensor)
+/// would cost more than recording the layer.
+fn debug_text(layer: &dyn std::fmt::Debug, wanted: &[&str]) -> String {
+    use std::fmt::Write;
+    let mut text = UpToConfig { wanted, ..UpToConfig::default() };
+    // An error here is the stop below: the text holds what is wanted.
+    let _ = write!(text, "{layer:?}");
+    text.text
+}
+
+/// A `fmt::Write` that keeps what is written and stops the formatting (with an error) once
+/// the `config:` field's value is complete, or each of `wanted` in it is.
+#[derive(Default)]
+struct UpToConfig<'a> {
+    text: String,
+    wanted: &'a [&'a str],
+    /// Where `config:` starts, once written.
+    config: Option<usize>,
+    /// How far the brackets after it were followed, and how deep they are.
+    followed: usize,
+    depth: i32,
+}
+
+impl std::fmt::Write for UpToConfig<'_> {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        self.text.push_str(s);
+        let at = match self.config {
+            Some(at) => at,
+            None => {
+                // `config:` may come in pieces, but it is whole once its `:` is written: look
+                // again from just before this piece, only then.
+                let mut from = self.followed.saturating_sub("config:".len());
+                self.followed = self.text.len();
+                if !s.contains(':') {
+                    return Ok(());
+                }
+                while !self.text.is_char_boundary(from) {
+                    from -= 1;
+                }
+                let Some(at) = self.text[from..].find("config:").map(|at| from + at) else { return Ok(()) };
+                self.config = Some(at);
+                self.followed = at;
+                at
+            }
+        };
+        for (i, ch) in self.text[self.followed..].char_indices() {
+            match ch {
+                '[' | '(' | '{' => self.depth += 1,
+                ']' | ')' | '}' => {
+                    self.depth -= 1;
+                    if self.depth == 0 {
+                        self.text.truncate(self.followed + i + 1);
+                        return Err(std::fmt::Error);
+                    }
+                }
+                _ => {}
+            }
+        }
+        self.followed = self.text.len();
+        // A value ends at a `,` or a `}`.
+        let config = &self.text[at..];
+        if !self.wanted.is_empty()
+            && s.contains([',', '}'])
+            && self.wanted.iter().all(|name| value(config, name).is_some_and(|(_, whole)| whole))
+        {
+            return Err(std::fmt::Error);
+        }
+        Ok(())
+    }
 }
 
 fn unreadable(layer: &str, name: &str) -> LazyError {
@@ -112,20 +185,24 @@ fn parsed<T: std::str::FromStr>(layer: &str, config: &str, name: &str) -> Result
 
 /// The value of `name: value` in a `Debug` text, bracket-aware (`stride: [1, 1]`).
 fn field<'a>(text: &'a str, name: &str) -> Option<&'a str> {
-    let key = format!("{name}: ");
-    let start = text.find(&key)? + key.len();
-    let rest = &text[start..];
+    value(text, name).map(|(v, _)| v)
+}
+
+/// [`field`], and whether the value is whole (what follows it is written).
+fn value<'a>(text: &'a str, name: &str) -> Option<(&'a str, bool)> {
+    let start = text.match_indices(name).find(|&(at, _)| text[at + name.len()..].starts_with(": "))?.0;
+    let rest = &text[start + name.len() + 2..];
     let mut depth = 0i32;
     for (i, ch) in rest.char_indices() {
         match ch {
             '[' | '(' | '{' => depth += 1,
-            ']' | ')' | '}' if depth == 0 => return Some(rest[..i].trim()),
+            ']' | ')' | '}' if depth == 0 => return Some((rest[..i].trim(), true)),
             ']' | ')' | '}' => depth -= 1,
-            ',' if depth == 0 => return Some(rest[..i].trim()),
+            ',' if depth == 0 => return Some((rest[..i].trim(), true)),
             _ => {}
         }
     }
-    Some(rest.trim())
+    Some((rest.trim(), false))
 }
 
 fn parse_list(text: &str) -> Option<Vec<i64>> {
@@ -161,6 +238,29 @@ mod tests {
         assert_eq!(field(text, "groups"), Some("1"));
         assert_eq!(field(text, "padding_mode"), Some("Zeros"));
         assert_eq!(field(text, "missing"), None);
+    }
+
+    /// The text stops where the config ends, however the formatter splits its writes, and is
+    /// whole where there is no config.
+    #[test]
+    fn the_text_stops_after_the_config() {
+        struct Pieces(&'static [&'static str]);
+        impl std::fmt::Debug for Pieces {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                self.0.iter().try_for_each(|p| f.write_str(p))
+            }
+        }
+        let split =
+            Pieces(&["LayerNorm { con", "fig: C { eps: 1e-5, s", "hape: [2, 3] }", ", ws: Tensor[[6], Float] }"]);
+        assert_eq!(debug_text(&split, &[]), "LayerNorm { config: C { eps: 1e-5, shape: [2, 3] }");
+        assert_eq!(debug_text(&split, &["eps"]), "LayerNorm { config: C { eps: 1e-5, s");
+        assert_eq!(debug_text(&split, &["shape", "eps"]), "LayerNorm { config: C { eps: 1e-5, shape: [2, 3] }");
+        let none = Pieces(&["Linear { ws: ", "Tensor[[6], Float] }"]);
+        assert_eq!(debug_text(&none, &[]), "Linear { ws: Tensor[[6], Float] }");
+        let vs = nn::VarStore::new(Device::Cpu);
+        let ln = nn::layer_norm(vs.root() / "ln", vec![6], Default::default());
+        let text = debug_text(&ln, &["eps"]);
+        assert!(text.contains("eps: ") && !text.contains("Tensor") && !text.contains("init"), "{text}");
     }
 
     /// Every setting, non-default, read back from real tch layers: this fails when tch prints
