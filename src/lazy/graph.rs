@@ -226,7 +226,16 @@ impl Node {
     /// `eager` for one standing for a value computed at once).
     pub(crate) fn leaf(tensor: &Tensor, batch: Option<usize>, eager: bool) -> Rc<Node> {
         // Every step records its parameters anew: their facts in one call into libtorch.
-        let facts = crate::memory::tensor_facts(tensor);
+        Node::leaf_of(tensor.shallow_clone(), crate::memory::tensor_facts(tensor), batch, eager)
+    }
+
+    /// [`leaf`](Self::leaf) of a tensor held already, whose facts were read.
+    pub(crate) fn leaf_of(
+        tensor: Tensor,
+        facts: crate::memory::TensorFacts,
+        batch: Option<usize>,
+        eager: bool,
+    ) -> Rc<Node> {
         let meta_flow = match batch {
             Some(dim) => Flow::PerSample(BatchDim { dim, size: facts.shape[dim], factor: 1 }),
             None => Flow::Fixed,
@@ -242,12 +251,12 @@ impl Node {
             shape: facts.shape,
         };
         let kind = NodeKind::Source(match batch {
-            Some(dim) => Source::Input { tensor: tensor.shallow_clone(), dim },
+            Some(dim) => Source::Input { tensor, dim },
             None => {
                 let param = meta
                     .requires_grad
                     .then(|| Param { key: ParamKey::of(facts.data_ptr, &meta), is_leaf: facts.is_leaf });
-                Source::Leaf { tensor: tensor.shallow_clone(), param, eager }
+                Source::Leaf { tensor, param, eager }
             }
         });
         let facts = OpFacts::new(0).recorded(meta.requires_grad);

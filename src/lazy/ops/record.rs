@@ -9,9 +9,7 @@ use tch::{Device, Kind, TchError, Tensor};
 use crate::dims::Dims;
 use crate::lazy::error::LazyError;
 use crate::lazy::graph::inputs_of;
-use crate::lazy::graph::{
-    BatchDim, Cost, Flow, LazyTensor, Meta, Node, NodeKind, Operation, Param, Run, RunCx, Source,
-};
+use crate::lazy::graph::{BatchDim, Cost, Flow, LazyTensor, Meta, Node, NodeKind, Operation, Run, RunCx};
 use crate::lazy::shape;
 use crate::memory::ViewBase;
 
@@ -291,15 +289,15 @@ impl Cast {
 
 /// A leaf: a batched input (`batch = Some(dim)`) or a fixed tensor (parameters, constants).
 pub(crate) fn leaf(tensor: &Tensor, batch: Option<usize>) -> LazyTensor {
-    let node = Node::leaf(tensor, batch, false);
+    let facts = crate::memory::tensor_facts(tensor);
     // A view of a parameter (`w.t()`) is an op on the parameter: one gradient, in its `.grad`,
     // not an operand of its own whose gradient is sent back through autograd afterwards.
-    if let Some(Source::Leaf { param: Some(Param { is_leaf: false, .. }), .. }) = node.source() {
+    if batch.is_none() && facts.requires_grad && !facts.is_leaf {
         if let Some(view) = crate::memory::view_base(tensor) {
-            return ParamView::record(&node.meta, &view);
+            return ParamView::record(&facts.shape, &facts.strides, view);
         }
     }
-    LazyTensor::from_node(node)
+    LazyTensor::from_node(Node::leaf_of(tensor.shallow_clone(), facts, batch, false))
 }
 
 /// A view of a parameter that the user made with tch and that is no permutation of it
@@ -326,12 +324,13 @@ impl Run for ParamView {
 }
 
 impl ParamView {
-    /// A view the user holds (its facts as a leaf recorded them), as an op on the leaf autograd
+    /// A view the user holds (sized `shape`, strided `strides`), as an op on the leaf autograd
     /// made it from (`of`): a transpose or permutation as that op (its gradient is added into
     /// `.grad` as it comes, as a plain step adds it), any other view as `as_strided`.
-    pub(crate) fn record(view: &Meta, of: &ViewBase) -> LazyTensor {
-        let leaf = leaf(&of.base, None);
-        let (size, stride, offset) = (view.shape.to_vec(), view.strides.to_vec(), of.offset);
+    pub(crate) fn record(shape: &[i64], strides: &[i64], of: ViewBase) -> LazyTensor {
+        let (size, stride, offset) = (shape.to_vec(), strides.to_vec(), of.offset);
+        let base_facts = crate::memory::tensor_facts(&of.base);
+        let leaf = LazyTensor::from_node(Node::leaf_of(of.base, base_facts, None, false));
         if offset == of.base_offset {
             if let Some(perm) = permutation(&size, &stride, &leaf.meta().shape, &leaf.meta().strides) {
                 return match perm.as_slice() {
