@@ -4504,6 +4504,58 @@ fn operands_of_two_kinds_peak_as_planned() {
     rows.assert_within(0.01, 0.01, "steps with operands of two kinds");
 }
 
+/// min-gpt's own `Linear` (`xs.matmul(&self.ws.tr()) + &self.bs`) under autocast, as users train
+/// it: a `Float` residual stream, each product in `BFloat16` or `Half` with its `Float` bias added
+/// (operands of two kinds), through toma's AdamW (`opt.backward_step_with`, the optimizer's step
+/// and the state its first step makes inside the plan), `.grad` none before each step, the loss
+/// read afterwards. A fresh optimizer per row: three steps, the first included, whole and in
+/// uneven micro-batches, each within 5% of the measured peak.
+#[test]
+fn min_gpts_own_linear_under_autocast_steps_as_planned() {
+    use toma::lazy::nn::OptimizerConfig;
+    struct Linear {
+        ws: Tensor,
+        bs: Tensor,
+    }
+    let _serial = support::serial();
+    assert!(memory::track_cpu_allocations());
+    tch::manual_seed(76);
+    let mut rows = Rows::default();
+    let (t, d, vocabulary) = (8i64, 64i64, 50i64);
+    for kind in [Kind::BFloat16, Kind::Half] {
+        for (batch, micro) in [(96i64, None), (200, Some(72usize)), (257, Some(100))] {
+            let vs = nn::VarStore::new(CPU);
+            let r = vs.root();
+            let linear =
+                |p: nn::Path, i: i64, o: i64| Linear { ws: p.randn("w", &[o, i], 0.0, 0.02), bs: p.zeros("b", &[o]) };
+            let emb = nn::embedding(&r / "emb", vocabulary, d, Default::default());
+            let ln = nn::layer_norm(&r / "ln", vec![d], Default::default());
+            let (up, down, head) =
+                (linear(&r / "up", d, 4 * d), linear(&r / "down", 4 * d, d), linear(&r / "head", d, vocabulary));
+            let apply = |h: &LazyTensor, l: &Linear| h.matmul(&l.ws.tr()) + &l.bs;
+            let tokens = Tensor::randint(vocabulary, [batch, t], (Kind::Int64, CPU));
+            let targets = Tensor::randint(vocabulary, [batch, t], (Kind::Int64, CPU));
+            let loss = || {
+                let (lt, ly) = toma::lazy::lazy((&tokens, &targets), 0);
+                let h = lt.apply(&emb);
+                let h = &h + apply(&apply(&h.apply(&ln), &up).gelu("none"), &down).dropout(0.1, true);
+                apply(&h, &head).view([-1, vocabulary]).cross_entropy_for_logits(&ly.view([-1]))
+            };
+            let mut opt = nn::AdamW::default().build(&vs, 1e-3).unwrap();
+            let options = micro.map_or_else(Options::new, |m| Options::new().micro_batch(m));
+            for step in 0..3 {
+                let l = toma::autocast(CPU, kind, loss);
+                l.calibrate(Mode::Backward, &options).expect("calibrated");
+                let (plan, value, measured) = plan_and_step(&mut opt, &l, &options);
+                assert!(value.is_finite(), "{kind:?} batch {batch} step {step}: loss {value}");
+                assert_eq!(f64::try_from(&l).unwrap(), value, "the loss read after the step");
+                rows.push(format!("{kind:?} batch {batch} micro {micro:?} step {step}"), plan.peak_bytes(), measured);
+            }
+        }
+    }
+    rows.assert_within(0.05, 0.05, "min-gpt's Linear under autocast");
+}
+
 /// A GRU encoder-decoder over embeddings (tch-rs's translation without its attention).
 struct Seq2Seq {
     emb: nn::Embedding,
