@@ -443,17 +443,19 @@ impl Cost {
         let tag = crate::hash::hash_bytes(facts.sizing, kind.name().as_bytes());
         let mut hash = crate::hash::mix(tag ^ meta.kind as u64 ^ (u64::from(meta.requires_grad) << 32));
         for (&s, &st) in meta.shape.iter().zip(&meta.strides) {
-            hash = crate::hash::mix(crate::hash::mix(hash ^ s as u64) ^ st as u64);
+            // A size and its stride in one word (each below 2³² tells them apart): one mix.
+            hash = crate::hash::mix(hash ^ s as u64 ^ (st as u64).rotate_left(32));
         }
         // And what the op's kernel calls name of its settings (a triplet loss's `swap`, a
         // convolution's padding): two graphs alike but there plan apart, and never share a
         // calibration, even over parameters at the same addresses.
         if let NodeKind::Op(op) = kind {
-            let mut calls = Vec::new();
+            let mut calls = call_list();
             op.kernels(inputs, meta, &mut calls);
             for call in &calls {
                 hash = crate::hash::mix(hash ^ crate::hash::hash_of(call));
             }
+            keep_call_list(calls);
         }
         let permutes = meta.alias
             && inputs
@@ -461,6 +463,31 @@ impl Cost {
                 .is_some_and(|x| shape::permutes(&x.meta.shape, &x.meta.strides, &meta.shape, &meta.strides));
         Cost { out, grad, permutes, hash }
     }
+}
+
+thread_local! {
+    /// An emptied list of kernel calls kept between recorded ops: [`Cost::of`] lists each op's
+    /// calls, and a list of its own was an allocation per op (a tenth of a small step's).
+    static CALLS: std::cell::Cell<Vec<KernelCall<'static>>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// An empty list for kernel calls: the thread's kept one where it has it.
+fn call_list<'a>() -> Vec<KernelCall<'a>> {
+    recast(CALLS.try_with(std::cell::Cell::take).unwrap_or_default())
+}
+
+/// Keeps `calls`' buffer, emptied, for the next [`call_list`].
+fn keep_call_list(mut calls: Vec<KernelCall<'_>>) {
+    calls.clear();
+    let calls = recast(calls);
+    let _ = CALLS.try_with(|kept| kept.set(calls));
+}
+
+/// An empty list as a list of calls of another lifetime (one layout): collected in place, so
+/// its buffer is kept.
+fn recast<'b>(calls: Vec<KernelCall<'_>>) -> Vec<KernelCall<'b>> {
+    debug_assert!(calls.is_empty());
+    calls.into_iter().map(|_| unreachable!("the list is empty")).collect()
 }
 
 /// What identifies one parameter among several leaves holding it (shallow clones of one
@@ -896,6 +923,21 @@ mod tests {
         assert_eq!(Rc::as_ptr(&again), leaf_at);
         assert_eq!(again.name(), "leaf");
         assert_eq!(again.meta.shape, vec![1]);
+    }
+
+    #[test]
+    fn a_kernel_call_list_keeps_its_buffer_between_ops() {
+        let meta = Node::leaf(&Tensor::ones([4, 3], (Kind::Float, Device::Cpu)), None, false).meta.clone();
+        let mut calls = call_list();
+        calls.push(KernelCall::Reduction { of: &meta, mask: 1, backward: false });
+        let buffer = calls.as_ptr();
+        keep_call_list(calls);
+        let again = call_list();
+        assert!(again.is_empty());
+        assert_eq!((again.as_ptr(), again.capacity() > 0), (buffer, true));
+        // Taken, none is kept: a call meanwhile gets a new list.
+        assert_eq!(call_list().capacity(), 0);
+        keep_call_list(again);
     }
 
     #[test]

@@ -100,7 +100,8 @@ pub(crate) fn batch_norm(layer: &nn::BatchNorm) -> Result<(f64, f64), LazyError>
 /// would cost more than recording the layer.
 fn debug_text(layer: &dyn std::fmt::Debug, wanted: &[&str]) -> String {
     use std::fmt::Write;
-    let mut text = UpToConfig { wanted, ..UpToConfig::default() };
+    // Room for a layer's text up to its config: one allocation, not one per doubling.
+    let mut text = UpToConfig { text: String::with_capacity(256), wanted, ..UpToConfig::default() };
     // An error here is the stop below: the text holds what is wanted.
     let _ = write!(text, "{layer:?}");
     text.text
@@ -117,52 +118,71 @@ struct UpToConfig<'a> {
     /// How far the brackets after it were followed, and how deep they are.
     followed: usize,
     depth: i32,
+    /// Where the config's current field starts, and which of `wanted` are whole (bit i).
+    field: usize,
+    found: u64,
+}
+
+impl UpToConfig<'_> {
+    /// Notes the config's field that ends at `end` if it is one of `wanted`: whether all are.
+    fn field_ends(&mut self, end: usize) -> bool {
+        let field = &self.text[self.field..end];
+        let name = field.split_once(':').map_or("", |(name, _)| name.trim());
+        if let Some(i) = self.wanted.iter().position(|w| *w == name) {
+            self.found |= 1 << i.min(63);
+        }
+        !self.wanted.is_empty() && self.wanted.len() <= 64 && self.found.count_ones() as usize == self.wanted.len()
+    }
 }
 
 impl std::fmt::Write for UpToConfig<'_> {
     fn write_str(&mut self, s: &str) -> std::fmt::Result {
         self.text.push_str(s);
-        let at = match self.config {
-            Some(at) => at,
-            None => {
-                // `config:` may come in pieces, but it is whole once its `:` is written: look
-                // again from just before this piece, only then.
-                let mut from = self.followed.saturating_sub("config:".len());
-                self.followed = self.text.len();
-                if !s.contains(':') {
-                    return Ok(());
-                }
-                while !self.text.is_char_boundary(from) {
-                    from -= 1;
-                }
-                let Some(at) = self.text[from..].find("config:").map(|at| from + at) else { return Ok(()) };
-                self.config = Some(at);
-                self.followed = at;
-                at
+        if self.config.is_none() {
+            // `config:` may come in pieces, but it is whole once its `:` is written: look
+            // again from just before this piece, only then.
+            let mut from = self.followed.saturating_sub("config:".len());
+            self.followed = self.text.len();
+            if !s.contains(':') {
+                return Ok(());
             }
-        };
-        for (i, ch) in self.text[self.followed..].char_indices() {
+            while !self.text.is_char_boundary(from) {
+                from -= 1;
+            }
+            let Some(at) = self.text[from..].find("config:").map(|at| from + at) else { return Ok(()) };
+            self.config = Some(at);
+            self.followed = at;
+        }
+        // One pass over what came since: brackets, and the config's fields as each ends (at a
+        // `,` or its closing bracket, at the config's own depth).
+        let mut i = self.followed;
+        while i < self.text.len() {
+            let ch = self.text.as_bytes()[i];
             match ch {
-                '[' | '(' | '{' => self.depth += 1,
-                ']' | ')' | '}' => {
+                b'[' | b'(' | b'{' => {
+                    self.depth += 1;
+                    if self.depth == 1 {
+                        self.field = i + 1;
+                    }
+                }
+                b']' | b')' | b'}' => {
                     self.depth -= 1;
                     if self.depth == 0 {
-                        self.text.truncate(self.followed + i + 1);
+                        self.text.truncate(i + 1);
                         return Err(std::fmt::Error);
                     }
                 }
+                b',' if self.depth == 1 => {
+                    if self.field_ends(i) {
+                        return Err(std::fmt::Error);
+                    }
+                    self.field = i + 1;
+                }
                 _ => {}
             }
+            i += 1;
         }
         self.followed = self.text.len();
-        // A value ends at a `,` or a `}`.
-        let config = &self.text[at..];
-        if !self.wanted.is_empty()
-            && s.contains([',', '}'])
-            && self.wanted.iter().all(|name| value(config, name).is_some_and(|(_, whole)| whole))
-        {
-            return Err(std::fmt::Error);
-        }
         Ok(())
     }
 }
@@ -185,24 +205,19 @@ fn parsed<T: std::str::FromStr>(layer: &str, config: &str, name: &str) -> Result
 
 /// The value of `name: value` in a `Debug` text, bracket-aware (`stride: [1, 1]`).
 fn field<'a>(text: &'a str, name: &str) -> Option<&'a str> {
-    value(text, name).map(|(v, _)| v)
-}
-
-/// [`field`], and whether the value is whole (what follows it is written).
-fn value<'a>(text: &'a str, name: &str) -> Option<(&'a str, bool)> {
     let start = text.match_indices(name).find(|&(at, _)| text[at + name.len()..].starts_with(": "))?.0;
     let rest = &text[start + name.len() + 2..];
     let mut depth = 0i32;
     for (i, ch) in rest.char_indices() {
         match ch {
             '[' | '(' | '{' => depth += 1,
-            ']' | ')' | '}' if depth == 0 => return Some((rest[..i].trim(), true)),
+            ']' | ')' | '}' if depth == 0 => return Some(rest[..i].trim()),
             ']' | ')' | '}' => depth -= 1,
-            ',' if depth == 0 => return Some((rest[..i].trim(), true)),
+            ',' if depth == 0 => return Some(rest[..i].trim()),
             _ => {}
         }
     }
-    Some((rest.trim(), false))
+    Some(rest.trim())
 }
 
 fn parse_list(text: &str) -> Option<Vec<i64>> {

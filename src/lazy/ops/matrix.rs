@@ -10,6 +10,7 @@ use super::layout::{adopt_batch_broadcasts, Rearrange, View};
 use super::record::IntoLazy;
 use super::record::{combine_flows, same_device, Linearity, Record};
 use super::{arg, floating, kind_err, requires, same_kind, shape_err};
+use crate::dims::Dims;
 use crate::lazy::error::LazyError;
 use crate::lazy::error::OrPanic;
 use crate::lazy::facts::{GradReshape, OpFacts};
@@ -194,8 +195,8 @@ struct MatmulElements {
 type Operand<'a> = (&'a [i64], &'a [i64], bool);
 
 /// An operand's shape and strides with its last two dimensions swapped, as `mT()`.
-fn mt((shape, strides, _): Operand<'_>) -> (Vec<i64>, Vec<i64>) {
-    let (mut sh, mut st) = (shape.to_vec(), strides.to_vec());
+fn mt((shape, strides, _): Operand<'_>) -> (Dims, Dims) {
+    let (mut sh, mut st) = (Dims::from(shape), Dims::from(strides));
     let d = sh.len();
     sh.swap(d - 2, d - 1);
     st.swap(d - 2, d - 1);
@@ -214,7 +215,7 @@ impl MatmulPath {
             return MatmulPath::Direct;
         }
         if let Some(transposed) = Self::folds(a, b) {
-            let (t1_shape, t1_strides) = if transposed { mt(b) } else { (a.0.to_vec(), a.1.to_vec()) };
+            let (t1_shape, t1_strides) = if transposed { mt(b) } else { (Dims::from(a.0), Dims::from(a.1)) };
             let rows = shape::numel(&t1_shape[..t1_shape.len() - 1]);
             let last = t1_shape[t1_shape.len() - 1];
             let copy = shape::view_strides(&t1_shape, &t1_strides, &[rows, last]).is_none();
@@ -243,16 +244,15 @@ impl MatmulPath {
             let lead_shape = &sh[..sh.len() - own];
             let lead_strides = &st[..st.len() - own];
             let offset = batch.len() - lead_shape.len();
-            let strides: Vec<i64> = (0..batch.len())
+            let strides: Dims = (0..batch.len())
                 .map(|d| match d.checked_sub(offset) {
                     Some(k) if lead_shape[k] == batch[d] => lead_strides[k],
                     _ => 0,
                 })
                 .chain(own_strides.iter().copied())
                 .collect();
-            let expanded: Vec<i64> = batch.iter().chain(own_shape).copied().collect();
-            let mut folded = vec![shape::numel(&batch)];
-            folded.extend_from_slice(own_shape);
+            let expanded: Dims = batch.iter().chain(own_shape).copied().collect();
+            let folded: Dims = std::iter::once(shape::numel(&batch)).chain(own_shape.iter().copied()).collect();
             copy[i] = shape::view_strides(&expanded, &strides, &folded).is_none();
             broadcast[i] = shape::numel(lead_shape) < shape::numel(&batch);
         }
@@ -274,7 +274,7 @@ impl MatmulPath {
         if a.0.len() == 2 {
             return None;
         }
-        let (sh, st) = if a_larger { (t1.0.to_vec(), t1.1.to_vec()) } else { mt(t1) };
+        let (sh, st) = if a_larger { (Dims::from(t1.0), Dims::from(t1.1)) } else { mt(t1) };
         if shape::numel(&sh) == 0 {
             return Some(!a_larger);
         }

@@ -306,8 +306,8 @@ pub(crate) fn leaf(tensor: &Tensor, batch: Option<usize>) -> LazyTensor {
 /// `as_strided_backward`) writes the output's gradient into a fresh tensor of the parameter's
 /// size, as a narrow's zero-filled gradient does.
 pub(crate) struct ParamView {
-    pub(crate) size: Vec<i64>,
-    pub(crate) stride: Vec<i64>,
+    pub(crate) size: Dims,
+    pub(crate) stride: Dims,
     pub(crate) offset: i64,
 }
 
@@ -328,11 +328,11 @@ impl ParamView {
     /// made it from (`of`): a transpose or permutation as that op (its gradient is added into
     /// `.grad` as it comes, as a plain step adds it), any other view as `as_strided`.
     pub(crate) fn record(shape: &[i64], strides: &[i64], of: ViewBase) -> LazyTensor {
-        let (size, stride, offset) = (shape.to_vec(), strides.to_vec(), of.offset);
+        let offset = of.offset;
         let base_facts = crate::memory::tensor_facts(&of.base);
         let leaf = LazyTensor::from_node(Node::leaf_of(of.base, base_facts, None, false));
         if offset == of.base_offset {
-            if let Some(perm) = permutation(&size, &stride, &leaf.meta().shape, &leaf.meta().strides) {
+            if let Some(perm) = permutation(shape, strides, &leaf.meta().shape, &leaf.meta().strides) {
                 return match perm.as_slice() {
                     _ if perm.iter().enumerate().all(|(i, &p)| i as i64 == p) => leaf,
                     [1, 0] => leaf.transpose(0, 1),
@@ -341,6 +341,7 @@ impl ParamView {
             }
         }
         let m = leaf.meta();
+        let (size, stride) = (Dims::from(shape), Dims::from(strides));
         let op = ParamView { size: size.clone(), stride: stride.clone(), offset };
         Record::new(op, inputs_of([leaf.node()]), size, m.kind, m.device)
             .flow((Flow::Fixed, None))
@@ -350,16 +351,17 @@ impl ParamView {
 }
 
 /// The order of `base`'s dimensions that gives `view`'s sizes and strides, if there is one.
-fn permutation(size: &[i64], stride: &[i64], base_size: &[i64], base_stride: &[i64]) -> Option<Vec<i64>> {
+fn permutation(size: &[i64], stride: &[i64], base_size: &[i64], base_stride: &[i64]) -> Option<Dims> {
     if size.len() != base_size.len() {
         return None;
     }
-    let mut used = vec![false; size.len()];
+    // 1 where a dimension of the base is taken; in place, as the result, for short shapes.
+    let mut used = Dims::zeros(size.len());
     size.iter()
         .zip(stride)
         .map(|(s, t)| {
-            let j = (0..used.len()).find(|&j| !used[j] && base_size[j] == *s && base_stride[j] == *t)?;
-            used[j] = true;
+            let j = (0..used.len()).find(|&j| used[j] == 0 && base_size[j] == *s && base_stride[j] == *t)?;
+            used[j] = 1;
             Some(j as i64)
         })
         .collect()
