@@ -111,7 +111,6 @@ pub(super) fn backward_once(output: &LazyTensor, options: &Options) -> Result<f6
     // and the step starts again from its first sample, at the smaller size.
     let direct = p.c.accumulates_in_place();
     let mut through: Vec<Option<Tensor>> = wrt.params.iter().map(|_| None).collect();
-    let unsplit = vec![None; p.c.len()];
     let err = torch(p.c.len() - 1, "backward");
     let mut total = 0.0;
     // One rank of several: every share is of the global batch, every denominator global.
@@ -126,7 +125,7 @@ pub(super) fn backward_once(output: &LazyTensor, options: &Options) -> Result<f6
         if b < n && dens.is_none() {
             dens = Some(tch::no_grad(|| denominators(&p.c, true, options))?);
         }
-        let dens = dens.as_deref().unwrap_or(&unsplit);
+        let dens = dens.as_deref().unwrap_or_default();
         let sliced = wrt.sliced(start, b).map_err(&err)?;
         let (stand_ins, params) = sliced.as_ref().map_or((&wrt.stand_ins, &wrt.params), |(s, p)| (s, p));
         let chunk = Chunk { start, b, split: b < n_all, frac: b as f64 / n_all as f64, dens, stand_ins };

@@ -158,7 +158,6 @@ pub(crate) fn evaluate(output: &LazyTensor, options: &Options) -> Result<Tensor,
     let p = prepare(output, Mode::Forward, options)?;
     let _no_grad = tch::no_grad_guard();
     let n = p.c.batch;
-    let unsplit = vec![None; p.c.len()];
     let mut dens: Option<Vec<Option<f64>>> = None;
     let flow = p.c.output().meta.flow;
     let mut parts: Vec<Tensor> = Vec::new();
@@ -175,7 +174,7 @@ pub(crate) fn evaluate(output: &LazyTensor, options: &Options) -> Result<Tensor,
             b,
             split,
             frac: b as f64 / n as f64,
-            dens: dens.as_deref().unwrap_or(&unsplit),
+            dens: dens.as_deref().unwrap_or_default(),
             stand_ins: &[],
         };
         let value = forward_chunk(&p.c, &chunk, None)?;

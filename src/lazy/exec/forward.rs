@@ -40,7 +40,7 @@ pub(super) fn run_node(c: &Compiled, i: usize, ins: &[&Tensor], chunk: &Chunk<'_
         let share = Share {
             cx,
             frac: chunk.frac,
-            den: chunk.dens[i],
+            den: chunk.dens.get(i).copied().flatten(),
             reduces_batch: node.inputs.iter().any(|x| x.meta.batch().is_some()),
         };
         if let Some(result) = node.op().and_then(|op| op.run_share(ins, node, &share)) {

@@ -22,7 +22,8 @@ struct Chunk<'a> {
     split: bool,
     /// The micro-batch's share of the batch, `b / N`.
     frac: f64,
-    /// Full-batch denominators of mean-reduced class losses, by node position.
+    /// Full-batch denominators of mean-reduced class losses, by node position; empty where
+    /// none was worked out (a whole batch).
     dens: &'a [Option<f64>],
     /// Tensors that replace fixed leaves (detached stand-ins of non-leaf operands).
     stand_ins: &'a [Option<Tensor>],
