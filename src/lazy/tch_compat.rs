@@ -128,10 +128,11 @@ impl UpToConfig<'_> {
     fn field_ends(&mut self, end: usize) -> bool {
         let field = &self.text[self.field..end];
         let name = field.split_once(':').map_or("", |(name, _)| name.trim());
+        debug_assert!(self.wanted.len() <= 64, "a bit for each wanted setting");
         if let Some(i) = self.wanted.iter().position(|w| *w == name) {
-            self.found |= 1 << i.min(63);
+            self.found |= 1 << i;
         }
-        !self.wanted.is_empty() && self.wanted.len() <= 64 && self.found.count_ones() as usize == self.wanted.len()
+        !self.wanted.is_empty() && self.found.count_ones() as usize == self.wanted.len()
     }
 }
 
