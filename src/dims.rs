@@ -25,6 +25,11 @@ impl Dims {
         Dims::Inline { len: 0, dims: [0; INLINE] }
     }
 
+    /// Whether the dimensions are held apart, past the inline ones.
+    pub(crate) fn on_heap(&self) -> bool {
+        matches!(self, Dims::Heap(_))
+    }
+
     /// The dimensions as a slice (what tch's calls take).
     pub(crate) fn as_slice(&self) -> &[i64] {
         self

@@ -161,6 +161,48 @@ pub(crate) struct OpFacts {
 }
 
 impl OpFacts {
+    /// The facts in one word: equal facts give equal words, and unequal ones, but by chance,
+    /// unequal words. Written out, not derived: a step's form is told by each node's.
+    pub(crate) fn fingerprint(&self) -> u64 {
+        use crate::hash::mix;
+        let flags = u64::from(self.saves_output)
+            | u64::from(self.grad_dense) << 1
+            | u64::from(self.grad_contiguous) << 2
+            | u64::from(self.adds_fixed) << 3
+            | u64::from(self.kernels_known) << 4
+            | u64::from(self.counted_targets.is_some()) << 5;
+        // One word mixed at a time: two facts folded into one word could cancel out.
+        let words = [
+            self.saved.low,
+            self.grad_alias.low,
+            self.grad_view.low,
+            self.n as u64,
+            self.updated.start as u64,
+            self.updated.end as u64,
+            self.sizing,
+            self.counted_targets.unwrap_or(0) as u64,
+        ];
+        let mut h = words.iter().fold(mix(flags), |h, &w| mix(h ^ w));
+        // Inputs from 64 on (rare), each set's with its length.
+        for (i, set) in [&self.saved, &self.grad_alias, &self.grad_view].into_iter().enumerate() {
+            if !set.high.is_empty() {
+                h = set.high.iter().fold(mix(h ^ i as u64), |h, &k| mix(h ^ k as u64));
+                h = mix(h ^ set.high.len() as u64);
+            }
+        }
+        match &self.grad_reshape {
+            GradReshape::AsItComes => mix(h),
+            GradReshape::AsInput => mix(h ^ 1),
+            GradReshape::As(shape) => shape.iter().fold(mix(h ^ 2), |h, &d| mix(h ^ d as u64)),
+        }
+    }
+
+    /// Whether anything here holds memory of its own: inputs from 64 on, a reshape's sizes.
+    pub(crate) fn owns_memory(&self) -> bool {
+        [&self.saved, &self.grad_alias, &self.grad_view].iter().any(|set| set.high.capacity() != 0)
+            || matches!(self.grad_reshape, GradReshape::As(_))
+    }
+
     /// An op of `n` inputs that saves nothing, makes a fresh gradient for each input and
     /// updates none.
     pub(crate) fn new(n: usize) -> OpFacts {
@@ -299,5 +341,41 @@ mod tests {
         assert_ne!(As(vec![]), AsItComes);
         assert_ne!(AsInput, AsItComes);
         assert_eq!(AsInput, AsInput);
+    }
+
+    /// A step's form is told by its nodes' fingerprints: any one fact that differs tells two
+    /// nodes apart, and equal facts are alike.
+    #[test]
+    fn a_fingerprint_tells_apart_each_fact() {
+        use super::{GradReshape, OpFacts};
+        let base = || OpFacts::new(3);
+        let variants = [
+            base(),
+            OpFacts::new(2),
+            base().saves(|k| k == 1),
+            base().saves_output(true),
+            base().grad_aliases(|k| k == 0),
+            base().grad_views(|k| k == 2),
+            base().grad_reshape(GradReshape::AsInput),
+            base().grad_reshape(GradReshape::As(vec![2, 3])),
+            base().grad_reshape(GradReshape::As(vec![3, 2])),
+            base().grad_dense(true),
+            base().grad_contiguous(true),
+            base().updates(1..3),
+            base().updates(0..1),
+            base().adds_fixed(true),
+            base().counted_targets(Some(-100)),
+            base().counted_targets(Some(0)),
+            base().sizing(7),
+            base().kernels_unknown(),
+            OpFacts::new(200).saves(|k| k == 100),
+            OpFacts::new(200).saves(|k| k == 101),
+        ];
+        for (i, a) in variants.iter().enumerate() {
+            for (j, b) in variants.iter().enumerate() {
+                assert_eq!(a.fingerprint() == b.fingerprint(), i == j, "variants {i} and {j}");
+            }
+        }
+        assert_eq!(base().saves(|k| k == 1).fingerprint(), base().saves(|k| k == 1).fingerprint());
     }
 }

@@ -11,7 +11,6 @@ use tch::Device;
 use crate::dims::Dims;
 use crate::lazy::cost::{CostModel, Work};
 use crate::lazy::error::LazyError;
-use crate::lazy::facts::OpFacts;
 use crate::lazy::graph::{Flow, LazyTensor, Node, ParamKey, Source};
 use crate::lazy::shape;
 use crate::lazy::size::Bytes;
@@ -70,39 +69,40 @@ pub(crate) struct Form {
 
 /// What a node is to its graph's form, beyond how it connects: its op, output and layout (its
 /// price's hash), what its op declared, how the batch flows through it, whether it is a view,
-/// its device, and which tensor a parameter is. Compared, not hashed: as cheap, and exact.
-#[derive(Clone, Debug, PartialEq)]
-struct NodeForm {
-    cost: u64,
-    facts: OpFacts,
-    flow: Flow,
-    alias: bool,
-    device: Device,
-    param: Option<ParamKey>,
-}
+/// its device, and which tensor a parameter is, in one word. Hashed, as the key a plan is
+/// reused by ([`Form::structure`]) is: the words of the form found again are read, not the
+/// whole of each node's form (a fifth of a kilobyte, cold by the next step), which were most
+/// of the cache misses of finding a step's form (callgrind's cache model, min-gpt tiny).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct NodeForm(u64);
 
 impl NodeForm {
     fn of(node: &Node) -> NodeForm {
+        use crate::hash::mix;
         let meta = &node.meta;
-        let param = param_key(node).cloned();
-        NodeForm {
-            cost: node.cost.hash,
-            facts: node.facts.clone(),
-            flow: meta.flow,
-            alias: meta.alias,
-            device: meta.device,
-            param,
-        }
+        let flow = match meta.flow {
+            Flow::PerSample(bd) => mix(bd.dim as u64 ^ (bd.size as u64).rotate_left(16)) ^ (bd.factor as u64),
+            Flow::Fixed => 1,
+            Flow::Sum => 2,
+            Flow::Max => 3,
+            Flow::Opaque => 4,
+        };
+        let device = match meta.device {
+            Device::Cpu => 0,
+            Device::Cuda(i) => 4 + i as u64,
+            Device::Mps => 1,
+            Device::Vulkan => 2,
+        };
+        let place = device ^ u64::from(meta.alias) << 48;
+        let param = param_key(node).map_or(0, ParamKey::word);
+        let mut key = mix(node.cost.hash ^ node.facts.fingerprint());
+        key = mix(key ^ flow);
+        key = mix(key ^ place);
+        NodeForm(mix(key ^ param))
     }
 
     fn matches(&self, node: &Node) -> bool {
-        let meta = &node.meta;
-        self.cost == node.cost.hash
-            && self.flow == meta.flow
-            && self.alias == meta.alias
-            && self.device == meta.device
-            && self.param.as_ref() == param_key(node)
-            && self.facts == node.facts
+        *self == NodeForm::of(node)
     }
 }
 
