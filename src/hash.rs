@@ -157,6 +157,29 @@ pub(crate) const fn mix(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
+/// Odd constants, one for each word [`weigh`] takes.
+#[cfg(feature = "tch")]
+const WEIGHTS: [u64; 9] = [
+    0x9e37_79b9_7f4a_7c15,
+    0xbf58_476d_1ce4_e5b9,
+    0x94d0_49bb_1331_11eb,
+    0xd6e8_feb8_6659_fd93,
+    0xa076_1d64_78bd_642f,
+    0xe703_7ed1_a0b4_28db,
+    0x8ebc_6af0_9c88_c6e3,
+    0x5899_65cc_7537_4cc3,
+    0x1d8e_4e27_c47d_124f,
+];
+
+/// Up to nine words in one: each times a constant of its own, summed. The products are
+/// independent (a chain of [`mix`]es waits on each one), and, the constants being odd, words
+/// that differ in one place never give the same sum. Mix the result before using its bits.
+#[cfg(feature = "tch")]
+pub(crate) fn weigh(words: &[u64]) -> u64 {
+    debug_assert!(words.len() <= WEIGHTS.len());
+    words.iter().zip(WEIGHTS).fold(0, |h, (&w, k)| h.wrapping_add(w.wrapping_mul(k)))
+}
+
 pub(crate) const fn hash_bytes(seed: u64, bytes: &[u8]) -> u64 {
     // FNV-1a, then mixed: short strings, evaluated at compile time for `Site`.
     let mut h = seed ^ 0xcbf2_9ce4_8422_2325;

@@ -162,17 +162,19 @@ pub(crate) struct OpFacts {
 
 impl OpFacts {
     /// The facts in one word: equal facts give equal words, and unequal ones, but by chance,
-    /// unequal words. Written out, not derived: a step's form is told by each node's.
+    /// unequal words. Each fact is multiplied by a constant of its own and the products
+    /// summed: independent multiplications, where a chain of mixes made finding a step's form
+    /// again slower than comparing the facts whole (each node's, every step).
     pub(crate) fn fingerprint(&self) -> u64 {
-        use crate::hash::mix;
+        use crate::hash::weigh;
         let flags = u64::from(self.saves_output)
             | u64::from(self.grad_dense) << 1
             | u64::from(self.grad_contiguous) << 2
             | u64::from(self.adds_fixed) << 3
             | u64::from(self.kernels_known) << 4
             | u64::from(self.counted_targets.is_some()) << 5;
-        // One word mixed at a time: two facts folded into one word could cancel out.
-        let words = [
+        let mut h = weigh(&[
+            flags,
             self.saved.low,
             self.grad_alias.low,
             self.grad_view.low,
@@ -181,19 +183,20 @@ impl OpFacts {
             self.updated.end as u64,
             self.sizing,
             self.counted_targets.unwrap_or(0) as u64,
-        ];
-        let mut h = words.iter().fold(mix(flags), |h, &w| mix(h ^ w));
-        // Inputs from 64 on (rare), each set's with its length.
+        ]);
+        // Inputs from 64 on (rare), each set's with its place among the sets.
         for (i, set) in [&self.saved, &self.grad_alias, &self.grad_view].into_iter().enumerate() {
             if !set.high.is_empty() {
-                h = set.high.iter().fold(mix(h ^ i as u64), |h, &k| mix(h ^ k as u64));
-                h = mix(h ^ set.high.len() as u64);
+                let of_set = set.high.iter().fold(i as u64 + 1, |h, &k| crate::hash::mix(h ^ k as u64));
+                h = h.wrapping_add(crate::hash::mix(of_set ^ (set.high.len() as u64) << 32));
             }
         }
         match &self.grad_reshape {
-            GradReshape::AsItComes => mix(h),
-            GradReshape::AsInput => mix(h ^ 1),
-            GradReshape::As(shape) => shape.iter().fold(mix(h ^ 2), |h, &d| mix(h ^ d as u64)),
+            GradReshape::AsItComes => h,
+            GradReshape::AsInput => h.wrapping_add(crate::hash::mix(1)),
+            GradReshape::As(shape) => {
+                h.wrapping_add(shape.iter().fold(crate::hash::mix(2), |h, &d| crate::hash::mix(h ^ d as u64)))
+            }
         }
     }
 

@@ -81,7 +81,7 @@ impl NodeForm {
         use crate::hash::mix;
         let meta = &node.meta;
         let flow = match meta.flow {
-            Flow::PerSample(bd) => mix(bd.dim as u64 ^ (bd.size as u64).rotate_left(16)) ^ (bd.factor as u64),
+            Flow::PerSample(bd) => crate::hash::weigh(&[5, bd.dim as u64, bd.size as u64, bd.factor as u64]),
             Flow::Fixed => 1,
             Flow::Sum => 2,
             Flow::Max => 3,
@@ -95,10 +95,7 @@ impl NodeForm {
         };
         let place = device ^ u64::from(meta.alias) << 48;
         let param = param_key(node).map_or(0, ParamKey::word);
-        let mut key = mix(node.cost.hash ^ node.facts.fingerprint());
-        key = mix(key ^ flow);
-        key = mix(key ^ place);
-        NodeForm(mix(key ^ param))
+        NodeForm(mix(crate::hash::weigh(&[node.cost.hash, node.facts.fingerprint(), flow, place, param])))
     }
 
     fn matches(&self, node: &Node) -> bool {
