@@ -15,39 +15,12 @@
 use std::ops::Range;
 
 /// A set of an op's input positions, as many as the op has (`cat` of a thousand tensors).
-// Equal exactly when the derived comparison says so (see the `PartialEq` below), so the derived
-// hash agrees with it.
-#[allow(clippy::derived_hash_with_manual_eq)]
-#[derive(Clone, Debug, Default, Eq, Hash)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct InputSet {
     /// Positions below 64, one bit each: what almost every op needs, without an allocation.
     low: u64,
     /// Positions from 64 on, ascending.
     high: Vec<usize>,
-}
-
-// By hand, and below for `GradReshape`: a step's plan is found again by comparing each of its
-// nodes' facts, and the derived comparison calls `memcmp` for every vector, empty or not:
-// ~35 µs of a 1.8 ms step of the tiny min-gpt (`benches/lazy_tax.rs`).
-impl PartialEq for InputSet {
-    fn eq(&self, other: &Self) -> bool {
-        self.low == other.low && same(&self.high, &other.high)
-    }
-}
-
-impl PartialEq for GradReshape {
-    fn eq(&self, other: &Self) -> bool {
-        match (self, other) {
-            (GradReshape::AsItComes, GradReshape::AsItComes) | (GradReshape::AsInput, GradReshape::AsInput) => true,
-            (GradReshape::As(a), GradReshape::As(b)) => same(a, b),
-            _ => false,
-        }
-    }
-}
-
-/// Two short slices equal, compared inline.
-fn same<T: PartialEq>(a: &[T], b: &[T]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x == y)
 }
 
 impl InputSet {
@@ -85,8 +58,7 @@ impl InputSet {
 }
 
 /// How an op's backward takes its output's gradient.
-#[allow(clippy::derived_hash_with_manual_eq)]
-#[derive(Clone, Debug, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum GradReshape {
     /// As it comes.
     AsItComes,
@@ -111,7 +83,7 @@ impl GradReshape {
 /// Everything the planner and the executor know about a recorded op besides its output's
 /// `Meta` and the device's kernels. Built with the methods below; [`new`](Self::new)
 /// describes an op that saves nothing, makes a fresh gradient for each input and updates none.
-#[derive(Clone, Debug, PartialEq, Hash)]
+#[derive(Clone, Debug)]
 pub(crate) struct OpFacts {
     /// Inputs autograd keeps alive until the op's backward (none when the output requires no
     /// gradient).
@@ -328,7 +300,7 @@ mod tests {
         assert_eq!(InputSet::of(70, |_| false), InputSet::default());
     }
 
-    /// The comparisons written by hand tell apart what the derived ones did.
+    /// Sets and reshapes compare by value, past 64 inputs too.
     #[test]
     fn sets_and_reshapes_compare_by_value() {
         let of = |n, every| InputSet::of(n, move |k| k % every == 0);

@@ -495,7 +495,7 @@ fn compile_anew(output: &LazyTensor) -> Result<Compiled, LazyError> {
             structure = crate::hash::mix(structure ^ u64::from(from));
         }
         let batch_at = node.meta.batch().map_or(0, |bd| (bd.dim as u64 + 1) << 40 ^ bd.factor as u64);
-        structure = crate::hash::mix(structure ^ crate::hash::hash_of(&node.facts) ^ batch_at);
+        structure = crate::hash::mix(structure ^ node.facts.fingerprint() ^ batch_at);
         root.push(if node.meta.alias { root[pos(node.inputs[0].resolved()) as usize] } else { i as u32 });
         let cost = &node.cost;
         flags.push(Flags {
